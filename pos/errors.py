@@ -1,0 +1,30 @@
+"""Errors that reach the user as one sentence naming the cause and the fix.
+
+Exit codes, in one place (click's conventions): 0 ok, 1 the operation failed, 2 bad input or a
+missing prerequisite that the user must fix.
+"""
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class PosError(Exception):
+    """A failure the user can act on: `cause` says what is wrong, `fix` what to do."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, cause: str, fix: str = "") -> None:
+        self.cause = cause.rstrip(".")
+        self.fix = fix.rstrip(".")
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        return f"{self.cause}: {self.fix}." if self.fix else f"{self.cause}."
+
+
+class BadInput(PosError):
+    """Wrong arguments or a missing prerequisite (exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -1,0 +1,1 @@
+"""SQLAlchemy 2.0 models and queries over one SQLite file."""

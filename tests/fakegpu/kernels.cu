@@ -1,0 +1,45 @@
+// Kernels of the fake-driver tests. They never run (the fake libcuda cannot execute SASS);
+// nvcc compiles them at test time so that the tracer parses a real cubin/fatbin and its
+// .nv.info parameter layouts. Each shape below is one case the speculation must handle.
+#include <cstdint>
+
+struct Pair {          // by-value struct holding device pointers (scanned word by word)
+  float *a;
+  float *b;
+  int n;
+};
+
+struct Mixed {         // pointer after padding, to exercise offsets inside the struct
+  char tag;
+  double *p;
+  uint32_t count;
+};
+
+__global__ void axpy(float alpha, const float *x, float *y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] += alpha * x[i];
+}
+
+__global__ void pair_copy(Pair p, float scale) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < p.n) p.b[i] = p.a[i] * scale;
+}
+
+__global__ void mixed(Mixed m, const double *src) {
+  if (threadIdx.x < m.count) m.p[threadIdx.x] = src[threadIdx.x] + m.tag;
+}
+
+__global__ void scalars(char c, short s, int i, long long l, double d, float *out) {
+  out[0] = c + s + i + (float)l + (float)d;
+}
+
+template <typename T>
+__global__ void fill(T *out, T value, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = value;
+}
+
+template __global__ void fill<float>(float *, float, int);
+template __global__ void fill<int>(int *, int, int);
+
+extern "C" __global__ void no_params() {}
