@@ -1,0 +1,224 @@
+/* Maps and helpers shared by the probe families (cuda.c, hip.c). bcc text: the UPPERCASE
+ * placeholders RINGBUF_PAGES and API_DEFINES are filled by pos/tracer/session.py before loading. */
+#include <uapi/linux/ptrace.h>
+#include "events.h"
+
+API_DEFINES
+
+/* Events go out without waking the reader: it drains on a timer. A wake-up per event costs
+ * about 5 us per call on the H100 machine (DESIGN.md); the timer costs nothing per event. */
+#define POS_RB_FLAGS BPF_RB_NO_WAKEUP
+
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(lost, u64, 1);
+BPF_HASH(layouts, u64, struct pos_layout, 65536);
+
+/* Arguments saved at entry for the return probe, per thread and API (calls may nest). */
+struct pos_pkey {
+    u32 tid;
+    u32 api;
+};
+struct pos_pending {
+    u64 out;  /* the out-parameter (where the driver writes the result) */
+    u64 a;
+    u64 b;
+    u64 c;
+};
+BPF_HASH(pending, struct pos_pkey, struct pos_pending, 16384);
+
+struct pos_launch_scratch {
+    struct pos_launch ev;
+    u64 ptrs[POS_MAX_PARAMS];
+};
+BPF_PERCPU_ARRAY(launch_scratch, struct pos_launch_scratch, 1);
+BPF_PERCPU_ARRAY(function_scratch, struct pos_function, 1);
+
+#define ARG1 PT_REGS_PARM1(ctx)
+#define ARG2 PT_REGS_PARM2(ctx)
+#define ARG3 PT_REGS_PARM3(ctx)
+#define ARG4 PT_REGS_PARM4(ctx)
+#define ARG5 PT_REGS_PARM5(ctx)
+#define ARG6 PT_REGS_PARM6(ctx)
+
+static __always_inline void count_lost(void) {
+    int zero = 0;
+    u64 *n = lost.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
+static __always_inline void fill_hdr(struct pos_hdr *h, u16 kind, u16 api, u32 len) {
+    u64 id = bpf_get_current_pid_tgid();
+    h->ts_ns = bpf_ktime_get_ns();
+    h->pid = id >> 32;
+    h->tid = (u32)id;
+    h->kind = kind;
+    h->api = api;
+    h->len = len;
+}
+
+/* The n-th (1-based, n >= 7) integer argument: on the stack above the return address. */
+static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
+    return v;
+}
+
+static __always_inline int emit(struct pt_regs *ctx, u16 kind, u16 api, u64 a0, u64 a1, u64 a2,
+                                u64 a3, u64 a4) {
+    struct pos_small e = {};
+    fill_hdr(&e.h, kind, api, sizeof(e));
+    e.a[0] = a0;
+    e.a[1] = a1;
+    e.a[2] = a2;
+    e.a[3] = a3;
+    e.a[4] = a4;
+    if (events.ringbuf_output(&e, sizeof(e), POS_RB_FLAGS) < 0)
+        count_lost();
+    return 0;
+}
+
+static __always_inline int stash(u16 api, u64 out, u64 a, u64 b, u64 c) {
+    struct pos_pkey k = {.tid = (u32)bpf_get_current_pid_tgid(), .api = api};
+    struct pos_pending v = {.out = out, .a = a, .b = b, .c = c};
+    pending.update(&k, &v);
+    return 0;
+}
+
+/* Takes what the entry probe saved; 0 when the call failed or nothing was saved. */
+static __always_inline int take(struct pt_regs *ctx, u16 api, struct pos_pending *out) {
+    struct pos_pkey k = {.tid = (u32)bpf_get_current_pid_tgid(), .api = api};
+    struct pos_pending *v = pending.lookup(&k);
+    if (!v)
+        return 0;
+    *out = *v;
+    pending.delete(&k);
+    return (int)PT_REGS_RC(ctx) == 0;
+}
+
+static __always_inline u64 read_u64(u64 addr) {
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+/* Return of an allocation whose out-parameter receives the pointer or handle. */
+static __always_inline int alloc_ret(struct pt_regs *ctx, u16 api, u16 kind) {
+    struct pos_pending p;
+    if (!take(ctx, api, &p))
+        return 0;
+    return emit(ctx, kind, api, read_u64(p.out), p.a, p.b, 0, 0);
+}
+
+/* Return of a module/function lookup that names its result: the name is read now. */
+static __always_inline int function_ret(struct pt_regs *ctx, u16 api) {
+    struct pos_pending p;
+    if (!take(ctx, api, &p))
+        return 0;
+    int zero = 0;
+    struct pos_function *f = function_scratch.lookup(&zero);
+    if (!f)
+        return 0;
+    f->handle = read_u64(p.out);
+    f->module = p.a;
+    int n = 0;
+    if (p.b)
+        n = bpf_probe_read_user_str(f->name, sizeof(f->name), (void *)p.b);
+    if (n < 1) {
+        f->name[0] = 0;
+        n = 1;
+    }
+    u32 len = offsetof(struct pos_function, name) + (n & (POS_NAME_LEN - 1));
+    if (len > sizeof(*f))
+        len = sizeof(*f);
+    fill_hdr(&f->h, POS_FUNCTION, api, len);
+    if (events.ringbuf_output(f, len, POS_RB_FLAGS) < 0)
+        count_lost();
+    return 0;
+}
+
+/* A launch: copies every parameter's bytes to its layout offset, or 8-byte slots when the
+ * layout is unknown, or the packed buffer of the `extra` form (CU_LAUNCH_PARAM_BUFFER_POINTER). */
+static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 stream, u32 gx,
+                                  u32 gy, u32 gz, u32 bx, u32 by, u32 bz, u32 shmem, u64 params,
+                                  u64 extra) {
+    int zero = 0;
+    struct pos_launch_scratch *s = launch_scratch.lookup(&zero);
+    if (!s)
+        return 0;
+    struct pos_launch *e = &s->ev;
+    e->function = func;
+    e->stream = stream;
+    e->grid[0] = gx;
+    e->grid[1] = gy;
+    e->grid[2] = gz;
+    e->block[0] = bx;
+    e->block[1] = by;
+    e->block[2] = bz;
+    e->shared_mem = shmem;
+    e->truncated = 0;
+    u32 nbytes = 0;
+    struct pos_layout *lay = layouts.lookup(&func);
+    e->layout_known = lay != 0;
+    if (params && lay) {
+        u32 n = lay->count;
+        if (n > POS_MAX_PARAMS)
+            n = POS_MAX_PARAMS;
+        bpf_probe_read_user(s->ptrs, (n * 8) & (sizeof(s->ptrs) * 2 - 1) & ~7u, (void *)params);
+#pragma clang loop unroll(disable)
+        for (int i = 0; i < POS_MAX_PARAMS; i++) {
+            if (i >= n)
+                break;
+            u32 off = lay->offset[i];
+            u32 size = lay->size[i];
+            if (off + size > POS_PARAM_BYTES) {
+                e->truncated = 1;
+                continue;
+            }
+            bpf_probe_read_user(&e->params[off & (POS_PARAM_BYTES - 1)],
+                                size & (POS_PARAM_BYTES - 1), (void *)s->ptrs[i]);
+        }
+        nbytes = lay->total;
+    } else if (params) {
+#pragma clang loop unroll(disable)
+        for (int i = 0; i < POS_SLOTS; i++) {
+            u64 p = 0;
+            if (bpf_probe_read_user(&p, 8, (void *)(params + 8 * i)) < 0 || !p)
+                break;
+            if (bpf_probe_read_user(&e->params[(8 * i) & (POS_PARAM_BYTES - 1)], 8, (void *)p) < 0)
+                break;
+            nbytes = 8 * (i + 1);
+        }
+    } else if (extra) {
+        u64 x[6] = {};
+        bpf_probe_read_user(x, 40, (void *)extra);
+        u64 buf = 0, size = 0;
+#pragma clang loop unroll(full)
+        for (int i = 0; i < 3; i++) {
+            if (x[2 * i] == 1)
+                buf = x[2 * i + 1];
+            else if (x[2 * i] == 2)
+                size = read_u64(x[2 * i + 1]);
+        }
+        if (size > POS_PARAM_BYTES) {
+            size = POS_PARAM_BYTES;
+            e->truncated = 1;
+        }
+        if (buf && size) {
+            bpf_probe_read_user(e->params, size & (2 * POS_PARAM_BYTES - 1), (void *)buf);
+            nbytes = size;
+        }
+    }
+    if (nbytes > POS_PARAM_BYTES) {
+        nbytes = POS_PARAM_BYTES;
+        e->truncated = 1;
+    }
+    e->nbytes = nbytes;
+    u32 len = offsetof(struct pos_launch, params) + (nbytes & (2 * POS_PARAM_BYTES - 1));
+    if (len > sizeof(*e))
+        len = sizeof(*e);
+    fill_hdr(&e->h, POS_LAUNCH, api, len);
+    if (events.ringbuf_output(e, len, POS_RB_FLAGS) < 0)
+        count_lost();
+    return 0;
+}

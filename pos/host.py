@@ -1,0 +1,78 @@
+"""What this host offers pos: privileges, bcc, kernel headers, tracefs.
+
+Each check returns None when fine, or a PosError naming the cause and the fix; `pos doctor`
+prints them all, the commands raise the first that stops them.
+"""
+
+import os
+import platform
+from pathlib import Path
+from typing import Callable, Optional
+
+from pos.errors import BadInput
+
+# Capability numbers from linux/capability.h.
+CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39,
+                "CAP_CHECKPOINT_RESTORE": 40}
+SETUP_HINT = "run scripts/setup.sh from the pos checkout (it installs bcc and the headers)"
+
+
+def effective_capabilities() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_privileges(needed: tuple[str, ...] = ("CAP_SYS_ADMIN", "CAP_BPF", "CAP_PERFMON")
+                     ) -> Optional[BadInput]:
+    if os.geteuid() == 0:
+        return None
+    caps = effective_capabilities()
+    missing = [c for c in needed if not caps >> CAPABILITIES[c] & 1]
+    if not missing:
+        return None
+    return BadInput(f"pos needs root or {', '.join(needed)} and this process lacks "
+                    f"{', '.join(missing)}", "run it with sudo, or grant those capabilities")
+
+
+def check_bcc() -> Optional[BadInput]:
+    try:
+        import bcc  # noqa: F401  (the import is the check)
+    except ImportError:
+        return BadInput("bcc's Python package is not importable",
+                        f"install python3-bpfcc (apt-get install python3-bpfcc) or {SETUP_HINT}")
+    except OSError as e:  # libbcc.so missing behind the Python package
+        return BadInput(f"bcc is installed but its library failed to load ({e})",
+                        "install libbpfcc (apt-get install libbpfcc)")
+    return None
+
+
+def check_kernel_headers() -> Optional[BadInput]:
+    release = platform.release()
+    if Path(f"/lib/modules/{release}/build/include").is_dir():
+        return None
+    if Path("/sys/kernel/kheaders.tar.xz").exists():
+        return None
+    return BadInput(f"no kernel headers for kernel {release} (bcc compiles its probes with them)",
+                    f"install linux-headers-{release} or {SETUP_HINT}")
+
+
+def check_tracefs() -> Optional[BadInput]:
+    if Path("/sys/kernel/tracing/uprobe_events").exists() or \
+            Path("/sys/kernel/debug/tracing/uprobe_events").exists():
+        return None
+    return BadInput("tracefs is not mounted (uprobes are created through it)",
+                    "mount -t tracefs nodev /sys/kernel/tracing")
+
+
+TRACING_CHECKS: tuple[Callable[[], Optional[BadInput]], ...] = (
+    check_privileges, check_bcc, check_kernel_headers, check_tracefs)
+
+
+def require_tracing() -> None:
+    """Raise the first missing prerequisite of eBPF tracing."""
+    for check in TRACING_CHECKS:
+        problem = check()
+        if problem:
+            raise problem

@@ -1,0 +1,77 @@
+"""`pos trace`: one recording from attach to the end, with the live view."""
+
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.live import Live
+from sqlalchemy.orm import Session
+
+from pos import host
+from pos.store.db import default_db_path, open_db
+from pos.store.models import Trace
+from pos.store.writer import TraceWriter
+from pos.tracer.session import Tracer
+from pos.tracer.target import describe, find_libraries, process_exists
+from pos.tracer.view import LiveView
+
+
+def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
+           lib: Optional[str] = None, quiet: bool = False, ringbuf_pages: int = 16384,
+           interval: float = 0.02) -> int:
+    """Trace PID until Ctrl-C/SIGTERM, `duration`, or its exit; returns the trace id."""
+    libraries = find_libraries(pid, lib)   # bad PID or no GPU library: BadInput first
+    host.require_tracing()
+    comm, cmdline = describe(pid)
+    engine = open_db(db or default_db_path())
+    with Session(engine) as s:
+        row = Trace(pid=pid, comm=comm, cmdline=cmdline, library=libraries[0].path,
+                    started_at=datetime.now(timezone.utc), probes=0, status="running")
+        s.add(row)
+        s.commit()
+        trace_id = row.id
+    writer = TraceWriter(engine, trace_id)
+    tracer: Optional[Tracer] = None
+    status = "failed"
+    view = LiveView(pid, comm)
+    console = Console(stderr=True)
+    live = Live(console=console, refresh_per_second=4, transient=False) \
+        if not quiet and console.is_terminal else None
+    try:
+        tracer = Tracer(pid, libraries, writer, ringbuf_pages=ringbuf_pages)
+        writer.update_trace(probes=tracer.attached)
+        console.print(f"pos: tracing {pid} ({comm}): {tracer.attached} probes on "
+                      f"{', '.join(lib.path for lib in libraries)}; trace {trace_id} in {engine.url.database}",
+                      highlight=False, soft_wrap=True)
+        if live:
+            live.start()
+        deadline = time.monotonic() + duration if duration else None
+        while True:
+            time.sleep(interval)
+            tracer.poll()
+            if live:
+                view.sample(tracer.stats)
+                live.update(view.render(tracer.stats))
+            if not process_exists(pid):
+                status = "target-exited"
+                break
+            if deadline and time.monotonic() >= deadline:
+                status = "done"
+                break
+    except KeyboardInterrupt:
+        status = "interrupted"
+    finally:
+        if live:
+            live.stop()
+        if tracer is not None:
+            tracer.poll()          # what the probes wrote before detaching
+            tracer.close()
+        writer.update_trace(status=status, ended_at=datetime.now(timezone.utc),
+                            lost_events=tracer.stats.lost if tracer else 0)
+        writer.close()
+    print(view.summary(tracer.stats, str(Path(db or default_db_path())), status)
+          if tracer else "", file=sys.stderr)
+    return trace_id

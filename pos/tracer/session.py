@@ -1,0 +1,249 @@
+"""A tracing session: load the probes, attach them to one process, drain and record events.
+
+Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (decode, resolve kernel names and
+parameter layouts) -> `TraceWriter` (batched inserts into the store). Layouts go back into the
+probes' `layouts` map so that later launches of a kernel copy exactly its parameters; launches
+that run before their layout arrives (one poll interval after the kernel is looked up) are
+recorded as 8-byte slots with layout_known = False.
+"""
+
+import ctypes
+import json
+import os
+from collections import Counter
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pos.errors import PosError
+from pos.store.writer import TraceWriter
+from pos.tracer import fatbin
+from pos.tracer.events import Row, decode
+from pos.tracer.probes import RETURNS, Family, bpf_include_dir, bpf_text
+from pos.tracer.target import MappedLibrary, mapped_files
+
+MAX_IMAGE_BYTES = 1 << 30
+
+
+@dataclass
+class Stats:
+    """What the live view shows; updated as events are decoded."""
+
+    events: Counter = field(default_factory=Counter)      # by table
+    kernels: Counter = field(default_factory=Counter)     # launches by kernel name
+    live_bytes: int = 0
+    copied_bytes: int = 0
+    lost: int = 0
+    layout_known: int = 0
+    _sizes: dict[int, int] = field(default_factory=dict)
+
+    def count(self, table: str, row: Row, name: Optional[str]) -> None:
+        self.events[table] += 1
+        if table == "launches":
+            self.kernels[name or f"<0x{row['function']:x}>"] += 1
+            self.layout_known += row["layout_known"]
+        elif table == "allocations":
+            if row["kind"] == "alloc":
+                self._sizes[row["ptr"]] = row["size"] or 0
+                self.live_bytes += row["size"] or 0
+            elif row["kind"] == "free":
+                self.live_bytes -= self._sizes.pop(row["ptr"], 0)
+        elif table == "copies" and row["kind"] == "memcpy":
+            self.copied_bytes += row["size"]
+
+
+def _layout_json(layout: fatbin.KernelLayout) -> str:
+    return json.dumps([[p.offset, p.size] for p in layout.params])
+
+
+def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
+    """Layouts from the .nv_fatbin sections of mapped files (runs in a helper process)."""
+    found: dict[str, fatbin.KernelLayout] = {}
+    for path in paths:
+        try:
+            for name, layout in fatbin.layouts_from_elf_file(path).items():
+                found.setdefault(name, layout)
+        except (fatbin.FatbinError, OSError):
+            continue
+    return found
+
+
+class _Probes:
+    """One family's BPF program attached to one library of the target."""
+
+    def __init__(self, library: MappedLibrary, pid: int, ringbuf_pages: int, sink: list) -> None:
+        from bcc import BPF
+
+        self.family: Family = library.family
+        self.bpf = BPF(text=bpf_text(self.family, ringbuf_pages), cflags=[f"-I{bpf_include_dir()}"])
+        self.attached: list[str] = []
+        for sym in self.family.symbols:
+            try:
+                self.bpf.attach_uprobe(name=library.host_path, sym=sym, fn_name=f"on_{sym}", pid=pid)
+                if sym in RETURNS:
+                    self.bpf.attach_uretprobe(name=library.host_path, sym=sym,
+                                              fn_name=f"ret_{sym}", pid=pid)
+            except Exception:  # bcc raises plain Exception for a symbol the library lacks
+                continue
+            self.attached.append(sym)
+        self.layouts = self.bpf["layouts"]
+
+        def on_event(_ctx: Any, data: Any, size: int) -> int:
+            sink.append((self, ctypes.string_at(data, size)))
+            return 0
+
+        self.bpf["events"].open_ring_buffer(on_event)
+
+    def push_layout(self, handle: int, layout: fatbin.KernelLayout) -> bool:
+        if len(layout.params) > len(self.layouts.Leaf().offset):
+            return False
+        leaf = self.layouts.Leaf()
+        leaf.count = len(layout.params)
+        leaf.total = min(layout.total_size, 0xFFFF)
+        for i, p in enumerate(layout.params):
+            leaf.offset[i] = min(p.offset, 0xFFFF)
+            leaf.size[i] = min(p.size, 0xFFFF)
+        self.layouts[self.layouts.Key(handle)] = leaf
+        return True
+
+    def lost(self) -> int:
+        return sum(sum(v) for v in self.bpf["lost"].values())
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+
+
+class Tracer:
+    """Probes attached to one process; `poll` moves what they saw into the writer."""
+
+    def __init__(self, pid: int, libraries: list[MappedLibrary], writer: TraceWriter,
+                 ringbuf_pages: int = 16384, scan_libraries: bool = True) -> None:
+        self.pid = pid
+        self.writer = writer
+        self.stats = Stats()
+        self._raw: list[tuple[_Probes, bytes]] = []
+        self._probes = [_Probes(lib, pid, ringbuf_pages, self._raw) for lib in libraries]
+        self.attached = sum(len(p.attached) for p in self._probes)
+        if not self.attached:
+            self.close()
+            raise PosError(f"none of pos's probes attached to {libraries[0].path}",
+                           "check that the file is the GPU driver library (see `pos doctor`)")
+        self.names: dict[int, str] = {}                       # function/kernel handle -> name
+        self.by_module: dict[int, dict[str, fatbin.KernelLayout]] = {}
+        self.by_name: dict[str, fatbin.KernelLayout] = {}
+        self._unresolved: dict[int, tuple[_Probes, str]] = {}  # handle -> (probes, name)
+        self._scan: Optional[Future] = None
+        self._scan_enabled = scan_libraries
+        self._pool: Optional[ProcessPoolExecutor] = None
+        try:
+            self._mem: Optional[int] = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        except OSError:
+            self._mem = None
+
+    # ---- draining ------------------------------------------------------------------------
+    def poll(self) -> int:
+        """Drain every ring buffer once; returns how many events were recorded."""
+        for p in self._probes:
+            p.bpf.ring_buffer_consume()
+        raw, self._raw[:] = list(self._raw), []
+        for probes, data in raw:
+            table, row = decode(data)
+            name = None
+            if table == "launches":
+                name = self.names.get(row["function"])
+            elif table == "modules":
+                self._on_module(row)
+            elif table == "functions":
+                self._on_function(probes, row)
+            self.stats.count(table, row, name)
+            self.writer.add(table, row)
+        self._merge_scan()
+        self.stats.lost = sum(p.lost() for p in self._probes)
+        return len(raw)
+
+    def _read(self, addr: int, size: int) -> bytes:
+        if self._mem is None:
+            return b""
+        try:
+            return os.pread(self._mem, size, addr)
+        except OSError:
+            return b""
+
+    def _on_module(self, row: Row) -> None:
+        """Read the loaded image out of the process and parse its kernels' layouts."""
+        layouts: dict[str, fatbin.KernelLayout] = {}
+        addr = row["image"]
+        for _ in range(2):  # a fatbin wrapper points at the fatbin: follow it once
+            extent = fatbin.image_extent(self._read(addr, 4096))
+            if extent is None or extent.indirect is None:
+                break
+            addr = int.from_bytes(self._read(addr + extent.indirect, 8), "little")
+        if extent is None or not extent.size:
+            row["note"] = "image format not recognised"
+        elif extent.size > MAX_IMAGE_BYTES:
+            row["note"] = f"image of {extent.size} bytes not read"
+        else:
+            data = self._read(addr, extent.size)
+            row["image_size"] = len(data)
+            try:
+                layouts = fatbin.parse_image(data)
+            except fatbin.FatbinError as e:
+                row["note"] = str(e)
+        row["kernels"] = len(layouts)
+        self.by_module[row["handle"]] = layouts
+        for name, layout in layouts.items():
+            self.by_name.setdefault(name, layout)
+
+    def _on_function(self, probes: _Probes, row: Row) -> None:
+        if row["api"] == "cuKernelGetFunction":   # `module` holds the CUkernel
+            row["name"] = self.names.get(row["module"], "")
+        name = row["name"]
+        self.names[row["handle"]] = name
+        layout = self.by_module.get(row["module"], {}).get(name) or self.by_name.get(name)
+        if layout is not None and probes.push_layout(row["handle"], layout):
+            row["layout"] = _layout_json(layout)
+        elif name:
+            self._unresolved[row["handle"]] = (probes, name)
+            self._start_scan()
+
+    # ---- layouts of modules loaded before the tracer attached ----------------------------
+    def _start_scan(self) -> None:
+        if self._scan is not None or not self._scan_enabled:
+            return
+        root = f"/proc/{self.pid}/root"
+        try:
+            paths = [root + p for p in mapped_files(self.pid)]
+        except PosError:
+            return
+        self._pool = ProcessPoolExecutor(max_workers=1)
+        self._scan = self._pool.submit(_scan_files, paths)
+
+    def _merge_scan(self) -> None:
+        if self._scan is None or not self._scan.done() or self._pool is None:
+            return
+        try:
+            found = self._scan.result()
+        except Exception:
+            found = {}
+        self._pool.shutdown(wait=False)
+        self._pool = None
+        for name, layout in found.items():
+            self.by_name.setdefault(name, layout)
+        for handle, (probes, name) in list(self._unresolved.items()):
+            layout = self.by_name.get(name)
+            if layout is not None and probes.push_layout(handle, layout):
+                self.writer.add("functions", {
+                    "ts_ns": 0, "pid": self.pid, "tid": 0, "api": "pos-layout-scan",
+                    "handle": handle, "module": None, "name": name,
+                    "layout": _layout_json(layout)})
+                del self._unresolved[handle]
+
+    def close(self) -> None:
+        """Detach the probes (after a last drain by the caller) and free what the session holds."""
+        for p in getattr(self, "_probes", []):
+            p.close()
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "_mem", None) is not None:
+            os.close(self._mem)
+            self._mem = None

@@ -1,0 +1,74 @@
+"""Find the GPU driver libraries a process maps, through /proc so that containers work."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pos.errors import BadInput
+from pos.tracer.probes import FAMILIES, Family
+
+
+@dataclass(frozen=True)
+class MappedLibrary:
+    family: Family
+    path: str       # as the process sees it (its mount namespace)
+    host_path: str  # the same file reached from here: /proc/PID/root/<path>
+
+
+def process_exists(pid: int) -> bool:
+    return Path(f"/proc/{pid}").is_dir()
+
+
+def describe(pid: int) -> tuple[str, str]:
+    """(comm, command line) of a process, empty strings when it is gone."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            "utf-8", "replace").strip()
+    except OSError:
+        return "", ""
+    return comm, cmdline
+
+
+def mapped_files(pid: int) -> list[str]:
+    """Distinct file paths mapped by the process, in first-mapped order."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        raise BadInput(f"no process has PID {pid}", "give the PID of a running process") from None
+    except PermissionError:
+        raise BadInput(f"cannot read the memory map of PID {pid}",
+                       "run pos as root (or with CAP_SYS_ADMIN)") from None
+    seen: dict[str, None] = {}
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            seen.setdefault(parts[5].removesuffix(" (deleted)"), None)
+    return list(seen)
+
+
+def find_libraries(pid: int, lib: Optional[str] = None) -> list[MappedLibrary]:
+    """The driver libraries of PID that pos can probe; `lib` forces one file (CUDA family)."""
+    if not process_exists(pid):
+        raise BadInput(f"no process has PID {pid}", "give the PID of a running process")
+    files = mapped_files(pid)
+    root = f"/proc/{pid}/root"
+    if lib:
+        if lib not in files and not os.path.exists(lib):
+            raise BadInput(f"{lib} does not exist", "give the path of the driver library to probe")
+        family = next((f for f in FAMILIES if any(Path(lib).name.startswith(p)
+                                                   for p in f.library_prefixes)), FAMILIES[0])
+        return [MappedLibrary(family, lib, root + lib if lib in files else lib)]
+    found = []
+    for family in FAMILIES:
+        for path in files:
+            if any(Path(path).name.startswith(p) for p in family.library_prefixes):
+                found.append(MappedLibrary(family, path, root + path))
+                break
+    if not found:
+        comm, _ = describe(pid)
+        raise BadInput(f"process {pid} ({comm}) maps no GPU driver library (libcuda.so or "
+                       "libamdhip64.so)", "trace a process that has initialised CUDA or HIP, "
+                       "or name the library with --lib")
+    return found

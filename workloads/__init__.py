@@ -1,0 +1,1 @@
+"""Workloads that pos is shown and measured on (see harness.py)."""
