@@ -2,7 +2,7 @@
 
 Run on the lent H100 from the project root, as root, after `source .device/setup.sh`:
     python3 bench/trace_gpu.py --out bench/results/trace-h100.json
-Three runs, each of a fresh bench/workloads/torch_job.py process:
+Three runs, each of a fresh workloads/torch_job.py process:
   count:    the tracer attached before CUDA starts; N training steps between two marker
             memsets under torch.profiler: launches recorded == kernels the profiler saw?
             and the share of launches with a kernel name and a known parameter layout;

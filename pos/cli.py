@@ -5,13 +5,12 @@ Errors travel as PosError and leave as one sentence with the exit code of pos/er
 
 import signal
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import click
 
 from pos import __version__
-from pos.errors import BadInput, PosError
+from pos.errors import PosError
 
 EPILOG_TRACE = """\b
 Examples:
@@ -101,8 +100,6 @@ def export(file: str, fmt: str, trace_id: Optional[int], output: Optional[str]) 
     from pos.store.db import open_db
     from pos.store.export import export_jsonl, export_perfetto
 
-    if not Path(file).exists():
-        raise BadInput(f"{file} does not exist", "give the file that `pos trace --db` wrote")
     engine = open_db(file, create=False)
     out = open(output, "w") if output else sys.stdout
     try:

@@ -1,0 +1,63 @@
+"""Opening the store: one SQLite file in WAL mode, readable by root only.
+
+The path is `--db`, else `POS_DB`, else /var/lib/pos/pos.db. Pragmas are set on every
+connection (a connect-event listener), because SQLite forgets them between connections.
+"""
+
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy.orm import Session
+
+from pos.errors import BadInput
+from pos.store.models import SCHEMA_VERSION, Base, Meta
+
+DEFAULT_DB = "/var/lib/pos/pos.db"
+
+
+def default_db_path() -> str:
+    return os.environ.get("POS_DB") or DEFAULT_DB
+
+
+def _pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")   # commits are batched by the writer
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def open_db(path: str, create: bool = True) -> Engine:
+    """An engine on the store at `path`, created (0600, in a 0700 folder) when `create`."""
+    p = Path(path)
+    if not create and not p.is_file():
+        raise BadInput(f"{path} is not a pos store", "give the file that `pos trace --db` wrote")
+    if create and not p.exists():
+        try:
+            p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))
+        except OSError as e:
+            raise BadInput(f"cannot create the store {path} ({e.strerror})",
+                           "give a writable path with --db or POS_DB") from None
+    engine = create_engine(f"sqlite:///{p}")
+    event.listen(engine, "connect", _pragmas)
+    try:
+        if create:
+            Base.metadata.create_all(engine)
+        with Session(engine) as s:
+            version = s.scalar(select(Meta.value).where(Meta.key == "schema_version"))
+            if version is None and create:
+                s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+                s.commit()
+            elif version != str(SCHEMA_VERSION):
+                raise BadInput(f"{path} has store schema {version}, this pos reads "
+                               f"{SCHEMA_VERSION}", "use the pos version that wrote it, or a new --db")
+    except (DatabaseError, OperationalError) as e:
+        raise BadInput(f"{path} is not a usable pos store ({e.orig})",
+                       "give the file that `pos trace --db` wrote, or a new path") from None
+    return engine
