@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -26,40 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from workloads.harness import Job, PosTrace as Trace  # noqa: E402
+from workloads.harness import JOB, Job, PosTrace as Trace, count_run, q  # noqa: E402
 
-JOB = ROOT / "workloads" / "torch_job.py"
-MARK_BEGIN, MARK_END = 0x05EB0001, 0x05EB0002
-
-
-def q(db: str, sql: str, *args) -> list:
-    with sqlite3.connect(db) as c:
-        return c.execute(sql, args).fetchall()
-
-
-def count_run(db: str, steps: int) -> dict:
-    job = Job([sys.executable, str(JOB)])
-    tr = Trace(job.pid, db)
-    init = job.run("init")
-    prof = job.run(f"count {steps}")
-    job.close()
-    log = tr.stop()
-    tid = q(db, "select max(id) from traces")[0][0]
-    marks = dict(q(db, "select value, ts_ns from copies where trace_id=? and kind='memset' "
-                       "and value in (?, ?)", tid, MARK_BEGIN, MARK_END))
-    lo, hi = marks[MARK_BEGIN], marks[MARK_END]
-    launches = q(db, "select count(*), sum(layout_known), sum(f.name is not null and f.name != '') "
-                     "from launches l left join (select handle, max(name) name from functions "
-                     "where trace_id=? group by handle) f on f.handle = l.function "
-                     "where l.trace_id=? and l.ts_ns > ? and l.ts_ns < ?", tid, tid, lo, hi)[0]
-    n, known, named = launches[0], launches[1] or 0, launches[2] or 0
-    apis = dict(q(db, "select api, count(*) from launches where trace_id=? and ts_ns > ? and "
-                      "ts_ns < ? group by api", tid, lo, hi))
-    lost = q(db, "select lost_events from traces where id=?", tid)[0][0]
-    return {"init": init, "steps": steps, "profiler_kernels": prof["profiler_kernels"],
-            "traced_launches": n, "launch_apis": apis, "equal": n == prof["profiler_kernels"],
-            "named_share": named / n if n else 0, "layout_known_share": known / n if n else 0,
-            "lost_events": lost, "trace_log": log.strip().splitlines()[-1:]}
 
 
 def overhead_run(db: str, launches: int, steps: int) -> dict:

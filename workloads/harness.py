@@ -3,12 +3,15 @@ tests/gpu. A workload prints `READY <pid>` before it initialises its GPU, then a
 command line on stdin with one JSON line."""
 
 import json
+import sqlite3
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "workloads" / "torch_job.py"
+MARK_BEGIN, MARK_END = 0x05EB0001, 0x05EB0002   # the markers torch_job.py memsets
 
 
 class Job:
@@ -58,3 +61,37 @@ class PosTrace:
             self.p.send_signal(signal.SIGINT)
         rest = self.p.communicate(timeout=120)[1]
         return "".join(self.log) + rest
+
+
+def q(db: str, sql: str, *args: object) -> list:
+    """Rows of one SQL query on a pos store (plain sqlite3: raw unsigned columns stay signed)."""
+    with sqlite3.connect(db) as c:
+        return c.execute(sql, args).fetchall()
+
+
+def count_run(db: str, steps: int) -> dict:
+    """Trace a fresh torch_job from before CUDA starts; between two marker memsets, compare the
+    launches pos recorded with the kernels torch.profiler (CUPTI) saw, and report the share of
+    launches with a kernel name and a known parameter layout."""
+    job = Job([sys.executable, str(JOB)])
+    tr = PosTrace(job.pid, db)
+    init = job.run("init")
+    prof = job.run(f"count {steps}")
+    job.close()
+    log = tr.stop()
+    tid = q(db, "select max(id) from traces")[0][0]
+    marks = dict(q(db, "select value, ts_ns from copies where trace_id=? and kind='memset' "
+                       "and value in (?, ?)", tid, MARK_BEGIN, MARK_END))
+    lo, hi = marks[MARK_BEGIN], marks[MARK_END]
+    launches = q(db, "select count(*), sum(layout_known), sum(f.name is not null and f.name != '') "
+                     "from launches l left join (select handle, max(name) name from functions "
+                     "where trace_id=? group by handle) f on f.handle = l.function "
+                     "where l.trace_id=? and l.ts_ns > ? and l.ts_ns < ?", tid, tid, lo, hi)[0]
+    n, known, named = launches[0], launches[1] or 0, launches[2] or 0
+    apis = dict(q(db, "select api, count(*) from launches where trace_id=? and ts_ns > ? and "
+                      "ts_ns < ? group by api", tid, lo, hi))
+    lost = q(db, "select lost_events from traces where id=?", tid)[0][0]
+    return {"init": init, "steps": steps, "profiler_kernels": prof["profiler_kernels"],
+            "traced_launches": n, "launch_apis": apis, "equal": n == prof["profiler_kernels"],
+            "named_share": named / n if n else 0, "layout_known_share": known / n if n else 0,
+            "lost_events": lost, "trace_log": log.strip().splitlines()[-1:]}

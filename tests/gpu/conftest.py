@@ -1,0 +1,28 @@
+"""GPU tests: they run on the lent H100 (see bench/ for the measurements) and are skipped
+wherever no NVIDIA GPU with PyTorch is present -- a skip is reported, never counted as a pass."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run([sys.executable, "-c", "import torch, sys; "
+                           "sys.exit(not torch.cuda.is_available())"],
+                          capture_output=True).returncode == 0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gpu_items = [i for i in items if "tests/gpu/" in str(i.fspath)]
+    if not gpu_items:
+        return
+    ok = _has_gpu()
+    for item in gpu_items:
+        item.add_marker(pytest.mark.gpu)
+        if not ok:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU and PyTorch "
+                                                    "(run on the lent H100)"))

@@ -1,0 +1,98 @@
+"""`pos trace` on bad input: one sentence naming the cause and the fix, exit 2, no traceback."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pos import host
+from pos.cli import cli
+from tests.conftest import ROOT, need
+
+
+def _pos(*args: str, env: dict[str, str] | None = None,
+         prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "pos.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=60)
+
+
+def _one_sentence(r: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture
+def sleeper():
+    p = subprocess.Popen(["sleep", "60"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_no_such_pid() -> None:
+    pid = 4_000_000     # above pid_max's ceiling: never a process
+    r = CliRunner().invoke(cli, ["trace", str(pid), "--db", "/tmp/unused.db"])
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"Error: no process has PID {pid}: give the PID of a running "
+                                "process.")
+
+
+def test_process_without_gpu_library(sleeper: subprocess.Popen) -> None:
+    _one_sentence(_pos("trace", str(sleeper.pid)), "maps no GPU driver library",
+                  "has initialised CUDA or HIP")
+
+
+def test_caller_without_privileges(tmp_path: Path) -> None:
+    need(os.geteuid() == 0 and shutil.which("setpriv") is not None,
+         "dropping privileges needs root and setpriv")
+    drop = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all")
+    p = subprocess.Popen([*drop, "sleep", "60"])
+    try:
+        r = _pos("trace", str(p.pid), "--lib", "/bin/true", "--db", str(tmp_path / "t.db"),
+                 prefix=drop)
+    finally:
+        p.kill()
+        p.wait()
+    _one_sentence(r, "pos needs root or CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON", "sudo")
+
+
+def test_missing_bcc(tmp_path: Path, sleeper: subprocess.Popen) -> None:
+    fake = tmp_path / "bcc"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no bcc here')\n")
+    r = _pos("trace", str(sleeper.pid), "--lib", "/bin/true", "--db", str(tmp_path / "t.db"),
+             env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    _one_sentence(r, "bcc's Python package is not importable", "apt-get install python3-bpfcc")
+
+
+def test_missing_kernel_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host.platform, "release", lambda: "0.0.0-none")
+    problem = host.check_kernel_headers()
+    if Path("/sys/kernel/kheaders.tar.xz").exists():
+        assert problem is None      # the kernel carries its own headers
+    else:
+        assert problem is not None and problem.message == (
+            "no kernel headers for kernel 0.0.0-none (bcc compiles its probes with them): install "
+            "linux-headers-0.0.0-none or run scripts/setup.sh from the pos checkout (it installs "
+            "bcc and the headers).")
+
+
+def test_trace_without_pid_is_a_usage_error() -> None:
+    r = CliRunner().invoke(cli, ["trace"])
+    assert r.exit_code == 2 and "Missing argument 'PID'" in r.output
+
+
+def test_ebpf_prints_both_programs() -> None:
+    r = CliRunner().invoke(cli, ["trace", "--ebpf"])
+    assert r.exit_code == 0
+    assert "LAUNCH(cuLaunchKernel)" in r.output and "int on_hipModuleLaunchKernel(" in r.output
+    assert "RINGBUF_PAGES" not in r.output and "API_DEFINES" not in r.output
