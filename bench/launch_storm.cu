@@ -1,51 +1,99 @@
-// Launch storm for the tracer's lost-event check: T threads, each on its own stream, launch
-// an empty kernel through the driver API as fast as it takes them for S seconds.
-// Protocol: prints READY <pid>, waits for a line on stdin, prints one JSON line.
+// A launch-bound driver-API workload for the tracer's cost and lost-event measurements.
+// Each `loop`/`storm` phase loads its own copy of the kernel's module (argv[1], a cubin of this
+// file) and looks the kernel up, so that a tracer attached before the phase sees the lookup
+// and knows the kernel's parameter layout -- the path every launch takes in a traced job.
+// Protocol (workloads/harness.py Job): READY <pid>, then one JSON line per command:
+//   init            cuInit and the primary context
+//   loop N          N launches from one thread; seconds per launch
+//   storm T S       T threads, each on its own stream, launching for S seconds
 #include <cuda.h>
-#include <cuda_runtime.h>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <thread>
 #include <unistd.h>
 #include <vector>
 
-__global__ void empty(int *p, int v) { if (p && v < 0) *p = v; }
+extern "C" __global__ void empty(int *p, int v) { if (p && v < 0) *p = v; }
+
+#define CHECK(call) do { CUresult r_ = (call); if (r_ != CUDA_SUCCESS) { \
+  fprintf(stderr, "%s failed: %d\n", #call, (int)r_); exit(1); } } while (0)
+
+static std::string image;
+
+static CUfunction fresh_function() {
+  CUmodule m;
+  CUfunction f;
+  CHECK(cuModuleLoadData(&m, image.data()));
+  CHECK(cuModuleGetFunction(&f, m, "empty"));
+  usleep(200000);  // a tracer pushes the layout on its next drain (20 ms)
+  return f;
+}
+
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 int main(int argc, char **argv) {
-  int threads = argc > 1 ? atoi(argv[1]) : 4;
-  double seconds = argc > 2 ? atof(argv[2]) : 5.0;
+  if (argc < 2) { fprintf(stderr, "usage: launch_storm KERNEL.cubin\n"); return 2; }
+  std::ifstream in(argv[1], std::ios::binary);
+  image.assign(std::istreambuf_iterator<char>(in), {});
   printf("READY %d\n", getpid());
   fflush(stdout);
-  char line[64];
-  if (!fgets(line, sizeof line, stdin)) return 1;
-  cudaFree(0);
-  CUfunction f;
-  cudaGetFuncBySymbol(&f, (const void *)empty);
-  std::atomic<long> total{0};
-  auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; t++)
-    pool.emplace_back([&] {
-      cudaSetDevice(0);
-      CUstream s;
-      cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+  char line[128];
+  CUcontext ctx;
+  while (fgets(line, sizeof line, stdin)) {
+    char cmd[32] = "";
+    long a = 0;
+    double b = 0;
+    sscanf(line, "%31s %ld %lf", cmd, &a, &b);
+    if (!strcmp(cmd, "init")) {
+      CUdevice dev;
+      CHECK(cuInit(0));
+      CHECK(cuDeviceGet(&dev, 0));
+      CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+      CHECK(cuCtxSetCurrent(ctx));
+      printf("{\"phase\": \"init\"}\n");
+    } else if (!strcmp(cmd, "loop")) {
+      CUfunction f = fresh_function();
       int *p = nullptr, v = 1;
       void *args[] = {&p, &v};
-      long n = 0;
-      while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds) {
-        for (int i = 0; i < 256; i++) cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, args, nullptr);
-        n += 256;
-      }
-      cuStreamSynchronize(s);
-      total += n;
-    });
-  for (auto &t : pool) t.join();
-  double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  printf("{\"phase\": \"storm\", \"threads\": %d, \"launches\": %ld, \"seconds\": %.3f}\n",
-         threads, total.load(), dt);
-  fflush(stdout);
-  if (!fgets(line, sizeof line, stdin)) return 0;
+      double t = now();
+      for (long i = 0; i < a; i++) CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, args, nullptr));
+      CHECK(cuCtxSynchronize());
+      printf("{\"phase\": \"loop\", \"n\": %ld, \"s_per_launch\": %.9f}\n", a, (now() - t) / a);
+    } else if (!strcmp(cmd, "storm")) {
+      CUfunction f = fresh_function();
+      std::atomic<long> total{0};
+      double t0 = now();
+      std::vector<std::thread> pool;
+      for (long t = 0; t < a; t++)
+        pool.emplace_back([&] {
+          CHECK(cuCtxSetCurrent(ctx));
+          CUstream s;
+          CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+          int *p = nullptr, v = 1;
+          void *args[] = {&p, &v};
+          long n = 0;
+          while (now() - t0 < b) {
+            for (int i = 0; i < 256; i++) cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, args, nullptr);
+            n += 256;
+          }
+          CHECK(cuStreamSynchronize(s));
+          total += n;
+        });
+      for (auto &t : pool) t.join();
+      printf("{\"phase\": \"storm\", \"threads\": %ld, \"launches\": %ld, \"seconds\": %.3f}\n", a,
+             total.load(), now() - t0);
+    } else if (!strcmp(cmd, "exit")) {
+      break;
+    }
+    fflush(stdout);
+  }
   return 0;
 }

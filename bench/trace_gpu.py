@@ -1,15 +1,19 @@
-"""The tracer on the GPU: launch counts against the profiler, names/layouts, and overhead.
+"""The tracer on the GPU: launch counts against the profiler, names/layouts, cost, lost events.
 
 Run on the lent H100 from the project root, as root, after `source .device/setup.sh`:
     python3 bench/trace_gpu.py --out bench/results/trace-h100.json
-Three runs, each of a fresh workloads/torch_job.py process:
-  count:    the tracer attached before CUDA starts; N training steps between two marker
-            memsets under torch.profiler: launches recorded == kernels the profiler saw?
-            and the share of launches with a kernel name and a known parameter layout;
-  overhead: in one process, untraced -> traced -> untraced again, a launch-bound loop and a
-            training step; the cost is traced minus the mean of the two untraced phases;
-  storm:    bench/launch_storm.cu, T threads launching an empty kernel as fast as the driver
-            takes them: events/s recorded and events lost.
+Runs, each on fresh processes:
+  count:    workloads/torch_job.py with the tracer attached before CUDA starts; N training steps
+            between two marker memsets under torch.profiler: launches recorded == kernels the
+            profiler (CUPTI) saw? the share of launches with a kernel name and a known layout;
+  launch:   bench/launch_storm.cu, one thread launching an empty kernel through cuLaunchKernel,
+            untraced -> traced -> untraced in one process (R rounds); the cost per launch is
+            traced minus the mean of the untraced phases around it;
+  train:    torch_job.py training steps, untraced -> traced -> untraced in one process (the
+            tracer attaches to a running job, so its kernels' layouts come from mapped files);
+            also its ATen launch-bound loop (`add_` on a small tensor) the same way;
+  storm:    launch_storm.cu, T threads launching as fast as the driver takes them: events/s,
+            events recorded and lost.
 """
 
 import argparse
@@ -17,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,43 +30,67 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from workloads.harness import JOB, Job, PosTrace as Trace, count_run, q  # noqa: E402
+from workloads.harness import JOB, Job, PosTrace, count_run, q  # noqa: E402
+
+STORM = ROOT / "bench" / "launch_storm.cu"
 
 
+def build_storm(workdir: str) -> list[str]:
+    exe, cubin = os.path.join(workdir, "launch_storm"), os.path.join(workdir, "empty.cubin")
+    subprocess.run(["nvcc", "-O2", "-o", exe, str(STORM), "-lcuda"], check=True)
+    subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", cubin, str(STORM)], check=True)
+    return [exe, cubin]
 
-def overhead_run(db: str, launches: int, steps: int) -> dict:
+
+def alternate(job: Job, db: str, cmd: str, key: str, rounds: int) -> dict:
+    """untraced, traced, untraced ... (rounds traced phases); the added cost of each traced
+    phase against the mean of its two neighbours, and the median over rounds."""
+    seq, logs = [], []
+    for i in range(2 * rounds + 1):
+        tr = PosTrace(job.pid, db) if i % 2 else None
+        seq.append(job.run(cmd)[key])
+        if tr:
+            logs.append(tr.stop().strip().splitlines()[-1])
+    added = [seq[i] - (seq[i - 1] + seq[i + 1]) / 2 for i in range(1, len(seq), 2)]
+    base = statistics.mean(seq[0::2])
+    return {"command": cmd, "phases_s": seq, "untraced_s": base,
+            "added_s_median": statistics.median(added), "added_s": added,
+            "added_pct_median": statistics.median(added) / base * 100, "trace_logs": logs}
+
+
+def launch_run(db: str, storm: list[str], launches: int, rounds: int) -> dict:
+    job = Job(storm)
+    job.run("init")
+    r = alternate(job, db, f"loop {launches}", "s_per_launch", rounds)
+    job.close()
+    r["added_us_per_launch_median"] = r["added_s_median"] * 1e6
+    r["untraced_us_per_launch"] = r["untraced_s"] * 1e6
+    return r
+
+
+def train_run(db: str, launches: int, steps: int, rounds: int) -> dict:
     job = Job([sys.executable, str(JOB)])
     job.run("init")
-    phases = {}
-    for label in ("untraced_1", "traced", "untraced_2"):
-        tr = Trace(job.pid, db) if label == "traced" else None
-        phases[label] = {"launch": job.run(f"launch {launches}")["s_per_launch"],
-                         "train": job.run(f"train {steps}")["s_per_step"]}
-        if tr:
-            phases[label]["trace_log"] = tr.stop().strip().splitlines()[-1:]
+    train = alternate(job, db, f"train {steps}", "s_per_step", rounds)
+    aten = alternate(job, db, f"launch {launches}", "s_per_launch", rounds)
     job.close()
-    base_l = (phases["untraced_1"]["launch"] + phases["untraced_2"]["launch"]) / 2
-    base_s = (phases["untraced_1"]["train"] + phases["untraced_2"]["train"]) / 2
-    return {"phases": phases, "launches": launches, "steps": steps,
-            "added_us_per_launch": (phases["traced"]["launch"] - base_l) * 1e6,
-            "untraced_us_per_launch": base_l * 1e6,
-            "train_step_overhead_pct": (phases["traced"]["train"] / base_s - 1) * 100,
-            "untraced_ms_per_step": base_s * 1e3}
+    return {"train_step": train, "aten_launch_loop": aten,
+            "train_step_overhead_pct_median": train["added_pct_median"],
+            "aten_added_us_per_launch_median": aten["added_s_median"] * 1e6}
 
 
-def storm_run(db: str, threads: int, seconds: float, workdir: str) -> dict:
-    exe = os.path.join(workdir, "launch_storm")
-    subprocess.run(["nvcc", "-O2", "-o", exe, str(ROOT / "bench" / "launch_storm.cu"), "-lcuda"],
-                   check=True)
-    job = Job([exe, str(threads), str(seconds)])
-    tr = Trace(job.pid, db)
-    result = job.run("go")
+def storm_run(db: str, storm: list[str], threads: int, seconds: float) -> dict:
+    job = Job(storm)
+    tr = PosTrace(job.pid, db)
+    job.run("init")
+    result = job.run(f"storm {threads} {seconds}")
     job.close()
     log = tr.stop()
     tid = q(db, "select max(id) from traces")[0][0]
-    n = q(db, "select count(*) from launches where trace_id=?", tid)[0][0]
+    n, known = q(db, "select count(*), sum(layout_known) from launches where trace_id=? and "
+                     "api='cuLaunchKernel'", tid)[0]
     lost = q(db, "select lost_events from traces where id=?", tid)[0][0]
-    return {**result, "recorded_launches": n, "lost_events": lost,
+    return {**result, "recorded_launches": n, "layout_known": known or 0, "lost_events": lost,
             "events_per_s": result["launches"] / result["seconds"],
             "trace_log": log.strip().splitlines()[-1:]}
 
@@ -71,7 +100,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--launches", type=int, default=20000)
-    ap.add_argument("--only", choices=["count", "overhead", "storm"], action="append")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=["count", "launch", "train", "storm"], action="append")
+    ap.add_argument("--dbdir", help="keep the runs' stores here [default: a temporary folder]")
     args = ap.parse_args()
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -79,16 +110,19 @@ def main() -> None:
               "gpu_and_driver": smi, "kernel": platform.release(),
               "command": " ".join([Path(sys.executable).name] + sys.argv)}
     with tempfile.TemporaryDirectory() as d:
-        for name in args.only or ["count", "overhead", "storm"]:
-            db = os.path.join(d, f"{name}.db")
+        storm = build_storm(d)
+        for name in args.only or ["count", "launch", "train", "storm"]:
+            db = os.path.join(args.dbdir or d, f"{name}.db")
             t = time.time()
             try:
                 if name == "count":
                     result[name] = count_run(db, args.steps)
-                elif name == "overhead":
-                    result[name] = overhead_run(db, args.launches, 30)
+                elif name == "launch":
+                    result[name] = launch_run(db, storm, args.launches, args.rounds)
+                elif name == "train":
+                    result[name] = train_run(db, args.launches, 10, args.rounds)
                 else:
-                    result[name] = storm_run(db, 4, 5.0, d)
+                    result[name] = storm_run(db, storm, 4, 5.0)
             except Exception as e:  # keep the other runs' results
                 result[name] = {"error": repr(e)}
             result[name]["wall_s"] = round(time.time() - t, 1)

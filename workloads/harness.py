@@ -91,7 +91,17 @@ def count_run(db: str, steps: int) -> dict:
     apis = dict(q(db, "select api, count(*) from launches where trace_id=? and ts_ns > ? and "
                       "ts_ns < ? group by api", tid, lo, hi))
     lost = q(db, "select lost_events from traces where id=?", tid)[0][0]
-    return {"init": init, "steps": steps, "profiler_kernels": prof["profiler_kernels"],
+    # where layouts came from, and which kernels went without one
+    modules = q(db, "select api, count(*), sum(kernels), group_concat(distinct note) from modules "
+                    "where trace_id=? group by api", tid)
+    unresolved = q(db, "select api, count(*) from functions where trace_id=? and layout is null "
+                       "group by api", tid)
+    unknown = q(db, "select f.name, count(*) from launches l left join (select handle, max(name) "
+                    "name from functions where trace_id=? group by handle) f on f.handle = "
+                    "l.function where l.trace_id=? and l.ts_ns > ? and l.ts_ns < ? and "
+                    "not l.layout_known group by 1 order by 2 desc limit 10", tid, tid, lo, hi)
+    return {"modules_by_api": modules, "functions_without_layout_by_api": unresolved,
+            "top_kernels_without_layout": unknown, "init": init, "steps": steps, "profiler_kernels": prof["profiler_kernels"],
             "traced_launches": n, "launch_apis": apis, "equal": n == prof["profiler_kernels"],
             "named_share": named / n if n else 0, "layout_known_share": known / n if n else 0,
             "lost_events": lost, "trace_log": log.strip().splitlines()[-1:]}

@@ -16,6 +16,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 SCHEMA_VERSION = 1
 
 
+def to_signed(value: Any) -> Any:
+    """An unsigned 64-bit value as SQLite's signed INTEGER stores it (other values unchanged)."""
+    return value - (1 << 64) if isinstance(value, int) and value >= 1 << 63 else value
+
+
 class U64(TypeDecorator[int]):
     """An unsigned 64-bit integer in SQLite's signed INTEGER."""
 
@@ -23,7 +28,7 @@ class U64(TypeDecorator[int]):
     cache_ok = True
 
     def process_bind_param(self, value: Optional[int], dialect: Any) -> Optional[int]:
-        return value - (1 << 64) if value is not None and value >= 1 << 63 else value
+        return to_signed(value)
 
     def process_result_value(self, value: Optional[int], dialect: Any) -> Optional[int]:
         return value + (1 << 64) if value is not None and value < 0 else value

@@ -10,6 +10,7 @@ from typing import Any
 from pos.tracer.probes import API_NAMES
 
 HDR = struct.Struct("<QIIHHI")          # ts_ns, pid, tid, kind, api, len
+KIND_AT = 16                            # the low byte of `kind`: every kind is < 256
 SMALL = struct.Struct("<5Q")
 LAUNCH = struct.Struct("<QQ3I3IIHBB")   # function, stream, grid, block, shared_mem, nbytes, known, truncated
 FUNCTION = struct.Struct("<QQ")         # handle, module; the name follows

@@ -1,6 +1,8 @@
 """`pos trace`: one recording from attach to the end, with the live view."""
 
+import signal
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +42,10 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, transient=False) \
         if not quiet and console.is_terminal else None
+    # Ctrl-C and SIGTERM only set a flag: raised as an exception they could land inside the
+    # ring buffer's callback (bcc swallows it there) and lose an event or the stop itself.
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         tracer = Tracer(pid, libraries, writer, ringbuf_pages=ringbuf_pages)
         writer.update_trace(probes=tracer.attached)
@@ -49,8 +55,7 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
         if live:
             live.start()
         deadline = time.monotonic() + duration if duration else None
-        while True:
-            time.sleep(interval)
+        while not stop.wait(interval):
             tracer.poll()
             if live:
                 view.sample(tracer.stats)
@@ -61,9 +66,11 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
             if deadline and time.monotonic() >= deadline:
                 status = "done"
                 break
-    except KeyboardInterrupt:
-        status = "interrupted"
+        else:
+            status = "interrupted"
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if live:
             live.stop()
         if tracer is not None:

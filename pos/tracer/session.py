@@ -18,7 +18,7 @@ from typing import Any, Optional
 from pos.errors import PosError
 from pos.store.writer import TraceWriter
 from pos.tracer import fatbin
-from pos.tracer.events import Row, decode
+from pos.tracer.events import FUNCTION_KIND, KIND_AT, MODULE, Row, decode
 from pos.tracer.probes import RETURNS, Family, bpf_include_dir, bpf_text
 from pos.tracer.target import MappedLibrary, mapped_files
 
@@ -132,6 +132,7 @@ class Tracer:
         self.by_module: dict[int, dict[str, fatbin.KernelLayout]] = {}
         self.by_name: dict[str, fatbin.KernelLayout] = {}
         self._unresolved: dict[int, tuple[_Probes, str]] = {}  # handle -> (probes, name)
+        self._pushed: dict[int, tuple[str, str]] = {}         # handle -> (name, layout JSON)
         self._scan: Optional[Future] = None
         self._scan_enabled = scan_libraries
         self._pool: Optional[ProcessPoolExecutor] = None
@@ -142,19 +143,26 @@ class Tracer:
 
     # ---- draining ------------------------------------------------------------------------
     def poll(self) -> int:
-        """Drain every ring buffer once; returns how many events were recorded."""
+        """Drain every ring buffer once; returns how many events were recorded.
+
+        Kernel lookups and module loads are handled first: their layouts reach the probes
+        before the (many) launches of the same batch are decoded and queued, so that the
+        kernel's next launches are captured with their layout as early as possible."""
         for p in self._probes:
             p.bpf.ring_buffer_consume()
         raw, self._raw[:] = list(self._raw), []
-        for probes, data in raw:
-            table, row = decode(data)
-            name = None
-            if table == "launches":
-                name = self.names.get(row["function"])
-            elif table == "modules":
-                self._on_module(row)
-            elif table == "functions":
-                self._on_function(probes, row)
+        early: dict[int, tuple[str, Row]] = {}
+        for i, (probes, data) in enumerate(raw):
+            if data[KIND_AT] in (MODULE, FUNCTION_KIND):
+                table, row = decode(data)
+                if table == "modules":
+                    self._on_module(row)
+                else:
+                    self._on_function(probes, row)
+                early[i] = (table, row)
+        for i, (probes, data) in enumerate(raw):
+            table, row = early.get(i) or decode(data)
+            name = self.names.get(row["function"]) if table == "launches" else None
             self.stats.count(table, row, name)
             self.writer.add(table, row)
         self._merge_scan()
@@ -179,7 +187,7 @@ class Tracer:
                 break
             addr = int.from_bytes(self._read(addr + extent.indirect, 8), "little")
         if extent is None or not extent.size:
-            row["note"] = "image format not recognised"
+            row["note"] = f"image format not recognised (starts {self._read(addr, 8).hex()})"
         elif extent.size > MAX_IMAGE_BYTES:
             row["note"] = f"image of {extent.size} bytes not read"
         else:
@@ -199,9 +207,14 @@ class Tracer:
             row["name"] = self.names.get(row["module"], "")
         name = row["name"]
         self.names[row["handle"]] = name
+        pushed = self._pushed.get(row["handle"])
+        if pushed and pushed[0] == name:   # a repeated lookup (cuBLAS makes one per launch)
+            row["layout"] = pushed[1]
+            return
         layout = self.by_module.get(row["module"], {}).get(name) or self.by_name.get(name)
         if layout is not None and probes.push_layout(row["handle"], layout):
             row["layout"] = _layout_json(layout)
+            self._pushed[row["handle"]] = (name, row["layout"])
         elif name:
             self._unresolved[row["handle"]] = (probes, name)
             self._start_scan()
@@ -232,10 +245,11 @@ class Tracer:
         for handle, (probes, name) in list(self._unresolved.items()):
             layout = self.by_name.get(name)
             if layout is not None and probes.push_layout(handle, layout):
+                self._pushed[handle] = (name, _layout_json(layout))
                 self.writer.add("functions", {
                     "ts_ns": 0, "pid": self.pid, "tid": 0, "api": "pos-layout-scan",
                     "handle": handle, "module": None, "name": name,
-                    "layout": _layout_json(layout)})
+                    "layout": self._pushed[handle][1]})
                 del self._unresolved[handle]
 
     def close(self) -> None:

@@ -1,0 +1,995 @@
+/* Fake libcuda.so.1: the CUDA driver API on a machine without a GPU, for pos's CI.
+ *
+ * pos attaches real uprobes to the libcuda.so.1 that a process maps, so this library exports
+ * the driver's real symbols with the real x86-64 ABI (the typedefs below mirror cuda.h of
+ * CUDA 13; cuda.h itself is not included so that the build needs no CUDA headers). "Device
+ * memory" is host memory: copies and sets really move bytes, so data round-trips. Module and
+ * library loads accept a cubin, a fatbin or a __fatBinC_Wrapper_t without parsing it; function
+ * lookups hand out one stable handle per (module, name); launches check their arguments as
+ * the driver does and run nothing.
+ *
+ * The checkpoint API of driver 580 (cuCheckpointProcess*) keeps each process's state in
+ * $POS_FAKECUDA_STATE_DIR/<pid> (default /tmp/pos-fakecuda) so that the state survives across
+ * the processes that call it; cuInit marks the calling process as a CUDA process there.
+ * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
+ * named in $POS_FAKECUDA_FAIL (comma-separated) fail with CUDA_ERROR_UNKNOWN. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/stat.h>
+
+#include "fake_common.h"
+
+/* ---- cuda.h types (CUDA 13), as far as these entry points need them ---------------------- */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef int CUjit_option;
+typedef int CUlibraryOption;
+typedef struct fake_module *CUmodule;
+typedef struct fake_module *CUlibrary;
+typedef struct fake_function *CUfunction;
+typedef struct fake_function *CUkernel;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUlaunchAttribute_st CUlaunchAttribute; /* only passed through */
+typedef struct CUctxCreateParams_st CUctxCreateParams; /* only passed through */
+
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+typedef struct {
+    int type; /* CUmemLocationType: 1 = device */
+    int id;
+} CUmemLocation;
+
+typedef struct {
+    int type;                 /* CUmemAllocationType: 1 = pinned */
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+typedef enum {
+    CU_PROCESS_STATE_RUNNING = 0,
+    CU_PROCESS_STATE_LOCKED = 1,
+    CU_PROCESS_STATE_CHECKPOINTED = 2,
+    CU_PROCESS_STATE_FAILED = 3,
+} CUprocessState;
+
+typedef struct {
+    unsigned int timeoutMs;
+    unsigned int reserved0;
+    unsigned long long reserved1[7];
+} CUcheckpointLockArgs;
+
+typedef struct {
+    unsigned long long reserved[8];
+} CUcheckpointCheckpointArgs;
+
+typedef struct {
+    void *gpuPairs; /* CUcheckpointGpuPair * (two CUuuid each) */
+    unsigned int gpuPairsCount;
+    char reserved[52 - sizeof(void *)];
+    unsigned long long reserved1;
+} CUcheckpointRestoreArgs;
+
+typedef struct {
+    unsigned long long reserved[8];
+} CUcheckpointUnlockArgs;
+
+_Static_assert(sizeof(CUlaunchConfig) == 56, "CUlaunchConfig layout");
+_Static_assert(__builtin_offsetof(CUlaunchConfig, hStream) == 32, "CUlaunchConfig.hStream");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
+_Static_assert(sizeof(CUcheckpointLockArgs) == 64, "CUcheckpointLockArgs layout");
+_Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs layout");
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+#define DRIVER_VERSION 13000
+#define VMM_GRANULARITY (2u << 20) /* what cuMemGetAllocationGranularity reports on H100 */
+#define PITCH_ALIGNMENT 512
+#define MAX_DYNAMIC_SHARED (48u << 10) /* without cuFuncSetAttribute's opt-in */
+
+/* ---- errors ----------------------------------------------------------------------------- */
+static const struct {
+    CUresult code;
+    const char *name, *text;
+} errors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static CUresult error_lookup(CUresult error, const char **out, int want_name) {
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof(errors) / sizeof(errors[0]); i++) {
+        if (errors[i].code == error) {
+            *out = want_name ? errors[i].name : errors[i].text;
+            return CUDA_SUCCESS;
+        }
+    }
+    *out = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGetErrorString(CUresult error, const char **pStr) {
+    return error_lookup(error, pStr, 0);
+}
+API CUresult cuGetErrorName(CUresult error, const char **pStr) {
+    return error_lookup(error, pStr, 1);
+}
+
+/* ---- initialisation, devices, contexts --------------------------------------------------- */
+#define MAGIC_CONTEXT 0x43545854u /* "CTXT" */
+#define MAGIC_STREAM 0x5354524du  /* "STRM" */
+#define MAGIC_EVENT 0x45564e54u   /* "EVNT" */
+#define MAGIC_VMM 0x564d4d48u     /* "VMMH" */
+
+struct CUctx_st {
+    uint32_t magic;
+    CUdevice device;
+};
+struct CUstream_st {
+    uint32_t magic;
+    unsigned int flags;
+};
+struct CUevent_st {
+    uint32_t magic;
+    unsigned int flags;
+};
+
+static int initialized;
+static struct CUctx_st primary_context = {MAGIC_CONTEXT, 0};
+static __thread CUcontext current_context;
+
+#define NEED_CONTEXT()                                                                         \
+    do {                                                                                       \
+        if (!initialized)                                                                      \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
+        if (!current_context)                                                                  \
+            return CUDA_ERROR_INVALID_CONTEXT;                                                 \
+    } while (0)
+
+static void state_mark_cuda_process(void);
+
+API CUresult cuInit(unsigned int flags) {
+    if (flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!initialized)
+        state_mark_cuda_process();
+    initialized = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDriverGetVersion(int *version) {
+    if (!version)
+        return CUDA_ERROR_INVALID_VALUE;
+    *version = DRIVER_VERSION;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetCount(int *count) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    snprintf(name, (size_t)len, "pos fake GPU (host memory)");
+    return CUDA_SUCCESS;
+}
+
+static CUresult context_create(CUcontext *pctx, CUdevice dev) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *c = malloc(sizeof(*c));
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *c = (struct CUctx_st){MAGIC_CONTEXT, dev};
+    *pctx = current_context = c;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    (void)flags;
+    return context_create(pctx, dev);
+}
+
+API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags,
+                            CUdevice dev) {
+    (void)params;
+    (void)flags;
+    return context_create(pctx, dev);
+}
+
+API CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx || ctx == &primary_context || ctx->magic != MAGIC_CONTEXT)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (current_context == ctx)
+        current_context = NULL;
+    ctx->magic = 0;
+    free(ctx);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *pctx = &primary_context;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return dev == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+API CUresult cuCtxSetCurrent(CUcontext ctx) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ctx && ctx->magic != MAGIC_CONTEXT)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    current_context = ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxGetCurrent(CUcontext *pctx) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = current_context;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSynchronize(void) {
+    NEED_CONTEXT();
+    return CUDA_SUCCESS;
+}
+
+/* ---- streams and events ----------------------------------------------------------------- */
+/* NULL, CU_STREAM_LEGACY (1), CU_STREAM_PER_THREAD (2) or a stream of ours. */
+static int stream_valid(CUstream s) {
+    return (uintptr_t)s <= 2 || s->magic == MAGIC_STREAM;
+}
+
+API CUresult cuStreamCreate(CUstream *phStream, unsigned int flags) {
+    NEED_CONTEXT();
+    if (!phStream || flags > 1) /* CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING */
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = malloc(sizeof(*s));
+    if (!s)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *s = (struct CUstream_st){MAGIC_STREAM, flags};
+    *phStream = s;
+    return CUDA_SUCCESS;
+}
+
+static CUresult stream_sync(CUstream s) {
+    NEED_CONTEXT();
+    return stream_valid(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+API CUresult cuStreamSynchronize(CUstream s) { return stream_sync(s); }
+API CUresult cuStreamSynchronize_ptsz(CUstream s) { return stream_sync(s); }
+
+API CUresult cuStreamDestroy_v2(CUstream s) {
+    NEED_CONTEXT();
+    if ((uintptr_t)s <= 2 || s->magic != MAGIC_STREAM)
+        return CUDA_ERROR_INVALID_HANDLE;
+    s->magic = 0;
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventCreate(CUevent *phEvent, unsigned int flags) {
+    NEED_CONTEXT();
+    if (!phEvent)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUevent_st *e = malloc(sizeof(*e));
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *e = (struct CUevent_st){MAGIC_EVENT, flags};
+    *phEvent = e;
+    return CUDA_SUCCESS;
+}
+
+static CUresult event_record(CUevent e, CUstream s) {
+    NEED_CONTEXT();
+    if (!e || e->magic != MAGIC_EVENT || !stream_valid(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventRecord(CUevent e, CUstream s) { return event_record(e, s); }
+API CUresult cuEventRecord_ptsz(CUevent e, CUstream s) { return event_record(e, s); }
+
+API CUresult cuEventSynchronize(CUevent e) {
+    NEED_CONTEXT();
+    return e && e->magic == MAGIC_EVENT ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+API CUresult cuEventDestroy_v2(CUevent e) {
+    NEED_CONTEXT();
+    if (!e || e->magic != MAGIC_EVENT)
+        return CUDA_ERROR_INVALID_HANDLE;
+    e->magic = 0;
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+/* ---- allocations ------------------------------------------------------------------------ */
+static CUresult mem_alloc(CUdeviceptr *dptr, size_t size, CUstream s) {
+    NEED_CONTEXT();
+    if (!dptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!stream_valid(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    void *p = dev_alloc(size);
+    if (!p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) { return mem_alloc(dptr, size, 0); }
+API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
+    return mem_alloc(dptr, size, s);
+}
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s) {
+    return mem_alloc(dptr, size, s);
+}
+
+API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t width, size_t height,
+                                unsigned int elementSize) {
+    NEED_CONTEXT();
+    if (!dptr || !pPitch || !width || !height ||
+        (elementSize != 4 && elementSize != 8 && elementSize != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t pitch = (width + PITCH_ALIGNMENT - 1) / PITCH_ALIGNMENT * PITCH_ALIGNMENT;
+    void *p = dev_alloc(pitch * height);
+    if (!p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    *pPitch = pitch;
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_free(CUdeviceptr p, CUstream s) {
+    NEED_CONTEXT();
+    if (!stream_valid(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (p == 0)
+        return CUDA_SUCCESS;
+    return dev_free((uintptr_t)p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) { return mem_free(p, 0); }
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return mem_free(p, s); }
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return mem_free(p, s); }
+
+/* ---- virtual memory management: reserve addresses, create memory, map it there ---------- */
+struct vmm_handle {
+    uint32_t magic;
+    int fd; /* memfd holding the "physical" memory, so that mappings share it */
+    size_t size;
+};
+
+static int granular(size_t n) { return n && n % VMM_GRANULARITY == 0; }
+
+API CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                           int option) {
+    (void)option;
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!granularity || !prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    *granularity = VMM_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                 CUdeviceptr addr, unsigned long long flags) {
+    NEED_CONTEXT();
+    if (!ptr || !granular(size) || flags || (alignment & (alignment - 1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (alignment < VMM_GRANULARITY)
+        alignment = VMM_GRANULARITY;
+    /* over-reserve, then trim to an aligned window */
+    uintptr_t raw = (uintptr_t)mmap((void *)(uintptr_t)addr, size + alignment, PROT_NONE,
+                                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if ((void *)raw == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uintptr_t base = (raw + alignment - 1) & ~(uintptr_t)(alignment - 1);
+    if (base > raw)
+        munmap((void *)raw, base - raw);
+    munmap((void *)(base + size), raw + alignment - base);
+    if (range_add(base, size, RANGE_RESERVED) != 0) {
+        munmap((void *)base, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ptr = base;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    NEED_CONTEXT();
+    if (!range_covers(ptr, size, RANGE_RESERVED) || range_overlaps(ptr, size, RANGE_MAPPED))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (range_remove(ptr, RANGE_RESERVED) != size)
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap((void *)(uintptr_t)ptr, size);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                         const CUmemAllocationProp *prop, unsigned long long flags) {
+    NEED_CONTEXT();
+    if (!handle || !prop || flags || !granular(size) || prop->type != 1 ||
+        prop->location.type != 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.id != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct vmm_handle *h = malloc(sizeof(*h));
+    if (!h)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    h->fd = memfd_create("pos-fakecuda-vmm", MFD_CLOEXEC);
+    if (h->fd < 0 || ftruncate(h->fd, (off_t)size) != 0) {
+        if (h->fd >= 0)
+            close(h->fd);
+        free(h);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    h->magic = MAGIC_VMM;
+    h->size = size;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return CUDA_SUCCESS;
+}
+
+static struct vmm_handle *vmm_handle(CUmemGenericAllocationHandle handle) {
+    struct vmm_handle *h = (struct vmm_handle *)(uintptr_t)handle;
+    return h && h->magic == MAGIC_VMM ? h : NULL;
+}
+
+API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    NEED_CONTEXT();
+    struct vmm_handle *h = vmm_handle(handle);
+    if (!h)
+        return CUDA_ERROR_INVALID_HANDLE;
+    close(h->fd); /* mappings keep the memory alive, as the driver's do */
+    h->magic = 0;
+    free(h);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                      CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    NEED_CONTEXT();
+    struct vmm_handle *h = vmm_handle(handle);
+    if (!h)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (flags || offset || !granular(size) || size > h->size ||
+        !range_covers(ptr, size, RANGE_RESERVED) || range_overlaps(ptr, size, RANGE_MAPPED))
+        return CUDA_ERROR_INVALID_VALUE;
+    void *p = mmap((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   h->fd, 0);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (range_add(ptr, size, RANGE_MAPPED) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                            size_t count) {
+    NEED_CONTEXT();
+    if (!desc || !count || !range_covers(ptr, size, RANGE_MAPPED))
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS; /* mappings are already read-write */
+}
+
+API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    NEED_CONTEXT();
+    if (range_remove(ptr, RANGE_MAPPED) != size)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* back to reserved, inaccessible addresses */
+    mmap((void *)(uintptr_t)ptr, size, PROT_NONE,
+         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    return CUDA_SUCCESS;
+}
+
+/* ---- modules, libraries, functions, kernels --------------------------------------------- */
+static CUresult module_load(CUmodule *module, const void *image) {
+    NEED_CONTEXT();
+    if (!module || !image)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fake_module *m = module_new(image);
+    if (!m)
+        return CUDA_ERROR_INVALID_IMAGE;
+    *module = m;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    return module_load(module, image);
+}
+
+API CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
+                                CUjit_option *options, void **optionValues) {
+    if (numOptions && (!options || !optionValues))
+        return CUDA_ERROR_INVALID_VALUE;
+    return module_load(module, image);
+}
+
+API CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) {
+    return module_load(module, fatCubin);
+}
+
+API CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                               void **jitOptionsValues, unsigned int numJitOptions,
+                               CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                               unsigned int numLibraryOptions) {
+    if ((numJitOptions && (!jitOptions || !jitOptionsValues)) ||
+        (numLibraryOptions && (!libraryOptions || !libraryOptionValues)))
+        return CUDA_ERROR_INVALID_VALUE;
+    /* unlike modules, libraries need no current context */
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!library || !code)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fake_module *m = module_new(code);
+    if (!m)
+        return CUDA_ERROR_INVALID_IMAGE;
+    *library = m;
+    return CUDA_SUCCESS;
+}
+
+static CUresult lookup(struct fake_function **out, struct fake_module *m, const char *name,
+                       uint32_t magic) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!out || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!is_module(m))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct fake_function *f = module_lookup(m, name, magic);
+    if (!f)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *out = f;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    return lookup(hfunc, hmod, name, MAGIC_FUNCTION);
+}
+
+API CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name) {
+    return lookup(pKernel, library, name, MAGIC_KERNEL);
+}
+
+API CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
+    NEED_CONTEXT();
+    if (!pFunc)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!is_function(kernel, MAGIC_KERNEL))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct fake_function *f = kernel_function(kernel);
+    if (!f)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *pFunc = f;
+    return CUDA_SUCCESS;
+}
+
+/* ---- launches: checked like the driver checks them, then nothing runs ------------------- */
+#define LAUNCH_PARAM_END 0
+#define LAUNCH_PARAM_BUFFER_POINTER 1
+#define LAUNCH_PARAM_BUFFER_SIZE 2
+
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                       unsigned by, unsigned bz, unsigned shmem, CUstream s, void **params,
+                       void **extra) {
+    NEED_CONTEXT();
+    /* a CUkernel is accepted where a CUfunction is, as the driver does */
+    if (!is_function(f, MAGIC_FUNCTION) && !is_function(f, MAGIC_KERNEL))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!stream_valid(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!launch_dims_valid(gx, gy, gz, bx, by, bz) || shmem > MAX_DYNAMIC_SHARED)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (params && extra)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (extra) {
+        void *buffer = NULL;
+        size_t *size = NULL;
+        int i = 0;
+        for (; i < 64 && extra[i] != (void *)LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == (void *)LAUNCH_PARAM_BUFFER_POINTER)
+                buffer = extra[i + 1];
+            else if (extra[i] == (void *)LAUNCH_PARAM_BUFFER_SIZE)
+                size = extra[i + 1];
+            else
+                return CUDA_ERROR_INVALID_VALUE;
+        }
+        if (i >= 64 || !buffer || !size || (*size == 0 && f->has_params == 1))
+            return CUDA_ERROR_INVALID_VALUE;
+    } else if (!params && f->has_params == 1) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                            unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                            unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                            void **kernelParams, void **extra) {
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                  sharedMemBytes, hStream, kernelParams, extra);
+}
+
+API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                 unsigned int gridDimZ, unsigned int blockDimX,
+                                 unsigned int blockDimY, unsigned int blockDimZ,
+                                 unsigned int sharedMemBytes, CUstream hStream,
+                                 void **kernelParams, void **extra) {
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                  sharedMemBytes, hStream, kernelParams, extra);
+}
+
+static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {
+    if (!c || (c->numAttrs && !c->attrs))
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY,
+                  c->blockDimZ, c->sharedMemBytes, c->hStream, params, extra);
+}
+
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                              void **extra) {
+    return launch_ex(config, f, kernelParams, extra);
+}
+
+API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
+                                   void **kernelParams, void **extra) {
+    return launch_ex(config, f, kernelParams, extra);
+}
+
+/* ---- copies and sets: real bytes move --------------------------------------------------- */
+enum { HOST = 0, DEVICE = 1, EITHER = 2 };
+
+static int side_valid(CUdeviceptr p, size_t n, int side) {
+    if (!p)
+        return 0;
+    return side != DEVICE || range_covers((uintptr_t)p, n, RANGE_USABLE);
+}
+
+static CUresult copy(CUdeviceptr dst, int dst_side, CUdeviceptr src, int src_side, size_t n,
+                     CUstream s) {
+    NEED_CONTEXT();
+    if (!stream_valid(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (n == 0)
+        return CUDA_SUCCESS;
+    if (!side_valid(dst, n, dst_side) || !side_valid(src, n, src_side))
+        return CUDA_ERROR_INVALID_VALUE;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return CUDA_SUCCESS;
+}
+
+#define H(p) ((CUdeviceptr)(uintptr_t)(p))
+
+API CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    return copy(dst, EITHER, src, EITHER, n, 0);
+}
+API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, EITHER, src, EITHER, n, s);
+}
+API CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, EITHER, src, EITHER, n, s);
+}
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    return copy(dst, DEVICE, H(src), HOST, n, 0);
+}
+API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    return copy(H(dst), HOST, src, DEVICE, n, 0);
+}
+API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    return copy(dst, DEVICE, src, DEVICE, n, 0);
+}
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    return copy(dst, DEVICE, H(src), HOST, n, s);
+}
+API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    return copy(dst, DEVICE, H(src), HOST, n, s);
+}
+API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(H(dst), HOST, src, DEVICE, n, s);
+}
+API CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(H(dst), HOST, src, DEVICE, n, s);
+}
+API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, DEVICE, src, DEVICE, n, s);
+}
+API CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, DEVICE, src, DEVICE, n, s);
+}
+
+static CUresult set(CUdeviceptr dst, unsigned value, unsigned elem, size_t count, CUstream s) {
+    NEED_CONTEXT();
+    if (!stream_valid(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (count == 0)
+        return CUDA_SUCCESS;
+    if (dst % elem || count > SIZE_MAX / elem || !side_valid(dst, count * elem, DEVICE))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (elem == 1) {
+        memset((void *)(uintptr_t)dst, (int)(value & 0xff), count);
+    } else if (elem == 2) {
+        uint16_t *p = (uint16_t *)(uintptr_t)dst;
+        for (size_t i = 0; i < count; i++)
+            p[i] = (uint16_t)value;
+    } else {
+        uint32_t *p = (uint32_t *)(uintptr_t)dst;
+        for (size_t i = 0; i < count; i++)
+            p[i] = value;
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char uc, size_t n) {
+    return set(dst, uc, 1, n, 0);
+}
+API CUresult cuMemsetD16_v2(CUdeviceptr dst, unsigned short us, size_t n) {
+    return set(dst, us, 2, n, 0);
+}
+API CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int ui, size_t n) {
+    return set(dst, ui, 4, n, 0);
+}
+API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s) {
+    return set(dst, uc, 1, n, s);
+}
+API CUresult cuMemsetD8Async_ptsz(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s) {
+    return set(dst, uc, 1, n, s);
+}
+API CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int ui, size_t n, CUstream s) {
+    return set(dst, ui, 4, n, s);
+}
+API CUresult cuMemsetD32Async_ptsz(CUdeviceptr dst, unsigned int ui, size_t n, CUstream s) {
+    return set(dst, ui, 4, n, s);
+}
+
+/* ---- checkpoint API (driver 580): per-pid state in a file, shared across processes ------- */
+static const char *const state_names[] = {"running", "locked", "checkpointed", "failed"};
+
+static const char *state_dir(void) {
+    const char *d = getenv("POS_FAKECUDA_STATE_DIR");
+    return d && *d ? d : "/tmp/pos-fakecuda";
+}
+
+static void state_path(char *out, size_t len, int pid) {
+    snprintf(out, len, "%s/%d", state_dir(), pid);
+}
+
+/* -1 when the process never called cuInit (no state file). */
+static int state_read(int pid) {
+    char path[4096], buf[32] = {0};
+    state_path(path, sizeof(path), pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    buf[strcspn(buf, "\n")] = 0;
+    for (int i = 0; i < 4; i++)
+        if (strcmp(buf, state_names[i]) == 0)
+            return i;
+    return CU_PROCESS_STATE_FAILED;
+}
+
+static int state_write(int pid, int state) {
+    char path[4096], tmp[4200];
+    const char *dir = state_dir();
+    if (mkdir(dir, 0777) == 0)
+        chmod(dir, 01777); /* shared by every user's processes, like /tmp */
+    state_path(path, sizeof(path), pid);
+    snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return -1;
+    int ok = fprintf(f, "%s\n", state_names[state]) > 0;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+/* The state file this process created at cuInit, removed when it exits normally. */
+static char marked_path[4096];
+static int marked_pid;
+
+static void state_mark_cuda_process(void) {
+    if (state_write((int)getpid(), CU_PROCESS_STATE_RUNNING) == 0) {
+        marked_pid = (int)getpid();
+        state_path(marked_path, sizeof(marked_path), marked_pid);
+    }
+}
+
+__attribute__((destructor)) static void state_unmark(void) {
+    if (marked_pid && marked_pid == (int)getpid()) /* not in a forked child */
+        unlink(marked_path);
+}
+
+static void checkpoint_log(const char *name, int pid) {
+    const char *path = getenv("POS_FAKECUDA_LOG");
+    if (!path || !*path)
+        return;
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return;
+    char line[128];
+    int n = snprintf(line, sizeof(line), "%s %d\n", name, pid);
+    ssize_t written = write(fd, line, (size_t)n); /* one write: concurrent lines stay whole */
+    (void)written;
+    close(fd);
+}
+
+static int injected_failure(const char *name) {
+    const char *list = getenv("POS_FAKECUDA_FAIL");
+    size_t len = strlen(name);
+    while (list && *list) {
+        size_t n = strcspn(list, ",");
+        if (n == len && strncmp(list, name, len) == 0)
+            return 1;
+        list += n + (list[n] == ',');
+    }
+    return 0;
+}
+
+static int all_zero(const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i])
+            return 0;
+    return 1;
+}
+
+/* Common prologue: log, injected failure, argument and target checks; on success *state is
+ * the target's state. */
+static CUresult checkpoint_begin(const char *name, int pid, int args_valid, int *state) {
+    checkpoint_log(name, pid);
+    if (injected_failure(name))
+        return CUDA_ERROR_UNKNOWN;
+    if (!args_valid || pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
+        return CUDA_ERROR_INVALID_VALUE;
+    *state = state_read(pid);
+    if (*state < 0) /* alive but never initialised CUDA */
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return CUDA_SUCCESS;
+}
+
+/* A transition from `from` to `to`, or CUDA_ERROR_ILLEGAL_STATE. */
+static CUresult transition(const char *name, int pid, int args_valid, int from, int to) {
+    int state;
+    CUresult r = checkpoint_begin(name, pid, args_valid, &state);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (state != from)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    return state_write(pid, to) == 0 ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN;
+}
+
+/* The optional argument structs' reserved fields must be zero. */
+API CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
+    int valid = !args || (!args->reserved0 && all_zero(args->reserved1, sizeof(args->reserved1)));
+    return transition(__func__, pid, valid, CU_PROCESS_STATE_RUNNING, CU_PROCESS_STATE_LOCKED);
+}
+
+API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
+    int valid = !args || all_zero(args, sizeof(*args));
+    return transition(__func__, pid, valid, CU_PROCESS_STATE_LOCKED,
+                      CU_PROCESS_STATE_CHECKPOINTED);
+}
+
+API CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
+    int valid = !args || ((args->gpuPairs || !args->gpuPairsCount) &&
+                          all_zero(args->reserved, sizeof(args->reserved)) && !args->reserved1);
+    return transition(__func__, pid, valid, CU_PROCESS_STATE_CHECKPOINTED,
+                      CU_PROCESS_STATE_LOCKED);
+}
+
+API CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
+    int valid = !args || all_zero(args, sizeof(*args));
+    return transition(__func__, pid, valid, CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_RUNNING);
+}
+
+API CUresult cuCheckpointProcessGetState(int pid, CUprocessState *out) {
+    int state;
+    CUresult r = checkpoint_begin(__func__, pid, out != NULL, &state);
+    if (r == CUDA_SUCCESS)
+        *out = (CUprocessState)state;
+    return r;
+}
+
+API CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
+    int state;
+    CUresult r = checkpoint_begin(__func__, pid, tid != NULL, &state);
+    if (r == CUDA_SUCCESS)
+        *tid = pid; /* the fake has no restore thread of its own: the main thread stands in */
+    return r;
+}

@@ -1,0 +1,149 @@
+"""`pos trace` end to end with real uprobes on the fake driver (tests/fakegpu): every call the
+workload reports making is recorded exactly -- counts, names, sizes and parameter bytes.
+
+The workload prints, per phase, what it did (its ground truth); the test compares the export of
+the trace with it. The fake driver proves the plumbing, not GPU behaviour (tests/gpu does that).
+"""
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pos.store.db import open_db
+from pos.store.export import json_events
+from workloads.harness import Job, PosTrace
+
+pytestmark = pytest.mark.bpf
+KERNELS = 7   # kernels.cu: axpy, pair_copy, mixed, scalars, fill<float>, fill<int>, no_params
+
+
+def wait_for_layouts(db: Path, n: int, timeout: float = 20.0) -> None:
+    """Until the tracer has pushed `n` layouts (their function rows carry them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with sqlite3.connect(db) as c:
+                if c.execute("select count(*) from functions where layout is not null"
+                             ).fetchone()[0] >= n:
+                    return
+        except sqlite3.OperationalError:   # tables not there yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the tracer pushed fewer than {n} layouts within {timeout} s")
+
+
+def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),
+              layouts: int = KERNELS) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """Run the workload's phases under `pos trace`; (truth by phase, exported events, log)."""
+    job = Job(argv)
+    truth = {p: job.run(p) for p in phases_before}
+    tr = PosTrace(job.pid, str(db))
+    try:
+        for p in ("load", "lookup", "alloc"):
+            if p not in truth:
+                truth[p] = job.run(p)
+        if layouts:
+            wait_for_layouts(db, layouts)
+        for p in ("launch", "free"):
+            truth[p] = job.run(p)
+        job.close()
+    finally:
+        log = tr.stop()
+    engine = open_db(str(db), create=False)
+    return truth, list(json_events(engine, 1)), log
+
+
+def of(events: list[dict[str, Any]], *kinds: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] in kinds]
+
+
+def check_launches(truth: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> None:
+    assert len(recorded) == len(truth)
+    for want, got in zip(truth, recorded):
+        assert got["api"] == want["api"]
+        assert got["function"] == want["function"]
+        assert got["name"] == want["name"]
+        assert got["grid"] == want["grid"] and got["block"] == want["block"]
+        assert got["shared_mem"] == want["shared_mem"]
+        assert int(got["stream"], 16) == int(want["stream"], 16)
+        assert got["layout_known"] is True, got
+        assert got["params"] == want["params"], (want["name"], got["params"], want["params"])
+
+
+@pytest.mark.parametrize("mode", ["cubin", "fatbin", "library", "wrapped"])
+def test_cuda_app_is_traced_exactly(mode: str, fakegpu: dict[str, Path], bpf_ready: None,
+                                    tmp_path: Path) -> None:
+    truth, ev, log = trace_app([str(fakegpu["cuda_app"]), mode, str(fakegpu["dir"])],
+                               tmp_path / "t.db")
+    assert "0 lost" in log
+    modules = of(ev, "module")
+    assert len(modules) == 1 and modules[0]["handle"] == truth["load"]["module"]
+    assert modules[0]["kernels"] == KERNELS, modules[0]
+    functions = {e["name"]: e["handle"] for e in of(ev, "function") if e["layout"] is not None}
+    assert functions == truth["lookup"]["functions"]
+
+    memory = [(e["kind"], e["api"], e["ptr"], e["size"]) for e in of(ev, "alloc", "reserve", "create")]
+    assert memory == [(a["kind"], a["api"], a["ptr"], a["size"]) for a in truth["alloc"]["allocs"]]
+    check_launches(truth["launch"]["launches"], of(ev, "launch"))
+    copies = [(e["api"], e["dst"], e["src"], e["size"], e["direction"]) for e in of(ev, "memcpy")]
+    assert copies == [(c["api"], c["dst"], c["src"], c["size"], c["direction"])
+                      for c in truth["launch"]["copies"]]
+    sets = [(e["api"], e["dst"], e["size"], e["value"]) for e in of(ev, "memset")]
+    assert sets == [(m["api"], m["dst"], m["size"], m["value"]) for m in truth["launch"]["memsets"]]
+    syncs = [(e["api"], int(e["handle"], 16)) for e in of(ev, "sync")]
+    assert syncs == [(s["api"], int(s["handle"], 16)) for s in truth["launch"]["syncs"]]
+    frees = [(e["kind"], e["api"], e["ptr"]) for e in of(ev, "free", "release", "unreserve")]
+    assert frees == [(f["kind"], f["api"], f["ptr"]) for f in truth["free"]["frees"]]
+
+
+def test_layouts_found_in_mapped_files_when_attached_after_load(
+        fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
+    """The module was loaded before pos attached: its layouts come from the .nv_fatbin section
+    of the library the process maps (libkernels.so)."""
+    truth, ev, _ = trace_app([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])],
+                             tmp_path / "t.db", phases_before=("load",))
+    assert of(ev, "module") == []
+    scanned = [e for e in of(ev, "function") if e["api"] == "pos-layout-scan"]
+    assert {e["name"] for e in scanned} == set(truth["lookup"]["functions"])
+    check_launches(truth["launch"]["launches"], of(ev, "launch"))
+
+
+def test_hip_app_is_traced(fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
+    truth, ev, log = trace_app([str(fakegpu["hip_app"]), str(fakegpu["dir"])], tmp_path / "t.db")
+    assert "0 lost" in log
+    assert [(e["api"], e["ptr"], e["size"]) for e in of(ev, "alloc")] == \
+        [(a["api"], a["ptr"], a["size"]) for a in truth["alloc"]["allocs"] if a["kind"] == "alloc"]
+    launches = of(ev, "launch")
+    assert len(launches) == len(truth["launch"]["launches"])
+    for want, got in zip(truth["launch"]["launches"], launches):
+        assert got["api"] == want["api"] and got["grid"] == want["grid"]
+        assert got["block"] == want["block"]
+        if got["layout_known"]:       # a kernel looked up in a module pos parsed
+            assert got["params"] == want["params"]
+        else:                         # hipLaunchKernel: 8-byte slots, each from one argument
+            for slot, param in zip(got["params"], want["params"]):
+                assert slot.startswith(param)
+    calls = sorted(truth["launch"]["copies"] + truth["launch"]["memsets"], key=lambda c: c["seq"])
+    assert [(e["api"], e["dst"], e["size"]) for e in of(ev, "memcpy", "memset")] == \
+        [(c["api"], c["dst"], c["size"]) for c in calls]
+
+
+def test_no_event_lost_in_a_launch_storm(fakegpu: dict[str, Path], bpf_ready: None,
+                                        tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    job = Job([str(fakegpu["cuda_app"]), "cubin", str(fakegpu["dir"])])
+    tr = PosTrace(job.pid, str(db))
+    for p in ("load", "lookup", "alloc"):
+        job.run(p)
+    wait_for_layouts(db, KERNELS)
+    spin = job.run("spin 200000")
+    job.close()
+    log = tr.stop()
+    with sqlite3.connect(db) as c:
+        n, known = c.execute("select count(*), sum(layout_known) from launches").fetchone()
+        lost = c.execute("select lost_events from traces").fetchone()[0]
+    assert (n, known, lost) == (200000, 200000, 0), log
+    assert spin["launches"] == 200000
