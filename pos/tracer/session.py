@@ -56,6 +56,11 @@ def _layout_json(layout: fatbin.KernelLayout) -> str:
     return json.dumps([[p.offset, p.size] for p in layout.params])
 
 
+def _parse_image(data: bytes) -> dict[str, fatbin.KernelLayout]:
+    """A module image's layouts (runs in a worker process)."""
+    return fatbin.parse_image(data)
+
+
 def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
     """Layouts from the .nv_fatbin sections of mapped files (runs in a helper process)."""
     found: dict[str, fatbin.KernelLayout] = {}
@@ -133,6 +138,7 @@ class Tracer:
         self.by_name: dict[str, fatbin.KernelLayout] = {}
         self._unresolved: dict[int, tuple[_Probes, str]] = {}  # handle -> (probes, name)
         self._pushed: dict[int, tuple[str, str]] = {}         # handle -> (name, layout JSON)
+        self._parses: list[tuple[Future, Row]] = []           # module images being parsed
         self._scan: Optional[Future] = None
         self._scan_enabled = scan_libraries
         self._pool: Optional[ProcessPoolExecutor] = None
@@ -152,20 +158,22 @@ class Tracer:
             p.bpf.ring_buffer_consume()
         raw, self._raw[:] = list(self._raw), []
         early: dict[int, tuple[str, Row]] = {}
+        pending: set[int] = set()   # module rows that _settle writes once parsed
         for i, (probes, data) in enumerate(raw):
             if data[KIND_AT] in (MODULE, FUNCTION_KIND):
                 table, row = decode(data)
-                if table == "modules":
-                    self._on_module(row)
-                else:
+                if table == "functions":
                     self._on_function(probes, row)
+                elif not self._on_module(row):
+                    pending.add(i)
                 early[i] = (table, row)
         for i, (probes, data) in enumerate(raw):
             table, row = early.get(i) or decode(data)
             name = self.names.get(row["function"]) if table == "launches" else None
             self.stats.count(table, row, name)
-            self.writer.add(table, row)
-        self._merge_scan()
+            if i not in pending:
+                self.writer.add(table, row)
+        self._settle()
         self.stats.lost = sum(p.lost() for p in self._probes)
         return len(raw)
 
@@ -177,15 +185,19 @@ class Tracer:
         except OSError:
             return b""
 
-    def _on_module(self, row: Row) -> None:
-        """Read the loaded image out of the process and parse its kernels' layouts."""
-        layouts: dict[str, fatbin.KernelLayout] = {}
+    def _on_module(self, row: Row) -> bool:
+        """Read the loaded image out of the process and start parsing its kernels' layouts in a
+        worker process (PyTorch loads hundreds of MB of fatbins at start: parsed here, they would
+        hold up the drain and every layout behind them). True when the row is complete now;
+        otherwise `_settle` writes it once the parse is done."""
         addr = row["image"]
         for _ in range(2):  # a fatbin wrapper points at the fatbin: follow it once
             extent = fatbin.image_extent(self._read(addr, 4096))
             if extent is None or extent.indirect is None:
                 break
             addr = int.from_bytes(self._read(addr + extent.indirect, 8), "little")
+        row["kernels"] = 0
+        self.by_module[row["handle"]] = {}
         if extent is None or not extent.size:
             row["note"] = f"image format not recognised (starts {self._read(addr, 8).hex()})"
         elif extent.size > MAX_IMAGE_BYTES:
@@ -193,14 +205,9 @@ class Tracer:
         else:
             data = self._read(addr, extent.size)
             row["image_size"] = len(data)
-            try:
-                layouts = fatbin.parse_image(data)
-            except fatbin.FatbinError as e:
-                row["note"] = str(e)
-        row["kernels"] = len(layouts)
-        self.by_module[row["handle"]] = layouts
-        for name, layout in layouts.items():
-            self.by_name.setdefault(name, layout)
+            self._parses.append((self._workers().submit(_parse_image, data), row))
+            return False
+        return True
 
     def _on_function(self, probes: _Probes, row: Row) -> None:
         if row["api"] == "cuKernelGetFunction":   # `module` holds the CUkernel
@@ -217,45 +224,64 @@ class Tracer:
             self._pushed[row["handle"]] = (name, row["layout"])
         elif name:
             self._unresolved[row["handle"]] = (probes, name)
-            self._start_scan()
 
-    # ---- layouts of modules loaded before the tracer attached ----------------------------
-    def _start_scan(self) -> None:
-        if self._scan is not None or not self._scan_enabled:
-            return
-        root = f"/proc/{self.pid}/root"
-        try:
-            paths = [root + p for p in mapped_files(self.pid)]
-        except PosError:
-            return
-        self._pool = ProcessPoolExecutor(max_workers=1)
-        self._scan = self._pool.submit(_scan_files, paths)
+    # ---- layouts that arrive later: parsed modules, then the mapped files' fatbins -------
+    def _workers(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1))
+        return self._pool
 
-    def _merge_scan(self) -> None:
-        if self._scan is None or not self._scan.done() or self._pool is None:
-            return
-        try:
-            found = self._scan.result()
-        except Exception:
-            found = {}
-        self._pool.shutdown(wait=False)
-        self._pool = None
-        for name, layout in found.items():
-            self.by_name.setdefault(name, layout)
+    def _settle(self, wait: bool = False) -> None:
+        """Take in finished parses and scans, and push the layouts that kernels waited for
+        (`wait`: every parse, as the tracer closes). The mapped files are scanned, once, only
+        for kernels that no loaded module explains: modules loaded before pos attached."""
+        for future, row in [p for p in self._parses if wait or p[0].done()]:
+            self._parses.remove((future, row))
+            try:
+                layouts, row["note"] = future.result(), None
+            except (fatbin.FatbinError, OSError) as e:
+                layouts, row["note"] = {}, str(e)
+            row["kernels"] = len(layouts)
+            self.by_module[row["handle"]] = layouts
+            for name, layout in layouts.items():
+                self.by_name.setdefault(name, layout)
+            self.writer.add("modules", row)
+            self._resolve("pos-layout")
+        if self._scan is not None and self._scan.done():
+            try:
+                found = self._scan.result()
+            except Exception:   # the scan is best effort: those launches keep 8-byte slots
+                found = {}
+            self._scan = None
+            self._scan_enabled = False
+            for name, layout in found.items():
+                self.by_name.setdefault(name, layout)
+            self._resolve("pos-layout-scan")
+        if self._unresolved and not (wait or self._parses or self._scan) and self._scan_enabled:
+            try:
+                paths = [f"/proc/{self.pid}/root{p}" for p in mapped_files(self.pid)]
+            except PosError:
+                return
+            self._scan = self._workers().submit(_scan_files, paths)
+
+    def _resolve(self, source: str) -> None:
+        """Push the layouts now known for kernels looked up earlier; a function row (ts 0, so
+        that exports meet it before any launch) records each."""
         for handle, (probes, name) in list(self._unresolved.items()):
             layout = self.by_name.get(name)
             if layout is not None and probes.push_layout(handle, layout):
                 self._pushed[handle] = (name, _layout_json(layout))
                 self.writer.add("functions", {
-                    "ts_ns": 0, "pid": self.pid, "tid": 0, "api": "pos-layout-scan",
-                    "handle": handle, "module": None, "name": name,
-                    "layout": self._pushed[handle][1]})
+                    "ts_ns": 0, "pid": self.pid, "tid": 0, "api": source, "handle": handle,
+                    "module": None, "name": name, "layout": self._pushed[handle][1]})
                 del self._unresolved[handle]
 
     def close(self) -> None:
         """Detach the probes (after a last drain by the caller) and free what the session holds."""
         for p in getattr(self, "_probes", []):
             p.close()
+        if getattr(self, "_parses", None):
+            self._settle(wait=True)   # the module rows still being parsed
         if getattr(self, "_pool", None) is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "_mem", None) is not None:

@@ -62,8 +62,8 @@ def test_probe_table_matches_the_c_text() -> None:
     for family in FAMILIES:
         text = bpf_text(family, 64)
         for sym in family.symbols:
-            has_entry = f"on_{sym}(" in text or f"on_##sym" in text and (
+            has_entry = f"on_{sym}(" in text or "on_##sym" in text and (
                 f"({sym}," in text or f"({sym})" in text)
             assert has_entry, f"{family.source} has no entry probe for {sym}"
             if sym in RETURNS:
-                assert f"ret_{sym}(" in text or f"ret_##sym" in text, sym
+                assert f"ret_{sym}(" in text or "ret_##sym" in text, sym
