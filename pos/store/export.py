@@ -90,10 +90,10 @@ def json_events(engine: Engine, trace_id: int) -> Iterator[dict[str, Any]]:
                      note=r["note"])
         else:
             names[r["handle"]] = r["name"]
-            if r["layout"] is not None:
-                layouts[r["handle"]] = json.loads(r["layout"])
-            e.update(handle=_hex(r["handle"]), name=r["name"],
-                     layout=layouts.get(r["handle"]) if r["layout"] is not None else None)
+            layout = None if r["layout"] is None else json.loads(r["layout"])
+            if layout is not None:
+                layouts[r["handle"]] = layout
+            e.update(handle=_hex(r["handle"]), name=r["name"], layout=layout)
         yield e
 
 

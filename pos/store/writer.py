@@ -41,10 +41,6 @@ class TraceWriter:
     def update_trace(self, **values: Any) -> None:
         self._queue.append((_TRACE, values))
 
-    @property
-    def backlog(self) -> int:
-        return len(self._queue)
-
     def _run(self) -> None:
         try:
             while True:
