@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Mangled names of kernels.cu (nm on the cubin), in the order the apps use them. */
 enum { K_AXPY, K_PAIR_COPY, K_MIXED, K_SCALARS, K_FILL_F, K_FILL_I, K_NO_PARAMS, N_KERNELS };
@@ -164,6 +165,38 @@ static char *next_command(char *line, size_t len) {
 static void fail(const char *what) {
     fprintf(stderr, "%s\n", what);
     exit(1);
+}
+
+/* The phases each app defines, and the protocol loop that runs them (workloads/harness.py's
+ * Job): READY <pid>, then one phase per line on stdin until `exit` or EOF. */
+static void phase_load(void);
+static void phase_lookup(void);
+static void phase_alloc(void);
+static void phase_launch(void);
+static void phase_free(void);
+static void phase_spin(long n);
+
+static int serve(void) {
+    printf("READY %d\n", (int)getpid());
+    fflush(stdout);
+    char line[256], *cmd;
+    while ((cmd = next_command(line, sizeof(line)))) {
+        if (strcmp(cmd, "load") == 0)
+            phase_load();
+        else if (strcmp(cmd, "lookup") == 0)
+            phase_lookup();
+        else if (strcmp(cmd, "alloc") == 0)
+            phase_alloc();
+        else if (strcmp(cmd, "launch") == 0)
+            phase_launch();
+        else if (strcmp(cmd, "free") == 0)
+            phase_free();
+        else if (strncmp(cmd, "spin ", 5) == 0)
+            phase_spin(atol(cmd + 5));
+        else
+            phase_error("unknown", "unknown command");
+    }
+    return 0;
 }
 
 #endif

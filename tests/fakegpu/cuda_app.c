@@ -599,24 +599,5 @@ int main(int argc, char **argv) {
     }
     mode = argv[1];
     dir = argv[2];
-    printf("READY %d\n", (int)getpid());
-    fflush(stdout);
-    char line[256], *cmd;
-    while ((cmd = next_command(line, sizeof(line)))) {
-        if (strcmp(cmd, "load") == 0)
-            phase_load();
-        else if (strcmp(cmd, "lookup") == 0)
-            phase_lookup();
-        else if (strcmp(cmd, "alloc") == 0)
-            phase_alloc();
-        else if (strcmp(cmd, "launch") == 0)
-            phase_launch();
-        else if (strcmp(cmd, "free") == 0)
-            phase_free();
-        else if (strncmp(cmd, "spin ", 5) == 0)
-            phase_spin(atol(cmd + 5));
-        else
-            phase_error("unknown", "unknown command");
-    }
-    return 0;
+    return serve();
 }
