@@ -167,6 +167,35 @@ static void fail(const char *what) {
     exit(1);
 }
 
+/* A launch's shape, as both APIs take it (a stream is a pointer in both). */
+struct dims {
+    unsigned grid[3], block[3], shared_mem;
+    void *stream;
+};
+
+/* One launch as the tracer must record it: each parameter's bytes as they lie in memory (for the
+ * `extra` form, `params[i]` is the offset of parameter i inside `buffer`). */
+static void record_launch(struct buf *b, int seq, const char *api, const char *name, const void *f,
+                          const struct dims *d, void **params, const size_t *sizes, int n,
+                          const void *buffer, size_t buffer_size) {
+    sep(b);
+    put(b, "{\"seq\":%d,\"api\":\"%s\",\"name\":\"%s\",\"function\":\"0x%llx\","
+           "\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],\"shared_mem\":%u,"
+           "\"stream\":\"0x%llx\",\"params\":[",
+        seq, api, name, PTR(f), d->grid[0], d->grid[1], d->grid[2], d->block[0], d->block[1],
+        d->block[2], d->shared_mem, PTR(d->stream));
+    for (int i = 0; i < n; i++) {
+        sep(b);
+        put_hex(b, buffer ? (const char *)buffer + (size_t)params[i] : params[i], sizes[i]);
+    }
+    put(b, "]");
+    if (buffer) {
+        put(b, ",\"extra\":true,\"buffer\":");
+        put_hex(b, buffer, buffer_size);
+    }
+    put(b, "}");
+}
+
 /* The phases each app defines, and the protocol loop that runs them (workloads/harness.py's
  * Job): READY <pid>, then one phase per line on stdin until `exit` or EOF. */
 static void phase_load(void);

@@ -292,11 +292,6 @@ enum launch_api { LAUNCH, LAUNCH_PTSZ, LAUNCH_EX, LAUNCH_EX_PTSZ };
 static const char *const launch_api_names[] = {"cuLaunchKernel", "cuLaunchKernel_ptsz",
                                                "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"};
 
-struct dims {
-    unsigned grid[3], block[3], shared_mem;
-    CUstream stream;
-};
-
 /* Launches kernel k one way and records exactly what was passed: each parameter's bytes as
  * they lie in memory (sizes[i] bytes at params[i]), or the packed `extra` buffer. */
 static void launch(enum launch_api api, int k, struct dims d, void **params, const size_t *sizes,
@@ -325,22 +320,8 @@ static void launch(enum launch_api api, int k, struct dims d, void **params, con
         CHECK(cuLaunchKernelEx_ptsz(&config, f, kp, x));
         break;
     }
-    sep(&launches);
-    put(&launches, "{\"seq\":%d,\"api\":\"%s\",\"name\":\"%s\",\"function\":\"0x%llx\","
-                   "\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],\"shared_mem\":%u,"
-                   "\"stream\":\"0x%llx\",\"params\":[",
-        seq++, launch_api_names[api], kernel_names[k], PTR(f), d.grid[0], d.grid[1], d.grid[2],
-        d.block[0], d.block[1], d.block[2], d.shared_mem, PTR(d.stream));
-    for (int i = 0; i < n; i++) {
-        sep(&launches);
-        put_hex(&launches, buffer ? (char *)buffer + (size_t)params[i] : params[i], sizes[i]);
-    }
-    put(&launches, "]");
-    if (buffer) {
-        put(&launches, ",\"extra\":true,\"buffer\":");
-        put_hex(&launches, buffer, buffer_size);
-    }
-    put(&launches, "}");
+    record_launch(&launches, seq++, launch_api_names[api], kernel_names[k], f, &d, params, sizes, n,
+                  buffer, buffer_size);
 }
 
 static void copy_entry(const char *api, uint64_t dst, uint64_t src, size_t size,

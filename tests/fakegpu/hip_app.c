@@ -154,11 +154,6 @@ enum launch_api { MODULE_LAUNCH, EXT_MODULE_LAUNCH, LAUNCH };
 static const char *const launch_api_names[] = {"hipModuleLaunchKernel",
                                                "hipExtModuleLaunchKernel", "hipLaunchKernel"};
 
-struct dims {
-    unsigned grid[3], block[3], shared_mem;
-    hipStream_t stream;
-};
-
 /* Launches kernel k one way and records what was passed, as cuda_app's launch() does. The
  * JSON's grid is in blocks for every form (hipExtModuleLaunchKernel is given threads). */
 static void launch(enum launch_api api, int k, struct dims d, void **params, const size_t *sizes,
@@ -187,22 +182,8 @@ static void launch(enum launch_api api, int k, struct dims d, void **params, con
         break;
     }
     }
-    sep(&launches);
-    put(&launches, "{\"seq\":%d,\"api\":\"%s\",\"name\":\"%s\",\"function\":\"0x%llx\","
-                   "\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],\"shared_mem\":%u,"
-                   "\"stream\":\"0x%llx\",\"params\":[",
-        seq++, launch_api_names[api], kernel_names[k], PTR(f), d.grid[0], d.grid[1], d.grid[2],
-        d.block[0], d.block[1], d.block[2], d.shared_mem, PTR(d.stream));
-    for (int i = 0; i < n; i++) {
-        sep(&launches);
-        put_hex(&launches, buffer ? (char *)buffer + (size_t)params[i] : params[i], sizes[i]);
-    }
-    put(&launches, "]");
-    if (buffer) {
-        put(&launches, ",\"extra\":true,\"buffer\":");
-        put_hex(&launches, buffer, buffer_size);
-    }
-    put(&launches, "}");
+    record_launch(&launches, seq++, launch_api_names[api], kernel_names[k], f, &d, params, sizes, n,
+                  buffer, buffer_size);
 }
 
 static const char *const directions[] = {"HtoH", "HtoD", "DtoH", "DtoD", "default"};
