@@ -29,23 +29,24 @@ DIRECTIONS = {1: "HtoD", 2: "DtoH", 3: "DtoD", 4: "HtoH", 5: "default"}
 Row = dict[str, Any]
 
 
-def decode(data: bytes) -> tuple[str, Row]:
-    """One raw event -> (store table, row). Raises ValueError on a malformed event."""
-    ts, pid, tid, kind, api, length = HDR.unpack_from(data)
+def decode(data: Any, at: int = 0) -> tuple[str, Row]:
+    """The raw event at offset `at` of `data` (bytes or memoryview) -> (store table, row).
+    Raises ValueError on a malformed event."""
+    ts, pid, tid, kind, api, length = HDR.unpack_from(data, at)
     row: Row = {"ts_ns": ts, "pid": pid, "tid": tid, "api": API_NAMES[api]}
     if kind == LAUNCH_KIND:
-        f, stream, gx, gy, gz, bx, by, bz, shmem, nbytes, known, trunc = LAUNCH.unpack_from(data, HDR.size)
+        f, stream, gx, gy, gz, bx, by, bz, shmem, nbytes, known, trunc = LAUNCH.unpack_from(data, at + HDR.size)
         row.update(function=f, stream=stream, grid_x=gx, grid_y=gy, grid_z=gz, block_x=bx,
                    block_y=by, block_z=bz, shared_mem=shmem,
-                   params=bytes(data[LAUNCH_PARAMS_AT:LAUNCH_PARAMS_AT + nbytes]),
+                   params=bytes(data[at + LAUNCH_PARAMS_AT:at + LAUNCH_PARAMS_AT + nbytes]),
                    layout_known=bool(known), truncated=bool(trunc))
         return "launches", row
     if kind == FUNCTION_KIND:
-        handle, module = FUNCTION.unpack_from(data, HDR.size)
-        name = bytes(data[FUNCTION_NAME_AT:length]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        handle, module = FUNCTION.unpack_from(data, at + HDR.size)
+        name = bytes(data[at + FUNCTION_NAME_AT:at + length]).split(b"\0", 1)[0].decode("utf-8", "replace")
         row.update(handle=handle, module=module, name=name, layout=None)
         return "functions", row
-    a = SMALL.unpack_from(data, HDR.size)
+    a = SMALL.unpack_from(data, at + HDR.size)
     if kind in MEMORY_KINDS:
         row.update(kind=MEMORY_KINDS[kind], ptr=a[0], size=a[1] or None, stream=a[2])
         return "allocations", row

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from pos import host
 from pos.store.db import default_db_path, open_db
 from pos.store.models import Trace
-from pos.store.writer import TraceWriter
 from pos.tracer.session import Tracer
+from pos.tracer.sink import Sink
 from pos.tracer.target import describe, find_libraries, process_exists
 from pos.tracer.view import LiveView
 
@@ -28,14 +28,15 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
     libraries = find_libraries(pid, lib)   # bad PID or no GPU library: BadInput first
     host.require_tracing()
     comm, cmdline = describe(pid)
-    engine = open_db(db or default_db_path())
+    db = db or default_db_path()
+    engine = open_db(db)
     with Session(engine) as s:
         row = Trace(pid=pid, comm=comm, cmdline=cmdline, library=libraries[0].path,
                     started_at=datetime.now(timezone.utc), probes=0, status="running")
         s.add(row)
         s.commit()
         trace_id = row.id
-    writer = TraceWriter(engine, trace_id)
+    sink = Sink(db, trace_id)
     tracer: Optional[Tracer] = None
     status = "failed"
     view = LiveView(pid, comm)
@@ -47,8 +48,8 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        tracer = Tracer(pid, libraries, writer, ringbuf_pages=ringbuf_pages)
-        writer.update_trace(probes=tracer.attached)
+        tracer = Tracer(pid, libraries, sink, ringbuf_pages=ringbuf_pages)
+        sink.update_trace(probes=tracer.attached)
         console.print(f"pos: tracing {pid} ({comm}): {tracer.attached} probes on "
                       f"{', '.join(lib.path for lib in libraries)}; trace {trace_id} in {engine.url.database}",
                       highlight=False, soft_wrap=True)
@@ -76,9 +77,9 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
         if tracer is not None:
             tracer.poll()          # what the probes wrote before detaching
             tracer.close()
-        writer.update_trace(status=status, ended_at=datetime.now(timezone.utc),
+        sink.update_trace(status=status, ended_at=datetime.now(timezone.utc),
                             lost_events=tracer.stats.lost if tracer else 0)
-        writer.close()
-    print(view.summary(tracer.stats, str(Path(db or default_db_path())), status)
+        sink.close()
+    print(view.summary(tracer.stats, str(Path(db)), status)
           if tracer else "", file=sys.stderr)
     return trace_id

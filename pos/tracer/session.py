@@ -1,33 +1,44 @@
 """A tracing session: load the probes, attach them to one process, drain and record events.
 
-Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (decode, resolve kernel names and
-parameter layouts) -> `TraceWriter` (batched inserts into the store). Layouts go back into the
+Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (bulk drain; resolves kernel names
+and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes
+the rest and makes batched inserts into the store). Layouts go back into the
 probes' `layouts` map so that later launches of a kernel copy exactly its parameters; launches
 that run before their layout arrives (one poll interval after the kernel is looked up) are
 recorded as 8-byte slots with layout_known = False.
 """
 
-import ctypes
 import json
+import mmap
 import os
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from pos.errors import PosError
-from pos.store.writer import TraceWriter
+import numpy as np
+
 from pos.tracer import fatbin
-from pos.tracer.events import FUNCTION_KIND, KIND_AT, MODULE, Row, decode
+from pos.tracer.events import (ALLOC, FREE, FUNCTION_KIND, LAUNCH_KIND, MEMCPY, MEMORY_KINDS,
+                               MEMSET, MODULE, SYNC, Row, decode)
 from pos.tracer.probes import RETURNS, Family, bpf_include_dir, bpf_text
+from pos.tracer.ring import LAUNCH_KNOWN_AT, MAX_RECORDS, Batch, RingReader
+from pos.tracer.sink import Sink
 from pos.tracer.target import MappedLibrary, mapped_files
 
 MAX_IMAGE_BYTES = 1 << 30
 
 
+# pos_hdr.kind -> the store table its rows go to (what the live view counts).
+TABLE_OF_KIND = {LAUNCH_KIND: "launches", MEMCPY: "copies", MEMSET: "copies", SYNC: "syncs",
+                 MODULE: "modules", FUNCTION_KIND: "functions",
+                 **{k: "allocations" for k in MEMORY_KINDS}}
+
+
 @dataclass
 class Stats:
-    """What the live view shows; updated as events are decoded."""
+    """What the live view shows; taken from each drained batch without decoding it."""
 
     events: Counter = field(default_factory=Counter)      # by table
     kernels: Counter = field(default_factory=Counter)     # launches by kernel name
@@ -37,19 +48,25 @@ class Stats:
     layout_known: int = 0
     _sizes: dict[int, int] = field(default_factory=dict)
 
-    def count(self, table: str, row: Row, name: Optional[str]) -> None:
-        self.events[table] += 1
-        if table == "launches":
-            self.kernels[name or f"<0x{row['function']:x}>"] += 1
-            self.layout_known += row["layout_known"]
-        elif table == "allocations":
-            if row["kind"] == "alloc":
-                self._sizes[row["ptr"]] = row["size"] or 0
-                self.live_bytes += row["size"] or 0
-            elif row["kind"] == "free":
-                self.live_bytes -= self._sizes.pop(row["ptr"], 0)
-        elif table == "copies" and row["kind"] == "memcpy":
-            self.copied_bytes += row["size"]
+    def take(self, batch: Batch, names: dict[int, str]) -> None:
+        kinds, counts = np.unique(batch.kinds, return_counts=True)
+        for kind, n in zip(kinds.tolist(), counts.tolist()):
+            self.events[TABLE_OF_KIND.get(kind, "other")] += n
+        launch = batch.kinds == LAUNCH_KIND
+        if launch.any():
+            handles, counts = np.unique(batch.words[launch, 0], return_counts=True)
+            for h, n in zip(handles.tolist(), counts.tolist()):
+                self.kernels[names.get(h) or f"<0x{h:x}>"] += n
+            raw = np.frombuffer(batch.data, np.uint8)
+            self.layout_known += int(raw[batch.offsets[launch] + LAUNCH_KNOWN_AT].sum())
+        self.copied_bytes += int(batch.words[batch.kinds == MEMCPY, 2].sum())
+        for i in np.flatnonzero((batch.kinds == ALLOC) | (batch.kinds == FREE)).tolist():
+            ptr, size = int(batch.words[i, 0]), int(batch.words[i, 1])
+            if batch.kinds[i] == ALLOC:
+                self._sizes[ptr] = size
+                self.live_bytes += size
+            else:
+                self.live_bytes -= self._sizes.pop(ptr, 0)
 
 
 def _layout_json(layout: fatbin.KernelLayout) -> str:
@@ -76,7 +93,7 @@ def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
 class _Probes:
     """One family's BPF program attached to one library of the target."""
 
-    def __init__(self, library: MappedLibrary, pid: int, ringbuf_pages: int, sink: list) -> None:
+    def __init__(self, library: MappedLibrary, pid: int, ringbuf_pages: int) -> None:
         from bcc import BPF
 
         self.family: Family = library.family
@@ -92,12 +109,7 @@ class _Probes:
                 continue
             self.attached.append(sym)
         self.layouts = self.bpf["layouts"]
-
-        def on_event(_ctx: Any, data: Any, size: int) -> int:
-            sink.append((self, ctypes.string_at(data, size)))
-            return 0
-
-        self.bpf["events"].open_ring_buffer(on_event)
+        self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
 
     def push_layout(self, handle: int, layout: fatbin.KernelLayout) -> bool:
         if len(layout.params) > len(self.layouts.Leaf().offset):
@@ -115,19 +127,19 @@ class _Probes:
         return sum(sum(v) for v in self.bpf["lost"].values())
 
     def close(self) -> None:
+        self.ring.close()
         self.bpf.cleanup()
 
 
 class Tracer:
-    """Probes attached to one process; `poll` moves what they saw into the writer."""
+    """Probes attached to one process; `poll` moves what they saw into the sink."""
 
-    def __init__(self, pid: int, libraries: list[MappedLibrary], writer: TraceWriter,
+    def __init__(self, pid: int, libraries: list[MappedLibrary], sink: Sink,
                  ringbuf_pages: int = 16384, scan_libraries: bool = True) -> None:
         self.pid = pid
-        self.writer = writer
+        self.sink = sink
         self.stats = Stats()
-        self._raw: list[tuple[_Probes, bytes]] = []
-        self._probes = [_Probes(lib, pid, ringbuf_pages, self._raw) for lib in libraries]
+        self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
         self.attached = sum(len(p.attached) for p in self._probes)
         if not self.attached:
             self.close()
@@ -149,33 +161,36 @@ class Tracer:
 
     # ---- draining ------------------------------------------------------------------------
     def poll(self) -> int:
-        """Drain every ring buffer once; returns how many events were recorded.
+        """Drain every ring buffer; returns how many events were taken.
 
-        Kernel lookups and module loads are handled first: their layouts reach the probes
-        before the (many) launches of the same batch are decoded and queued, so that the
-        kernel's next launches are captured with their layout as early as possible."""
-        for p in self._probes:
-            p.bpf.ring_buffer_consume()
-        raw, self._raw[:] = list(self._raw), []
-        early: dict[int, tuple[str, Row]] = {}
-        pending: set[int] = set()   # module rows that _settle writes once parsed
-        for i, (probes, data) in enumerate(raw):
-            if data[KIND_AT] in (MODULE, FUNCTION_KIND):
-                table, row = decode(data)
-                if table == "functions":
-                    self._on_function(probes, row)
-                elif not self._on_module(row):
-                    pending.add(i)
-                early[i] = (table, row)
-        for i, (probes, data) in enumerate(raw):
-            table, row = early.get(i) or decode(data)
-            name = self.names.get(row["function"]) if table == "launches" else None
-            self.stats.count(table, row, name)
-            if i not in pending:
-                self.writer.add(table, row)
+        Kernel lookups and module loads are handled here, before the batch goes to the sink:
+        their layouts reach the probes at once, so that the kernel's next launches are captured
+        with their layout as early as possible. Everything else is decoded by the sink."""
+        taken = 0
+        for probes in self._probes:
+            while True:
+                batch = probes.ring.read()
+                taken += len(batch)
+                if len(batch):
+                    self._take(probes, batch)
+                if len(batch) < MAX_RECORDS:
+                    break
         self._settle()
         self.stats.lost = sum(p.lost() for p in self._probes)
-        return len(raw)
+        self.sink.check()
+        return taken
+
+    def _take(self, probes: _Probes, batch: Batch) -> None:
+        meta = (batch.kinds == MODULE) | (batch.kinds == FUNCTION_KIND)
+        for at in batch.offsets[meta].tolist():
+            table, row = decode(batch.data, at)
+            if table == "functions":
+                self._on_function(probes, row)
+            elif not self._on_module(row):
+                continue                     # `_settle` sends it once its image is parsed
+            self.sink.add(table, row)
+        self.stats.take(batch, self.names)
+        self.sink.raw(batch.data, batch.offsets[~meta])
 
     def _read(self, addr: int, size: int) -> bytes:
         if self._mem is None:
@@ -245,7 +260,7 @@ class Tracer:
             self.by_module[row["handle"]] = layouts
             for name, layout in layouts.items():
                 self.by_name.setdefault(name, layout)
-            self.writer.add("modules", row)
+            self.sink.add("modules", row)
             self._resolve("pos-layout")
         if self._scan is not None and self._scan.done():
             try:
@@ -271,7 +286,7 @@ class Tracer:
             layout = self.by_name.get(name)
             if layout is not None and probes.push_layout(handle, layout):
                 self._pushed[handle] = (name, _layout_json(layout))
-                self.writer.add("functions", {
+                self.sink.add("functions", {
                     "ts_ns": 0, "pid": self.pid, "tid": 0, "api": source, "handle": handle,
                     "module": None, "name": name, "layout": self._pushed[handle][1]})
                 del self._unresolved[handle]
