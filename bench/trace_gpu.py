@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--launches", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--storm-threads", type=int, nargs="+", default=[4, 8],
+                    help="one storm run per thread count")
     ap.add_argument("--only", choices=["count", "launch", "train", "storm"], action="append")
     ap.add_argument("--dbdir", help="keep the runs' stores here [default: a temporary folder]")
     args = ap.parse_args()
@@ -122,7 +124,9 @@ def main() -> None:
                 elif name == "train":
                     result[name] = train_run(db, args.launches, 10, args.rounds)
                 else:
-                    result[name] = storm_run(db, storm, 4, 5.0)
+                    result[name] = {f"threads_{n}": storm_run(db.replace(".db", f"{n}.db"), storm,
+                                                              n, 5.0)
+                                    for n in args.storm_threads}
             except Exception as e:  # keep the other runs' results
                 result[name] = {"error": repr(e)}
             result[name]["wall_s"] = round(time.time() - t, 1)
