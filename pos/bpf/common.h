@@ -12,6 +12,10 @@ API_DEFINES
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 BPF_HASH(layouts, u64, struct pos_layout, 65536);
+/* The same layouts keyed by the FNV-1a hash of the kernel's mangled name, pushed as soon as a
+ * module is parsed: a lookup then gives its handle a layout in the kernel, before the launch
+ * that typically follows within microseconds (a round trip through user space is too late). */
+BPF_HASH(named_layouts, u64, struct pos_layout, 65536);
 
 /* Arguments saved at entry for the return probe, per thread and API (calls may nest). */
 struct pos_pkey {
@@ -110,6 +114,36 @@ static __always_inline int alloc_ret(struct pt_regs *ctx, u16 api, u16 kind) {
     return emit(ctx, kind, api, read_u64(p.out), p.a, p.b, 0, 0);
 }
 
+#define POS_FNV_OFFSET 0xcbf29ce484222325ULL
+#define POS_FNV_PRIME 0x100000001b3ULL
+
+/* FNV-1a over a NUL-terminated name (pos/tracer/session.py: name_hash computes the same). */
+static __always_inline u64 name_hash(const char *name) {
+    u64 h = POS_FNV_OFFSET;
+#pragma clang loop unroll(disable)
+    for (int i = 0; i < POS_NAME_LEN; i++) {
+        u8 c = name[i];
+        if (!c)
+            break;
+        h = (h ^ c) * POS_FNV_PRIME;
+    }
+    return h;
+}
+
+/* The new handle's layout, known in the kernel: by its name when the lookup has one, else the
+ * layout of the handle it was made from (cuKernelGetFunction: the CUkernel). */
+static __always_inline void inherit_layout(struct pos_function *f) {
+    struct pos_layout *lay;
+    if (f->name[0]) {
+        u64 h = name_hash(f->name);
+        lay = named_layouts.lookup(&h);
+    } else {
+        lay = layouts.lookup(&f->module);
+    }
+    if (lay)
+        layouts.update(&f->handle, lay);
+}
+
 /* Return of a module/function lookup that names its result: the name is read now. */
 static __always_inline int function_ret(struct pt_regs *ctx, u16 api) {
     struct pos_pending p;
@@ -128,6 +162,7 @@ static __always_inline int function_ret(struct pt_regs *ctx, u16 api) {
         f->name[0] = 0;
         n = 1;
     }
+    inherit_layout(f);
     u32 len = offsetof(struct pos_function, name) + (n & (POS_NAME_LEN - 1));
     if (len > sizeof(*f))
         len = sizeof(*f);

@@ -14,7 +14,7 @@ import os
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pos.errors import PosError
 import numpy as np
@@ -28,6 +28,8 @@ from pos.tracer.sink import Sink
 from pos.tracer.target import MappedLibrary, mapped_files
 
 MAX_IMAGE_BYTES = 1 << 30
+NAME_LEN = 1024                  # POS_NAME_LEN of pos/bpf/events.h
+FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
 
 # pos_hdr.kind -> the store table its rows go to (what the live view counts).
@@ -67,6 +69,15 @@ class Stats:
                 self.live_bytes += size
             else:
                 self.live_bytes -= self._sizes.pop(ptr, 0)
+
+
+def name_hash(name: str) -> int:
+    """FNV-1a of a kernel name as the probes see it (pos/bpf/common.h: name_hash): its first
+    POS_NAME_LEN - 1 bytes."""
+    h = FNV_OFFSET
+    for c in name.encode()[:NAME_LEN - 1]:
+        h = ((h ^ c) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
 
 
 def _layout_json(layout: fatbin.KernelLayout) -> str:
@@ -109,19 +120,32 @@ class _Probes:
                 continue
             self.attached.append(sym)
         self.layouts = self.bpf["layouts"]
+        self.named = self.bpf["named_layouts"]
         self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
 
-    def push_layout(self, handle: int, layout: fatbin.KernelLayout) -> bool:
-        if len(layout.params) > len(self.layouts.Leaf().offset):
-            return False
+    def _leaf(self, layout: fatbin.KernelLayout) -> Optional[Any]:
         leaf = self.layouts.Leaf()
+        if len(layout.params) > len(leaf.offset):
+            return None
         leaf.count = len(layout.params)
         leaf.total = min(layout.total_size, 0xFFFF)
         for i, p in enumerate(layout.params):
             leaf.offset[i] = min(p.offset, 0xFFFF)
             leaf.size[i] = min(p.size, 0xFFFF)
-        self.layouts[self.layouts.Key(handle)] = leaf
-        return True
+        return leaf
+
+    def push_layout(self, handle: int, layout: fatbin.KernelLayout) -> bool:
+        leaf = self._leaf(layout)
+        if leaf is not None:
+            self.layouts[self.layouts.Key(handle)] = leaf
+        return leaf is not None
+
+    def push_named(self, layouts: dict[str, fatbin.KernelLayout]) -> None:
+        """Layouts by name hash, for the probes to give to handles at their lookup."""
+        for name, layout in layouts.items():
+            leaf = self._leaf(layout)
+            if leaf is not None:
+                self.named[self.named.Key(name_hash(name))] = leaf
 
     def lost(self) -> int:
         return sum(sum(v) for v in self.bpf["lost"].values())
@@ -260,6 +284,8 @@ class Tracer:
             self.by_module[row["handle"]] = layouts
             for name, layout in layouts.items():
                 self.by_name.setdefault(name, layout)
+            for probes in self._probes:
+                probes.push_named(layouts)
             self.sink.add("modules", row)
             self._resolve("pos-layout")
         if self._scan is not None and self._scan.done():
@@ -271,6 +297,8 @@ class Tracer:
             self._scan_enabled = False
             for name, layout in found.items():
                 self.by_name.setdefault(name, layout)
+            for probes in self._probes:
+                probes.push_named(found)
             self._resolve("pos-layout-scan")
         if self._unresolved and not (wait or self._parses or self._scan) and self._scan_enabled:
             try:

@@ -147,3 +147,38 @@ def test_no_event_lost_in_a_launch_storm(fakegpu: dict[str, Path], bpf_ready: No
         lost = c.execute("select lost_events from traces").fetchone()[0]
     assert (n, known, lost) == (200000, 200000, 0), log
     assert spin["launches"] == 200000
+
+
+def wait_for_modules(db: Path, n: int, timeout: float = 20.0) -> None:
+    """Until `n` parsed modules are in the store (their layouts are pushed before the row)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with sqlite3.connect(db) as c:
+                if c.execute("select count(*) from modules where kernels is not null"
+                             ).fetchone()[0] >= n:
+                    return
+        except sqlite3.OperationalError:   # tables not there yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} modules were parsed within {timeout} s")
+
+
+@pytest.mark.parametrize("mode", ["cubin", "library"])
+def test_a_launch_right_after_its_lookup_has_the_layout(
+        mode: str, fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
+    """Lookup and launch back to back, as PyTorch does on a kernel's first use: the probes give
+    the new handle its layout by name (library mode: CUkernel -> CUfunction) with no round trip
+    through user space."""
+    db = tmp_path / "t.db"
+    job = Job([str(fakegpu["cuda_app"]), mode, str(fakegpu["dir"])])
+    tr = PosTrace(job.pid, str(db))
+    try:
+        job.run("load")
+        wait_for_modules(db, 1)
+        truth = {p: job.run(p) for p in ("lookup", "alloc", "launch")}
+        job.close()
+    finally:
+        tr.stop()
+    launches = of(list(json_events(open_db(str(db), create=False), 1)), "launch")
+    check_launches(truth["launch"]["launches"], launches)
