@@ -250,3 +250,20 @@ def speculate(ops) -> Evidence:
     return Evidence(*sweep(ops.kind, ops.a, ops.b, ops.c, ops.sig, ops.pstart, ops.plen,
                            ops.pbytes, ops.sig_start, ops.sig_off, ops.sig_size, ops.sig_kind,
                            max(1, len(ops.alloc_base))))
+
+
+def launch_sets(params: bytes, offsets: np.ndarray, sizes: np.ndarray, kinds: np.ndarray,
+                bases: np.ndarray, ends: np.ndarray) -> tuple[set[int], set[int]]:
+    """(bases read, bases written) of one launch against a live table sorted by base: the
+    entry point for in-process callers (the validator, the agent)."""
+    offsets = np.asarray(offsets, np.int64)
+    sizes = np.asarray(sizes, np.int64)
+    kinds = np.asarray(kinds, np.int8)
+    n = max_evidence(sizes, kinds)
+    slot, param, word = np.empty(n, np.int64), np.empty(n, np.int32), np.empty(n, np.int32)
+    off, write = np.empty(n, np.uint64), np.empty(n, np.bool_)
+    buf = np.frombuffer(params, np.uint8)
+    k = launch_access(buf, 0, len(buf), offsets, sizes, kinds, bases, ends, len(bases),
+                      slot, param, word, off, write, 0)
+    reads = {int(bases[slot[r]]) for r in range(k)}
+    return reads, {int(bases[slot[r]]) for r in range(k) if write[r]}

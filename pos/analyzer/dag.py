@@ -152,6 +152,8 @@ def find_iterations(keys: np.ndarray, window: int = 16, max_candidates: int = 25
         first, run = _longest_run(keys[:-p] == keys[p:])
         if run >= 2 * p and (best is None or (run + p, -p) > best[:2]):
             best = (run + p, -p, first)
+            if run + p >= 0.9 * n:      # nothing longer can cover more than a little more
+                break
     if best is None:
         return whole
     covered, p, first = best[0], -best[1], best[2]
