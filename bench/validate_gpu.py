@@ -90,6 +90,7 @@ def torch_part(db: str, steps: dict[str, Callable[[], None]]) -> dict[str, Any]:
 
     class OpWatch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            torch.cuda.synchronize()         # also makes the context current on this thread
             before = v.snapshot(segments())
             t0 = time.monotonic_ns()
             out = func(*args, **(kwargs or {}))
