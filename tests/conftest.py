@@ -7,14 +7,18 @@ cannot run real eBPF never reports green.
 
 import os
 import shutil
+import sqlite3
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 REQUIRED = os.environ.get("POS_REQUIRE_PREREQS") == "1"
+KERNELS = 7   # kernels.cu: axpy, pair_copy, mixed, scalars, fill<float>, fill<int>, no_params
 
 
 def need(condition: bool, why: str) -> None:
@@ -44,3 +48,45 @@ def fakegpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from tests.fakegpu.build import build
 
     return build(tmp_path_factory.mktemp("fakegpu"))
+
+
+# ---- tracing the fake driver's workload (tests/tracer, tests/analyzer) ----
+
+def wait_for_layouts(db: Path, n: int, timeout: float = 20.0) -> None:
+    """Until the tracer has pushed `n` layouts (their function rows carry them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with sqlite3.connect(db) as c:
+                if c.execute("select count(*) from functions where layout is not null"
+                             ).fetchone()[0] >= n:
+                    return
+        except sqlite3.OperationalError:   # tables not there yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the tracer pushed fewer than {n} layouts within {timeout} s")
+
+
+def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),
+              layouts: int = KERNELS) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """Run the workload's phases under `pos trace`; (truth by phase, exported events, log)."""
+    from pos.store.db import open_db
+    from pos.store.export import json_events
+    from workloads.harness import Job, PosTrace
+
+    job = Job(argv)
+    truth = {p: job.run(p) for p in phases_before}
+    tr = PosTrace(job.pid, str(db))
+    try:
+        for p in ("load", "lookup", "alloc"):
+            if p not in truth:
+                truth[p] = job.run(p)
+        if layouts:
+            wait_for_layouts(db, layouts)
+        for p in ("launch", "free"):
+            truth[p] = job.run(p)
+        job.close()
+    finally:
+        log = tr.stop()
+    engine = open_db(str(db), create=False)
+    return truth, list(json_events(engine, 1)), log

@@ -6,54 +6,15 @@ the trace with it. The fake driver proves the plumbing, not GPU behaviour (tests
 """
 
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pos.store.db import open_db
-from pos.store.export import json_events
+from tests.conftest import KERNELS, trace_app, wait_for_layouts
 from workloads.harness import Job, PosTrace
 
 pytestmark = pytest.mark.bpf
-KERNELS = 7   # kernels.cu: axpy, pair_copy, mixed, scalars, fill<float>, fill<int>, no_params
-
-
-def wait_for_layouts(db: Path, n: int, timeout: float = 20.0) -> None:
-    """Until the tracer has pushed `n` layouts (their function rows carry them)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with sqlite3.connect(db) as c:
-                if c.execute("select count(*) from functions where layout is not null"
-                             ).fetchone()[0] >= n:
-                    return
-        except sqlite3.OperationalError:   # tables not there yet
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"the tracer pushed fewer than {n} layouts within {timeout} s")
-
-
-def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),
-              layouts: int = KERNELS) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
-    """Run the workload's phases under `pos trace`; (truth by phase, exported events, log)."""
-    job = Job(argv)
-    truth = {p: job.run(p) for p in phases_before}
-    tr = PosTrace(job.pid, str(db))
-    try:
-        for p in ("load", "lookup", "alloc"):
-            if p not in truth:
-                truth[p] = job.run(p)
-        if layouts:
-            wait_for_layouts(db, layouts)
-        for p in ("launch", "free"):
-            truth[p] = job.run(p)
-        job.close()
-    finally:
-        log = tr.stop()
-    engine = open_db(str(db), create=False)
-    return truth, list(json_events(engine, 1)), log
 
 
 def of(events: list[dict[str, Any]], *kinds: str) -> list[dict[str, Any]]:

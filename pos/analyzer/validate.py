@@ -1,0 +1,145 @@
+"""The run-time validator of the speculation, in-process, over pos.driver.
+
+Around a launch (or any stretch of GPU work) it hashes every live allocation before and after,
+on the GPU's own data: each allocation is copied in chunks into pinned host memory
+(cuMemAllocHost_v2; pageable memory where the driver lacks it, as the test fake does) and
+hashed there by a numba loop. The buffers whose hash changed are the ones the work wrote. A
+kernel whose changed buffers are not all in its predicted write set is marked *unvalidated* by
+name: callers (the concurrent engine) fall back to stop-the-world for it. A write that leaves
+a buffer's bytes as they were is not seen, and need not be: a checkpoint of it is still right.
+
+The calling thread must have the process's context current (in-process use), and the work
+must be finished before `snapshot` (it synchronises the context itself).
+"""
+
+import ctypes
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numba as nb
+import numpy as np
+
+from pos.driver import Driver, driver
+
+CHUNK = 64 << 20
+
+
+@nb.njit(cache=True)
+def hash_words(words: np.ndarray, h: np.uint64) -> np.uint64:
+    """A 64-bit hash of `words` continuing from h (four independent lanes, then folded)."""
+    p1 = np.uint64(0x9E3779B97F4A7C15)
+    p2 = np.uint64(0xC2B2AE3D27D4EB4F)
+    lanes = np.empty(4, np.uint64)
+    for j in range(4):
+        lanes[j] = h ^ (p2 * np.uint64(j + 1))
+    n = words.shape[0]
+    i = 0
+    while i + 4 <= n:
+        for j in range(4):
+            lanes[j] = (lanes[j] ^ words[i + j]) * p1
+            lanes[j] ^= lanes[j] >> np.uint64(29)
+        i += 4
+    out = np.uint64(n) * p2
+    for j in range(4):
+        out = (out ^ lanes[j]) * p1
+    while i < n:
+        out = (out ^ words[i]) * p2
+        out ^= out >> np.uint64(31)
+        i += 1
+    return out
+
+
+@dataclass
+class KernelRecord:
+    """What the validator saw of one kernel name."""
+
+    launches: int = 0
+    violations: int = 0
+    unpredicted: set[int] = field(default_factory=set)    # bases written outside the set
+
+    @property
+    def validated(self) -> bool:
+        return self.launches > 0 and self.violations == 0
+
+
+class Validator:
+    """Hashes live allocations through the driver; keeps the per-kernel table."""
+
+    def __init__(self, drv: Optional[Driver] = None, chunk: int = CHUNK) -> None:
+        self.drv = drv or driver()
+        self.chunk = chunk
+        self.kernels: dict[str, KernelRecord] = {}
+        self._pinned = ctypes.c_void_p()
+        if self.drv.has("cuMemAllocHost_v2"):
+            self.drv.call("cuMemAllocHost_v2", ctypes.byref(self._pinned), ctypes.c_size_t(chunk))
+            raw = (ctypes.c_uint8 * chunk).from_address(self._pinned.value)
+            self._host = np.frombuffer(raw, np.uint8)
+        else:
+            self._host = np.empty(chunk, np.uint8)
+
+    def close(self) -> None:
+        if self._pinned.value:
+            self.drv.call("cuMemFreeHost", self._pinned)
+            self._pinned = ctypes.c_void_p()
+
+    def _hash(self, base: int, size: int) -> int:
+        h = np.uint64(size)
+        for at in range(0, size, self.chunk):
+            n = min(self.chunk, size - at)
+            self.drv.call("cuMemcpyDtoH_v2", ctypes.c_void_p(self._host.ctypes.data),
+                          ctypes.c_uint64(base + at), ctypes.c_size_t(n))
+            words = self._host[: n // 8 * 8].view(np.uint64)
+            h = np.uint64(hash_words(words, h))
+            if n % 8:
+                tail = np.zeros(8, np.uint8)
+                tail[: n % 8] = self._host[n // 8 * 8:n]
+                h = np.uint64(hash_words(tail.view(np.uint64), h))
+        return int(h)
+
+    def snapshot(self, allocations: Iterable[tuple[int, int]]) -> dict[int, int]:
+        """{base: hash} of every (base, size) given, after the context's work has finished."""
+        self.drv.call("cuCtxSynchronize")
+        return {base: self._hash(base, size) for base, size in allocations}
+
+    @staticmethod
+    def changed(before: dict[int, int], after: dict[int, int]) -> set[int]:
+        """Bases whose bytes differ (allocations in only one snapshot are not compared)."""
+        return {b for b, h in after.items() if b in before and before[b] != h}
+
+    def record(self, names: Iterable[str], predicted_writes: Iterable[int],
+               changed: set[int]) -> set[int]:
+        """Enter one checked piece of work (one launch, or one op's launches) in the table;
+        returns the changed bases outside the predicted set (empty: validated)."""
+        outside = changed - set(predicted_writes)
+        for name in set(names):
+            rec = self.kernels.setdefault(name, KernelRecord())
+            rec.launches += 1
+            if outside:
+                rec.violations += 1
+                rec.unpredicted |= outside
+        return outside
+
+    def validate(self, name: str, run: Callable[[], Any], allocations: list[tuple[int, int]],
+                 predicted_writes: Iterable[int]) -> tuple[set[int], set[int]]:
+        """Run one launch between two snapshots; (changed bases, those outside the prediction)."""
+        before = self.snapshot(allocations)
+        run()
+        changed = self.changed(before, self.snapshot(allocations))
+        return changed, self.record([name], predicted_writes, changed)
+
+    def is_validated(self, name: str) -> bool:
+        rec = self.kernels.get(name)
+        return rec is not None and rec.validated
+
+    def table(self) -> dict[str, Any]:
+        """The JSON form that `pos analyze --validation` reads."""
+        return {"kernels": {n: {"launches": r.launches, "violations": r.violations,
+                                "validated": r.validated,
+                                "unpredicted": [f"0x{b:x}" for b in sorted(r.unpredicted)]}
+                            for n, r in sorted(self.kernels.items())}}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.table(), f, indent=1)
