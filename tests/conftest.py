@@ -52,19 +52,23 @@ def fakegpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 # ---- tracing the fake driver's workload (tests/tracer, tests/analyzer) ----
 
-def wait_for_layouts(db: Path, n: int, timeout: float = 20.0) -> None:
-    """Until the tracer has pushed `n` layouts (their function rows carry them)."""
+def wait_for_rows(db: Path, sql: str, n: int, what: str, timeout: float = 20.0) -> None:
+    """Until the count query `sql` on the store gives at least `n`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with sqlite3.connect(db) as c:
-                if c.execute("select count(*) from functions where layout is not null"
-                             ).fetchone()[0] >= n:
+                if c.execute(sql).fetchone()[0] >= n:
                     return
         except sqlite3.OperationalError:   # tables not there yet
             pass
         time.sleep(0.05)
-    raise AssertionError(f"the tracer pushed fewer than {n} layouts within {timeout} s")
+    raise AssertionError(f"fewer than {n} {what} within {timeout} s")
+
+
+def wait_for_layouts(db: Path, n: int) -> None:
+    """Until the tracer has pushed `n` layouts (their function rows carry them)."""
+    wait_for_rows(db, "select count(*) from functions where layout is not null", n, "layouts")
 
 
 def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import KERNELS, trace_app, wait_for_layouts
+from pos.store.db import open_db
+from pos.store.export import json_events
+from tests.conftest import KERNELS, trace_app, wait_for_layouts, wait_for_rows
 from workloads.harness import Job, PosTrace
 
 pytestmark = pytest.mark.bpf
@@ -110,21 +112,6 @@ def test_no_event_lost_in_a_launch_storm(fakegpu: dict[str, Path], bpf_ready: No
     assert spin["launches"] == 200000
 
 
-def wait_for_modules(db: Path, n: int, timeout: float = 20.0) -> None:
-    """Until `n` parsed modules are in the store (their layouts are pushed before the row)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with sqlite3.connect(db) as c:
-                if c.execute("select count(*) from modules where kernels is not null"
-                             ).fetchone()[0] >= n:
-                    return
-        except sqlite3.OperationalError:   # tables not there yet
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {n} modules were parsed within {timeout} s")
-
-
 @pytest.mark.parametrize("mode", ["cubin", "library"])
 def test_a_launch_right_after_its_lookup_has_the_layout(
         mode: str, fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
@@ -136,7 +123,8 @@ def test_a_launch_right_after_its_lookup_has_the_layout(
     tr = PosTrace(job.pid, str(db))
     try:
         job.run("load")
-        wait_for_modules(db, 1)
+        # the module's row is stored after its layouts were pushed to the probes
+        wait_for_rows(db, "select count(*) from modules where kernels is not null", 1, "modules")
         truth = {p: job.run(p) for p in ("lookup", "alloc", "launch")}
         job.close()
     finally:
