@@ -86,6 +86,9 @@ def _resurrect(plan: Plan, log: Callable[[str], None]) -> None:
         raise PosError(f"PID {plan.pids[0]} is gone and {images} holds no complete CRIU image",
                        "nothing can bring it back; check the CRIU log there")
     log(f"the dump completed and the tree is gone: restoring it from {images}")
+    deadline = time.monotonic() + 10     # the dead tree's parent must reap it: PIDs free
+    while any(Path(f"/proc/{p}").exists() for p in plan.pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     criu = Criu(plan.criu_path, ())
     with tempfile.TemporaryDirectory(prefix="pos-undo-") as work:
         argv = criu.restore_argv(images, Options.from_json(plan.criu_options), Path(work),
@@ -193,6 +196,10 @@ def main() -> int:
     except PosError as e:
         log(f"undo failed: {e.message}")
         return 1
+    if plan.op == "checkpoint" and plan.images:
+        from pos.scheduler.image import discard
+
+        discard(Path(plan.images))
     log("undo done: the processes run")
     return 0
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -82,6 +83,8 @@ class Counter:
                                      stderr=subprocess.DEVNULL, start_new_session=not shell_job,
                                      env={**os.environ, **(env or {})})
         self.pid = self.proc.pid
+        # the original is reaped as soon as it dies (a dump kills it): its PID is free then
+        threading.Thread(target=self.proc.wait, daemon=True).start()
         self.files = [path] + [Path(f"{path}.{i}") for i in range(children)]
         wait_for(lambda: all(len(lines(f)) >= 5 for f in self.files), what="the counter")
         self.tree = self.pids()
