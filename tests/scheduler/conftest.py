@@ -128,8 +128,9 @@ def counters(criu_ready: None) -> Iterator[list[Counter]]:
         c.stop()
 
 
-def pos(*args: str, env: Optional[dict] = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pos.cli", *args], cwd=ROOT,
+def pos(*args: str, env: Optional[dict] = None, timeout: float = 120,
+        prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "pos.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, **(env or {})},
                           timeout=timeout)
 
