@@ -3,6 +3,7 @@ CRIU needed), or to another host (CRIU's page server streams the memory, a contr
 carries the rest of the image; the receiver verifies and restores it)."""
 
 import json
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -21,8 +22,9 @@ def gpu_pairs(used: list[str], target: str, all_uuids: list[str]) -> list[tuple[
     """The GPU mapping for the driver's restore: the process's GPU and the target swap places,
     every other GPU maps to itself, so that the mapping covers every device once."""
     if len(used) != 1:
-        raise BadInput(f"the process uses {len(used)} GPUs ({', '.join(used) or 'none seen by "
-                       "NVML'})", "--to-gpu moves processes that use exactly one GPU")
+        seen = ", ".join(used) or "none seen by NVML"
+        raise BadInput(f"the process uses {len(used)} GPUs ({seen})",
+                       "--to-gpu moves processes that use exactly one GPU")
     src = used[0]
     if src == target:
         raise BadInput(f"the process already runs on {target}", "give another GPU index")
@@ -121,6 +123,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
         if "error" in reply:
             raise BadInput(f"{address} refused the migration: {reply['error']}",
                            "fix that there, then migrate again")
+        keep = local is not None
         local = local or Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
         result = engine.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
                                    page_server=PageServer(address, port + 1))
@@ -133,7 +136,25 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
     if "error" in reply:
         raise PosError(f"{address} could not restore PID {pid}: {reply['error']}",
                        f"its image stays there for `pos restore` ({reply.get('path', '?')})")
+    if not keep:     # the pages went to HOST: this part alone restores nothing
+        shutil.rmtree(result.path, ignore_errors=True)
     echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
+
+
+def _wait_listening(port: int, proc: Any) -> None:
+    """Until CRIU's page server listens (probing it by connecting would use up its one
+    connection, so /proc/self/net/tcp* is read instead)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        return
+        time.sleep(0.02)
+    raise PosError(f"CRIU's page server did not listen on port {port}",
+                   "see criu-page-server.log next to the image")
 
 
 def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None) -> int:
@@ -152,12 +173,12 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
     with conn:
         reader = _Reader(conn)
         try:
-            taken = [p for p in reader.message()["pids"] if Path(f"/proc/{p}").exists()]
-            if taken:
-                raise BadInput(f"PID {taken[0]} is taken on this host", "stop that process")
+            # the PIDs are checked at the restore: the dump frees them when both "hosts"
+            # share one PID namespace (as in the tests)
+            echo(f"PIDs {reader.message()['pids']} announced")
             work = partial.parent
             ps = criu.start(criu.page_server_argv(partial, address, port + 1, work))
-            time.sleep(0.3)       # the page server binds its port before the dump connects
+            _wait_listening(port + 1, ps)
             _send(conn, {"ready": True})
             manifest_text = b""
             while not manifest_text:
