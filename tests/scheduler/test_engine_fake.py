@@ -194,3 +194,31 @@ def test_image_from_another_driver_is_refused(tmp_path, gpu, target) -> None:
     path.write_text(json.dumps(manifest))
     one_sentence(pos("restore", "-D", str(img), env=gpu), 2,
                  "was taken with a CUDA 11000 driver", "same driver")
+
+
+def test_migrate_to_gpu_needs_nvml(gpu, target) -> None:
+    # the fake driver has no NVML beside it: the GPUs cannot be named, nothing is touched
+    one_sentence(pos("migrate", str(target.pid), "--to-gpu", "1", env=gpu), 2,
+                 "NVML is not available")
+    assert calls(gpu, target.pid) == []
+    runs_unlocked(target, gpu)
+
+
+def test_gpu_pairs_swap_the_two_gpus_and_keep_the_rest() -> None:
+    from pos.errors import BadInput
+    from pos.scheduler.migrate import gpu_pairs
+
+    uuids = ["GPU-a", "GPU-b", "GPU-c"]
+    assert gpu_pairs(["GPU-a"], "GPU-c", uuids) == [("GPU-a", "GPU-c"), ("GPU-b", "GPU-b"),
+                                                     ("GPU-c", "GPU-a")]
+    with pytest.raises(BadInput, match="already runs on"):
+        gpu_pairs(["GPU-a"], "GPU-a", uuids)
+    with pytest.raises(BadInput, match="uses 2 GPUs"):
+        gpu_pairs(["GPU-a", "GPU-b"], "GPU-c", uuids)
+
+
+def test_migrate_usage_errors(criu_ready) -> None:
+    r = pos("migrate", "123")
+    assert r.returncode == 2 and "exactly one of --to-gpu N, --to HOST or --listen" in r.stderr
+    r = pos("migrate", "--listen")
+    assert r.returncode == 2 and "--listen needs -D DIR" in r.stderr
