@@ -118,6 +118,222 @@ def export(file: str, fmt: str, trace_id: Optional[int], output: Optional[str]) 
             out.close()
 
 
+# ---- checkpoint / restore (pos/scheduler) -------------------------------------------------
+EPILOG_CHECKPOINT = """\b
+Examples:
+  pos checkpoint 4242 -D /var/lib/pos/images/job1                  # save and stop PID 4242
+  pos checkpoint 4242 -D /tmp/job1 --leave-running                 # save, keep it running
+  pos checkpoint 4242 -D /tmp/job1 --shell-job --tcp-established   # a job of a terminal, with
+                                                                   # live TCP connections
+  pos checkpoint 4242 -D /tmp/job1 --external 'file[2a:1234]'      # leave a file to the restore
+"""
+
+EPILOG_RESTORE = """\b
+Examples:
+  pos restore -D /var/lib/pos/images/job1       # verify the checksums, restore, resume
+  pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
+"""
+
+EPILOG_IMAGES = """\b
+Examples:
+  pos images                     # every image in the default store
+  pos images --db /tmp/t.db
+"""
+
+EPILOG_INSPECT = """\b
+Examples:
+  pos inspect /tmp/job1            # what the image holds and how long each step took
+  pos inspect /tmp/job1 --verify   # and check every file's sha256
+  pos inspect /tmp/job1 --json     # the manifest itself
+"""
+
+EPILOG_MIGRATE = """\b
+Examples:
+  pos migrate 4242 --to-gpu 1                 # move PID 4242's GPU state onto GPU 1
+  pos migrate --listen -D /tmp/in --port 7070 # on the destination host: receive and restore
+  pos migrate 4242 --to 10.0.0.2:7070         # on the source: stream PID 4242 there
+"""
+
+
+def criu_options(f: Any) -> Any:
+    """The CRIU options a dump may need (recorded in the image; restore reuses them)."""
+    for opt in reversed((
+        click.option("--shell-job", is_flag=True,
+                     help="The process belongs to a terminal session (a shell's job)."),
+        click.option("--tcp-established", is_flag=True, help="Save live TCP connections."),
+        click.option("--ext-unix-sk", is_flag=True,
+                     help="Allow UNIX sockets connected outside the process tree."),
+        click.option("--file-locks", is_flag=True, help="Save file locks."),
+        click.option("--external", multiple=True, metavar="RES",
+                     help="A resource CRIU leaves alone (CRIU's --external), repeatable."),
+    )):
+        f = opt(f)
+    return f
+
+
+def _options(shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
+             external: tuple[str, ...]) -> Any:
+    from pos.scheduler.criu import Options
+
+    return Options(shell_job, tcp_established, ext_unix_sk, file_locks, tuple(external))
+
+
+def _report(result: Any) -> None:
+    m = result.manifest
+    steps = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
+    click.echo(steps)
+    if result.restored_pid is None:
+        stall = "n/a (stopped)" if m.stall_s is None else f"{m.stall_s:.3f} s"
+        click.echo(f"image {result.path}: {m.size_bytes / 2**20:.1f} MiB in {len(m.files)} "
+                   f"files; stall {stall}")
+
+
+@cli.command(epilog=EPILOG_CHECKPOINT)
+@click.argument("pid", type=int)
+@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+              help="Directory of the new image (must not exist; written as DIR.partial first).")
+@click.option("--leave-running", is_flag=True, help="Resume the process after the dump.")
+@click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
+              show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@criu_options
+@db_option
+def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: float,
+               shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
+               external: tuple[str, ...], db: Optional[str]) -> None:
+    """Save a process tree, its GPU state included, into an image directory.
+
+    GPU processes: the CUDA driver locks and checkpoints them, then CRIU dumps the tree. Without
+    --leave-running the processes end once saved; restore them with `pos restore`. Whatever
+    fails, the processes are left running (a watchdog undoes even if pos is killed).
+    """
+    from pathlib import Path
+
+    from pos.scheduler import engine
+    from pos.store import images
+
+    result = engine.checkpoint(pid, Path(directory),
+                               _options(shell_job, tcp_established, ext_unix_sk, file_locks,
+                                        external), leave_running, int(lock_timeout * 1000),
+                               echo=click.echo)
+    images.record(db, str(result.path), result.manifest)
+    _report(result)
+
+
+@cli.command(epilog=EPILOG_RESTORE)
+@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+              help="The image directory that `pos checkpoint` wrote.")
+@click.option("--inherit-fd", multiple=True, metavar="fd[N]:RES",
+              help="Give the restored tree this file descriptor of pos (CRIU's --inherit-fd).")
+@db_option
+def restore(directory: str, inherit_fd: tuple[str, ...], db: Optional[str]) -> None:
+    """Restore a process tree from an image and resume it (checksums verified first)."""
+    from pathlib import Path
+
+    from pos.scheduler import engine
+    from pos.store import images
+
+    result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
+    images.mark_restored(db, str(result.path))
+    _report(result)
+    click.echo(f"restored PID {result.restored_pid}")
+
+
+@cli.command(epilog=EPILOG_IMAGES)
+@db_option
+def images(db: Optional[str]) -> None:
+    """List the images recorded in the store, newest first."""
+    from pathlib import Path
+
+    from pos.store.images import list_images
+
+    rows = list_images(db)
+    click.echo(f"{'ID':>4} {'CREATED (UTC)':19} {'PID':>7} {'GPU':3} {'SIZE':>10} {'STALL':>8} "
+               f"{'STATE':9} PATH")
+    for r in rows:
+        stall = "-" if r.stall_s is None else f"{r.stall_s:.2f}s"
+        state = "restored" if r.restored_at else ("ok" if Path(r.path).is_dir() else "missing")
+        click.echo(f"{r.id:>4} {r.created_at:%Y-%m-%d %H:%M:%S} {r.pid:>7} "
+                   f"{'yes' if r.gpu else 'no':3} {r.size_bytes / 2**20:>8.1f}Mi {stall:>8} "
+                   f"{state:9} {r.path}")
+
+
+@cli.command(epilog=EPILOG_INSPECT)
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--verify", is_flag=True, help="Also check every file's size and sha256.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(directory: str, verify: bool, as_json: bool) -> None:
+    """Show what an image holds: process, GPUs, driver, files, the time of each step."""
+    from pathlib import Path
+
+    from pos.scheduler import image
+
+    m = (image.verify if verify else image.load)(Path(directory))
+    if as_json:
+        click.echo(m.to_json(), nl=False)
+        return
+    gpus = ", ".join(f"{g['name']} {g['uuid']}" for g in m.gpus) or "n/a"
+    stall = "n/a (stopped after the dump)" if m.stall_s is None else f"{m.stall_s:.3f} s"
+    for key, value in (
+            ("process", f"PID {m.pid} {m.comm}: {m.cmdline}"),
+            ("tree", f"{len(m.pids)} process(es) {m.pids}, CUDA state in {m.gpu_pids or 'none'}"),
+            ("taken", f"{m.created_at} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version})"),
+            ("driver", f"{m.driver_version or 'n/a'} (CUDA {m.cuda_version or 'n/a'})"),
+            ("GPUs", gpus),
+            ("options", ", ".join(k for k, v in m.criu_options.items() if v) or "none"),
+            ("size", f"{m.size_bytes} bytes in {len(m.files)} files"),
+            ("steps", ", ".join(f"{k} {v:.3f} s" for k, v in m.timings.items())),
+            ("stall", stall)):
+        click.echo(f"{key:8} {value}")
+    if verify:
+        click.echo("verify   every file matches its sha256")
+
+
+@cli.command(epilog=EPILOG_MIGRATE)
+@click.argument("pid", type=int, required=False)
+@click.option("--to-gpu", type=click.IntRange(min=0), help="Move the GPU state onto this GPU "
+              "(NVML index) of this host.")
+@click.option("--to", "to_host", metavar="HOST[:PORT]",
+              help="Stream the process to `pos migrate --listen` on HOST.")
+@click.option("--listen", is_flag=True, help="Receive a migrating process and restore it here.")
+@click.option("--port", type=click.IntRange(1, 65534), default=7070, show_default=True,
+              help="With --listen: the control port (CRIU's page server uses PORT+1).")
+@click.option("--address", default="0.0.0.0", show_default=True,
+              help="With --listen: the address to listen on.")
+@click.option("-D", "--dir", "directory", type=click.Path(file_okay=False),
+              help="With --listen: where the received image goes; with --to: the local part "
+                   "of the image [default: a temporary folder].")
+@click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
+              show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@criu_options
+def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], listen: bool,
+            port: int, address: str, directory: Optional[str], lock_timeout: float,
+            shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
+            external: tuple[str, ...]) -> None:
+    """Move a process onto another GPU of this host, or to another host."""
+    from pathlib import Path
+
+    from pos.scheduler import migrate as mig
+
+    modes = sum((to_gpu is not None, to_host is not None, listen))
+    if modes != 1:
+        raise click.UsageError("give exactly one of --to-gpu N, --to HOST or --listen.")
+    if listen:
+        if directory is None:
+            raise click.UsageError("--listen needs -D DIR (where the image goes).")
+        pid_here = mig.listen(address, port, Path(directory), echo=click.echo)
+        click.echo(f"restored PID {pid_here}")
+        return
+    if pid is None:
+        raise click.UsageError("Missing argument 'PID' (the process to migrate).")
+    timeout_ms = int(lock_timeout * 1000)
+    if to_gpu is not None:
+        mig.to_gpu(pid, to_gpu, timeout_ms, echo=click.echo)
+        return
+    mig.to_host(pid, to_host or "", _options(shell_job, tcp_established, ext_unix_sk,
+                                            file_locks, external),
+                Path(directory) if directory else None, timeout_ms, echo=click.echo)
+
+
 @cli.command()
 def doctor() -> None:
     """Check every prerequisite of pos on this host and say how to get what is missing."""

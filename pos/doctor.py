@@ -24,6 +24,16 @@ def _nvidia_driver() -> Optional[PosError]:
     return None
 
 
+def _criu() -> Optional[PosError]:
+    from pos.scheduler import criu
+
+    try:
+        criu.find()
+    except PosError as e:
+        return e
+    return None
+
+
 CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("privileges (root or CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON)", host.check_privileges),
     ("Linux >= 5.8", _kernel),
@@ -31,6 +41,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("kernel headers for bcc", host.check_kernel_headers),
     ("tracefs", host.check_tracefs),
     ("NVIDIA driver library", _nvidia_driver),
+    ("CRIU >= 4.0 (checkpoint/restore)", _criu),
 )
 
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: images
 
 
 def to_signed(value: Any) -> Any:
@@ -157,3 +157,22 @@ class Function(_Event, Base):
 # The event tables by the names the decoder (pos/tracer/events.py) gives them.
 EVENT_MODELS: dict[str, type[Base]] = {
     m.__tablename__: m for m in (Allocation, Launch, Copy, Sync, Module, Function)}
+
+
+class Image(Base):
+    """A process image written by `pos checkpoint` (its manifest, pos-manifest.json, in full)."""
+
+    __tablename__ = "images"
+    __table_args__ = (Index("ix_images_created", "created_at"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    pid: Mapped[int]
+    comm: Mapped[str] = mapped_column(Text)
+    cmdline: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    gpu: Mapped[bool]                            # holds CUDA state
+    driver_version: Mapped[Optional[str]] = mapped_column(String(32))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    stall_s: Mapped[Optional[float]]
+    manifest: Mapped[str] = mapped_column(Text)  # JSON
+    restored_at: Mapped[Optional[datetime]]

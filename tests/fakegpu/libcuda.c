@@ -12,12 +12,15 @@
  * $POS_FAKECUDA_STATE_DIR/<pid> (default /tmp/pos-fakecuda) so that the state survives across
  * the processes that call it; cuInit marks the calling process as a CUDA process there.
  * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
- * named in $POS_FAKECUDA_FAIL (comma-separated) fail with CUDA_ERROR_UNKNOWN. */
+ * named in $POS_FAKECUDA_FAIL (comma-separated) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
+ * the first N calls of that name, counted across processes in the state directory (a transient
+ * failure that an undo's retry gets past). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 
 #include "fake_common.h"
@@ -909,13 +912,37 @@ static void checkpoint_log(const char *name, int pid) {
     close(fd);
 }
 
+/* Calls of `name` made so far (this one included), counted in the state directory. */
+static long count_call(const char *name) {
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/fail-count-%s", state_dir(), name);
+    if (mkdir(state_dir(), 0777) == 0)
+        chmod(state_dir(), 01777);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return 1;
+    flock(fd, LOCK_EX);
+    char buf[32] = {0};
+    ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+    long calls = (n > 0 ? strtol(buf, NULL, 10) : 0) + 1;
+    int len = snprintf(buf, sizeof(buf), "%ld\n", calls);
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)len, 0) != len)
+        calls = 1;
+    close(fd); /* releases the lock */
+    return calls;
+}
+
 static int injected_failure(const char *name) {
     const char *list = getenv("POS_FAKECUDA_FAIL");
     size_t len = strlen(name);
     while (list && *list) {
         size_t n = strcspn(list, ",");
-        if (n == len && strncmp(list, name, len) == 0)
-            return 1;
+        if (n >= len && strncmp(list, name, len) == 0) {
+            if (n == len)
+                return 1;
+            if (list[len] == ':')
+                return count_call(name) <= strtol(list + len + 1, NULL, 10);
+        }
         list += n + (list[n] == ',');
     }
     return 0;

@@ -1,0 +1,87 @@
+"""The one place that talks to NVML (nvidia-ml-py), for what the CUDA driver API does not say:
+the driver's version string, GPU UUIDs and which GPUs a process uses.
+
+Like nvitop: NVML is initialised lazily and once; every query goes through `_query`, which
+answers None instead of raising when NVML is missing (no driver, a CI machine) or the query is
+not supported, so that callers write "n/a" rather than handle exceptions.
+"""
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _nvml() -> Any:
+    """The initialised pynvml module, or None when NVML cannot be used here."""
+    with _lock:
+        if "module" not in _state:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                _state["module"] = pynvml
+            except Exception:  # noqa: BLE001  (ImportError, NVMLError_LibraryNotFound, ...)
+                _state["module"] = None
+        return _state["module"]
+
+
+def _query(fn: Callable[[Any], T]) -> Optional[T]:
+    nv = _nvml()
+    if nv is None:
+        return None
+    try:
+        return fn(nv)
+    except nv.NVMLError:
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def available() -> bool:
+    return _nvml() is not None
+
+
+def driver_version() -> Optional[str]:
+    """The NVIDIA driver version, e.g. '580.159.04'."""
+    return _query(lambda nv: _text(nv.nvmlSystemGetDriverVersion()))
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+
+
+def gpus() -> list[Gpu]:
+    """The host's GPUs in NVML order (empty without NVML)."""
+    def query(nv: Any) -> list[Gpu]:
+        out = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            out.append(Gpu(i, _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h)),
+                           int(nv.nvmlDeviceGetMemoryInfo(h).total)))
+        return out
+    return _query(query) or []
+
+
+def gpus_of(pids: list[int]) -> dict[str, int]:
+    """UUID -> device memory used, for the GPUs on which any of `pids` has a compute context."""
+    def query(nv: Any) -> dict[str, int]:
+        out: dict[str, int] = {}
+        wanted = set(pids)
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid in wanted:
+                    uuid = _text(nv.nvmlDeviceGetUUID(h))
+                    out[uuid] = out.get(uuid, 0) + int(p.usedGpuMemory or 0)
+        return out
+    return _query(query) or {}

@@ -1,0 +1,272 @@
+"""CRIU, driven through one narrow module: find a CRIU >= 4, build its command lines from typed
+options, run it, and turn its failures into PosError with the tail of its log.
+
+Where CRIU comes from, first found wins: $POS_CRIU (must work if set), `criu` on the PATH when it
+is >= 4, then the copy that scripts/setup.sh installs (/opt/pos/criu/criu: CRIU 4.1 from Debian
+trixie run through its own glibc). Bookworm's 3.17 fails on kernels >= 6.x (vDSO layout), so
+older versions are refused rather than allowed to fail half-way.
+"""
+
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+from pos.errors import BadInput, PosError
+
+ENV = "POS_CRIU"
+SETUP_COPY = "/opt/pos/criu/criu"
+MIN_VERSION = (4, 0)
+FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.1 into /opt/pos/criu), or set POS_CRIU "
+               "to a CRIU >= 4.0")
+DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
+
+# What CRIU's log says, and what the user should do about it: (pattern, cause, fix).
+KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
+    (r"No space left on device", "the image's filesystem ran out of space",
+     "free space there or give another -D"),
+    (r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
+     "the process belongs to a terminal session that is not part of the dump",
+     "add --shell-job"),
+    (r"Connected TCP socket|TCP connection", "the process has established TCP connections",
+     "add --tcp-established"),
+    (r"External socket|unix socket .*external|Can't dump half of stream unix", "the process has a "
+     "UNIX socket connected outside its tree", "add --ext-unix-sk"),
+    (r"Missing file locks|[Ff]ile lock", "the process holds file locks", "add --file-locks"),
+    (r"[Uu]nable to find mount point|[Ee]xternal mount", "the process uses a mount CRIU cannot "
+     "see as its own", "name it with --external mnt[...]"),
+    (r"Can't fork for (\d+): File exists|PID .* is busy|clone.*File exists",
+     "a PID of the image is taken by another process", "stop that process, then restore again"),
+    (r"/dev/nvidia", "the process still has NVIDIA device files open",
+     "pos checkpoints the GPU state first; check that the driver checkpoint succeeded"),
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The CRIU options a user may need, recorded in the image so that restore uses the same."""
+
+    shell_job: bool = False          # --shell-job: the tree belongs to a terminal session
+    tcp_established: bool = False    # --tcp-established: dump/restore live TCP connections
+    ext_unix_sk: bool = False        # --ext-unix-sk: UNIX sockets connected outside the tree
+    file_locks: bool = False         # --file-locks
+    external: tuple[str, ...] = ()   # --external RES: files, mounts ... that CRIU leaves alone
+
+    def argv(self) -> list[str]:
+        out = []
+        for flag, on in (("--shell-job", self.shell_job), ("--tcp-established", self.tcp_established),
+                         ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks)):
+            if on:
+                out.append(flag)
+        for res in self.external:
+            out += ["--external", res]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["external"] = list(self.external)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Options":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        known["external"] = tuple(known.get("external", ()))
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class PageServer:
+    """Where `criu dump` sends memory pages instead of writing pages-*.img locally."""
+
+    address: str
+    port: int
+
+
+@dataclass
+class Criu:
+    path: str
+    version: tuple[int, ...]
+    version_text: str = field(default="")
+
+    def _base(self, action: str, images: Path, log: str, workdir: Optional[Path]) -> list[str]:
+        argv = [self.path, action, "-D", str(images), "-o", log, "-v4"]
+        if workdir is not None:
+            argv += ["-W", str(workdir)]
+        return argv
+
+    def dump_argv(self, pid: int, images: Path, opts: Options, leave_running: bool,
+                  page_server: Optional[PageServer] = None) -> list[str]:
+        argv = self._base("dump", images, DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
+        if leave_running:
+            argv.append("--leave-running")
+        if page_server is not None:
+            argv += ["--page-server", "--address", page_server.address,
+                     "--port", str(page_server.port)]
+        return argv
+
+    def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
+                     inherit_fds: tuple[str, ...] = ()) -> list[str]:
+        argv = self._base("restore", images, RESTORE_LOG, workdir) + [
+            "-d", "--pidfile", str(pidfile), *opts.argv()]
+        for spec in inherit_fds:
+            argv += ["--inherit-fd", spec]
+        return argv
+
+    def page_server_argv(self, images: Path, address: str, port: int, workdir: Path) -> list[str]:
+        return self._base("page-server", images, "criu-page-server.log", workdir) + [
+            "--address", address, "--port", str(port)]
+
+    def start(self, argv: list[str]) -> subprocess.Popen:
+        """Start CRIU in its own process group: a Ctrl-C meant for pos must not kill CRIU while
+        its parasite code runs inside the target (pos decides what to do instead)."""
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
+
+    def finish(self, proc: subprocess.Popen, what: str, log: Path) -> None:
+        """Wait for CRIU and raise PosError if it failed. A SIGINT/SIGTERM that pos gets
+        meanwhile is held back until CRIU is done (then raised): CRIU's parasite code runs
+        inside the target, and the undo must start from a finished step."""
+        interrupted = False
+        while True:
+            try:
+                out = proc.communicate()[0] or b""
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        if proc.returncode != 0:
+            raise failure(what, log, out.decode("utf-8", "replace"))
+
+    def run(self, argv: list[str], what: str, log: Path) -> None:
+        self.finish(self.start(argv), what, log)
+
+
+def log_tail(log: Path, lines: int = 6) -> list[str]:
+    """The last error lines of a CRIU log (or its last lines when it names no error)."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    errors = [ln for ln in text if "Error" in ln or "error" in ln]
+    return (errors or text)[-lines:]
+
+
+def failure(what: str, log: Path, output: str = "") -> PosError:
+    """One PosError for a failed CRIU run: a known cause with its fix, else the log's tail."""
+    tail = log_tail(log) or output.strip().splitlines()[-6:]
+    text = "\n".join(tail)
+    for pattern, cause, fix in KNOWN_FAILURES:
+        if re.search(pattern, text):
+            return BadInput(f"criu {what} failed: {cause}", f"{fix} (CRIU's log: {log})")
+    last = tail[-1].strip() if tail else "no log"
+    return PosError(f"criu {what} failed ({last})", f"see CRIU's log {log}")
+
+
+def _version_of(path: str) -> Optional[tuple[tuple[int, ...], str]]:
+    try:
+        p = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", p.stdout)
+    if p.returncode != 0 or not m:
+        return None
+    return tuple(int(x) for x in m.groups() if x is not None), m.group(0).split(":")[1].strip()
+
+
+@lru_cache(maxsize=None)
+def _find(env_value: str, path_copy: str) -> Criu:
+    if env_value:
+        found = _version_of(env_value)
+        if found is None:
+            raise BadInput(f"POS_CRIU={env_value} does not run as CRIU ({env_value} --version "
+                           "failed)", FIX_INSTALL)
+        if found[0] < MIN_VERSION:
+            raise BadInput(f"POS_CRIU={env_value} is CRIU {found[1]}, pos needs >= 4.0",
+                           FIX_INSTALL)
+        return Criu(env_value, *found)
+    seen = []
+    for candidate in (path_copy, SETUP_COPY):
+        if not candidate or not os.access(candidate, os.X_OK):
+            continue
+        found = _version_of(candidate)
+        if found is None:
+            continue
+        if found[0] >= MIN_VERSION:
+            return Criu(candidate, *found)
+        seen.append(f"{candidate} is {found[1]}")
+    if seen:
+        raise BadInput(f"no CRIU >= 4.0 found ({'; '.join(seen)}; older CRIU fails on recent "
+                       "kernels)", FIX_INSTALL)
+    raise BadInput("CRIU is not installed (pos needs CRIU >= 4.0 for process images)",
+                   FIX_INSTALL)
+
+
+def find() -> Criu:
+    """The CRIU to use (see the module docstring); BadInput naming the fix when none fits."""
+    return _find(os.environ.get(ENV, ""), shutil.which("criu") or "")
+
+
+# ---- stats-dump: how long CRIU kept the tree frozen ---------------------------------------
+IMG_SERVICE_MAGIC, STATS_MAGIC = 0x55105940, 0x57093306
+
+
+def _varints(buf: bytes) -> dict[int, Any]:
+    """The fields of one protobuf message (varints and length-delimited), by field number."""
+    out: dict[int, Any] = {}
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            out[number], i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            out[number], i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+    return out
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
+def frozen_seconds(images: Path) -> Optional[float]:
+    """CRIU's freezing + frozen time of the last dump (stats-dump), None when unreadable.
+
+    stats-dump is a CRIU service image: two magics, a u32 length, a StatsEntry whose field 1 is
+    dump_stats_entry (1 freezing_time, 2 frozen_time, in microseconds)."""
+    try:
+        raw = (images / "stats-dump").read_bytes()
+        magic, kind, size = struct.unpack_from("<III", raw)
+        if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
+            return None
+        dump = _varints(_varints(raw[12:12 + size])[1])
+        return (dump[1] + dump[2]) / 1e6
+    except (OSError, struct.error, KeyError, IndexError, ValueError, TypeError):
+        return None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a CRIU started by `Criu.start` (its own process group) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -1,0 +1,249 @@
+"""The full-process engine: CUDA driver checkpoint + CRIU, as ordered steps with their undo.
+
+checkpoint: lock (with a timeout) -> driver checkpoint -> criu dump -> [--leave-running: driver
+restore -> unlock] -> seal the image (checksums, manifest, DIR.partial -> DIR).
+restore: verify -> criu restore -> driver restore (onto other GPUs if asked) -> unlock.
+
+Every step runs inside a `Guard`: on any failure, Ctrl-C or SIGTERM it runs
+`watchdog.recover` (the one undo), and a watchdog process runs the same undo if pos dies.
+Processes without CUDA state skip the driver steps: CRIU alone.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from pos import nvml
+from pos.errors import BadInput, PosError
+from pos.scheduler import criu as criu_mod
+from pos.scheduler import image, procs
+from pos.scheduler.criu import Options, PageServer
+from pos.scheduler.image import Manifest
+from pos.scheduler.watchdog import Plan, Watchdog, recover
+
+Echo = Callable[[str], None]
+DEFAULT_LOCK_TIMEOUT_MS = 10_000
+# Fault injection, as CRIU's CRIU_FAULT: "STEP=SIGNAL" (STEP:criu while CRIU runs) makes pos
+# send itself SIGNAL when that step begins, so that tests can kill pos at every step.
+FAULT_ENV = "POS_FAULT_AT"
+
+
+class Guard:
+    """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
+
+    def __init__(self, plan: Plan, echo: Echo, partial: Optional[Path] = None) -> None:
+        self.plan, self.echo, self.partial = plan, echo, partial
+        self.timings: dict[str, float] = {}
+        self.watchdog: Optional[Watchdog] = None
+
+    def __enter__(self) -> "Guard":
+        self.watchdog = Watchdog()
+        self.watchdog.send(self.plan)
+        return self
+
+    def step(self, name: str, **changes: Any) -> None:
+        """Tell the watchdog which step begins (and what changed in the plan)."""
+        self.plan.step = name
+        for k, v in changes.items():
+            setattr(self.plan, k, v)
+        assert self.watchdog is not None
+        self.watchdog.send(self.plan)
+        fault = os.environ.get(FAULT_ENV, "")
+        point = name + (":criu" if self.plan.criu_pid else "")
+        if fault.partition("=")[0] == point:
+            os.kill(os.getpid(), signal.Signals["SIG" + fault.partition("=")[2]])
+
+    def timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one step and add its duration to timings[name]."""
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
+
+    def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path) -> None:
+        proc = criu.start(argv)
+        self.step(self.plan.step, criu_pid=proc.pid)
+        criu.finish(proc, what, log)
+        self.step(self.plan.step, criu_pid=None)
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> bool:
+        assert self.watchdog is not None
+        if exc_type is None:
+            self.watchdog.done()
+            return False
+        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
+                      f"(failed at step {self.plan.step})")
+            try:
+                recover(self.plan, self.echo)
+            except PosError as undo:
+                raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
+                               undo.fix or "check the process by hand") from None
+            finally:
+                if self.partial is not None:
+                    image.discard(self.partial)
+                self.watchdog.done()
+        finally:
+            for s, h in held.items():
+                signal.signal(s, h)
+        if isinstance(exc, KeyboardInterrupt):
+            raise PosError(f"{self.plan.op} of PID {self.plan.pids[0]} interrupted and undone",
+                           "the processes run as before") from None
+        return False
+
+
+def _what(exc: Optional[BaseException]) -> str:
+    if isinstance(exc, PosError):
+        return exc.cause
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def gpu_pids(pids: list[int]) -> list[int]:
+    """The processes of the tree that hold CUDA state (map libcuda and initialised CUDA)."""
+    candidates = [p for p in pids if procs.maps_libcuda(p)]
+    if not candidates:
+        return []
+    from pos.scheduler import cudackpt
+
+    return [p for p in candidates if cudackpt.cuda_state(p) is not None]
+
+
+@dataclass
+class Result:
+    path: Path
+    manifest: Manifest
+    restored_pid: Optional[int] = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
+               lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, echo: Echo = lambda _: None,
+               page_server: Optional[PageServer] = None) -> Result:
+    """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
+    procs.require_checkpointable(pid)
+    criu = criu_mod.find()
+    pids = procs.tree(pid)
+    cuda = gpu_pids(pids)
+    from pos.scheduler import cudackpt
+
+    gpu_use = nvml.gpus_of(cuda) if cuda else {}
+    names = {g.uuid: g.name for g in nvml.gpus()} if gpu_use else {}
+    # pages at least as large as what is resident, plus the device memory the dump will hold;
+    # a page server takes the pages elsewhere
+    needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
+    partial = image.prepare(directory, needed)
+    comm, cmdline = procs.describe(pid)
+    manifest = Manifest(
+        pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(), kernel=platform.release(), criu_version=criu.version_text,
+        criu_options=options.to_json(), leave_running=leave_running,
+        driver_version=nvml.driver_version() if cuda else None,
+        cuda_version=cudackpt.driver_version() if cuda else None,
+        gpus=[{"uuid": u, "name": names.get(u, "n/a"), "memory_used": m}
+              for u, m in gpu_use.items()])
+    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
+                stopped=[p for p in pids if procs.state(p) in ("T", "t")],
+                criu_options=options.to_json())
+    echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with CUDA "
+         f"state")
+    with Guard(plan, echo, partial) as g:
+        start = time.monotonic()
+        for p in cuda:
+            g.step("lock")
+            g.timed("lock", lambda p=p: cudackpt.lock(p, lock_timeout_ms))
+        for p in cuda:
+            g.step("checkpoint")
+            g.timed("checkpoint", lambda p=p: cudackpt.checkpoint(p))
+        g.step("dump")
+        argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
+        g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
+        frozen = criu_mod.frozen_seconds(partial)
+        if frozen is not None:
+            g.timings["frozen"] = frozen
+        if leave_running:
+            for p in cuda:
+                g.step("restore")
+                g.timed("restore", lambda p=p: cudackpt.restore(p))
+            for p in cuda:
+                g.step("unlock")
+                g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+            manifest.stall_s = time.monotonic() - start if cuda else frozen
+        g.step("seal")
+        manifest.timings = g.timings
+        final = g.timed("checksum", lambda: image.seal(partial, manifest))
+    manifest.timings = g.timings
+    image.write_manifest(final, manifest)     # with the checksum's own time
+    return Result(final, manifest, timings=g.timings)
+
+
+def check_restorable(directory: Path, manifest: Manifest) -> None:
+    """Refuse an image whose PIDs are taken or whose driver differs from this host's."""
+    for pid in manifest.pids:
+        if Path(f"/proc/{pid}").exists():
+            comm = procs.describe(pid)[0] or "a process"
+            if procs.state(pid) == "Z":
+                comm += ", a zombie its parent has not reaped"
+            raise BadInput(f"PID {pid} of the image is taken ({comm})",
+                           "stop that process (after a --leave-running checkpoint: the "
+                           "original), then restore again")
+    if not manifest.gpu_pids:
+        return
+    from pos.scheduler import cudackpt
+
+    here = nvml.driver_version()
+    if manifest.driver_version and here and here != manifest.driver_version:
+        raise BadInput(f"{directory} was taken with NVIDIA driver {manifest.driver_version} "
+                       f"and this host runs {here}", "restore it on a host with driver "
+                       f"{manifest.driver_version} (driver checkpoints are tied to the driver)")
+    cuda_here = cudackpt.driver_version()
+    if manifest.cuda_version and cuda_here and cuda_here != manifest.cuda_version:
+        raise BadInput(f"{directory} was taken with a CUDA {manifest.cuda_version} driver and "
+                       f"this host's driver is CUDA {cuda_here}", "restore it on a host with "
+                       "the same driver (driver checkpoints are tied to the driver)")
+
+
+def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
+            gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None) -> Result:
+    """Restore the image in `directory` (verified first) and resume its processes."""
+    directory = Path(directory).absolute()
+    t = time.monotonic()
+    manifest = verified or image.verify(directory)
+    verify_s = time.monotonic() - t
+    criu = criu_mod.find()
+    check_restorable(directory, manifest)
+    plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
+                images=str(directory), criu_options=manifest.criu_options,
+                gpu_pairs=[list(p) for p in gpu_pairs])
+    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
+    echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
+    from pos.scheduler import cudackpt
+
+    with Guard(plan, echo) as g:
+        g.timings["verify"] = verify_s
+        g.step("criu-restore")
+        argv = criu.restore_argv(directory, Options.from_json(manifest.criu_options), work,
+                                 work / "pidfile", inherit_fds)
+        g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
+                                                   work / criu_mod.RESTORE_LOG))
+        root = int((work / "pidfile").read_text())
+        for p in manifest.gpu_pids:
+            g.step("restore")
+            g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
+        for p in manifest.gpu_pids:
+            g.step("unlock")
+            g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+    shutil.rmtree(work, ignore_errors=True)
+    return Result(directory, manifest, restored_pid=root, timings=g.timings)

@@ -1,0 +1,201 @@
+"""Moving a process: onto another GPU of this host (the driver's restore with GPU pairs, no
+CRIU needed), or to another host (CRIU's page server streams the memory, a control connection
+carries the rest of the image; the receiver verifies and restores it)."""
+
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pos import nvml
+from pos.errors import BadInput, PosError
+from pos.scheduler import criu as criu_mod
+from pos.scheduler import engine, image, procs
+from pos.scheduler.criu import Options, PageServer
+from pos.scheduler.engine import Echo, Guard
+from pos.scheduler.watchdog import Plan
+
+
+def gpu_pairs(used: list[str], target: str, all_uuids: list[str]) -> list[tuple[str, str]]:
+    """The GPU mapping for the driver's restore: the process's GPU and the target swap places,
+    every other GPU maps to itself, so that the mapping covers every device once."""
+    if len(used) != 1:
+        seen = ", ".join(used) or "none seen by NVML"
+        raise BadInput(f"the process uses {len(used)} GPUs ({seen})",
+                       "--to-gpu moves processes that use exactly one GPU")
+    src = used[0]
+    if src == target:
+        raise BadInput(f"the process already runs on {target}", "give another GPU index")
+    swap = {src: target, target: src}
+    return [(u, swap.get(u, u)) for u in all_uuids]
+
+
+def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None) -> None:
+    """lock -> checkpoint -> restore onto GPU `index` -> unlock, for every CUDA process of the
+    tree; the undo restores onto the original GPU."""
+    procs.require_checkpointable(pid)
+    pids = procs.tree(pid)
+    cuda = engine.gpu_pids(pids)
+    if not cuda:
+        raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
+    if not nvml.available():
+        raise BadInput("NVML is not available (it names the GPUs for the driver's restore)",
+                       "install the NVIDIA driver with libnvidia-ml.so.1")
+    gpus = nvml.gpus()
+    if index >= len(gpus):
+        raise BadInput(f"this host has {len(gpus)} GPU(s), no GPU {index}",
+                       f"give an index from 0 to {len(gpus) - 1}")
+    pairs = gpu_pairs(list(nvml.gpus_of(cuda)), gpus[index].uuid, [g.uuid for g in gpus])
+    from pos.scheduler import cudackpt
+
+    plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
+    with Guard(plan, echo) as g:
+        for step, fn in (("lock", lambda p: cudackpt.lock(p, lock_timeout_ms)),
+                         ("checkpoint", cudackpt.checkpoint),
+                         ("restore", lambda p: cudackpt.restore(p, pairs)),
+                         ("unlock", cudackpt.unlock)):
+            for p in cuda:
+                g.step(step)
+                g.timed(step, lambda p=p, fn=fn: fn(p))
+    echo(", ".join(f"{k} {v:.3f} s" for k, v in g.timings.items()))
+    echo(f"PID {pid} now runs on GPU {index} ({gpus[index].name} {gpus[index].uuid})")
+
+
+# ---- to another host ---------------------------------------------------------------------
+# Control connection: one JSON line each way per message; files follow their header as raw
+# bytes. The page server listens on the control port + 1.
+
+def _send(sock: socket.socket, msg: dict[str, Any], payload: bytes = b"") -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n" + payload)
+
+
+class _Reader:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf = sock, b""
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise PosError("the other side of the migration closed the connection",
+                           "see its output for the reason")
+        self.buf += chunk
+
+    def message(self) -> dict[str, Any]:
+        while b"\n" not in self.buf:
+            self._fill()
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+
+def _split(host: str) -> tuple[str, int]:
+    name, _, port = host.rpartition(":") if ":" in host else (host, "", "7070")
+    try:
+        return name, int(port)
+    except ValueError:
+        raise BadInput(f"--to {host} is not HOST or HOST:PORT", "e.g. --to 10.0.0.2:7070") \
+            from None
+
+
+def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,
+            echo: Echo = lambda _: None) -> None:
+    """Checkpoint PID with its pages streamed to HOST's page server, send the rest of the image,
+    and wait until HOST has restored it."""
+    address, port = _split(host)
+    procs.require_checkpointable(pid)
+    try:
+        sock = socket.create_connection((address, port), timeout=30)
+    except OSError as e:
+        raise BadInput(f"cannot reach {address}:{port} ({e.strerror or e})",
+                       "start `pos migrate --listen` there first") from None
+    sock.settimeout(None)
+    reader = _Reader(sock)
+    with sock:
+        _send(sock, {"pids": procs.tree(pid)})
+        reply = reader.message()
+        if "error" in reply:
+            raise BadInput(f"{address} refused the migration: {reply['error']}",
+                           "fix that there, then migrate again")
+        keep = local is not None
+        local = local or Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
+        result = engine.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
+                                   page_server=PageServer(address, port + 1))
+        for name in sorted(result.manifest.files):
+            data = (result.path / name).read_bytes()
+            _send(sock, {"file": name, "size": len(data)}, data)
+        manifest = result.manifest.to_json().encode()
+        _send(sock, {"manifest": len(manifest)}, manifest)
+        reply = reader.message()
+    if "error" in reply:
+        raise PosError(f"{address} could not restore PID {pid}: {reply['error']}",
+                       f"its image stays there for `pos restore` ({reply.get('path', '?')})")
+    if not keep:     # the pages went to HOST: this part alone restores nothing
+        shutil.rmtree(result.path, ignore_errors=True)
+    echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
+
+
+def _wait_listening(port: int, proc: Any) -> None:
+    """Until CRIU's page server listens (probing it by connecting would use up its one
+    connection, so /proc/self/net/tcp* is read instead)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        return
+        time.sleep(0.02)
+    raise PosError(f"CRIU's page server did not listen on port {port}",
+                   "see criu-page-server.log next to the image")
+
+
+def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None) -> int:
+    """Receive one migrating process into `directory` and restore it; its PID."""
+    criu = criu_mod.find()
+    partial = image.prepare(directory.absolute(), 0)
+    try:
+        server = socket.create_server((address, port))
+    except OSError as e:
+        image.discard(partial)
+        raise BadInput(f"cannot listen on {address}:{port} ({e.strerror})",
+                       "give another --port or --address") from None
+    echo(f"listening on {address}:{port} (page server on {port + 1})")
+    with server:
+        conn, peer = server.accept()
+    with conn:
+        reader = _Reader(conn)
+        try:
+            # the PIDs are checked at the restore: the dump frees them when both "hosts"
+            # share one PID namespace (as in the tests)
+            echo(f"PIDs {reader.message()['pids']} announced")
+            work = partial.parent
+            ps = criu.start(criu.page_server_argv(partial, address, port + 1, work))
+            _wait_listening(port + 1, ps)
+            _send(conn, {"ready": True})
+            manifest_text = b""
+            while not manifest_text:
+                msg = reader.message()
+                if "file" in msg:
+                    dest = partial / Path(msg["file"]).name
+                    dest.write_bytes(reader.exactly(msg["size"]))
+                else:
+                    manifest_text = reader.exactly(msg["manifest"])
+            criu.finish(ps, "page-server", work / "criu-page-server.log")
+            manifest = image.Manifest.from_json(manifest_text.decode())
+            final = image.seal(partial, manifest)
+            echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
+            result = engine.restore(final, echo=echo)
+        except PosError as e:
+            image.discard(partial)
+            _send(conn, {"error": e.message, "path": str(directory)})
+            raise
+        _send(conn, {"pid": result.restored_pid})
+    return result.restored_pid or 0

@@ -1,0 +1,148 @@
+"""Processes as /proc shows them: trees, states, what they map. No signals sent here except by
+`kill_tree`, which is the one place that ends a process tree that pos must not leave behind."""
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+from pos.errors import BadInput
+
+
+def _stat(pid: int) -> Optional[list[str]]:
+    """/proc/PID/stat fields after the command name (index 0 = state), None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def state(pid: int) -> Optional[str]:
+    """The one-letter state (R, S, T, Z, ...), None when gone."""
+    st = _stat(pid)
+    return st[0] if st else None
+
+
+def parent(pid: int) -> Optional[int]:
+    st = _stat(pid)
+    return int(st[1]) if st else None
+
+
+def describe(pid: int) -> tuple[str, str]:
+    """(comm, command line), empty strings when the process is gone."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            "utf-8", "replace").strip()
+    except OSError:
+        return "", ""
+    return comm, cmdline
+
+
+def is_kernel_thread(pid: int) -> bool:
+    """Kernel threads have no memory map (flags PF_KTHREAD); their cmdline is empty too."""
+    st = _stat(pid)
+    return st is not None and int(st[6]) & 0x00200000 != 0
+
+
+def tree(root: int) -> list[int]:
+    """`root` and all its descendants, parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            pid = int(entry.name)
+            ppid = parent(pid)
+            if ppid is not None and alive(pid):
+                children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(sorted(children.get(pid, [])))
+    return out
+
+
+def ancestors(pid: int) -> list[int]:
+    out = []
+    p = parent(pid)
+    while p:
+        out.append(p)
+        p = parent(p)
+    return out
+
+
+def maps_libcuda(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any("/libcuda.so" in line for line in f)
+    except OSError:
+        return False
+
+
+def resident_bytes(pids: list[int]) -> int:
+    """Sum of VmRSS: what CRIU's pages will take at least."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def require_checkpointable(pid: int) -> None:
+    """Refuse, with one sentence, what pos must not or cannot checkpoint."""
+    if not alive(pid):
+        raise BadInput(f"no process has PID {pid}", "give the PID of a running process")
+    if pid == 1 or is_kernel_thread(pid):
+        raise BadInput(f"PID {pid} is {'init' if pid == 1 else 'a kernel thread'}, which "
+                       "cannot be checkpointed", "give the PID of a user process")
+    me = os.getpid()
+    if pid == me or pid in ancestors(me):
+        raise BadInput(f"PID {pid} is pos itself or one of its parents",
+                       "run pos from outside the process tree to checkpoint")
+    if os.geteuid() != 0:
+        raise BadInput(f"checkpointing PID {pid} needs root (CRIU and the driver's checkpoint "
+                       "API need CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE)",
+                       "run pos with sudo")
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Wait until `pid` is gone or a zombie (it need not be our child); False on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.02)
+    return not alive(pid)
+
+
+def kill_tree(pids: list[int]) -> None:
+    """SIGKILL every listed process still alive (children first)."""
+    for pid in reversed(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        wait_gone(pid, 5)
+
+
+def thaw(pids: list[int]) -> None:
+    """SIGCONT the listed processes that are stopped (T): what a dead CRIU may leave behind."""
+    for pid in pids:
+        if state(pid) in ("T", "t"):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass

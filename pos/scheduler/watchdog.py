@@ -1,0 +1,208 @@
+"""The undo of a half-done checkpoint or restore, and the watchdog process that runs it when pos
+itself dies.
+
+pos starts `python -m pos.scheduler.watchdog` (its own session, so a terminal's Ctrl-C or a
+killed process group does not take it along) before touching the target, and writes the
+current `Plan` to its stdin as one JSON line per step. A line {"done": true} ends it quietly.
+If the pipe closes without it, pos died (even SIGKILL closes the pipe) and the watchdog runs
+`recover(plan)`. pos runs the very same `recover` on its own failures and on SIGINT/SIGTERM.
+
+`recover` decides from what it observes, not from what it was told was done, so it may run
+twice (pos died during its own undo) without harm:
+  - a CRIU still running is waited for (its parasite is inside the target; killing it could
+    corrupt the target); one that never ends is killed and the tree thawed (SIGCONT);
+  - checkpoint: a target killed by a dump that completed is restored from the partial image;
+    then every CUDA process that is CHECKPOINTED gets the driver's restore, every LOCKED one
+    its unlock;
+  - restore: forward, a restored tree is finished (driver restore onto the planned GPUs,
+    unlock); a tree that cannot be finished is killed, never left half-restored.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from pos.errors import PosError
+from pos.scheduler import procs
+
+LOG_ENV = "POS_WATCHDOG_LOG"
+DEFAULT_LOG = "/var/lib/pos/watchdog.log"
+CRIU_WAIT_ENV = "POS_CRIU_WAIT_S"     # how long recovery waits for a running CRIU
+DEFAULT_CRIU_WAIT_S = 3600.0
+
+
+@dataclass
+class Plan:
+    """Everything the undo needs to know, sent to the watchdog at each step."""
+
+    op: str                                   # checkpoint, restore, migrate-gpu
+    pids: list[int]                           # the process tree
+    gpu_pids: list[int] = field(default_factory=list)
+    step: str = "start"                       # the step begun last (for the log)
+    stopped: list[int] = field(default_factory=list)   # stopped before pos came: stay stopped
+    criu_pid: Optional[int] = None            # a running CRIU (its own process group)
+    criu_path: str = ""
+    images: str = ""                          # checkpoint: DIR.partial; restore: DIR
+    criu_options: dict[str, Any] = field(default_factory=dict)
+    gpu_pairs: list[list[str]] = field(default_factory=list)   # restore onto these GPUs
+
+    def to_json(self) -> str:
+        return json.dumps({"plan": asdict(self)})
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Plan":
+        return cls(**d)
+
+
+def _wait_criu(plan: Plan, log: Callable[[str], None]) -> None:
+    if not plan.criu_pid or not procs.alive(plan.criu_pid):
+        return
+    limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
+    log(f"waiting up to {limit:.0f} s for CRIU (PID {plan.criu_pid}) to finish")
+    if procs.wait_gone(plan.criu_pid, limit):
+        return
+    log(f"CRIU (PID {plan.criu_pid}) did not finish: killing it and thawing the tree")
+    try:
+        os.killpg(plan.criu_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    procs.wait_gone(plan.criu_pid, 10)
+    procs.thaw([p for p in plan.pids if p not in plan.stopped])
+
+
+def _resurrect(plan: Plan, log: Callable[[str], None]) -> None:
+    """A dump that completed killed the tree: bring it back from the partial image."""
+    from pos.scheduler.criu import Criu, Options, RESTORE_LOG, failure
+
+    images = Path(plan.images)
+    if not (images / "inventory.img").is_file():
+        raise PosError(f"PID {plan.pids[0]} is gone and {images} holds no complete CRIU image",
+                       "nothing can bring it back; check the CRIU log there")
+    log(f"the dump completed and the tree is gone: restoring it from {images}")
+    deadline = time.monotonic() + 10     # the dead tree's parent must reap it: PIDs free
+    while any(Path(f"/proc/{p}").exists() for p in plan.pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    criu = Criu(plan.criu_path, ())
+    with tempfile.TemporaryDirectory(prefix="pos-undo-") as work:
+        argv = criu.restore_argv(images, Options.from_json(plan.criu_options), Path(work),
+                                 Path(work) / "pid")
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True)
+        if p.returncode != 0:
+            raise failure("restore", Path(work) / RESTORE_LOG, p.stdout.decode(errors="replace"))
+
+
+def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], None]) -> None:
+    """Every CUDA process of the plan back to RUNNING (driver restore, unlock)."""
+    from pos.scheduler import cudackpt
+
+    for pid in plan.gpu_pids:
+        if not procs.alive(pid):
+            continue
+        state = cudackpt.get_state(pid)
+        if state == "checkpointed":
+            log(f"PID {pid}: driver restore")
+            cudackpt.restore(pid, pairs)
+            state = cudackpt.get_state(pid)
+        if state == "locked":
+            log(f"PID {pid}: unlock")
+            cudackpt.unlock(pid)
+
+
+def recover(plan: Plan, log: Callable[[str], None]) -> None:
+    """Bring the plan's processes back to running (see the module docstring)."""
+    _wait_criu(plan, log)
+    if plan.op == "restore":
+        if not plan.pids or not procs.alive(plan.pids[0]):
+            return                      # CRIU failed and cleaned up: nothing was restored
+        try:
+            _finish_gpu(plan, [tuple(p) for p in plan.gpu_pairs], log)
+        except PosError as e:
+            log(f"cannot finish the restore ({e.message}): killing the restored tree")
+            procs.kill_tree(procs.tree(plan.pids[0]))
+            raise
+        return
+    if plan.op == "checkpoint" and plan.step in ("dump", "seal") and plan.pids \
+            and not procs.alive(plan.pids[0]):
+        _resurrect(plan, log)
+    procs.thaw([p for p in plan.pids if p not in plan.stopped])
+    _finish_gpu(plan, [], log)
+
+
+class Watchdog:
+    """pos's side of the watchdog process: start it, tell it each step, say done."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pos.scheduler.watchdog"], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": _import_path()})
+
+    def send(self, plan: Plan) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((plan.to_json() + "\n").encode())
+        self.proc.stdin.flush()
+
+    def done(self) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(b'{"done": true}\n')
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.proc.wait()
+
+
+def _import_path() -> str:
+    """PYTHONPATH for the watchdog: wherever this pos was imported from comes first."""
+    here = str(Path(__file__).resolve().parent.parent.parent)
+    rest = os.environ.get("PYTHONPATH")
+    return f"{here}:{rest}" if rest else here
+
+
+def _log_to(path: str) -> Callable[[str], None]:
+    def log(line: str) -> None:
+        try:
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} watchdog[{os.getpid()}] {line}\n")
+        except OSError:
+            pass
+    return log
+
+
+def main() -> int:
+    # Only pos's pipe ends the watchdog; a terminal's signals are not for it.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    log = _log_to(os.environ.get(LOG_ENV) or DEFAULT_LOG)
+    plan: Optional[Plan] = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("done"):
+            return 0
+        plan = Plan.from_json(msg["plan"])
+    if plan is None:
+        return 0
+    log(f"pos died during {plan.op} of PID {plan.pids[:1]} at step {plan.step}: undoing")
+    try:
+        recover(plan, log)
+    except PosError as e:
+        log(f"undo failed: {e.message}")
+        return 1
+    if plan.op == "checkpoint" and plan.images:
+        from pos.scheduler.image import discard
+
+        discard(Path(plan.images))
+    log("undo done: the processes run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

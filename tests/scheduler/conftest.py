@@ -1,0 +1,145 @@
+"""Fixtures of the checkpoint/restore tests: real CRIU on real processes, as root.
+
+pytest makes itself a child subreaper: processes that CRIU restores (criu restore -d) and
+processes orphaned by a killed pos are re-parented to it instead of to PID 1, which on these
+machines never reaps them (a zombie keeps its PID, and a restore needs that PID free).
+"""
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+from tests.conftest import ROOT, need
+
+PR_SET_CHILD_SUBREAPER = 36
+COUNTER = Path(__file__).with_name("counter.py")
+
+
+@pytest.fixture(scope="session")
+def criu_ready() -> None:
+    need(os.geteuid() == 0, "CRIU needs root")
+    from pos.errors import PosError
+    from pos.scheduler import criu
+
+    try:
+        criu.find()
+    except PosError as e:
+        need(False, e.message)
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def lines(path: Path) -> list[int]:
+    try:
+        return [int(x) for x in path.read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    from pos.scheduler import procs
+
+    return procs.alive(pid)
+
+
+def reap(pid: int) -> None:
+    """Kill and reap a process that is (now) our child."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+class Counter:
+    """A counter.py process (see there), started in its own session unless `shell_job`."""
+
+    def __init__(self, path: Path, children: int = 0, cuda: Optional[Path] = None,
+                 shell_job: bool = False, env: Optional[dict] = None) -> None:
+        self.path = path
+        argv = [sys.executable, str(COUNTER), str(path), "--children", str(children)]
+        if cuda:
+            argv += ["--cuda", str(cuda)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=not shell_job,
+                                     env={**os.environ, **(env or {})})
+        self.pid = self.proc.pid
+        # the original is reaped as soon as it dies (a dump kills it): its PID is free then
+        threading.Thread(target=self.proc.wait, daemon=True).start()
+        self.files = [path] + [Path(f"{path}.{i}") for i in range(children)]
+        wait_for(lambda: all(len(lines(f)) >= 5 for f in self.files), what="the counter")
+        self.tree = self.pids()
+
+    def pids(self) -> list[int]:
+        from pos.scheduler import procs
+
+        return procs.tree(self.pid)
+
+    def running(self) -> bool:
+        """Alive and still counting."""
+        before = [len(lines(f)) for f in self.files]
+        time.sleep(0.3)
+        return alive(self.pid) and all(len(lines(f)) > b for f, b in zip(self.files, before))
+
+    def reap_original(self) -> None:
+        """Wait for the original tree (killed by a dump) so that its PIDs are free: the root
+        is our child, its children come to us (the subreaper) when it dies."""
+        self.proc.wait(timeout=20)
+        for pid in self.tree[1:]:
+            wait_for(lambda: not alive(pid), what=f"PID {pid} to end")
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+    def stop(self) -> None:
+        for pid in reversed(self.pids()):
+            reap(pid)
+        if self.proc.returncode is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def counters(criu_ready: None) -> Iterator[list[Counter]]:
+    """Counters to stop after the test (whatever incarnation, original or restored, runs)."""
+    made: list[Counter] = []
+    yield made
+    for c in made:
+        c.stop()
+
+
+def pos(*args: str, env: Optional[dict] = None, timeout: float = 120,
+        prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "pos.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=timeout)
+
+
+def one_sentence(r: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
+    """The run failed with `code` and said why in one line on stderr, without a traceback."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    errs = r.stderr.strip().splitlines()
+    assert len(errs) == 1 and errs[0].startswith("Error: "), r.stderr
+    for f in fragments:
+        assert f in errs[0], errs[0]
+    return errs[0]

@@ -1,0 +1,122 @@
+"""Bad input to checkpoint/restore: one sentence naming the cause and the fix, exit 2, no
+traceback, the target untouched and nothing half-written left looking complete."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import need
+from tests.scheduler.conftest import Counter, one_sentence, pos
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {"POS_DB": str(tmp_path / "pos.db"), "POS_WATCHDOG_LOG": str(tmp_path / "wd.log")}
+
+
+@pytest.fixture
+def counter(tmp_path: Path, counters) -> Counter:
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    return c
+
+
+def test_no_such_pid(tmp_path, criu_ready, env) -> None:
+    r = pos("checkpoint", "4000000", "-D", str(tmp_path / "img"), env=env)
+    assert one_sentence(r, 2) == ("Error: no process has PID 4000000: give the PID of a running "
+                                  "process.")
+
+
+@pytest.mark.parametrize("pid,what", [(1, "init"), (2, "a kernel thread")])
+def test_pid_that_cannot_be_checkpointed(tmp_path, criu_ready, env, pid, what) -> None:
+    one_sentence(pos("checkpoint", str(pid), "-D", str(tmp_path / "img"), env=env), 2,
+                 f"PID {pid} is {what}")
+
+
+def test_pid_of_pos_itself(tmp_path, criu_ready, env) -> None:
+    # pytest is an ancestor of the pos it starts
+    one_sentence(pos("checkpoint", str(os.getpid()), "-D", str(tmp_path / "img"), env=env), 2,
+                 "is pos itself or one of its parents")
+
+
+def test_caller_without_privileges(tmp_path, counter, env) -> None:
+    need(shutil.which("setpriv") is not None, "dropping privileges needs setpriv")
+    tmp_path.chmod(0o777)
+    r = pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"), env=env,
+            prefix=("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                    "--inh-caps=-all"))
+    one_sentence(r, 2, "needs root", "sudo")
+    assert counter.running()
+
+
+def test_directory_exists_or_parent_missing(tmp_path, counter, env) -> None:
+    (tmp_path / "img").mkdir()
+    one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"), env=env), 2,
+                 "already exists")
+    one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "no" / "img"),
+                     env=env), 2, "does not exist")
+    assert counter.running()
+
+
+@pytest.fixture
+def small_mount(tmp_path: Path):
+    """A 1 MiB tmpfs (read-only when asked): out of space, or not writable even for root."""
+    mounted = []
+
+    def make(options: str) -> Path:
+        d = tmp_path / f"mnt{len(mounted)}"
+        d.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "pos-test", str(d)], check=True)
+        mounted.append(d)
+        return d
+
+    yield make
+    for d in mounted:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def test_directory_not_writable(counter, env, small_mount) -> None:
+    d = small_mount("ro,size=1m")
+    one_sentence(pos("checkpoint", str(counter.pid), "-D", str(d / "img"), env=env), 2,
+                 "is not writable")
+    assert counter.running() and not any(d.iterdir())
+
+
+def test_out_of_space(counter, env, small_mount) -> None:
+    d = small_mount("size=1m")
+    one_sentence(pos("checkpoint", str(counter.pid), "-D", str(d / "img"), env=env), 2,
+                 "MiB free and the image needs about", "free space")
+    assert counter.running() and not any(d.iterdir())
+
+
+def test_restore_whose_pid_is_taken(tmp_path, counter, env) -> None:
+    img = tmp_path / "img"
+    assert pos("checkpoint", str(counter.pid), "-D", str(img), "--leave-running",
+               env=env).returncode == 0
+    one_sentence(pos("restore", "-D", str(img), env=env), 2,
+                 f"PID {counter.pid} of the image is taken", "stop that process")
+    assert counter.running()
+
+
+def test_restore_of_something_else(tmp_path, criu_ready, env) -> None:
+    one_sentence(pos("restore", "-D", str(tmp_path), env=env), 2, "is not a complete pos image")
+    one_sentence(pos("restore", "-D", str(tmp_path / "nothing"), env=env), 2,
+                 "is not a directory")
+
+
+def test_missing_criu(tmp_path, counter, env) -> None:
+    r = pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"),
+            env={**env, "POS_CRIU": "/nonexistent/criu"})
+    one_sentence(r, 2, "POS_CRIU=/nonexistent/criu does not run as CRIU", "scripts/setup.sh")
+    assert counter.running()
+
+
+def test_old_criu_is_refused(tmp_path, counter, env) -> None:
+    old = tmp_path / "criu"
+    old.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    old.chmod(0o755)
+    one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"),
+                     env={**env, "POS_CRIU": str(old)}), 2, "is CRIU 3.17.1, pos needs >= 4.0")

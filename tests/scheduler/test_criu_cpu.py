@@ -1,0 +1,134 @@
+"""`pos checkpoint` / `pos restore` of CPU processes through real CRIU (root, no GPU)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.scheduler.conftest import Counter, lines, one_sentence, pos, wait_for
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {"POS_DB": str(tmp_path / "pos.db"), "POS_WATCHDOG_LOG": str(tmp_path / "wd.log")}
+
+
+def continues(c: Counter, restored_after: dict[Path, int]) -> None:
+    """Each file counts on without a gap or a repeat after the restore."""
+    wait_for(lambda: all(len(lines(f)) > restored_after[f] + 20 for f in c.files),
+             what="the restored counter")
+    for f in c.files:
+        values = lines(f)
+        assert values == list(range(1, len(values) + 1)), f"{f}: {values[:5]}...{values[-5:]}"
+
+
+def test_dump_and_restore_continue_from_the_dumped_value(tmp_path, counters, env) -> None:
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), env=env)
+    assert r.returncode == 0, r.stderr
+    c.reap_original()
+    at_dump = {f: len(lines(f)) for f in c.files}
+    assert not (tmp_path / "img.partial").exists()
+    r = pos("restore", "-D", str(tmp_path / "img"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"restored PID {c.pid}" in r.stdout
+    continues(c, at_dump)
+
+
+def test_leave_running_then_restore(tmp_path, counters, env) -> None:
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    before = len(lines(c.path))
+    r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), "--leave-running", env=env)
+    assert r.returncode == 0, r.stderr
+    after = len(lines(c.path))
+    assert c.running()
+    manifest = json.loads((tmp_path / "img" / "pos-manifest.json").read_text())
+    assert manifest["leave_running"] and manifest["stall_s"] is not None
+    c.proc.kill()
+    c.reap_original()
+    killed_at = len(lines(c.path))
+    r = pos("restore", "-D", str(tmp_path / "img"), env=env)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: len(lines(c.path)) > killed_at + 10, what="the restored counter")
+    resumed = lines(c.path)[killed_at:]
+    # the restored process continues from the value it had during the dump
+    assert before < resumed[0] <= after + 1, (before, resumed[0], after)
+    assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
+
+
+def test_process_tree(tmp_path, counters, env) -> None:
+    c = Counter(tmp_path / "count", children=2)
+    counters.append(c)
+    tree = c.pids()
+    assert len(tree) == 3
+    r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), env=env)
+    assert r.returncode == 0, r.stderr
+    c.reap_original()
+    at_dump = {f: len(lines(f)) for f in c.files}
+    r = pos("restore", "-D", str(tmp_path / "img"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert c.pids() == tree
+    continues(c, at_dump)
+
+
+def test_shell_job_needs_the_option(tmp_path, counters, env) -> None:
+    c = Counter(tmp_path / "count", shell_job=True)
+    counters.append(c)
+    r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), env=env)
+    one_sentence(r, 2, "terminal session", "add --shell-job")
+    assert c.running()
+    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), "--shell-job", env=env)
+    assert r.returncode == 0, r.stderr
+    c.reap_original()
+    at_dump = {f: len(lines(f)) for f in c.files}
+    r = pos("restore", "-D", str(tmp_path / "img"), env=env)
+    assert r.returncode == 0, r.stderr
+    continues(c, at_dump)
+
+
+def test_image_is_root_only_listed_and_inspected(tmp_path, counters, env) -> None:
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    img = tmp_path / "img"
+    assert pos("checkpoint", str(c.pid), "-D", str(img), "--leave-running",
+               env=env).returncode == 0
+    assert img.stat().st_mode & 0o777 == 0o700
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in img.iterdir())
+    manifest = json.loads((img / "pos-manifest.json").read_text())
+    assert manifest["pid"] == c.pid and manifest["gpu_pids"] == []
+    assert set(manifest["files"]) == {f.name for f in img.iterdir()} - {"pos-manifest.json"}
+    assert {"dump", "checksum"} <= set(manifest["timings"])
+    r = pos("images", env=env)
+    assert r.returncode == 0 and str(img) in r.stdout and str(c.pid) in r.stdout
+    r = pos("inspect", str(img), "--verify")
+    assert r.returncode == 0, r.stderr
+    assert f"PID {c.pid}" in r.stdout and "every file matches" in r.stdout
+    assert json.loads(pos("inspect", str(img), "--json").stdout)["pid"] == c.pid
+
+
+def test_corrupt_or_incomplete_image_is_refused(tmp_path, counters, env) -> None:
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    img = tmp_path / "img"
+    assert pos("checkpoint", str(c.pid), "-D", str(img), "--leave-running",
+               env=env).returncode == 0
+    c.proc.kill()
+    c.reap_original()
+    pages = next(img.glob("pages-*.img"))
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    one_sentence(pos("restore", "-D", str(img), env=env), 2,
+                 f"is corrupt: the checksum of {pages.name} does not match")
+    assert not Path(f"/proc/{c.pid}").exists()
+    pages.unlink()
+    one_sentence(pos("restore", "-D", str(img), env=env), 2, f"{pages.name} is missing")
+    (img / "pos-manifest.json").unlink()
+    one_sentence(pos("restore", "-D", str(img), env=env), 2, "is not a complete pos image")
+    os.rename(img, tmp_path / "img.partial")
+    one_sentence(pos("restore", "-D", str(tmp_path / "img.partial"), env=env), 2,
+                 "is an incomplete image")

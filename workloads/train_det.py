@@ -1,0 +1,61 @@
+"""A deterministic PyTorch training job, for checkpoint/restore tests on the GPU.
+
+  python workloads/train_det.py OUT --steps 60 [--sleep 0.05] [--ballast-gib 4]
+
+Writes one line per step to OUT (opened O_APPEND, so a restored process appends where it left
+off): `STEP LOSS` with the loss as float.hex(), exact to the bit. Same seed, same data, cuBLAS
+and cuDNN in deterministic mode: two runs give the same lines, so a checkpointed-and-restored
+run must too. --ballast-gib adds that much random device memory (GPU state to save).
+With --steps 0 it runs until killed, one small step per --sleep (a heartbeat for benchmarks).
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+
+def main() -> None:
+    a = argparse.ArgumentParser()
+    a.add_argument("out")
+    a.add_argument("--steps", type=int, default=60)
+    a.add_argument("--sleep", type=float, default=0.05)
+    a.add_argument("--ballast-gib", type=float, default=0.0)
+    args = a.parse_args()
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    dev = torch.device("cuda")
+    ballast = None
+    if args.ballast_gib:
+        n = int(args.ballast_gib * 2**30) // 4
+        ballast = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+                          nn.Linear(1024, 10)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(512, 256, generator=g).to(dev)
+    y = torch.randint(0, 10, (512,), generator=g).to(dev)
+    fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    step = 0
+    while args.steps == 0 or step < args.steps:
+        step += 1
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        os.write(fd, f"{step} {loss.item().hex()}\n".encode())
+        if args.sleep:
+            torch.cuda.synchronize()
+            time.sleep(args.sleep)
+    if ballast is not None:
+        os.write(fd, f"ballast {ballast.sum(dtype=torch.float64).item().hex()}\n".encode())
+    os.close(fd)
+
+
+if __name__ == "__main__":
+    main()
