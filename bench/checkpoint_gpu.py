@@ -111,14 +111,14 @@ def main() -> None:
     gpus = nvml.gpus()
     if not gpus:
         sys.exit("FAILED: NVML sees no GPU")
-    rows = []
-    for size in (float(s) for s in args.sizes.split(",")):
-        rows.append(measure(size, args.images, args.criu_opt))
+    rows: list[dict] = []
     result = {"device": gpus[0].name, "driver": nvml.driver_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": platform.node(), "kernel": platform.release(),
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "rows": rows}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for size in (float(s) for s in args.sizes.split(",")):
+        rows.append(measure(size, args.images, args.criu_opt))
+        args.out.write_text(json.dumps(result, indent=2) + "\n")   # kept if a later size fails
     print(f"\n{'GiB':>5} {'stall s':>8} {'ckpt s':>8} {'restore s':>9} {'image GiB':>9}")
     for r in rows:
         print(f"{r['gib']:>5g} {r['stall_s']:>8.2f} {r['checkpoint_wall_s']:>8.2f} "

@@ -11,11 +11,13 @@ API_DEFINES
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
-BPF_HASH(layouts, u64, struct pos_layout, 65536);
+/* Layouts are not preallocated: PyTorch with cuDNN names well over 65536 kernels, and each
+ * entry is 260 bytes; user space stops pushing (and says so) if a map is full. */
+BPF_F_TABLE("hash", u64, struct pos_layout, layouts, 262144, BPF_F_NO_PREALLOC);
 /* The same layouts keyed by the FNV-1a hash of the kernel's mangled name, pushed as soon as a
  * module is parsed: a lookup then gives its handle a layout in the kernel, before the launch
  * that typically follows within microseconds (a round trip through user space is too late). */
-BPF_HASH(named_layouts, u64, struct pos_layout, 65536);
+BPF_F_TABLE("hash", u64, struct pos_layout, named_layouts, 262144, BPF_F_NO_PREALLOC);
 
 /* Arguments saved at entry for the return probe, per thread and API (calls may nest). */
 struct pos_pkey {

@@ -48,6 +48,7 @@ class Stats:
     copied_bytes: int = 0
     lost: int = 0
     layout_known: int = 0
+    layouts_full: bool = False    # a probes' layout map ran full (later kernels: 8-byte slots)
     _sizes: dict[int, int] = field(default_factory=dict)
 
     def take(self, batch: Batch, names: dict[int, str]) -> None:
@@ -121,6 +122,7 @@ class _Probes:
             self.attached.append(sym)
         self.layouts = self.bpf["layouts"]
         self.named = self.bpf["named_layouts"]
+        self.full = False        # a layouts map ran full: later kernels go without layouts
         self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
 
     def _leaf(self, layout: fatbin.KernelLayout) -> Optional[Any]:
@@ -135,17 +137,25 @@ class _Probes:
         return leaf
 
     def push_layout(self, handle: int, layout: fatbin.KernelLayout) -> bool:
+        """False when the layout cannot be given (too many parameters, map full): that
+        kernel's launches are then recorded as 8-byte slots, with layout_known false."""
         leaf = self._leaf(layout)
-        if leaf is not None:
-            self.layouts[self.layouts.Key(handle)] = leaf
-        return leaf is not None
+        return leaf is not None and self._update(self.layouts, handle, leaf)
 
     def push_named(self, layouts: dict[str, fatbin.KernelLayout]) -> None:
         """Layouts by name hash, for the probes to give to handles at their lookup."""
         for name, layout in layouts.items():
             leaf = self._leaf(layout)
-            if leaf is not None:
-                self.named[self.named.Key(name_hash(name))] = leaf
+            if leaf is not None and not self._update(self.named, name_hash(name), leaf):
+                return
+
+    def _update(self, table: Any, key: int, leaf: Any) -> bool:
+        try:
+            table[table.Key(key)] = leaf
+        except Exception:   # bcc raises plain Exception; E2BIG when the map is full
+            self.full = True
+            return False
+        return True
 
     def lost(self) -> int:
         return sum(sum(v) for v in self.bpf["lost"].values())
@@ -201,6 +211,7 @@ class Tracer:
                     break
         self._settle()
         self.stats.lost = sum(p.lost() for p in self._probes)
+        self.stats.layouts_full = any(p.full for p in self._probes)
         self.sink.check()
         return taken
 
@@ -267,7 +278,7 @@ class Tracer:
     # ---- layouts that arrive later: parsed modules, then the mapped files' fatbins -------
     def _workers(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1))
+            self._pool = ProcessPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
         return self._pool
 
     def _settle(self, wait: bool = False) -> None:

@@ -57,4 +57,5 @@ class LiveView:
                 f"{' (' + status + ')' if status else ''}: {e['launches']:,} launches "
                 f"({known} with layout), {e['allocations']:,} allocation events, "
                 f"{e['copies']:,} copies/sets, {e['syncs']:,} syncs, {e['functions']:,} "
-                f"functions, {stats.lost:,} lost -> {db}")
+                f"functions, {stats.lost:,} lost"
+                f"{'; layout maps ran full' if stats.layouts_full else ''} -> {db}")
