@@ -47,7 +47,7 @@ class FakeWorker:
 
 @pytest.fixture
 def sleeper():
-    p = subprocess.Popen(["sleep", "600"])
+    p = subprocess.Popen(["sleep", "600.4242"])
     yield p.pid
     p.kill()
     p.wait()
@@ -136,7 +136,7 @@ def test_no_target_is_recorded_once_per_fire_time(rig, tmp_path) -> None:
 def test_never_two_snapshots_of_one_target(rig, sleeper, tmp_path) -> None:
     d, clock, workers, db = rig
     a = add(db, "* * * * *", "pid", str(sleeper), tmp_path / "imgs")
-    b = add(db, "* * * * *", "match", f"^sleep 600$", tmp_path / "imgs")
+    b = add(db, "* * * * *", "match", "^sleep 600\\.4242$", tmp_path / "imgs")
     clock.advance(minutes=1)
     d.tick()
     assert len(workers) == 1                      # b waits: its target is busy
