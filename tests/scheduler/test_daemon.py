@@ -7,7 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import os
 import urllib.request
 from pathlib import Path
 
@@ -36,8 +36,7 @@ class Daemon:
         self.log = open(log, "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pos.cli", "daemon", "--metrics-port", str(port),
-             "--poll", "0.2", "--grace", "30"], cwd=ROOT, env={**__import__("os").environ,
-                                                               **env},
+             "--poll", "0.2", "--grace", "30"], cwd=ROOT, env={**os.environ, **env},
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self) -> int:
