@@ -523,11 +523,12 @@ def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: fl
 
     path = db or default_db_path()
     held = lock(path)
-    d = Daemon(path)
-    server = d.serve_metrics(metrics_port, metrics_address) if metrics_port else None
-    if server:
-        click.echo(f"metrics on http://{metrics_address}:{server.server_port}/metrics")
+    server = None
     try:
+        d = Daemon(path)
+        server = d.serve_metrics(metrics_port, metrics_address) if metrics_port else None
+        if server:
+            click.echo(f"metrics on http://{metrics_address}:{server.server_port}/metrics")
         d.run(poll_s=poll, grace_s=grace)
     finally:
         if server:

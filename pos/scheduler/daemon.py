@@ -257,8 +257,9 @@ class Daemon:
         """Start the Prometheus endpoint; the server (its .server_port, .shutdown())."""
         try:
             server, _thread = start_http_server(port, address, registry=self.metrics.registry)
-        except OSError as e:
-            raise BadInput(f"cannot serve metrics on {address}:{port} ({e.strerror})",
+        except (OSError, OverflowError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not a port number"
+            raise BadInput(f"cannot serve metrics on {address}:{port} ({why})",
                            "give another --metrics-port, or 0 for none") from None
         return server
 
@@ -280,6 +281,8 @@ class Daemon:
                 self.tick()
             except PosError as e:
                 self.log(f"tick: {e.message}")
+            except Exception as e:     # a store busy or broken for a moment: next tick retries
+                self.log(f"tick: {type(e).__name__}: {e}")
             self.stopping.wait(poll_s)
         self.shutdown(grace_s)
 

@@ -115,3 +115,16 @@ def test_images_alone_and_ls_list_the_same(run) -> None:
     a, b = run("images"), run("images", "ls")
     assert a.exit_code == b.exit_code == 0
     assert a.output == b.output and a.output.split()[:2] == ["ID", "CREATED"]
+
+
+def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> None:
+    from pos.scheduler.daemon import lock
+
+    fails(run("daemon", "--metrics-port", "70000"), 2,
+          "cannot serve metrics on 127.0.0.1:70000 (not a port number)")
+    held = lock(str(tmp_path / "pos.db"))
+    try:
+        fails(run("daemon", "--metrics-port", "0"), 2,
+              f"another pos daemon runs on {tmp_path / 'pos.db'} (PID {os.getpid()})")
+    finally:
+        held.close()
