@@ -134,12 +134,6 @@ Examples:
   pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
 """
 
-EPILOG_IMAGES = """\b
-Examples:
-  pos images                     # every image in the default store
-  pos images --db /tmp/t.db
-"""
-
 EPILOG_INSPECT = """\b
 Examples:
   pos inspect /tmp/job1            # what the image holds and how long each step took
@@ -236,25 +230,6 @@ def restore(directory: str, inherit_fd: tuple[str, ...], db: Optional[str]) -> N
     images.mark_restored(db, str(result.path))
     _report(result)
     click.echo(f"restored PID {result.restored_pid}")
-
-
-@cli.command(epilog=EPILOG_IMAGES)
-@db_option
-def images(db: Optional[str]) -> None:
-    """List the images recorded in the store, newest first."""
-    from pathlib import Path
-
-    from pos.store.images import list_images
-
-    rows = list_images(db)
-    click.echo(f"{'ID':>4} {'CREATED (UTC)':19} {'PID':>7} {'GPU':3} {'SIZE':>10} {'STALL':>8} "
-               f"{'STATE':9} PATH")
-    for r in rows:
-        stall = "-" if r.stall_s is None else f"{r.stall_s:.2f}s"
-        state = "restored" if r.restored_at else ("ok" if Path(r.path).is_dir() else "missing")
-        click.echo(f"{r.id:>4} {r.created_at:%Y-%m-%d %H:%M:%S} {r.pid:>7} "
-                   f"{'yes' if r.gpu else 'no':3} {r.size_bytes / 2**20:>8.1f}Mi {stall:>8} "
-                   f"{state:9} {r.path}")
 
 
 @cli.command(epilog=EPILOG_INSPECT)
@@ -369,6 +344,254 @@ def analyze(file: str, trace_id: Optional[int], as_json: bool, dot: Optional[str
         print_report(result, tid, sys.stdout, top=top, validation=table)
     if dot:
         click.echo(write_dot(result, dot), err=True)
+
+
+# ---- scheduled snapshots: pos schedule, pos daemon, pos images (pos/scheduler) --------------
+EPILOG_SCHEDULE_ADD = """\b
+Examples:
+  pos schedule add --cron '*/15 * * * *' --match 'train\\.py' -D /var/lib/pos/images \\
+      --keep 4 --leave-running        # every 15 min (UTC), the job whatever its PID, last 4
+  pos schedule add --cron '0 * * * *' --name job1 -D /data/ckpt --max-age 1d --max-bytes 200G \\
+      --leave-running                 # hourly, the `pos run --name job1` job, by age and size
+  pos schedule add --cron '* * * * * */10' --pid 4242 -D /tmp/snaps --keep 3 --leave-running
+                                      # every 10 seconds (sixth field: seconds), PID 4242
+"""
+
+EPILOG_SCHEDULE = """\b
+Examples:
+  pos schedule add --cron '*/15 * * * *' --match 'train\\.py' -D /var/lib/pos/images --keep 4
+  pos schedule ls                     # each schedule with its last outcome and next run
+  pos schedule rm 3                   # its images stay on disk
+"""
+
+EPILOG_DAEMON = """\b
+Examples:
+  pos daemon                                   # the default store, metrics on 127.0.0.1:9464
+  pos daemon --db /tmp/t.db --metrics-port 0   # no metrics endpoint
+  curl -s localhost:9464/metrics | grep ^pos_  # what it reports
+  systemctl enable --now pos-daemon            # contrib/pos-daemon.service
+"""
+
+EPILOG_IMAGES = """\b
+Examples:
+  pos images                     # every image in the default store (same as `pos images ls`)
+  pos images ls --db /tmp/t.db
+  pos images prune --dry-run     # what the schedules' retention would delete now
+  pos images prune --schedule 3  # apply schedule 3's retention now
+"""
+
+
+def _open_store(db: Optional[str]) -> Any:
+    from pos.store.db import default_db_path, open_db
+
+    return open_db(db or default_db_path())
+
+
+def _writable_root(root: str) -> str:
+    """ROOT, created if missing, after a real write into it (root ignores permission bits, not
+    read-only mounts)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from pos.errors import BadInput
+
+    path = Path(root).absolute()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(tempfile.mkstemp(dir=path, prefix=".pos-probe-")[0])
+        for probe in path.glob(".pos-probe-*"):
+            probe.unlink()
+    except OSError as e:
+        raise BadInput(f"-D {root} is not a writable directory ({e.strerror})",
+                       "give a directory on a writable file system with free space") from None
+    return str(path)
+
+
+@cli.group(epilog=EPILOG_SCHEDULE)
+def schedule() -> None:
+    """Cron-scheduled snapshots, run by `pos daemon`."""
+
+
+@schedule.command("add", epilog=EPILOG_SCHEDULE_ADD)
+@click.option("--cron", "expr", required=True, metavar="EXPR",
+              help="When, in UTC: 5 fields (minute hour day month weekday), 6 with seconds last.")
+@click.option("--pid", type=int, help="Target this process.")
+@click.option("--match", metavar="REGEX", help="Target the process whose command line matches "
+              "(found again after it restarts).")
+@click.option("--name", metavar="NAME", help="Target the job started by `pos run --name NAME`.")
+@click.option("--keep", type=int, metavar="N", help="Keep the N newest images.")
+@click.option("--max-age", metavar="D", help="Delete images older than D (90s, 30m, 12h, 7d).")
+@click.option("--max-bytes", metavar="B", help="Keep at most B bytes of images (500M, 50G).")
+@click.option("--engine", type=click.Choice(["auto", "driver", "concurrent", "criu"]),
+              default="auto", show_default=True,
+              help="auto: driver for GPU processes, CRIU alone for the rest.")
+@click.option("--leave-running", is_flag=True,
+              help="Resume the target after each snapshot (without it the first snapshot "
+                   "ends the process, as `pos checkpoint` does).")
+@click.option("-D", "--dir", "root", required=True, metavar="ROOT",
+              help="Images go to ROOT/<schedule id>/<UTC time>.")
+@db_option
+def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Optional[str],
+                 keep: Optional[int], max_age: Optional[str], max_bytes: Optional[str],
+                 engine: str, leave_running: bool, root: str, db: Optional[str]) -> None:
+    """Add a schedule: snapshot a target at the times of a cron expression."""
+    from pos.errors import BadInput
+    from pos.scheduler import cron, retention, snapshot, targets
+    from pos.store import schedules
+
+    expr = cron.validate(expr)
+    target = targets.from_options(pid, match, name)
+    snapshot.require_available(engine)
+    if keep is not None and keep < 1:
+        raise BadInput(f"--keep {keep} would keep no image", "give --keep 1 or more")
+    policy = retention.Policy(keep, retention.parse_duration(max_age) if max_age else None,
+                              retention.parse_bytes(max_bytes) if max_bytes else None)
+    root = _writable_root(root)
+    try:
+        found: Optional[int] = targets.resolve(target)
+    except targets.NoTarget as e:
+        if target.kind == "pid":
+            raise BadInput(e.cause, "give the PID of a running process") from None
+        found = None
+    from pos.scheduler.cron import SystemClock
+
+    now = SystemClock().now()
+    row = schedules.add(_open_store(db), cron=expr, target_kind=target.kind,
+                        target=target.value, root=root, engine=engine,
+                        leave_running=leave_running, keep=policy.keep,
+                        max_age_s=policy.max_age_s, max_bytes=policy.max_bytes, created_at=now,
+                        next_run_at=cron.next_fire(expr, now))
+    click.echo(f"schedule {row.id}: {target} at '{expr}' (UTC) into {root}/{row.id}, {policy}; "
+               f"next run {row.next_run_at:%Y-%m-%d %H:%M:%S}Z")
+    if found is None:
+        click.echo(f"note: no process is {target} now; until one is, its runs are "
+                   "recorded as no-target")
+    if not leave_running:
+        click.echo("note: without --leave-running each snapshot ends the target (restore it "
+                   "with `pos restore`)")
+
+
+@schedule.command("ls")
+@db_option
+def schedule_ls(db: Optional[str]) -> None:
+    """List the schedules with their last outcome and next run (UTC)."""
+    from pos.scheduler import retention, targets
+    from pos.store import schedules
+
+    store = _open_store(db)
+    last = schedules.last_runs(store)
+    click.echo(f"{'ID':>3} {'CRON':15} {'TARGET':28} {'ENGINE':6} {'LAST RUN (UTC)':19} "
+               f"{'OUTCOME':9} {'NEXT RUN (UTC)':19} RETENTION")
+    for s in schedules.all_schedules(store):
+        t = str(targets.Target(s.target_kind, s.target)).removeprefix("the ")
+        lr = last.get(s.id)
+        when = f"{lr.started_at:%Y-%m-%d %H:%M:%S}" if lr else "-"
+        policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
+        click.echo(f"{s.id:>3} {s.cron:15} {t[:28]:28} {s.engine:6} {when:19} "
+                   f"{lr.outcome if lr else '-':9} {s.next_run_at:%Y-%m-%d %H:%M:%S} {policy}")
+        if lr and lr.error:
+            click.echo(f"    last error: {lr.error}")
+
+
+@schedule.command("rm")
+@click.argument("schedule_id", metavar="ID", type=int)
+@db_option
+def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
+    """Remove a schedule and its run history (its images stay on disk)."""
+    from pos.store import schedules
+
+    row = schedules.remove(_open_store(db), schedule_id)
+    click.echo(f"removed schedule {schedule_id}; its images stay in {row.root}/{schedule_id}")
+
+
+@cli.command(epilog=EPILOG_DAEMON)
+@db_option
+@click.option("--metrics-port", type=int, default=9464, show_default=True,
+              help="Prometheus endpoint on --metrics-address (0: none).")
+@click.option("--metrics-address", default="127.0.0.1", show_default=True)
+@click.option("--grace", type=float, default=120.0, show_default=True,
+              help="On SIGTERM: seconds a running snapshot may take to finish before it is "
+                   "abandoned (the target always runs on).")
+@click.option("--poll", type=float, default=1.0, show_default=True, hidden=True,
+              help="Seconds between ticks.")
+def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: float,
+           poll: float) -> None:
+    """Run the schedules of the store until SIGTERM (see `pos schedule`)."""
+    from pos.scheduler.daemon import Daemon, lock
+    from pos.store.db import default_db_path
+
+    path = db or default_db_path()
+    held = lock(path)
+    server = None
+    try:
+        d = Daemon(path)
+        server = d.serve_metrics(metrics_port, metrics_address) if metrics_port else None
+        if server:
+            click.echo(f"metrics on http://{metrics_address}:{server.server_port}/metrics")
+        d.run(poll_s=poll, grace_s=grace)
+    finally:
+        if server:
+            server.shutdown()
+        held.close()
+
+
+@cli.group(epilog=EPILOG_IMAGES, invoke_without_command=True)
+@db_option
+@click.pass_context
+def images(ctx: click.Context, db: Optional[str]) -> None:
+    """List the images recorded in the store (`pos images ls`), or prune them."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(images_ls, db=db)
+
+
+@images.command("ls")
+@db_option
+def images_ls(db: Optional[str]) -> None:
+    """List the images recorded in the store, newest first."""
+    from pathlib import Path
+
+    from pos.store.images import list_images
+
+    rows = list_images(db)
+    click.echo(f"{'ID':>4} {'CREATED (UTC)':19} {'PID':>7} {'GPU':3} {'SIZE':>10} {'STALL':>8} "
+               f"{'STATE':9} PATH")
+    for r in rows:
+        stall = "-" if r.stall_s is None else f"{r.stall_s:.2f}s"
+        state = "restored" if r.restored_at else ("ok" if Path(r.path).is_dir() else "missing")
+        click.echo(f"{r.id:>4} {r.created_at:%Y-%m-%d %H:%M:%S} {r.pid:>7} "
+                   f"{'yes' if r.gpu else 'no':3} {r.size_bytes / 2**20:>8.1f}Mi {stall:>8} "
+                   f"{state:9} {r.path}")
+
+
+@images.command("prune")
+@click.option("--schedule", "schedule_id", type=int, metavar="ID",
+              help="Only this schedule's images [default: every schedule's].")
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@db_option
+def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str]) -> None:
+    """Apply the schedules' retention now (the daemon does after each snapshot)."""
+    from pathlib import Path
+
+    from pos.scheduler import retention
+    from pos.scheduler.cron import SystemClock
+    from pos.store import images as image_rows
+    from pos.store import schedules
+
+    store = _open_store(db)
+    rows = ([schedules.get(store, schedule_id)] if schedule_id is not None
+            else schedules.all_schedules(store))
+    now = SystemClock().now()
+    for s in rows:
+        policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
+        gone = retention.prune(Path(s.root) / str(s.id), policy, now, dry_run)
+        if not dry_run and gone:
+            image_rows.forget(db, [str(k.path) for k in gone])
+        for k in gone:
+            click.echo(f"{'would delete' if dry_run else 'deleted'} {k.path} "
+                       f"({retention.format_bytes(k.size)})")
+        click.echo(f"schedule {s.id}: {len(gone)} image(s) "
+                   f"{'to delete' if dry_run else 'deleted'} ({policy})")
 
 
 def _terminate(_signum: int, _frame: Any) -> None:

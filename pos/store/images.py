@@ -3,7 +3,7 @@
 from datetime import datetime, timezone
 from typing import Optional, Sequence
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from pos.scheduler.image import Manifest
@@ -38,3 +38,11 @@ def list_images(db: Optional[str]) -> Sequence[Image]:
     engine = open_db(db or default_db_path())
     with Session(engine) as s:
         return s.scalars(select(Image).order_by(Image.created_at.desc(), Image.id.desc())).all()
+
+
+def forget(db: Optional[str], paths: list[str]) -> None:
+    """Drop the rows of images that were deleted (by retention)."""
+    engine = open_db(db or default_db_path())
+    with Session(engine) as s:
+        s.execute(delete(Image).where(Image.path.in_(paths)))
+        s.commit()

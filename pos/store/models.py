@@ -13,7 +13,7 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2   # 2: images
+SCHEMA_VERSION = 3   # 2: images; 3: schedules, runs
 
 
 def to_signed(value: Any) -> Any:
@@ -176,3 +176,42 @@ class Image(Base):
     stall_s: Mapped[Optional[float]]
     manifest: Mapped[str] = mapped_column(Text)  # JSON
     restored_at: Mapped[Optional[datetime]]
+
+
+class Schedule(Base):
+    """A cron-scheduled snapshot (`pos schedule add`): what, when, where, how many to keep."""
+
+    __tablename__ = "schedules"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cron: Mapped[str] = mapped_column(Text)              # UTC
+    target_kind: Mapped[str] = mapped_column(String(8))  # pid, match, name
+    target: Mapped[str] = mapped_column(Text)
+    root: Mapped[str] = mapped_column(Text)              # images go to ROOT/<id>/<UTC time>
+    engine: Mapped[str] = mapped_column(String(16))      # auto, driver, concurrent, criu
+    leave_running: Mapped[bool]
+    keep: Mapped[Optional[int]]
+    max_age_s: Mapped[Optional[float]]
+    max_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]                         # UTC, as every time below
+    next_run_at: Mapped[datetime]
+
+
+class Run(Base):
+    """One run of a schedule, recorded when it starts and completed when it ends."""
+
+    __tablename__ = "runs"
+    __table_args__ = (Index("ix_runs_schedule_started", "schedule_id", "started_at"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    schedule_id: Mapped[int] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
+    scheduled_for: Mapped[datetime]
+    coalesced: Mapped[int] = mapped_column(default=1)   # fire times this run served
+    started_at: Mapped[datetime]
+    ended_at: Mapped[Optional[datetime]]
+    pid: Mapped[Optional[int]]
+    engine: Mapped[Optional[str]] = mapped_column(String(16))   # the one used: driver, criu
+    # running, ok, failed, bad-input, no-target, abandoned
+    outcome: Mapped[str] = mapped_column(String(16))
+    path: Mapped[Optional[str]] = mapped_column(Text)
+    bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    stall_s: Mapped[Optional[float]]
+    error: Mapped[Optional[str]] = mapped_column(Text)

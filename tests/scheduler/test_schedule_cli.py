@@ -1,0 +1,130 @@
+"""`pos schedule`, `pos images`: exact exit codes and one-sentence errors (CliRunner)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pos.cli import cli
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POS_DB", str(tmp_path / "pos.db"))
+
+    def invoke(*args: str):
+        return CliRunner().invoke(cli, list(args))
+    return invoke
+
+
+@pytest.fixture
+def sleeper():
+    p = subprocess.Popen(["sleep", "600.4242"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def fails(r, code: int, *fragments: str) -> None:
+    assert r.exit_code == code, (r.exit_code, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_add_ls_rm(run, sleeper, tmp_path: Path) -> None:
+    root = tmp_path / "snaps"
+    r = run("schedule", "add", "--cron", "*/5 * * * *", "--pid", str(sleeper), "-D", str(root),
+            "--keep", "3", "--max-age", "2d", "--leave-running")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"schedule 1: PID {sleeper} at '*/5 * * * *' (UTC) into {root}/1, "
+                               "keep 3, max-age 2d; next run ")
+    assert root.is_dir()
+    r = run("schedule", "ls")
+    assert r.exit_code == 0
+    row = r.output.splitlines()[1].split()
+    assert row[:4] == ["1", "*/5", "*", "*"] and "keep 3, max-age 2d" in r.output
+    r = run("schedule", "rm", "1")
+    assert (r.exit_code, r.output) == (0, f"removed schedule 1; its images stay in {root}/1\n")
+    assert len(run("schedule", "ls").output.splitlines()) == 1
+
+
+def test_absent_match_target_is_accepted_with_a_note(run, tmp_path: Path) -> None:
+    r = run("schedule", "add", "--cron", "0 * * * *", "--match", "no-such-job-[0-9]{9}",
+            "-D", str(tmp_path / "s"))
+    assert r.exit_code == 0
+    assert "until one is, its runs are recorded as no-target" in r.output
+    assert "without --leave-running each snapshot ends the target" in r.output
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--cron", "61 * * * *"], ["invalid cron expression '61 * * * *'", "give five fields"]),
+    (["--cron", "* * *"], ["invalid cron expression"]),
+    (["--engine", "concurrent"], ["the concurrent engine is not available in this version"]),
+    (["--keep", "0"], ["--keep 0 would keep no image"]),
+    (["--max-age", "soon"], ["--max-age 'soon' is not a duration"]),
+    (["--max-bytes", "lots"], ["--max-bytes 'lots' is not a size"]),
+])
+def test_bad_schedule_options(run, sleeper, tmp_path: Path, args, fragments) -> None:
+    base = {"--cron": "* * * * *", "--pid": str(sleeper), "-D": str(tmp_path / "s")}
+    opts = dict(base, **dict(zip(args[::2], args[1::2])))
+    r = run("schedule", "add", *[x for kv in opts.items() for x in kv])
+    fails(r, 2, *fragments)
+
+
+def test_target_errors(run, sleeper, tmp_path: Path) -> None:
+    d = str(tmp_path / "s")
+    fails(run("schedule", "add", "--cron", "* * * * *", "-D", d), 2,
+          "give exactly one target")
+    fails(run("schedule", "add", "--cron", "* * * * *", "--pid", "1", "--name", "a", "-D", d),
+          2, "give exactly one target")
+    fails(run("schedule", "add", "--cron", "* * * * *", "--match", "sl(eep", "-D", d), 2,
+          "not a valid regular expression")
+    fails(run("schedule", "add", "--cron", "* * * * *", "--pid", "4194304", "-D", d), 2,
+          "no process has PID 4194304")
+    other = subprocess.Popen(["sleep", "600.4242"])
+    try:
+        fails(run("schedule", "add", "--cron", "* * * * *", "--match", "^sleep 600\\.4242$", "-D", d),
+              2, "matches 2 processes", "make it match one job, or target a PID")
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_read_only_root(run, sleeper, tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        fails(run("schedule", "add", "--cron", "* * * * *", "--pid", str(sleeper),
+                  "-D", str(ro / "snaps")), 2, f"-D {ro}/snaps is not a writable directory")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_unknown_schedule_id(run) -> None:
+    fails(run("schedule", "rm", "42"), 2, "no schedule has ID 42", "pos schedule ls")
+    fails(run("images", "prune", "--schedule", "42"), 2, "no schedule has ID 42")
+
+
+def test_images_alone_and_ls_list_the_same(run) -> None:
+    a, b = run("images"), run("images", "ls")
+    assert a.exit_code == b.exit_code == 0
+    assert a.output == b.output and a.output.split()[:2] == ["ID", "CREATED"]
+
+
+def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> None:
+    from pos.scheduler.daemon import lock
+
+    fails(run("daemon", "--metrics-port", "70000"), 2,
+          "cannot serve metrics on 127.0.0.1:70000 (not a port number)")
+    held = lock(str(tmp_path / "pos.db"))
+    try:
+        fails(run("daemon", "--metrics-port", "0"), 2,
+              f"another pos daemon runs on {tmp_path / 'pos.db'} (PID {os.getpid()})")
+    finally:
+        held.close()
