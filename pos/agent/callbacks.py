@@ -338,3 +338,57 @@ def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped
         body(domain, cbid, np.int64(native.address(data)))
 
     return callback
+
+
+def _variants(names: str, kind: int, flag: int = 0) -> dict[str, tuple[int, int]]:
+    """name, name_ptds (per-thread default stream) and name_ptsz, each with its flags."""
+    out: dict[str, tuple[int, int]] = {}
+    for n in names.split():
+        out[n] = (kind, flag)
+        out[n + "_ptds"] = (kind, flag | PER_THREAD)
+        out[n + "_ptsz"] = (kind, flag | PER_THREAD)
+    return out
+
+
+# Every driver call the agent intercepts, by name; the ids come from cupti.Cupti.callback_ids.
+CALLS: dict[str, tuple[int, int]] = {
+    **_variants("cuMemAlloc_v2 cuMemAllocManaged cuMemAllocAsync cuMemAllocFromPoolAsync",
+                K_ALLOC),
+    **_variants("cuMemMap", K_MAP),
+    **_variants("cuMemFree_v2", K_FREE),
+    **_variants("cuMemFreeAsync", K_FREE, ASYNC),
+    **_variants("cuMemUnmap", K_UNMAP),
+    **_variants("cuLaunchKernel", K_LAUNCH),
+    **_variants("cuLaunchKernelEx", K_LAUNCH_EX),
+    **_variants("cuMemcpy cuMemcpyHtoD_v2 cuMemcpyDtoD_v2", K_COPY),
+    **_variants("cuMemcpyAsync cuMemcpyHtoDAsync_v2 cuMemcpyDtoDAsync_v2", K_COPY, ASYNC),
+    **_variants("cuMemsetD8_v2", K_SET8), **_variants("cuMemsetD8Async", K_SET8, ASYNC),
+    **_variants("cuMemsetD16_v2", K_SET16), **_variants("cuMemsetD16Async", K_SET16, ASYNC),
+    **_variants("cuMemsetD32_v2", K_SET32), **_variants("cuMemsetD32Async", K_SET32, ASYNC),
+    **_variants("cuGraphLaunch", K_GRAPH),
+    # writes whose targets the agent does not work out: they wait for everything
+    **_variants("cuLaunchCooperativeKernel cuLaunchCooperativeKernelMultiDevice cuLaunchGrid "
+                "cuLaunchGridAsync cuLaunch cuMemcpy2D_v2 cuMemcpy2DAsync_v2 "
+                "cuMemcpy2DUnaligned_v2 cuMemcpy3D_v2 cuMemcpy3DAsync_v2 cuMemcpy3DPeer "
+                "cuMemcpy3DPeerAsync cuMemcpyPeer cuMemcpyPeerAsync cuMemcpyAtoD_v2 "
+                "cuMemcpyBatchAsync cuMemcpy3DBatchAsync cuMemsetD2D8_v2 cuMemsetD2D16_v2 "
+                "cuMemsetD2D32_v2 cuMemsetD2D8Async cuMemsetD2D16Async cuMemsetD2D32Async "
+                "cuStreamWriteValue32 cuStreamWriteValue64 cuStreamWriteValue32_v2 "
+                "cuStreamWriteValue64_v2 cuStreamBatchMemOp cuStreamBatchMemOp_v2",
+                K_OTHER_WRITE),
+    # reads: held while a restore runs
+    **_variants("cuMemcpyDtoH_v2 cuMemcpyDtoA_v2", K_READ),
+    **_variants("cuMemcpyDtoHAsync_v2", K_READ, ASYNC),
+}
+
+
+def install(st: S.State, ids: dict[str, int]) -> list[int]:
+    """Fill st.cbkind/cbflag for the calls this CUPTI knows; the callback ids to enable."""
+    enabled = []
+    for name, (kind, flag) in CALLS.items():
+        cbid = ids.get(name)
+        if cbid is not None and cbid < st.cbkind.shape[0]:
+            st.cbkind[cbid] = kind
+            st.cbflag[cbid] = flag
+            enabled.append(cbid)
+    return sorted(enabled)
