@@ -330,7 +330,8 @@ class Agent:
         live = st.live()
         return {"pid": os.getpid(), "name": os.environ.get("POS_RUN_NAME"),
                 "allocations": len(live), "bytes": sum(s for _, s in live),
-                "phase": int(st.ctl[S.C_PHASE]), "track_dirty": bool(st.ctl[S.C_TRACK]),
+                "phase": int(st.ctl[S.C_PHASE]), "cut_done": bool(st.ctl[S.C_CUT_DONE]),
+                "track_dirty": bool(st.ctl[S.C_TRACK]),
                 "cupti": self.cupti is not None, "functions": len(self.names),
                 "last_image": str(self.last_image) if self.last_image else None,
                 "table_overflow": int(st.ctl[S.C_OVERFLOW]),
