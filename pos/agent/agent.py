@@ -202,6 +202,10 @@ class Agent:
                 raise BadInput("this process has no earlier image to build on",
                                "take a full checkpoint first")
             parent = self.last_image
+        if st.ctl[S.C_OVERFLOW]:
+            raise PosError(f"the agent's allocation table overflowed ({st.bases.shape[0]} "
+                           "allocations): an image would miss buffers",
+                           "this process allocates too many buffers for the agent")
         live = st.live()
         partial = image.prepare(final, sum(s for _, s in live) + (1 << 20))
         self.register()
