@@ -1,0 +1,100 @@
+"""Concurrent vs stop-the-world checkpoint of one running job, side by side (GPU host, root).
+
+    python3 bench/concurrent_gpu.py --out bench/results/concurrent-h100.json
+    python3 bench/concurrent_gpu.py --infer --out bench/results/concurrent-infer-h100.json
+
+The job (workloads/train_conc.py, GPT-2-class, random weights; default 24 layers, d=1024,
+batch 8x1024: >= 16 GB of GPU state) runs under `pos run`. At step --at it takes a concurrent
+GPU image of itself (the agent's report: bytes, copy throughput vs the 53 GB/s PCIe limit,
+intercepted, copied-on-write, waited, fallbacks); at step --stw this script locks, checkpoints,
+restores and unlocks it through the driver API (stop-the-world). Stall of each = the sum of
+step-time excess over the median step of the steps before --at, over the steps from the
+trigger until the step time is back to normal (and the worst step). POS_TRUST_SPECULATION=1
+in the environment runs the job trusting every kernel's speculation (measurement only).
+Writes JSON with device, driver, date and command.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from pos import nvml  # noqa: E402
+from pos.scheduler import cudackpt  # noqa: E402
+
+PCIE_LIMIT_GBPS = 53.0
+
+
+def stall(times: dict[int, float], start: int, base: float, window: int) -> dict:
+    excess = [max(0.0, times[i] - base) for i in range(start, start + window) if i in times]
+    return {"stall_s": sum(excess), "worst_step_s": max((times[i] for i in range(
+        start, start + window) if i in times), default=None), "steps": len(excess)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", default="/var/tmp/pos-bench-conc")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--at", type=int, default=20)
+    ap.add_argument("--stw", type=int, default=40)
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--infer", action="store_true")
+    ap.add_argument("job_args", nargs="*", help="extra arguments of train_conc.py")
+    a = ap.parse_args()
+    img = Path(a.dir)
+    subprocess.run(["rm", "-rf", str(img)], check=True)
+    cmd = [sys.executable, "-m", "pos.cli", "run", "--", sys.executable,
+           str(ROOT / "workloads" / "train_conc.py"), "--steps", str(a.steps), "--at", str(a.at),
+           "-D", str(img), *(["--infer"] if a.infer else []), *a.job_args]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    times: dict[int, float] = {}
+    report, stw = None, {}
+    assert p.stdout is not None
+    for line in p.stdout:
+        print(line, end="", flush=True)
+        parts = line.split()
+        if parts[:1] == ["STEP"]:
+            times[int(parts[1])] = float(parts[3])
+            if int(parts[1]) == a.stw - 1:
+                t = time.monotonic()
+                cudackpt.lock(p.pid, 60000)
+                t_lock = time.monotonic()
+                cudackpt.checkpoint(p.pid)
+                t_ck = time.monotonic()
+                cudackpt.restore(p.pid)
+                t_rs = time.monotonic()
+                cudackpt.unlock(p.pid)
+                stw = {"lock_s": t_lock - t, "checkpoint_s": t_ck - t_lock,
+                       "restore_s": t_rs - t_ck, "unlock_s": time.monotonic() - t_rs,
+                       "total_s": time.monotonic() - t}
+        elif parts[:1] == ["REPORT"]:
+            report = json.loads(line[len("REPORT "):])
+    p.wait()
+    base = statistics.median(times[i] for i in range(3, a.at))
+    conc = stall(times, a.at, base, a.window)
+    stop = stall(times, a.stw, base, a.window)
+    out = {"device": [dataclasses.asdict(g) for g in nvml.gpus()],
+           "driver": nvml.driver_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "command": " ".join(sys.argv), "job": cmd, "exit": p.returncode,
+           "median_step_s": base, "concurrent": {**conc, "report": report,
+                                                 "pcie_limit_gbps": PCIE_LIMIT_GBPS},
+           "stop_the_world": {**stop, **stw},
+           "trust_speculation": os.environ.get("POS_TRUST_SPECULATION") == "1",
+           "step_times": times}
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("median_step_s", "concurrent", "stop_the_world")},
+                     indent=1, default=str))
+    return p.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""The CUPTI driver-API callback, compiled with numba `@cfunc` (no GIL, ~0.25 µs per call).
+
+It reads CUpti_CallbackData (cupti_callbacks.h: callbackSite int32 at +0, functionParams at
++16, functionReturnValue at +24, correlationData at +56) and the call's parameter struct
+(generated_cuda_meta.h: cuLaunchKernel_params f +0, hStream +40, kernelParams +48, extra +56;
+cuLaunchKernelEx_params config +0, f +8, kernelParams +16, extra +24, config->hStream +32;
+copies and sets: dst +0, size/count +16, hStream +24 for the Async forms; cuGraphLaunch hStream
++8; cuMemAlloc_v2 dptr* +0, size +8; cuMemFree_v2 dptr +0; cuMemMap/Unmap ptr +0, size +8).
+
+What it does per call (see state.py for the statuses and pos/agent/server.py for the cut):
+- allocations, maps (exit, on success): insert into the exact live table; frees and unmaps
+  (entry): during a checkpoint wait until the allocation is saved, then (exit) remove it.
+- calls that may write device memory (entry): speculate the write set with the analyzer's own
+  rule (`launch_access`, `_range_access` of pos/analyzer/access.py); during a checkpoint shadow
+  each PENDING allocation in it with cuMemcpyDtoDAsync_v2 on the caller's stream (plus an event
+  the copier waits on), or wait; kernels not validated, unknown layouts, graphs and the other
+  writing calls wait for everything. With dirty tracking on, the write set is marked DIRTY.
+- during a restore every such call (and device-to-host copies) is held until it ends.
+- every such call is counted, entry to exit, under the current epoch: the cut waits for the
+  calls that entered before it to leave the driver (their work is then in a stream).
+Calls made by the agent's own threads pass straight through.
+
+Not proven on a GPU yet: the whole callback under real CUPTI (the 0.25 µs figure and the
+in-callback shadow copy were measured by a prototype, not by this code).
+"""
+
+import ctypes
+
+import numba as nb
+import numpy as np
+
+from pos.agent import native
+from pos.agent import state as S
+from pos.analyzer.access import COPY_DST, _range_access, launch_access, max_evidence
+
+# Kinds of intercepted calls (State.cbkind[cbid]); flags in State.cbflag[cbid].
+(K_NONE, K_ALLOC, K_MAP, K_FREE, K_UNMAP, K_LAUNCH, K_LAUNCH_EX, K_COPY, K_SET8, K_SET16,
+ K_SET32, K_GRAPH, K_OTHER_WRITE, K_READ) = range(14)
+ASYNC, PER_THREAD = 1, 2
+DOMAIN_DRIVER_API = 1
+API_ENTER, API_EXIT = 0, 1
+STREAM_PER_THREAD = 2                  # CU_STREAM_PER_THREAD
+LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 1, 2
+EVERYTHING = -1
+
+SIGNATURE = nb.types.void(nb.types.voidptr, nb.types.int32, nb.types.uint32, nb.types.voidptr)
+# cuMemcpyDtoDAsync_v2(dst, src, bytes, stream), cuEventRecord(event, stream)
+COPY_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+                              ctypes.c_uint64)
+RECORD_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
+
+
+@nb.njit(cache=True)
+def launch_params(kp: int, extra: int, start: int, count: int, lay_off, lay_size,
+                  scratch) -> int:
+    """Gather one launch's parameter bytes into scratch at their layout offsets (from the
+    kernelParams pointer array, or the packed buffer of `extra`); their length, or -1."""
+    plen = 0
+    for p in range(count):
+        end = lay_off[start + p] + lay_size[start + p]
+        if end > plen:
+            plen = end
+    if plen > scratch.shape[0]:
+        return -1
+    if kp != 0:
+        for p in range(count):
+            src = native.bytes_at(np.int64(native.load_u64(kp + 8 * p)), lay_size[start + p])
+            off = lay_off[start + p]
+            for b in range(lay_size[start + p]):
+                scratch[off + b] = src[b]
+        return plen
+    if extra == 0:
+        return -1 if count > 0 else 0
+    buf, size_ptr = 0, 0
+    i = 0
+    while i < 64:
+        key = native.load_u64(extra + 8 * i)
+        if key == 0:
+            break
+        if key == LAUNCH_PARAM_BUFFER_POINTER:
+            buf = np.int64(native.load_u64(extra + 8 * (i + 1)))
+        elif key == LAUNCH_PARAM_BUFFER_SIZE:
+            size_ptr = np.int64(native.load_u64(extra + 8 * (i + 1)))
+        i += 2
+    if buf == 0 or size_ptr == 0:
+        return -1
+    n = np.int64(native.load_u64(size_ptr))
+    if n < plen or n > scratch.shape[0]:
+        return -1
+    src = native.bytes_at(buf, n)
+    for b in range(n):
+        scratch[b] = src[b]
+    return n
+
+
+@nb.njit(cache=True)
+def launch_writes(ctl, bases, ends, fkey, fstate, fstart, fcount, lay_off, lay_size, lay_kind,
+                  newf, f: np.uint64, kp: int, extra: int, scratch, ev_slot, ev_param, ev_word,
+                  ev_off, ev_write, slots) -> int:
+    """The slots a launch of f may write, by the analyzer's rule; EVERYTHING when f's layout is
+    unknown or its speculation is not validated."""
+    i = S.function_seen(ctl, fkey, fstate, newf, f)
+    if i < 0 or fstate[i] != S.F_VALIDATED:
+        return EVERYTHING
+    start, count = fstart[i], fcount[i]
+    sizes = lay_size[start:start + count]
+    kinds = lay_kind[start:start + count]
+    if max_evidence(sizes, kinds) > ev_slot.shape[0]:
+        return EVERYTHING
+    plen = launch_params(kp, extra, start, count, lay_off, lay_size, scratch)
+    if plen < 0:
+        return EVERYTHING
+    k = launch_access(scratch, 0, plen, lay_off[start:start + count], sizes, kinds, bases, ends,
+                      ctl[S.C_N], ev_slot, ev_param, ev_word, ev_off, ev_write, 0)
+    n = 0
+    for r in range(k):
+        if ev_write[r]:
+            slots[n] = ev_slot[r]
+            n += 1
+    return S.dedupe(slots, n)
+
+
+@nb.njit(cache=True)
+def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, ev_slot, ev_param,
+                 ev_word, ev_off, ev_write, slots) -> int:
+    """The slots a copy or set into [lo, lo+size) writes (the analyzer's range rule)."""
+    if ctl[S.C_N] + 2 > ev_slot.shape[0]:
+        return EVERYTHING
+    k = _range_access(lo, size, bases, ends, ctl[S.C_N], ident, COPY_DST, True, ev_slot,
+                      ev_param, ev_word, ev_off, ev_write, 0)
+    for r in range(k):
+        slots[r] = ev_slot[r]
+    return S.dedupe(slots, k)
+
+
+def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped-def]
+    """The compiled callback for State `st`; copy_fn and record_fn are the addresses of the
+    driver's cuMemcpyDtoDAsync_v2 and cuEventRecord (the shadow copy and its event)."""
+    memcpy_dtod = COPY_PROTO(copy_fn)
+    event_record = RECORD_PROTO(record_fn)
+    mutex, cond = st.mutex, st.cond
+    a = {name: (arr.ctypes.data, arr.size, arr.dtype) for name, arr in vars(st).items()
+         if isinstance(arr, np.ndarray)}
+
+    def arr(name: str) -> tuple:
+        return a[name]
+
+    # (address, size) of every array, as compile-time constants
+    (ctl_a, ctl_n, _), (bases_a, cap, _) = arr("ctl"), arr("bases")
+    ends_a, status_a, flags_a = arr("ends")[0], arr("status")[0], arr("flags")[0]
+    shadow_a = arr("shadow")[0]
+    sh_off_a, sh_cap, _ = arr("sh_off")
+    sh_size_a, sh_event_a = arr("sh_size")[0], arr("sh_event")[0]
+    fkey_a, f_cap, _ = arr("fkey")
+    fstate_a, fstart_a, fcount_a = arr("fstate")[0], arr("fstart")[0], arr("fcount")[0]
+    lay_off_a, lay_cap, _ = arr("lay_off")
+    lay_size_a, lay_kind_a = arr("lay_size")[0], arr("lay_kind")[0]
+    newf_a, newf_cap, _ = arr("newf")
+    agents_a, agents_cap, _ = arr("agents")
+    cbkind_a, cb_cap, _ = arr("cbkind")
+    cbflag_a = arr("cbflag")[0]
+    ident_a = arr("ident")[0]
+    scratch_a, scratch_cap, _ = arr("scratch")
+    ev_slot_a, ev_cap, _ = arr("ev_slot")
+    ev_param_a, ev_word_a = arr("ev_param")[0], arr("ev_word")[0]
+    ev_off_a, ev_write_a = arr("ev_off")[0], arr("ev_write")[0]
+    writes_a = arr("writes")[0]
+    copies_a = arr("copies")[0]
+
+    @nb.njit(inline="always")
+    def v(addr, n, dt):  # type: ignore[no-untyped-def]
+        return nb.carray(native.void_ptr(addr), n, dt)
+
+    @nb.njit
+    def body(domain: int, cbid: int, data: int) -> None:
+        if domain != DOMAIN_DRIVER_API or cbid >= cb_cap:
+            return
+        kind = v(cbkind_a, cb_cap, np.int8)[cbid]
+        if kind == K_NONE:
+            return
+        me = native.thread_self()
+        ctl = v(ctl_a, ctl_n, np.int64)
+        agents = v(agents_a, agents_cap, np.uint64)
+        for t in range(ctl[S.C_AGENT_N]):
+            if agents[t] == me:
+                return
+        site = native.load_u32(data)
+        params = np.int64(native.load_u64(data + 16))
+        corr = np.int64(native.load_u64(data + 56))
+        bases = v(bases_a, cap, np.uint64)
+        ends = v(ends_a, cap, np.uint64)
+        status = v(status_a, cap, np.int8)
+        flags = v(flags_a, cap, np.uint8)
+        shadow = v(shadow_a, cap, np.int64)
+        if kind == K_ALLOC or kind == K_MAP:
+            if site != API_EXIT:
+                return
+            ret = np.int64(native.load_u64(data + 24))
+            if ret == 0 or native.load_u32(ret) != 0:
+                return
+            if kind == K_ALLOC:
+                base = native.load_u64(np.int64(native.load_u64(params)))
+            else:
+                base = native.load_u64(params)
+            size = native.load_u64(params + 8)
+            native.mutex_lock(mutex)
+            S.table_insert(ctl, bases, ends, status, flags, shadow, base, size)
+            native.mutex_unlock(mutex)
+            return
+        if site == API_EXIT:
+            native.mutex_lock(mutex)
+            if corr != 0:
+                tag = native.load_u64(corr)
+                if tag == 1 or tag == 2:
+                    ctl[S.C_OUT0 + np.int64(tag) - 1] -= 1
+                    native.cond_broadcast(cond)
+            if kind == K_FREE or kind == K_UNMAP:
+                ret = np.int64(native.load_u64(data + 24))
+                if ret != 0 and native.load_u32(ret) == 0:
+                    S.table_remove(ctl, bases, ends, status, flags, shadow,
+                                   native.load_u64(params))
+            native.mutex_unlock(mutex)
+            return
+        # ---- entry of a call that may write (or, for K_READ, read) device memory ----
+        cflag = v(cbflag_a, cb_cap, np.int8)[cbid]
+        stream = np.uint64(0)
+        if kind == K_LAUNCH:
+            stream = native.load_u64(params + 40)
+        elif kind == K_LAUNCH_EX:
+            stream = native.load_u64(np.int64(native.load_u64(params)) + 32)
+        elif kind == K_GRAPH:
+            stream = native.load_u64(params + 8)
+        elif cflag & ASYNC:
+            stream = native.load_u64(params + 24)
+        if stream == 0 and (cflag & PER_THREAD):
+            stream = np.uint64(STREAM_PER_THREAD)
+        slots = v(writes_a, cap, np.int64)
+        native.mutex_lock(mutex)
+        waited = False
+        t0 = 0
+        while True:
+            phase = ctl[S.C_PHASE]
+            if phase == S.PHASE_RESTORE:
+                if not waited:
+                    ctl[S.C_HELD] += 1
+                    waited = True
+                native.cond_wait(cond, mutex)
+                continue
+            if kind == K_READ or (phase == S.PHASE_IDLE and ctl[S.C_TRACK] == 0):
+                break
+            if phase == S.PHASE_CHECKPOINT and not waited:
+                ctl[S.C_INTERCEPTED] += 1
+            n = EVERYTHING
+            shadow_ok = True
+            if kind == K_LAUNCH or kind == K_LAUNCH_EX:
+                off = 0 if kind == K_LAUNCH else -32
+                n = launch_writes(ctl, bases, ends, v(fkey_a, f_cap, np.uint64),
+                                  v(fstate_a, f_cap, np.int8), v(fstart_a, f_cap, np.int64),
+                                  v(fcount_a, f_cap, np.int64), v(lay_off_a, lay_cap, np.int64),
+                                  v(lay_size_a, lay_cap, np.int64),
+                                  v(lay_kind_a, lay_cap, np.int8),
+                                  v(newf_a, newf_cap, np.uint64),
+                                  native.load_u64(params + (0 if kind == K_LAUNCH else 8)),
+                                  np.int64(native.load_u64(params + 48 + off)),
+                                  np.int64(native.load_u64(params + 56 + off)),
+                                  v(scratch_a, scratch_cap, np.uint8),
+                                  v(ev_slot_a, ev_cap, np.int64), v(ev_param_a, ev_cap, np.int32),
+                                  v(ev_word_a, ev_cap, np.int32), v(ev_off_a, ev_cap, np.uint64),
+                                  v(ev_write_a, ev_cap, np.bool_), slots)
+            elif kind == K_COPY or kind == K_SET8 or kind == K_SET16 or kind == K_SET32:
+                count = native.load_u64(params + 16)
+                if kind == K_SET16:
+                    count *= np.uint64(2)
+                elif kind == K_SET32:
+                    count *= np.uint64(4)
+                n = range_writes(ctl, bases, ends, v(ident_a, cap, np.int64),
+                                 native.load_u64(params), count, v(ev_slot_a, ev_cap, np.int64),
+                                 v(ev_param_a, ev_cap, np.int32), v(ev_word_a, ev_cap, np.int32),
+                                 v(ev_off_a, ev_cap, np.uint64), v(ev_write_a, ev_cap, np.bool_),
+                                 slots)
+            elif kind == K_FREE or kind == K_UNMAP:
+                j = S.slot_of(bases, ctl[S.C_N], native.load_u64(params))
+                n = 0
+                if j >= 0:
+                    slots[0] = j
+                    n = 1
+                shadow_ok = False
+            if phase == S.PHASE_IDLE:                     # dirty tracking only
+                S.plan_writes(ctl, bases, ends, status, flags, shadow,
+                              v(sh_off_a, sh_cap, np.uint64), v(sh_size_a, sh_cap, np.uint64),
+                              slots, max(n, 0), n == EVERYTHING, False,
+                              v(copies_a, 4 * cap, np.uint64).reshape((4, cap)))
+                break
+            if n == EVERYTHING and not waited:
+                ctl[S.C_FALLBACKS] += 1
+            copies = v(copies_a, 4 * cap, np.uint64).reshape((4, cap))
+            sh_off = v(sh_off_a, sh_cap, np.uint64)
+            sh_size = v(sh_size_a, sh_cap, np.uint64)
+            n_copies, wait = S.plan_writes(ctl, bases, ends, status, flags, shadow, sh_off,
+                                           sh_size, slots, max(n, 0), n == EVERYTHING,
+                                           shadow_ok, copies)
+            events = v(sh_event_a, sh_cap, np.uint64)
+            pool = np.uint64(ctl[S.C_POOL_BASE])
+            for c in range(n_copies):
+                e = np.int64(copies[3, c])
+                rc = memcpy_dtod(pool + copies[1, c], copies[0, c], copies[2, c], stream)
+                if rc == 0:
+                    rc = event_record(events[e], stream)
+                if rc != 0:                       # no shadow after all: back to PENDING, wait
+                    j = S.slot_of(bases, ctl[S.C_N], copies[0, c])
+                    status[j] = S.PENDING
+                    shadow[j] = -1
+                    flags[j] |= S.URGENT
+                    ctl[S.C_UNSAFE] += 1
+                    ctl[S.C_COPY_ERRORS] += 1
+                    S.pool_free(ctl, sh_size, e)
+                    wait = True
+                else:
+                    ctl[S.C_COW] += 1
+                    ctl[S.C_COW_BYTES] += np.int64(copies[2, c])
+            if not wait:
+                break
+            if not waited:
+                ctl[S.C_WAITED] += 1
+                t0 = native.now_ns()
+                waited = True
+            native.cond_wait(cond, mutex)
+        if t0 != 0:
+            ctl[S.C_WAIT_NS] += native.now_ns() - t0
+        if corr != 0:
+            parity = ctl[S.C_EPOCH] & 1
+            ctl[S.C_OUT0 + parity] += 1
+            native.store_u64(corr, np.uint64(parity + 1))
+        native.mutex_unlock(mutex)
+
+    @nb.cfunc(SIGNATURE)
+    def callback(userdata, domain, cbid, data):  # type: ignore[no-untyped-def]
+        body(domain, cbid, np.int64(native.address(data)))
+
+    return callback
+
+
+def _variants(names: str, kind: int, flag: int = 0) -> dict[str, tuple[int, int]]:
+    """name, name_ptds (per-thread default stream) and name_ptsz, each with its flags."""
+    out: dict[str, tuple[int, int]] = {}
+    for n in names.split():
+        out[n] = (kind, flag)
+        out[n + "_ptds"] = (kind, flag | PER_THREAD)
+        out[n + "_ptsz"] = (kind, flag | PER_THREAD)
+    return out
+
+
+# Every driver call the agent intercepts, by name; the ids come from cupti.Cupti.callback_ids.
+CALLS: dict[str, tuple[int, int]] = {
+    **_variants("cuMemAlloc_v2 cuMemAllocManaged cuMemAllocAsync cuMemAllocFromPoolAsync",
+                K_ALLOC),
+    **_variants("cuMemMap", K_MAP),
+    **_variants("cuMemFree_v2", K_FREE),
+    **_variants("cuMemFreeAsync", K_FREE, ASYNC),
+    **_variants("cuMemUnmap", K_UNMAP),
+    **_variants("cuLaunchKernel", K_LAUNCH),
+    **_variants("cuLaunchKernelEx", K_LAUNCH_EX),
+    **_variants("cuMemcpy cuMemcpyHtoD_v2 cuMemcpyDtoD_v2", K_COPY),
+    **_variants("cuMemcpyAsync cuMemcpyHtoDAsync_v2 cuMemcpyDtoDAsync_v2", K_COPY, ASYNC),
+    **_variants("cuMemsetD8_v2", K_SET8), **_variants("cuMemsetD8Async", K_SET8, ASYNC),
+    **_variants("cuMemsetD16_v2", K_SET16), **_variants("cuMemsetD16Async", K_SET16, ASYNC),
+    **_variants("cuMemsetD32_v2", K_SET32), **_variants("cuMemsetD32Async", K_SET32, ASYNC),
+    **_variants("cuGraphLaunch", K_GRAPH),
+    # writes whose targets the agent does not work out: they wait for everything
+    **_variants("cuLaunchCooperativeKernel cuLaunchCooperativeKernelMultiDevice cuLaunchGrid "
+                "cuLaunchGridAsync cuLaunch cuMemcpy2D_v2 cuMemcpy2DAsync_v2 "
+                "cuMemcpy2DUnaligned_v2 cuMemcpy3D_v2 cuMemcpy3DAsync_v2 cuMemcpy3DPeer "
+                "cuMemcpy3DPeerAsync cuMemcpyPeer cuMemcpyPeerAsync cuMemcpyAtoD_v2 "
+                "cuMemcpyBatchAsync cuMemcpy3DBatchAsync cuMemsetD2D8_v2 cuMemsetD2D16_v2 "
+                "cuMemsetD2D32_v2 cuMemsetD2D8Async cuMemsetD2D16Async cuMemsetD2D32Async "
+                "cuStreamWriteValue32 cuStreamWriteValue64 cuStreamWriteValue32_v2 "
+                "cuStreamWriteValue64_v2 cuStreamBatchMemOp cuStreamBatchMemOp_v2",
+                K_OTHER_WRITE),
+    # reads: held while a restore runs
+    **_variants("cuMemcpyDtoH_v2 cuMemcpyDtoA_v2", K_READ),
+    **_variants("cuMemcpyDtoHAsync_v2", K_READ, ASYNC),
+}
+
+
+def install(st: S.State, ids: dict[str, int]) -> list[int]:
+    """Fill st.cbkind/cbflag for the calls this CUPTI knows; the callback ids to enable."""
+    enabled = []
+    for name, (kind, flag) in CALLS.items():
+        cbid = ids.get(name)
+        if cbid is not None and cbid < st.cbkind.shape[0]:
+            st.cbkind[cbid] = kind
+            st.cbflag[cbid] = flag
+            enabled.append(cbid)
+    return sorted(enabled)

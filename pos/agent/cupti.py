@@ -1,0 +1,92 @@
+"""The one module that loads libcupti (ctypes): find it, subscribe a callback, enable driver-API
+callbacks by name.
+
+libcupti is looked for in this order: $POS_LIBCUPTI, the nvidia-cuda-cupti wheel (any
+`nvidia/**/libcupti.so*` on sys.path), $CUDA_HOME (extras/CUPTI/lib64, lib64), then the
+dynamic linker's cache. Callback ids are resolved from their names with cuptiGetCallbackName,
+so that pos does not depend on one CUDA release's numbering of cupti_driver_cbid.h.
+"""
+
+import ctypes
+import glob
+import os
+import subprocess
+import sys
+from typing import Iterable, Optional
+
+from pos.errors import BadInput, PosError
+
+LIBRARY_ENV = "POS_LIBCUPTI"
+DOMAIN_DRIVER_API = 1
+MAX_CBID = 2048
+CUPTI_SUCCESS = 0
+
+
+def candidates() -> list[str]:
+    """Paths where libcupti may be, most specific first."""
+    found: list[str] = []
+    if os.environ.get(LIBRARY_ENV):
+        found.append(os.environ[LIBRARY_ENV])
+    for entry in sys.path:
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "**", "libcupti.so*"),
+                                  recursive=True), reverse=True)
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    for sub in ("extras/CUPTI/lib64", "lib64", "targets/x86_64-linux/lib"):
+        found += sorted(glob.glob(os.path.join(home, sub, "libcupti.so*")), reverse=True)
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
+        found += [line.split("=>")[-1].strip() for line in out.splitlines() if "libcupti.so" in line]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return found
+
+
+class Cupti:
+    """libcupti loaded once; `check` turns a CUptiResult into a PosError with CUPTI's text."""
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        paths = [path] if path else candidates()
+        self.lib = None
+        for p in paths:
+            try:
+                self.lib = ctypes.CDLL(p)
+                self.path = p
+                break
+            except OSError:
+                continue
+        if self.lib is None:
+            raise BadInput("libcupti was not found (needed by the pos agent)",
+                           "pip install nvidia-cuda-cupti, set CUDA_HOME, or set POS_LIBCUPTI "
+                           "to the library's path")
+        self.subscriber = ctypes.c_void_p()
+
+    def check(self, name: str, code: int) -> None:
+        if code != CUPTI_SUCCESS:
+            text = ctypes.c_char_p()
+            self.lib.cuptiGetResultString(code, ctypes.byref(text))
+            raise PosError(f"{name} failed: {(text.value or b'?').decode()} ({code})",
+                           "check that the CUDA driver and libcupti versions match")
+
+    def callback_ids(self) -> dict[str, int]:
+        """Driver API name -> callback id, as this libcupti numbers them."""
+        names: dict[str, int] = {}
+        fn = self.lib.cuptiGetCallbackName
+        text = ctypes.c_char_p()
+        for cbid in range(1, MAX_CBID):
+            if fn(DOMAIN_DRIVER_API, cbid, ctypes.byref(text)) == CUPTI_SUCCESS and text.value:
+                names.setdefault(text.value.decode(), cbid)
+        return names
+
+    def subscribe(self, callback_address: int) -> None:
+        self.check("cuptiSubscribe", self.lib.cuptiSubscribe(
+            ctypes.byref(self.subscriber), ctypes.c_void_p(callback_address), None))
+
+    def enable(self, cbids: Iterable[int]) -> None:
+        for cbid in cbids:
+            self.check("cuptiEnableCallback", self.lib.cuptiEnableCallback(
+                1, self.subscriber, DOMAIN_DRIVER_API, cbid))
+
+    def unsubscribe(self) -> None:
+        if self.subscriber.value:
+            self.lib.cuptiUnsubscribe(self.subscriber)
+            self.subscriber = ctypes.c_void_p()

@@ -1,0 +1,147 @@
+"""The GPU image of a `pos run` process: its device buffers in chunks, inside a pos image.
+
+DIR/gpu-index.json lists every buffer saved at the cut (base, size) and its chunks (data file,
+position, stored and raw length, 64-bit checksum of the raw bytes, whether zstd-compressed);
+the chunks live in DIR/gpu-data-NN.bin, one file per writer thread. The directory is written
+as DIR.partial and sealed by pos/scheduler/image.py (sha256 of every file in
+pos-manifest.json, root-only, renamed to DIR when complete): the same trust as a full image.
+An incremental image names its parent; a buffer not written since the parent is listed with
+`in_parent` and read from there (recursively).
+"""
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import numba as nb
+import numpy as np
+
+from pos.analyzer.validate import hash_words
+from pos.errors import BadInput
+
+INDEX = "gpu-index.json"
+FORMAT = 1
+
+
+@nb.njit(nogil=True, cache=True)
+def _hash(words: np.ndarray, h: np.uint64) -> np.uint64:
+    return hash_words(words, h)
+
+
+def checksum(buf: np.ndarray) -> int:
+    """The validator's 64-bit hash of a chunk's bytes (seeded with its length); no GIL held."""
+    n = buf.shape[0]
+    h = _hash(buf[: n // 8 * 8].view(np.uint64), np.uint64(n))
+    if n % 8:
+        tail = np.zeros(8, np.uint8)
+        tail[: n % 8] = buf[n // 8 * 8:]
+        h = _hash(tail.view(np.uint64), h)
+    return int(h)
+
+
+class Writer:
+    """Appends chunks to one data file per writer thread and records them for the index."""
+
+    def __init__(self, folder: Path, compress: bool, level: int = 1) -> None:
+        self.folder = folder
+        self.compress = compress
+        self.level = level
+        self.chunks: dict[int, list[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._files: list[Any] = []
+
+    def _file(self) -> tuple[Any, str]:
+        f = getattr(self._local, "file", None)
+        if f is None:
+            with self._lock:
+                name = f"gpu-data-{len(self._files):02d}.bin"
+                fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                f = os.fdopen(fd, "wb", buffering=0)
+                self._files.append(f)
+            self._local.file, self._local.name = f, name
+        return f, self._local.name
+
+    def put(self, base: int, offset: int, data: np.ndarray) -> int:
+        """Checksum, maybe compress, and append one chunk of buffer `base`; bytes stored."""
+        h = checksum(data)
+        payload: Any = data
+        if self.compress:
+            import zstandard
+
+            payload = zstandard.ZstdCompressor(level=self.level).compress(data)
+        f, name = self._file()
+        at = f.tell()
+        view = memoryview(payload).cast("B")
+        done = 0
+        while done < len(view):
+            done += f.write(view[done:])
+        rec = {"offset": offset, "file": name, "at": at, "stored": len(view),
+               "raw": int(data.shape[0]), "hash": f"{h:016x}", "zstd": self.compress}
+        with self._lock:
+            self.chunks.setdefault(base, []).append(rec)
+        return len(view)
+
+    def close(self) -> None:
+        for f in self._files:
+            os.fsync(f.fileno())
+            f.close()
+
+
+def write_index(folder: Path, index: dict[str, Any]) -> None:
+    fd = os.open(folder / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f, indent=1)
+
+
+def read_index(folder: Path) -> dict[str, Any]:
+    try:
+        index = json.loads((Path(folder) / INDEX).read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{folder} is not a GPU image (no {INDEX})",
+                       "give the -D of a `pos checkpoint --concurrent`") from None
+    except ValueError:
+        raise BadInput(f"{folder}/{INDEX} is not valid JSON", "take a new checkpoint") from None
+    if index.get("format") != FORMAT:
+        raise BadInput(f"{folder} is a GPU image of format {index.get('format')}, this pos "
+                       f"reads {FORMAT}", "restore it with the pos version that wrote it")
+    return index
+
+
+def resolve(folder: Path) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
+    """base -> (image folder holding it, size, chunks), following parents for `in_parent`."""
+    index = read_index(folder)
+    parent: Optional[dict[int, tuple[Path, int, list[dict[str, Any]]]]] = None
+    out = {}
+    for b in index["buffers"]:
+        base = int(b["base"], 16)
+        if b.get("in_parent"):
+            if parent is None:
+                parent = resolve(Path(index["parent"]))
+            if base not in parent or parent[base][1] != b["size"]:
+                raise BadInput(f"the parent image {index['parent']} lacks buffer {b['base']}",
+                               "restore from a full image")
+            out[base] = parent[base]
+        else:
+            out[base] = (Path(folder), b["size"], b["chunks"])
+    return out
+
+
+def read_chunk(folder: Path, chunk: dict[str, Any], out: np.ndarray) -> None:
+    """Read one chunk into out[:raw] (decompressing) and check its checksum."""
+    with open(folder / chunk["file"], "rb", buffering=0) as f:
+        f.seek(chunk["at"])
+        data = f.read(chunk["stored"])
+    if len(data) != chunk["stored"]:
+        raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
+    if chunk["zstd"]:
+        import zstandard
+
+        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=chunk["raw"])
+    raw = np.frombuffer(data, np.uint8)
+    if raw.shape[0] != chunk["raw"] or f"{checksum(raw):016x}" != chunk["hash"]:
+        raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
+                       "the image is corrupt: take a new checkpoint")
+    out[: chunk["raw"]] = raw

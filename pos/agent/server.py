@@ -1,0 +1,144 @@
+"""The agent's control socket: JSON lines over a root-only Unix socket at socket_path(pid).
+
+Requests, one JSON object per line: {"op": "status"}, {"op": "checkpoint", "dir": DIR,
+"incremental": bool, "compress": bool, "predicted": ["0x...", ...]}, {"op": "restore",
+"dir": DIR}. Each gets one line back: {"ok": true, ...} or {"ok": false, "error": SENTENCE}.
+/run/pos is 0700 and the socket 0600; peers other than root (SO_PEERCRED) are refused.
+"""
+
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+from typing import Any, Callable
+
+from pos.agent import SOCKET_DIR, socket_path
+from pos.errors import PosError
+
+MAX_REQUEST = 1 << 20
+
+
+def handle(agent: Any, line: bytes) -> dict[str, Any]:
+    """One request to one reply; every failure is one sentence, never a traceback."""
+    try:
+        req = json.loads(line)
+        if not isinstance(req, dict):
+            raise ValueError
+    except ValueError:
+        return {"ok": False, "error": "the request is not a JSON object: send one per line, "
+                                      "e.g. {\"op\": \"status\"}."}
+    op = req.get("op")
+    try:
+        if op == "status":
+            return {"ok": True, **agent.status()}
+        if op in ("checkpoint", "restore"):
+            if not isinstance(req.get("dir"), str) or not req["dir"]:
+                return {"ok": False, "error": f"{op} needs \"dir\": the image directory."}
+            if op == "restore":
+                return {"ok": True, **agent.restore(req["dir"])}
+            predicted = tuple(int(x, 16) for x in req.get("predicted", ()))
+            return {"ok": True, **agent.checkpoint(req["dir"], bool(req.get("incremental")),
+                                                   bool(req.get("compress")), predicted)}
+    except PosError as e:
+        return {"ok": False, "error": e.message}
+    except (TypeError, ValueError) as e:
+        return {"ok": False, "error": f"bad {op} request ({e})."}
+    return {"ok": False, "error": f"unknown op {op!r}: use status, checkpoint or restore."}
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class Server:
+    """Listens on socket_path(os.getpid()) in a daemon thread; `close` removes the socket."""
+
+    def __init__(self, agent: Any, path: str = "", allowed_uid: int = 0,
+                 on_thread: Callable[[], None] = lambda: None) -> None:
+        self.agent, self.allowed_uid, self.on_thread = agent, allowed_uid, on_thread
+        self.path = path or socket_path(os.getpid())
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        if os.path.dirname(self.path) == SOCKET_DIR:
+            os.chmod(SOCKET_DIR, 0o700)
+        try:
+            os.unlink(self.path)                  # left by an earlier process with this PID
+        except FileNotFoundError:
+            pass
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self.sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self.sock.listen(4)
+        self.thread = threading.Thread(target=self._serve, name="pos-agent", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.on_thread()
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._session(conn)
+                except OSError:
+                    continue
+
+    def _session(self, conn: socket.socket) -> None:
+        if _peer_uid(conn) != self.allowed_uid:
+            conn.sendall(json.dumps({"ok": False, "error": "the pos agent answers root only: "
+                                     "run pos with sudo."}).encode() + b"\n")
+            return
+        f = conn.makefile("rb")
+        while line := f.readline(MAX_REQUEST):
+            if not line.strip():
+                continue
+            conn.sendall(json.dumps(handle(self.agent, line)).encode() + b"\n")
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def start() -> None:
+    """Start the agent in this process (the sitecustomize calls this when POS_AGENT=1): the
+    table and callbacks first, so that no allocation is missed, then the socket. A failure is
+    one line on stderr and the program runs without the agent."""
+    from pos.agent.agent import Agent, load_validated
+
+    try:
+        agent = Agent(pool_bytes=int(os.environ.get("POS_SHADOW_POOL_MB", "1024")) << 20,
+                      validated=load_validated(os.environ.get("POS_VALIDATION")),
+                      trust_all=os.environ.get("POS_TRUST_SPECULATION") == "1",
+                      track_dirty=os.environ.get("POS_TRACK_DIRTY") == "1")
+        agent.compile()
+        agent.attach_cupti()
+        server = Server(agent)
+    except (PosError, OSError) as e:
+        msg = e.message if isinstance(e, PosError) else str(e)
+        print(f"pos agent: not started: {msg}", file=sys.stderr)
+        return
+    import atexit
+
+    atexit.register(server.close)
+    threading.Thread(target=_resolver, args=(agent,), name="pos-resolver", daemon=True).start()
+
+
+def _resolver(agent: Any) -> None:
+    """Looks up the layouts of newly launched functions every 20 ms."""
+    import time
+
+    agent.register()
+    while True:
+        agent.resolve_functions()
+        time.sleep(0.02)

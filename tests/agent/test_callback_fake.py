@@ -1,0 +1,253 @@
+"""The compiled CUPTI callback, invoked by hand with CUpti_CallbackData structs built here, over
+the fake libcuda (device memory is host memory, so copies move real bytes). This proves the
+callback's logic, the soft copy-on-write copies, the copier and the image round trip; it does
+not prove them under real CUPTI on a GPU (tests/gpu/test_concurrent_gpu.py does that)."""
+
+import ctypes
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pos.agent import callbacks as C
+from pos.agent import gpuimage
+from pos.agent import state as S
+from pos.agent.agent import Agent
+from pos.agent.copier import Copier
+from pos.driver import Driver
+from pos.scheduler import image
+
+SIZE = 256 << 10
+IDS = {name: i for i, name in enumerate(sorted(C.CALLS), start=1)}   # this test's numbering
+
+
+class CallbackData(ctypes.Structure):
+    """CUpti_CallbackData (cupti_callbacks.h), 72 bytes."""
+    _fields_ = [("callbackSite", ctypes.c_uint32), ("functionName", ctypes.c_void_p),
+                ("functionParams", ctypes.c_void_p), ("functionReturnValue", ctypes.c_void_p),
+                ("symbolName", ctypes.c_void_p), ("context", ctypes.c_void_p),
+                ("contextUid", ctypes.c_uint32), ("correlationData", ctypes.c_void_p),
+                ("correlationId", ctypes.c_uint32)]
+
+
+class LaunchParams(ctypes.Structure):
+    """cuLaunchKernel_params (generated_cuda_meta.h)."""
+    _fields_ = [("f", ctypes.c_uint64), ("grid", ctypes.c_uint32 * 3),
+                ("block", ctypes.c_uint32 * 3), ("sharedMemBytes", ctypes.c_uint32),
+                ("hStream", ctypes.c_uint64), ("kernelParams", ctypes.c_void_p),
+                ("extra", ctypes.c_void_p)]
+
+
+assert ctypes.sizeof(CallbackData) == 72 and LaunchParams.hStream.offset == 40
+assert LaunchParams.kernelParams.offset == 48
+
+
+class App:
+    """The 'application' side: a context, two buffers, the callback invoked by hand."""
+
+    def __init__(self, agent: Agent, drv: Driver) -> None:
+        self.agent, self.drv = agent, drv
+        ctx = ctypes.c_void_p()
+        drv.init()
+        drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+        drv.call("cuCtxSetCurrent", ctx)
+        self.bufs = [self.alloc(SIZE) for _ in range(2)]
+
+    def fire(self, name: str, site: int, params: ctypes.Structure,
+             ret: int = 0, corr: "ctypes.c_uint64 | None" = None) -> None:
+        code = ctypes.c_int(ret)
+        data = CallbackData(callbackSite=site, functionParams=ctypes.addressof(params),
+                            functionReturnValue=ctypes.addressof(code),
+                            correlationData=ctypes.addressof(corr) if corr is not None else None)
+        fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
+                              ctypes.c_void_p)(self.agent.callback.address)
+        fn(None, C.DOMAIN_DRIVER_API, IDS[name], ctypes.addressof(data))
+
+    def alloc(self, size: int) -> int:
+        p = ctypes.c_uint64()
+        self.drv.call("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(size))
+        params = (ctypes.c_uint64 * 2)(ctypes.addressof(p), size)
+        self.fire("cuMemAlloc_v2", C.API_EXIT, params)
+        return p.value
+
+    def fill(self, base: int, value: int) -> None:
+        data = np.full(SIZE, value, np.uint8)
+        self.drv.call("cuMemcpyHtoD_v2", ctypes.c_uint64(base), ctypes.c_void_p(data.ctypes.data),
+                      ctypes.c_size_t(SIZE))
+
+    def read(self, base: int) -> np.ndarray:
+        out = np.empty(SIZE, np.uint8)
+        self.drv.call("cuMemcpyDtoH_v2", ctypes.c_void_p(out.ctypes.data), ctypes.c_uint64(base),
+                      ctypes.c_size_t(SIZE))
+        return out
+
+    def launch(self, site: int = C.API_ENTER, corr: "ctypes.c_uint64 | None" = None) -> None:
+        """axpy(float const* x = buffer 0, float* y = buffer 1): writes buffer 1."""
+        x, y = ctypes.c_uint64(self.bufs[0]), ctypes.c_uint64(self.bufs[1])
+        kp = (ctypes.c_void_p * 2)(ctypes.addressof(x), ctypes.addressof(y))
+        params = LaunchParams(f=0xF00, hStream=0, kernelParams=ctypes.cast(kp, ctypes.c_void_p))
+        self.fire("cuLaunchKernel", site, params, corr=corr)
+
+
+@pytest.fixture(scope="module")
+def rig(fakegpu):  # type: ignore[no-untyped-def]
+    drv = Driver(str(fakegpu["libcuda"]))
+    agent = Agent(drv, pool_bytes=1 << 20, trust_all=True, capacity=64, shadows=16,
+                  functions=64, layout_words=256)
+    agent.compile()
+    C.install(agent.st, IDS)
+    app = App(agent, drv)
+    agent.add_function(0xF00, [0, 8], [8, 8], "_Z4axpyPKfPf")
+    t = threading.Thread(target=lambda: (agent.register(), agent._ensure_pool(),
+                                         agent.unregister()))
+    t.start()
+    t.join()
+    return agent, app
+
+
+def manual_cut(agent: Agent) -> None:
+    st = agent.st
+    S.begin_locked(st.mutex, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
+                   st.order, np.zeros(0, np.uint64), False)
+    S.set_phase_locked(st.mutex, st.cond, st.ctl, S.PHASE_CHECKPOINT)
+    S.cut_done_locked(st.mutex, st.cond, st.ctl)
+
+
+def copy_all(agent: Agent, folder: Path) -> dict[int, np.ndarray]:
+    """Run the copier in an agent thread; the saved bytes per buffer, read back from disk."""
+    w = gpuimage.Writer(folder, compress=True)
+    t = threading.Thread(target=lambda: Copier(agent.drv, agent.st, w, agent.register,
+                                               agent.unregister, streams=2, writers=2).run())
+    t.start()
+    t.join()
+    w.close()
+    st = agent.st
+    S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.sh_size)
+    out = {}
+    for base, chunks in w.chunks.items():
+        buf = np.empty(SIZE, np.uint8)
+        for c in chunks:
+            part = np.empty(c["raw"], np.uint8)
+            gpuimage.read_chunk(folder, c, part)
+            buf[c["offset"]:c["offset"] + c["raw"]] = part
+        out[base] = buf
+    return out
+
+
+def test_allocations_enter_the_table(rig) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    live = dict(agent.st.live())
+    assert all(live.get(b) == SIZE for b in app.bufs)
+
+
+def test_write_after_the_cut_is_shadowed_on_the_callers_stream(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    x, y = app.bufs
+    app.fill(x, 1)
+    app.fill(y, 2)
+    cow0 = int(agent.st.ctl[S.C_COW])
+    manual_cut(agent)
+    app.launch()                                   # may write y: y is shadowed first
+    assert int(agent.st.ctl[S.C_COW]) == cow0 + 1
+    app.fill(y, 7)                                 # the "kernel" writes y
+    saved = copy_all(agent, tmp_path)
+    assert (saved[x] == 1).all()
+    assert (saved[y] == 2).all()                   # the bytes at the cut, from the shadow
+    assert (app.read(y) == 7).all()
+
+
+def test_pool_full_makes_the_call_wait_for_the_copier(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    st = agent.st
+    app.fill(app.bufs[1], 3)
+    waited0 = int(st.ctl[S.C_WAITED])
+    pool = int(st.ctl[S.C_POOL_SIZE])
+    manual_cut(agent)
+    st.ctl[S.C_POOL_SIZE] = 0
+    t = threading.Thread(target=app_thread_launch, args=(app,))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()                            # held: no room for a shadow
+    saved = copy_all(agent, tmp_path)
+    t.join(5)
+    st.ctl[S.C_POOL_SIZE] = pool
+    assert not t.is_alive()
+    assert int(st.ctl[S.C_WAITED]) == waited0 + 1 and st.ctl[S.C_WAIT_NS] > 0
+    assert (saved[app.bufs[1]] == 3).all()
+
+
+def app_thread_launch(app: App) -> None:
+    ctx = ctypes.c_void_p()
+    app.drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+    app.drv.call("cuCtxSetCurrent", ctx)
+    app.launch()
+
+
+def test_the_cut_waits_for_calls_already_inside_the_driver(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    corr = ctypes.c_uint64(0)
+    app.launch(C.API_ENTER, corr)                  # entered before the cut, not yet left
+    assert corr.value in (1, 2)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(agent.checkpoint(str(tmp_path / "img"))))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not (tmp_path / "img").exists()
+    app.launch(C.API_EXIT, corr)
+    t.join(20)
+    assert not t.is_alive() and result["buffers"] >= 2
+    image.verify(tmp_path / "img")
+
+
+def test_checkpoint_restore_round_trip_and_incremental(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    x, y = app.bufs
+    app.fill(x, 11)
+    app.fill(y, 12)
+    report = agent.checkpoint(str(tmp_path / "full"))
+    for key in ("bytes", "duration_s", "intercepted", "copied_on_write", "waited", "waited_s",
+                "fallbacks", "throughput_gbps"):
+        assert key in report
+    assert report["bytes"] >= 2 * SIZE
+    app.fill(x, 0)
+    app.fill(y, 0)
+    back = agent.restore(str(tmp_path / "full"))
+    assert back["bytes"] >= 2 * SIZE
+    assert (app.read(x) == 11).all() and (app.read(y) == 12).all()
+    with pytest.raises(Exception, match="dirty tracking"):
+        agent.checkpoint(str(tmp_path / "inc"), incremental=True)
+    agent.st.ctl[S.C_TRACK] = 1
+    try:
+        agent.checkpoint(str(tmp_path / "base"))
+        app.fill(y, 13)
+        app.launch()                               # tracked write to y
+        app.fill(y, 13)
+        inc = agent.checkpoint(str(tmp_path / "inc"), incremental=True)
+    finally:
+        agent.st.ctl[S.C_TRACK] = 0
+    assert inc["buffers"] == 1 and inc["bytes"] == SIZE
+    app.fill(x, 0)
+    app.fill(y, 0)
+    agent.restore(str(tmp_path / "inc"))          # y from inc, x from its parent
+    assert (app.read(x) == 11).all() and (app.read(y) == 13).all()
+
+
+def test_restore_refuses_an_image_of_other_buffers(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    agent.checkpoint(str(tmp_path / "img"))
+    index = gpuimage.read_index(tmp_path / "img")
+    assert index["buffers"]
+    extra = app.alloc(SIZE)
+    bad = tmp_path / "img"
+    # free one buffer of the image: the image no longer fits this process
+    params = (ctypes.c_uint64 * 1)(app.bufs[0])
+    app.fire("cuMemFree_v2", C.API_EXIT, params)
+    try:
+        with pytest.raises(Exception, match="not a live allocation"):
+            agent.restore(str(bad))
+    finally:
+        app.fire("cuMemAlloc_v2", C.API_EXIT,
+                 (ctypes.c_uint64 * 2)(ctypes.addressof(ctypes.c_uint64(app.bufs[0])), SIZE))
+    assert extra

@@ -1,0 +1,137 @@
+"""The control socket (permissions, bad requests, root-only peers) and `pos run` (a Python
+program with the agent inside, through a fake libcupti built here; sitecustomize chaining;
+POS_RUN_NAME; the plain refusal of other programs)."""
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pos.agent import socket_path
+from pos.agent.server import Server, handle
+from pos.cli import cli
+from pos.errors import BadInput
+from pos.scheduler import concurrent
+from tests.conftest import ROOT
+
+# The calls the agent makes into libcupti; the names it resolves are a handful of real ones.
+FAKE_CUPTI = r"""
+#include <stddef.h>
+static const char *names[] = {"", "cuMemAlloc_v2", "cuMemFree_v2", "cuLaunchKernel",
+                              "cuMemcpyHtoD_v2"};
+int cuptiGetCallbackName(int domain, unsigned cbid, const char **name) {
+    if (domain != 1 || cbid == 0 || cbid >= sizeof(names) / sizeof(names[0])) return 1;
+    *name = names[cbid]; return 0;
+}
+int cuptiSubscribe(void **sub, void *cb, void *ud) { (void)cb; (void)ud; *sub = (void *)1; return 0; }
+int cuptiEnableCallback(unsigned e, void *s, int d, unsigned id) { (void)e; (void)s; (void)d; (void)id; return 0; }
+int cuptiUnsubscribe(void *s) { (void)s; return 0; }
+int cuptiGetResultString(int r, const char **s) { (void)r; *s = "fake"; return 0; }
+"""
+
+
+class FakeAgent:
+    def status(self) -> dict:
+        return {"pid": os.getpid(), "allocations": 0}
+
+    def checkpoint(self, directory, incremental, compress, predicted):  # type: ignore[no-untyped-def]
+        raise BadInput(f"{directory} already exists", "give a new directory with -D")
+
+    def restore(self, directory):  # type: ignore[no-untyped-def]
+        return {"bytes": 0}
+
+
+def ask(path: str, text: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(text + b"\n")
+        return json.loads(s.makefile("rb").readline())
+
+
+def test_handle_answers_every_bad_request_in_one_sentence() -> None:
+    a = FakeAgent()
+    assert handle(a, b"{not json")["error"].startswith("the request is not a JSON object")
+    assert handle(a, b"[1]")["ok"] is False
+    assert "unknown op 'x'" in handle(a, b'{"op": "x"}')["error"]
+    assert handle(a, b'{"op": "checkpoint"}')["error"] == 'checkpoint needs "dir": the image directory.'
+    assert handle(a, b'{"op": "checkpoint", "dir": "/d"}')["error"] == \
+        "/d already exists: give a new directory with -D."
+    assert "bad checkpoint request" in handle(
+        a, b'{"op": "checkpoint", "dir": "/d", "predicted": ["zz"]}')["error"]
+    assert handle(a, b'{"op": "status"}')["ok"] is True
+
+
+def test_socket_is_root_only_and_refuses_other_peers(tmp_path: Path) -> None:
+    path = str(tmp_path / "agent.sock")
+    srv = Server(FakeAgent(), path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert ask(path, b'{"op": "status"}')["allocations"] == 0
+    finally:
+        srv.close()
+    assert not os.path.exists(path)
+    other = Server(FakeAgent(), path, allowed_uid=12345)
+    try:
+        assert ask(path, b'{"op": "status"}')["error"].startswith("the pos agent answers root")
+    finally:
+        other.close()
+
+
+def test_client_says_plainly_when_there_is_no_agent() -> None:
+    with pytest.raises(BadInput, match="has no pos agent"):
+        concurrent.status(os.getpid())
+    with pytest.raises(BadInput, match="there is no process"):
+        concurrent.checkpoint_concurrent(2 ** 22 + 12345, "/tmp/x")
+
+
+def test_pos_run_refuses_a_program_that_is_not_python() -> None:
+    r = CliRunner().invoke(cli, ["run", "--", "/bin/true"])
+    assert r.exit_code == 2 and "is not a Python program" in r.output
+
+
+@pytest.fixture(scope="module")
+def fake_cupti(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("cupti")
+    (d / "cupti.c").write_text(FAKE_CUPTI)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(d / "libcupti.so"), str(d / "cupti.c")],
+                   check=True)
+    return d / "libcupti.so"
+
+
+def test_pos_run_starts_the_agent_and_chains_sitecustomize(tmp_path: Path, fakegpu,  # type: ignore[no-untyped-def]
+                                                            fake_cupti: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the agent's socket lives in /run/pos (root)")
+    theirs = tmp_path / "site"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS'] = 'ran'\n")
+    prog = tmp_path / "app.py"
+    prog.write_text("import os, sys, time\n"
+                    "print(os.environ.get('THEIRS'), os.environ.get('POS_RUN_NAME'), flush=True)\n"
+                    "sys.stdin.readline()\n")
+    env = dict(os.environ, PYTHONPATH=str(theirs), POS_LIBCUPTI=str(fake_cupti),
+               POS_LIBCUDA=str(fakegpu["libcuda"]))
+    p = subprocess.Popen([str(ROOT / ".venv/bin/pos"), "run", "--name", "job7", "--",
+                          sys.executable, str(prog)], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().split() == ["ran", "job7"]
+        deadline = time.monotonic() + 60
+        while not os.path.exists(socket_path(p.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = concurrent.status(p.pid)
+        assert st["pid"] == p.pid and st["name"] == "job7" and st["cupti"] is True
+        assert stat.S_IMODE(os.stat(socket_path(p.pid)).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat("/run/pos").st_mode) == 0o700
+    finally:
+        p.communicate("\n", timeout=30)
+    assert p.returncode == 0
+    assert not os.path.exists(socket_path(p.pid))

@@ -1,0 +1,128 @@
+"""The agent's rules without any driver: the live table, soft copy-on-write decisions, pool
+accounting, the copier's order."""
+
+import numpy as np
+
+from pos.agent import state as S
+
+MB = 1 << 20
+
+
+def make(pool: int = 4 * MB) -> S.State:
+    st = S.State(capacity=64, shadows=8, functions=16, layout_words=64)
+    st.ctl[S.C_POOL_SIZE] = pool
+    st.ctl[S.C_POOL_BASE] = 0x900000000
+    for base, size in ((0x3000, MB), (0x1000, MB), (0x2000, 3 * MB)):
+        assert S.table_insert(*st.arrays(), np.uint64(base), np.uint64(size))
+    return st
+
+
+def begin(st: S.State, predicted=(), only_dirty=False) -> int:
+    n = S.begin_checkpoint(*st.arrays(), st.order, np.asarray(predicted, np.uint64), only_dirty)
+    st.ctl[S.C_PHASE] = S.PHASE_CHECKPOINT
+    st.ctl[S.C_CUT_DONE] = 1
+    return n
+
+
+def plan(st: S.State, slots, everything=False, shadow_ok=True):
+    a = np.asarray(slots, np.int64)
+    return S.plan_writes(*st.arrays(), st.sh_off, st.sh_size, a, len(a), everything, shadow_ok,
+                         st.copies)
+
+
+def test_table_sorted_insert_remove_and_replace() -> None:
+    st = make()
+    assert list(st.bases[:3]) == [0x1000, 0x2000, 0x3000]
+    assert S.table_remove(*st.arrays(), np.uint64(0x2000))
+    assert not S.table_remove(*st.arrays(), np.uint64(0x2000))
+    assert list(st.bases[:2]) == [0x1000, 0x3000]
+    assert S.table_insert(*st.arrays(), np.uint64(0x1000), np.uint64(5))   # same base again
+    assert st.ctl[S.C_N] == 2 and st.ends[0] == 0x1005
+
+
+def test_pending_write_is_shadowed_within_the_pool() -> None:
+    st = make()
+    assert begin(st) == 3 and st.ctl[S.C_UNSAFE] == 3
+    n, wait = plan(st, [0])
+    assert (n, wait) == (1, False)
+    assert st.status[0] == S.SHADOWED and st.ctl[S.C_UNSAFE] == 2
+    assert st.copies[0, 0] == 0x1000 and st.copies[2, 0] == MB and st.ctl[S.C_POOL_USED] == MB
+    # written again: nothing to do
+    assert plan(st, [0]) == (0, False)
+
+
+def test_pool_full_waits_and_marks_urgent() -> None:
+    st = make(pool=2 * MB)
+    begin(st)
+    n, wait = plan(st, [1])                  # 3 MiB buffer, 2 MiB pool
+    assert (n, wait) == (0, True)
+    assert st.status[1] == S.PENDING and st.flags[1] & S.URGENT
+    out = np.zeros(4, np.int64)
+    assert S.claim(*st.arrays(), st.order, st.sh_off, out)
+    assert out[0] == 0x2000 and out[3] == -1           # the copier takes it next
+    assert st.status[1] == S.COPYING
+    assert plan(st, [1]) == (0, True)                   # being copied: still wait
+    S.finish(*st.arrays(), st.sh_size, np.uint64(0x2000))
+    assert plan(st, [1]) == (0, False)                  # saved: go
+
+
+def test_no_shadow_before_the_cut_synchronised() -> None:
+    st = make()
+    begin(st)
+    st.ctl[S.C_CUT_DONE] = 0
+    assert plan(st, [0]) == (0, True)
+
+
+def test_everything_and_frees_wait() -> None:
+    st = make()
+    begin(st)
+    assert plan(st, [], everything=True) == (0, True)
+    assert plan(st, [0]) == (1, False)                  # shadowed ...
+    assert plan(st, [0], shadow_ok=False) == (0, True)  # ... but a free waits until saved
+
+
+def test_pool_first_fit_reuses_freed_extents() -> None:
+    st = make(pool=2 * MB)
+    a = S.pool_alloc(st.ctl, st.sh_off, st.sh_size, np.uint64(MB))
+    b = S.pool_alloc(st.ctl, st.sh_off, st.sh_size, np.uint64(MB))
+    assert st.sh_off[a] == 0 and st.sh_off[b] == MB
+    assert S.pool_alloc(st.ctl, st.sh_off, st.sh_size, np.uint64(1)) == -1
+    S.pool_free(st.ctl, st.sh_size, a)
+    c = S.pool_alloc(st.ctl, st.sh_off, st.sh_size, np.uint64(100))
+    assert st.sh_off[c] == 0 and st.ctl[S.C_POOL_USED] == MB + S.ALIGN
+
+
+def test_copy_order_predicted_first_then_by_size_and_shadows_from_the_pool() -> None:
+    st = make()
+    begin(st, predicted=[0x3000])
+    plan(st, [0])                                       # 0x1000 shadowed
+    out = np.zeros(4, np.int64)
+    got = []
+    while S.claim(*st.arrays(), st.order, st.sh_off, out):
+        got.append((int(out[0]), int(out[1]), int(out[3])))
+        S.finish(*st.arrays(), st.sh_size, np.uint64(out[0]))
+    e = got[2][2]
+    assert [g[0] for g in got] == [0x3000, 0x2000, 0x1000]
+    assert got[2][1] == 0x900000000 + int(st.sh_off[e]) and e >= 0
+    assert st.ctl[S.C_POOL_USED] == 0 and st.ctl[S.C_UNSAFE] == 0
+    assert all(st.status[:3] == S.SAVED)
+
+
+def test_incremental_takes_only_dirty_buffers() -> None:
+    st = make()
+    begin(st)
+    S.end_checkpoint(st.ctl, st.status, st.sh_size)
+    st.ctl[S.C_PHASE] = S.PHASE_IDLE
+    plan(st, [2], shadow_ok=False)                      # tracked write to 0x3000
+    assert begin(st, only_dirty=True) == 1
+    assert list(st.status[:3]) == [S.NONE, S.NONE, S.PENDING]
+
+
+def test_function_table_queues_unknown_and_stores_layouts() -> None:
+    st = make()
+    i = S.function_seen(st.ctl, st.fkey, st.fstate, st.newf, np.uint64(0xABC))
+    assert st.fstate[i] == S.F_QUEUED and st.ctl[S.C_NEWF_N] == 1 and st.newf[0] == 0xABC
+    assert S.function_add(st.ctl, st.fkey, st.fstate, st.fstart, st.fcount, st.lay_off,
+                          st.lay_size, st.lay_kind, np.uint64(0xABC), np.array([0, 8]),
+                          np.array([8, 8]), np.array([1, 2], np.int8), True)
+    assert st.fstate[i] == S.F_VALIDATED and st.fcount[i] == 2
