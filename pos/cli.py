@@ -189,9 +189,17 @@ def _report(result: Any) -> None:
 @click.option("--leave-running", is_flag=True, help="Resume the process after the dump.")
 @click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
               show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@click.option("--concurrent", is_flag=True,
+              help="Save the GPU state of a `pos run` process while it keeps running (its agent "
+                   "takes the image; not yet proven on a GPU).")
+@click.option("--incremental", is_flag=True,
+              help="With --concurrent: only the buffers written since the last image "
+                   "(needs `pos run --track-dirty`).")
+@click.option("--compress", is_flag=True, help="With --concurrent: zstd-compress the chunks.")
 @criu_options
 @db_option
 def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: float,
+               concurrent: bool, incremental: bool, compress: bool,
                shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
                external: tuple[str, ...], db: Optional[str]) -> None:
     """Save a process tree, its GPU state included, into an image directory.
@@ -199,11 +207,25 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     GPU processes: the CUDA driver locks and checkpoints them, then CRIU dumps the tree. Without
     --leave-running the processes end once saved; restore them with `pos restore`. Whatever
     fails, the processes are left running (a watchdog undoes even if pos is killed).
+    With --concurrent, only the GPU state of a `pos run` process, taken while it runs.
     """
     from pathlib import Path
 
     from pos.scheduler import engine
     from pos.store import images
+
+    if (incremental or compress) and not concurrent:
+        raise click.UsageError("--incremental and --compress go with --concurrent.")
+    if concurrent:
+        from pos.scheduler.concurrent import checkpoint_concurrent
+
+        r = checkpoint_concurrent(pid, directory, incremental=incremental,
+                                  compress=compress)
+        click.echo(f"image {r['path']}: {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
+                   f"({r['throughput_gbps'] or 0:.1f} GB/s); intercepted {r['intercepted']}, "
+                   f"copied-on-write {r['copied_on_write']}, waited {r['waited']} "
+                   f"({r['waited_s']:.3f} s), fallbacks {r['fallbacks']}")
+        return
 
     result = engine.checkpoint(pid, Path(directory),
                                _options(shell_job, tcp_established, ext_unix_sk, file_locks,
@@ -218,13 +240,24 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
               help="The image directory that `pos checkpoint` wrote.")
 @click.option("--inherit-fd", multiple=True, metavar="fd[N]:RES",
               help="Give the restored tree this file descriptor of pos (CRIU's --inherit-fd).")
+@click.option("--gpu-only", "gpu_only_pid", type=int, metavar="PID",
+              help="Put a `--concurrent` GPU image back into the running `pos run` process PID.")
 @db_option
-def restore(directory: str, inherit_fd: tuple[str, ...], db: Optional[str]) -> None:
+def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
+            db: Optional[str]) -> None:
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
     from pos.scheduler import engine
     from pos.store import images
+
+    if gpu_only_pid is not None:
+        from pos.scheduler.concurrent import restore_gpu_only
+
+        r = restore_gpu_only(gpu_only_pid, directory)
+        click.echo(f"restored {r['bytes'] / 2**30:.2f} GiB in {r['held_s']:.3f} s "
+                   f"({r['throughput_gbps'] or 0:.1f} GB/s)")
+        return
 
     result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
     images.mark_restored(db, str(result.path))

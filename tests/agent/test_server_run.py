@@ -135,3 +135,18 @@ def test_pos_run_starts_the_agent_and_chains_sitecustomize(tmp_path: Path, fakeg
         p.communicate("\n", timeout=30)
     assert p.returncode == 0
     assert not os.path.exists(socket_path(p.pid))
+
+
+def test_checkpoint_and_restore_reach_the_agent_only_through_their_flags() -> None:
+    """`pos checkpoint --concurrent` / `pos restore --gpu-only` talk to the agent; without one
+    they say how to start it, and the concurrent-only flags are refused without --concurrent."""
+    runner = CliRunner()
+    pid = os.getpid()   # a process with no agent socket
+    r = runner.invoke(cli, ["checkpoint", str(pid), "-D", "/nonexistent/img", "--incremental"])
+    assert r.exit_code == 2 and "--incremental and --compress go with --concurrent" in r.output
+    for args in (["checkpoint", str(pid), "-D", "/nonexistent/img", "--concurrent"],
+                 ["restore", "-D", "/nonexistent/img", "--gpu-only", str(pid)]):
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 2, r.output
+        assert f"process {pid} has no pos agent" in r.output and "pos run -- CMD" in r.output
+        assert "Traceback" not in r.output
