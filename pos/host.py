@@ -1,4 +1,4 @@
-"""What this host offers pos: privileges, bcc, kernel headers, tracefs.
+"""What this host offers pos: privileges, bcc, kernel headers, tracefs; what a process is.
 
 Each check returns None when fine, or a PosError naming the cause and the fix; `pos doctor`
 prints them all, the commands raise the first that stops them.
@@ -15,6 +15,17 @@ from pos.errors import BadInput
 CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39,
                 "CAP_CHECKPOINT_RESTORE": 40}
 SETUP_HINT = "run scripts/setup.sh from the pos checkout (it installs bcc and the headers)"
+
+
+def describe(pid: int) -> tuple[str, str]:
+    """(comm, command line) of a process, empty strings when it is gone."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            "utf-8", "replace").strip()
+    except OSError:
+        return "", ""
+    return comm, cmdline
 
 
 def effective_capabilities() -> int:

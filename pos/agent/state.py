@@ -20,6 +20,7 @@ import numba as nb
 import numpy as np
 
 from pos.agent import native
+from pos.analyzer.access import lower_bound
 
 NONE, PENDING, COPYING, SHADOWED, SHADOW_COPYING, SAVED = 0, 1, 2, 3, 4, 5
 URGENT, DIRTY = np.uint8(1), np.uint8(2)            # flags bits
@@ -89,19 +90,6 @@ class State:
 
 
 # ---- the allocation table -----------------------------------------------------------------
-
-@nb.njit(cache=True)
-def lower_bound(bases: np.ndarray, n: int, v: np.uint64) -> int:
-    """The first slot whose base is > v."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if bases[mid] <= v:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
 
 @nb.njit(cache=True)
 def slot_of(bases: np.ndarray, n: int, base: np.uint64) -> int:

@@ -50,6 +50,19 @@ def find(bases: np.ndarray, ends: np.ndarray, n: int, v: np.uint64) -> int:
     return -1
 
 
+@nb.njit(cache=True, inline="always")
+def lower_bound(bases: np.ndarray, n: int, v: np.uint64) -> int:
+    """The first slot whose base is > v."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bases[mid] <= v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 @nb.njit(cache=True)
 def max_evidence(sizes: np.ndarray, kinds: np.ndarray) -> int:
     """The most evidence rows one launch of this layout can give (one per word looked at)."""
@@ -170,14 +183,7 @@ def sweep(op_kind: np.ndarray, op_a: np.ndarray, op_b: np.ndarray, op_c: np.ndar
                 continue
             pos = j + 1 if j >= 0 else 0
             if j < 0:                                # insertion point among the bases
-                lo, hi = 0, n_live
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if bases[mid] <= base:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                pos = lo
+                pos = lower_bound(bases, n_live, base)
             for t in range(n_live, pos, -1):
                 bases[t] = bases[t - 1]
                 ends[t] = ends[t - 1]

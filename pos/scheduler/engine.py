@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pos import nvml
+from pos import host, nvml
 from pos.errors import BadInput, PosError
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import image, procs
@@ -144,7 +144,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     # a page server takes the pages elsewhere
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
     partial = image.prepare(directory, needed)
-    comm, cmdline = procs.describe(pid)
+    comm, cmdline = host.describe(pid)
     manifest = Manifest(
         pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -193,7 +193,7 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
     """Refuse an image whose PIDs are taken or whose driver differs from this host's."""
     for pid in manifest.pids:
         if Path(f"/proc/{pid}").exists():
-            comm = procs.describe(pid)[0] or "a process"
+            comm = host.describe(pid)[0] or "a process"
             if procs.state(pid) == "Z":
                 comm += ", a zombie its parent has not reaped"
             raise BadInput(f"PID {pid} of the image is taken ({comm})",

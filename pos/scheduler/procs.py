@@ -36,17 +36,6 @@ def parent(pid: int) -> Optional[int]:
     return int(st[1]) if st else None
 
 
-def describe(pid: int) -> tuple[str, str]:
-    """(comm, command line), empty strings when the process is gone."""
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            "utf-8", "replace").strip()
-    except OSError:
-        return "", ""
-    return comm, cmdline
-
-
 def is_kernel_thread(pid: int) -> bool:
     """Kernel threads have no memory map (flags PF_KTHREAD); their cmdline is empty too."""
     st = _stat(pid)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pos import host
 from pos.errors import BadInput, PosError
 from pos.scheduler import procs
 
@@ -102,7 +103,7 @@ def resolve(target: Target, exclude: frozenset[int] = frozenset()) -> int:
         return pid
     if target.kind == "match":
         rx = re.compile(target.value)
-        hits = [p for p in _candidates(exclude) if rx.search(procs.describe(p)[1])]
+        hits = [p for p in _candidates(exclude) if rx.search(host.describe(p)[1])]
     else:
         entry = f"{RUN_NAME_ENV}={target.value}".encode()
         hits = [p for p in _candidates(exclude) if _environ_has(p, entry)]

@@ -17,7 +17,7 @@ from pos.store.db import default_db_path, open_db
 from pos.store.models import Trace
 from pos.tracer.session import Tracer
 from pos.tracer.sink import Sink
-from pos.tracer.target import describe, find_libraries, process_exists
+from pos.tracer.target import find_libraries, process_exists
 from pos.tracer.view import LiveView
 
 
@@ -27,7 +27,7 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
     """Trace PID until Ctrl-C/SIGTERM, `duration`, or its exit; returns the trace id."""
     libraries = find_libraries(pid, lib)   # bad PID or no GPU library: BadInput first
     host.require_tracing()
-    comm, cmdline = describe(pid)
+    comm, cmdline = host.describe(pid)
     db = db or default_db_path()
     engine = open_db(db)
     with Session(engine) as s:

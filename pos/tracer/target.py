@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from pos.errors import BadInput
+from pos.host import describe
 from pos.tracer.probes import FAMILIES, Family
 
 
@@ -18,17 +19,6 @@ class MappedLibrary:
 
 def process_exists(pid: int) -> bool:
     return Path(f"/proc/{pid}").is_dir()
-
-
-def describe(pid: int) -> tuple[str, str]:
-    """(comm, command line) of a process, empty strings when it is gone."""
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            "utf-8", "replace").strip()
-    except OSError:
-        return "", ""
-    return comm, cmdline
 
 
 def mapped_files(pid: int) -> list[str]:

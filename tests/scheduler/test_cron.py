@@ -1,7 +1,6 @@
 """Trigger and misfire logic under a controlled clock: the daemon's tick with a fake snapshot
 worker, so that time and outcomes are the test's to decide."""
 
-import subprocess
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -45,12 +44,6 @@ class FakeWorker:
         self.result = (1, {"error": "interrupted and undone"})
 
 
-@pytest.fixture
-def sleeper():
-    p = subprocess.Popen(["sleep", "600.4242"])
-    yield p.pid
-    p.kill()
-    p.wait()
 
 
 @pytest.fixture

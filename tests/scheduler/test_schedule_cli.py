@@ -19,12 +19,6 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return invoke
 
 
-@pytest.fixture
-def sleeper():
-    p = subprocess.Popen(["sleep", "600.4242"])
-    yield p.pid
-    p.kill()
-    p.wait()
 
 
 def fails(r, code: int, *fragments: str) -> None:
