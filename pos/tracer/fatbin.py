@@ -108,11 +108,17 @@ def image_extent(head: bytes) -> Optional[Extent]:
     return None
 
 
-def parse_image(data: bytes) -> dict[str, KernelLayout]:
-    """Layouts by mangled kernel name from a cubin or from concatenated fatbins."""
+def parse_image(data: bytes, part: str = "all") -> dict[str, KernelLayout]:
+    """Layouts by mangled kernel name from a cubin or from concatenated fatbins.
+
+    `part` lets a caller get most layouts early: a fatbin container holds one translation
+    unit compiled for several architectures, and a kernel's parameter layout is the same in
+    each, so "first" (the first cubin of every container) already names nearly every kernel
+    for a fraction of the decompression; "rest" gives the other cubins (kernels built for some
+    architectures only); "all" both."""
     if data[:4] == ELF_MAGIC:
-        return _cubin_layouts(data)
-    return _fatbin_layouts(data)
+        return _cubin_layouts(data) if part != "rest" else {}
+    return _fatbin_layouts(data, part)
 
 
 def layouts_from_elf_file(path: str) -> dict[str, KernelLayout]:
@@ -141,14 +147,15 @@ def layouts_from_elf_file(path: str) -> dict[str, KernelLayout]:
 
 # ---- fatbins ------------------------------------------------------------------------------
 
-def _fatbin_layouts(data: bytes) -> dict[str, KernelLayout]:
-    """Merge the cubins of every container in `data` (the first definition of a name wins)."""
+def _fatbin_layouts(data: bytes, part: str = "all") -> dict[str, KernelLayout]:
+    """Merge the cubins (`part` of them, see parse_image) of every container in `data`; the
+    first definition of a name wins."""
     if data[:4] != _FATBIN_MAGIC_BYTES:
         raise FatbinError("the data is neither a cubin nor a fatbin.")
     layouts: dict[str, KernelLayout] = {}
     start = 0
     while start >= 0:
-        end, cubins = _container_cubins(data, start)
+        end, cubins = _container_cubins(data, start, part)
         for cubin in cubins:
             for name, layout in _cubin_layouts(cubin).items():
                 layouts.setdefault(name, layout)
@@ -156,8 +163,9 @@ def _fatbin_layouts(data: bytes) -> dict[str, KernelLayout]:
     return layouts
 
 
-def _container_cubins(data: bytes, start: int) -> tuple[int, list[bytes]]:
-    """The end of the container at `start` and its cubins, decompressed."""
+def _container_cubins(data: bytes, start: int, part: str = "all") -> tuple[int, list[bytes]]:
+    """The end of the container at `start` and its cubins (`part`: all, the first, or the
+    rest), decompressed."""
     if start + _FATBIN_HEADER.size > len(data):
         raise FatbinError(f"the fatbin header at offset {start} is cut off.")
     _, _, header_size, size = _FATBIN_HEADER.unpack_from(data, start)
@@ -166,6 +174,7 @@ def _container_cubins(data: bytes, start: int) -> tuple[int, list[bytes]]:
         raise FatbinError(f"the fatbin at offset {start} claims {header_size + size} bytes "
                           f"but only {len(data) - start} are there.")
     cubins = []
+    seen = 0
     pos = start + header_size
     while pos < end:
         if pos + _ENTRY_HEADER.size > end:
@@ -177,7 +186,9 @@ def _container_cubins(data: bytes, start: int) -> tuple[int, list[bytes]]:
             raise FatbinError(f"the fatbin entry at offset {payload - entry_size} runs past "
                               "the end of its container.")
         if kind == ENTRY_CUBIN:
-            cubins.append(_decompress(data[payload:pos], flags, packed, full))
+            seen += 1
+            if part == "all" or (part == "first") == (seen == 1):
+                cubins.append(_decompress(data[payload:pos], flags, packed, full))
     return end, cubins
 
 

@@ -85,9 +85,15 @@ def _layout_json(layout: fatbin.KernelLayout) -> str:
     return json.dumps([[p.offset, p.size] for p in layout.params])
 
 
-def _parse_image(data: bytes) -> dict[str, fatbin.KernelLayout]:
-    """A module image's layouts (runs in a worker process)."""
-    return fatbin.parse_image(data)
+@dataclass
+class _Parse:
+    """A module image being parsed in a worker: first its first cubin per fatbin container
+    (most kernels, quickly), then the rest (fatbin.parse_image says why)."""
+
+    future: Future
+    row: Row
+    data: Optional[bytes]    # kept for the second part; None once it is submitted
+    part: str
 
 
 def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
@@ -184,7 +190,7 @@ class Tracer:
         self.by_name: dict[str, fatbin.KernelLayout] = {}
         self._unresolved: dict[int, tuple[_Probes, str]] = {}  # handle -> (probes, name)
         self._pushed: dict[int, tuple[str, str]] = {}         # handle -> (name, layout JSON)
-        self._parses: list[tuple[Future, Row]] = []           # module images being parsed
+        self._parses: list[_Parse] = []                       # module images being parsed
         self._scan: Optional[Future] = None
         self._scan_enabled = scan_libraries
         self._pool: Optional[ProcessPoolExecutor] = None
@@ -255,7 +261,8 @@ class Tracer:
         else:
             data = self._read(addr, extent.size)
             row["image_size"] = len(data)
-            self._parses.append((self._workers().submit(_parse_image, data), row))
+            self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, data, "first"),
+                                       row, data, "first"))
             return False
         return True
 
@@ -285,19 +292,13 @@ class Tracer:
         """Take in finished parses and scans, and push the layouts that kernels waited for
         (`wait`: every parse, as the tracer closes). The mapped files are scanned, once, only
         for kernels that no loaded module explains: modules loaded before pos attached."""
-        for future, row in [p for p in self._parses if wait or p[0].done()]:
-            self._parses.remove((future, row))
-            try:
-                layouts, row["note"] = future.result(), None
-            except (fatbin.FatbinError, OSError) as e:
-                layouts, row["note"] = {}, str(e)
-            row["kernels"] = len(layouts)
-            self.by_module[row["handle"]] = layouts
-            for name, layout in layouts.items():
-                self.by_name.setdefault(name, layout)
-            for probes in self._probes:
-                probes.push_named(layouts)
-            self.sink.add("modules", row)
+        while True:
+            done = [p for p in self._parses if wait or p.future.done()]
+            if not done:
+                break
+            for p in done:
+                self._parses.remove(p)
+                self._take_parse(p)
             self._resolve("pos-layout")
         if self._scan is not None and self._scan.done():
             try:
@@ -317,6 +318,27 @@ class Tracer:
             except PosError:
                 return
             self._scan = self._workers().submit(_scan_files, paths)
+
+    def _take_parse(self, p: _Parse) -> None:
+        """Merge a finished part; after the first, parse the rest; after the last, store the
+        module's row."""
+        row = p.row
+        try:
+            layouts, row["note"] = p.future.result(), None
+        except (fatbin.FatbinError, OSError) as e:
+            layouts, row["note"] = {}, str(e)
+        merged = self.by_module.setdefault(row["handle"], {})
+        for name, layout in layouts.items():
+            merged.setdefault(name, layout)
+            self.by_name.setdefault(name, layout)
+        for probes in self._probes:
+            probes.push_named(layouts)
+        if p.part == "first" and row["note"] is None and p.data is not None:
+            self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, p.data, "rest"),
+                                       row, None, "rest"))
+            return
+        row["kernels"] = len(merged)
+        self.sink.add("modules", row)
 
     def _resolve(self, source: str) -> None:
         """Push the layouts now known for kernels looked up earlier; a function row (ts 0, so

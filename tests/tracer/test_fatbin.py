@@ -208,3 +208,22 @@ def test_corrupt_section_is_an_error(built: dict[str, Path], tmp_path: Path) -> 
     broken.write_bytes(bytes(data))
     with pytest.raises(fatbin.FatbinError):
         fatbin.layouts_from_elf_file(str(broken))
+
+
+def test_parts_first_cubin_then_the_rest(tmp_path: Path) -> None:
+    """The tracer parses the first cubin of each container first (quickly: most kernels), then
+    the rest: a kernel built for one architecture only comes with the rest, and the two parts
+    together are the whole image."""
+    src = tmp_path / "arch.cu"
+    src.write_text("__global__ void everywhere(float *x, int n) { x[n] = 1; }\n"
+                   "#if __CUDA_ARCH__ < 900\n"
+                   "__global__ void only_sm80(double *y) { y[0] = 2; }\n"
+                   "#endif\n")
+    out = tmp_path / "arch.fatbin"
+    _nvcc("-fatbin", *TWO_ARCHS, "-o", str(out), str(src))   # sm_90 first, then sm_80
+    data = out.read_bytes()
+    first, rest = fatbin.parse_image(data, "first"), fatbin.parse_image(data, "rest")
+    assert set(first) == {"_Z10everywherePfi"}
+    assert set(rest) == {"_Z10everywherePfi", "_Z9only_sm80Pd"}
+    assert fatbin.parse_image(data) == {**first, **rest}
+    assert first["_Z10everywherePfi"] == rest["_Z10everywherePfi"]
