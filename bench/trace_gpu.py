@@ -27,10 +27,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from workloads.harness import JOB, Job, PosTrace, count_run, q  # noqa: E402
+from workloads.harness import JOB, Job, PosTrace, count_run, q, split_cpus  # noqa: E402
 
 STORM = ROOT / "bench" / "launch_storm.cu"
 
@@ -42,12 +43,18 @@ def build_storm(workdir: str) -> list[str]:
     return [exe, cubin]
 
 
-def alternate(job: Job, db: str, cmd: str, key: str, rounds: int) -> dict:
+# The cost runs keep the workload on one core and pos (tracer, sink, parsers) on the others,
+# so that what is measured is the probes' cost, not two processes sharing a core (--no-pin).
+Pin = tuple[Optional[set[int]], Optional[set[int]]]   # (workload CPUs, pos CPUs)
+
+
+def alternate(job: Job, db: str, cmd: str, key: str, rounds: int, pos_cpus: Optional[set[int]]
+              ) -> dict:
     """untraced, traced, untraced ... (rounds traced phases); the added cost of each traced
     phase against the mean of its two neighbours, and the median over rounds."""
     seq, logs = [], []
     for i in range(2 * rounds + 1):
-        tr = PosTrace(job.pid, db) if i % 2 else None
+        tr = PosTrace(job.pid, db, pos_cpus) if i % 2 else None
         seq.append(job.run(cmd)[key])
         if tr:
             logs.append(tr.stop().strip().splitlines()[-1])
@@ -58,21 +65,21 @@ def alternate(job: Job, db: str, cmd: str, key: str, rounds: int) -> dict:
             "added_pct_median": statistics.median(added) / base * 100, "trace_logs": logs}
 
 
-def launch_run(db: str, storm: list[str], launches: int, rounds: int) -> dict:
-    job = Job(storm)
+def launch_run(db: str, storm: list[str], launches: int, rounds: int, pin: Pin) -> dict:
+    job = Job(storm, pin[0])
     job.run("init")
-    r = alternate(job, db, f"loop {launches}", "s_per_launch", rounds)
+    r = alternate(job, db, f"loop {launches}", "s_per_launch", rounds, pin[1])
     job.close()
     r["added_us_per_launch_median"] = r["added_s_median"] * 1e6
     r["untraced_us_per_launch"] = r["untraced_s"] * 1e6
     return r
 
 
-def train_run(db: str, launches: int, steps: int, rounds: int) -> dict:
-    job = Job([sys.executable, str(JOB)])
+def train_run(db: str, launches: int, steps: int, rounds: int, pin: Pin) -> dict:
+    job = Job([sys.executable, str(JOB)], pin[0])
     job.run("init")
-    train = alternate(job, db, f"train {steps}", "s_per_step", rounds)
-    aten = alternate(job, db, f"launch {launches}", "s_per_launch", rounds)
+    train = alternate(job, db, f"train {steps}", "s_per_step", rounds, pin[1])
+    aten = alternate(job, db, f"launch {launches}", "s_per_launch", rounds, pin[1])
     job.close()
     return {"train_step": train, "aten_launch_loop": aten,
             "train_step_overhead_pct_median": train["added_pct_median"],
@@ -105,12 +112,16 @@ def main() -> None:
                     help="one storm run per thread count")
     ap.add_argument("--only", choices=["count", "launch", "train", "storm"], action="append")
     ap.add_argument("--dbdir", help="keep the runs' stores here [default: a temporary folder]")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="let the workload and pos share cores in the cost runs")
     args = ap.parse_args()
+    pin: Pin = (None, None) if args.no_pin else split_cpus()
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu_and_driver": smi, "kernel": platform.release(),
-              "command": " ".join([Path(sys.executable).name] + sys.argv)}
+              "command": " ".join([Path(sys.executable).name] + sys.argv),
+              "pinning": {"workload": sorted(pin[0] or []), "pos": sorted(pin[1] or [])}}
     with tempfile.TemporaryDirectory() as d:
         storm = build_storm(d)
         for name in args.only or ["count", "launch", "train", "storm"]:
@@ -120,9 +131,9 @@ def main() -> None:
                 if name == "count":
                     result[name] = count_run(db, args.steps)
                 elif name == "launch":
-                    result[name] = launch_run(db, storm, args.launches, args.rounds)
+                    result[name] = launch_run(db, storm, args.launches, args.rounds, pin)
                 elif name == "train":
-                    result[name] = train_run(db, args.launches, 10, args.rounds)
+                    result[name] = train_run(db, args.launches, 10, args.rounds, pin)
                 else:
                     result[name] = {f"threads_{n}": storm_run(db.replace(".db", f"{n}.db"), storm,
                                                               n, 5.0)

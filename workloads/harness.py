@@ -3,22 +3,47 @@ tests/gpu. A workload prints `READY <pid>` before it initialises its GPU, then a
 command line on stdin with one JSON line."""
 
 import json
+import os
 import sqlite3
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "workloads" / "torch_job.py"
 MARK_BEGIN, MARK_END = 0x05EB0001, 0x05EB0002   # the markers torch_job.py memsets
 
 
+def pinned(cpus: Optional[set[int]]) -> Optional[Callable[[], None]]:
+    """A preexec_fn that confines the child (and all it starts) to `cpus`; None: no pinning."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """(one core for a workload, the CPUs of every other core for pos): measurements of the
+    tracer's cost must not share a core (or its SMT sibling) between the two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    siblings = Path(f"/sys/devices/system/cpu/cpu{cpus[0]}/topology/thread_siblings_list")
+    try:
+        text = siblings.read_text().strip()
+        core = {int(x) for part in text.split(",") for x in
+                (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
+    except (OSError, ValueError):
+        core = {cpus[0]}
+    rest = set(cpus) - core
+    return {cpus[0]}, rest or set(cpus)
+
+
 class Job:
     """A workload process that speaks the READY / one-JSON-line-per-phase protocol."""
 
-    def __init__(self, argv: list[str]) -> None:
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv: list[str], cpus: Optional[set[int]] = None) -> None:
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  preexec_fn=pinned(cpus))
         line = self.p.stdout.readline()
         if not line.startswith("READY"):
             raise RuntimeError(f"workload did not start: {line!r}")
@@ -44,9 +69,10 @@ class Job:
 class PosTrace:
     """`pos trace PID` as a user runs it, waiting until its probes are attached."""
 
-    def __init__(self, pid: int, db: str) -> None:
+    def __init__(self, pid: int, db: str, cpus: Optional[set[int]] = None) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "pos.cli", "trace", str(pid), "--db", db,
-                                   "--quiet"], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                   "--quiet"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                  preexec_fn=pinned(cpus))
         self.log = []
         while True:
             line = self.p.stderr.readline()
