@@ -122,22 +122,22 @@ def _hash_range(fd: int, offset: int, length: int) -> bytes:
     return h.digest()
 
 
-def chunk_digests(folder: Path, names: list[str], chunk_bytes: int = CHUNK_BYTES,
-                  sizes: Optional[dict[str, int]] = None) -> dict[str, list[bytes]]:
-    """name -> the sha256 of each `chunk_bytes` chunk of the file, every chunk of every file
-    hashed by a pool of `workers()` threads. `sizes` (the manifest's, when verifying) says how
-    many chunks to hash; by default the files' sizes now."""
-    fds = {n: os.open(folder / n, os.O_RDONLY) for n in names}
+def chunk_digests(folder: Path, sizes: dict[str, int],
+                  chunk_bytes: int) -> dict[str, list[bytes]]:
+    """name -> the sha256 of each `chunk_bytes` chunk of the first `sizes[name]` bytes of the
+    file, every chunk of every file hashed by a pool of `workers()` threads."""
+    fds: dict[str, int] = {}
     try:
-        size = sizes or {n: os.fstat(fd).st_size for n, fd in fds.items()}
-        tasks = [(n, at, min(chunk_bytes, size[n] - at))
-                 for n in names for at in range(0, max(size[n], 1), chunk_bytes)]
+        for n in sizes:
+            fds[n] = os.open(folder / n, os.O_RDONLY)
+        tasks = [(n, at, min(chunk_bytes, size - at))
+                 for n, size in sizes.items() for at in range(0, max(size, 1), chunk_bytes)]
         with ThreadPoolExecutor(max_workers=workers()) as pool:
             digests = list(pool.map(lambda t: _hash_range(fds[t[0]], t[1], t[2]), tasks))
     finally:
         for fd in fds.values():
             os.close(fd)
-    out: dict[str, list[bytes]] = {n: [] for n in names}
+    out: dict[str, list[bytes]] = {n: [] for n in sizes}
     for (n, _at, _len), d in zip(tasks, digests):
         out[n].append(d)
     return out
@@ -151,7 +151,7 @@ def file_digest(chunks: list[bytes]) -> str:
 def checksums(folder: Path, names: list[str], chunk_bytes: int) -> dict[str, dict[str, Any]]:
     """name -> {size, sha256 (of the chunk digests), chunks (hex digest of each chunk)}."""
     sizes = {n: (folder / n).stat().st_size for n in names}
-    digests = chunk_digests(folder, names, chunk_bytes, sizes)
+    digests = chunk_digests(folder, sizes, chunk_bytes)
     return {n: {"size": sizes[n], "sha256": file_digest(digests[n]),
                 "chunks": [d.hex() for d in digests[n]]} for n in names}
 
@@ -222,7 +222,25 @@ def load(folder: Path) -> Manifest:
     if manifest.format != FORMAT:
         raise BadInput(f"{folder} is an image of format {manifest.format}, this pos reads "
                        f"{FORMAT}", "restore it with the pos version that wrote it")
+    if not _well_formed(manifest):
+        raise BadInput(f"{path} is not a valid pos manifest (its file list is malformed)",
+                       "the image is corrupt: take a new checkpoint")
     return manifest
+
+
+def _well_formed(m: Manifest) -> bool:
+    """Every file has a size, a digest and one chunk digest per chunk (an empty file: one)."""
+    if not isinstance(m.chunk_bytes, int) or m.chunk_bytes <= 0 or not isinstance(m.files, dict):
+        return False
+    for rec in m.files.values():
+        if not isinstance(rec, dict):
+            return False
+        size, chunks = rec.get("size"), rec.get("chunks")
+        if not isinstance(size, int) or size < 0 or not isinstance(chunks, list) \
+                or not isinstance(rec.get("sha256"), str) \
+                or len(chunks) != max(1, -(-size // m.chunk_bytes)):
+            return False
+    return True
 
 
 def verify(folder: Path) -> Manifest:
@@ -244,8 +262,8 @@ def verify(folder: Path) -> Manifest:
     if extra:
         raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "
                        "list", "remove what was added, or take a new checkpoint")
-    got = chunk_digests(folder, list(manifest.files), manifest.chunk_bytes,
-                        {n: w["size"] for n, w in manifest.files.items()})
+    got = chunk_digests(folder, {n: w["size"] for n, w in manifest.files.items()},
+                        manifest.chunk_bytes)
     for name, want in manifest.files.items():
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):
             if have.hex() != rec:
@@ -254,7 +272,7 @@ def verify(folder: Path) -> Manifest:
                 raise BadInput(f"image {folder} is corrupt: bytes {first}-{last} of {name} do "
                                "not match their checksum in the manifest",
                                "take a new checkpoint")
-        if len(want["chunks"]) != len(got[name]) or file_digest(got[name]) != want["sha256"]:
+        if file_digest(got[name]) != want["sha256"]:
             raise BadInput(f"image {folder} is corrupt: the checksum of {name} does not match "
                            "its manifest", "take a new checkpoint")
     return manifest

@@ -121,6 +121,23 @@ def test_a_manifest_of_another_format_is_refused_in_one_sentence(tmp_path: Path)
                                    "it.")
 
 
+@pytest.mark.parametrize("edit", [
+    lambda d: d.update(chunk_bytes=0),
+    lambda d: d["files"]["core-1.img"].pop("chunks"),
+    lambda d: d["files"]["core-1.img"]["chunks"].append("00"),
+    lambda d: d["files"].update({"core-1.img": "x"}),
+])
+def test_a_malformed_manifest_is_refused_in_one_sentence(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    img = make_image(tmp_path, {"core-1.img": 10})
+    d = json.loads((img / image.MANIFEST).read_text())
+    edit(d)
+    (img / image.MANIFEST).write_text(json.dumps(d))
+    with pytest.raises(BadInput) as e:
+        image.verify(img)
+    assert e.value.message == (f"{img / image.MANIFEST} is not a valid pos manifest (its file "
+                               "list is malformed): the image is corrupt: take a new checkpoint.")
+
+
 def test_hashing_uses_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert image.workers() == 16
