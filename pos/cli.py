@@ -388,6 +388,11 @@ Examples:
       --leave-running                 # hourly, the `pos run --name job1` job, by age and size
   pos schedule add --cron '* * * * * */10' --pid 4242 -D /tmp/snaps --keep 3 --leave-running
                                       # every 10 seconds (sixth field: seconds), PID 4242
+  pos schedule add --cron '*/5 * * * *' --name job1 --engine concurrent -D /data/gpu --keep 6
+                                      # GPU state of a `pos run` job while it runs (unproven
+                                      # on a GPU); restore: pos restore --gpu-only PID -D DIR
+  pos schedule add --cron '0 * * * *' --match 'serve\\.py' --tcp-established --shell-job \\
+      -D /data/ckpt --keep 2 --leave-running   # CRIU options, as for `pos checkpoint`
 """
 
 EPILOG_SCHEDULE = """\b
@@ -458,24 +463,36 @@ def schedule() -> None:
 @click.option("--max-bytes", metavar="B", help="Keep at most B bytes of images (500M, 50G).")
 @click.option("--engine", type=click.Choice(["auto", "driver", "concurrent", "criu"]),
               default="auto", show_default=True,
-              help="auto: driver for GPU processes, CRIU alone for the rest.")
+              help="auto: concurrent for a `pos run` job (its agent answers), driver for other "
+                   "GPU processes, CRIU alone for the rest. concurrent: only the GPU state of a "
+                   "`pos run` job, taken while it runs (not yet proven on a GPU; restore with "
+                   "`pos restore --gpu-only PID -D DIR`).")
 @click.option("--leave-running", is_flag=True,
               help="Resume the target after each snapshot (without it the first snapshot "
-                   "ends the process, as `pos checkpoint` does).")
+                   "ends the process, as `pos checkpoint` does; the concurrent engine never "
+                   "stops it).")
 @click.option("-D", "--dir", "root", required=True, metavar="ROOT",
               help="Images go to ROOT/<schedule id>/<UTC time>.")
+@criu_options
 @db_option
 def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Optional[str],
                  keep: Optional[int], max_age: Optional[str], max_bytes: Optional[str],
-                 engine: str, leave_running: bool, root: str, db: Optional[str]) -> None:
+                 engine: str, leave_running: bool, root: str, shell_job: bool,
+                 tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
+                 external: tuple[str, ...], db: Optional[str]) -> None:
     """Add a schedule: snapshot a target at the times of a cron expression."""
+    import json
+
     from pos.errors import BadInput
-    from pos.scheduler import cron, retention, snapshot, targets
+    from pos.scheduler import cron, retention, targets
     from pos.store import schedules
 
     expr = cron.validate(expr)
     target = targets.from_options(pid, match, name)
-    snapshot.require_available(engine)
+    options = _options(shell_job, tcp_established, ext_unix_sk, file_locks, external)
+    if engine == "concurrent" and options.argv():
+        raise BadInput(f"{' '.join(options.argv())} are CRIU options and the concurrent engine "
+                       "does not run CRIU", "drop them, or use --engine auto or driver")
     if keep is not None and keep < 1:
         raise BadInput(f"--keep {keep} would keep no image", "give --keep 1 or more")
     policy = retention.Policy(keep, retention.parse_duration(max_age) if max_age else None,
@@ -487,12 +504,23 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
         if target.kind == "pid":
             raise BadInput(e.cause, "give the PID of a running process") from None
         found = None
+    if engine == "concurrent" and found is not None:
+        from pos.scheduler import snapshot
+
+        try:
+            snapshot.choose(engine, found)
+        except BadInput as e:
+            if target.kind == "pid":
+                raise
+            click.echo(f"note: {e.cause}; its runs fail until the job runs under `pos run`")
     from pos.scheduler.cron import SystemClock
 
     now = SystemClock().now()
     row = schedules.add(_open_store(db), cron=expr, target_kind=target.kind,
                         target=target.value, root=root, engine=engine,
-                        leave_running=leave_running, keep=policy.keep,
+                        leave_running=leave_running,
+                        criu_options=json.dumps(options.to_json(), sort_keys=True),
+                        keep=policy.keep,
                         max_age_s=policy.max_age_s, max_bytes=policy.max_bytes, created_at=now,
                         next_run_at=cron.next_fire(expr, now))
     click.echo(f"schedule {row.id}: {target} at '{expr}' (UTC) into {root}/{row.id}, {policy}; "
@@ -500,7 +528,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
     if found is None:
         click.echo(f"note: no process is {target} now; until one is, its runs are "
                    "recorded as no-target")
-    if not leave_running:
+    if not leave_running and engine != "concurrent":
         click.echo("note: without --leave-running each snapshot ends the target (restore it "
                    "with `pos restore`)")
 

@@ -24,7 +24,10 @@ def request(pid: int, req: dict[str, Any], timeout: Optional[float] = None) -> d
     s.settimeout(timeout)
     try:
         s.connect(path)
-        s.sendall(json.dumps(req).encode() + b"\n")
+        try:
+            s.sendall(json.dumps(req).encode() + b"\n")
+        except BrokenPipeError:
+            pass          # the agent refused this peer before reading: its reason is below
         line = s.makefile("rb").readline()
     except PermissionError:
         raise BadInput(f"cannot open {path} (the agent answers root only)",

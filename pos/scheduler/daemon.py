@@ -200,7 +200,8 @@ class Daemon:
             return
         directory = folder / now.strftime(STAMP)
         argv = ["--pid", str(pid), "--dir", str(directory), "--engine", s.engine,
-                "--db", self.db] + (["--leave-running"] if s.leave_running else [])
+                "--criu-options", s.criu_options or "{}", "--db", self.db] \
+            + (["--leave-running"] if s.leave_running else [])
         run_id = schedules.start_run(self.store, s.id, due, now, coalesced, pid)
         self.jobs[s.id] = Job(s, run_id, pid, procs.tree(pid), directory, now,
                               self.launcher(argv))

@@ -1,14 +1,21 @@
 """A pos image: CRIU's files plus pos-manifest.json, in one directory readable by root only.
 
-The image is written into DIR.partial and renamed to DIR only once the manifest (with the sha256
-of every file) is on disk, so that a directory named DIR is always complete; anything else is an
-interrupted checkpoint and says so in its name. `verify` is what restore trusts.
+The image is written into DIR.partial and renamed to DIR only once the manifest (with the
+checksums of every file) is on disk, so that a directory named DIR is always complete; anything
+else is an interrupted checkpoint and says so in its name. `verify` is what restore trusts.
+
+Checksums: each file is cut into chunks of `CHUNK_BYTES`, every chunk gets its sha256, and the
+file's digest is the sha256 of its chunk digests (in order). CRIU puts nearly all of an image in
+one pages-*.img, so hashing whole files in parallel would leave one thread doing the work (0.85
+GB/s on the H100 host: 21 s for 17 GiB); chunks spread one file over every core (hashlib drops
+the GIL while it hashes). The manifest keeps the chunk digests, so a mismatch names the bytes.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,10 +23,11 @@ from typing import Any, Optional
 
 from pos.errors import BadInput
 
-FORMAT = 1
+FORMAT = 2                     # 1: whole-file sha256 (no longer written or read)
 MANIFEST = "pos-manifest.json"
 PARTIAL_SUFFIX = ".partial"
-CHUNK = 8 << 20
+CHUNK_BYTES = 64 << 20         # hashed by one worker
+READ_BYTES = 8 << 20           # one pread into a worker's reusable buffer
 
 
 @dataclass
@@ -40,7 +48,8 @@ class Manifest:
     driver_version: Optional[str] = None      # NVML's, e.g. 580.159.04
     cuda_version: Optional[int] = None        # cuDriverGetVersion, e.g. 13000
     gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256, chunks
+    chunk_bytes: int = CHUNK_BYTES            # what files[*].chunks were computed over
     size_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)    # seconds per step
     stall_s: Optional[float] = None           # how long the process could not run
@@ -87,21 +96,64 @@ def prepare(final: Path, needed_bytes: int) -> Path:
     return partial
 
 
-def _sha256(path: Path) -> str:
+def workers() -> int:
+    """Threads that hash: one per core (the work is sha256 over the page cache or a disk)."""
+    return os.cpu_count() or 1
+
+
+_local = threading.local()
+
+
+def _hash_range(fd: int, offset: int, length: int) -> bytes:
+    """sha256 of `length` bytes at `offset` of `fd`, read into this thread's reusable buffer.
+    A file that ends early (truncated meanwhile) hashes what is there: the digest differs."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = bytearray(READ_BYTES)
+    view = memoryview(buf)
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+    end = offset + length
+    while offset < end:
+        n = os.preadv(fd, [view[:min(READ_BYTES, end - offset)]], offset)
+        if n == 0:
+            break
+        h.update(view[:n])
+        offset += n
+    return h.digest()
 
 
-def checksums(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """name -> {size, sha256}; files hashed in parallel (hashlib releases the GIL)."""
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda n: _sha256(folder / n), names))
-    return {n: {"size": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
+def chunk_digests(folder: Path, sizes: dict[str, int],
+                  chunk_bytes: int) -> dict[str, list[bytes]]:
+    """name -> the sha256 of each `chunk_bytes` chunk of the first `sizes[name]` bytes of the
+    file, every chunk of every file hashed by a pool of `workers()` threads."""
+    fds: dict[str, int] = {}
+    try:
+        for n in sizes:
+            fds[n] = os.open(folder / n, os.O_RDONLY)
+        tasks = [(n, at, min(chunk_bytes, size - at))
+                 for n, size in sizes.items() for at in range(0, max(size, 1), chunk_bytes)]
+        with ThreadPoolExecutor(max_workers=workers()) as pool:
+            digests = list(pool.map(lambda t: _hash_range(fds[t[0]], t[1], t[2]), tasks))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    out: dict[str, list[bytes]] = {n: [] for n in sizes}
+    for (n, _at, _len), d in zip(tasks, digests):
+        out[n].append(d)
+    return out
+
+
+def file_digest(chunks: list[bytes]) -> str:
+    """A file's digest: the sha256 of its chunk digests, in order."""
+    return hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def checksums(folder: Path, names: list[str], chunk_bytes: int) -> dict[str, dict[str, Any]]:
+    """name -> {size, sha256 (of the chunk digests), chunks (hex digest of each chunk)}."""
+    sizes = {n: (folder / n).stat().st_size for n in names}
+    digests = chunk_digests(folder, sizes, chunk_bytes)
+    return {n: {"size": sizes[n], "sha256": file_digest(digests[n]),
+                "chunks": [d.hex() for d in digests[n]]} for n in names}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -118,7 +170,8 @@ def seal(partial: Path, manifest: Manifest) -> Path:
     names = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MANIFEST)
     for n in names:
         os.chmod(partial / n, 0o600)
-    manifest.files = checksums(partial, names)
+    manifest.chunk_bytes = CHUNK_BYTES
+    manifest.files = checksums(partial, names, manifest.chunk_bytes)
     manifest.size_bytes = sum(f["size"] for f in manifest.files.values())
     write_manifest(partial, manifest)
     final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
@@ -169,25 +222,57 @@ def load(folder: Path) -> Manifest:
     if manifest.format != FORMAT:
         raise BadInput(f"{folder} is an image of format {manifest.format}, this pos reads "
                        f"{FORMAT}", "restore it with the pos version that wrote it")
+    if not _well_formed(manifest):
+        raise BadInput(f"{path} is not a valid pos manifest (its file list is malformed)",
+                       "the image is corrupt: take a new checkpoint")
     return manifest
 
 
+def _well_formed(m: Manifest) -> bool:
+    """Every file has a size, a digest and one chunk digest per chunk (an empty file: one)."""
+    if not isinstance(m.chunk_bytes, int) or m.chunk_bytes <= 0 or not isinstance(m.files, dict):
+        return False
+    for rec in m.files.values():
+        if not isinstance(rec, dict):
+            return False
+        size, chunks = rec.get("size"), rec.get("chunks")
+        if not isinstance(size, int) or size < 0 or not isinstance(chunks, list) \
+                or not isinstance(rec.get("sha256"), str) \
+                or len(chunks) != max(1, -(-size // m.chunk_bytes)):
+            return False
+    return True
+
+
 def verify(folder: Path) -> Manifest:
-    """load + every file present with its recorded size and sha256."""
+    """load + exactly the listed files, each with its recorded size and chunk checksums."""
+    folder = Path(folder)
     manifest = load(folder)
     if not manifest.files:
         raise BadInput(f"{folder} lists no files in its manifest", "take a new checkpoint")
     for name, want in manifest.files.items():
-        path = Path(folder) / name
+        path = folder / name
         if not path.is_file():
             raise BadInput(f"image {folder} is incomplete: {name} is missing",
                            "take a new checkpoint")
         if path.stat().st_size != want["size"]:
             raise BadInput(f"image {folder} is corrupt: {name} has {path.stat().st_size} bytes, "
                            f"the manifest says {want['size']}", "take a new checkpoint")
-    got = checksums(Path(folder), list(manifest.files))
+    extra = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST
+                   and p.name not in manifest.files)
+    if extra:
+        raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "
+                       "list", "remove what was added, or take a new checkpoint")
+    got = chunk_digests(folder, {n: w["size"] for n, w in manifest.files.items()},
+                        manifest.chunk_bytes)
     for name, want in manifest.files.items():
-        if got[name]["sha256"] != want["sha256"]:
+        for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):
+            if have.hex() != rec:
+                first = i * manifest.chunk_bytes
+                last = min(first + manifest.chunk_bytes, want["size"]) - 1
+                raise BadInput(f"image {folder} is corrupt: bytes {first}-{last} of {name} do "
+                               "not match their checksum in the manifest",
+                               "take a new checkpoint")
+        if file_digest(got[name]) != want["sha256"]:
             raise BadInput(f"image {folder} is corrupt: the checksum of {name} does not match "
                            "its manifest", "take a new checkpoint")
     return manifest

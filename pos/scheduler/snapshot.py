@@ -4,7 +4,10 @@ the daemon as a child process in its own session.
 Why a child: the engine's Guard owns SIGINT/SIGTERM of its process while it undoes, and a
 failure deep in CRIU or the driver must not take the daemon (and every other schedule) along.
 SIGTERM here abandons the snapshot through the Guard: the target runs on, DIR.partial is
-removed. The outcome is one JSON line on stdout: engine, path, bytes, stall_s, or error.
+removed. The concurrent engine runs in the target itself (its `pos run` agent), which never
+stops it; SIGTERM only stops waiting for the agent, which finishes (and seals) its image or
+discards its DIR.partial on its own. The outcome is one JSON line on stdout: engine, path,
+bytes, stall_s, or error.
 """
 
 import argparse
@@ -14,25 +17,29 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from pos.agent import socket_path
 from pos.errors import BadInput, PosError
-from pos.scheduler import procs, targets
+from pos.scheduler import image, procs, targets
+from pos.scheduler.criu import Options
 
 ENGINES = ("auto", "driver", "concurrent", "criu")
 
 
-def require_available(engine: str) -> None:
-    """The engines this version has (concurrent is not one of them yet)."""
-    if engine == "concurrent":
-        raise BadInput("the concurrent engine is not available in this version of pos",
-                       "use --engine auto, driver or criu")
-
-
 def choose(engine: str, pid: int) -> str:
-    """The engine that snapshots `pid`: driver (CUDA driver + CRIU) or criu (CRIU alone).
+    """The engine that snapshots `pid`: concurrent (the agent of a `pos run` job takes its GPU
+    state while it runs), driver (CUDA driver + CRIU) or criu (CRIU alone).
 
-    auto: the concurrent engine where the agent is present, once this version has it;
-    otherwise driver for a process with CUDA state and criu for the rest."""
-    require_available(engine)
+    auto: concurrent where the agent answers, else driver for a process with CUDA state and
+    criu for the rest."""
+    agent = targets.agent_present(pid)
+    if engine == "concurrent":
+        if not agent:
+            raise BadInput(f"PID {pid} has no pos agent ({socket_path(pid)} is missing), so the "
+                           "concurrent engine cannot snapshot it", "start the job with `pos run`, "
+                           "or use --engine auto")
+        return engine
+    if engine == "auto" and agent:
+        return "concurrent"
     from pos.scheduler.engine import gpu_pids
 
     cuda = gpu_pids(procs.tree(pid))
@@ -47,6 +54,27 @@ def choose(engine: str, pid: int) -> str:
     return engine
 
 
+def take(engine: str, pid: int, directory: Path, options: Options, leave_running: bool,
+         db: str) -> dict[str, Any]:
+    """Snapshot `pid` with `engine` (as `choose` gave it), record the image in the store; the
+    outcome's path, bytes and stall_s."""
+    from pos.store import images
+
+    if engine == "concurrent":
+        from pos.scheduler.concurrent import checkpoint_concurrent
+
+        path = Path(checkpoint_concurrent(pid, str(directory))["path"])
+        manifest = image.load(path)      # sealed by the agent with the same manifest writer
+    else:
+        from pos.scheduler import engine as full
+
+        result = full.checkpoint(pid, directory, options, leave_running,
+                                 echo=lambda s: print(s, file=sys.stderr, flush=True))
+        path, manifest = result.path, result.manifest
+    images.record(db, str(path), manifest)
+    return {"path": str(path), "bytes": manifest.size_bytes, "stall_s": manifest.stall_s}
+
+
 def _interrupt(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -58,28 +86,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dir", required=True)
     p.add_argument("--engine", choices=ENGINES, default="auto")
     p.add_argument("--leave-running", action="store_true")
+    p.add_argument("--criu-options", default="{}", help="JSON of criu.Options")
     p.add_argument("--db", required=True)
     a = p.parse_args(argv)
     out: dict[str, Any] = {"engine": None}
     code = 0
     try:
-        from pos.scheduler import engine
-        from pos.scheduler.criu import Options
-        from pos.store import images
-
         out["engine"] = choose(a.engine, a.pid)
-        if targets.agent_present(a.pid):
-            print(f"PID {a.pid} runs the pos agent, but this version has no concurrent engine: "
-                  "full-process snapshot", file=sys.stderr)
-        result = engine.checkpoint(a.pid, Path(a.dir), Options(), a.leave_running,
-                                   echo=lambda s: print(s, file=sys.stderr, flush=True))
-        images.record(a.db, str(result.path), result.manifest)
-        out.update(path=str(result.path), bytes=result.manifest.size_bytes,
-                   stall_s=result.manifest.stall_s)
+        out.update(take(out["engine"], a.pid, Path(a.dir),
+                        Options.from_json(json.loads(a.criu_options)), a.leave_running, a.db))
     except PosError as e:
         out["error"], code = e.message, e.exit_code
     except KeyboardInterrupt:
-        out["error"], code = "the snapshot was stopped before it began", 1
+        code = 1
+        out["error"] = (f"the snapshot was abandoned; the agent of PID {a.pid} may still finish "
+                        f"its image in {a.dir}" if out["engine"] == "concurrent"
+                        else "the snapshot was stopped before it began")
     print(json.dumps(out), flush=True)
     return code
 

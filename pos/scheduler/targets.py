@@ -16,13 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from pos import host
+from pos.agent import RUN_NAME_ENV, socket_path
 from pos.errors import BadInput, PosError
 from pos.scheduler import procs
 
-# The control socket of the in-process agent of `pos run` (root only): the concurrent engine
-# can be used where it exists.
-AGENT_SOCKET = "/run/pos/agent-{pid}.sock"
-RUN_NAME_ENV = "POS_RUN_NAME"
 KINDS = ("pid", "match", "name")
 
 
@@ -118,8 +115,9 @@ def resolve(target: Target, exclude: frozenset[int] = frozenset()) -> int:
 
 
 def agent_present(pid: int) -> bool:
-    """The `pos run` agent of `pid` listens on its control socket."""
+    """The `pos run` agent of `pid` listens on its control socket (root only): the concurrent
+    engine can snapshot it."""
     try:
-        return stat.S_ISSOCK(os.stat(AGENT_SOCKET.format(pid=pid)).st_mode)
+        return stat.S_ISSOCK(os.stat(socket_path(pid)).st_mode)
     except OSError:
         return False

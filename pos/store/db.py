@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy import Engine, create_engine, event, select, text, update
 from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -17,6 +17,10 @@ from pos.errors import BadInput
 from pos.store.models import SCHEMA_VERSION, Base, Meta
 
 DEFAULT_DB = "/var/lib/pos/pos.db"
+# version -> the statements that bring a store of that version to the next one
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    3: ("ALTER TABLE schedules ADD COLUMN criu_options TEXT NOT NULL DEFAULT '{}'",),
+}
 
 
 def default_db_path() -> str:
@@ -54,10 +58,25 @@ def open_db(path: str, create: bool = True) -> Engine:
             if version is None and create:
                 s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
                 s.commit()
-            elif version != str(SCHEMA_VERSION):
+                version = str(SCHEMA_VERSION)
+            elif version is not None and version.isdigit() and create:
+                version = _migrate(s, int(version))
+            if version != str(SCHEMA_VERSION):
                 raise BadInput(f"{path} has store schema {version}, this pos reads "
                                f"{SCHEMA_VERSION}", "use the pos version that wrote it, or a new --db")
     except (DatabaseError, OperationalError) as e:
         raise BadInput(f"{path} is not a usable pos store ({e.orig})",
                        "give the file that `pos trace --db` wrote, or a new path") from None
     return engine
+
+
+def _migrate(s: Session, version: int) -> str:
+    """Bring an older store up to SCHEMA_VERSION, one version per transaction (its rows are
+    kept); the version it has afterwards (unchanged when no migration leads from it)."""
+    while version < SCHEMA_VERSION and version in MIGRATIONS:
+        for statement in MIGRATIONS[version]:
+            s.execute(text(statement))
+        version += 1
+        s.execute(update(Meta).where(Meta.key == "schema_version").values(value=str(version)))
+        s.commit()
+    return str(version)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 3   # 2: images; 3: schedules, runs
+SCHEMA_VERSION = 4   # 2: images; 3: schedules, runs; 4: schedules.criu_options
 
 
 def to_signed(value: Any) -> Any:
@@ -189,6 +189,7 @@ class Schedule(Base):
     root: Mapped[str] = mapped_column(Text)              # images go to ROOT/<id>/<UTC time>
     engine: Mapped[str] = mapped_column(String(16))      # auto, driver, concurrent, criu
     leave_running: Mapped[bool]
+    criu_options: Mapped[str] = mapped_column(Text, default="{}")   # JSON of criu.Options
     keep: Mapped[Optional[int]]
     max_age_s: Mapped[Optional[float]]
     max_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)

@@ -74,9 +74,11 @@ class Counter:
     """A counter.py process (see there), started in its own session unless `shell_job`."""
 
     def __init__(self, path: Path, children: int = 0, cuda: Optional[Path] = None,
-                 shell_job: bool = False, env: Optional[dict] = None) -> None:
+                 shell_job: bool = False, env: Optional[dict] = None,
+                 ballast_mb: int = 0) -> None:
         self.path = path
-        argv = [sys.executable, str(COUNTER), str(path), "--children", str(children)]
+        argv = [sys.executable, str(COUNTER), str(path), "--children", str(children),
+                "--ballast-mb", str(ballast_mb)]
         if cuda:
             argv += ["--cuda", str(cuda)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

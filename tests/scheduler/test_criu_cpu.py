@@ -123,7 +123,7 @@ def test_corrupt_or_incomplete_image_is_refused(tmp_path, counters, env) -> None
     data[len(data) // 2] ^= 0xFF
     pages.write_bytes(bytes(data))
     one_sentence(pos("restore", "-D", str(img), env=env), 2,
-                 f"is corrupt: the checksum of {pages.name} does not match")
+                 f"of {pages.name} do not match their checksum in the manifest")
     assert not Path(f"/proc/{c.pid}").exists()
     pages.unlink()
     one_sentence(pos("restore", "-D", str(img), env=env), 2, f"{pages.name} is missing")

@@ -1,6 +1,7 @@
 """`pos daemon` end to end on CPU processes through real CRIU: snapshots every second, pruned
 to the newest two, metrics scraped on localhost, SIGTERM, a restart that picks the schedule up
-again, one kept image restored and checked to count on; and a ROOT out of space, survived."""
+again, one kept image restored and checked to count on; a ROOT out of space, survived; and
+SIGTERM with a tiny --grace while CRIU is dumping: the snapshot abandoned, the target running."""
 
 import re
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pos.scheduler import retention
+from pos.scheduler import procs, retention
 from pos.store import schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT
@@ -32,11 +33,12 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, env: dict[str, str], log: Path, port: int = 0) -> None:
+    def __init__(self, env: dict[str, str], log: Path, port: int = 0,
+                 grace: float = 30) -> None:
         self.log = open(log, "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pos.cli", "daemon", "--metrics-port", str(port),
-             "--poll", "0.2", "--grace", "30"], cwd=ROOT, env={**os.environ, **env},
+             "--poll", "0.2", "--grace", str(grace)], cwd=ROOT, env={**os.environ, **env},
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self) -> int:
@@ -128,3 +130,32 @@ def test_root_out_of_space_is_recorded_and_survived(tmp_path, counters, env):
     assert re.match(r".* MiB free and the image needs about .* MiB: free space there",
                     runs[0].error)
     assert c.running()
+
+
+def test_sigterm_abandons_a_real_criu_snapshot_in_flight(tmp_path, counters, env):
+    """The target holds 768 MiB so that CRIU's dump takes a while; SIGTERM reaches the daemon
+    once CRIU has begun writing pages, and --grace 0.1 makes it abandon the snapshot."""
+    c = Counter(tmp_path / "count", ballast_mb=768)
+    counters.append(c)
+    root = tmp_path / "snaps"
+    r = pos("schedule", "add", "--cron", "* * * * * *", "--pid", str(c.pid), "--engine", "criu",
+            "--leave-running", "-D", str(root), env=env)
+    assert r.returncode == 0, r.stderr
+    d = Daemon(env, tmp_path / "daemon.log", grace=0.1)
+    try:
+        wait_for(lambda: any(root.glob("1/*.partial/pages-*.img")), timeout=60,
+                 what="CRIU writing pages")
+    finally:
+        assert d.stop() == 0, (tmp_path / "daemon.log").read_text()
+    log = (tmp_path / "daemon.log").read_text()
+    assert f"schedule 1: abandoning the snapshot of PID {c.pid}" in log, log
+    runs = schedules.runs(open_db(env["POS_DB"]), 1)
+    assert [r.outcome for r in runs] == ["abandoned"], [(r.outcome, r.error) for r in runs]
+    assert runs[0].error == (f"checkpoint of PID {c.pid} interrupted and undone: the "
+                             "processes run as before.")
+    assert list(root.joinpath("1").iterdir()) == []       # no DIR.partial, no image
+    assert c.running()                                    # counting on: not frozen
+    for pid in c.pids():
+        assert procs.state(pid) not in ("T", "t"), pid
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert "\nTracerPid:\t0\n" in status, status      # CRIU's ptrace is gone

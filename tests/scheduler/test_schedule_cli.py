@@ -1,5 +1,6 @@
 """`pos schedule`, `pos images`: exact exit codes and one-sentence errors (CliRunner)."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -57,7 +58,11 @@ def test_absent_match_target_is_accepted_with_a_note(run, tmp_path: Path) -> Non
 @pytest.mark.parametrize("args,fragments", [
     (["--cron", "61 * * * *"], ["invalid cron expression '61 * * * *'", "give five fields"]),
     (["--cron", "* * *"], ["invalid cron expression"]),
-    (["--engine", "concurrent"], ["the concurrent engine is not available in this version"]),
+    (["--engine", "concurrent"], ["has no pos agent (/run/pos/agent-", "so the concurrent engine "
+                                  "cannot snapshot it: start the job with `pos run`"]),
+    (["--engine", "concurrent", "--external", "file[2a:1]"], [
+        "--external file[2a:1] are CRIU options and the concurrent engine does not run CRIU: "
+        "drop them, or use --engine auto or driver"]),
     (["--keep", "0"], ["--keep 0 would keep no image"]),
     (["--max-age", "soon"], ["--max-age 'soon' is not a duration"]),
     (["--max-bytes", "lots"], ["--max-bytes 'lots' is not a size"]),
@@ -67,6 +72,19 @@ def test_bad_schedule_options(run, sleeper, tmp_path: Path, args, fragments) -> 
     opts = dict(base, **dict(zip(args[::2], args[1::2])))
     r = run("schedule", "add", *[x for kv in opts.items() for x in kv])
     fails(r, 2, *fragments)
+
+
+def test_criu_options_are_stored_with_the_schedule(run, sleeper, tmp_path: Path) -> None:
+    from pos.store import schedules
+    from pos.store.db import open_db
+
+    r = run("schedule", "add", "--cron", "* * * * *", "--pid", str(sleeper), "--shell-job",
+            "--external", "file[2a:1234]", "--external", "unix[99]", "-D", str(tmp_path / "s"))
+    assert r.exit_code == 0, r.output
+    row = schedules.all_schedules(open_db(str(tmp_path / "pos.db")))[0]
+    assert json.loads(row.criu_options) == {
+        "shell_job": True, "tcp_established": False, "ext_unix_sk": False, "file_locks": False,
+        "external": ["file[2a:1234]", "unix[99]"]}
 
 
 def test_target_errors(run, sleeper, tmp_path: Path) -> None:
@@ -122,3 +140,26 @@ def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> N
               f"another pos daemon runs on {tmp_path / 'pos.db'} (PID {os.getpid()})")
     finally:
         held.close()
+
+
+def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None:
+    """A store written before schedules had CRIU options opens as schema 4, its rows kept."""
+    import sqlite3
+
+    from pos.store import schedules
+    from pos.store.db import open_db
+    from pos.store.models import SCHEMA_VERSION
+
+    db = str(tmp_path / "old.db")
+    open_db(db).dispose()
+    with sqlite3.connect(db) as c:
+        c.execute("ALTER TABLE schedules DROP COLUMN criu_options")
+        c.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+        c.execute("INSERT INTO schedules (cron, target_kind, target, root, engine, leave_running,"
+                  " created_at, next_run_at) VALUES ('* * * * *', 'pid', '1', '/r', 'auto', 1,"
+                  " '2026-01-01 00:00:00', '2026-01-01 00:01:00')")
+    rows = schedules.all_schedules(open_db(db))
+    assert [(r.target, r.criu_options) for r in rows] == [("1", "{}")]
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+            str(SCHEMA_VERSION),)

@@ -1,0 +1,145 @@
+"""Image checksums (pos/scheduler/image.py): sha256 per chunk, computed by a thread pool, and
+verification that names the bad file (and its bytes) for a flipped byte, a truncated file, an
+extra or missing file, and refuses a manifest format it does not read. No CRIU needed: the
+images here are folders of plain files sealed by the same writer as every image."""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pos.errors import BadInput
+from pos.scheduler import image
+
+MiB = 1 << 20
+
+
+def manifest() -> image.Manifest:
+    return image.Manifest(pid=1, pids=[1], gpu_pids=[], comm="t", cmdline="t",
+                          created_at="2026-11-23T00:00:00+00:00", host="h", kernel="k",
+                          criu_version="n/a", criu_options={}, leave_running=True)
+
+
+def make_image(tmp_path: Path, files: dict[str, int]) -> Path:
+    """An image of files with random contents of the given sizes, sealed as pos seals one."""
+    partial = image.prepare(tmp_path / "img", 0)
+    for name, size in files.items():
+        (partial / name).write_bytes(os.urandom(size))
+    return image.seal(partial, manifest())
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    """1 MiB chunks read 256 KiB at a time, so that small files span many chunks and reads."""
+    monkeypatch.setattr(image, "CHUNK_BYTES", MiB)
+    monkeypatch.setattr(image, "READ_BYTES", 256 << 10)
+    return MiB
+
+
+def test_manifest_records_chunk_digests_and_their_digest(tmp_path: Path, small_chunks: int):
+    size = 5 * small_chunks + 123
+    img = make_image(tmp_path, {"pages-1.img": size, "core-1.img": 10, "empty.img": 0})
+    m = image.verify(img)
+    assert m.format == image.FORMAT and m.chunk_bytes == small_chunks
+    data = (img / "pages-1.img").read_bytes()
+    want = [hashlib.sha256(data[i:i + small_chunks]).digest()
+            for i in range(0, size, small_chunks)]
+    rec = m.files["pages-1.img"]
+    assert rec["size"] == size and rec["chunks"] == [d.hex() for d in want]
+    assert rec["sha256"] == hashlib.sha256(b"".join(want)).hexdigest()
+    assert m.files["empty.img"]["chunks"] == [hashlib.sha256(b"").hexdigest()]
+    assert json.loads((img / image.MANIFEST).read_text())["chunk_bytes"] == small_chunks
+    assert {p.stat().st_mode & 0o777 for p in img.iterdir()} == {0o600}
+
+
+def test_a_flipped_byte_in_the_middle_of_a_big_file_names_its_chunk(tmp_path: Path) -> None:
+    """At the real chunk size: a 3-chunk file, one byte flipped inside the second chunk."""
+    chunk = image.CHUNK_BYTES
+    img = make_image(tmp_path, {"pages-1.img": 2 * chunk + 4096, "core-1.img": 100})
+    pages = img / "pages-1.img"
+    at = chunk + chunk // 2
+    with open(pages, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(BadInput) as e:
+        image.verify(img)
+    assert e.value.message == (f"image {img} is corrupt: bytes {chunk}-{2 * chunk - 1} of "
+                               "pages-1.img do not match their checksum in the manifest: take a "
+                               "new checkpoint.")
+
+
+def test_the_last_short_chunk_is_named_with_its_real_end(tmp_path: Path, small_chunks: int):
+    size = 3 * small_chunks + 10
+    img = make_image(tmp_path, {"pages-1.img": size})
+    with open(img / "pages-1.img", "r+b") as f:
+        f.seek(size - 1)
+        last = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([last[0] ^ 0x80]))
+    with pytest.raises(BadInput, match=rf"bytes {3 * small_chunks}-{size - 1} of pages-1.img "):
+        image.verify(img)
+
+
+def test_a_truncated_file_is_named_with_both_sizes(tmp_path: Path, small_chunks: int) -> None:
+    size = 4 * small_chunks
+    img = make_image(tmp_path, {"pages-1.img": size, "core-1.img": 10})
+    os.truncate(img / "pages-1.img", size - 1)
+    with pytest.raises(BadInput) as e:
+        image.verify(img)
+    assert e.value.message == (f"image {img} is corrupt: pages-1.img has {size - 1} bytes, the "
+                               f"manifest says {size}: take a new checkpoint.")
+
+
+def test_an_extra_file_and_a_missing_file_are_refused(tmp_path: Path, small_chunks: int):
+    img = make_image(tmp_path, {"pages-1.img": small_chunks, "core-1.img": 10})
+    (img / "extra.bin").write_bytes(b"x")
+    with pytest.raises(BadInput) as e:
+        image.verify(img)
+    assert e.value.message == (f"image {img} holds extra.bin, which its manifest does not list: "
+                               "remove what was added, or take a new checkpoint.")
+    (img / "extra.bin").unlink()
+    image.verify(img)
+    (img / "core-1.img").unlink()
+    with pytest.raises(BadInput, match=r"is incomplete: core-1.img is missing"):
+        image.verify(img)
+
+
+def test_a_manifest_of_another_format_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    img = make_image(tmp_path, {"core-1.img": 10})
+    for fmt in (1, 99):
+        d = json.loads((img / image.MANIFEST).read_text())
+        d["format"] = fmt
+        (img / image.MANIFEST).write_text(json.dumps(d))
+        with pytest.raises(BadInput) as e:
+            image.verify(img)
+        assert e.value.message == (f"{img} is an image of format {fmt}, this pos reads "
+                                   f"{image.FORMAT}: restore it with the pos version that wrote "
+                                   "it.")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.update(chunk_bytes=0),
+    lambda d: d["files"]["core-1.img"].pop("chunks"),
+    lambda d: d["files"]["core-1.img"]["chunks"].append("00"),
+    lambda d: d["files"].update({"core-1.img": "x"}),
+])
+def test_a_malformed_manifest_is_refused_in_one_sentence(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    img = make_image(tmp_path, {"core-1.img": 10})
+    d = json.loads((img / image.MANIFEST).read_text())
+    edit(d)
+    (img / image.MANIFEST).write_text(json.dumps(d))
+    with pytest.raises(BadInput) as e:
+        image.verify(img)
+    assert e.value.message == (f"{img / image.MANIFEST} is not a valid pos manifest (its file "
+                               "list is malformed): the image is corrupt: take a new checkpoint.")
+
+
+def test_hashing_uses_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert image.workers() == 16
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert image.workers() == 1
