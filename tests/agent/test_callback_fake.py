@@ -124,7 +124,7 @@ def copy_all(agent: Agent, folder: Path) -> dict[int, np.ndarray]:
     t.join()
     w.close()
     st = agent.st
-    S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.sh_size)
+    S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
     out = {}
     for base, chunks in w.chunks.items():
         buf = np.empty(SIZE, np.uint8)

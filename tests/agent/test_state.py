@@ -30,6 +30,11 @@ def plan(st: S.State, slots, everything=False, shadow_ok=True):
                          st.copies)
 
 
+def issued(st: S.State, base: int, ok: bool = True) -> None:
+    S.shadow_issued(st.ctl, st.bases, st.status, st.flags, st.shadow, st.sh_size,
+                    np.uint64(base), ok)
+
+
 def test_table_sorted_insert_remove_and_replace() -> None:
     st = make()
     assert list(st.bases[:3]) == [0x1000, 0x2000, 0x3000]
@@ -47,7 +52,12 @@ def test_pending_write_is_shadowed_within_the_pool() -> None:
     assert (n, wait) == (1, False)
     assert st.status[0] == S.SHADOWED and st.ctl[S.C_UNSAFE] == 2
     assert st.copies[0, 0] == 0x1000 and st.copies[2, 0] == MB and st.ctl[S.C_POOL_USED] == MB
-    # written again: nothing to do
+    # written by another call while the shadow copy is being enqueued: it waits
+    assert st.flags[0] & S.ISSUING and plan(st, [0]) == (0, True)
+    out = np.zeros(4, np.int64)
+    assert not S.claim(*st.arrays(), st.order, st.sh_off, out) or out[0] != 0x1000
+    issued(st, 0x1000)
+    # written again once enqueued: nothing to do
     assert plan(st, [0]) == (0, False)
 
 
@@ -96,6 +106,7 @@ def test_copy_order_predicted_first_then_by_size_and_shadows_from_the_pool() -> 
     st = make()
     begin(st, predicted=[0x3000])
     plan(st, [0])                                       # 0x1000 shadowed
+    issued(st, 0x1000)
     out = np.zeros(4, np.int64)
     got = []
     while S.claim(*st.arrays(), st.order, st.sh_off, out):
@@ -111,7 +122,7 @@ def test_copy_order_predicted_first_then_by_size_and_shadows_from_the_pool() -> 
 def test_incremental_takes_only_dirty_buffers() -> None:
     st = make()
     begin(st)
-    S.end_checkpoint(st.ctl, st.status, st.sh_size)
+    S.end_checkpoint(st.ctl, st.status, st.flags, st.sh_size)
     st.ctl[S.C_PHASE] = S.PHASE_IDLE
     plan(st, [2], shadow_ok=False)                      # tracked write to 0x3000
     assert begin(st, only_dirty=True) == 1
