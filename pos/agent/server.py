@@ -84,17 +84,23 @@ class Server:
         self.thread.start()
 
     def _serve(self) -> None:
+        """One thread per connection: a `status` must be answered while a checkpoint or
+        restore of another connection runs (the job polls for the cut and the release)."""
         self.on_thread()
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    self._session(conn)
-                except OSError:
-                    continue
+            threading.Thread(target=self._connection, args=(conn,), name="pos-agent-conn",
+                             daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                self._session(conn)
+            except OSError:
+                pass
 
     def _session(self, conn: socket.socket) -> None:
         if _peer_uid(conn) != self.allowed_uid:
