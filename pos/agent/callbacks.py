@@ -14,14 +14,25 @@ What it does per call (see state.py for the statuses and pos/agent/server.py for
   rule (`launch_access`, `_range_access` of pos/analyzer/access.py); during a checkpoint shadow
   each PENDING allocation in it with cuMemcpyDtoDAsync_v2 on the caller's stream (plus an event
   the copier waits on), or wait; kernels not validated, unknown layouts, graphs and the other
-  writing calls wait for everything. With dirty tracking on, the write set is marked DIRTY.
-- during a restore every such call (and device-to-host copies) is held until it ends.
+  writing calls wait for everything. The shadow copies are enqueued with the state mutex
+  *released* (ISSUING marks the buffers meanwhile): no driver call is ever made under it, so a
+  thread that waits for the mutex can never be one the driver makes us wait for. The shadow
+  copy's own callback (same thread) sees a destination inside the agent's pool and passes.
+- with dirty tracking on (idle): the write set is marked DIRTY and appended to the history
+  rings (call key, written bases) from which a checkpoint orders its copies (dag.py's rule).
+- during an on-demand restore: a call that may read or write (launch: every accessed
+  buffer; copies: both sides; device-to-host copies: their source) a buffer not back yet waits
+  for it (URGENT: the restorer takes it next); unknown sets wait for everything.
+- a waiting call drops the GIL if its thread holds it (native.wait): the agent's Python threads
+  must be able to run while PyTorch's launching thread is held.
 - every such call is counted, entry to exit, under the current epoch: the cut waits for the
   calls that entered before it to leave the driver (their work is then in a stream).
 Calls made by the agent's own threads pass straight through.
 
 Not proven on a GPU yet: the whole callback under real CUPTI (the 0.25 µs figure and the
-in-callback shadow copy were measured by a prototype, not by this code).
+in-callback shadow copy were measured by a prototype, not by this code), in particular that no
+driver-internal lock is held around an API-enter callback (the agent's stall backstops turn
+such a case into an abandoned checkpoint, not a frozen process).
 """
 
 import ctypes
