@@ -12,7 +12,9 @@ step-time excess over the median step of the steps before --at, over the steps f
 trigger until the step time is back to normal (and the worst step). After the last step the
 job restores the concurrent image into itself on demand and trains again from step --at
 (bit-exact losses checked by the job): the restore's time to release the job, time to its
-first call and first step, calls held, and throughput (target >= 40 GB/s). The job runs with
+first call and first step, calls held, and throughput (target >= 40 GB/s); it checks the
+chunks' checksums as it reads them (--quick-verify) so that the release is not behind a sha256
+of the whole image. The job runs with
 `pos run --track-dirty` (copy order from the agent's history; --no-history: by size).
 POS_TRUST_SPECULATION=1 in the environment runs the job trusting every kernel's speculation
 (measurement only). Writes JSON with device, driver, date and command; exits non-zero, with
@@ -65,7 +67,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "pos.cli", "run", *([] if a.no_history else ["--track-dirty"]),
            "--", sys.executable,
            str(ROOT / "workloads" / "train_conc.py"), "--steps", str(a.steps), "--at", str(a.at),
-           "-D", str(img), "--verify", *(["--infer"] if a.infer else []), *a.job_args]
+           "-D", str(img), "--verify", "--quick-verify", *(["--infer"] if a.infer else []),
+           *a.job_args]
     print(f"bench: starting {' '.join(cmd)}", flush=True)
     t_start = time.monotonic()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -76,6 +76,8 @@ def main() -> int:
     ap.add_argument("-D", "--dir", required=True)
     ap.add_argument("--quiescent", help="also take an idle image at the same cut here")
     ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--quick-verify", action="store_true",
+                    help="restore checking chunk checksums as read, not every file's sha256 first")
     ap.add_argument("--infer", action="store_true", help="inference steps instead of training")
     args = ap.parse_args()
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -131,7 +133,8 @@ def main() -> int:
 
     def restore() -> None:
         try:
-            back.update(concurrent.restore_gpu_only(os.getpid(), args.dir))
+            back.update(concurrent.restore_gpu_only(os.getpid(), args.dir,
+                                                    quick_verify=args.quick_verify))
         except BaseException as e:         # reported below; the job must not hang
             failed.append(e)
 

@@ -41,6 +41,8 @@ def handle(agent: Any, line: bytes) -> dict[str, Any]:
                     if req.get(k) is not None}
             if op == "restore":
                 opts.pop("writers", None)
+                if req.get("quick_verify"):
+                    opts["quick_verify"] = True
                 return {"ok": True, **agent.restore(req["dir"], **opts)}
             predicted = tuple(int(x, 16) for x in req.get("predicted", ()))
             return {"ok": True, **agent.checkpoint(req["dir"], bool(req.get("incremental")),

@@ -60,11 +60,12 @@ def checkpoint_concurrent(pid: int, directory: str, incremental: bool = False,
 
 
 def restore_gpu_only(pid: int, directory: str, streams: Optional[int] = None,
-                     chunk_mb: Optional[int] = None) -> dict:
+                     chunk_mb: Optional[int] = None, quick_verify: bool = False) -> dict:
     """Put a GPU image back into the running agent process PID, on demand (it runs on; calls
     that touch buffers not back yet wait for them). Returns when every buffer is back: bytes,
     release_s, first_call_s, held, throughput_gbps."""
     return request(pid, {"op": "restore", "dir": str(Path(directory).absolute()),
+                         "quick_verify": quick_verify,
                          **_options(streams=streams, chunk_mb=chunk_mb)})
 
 

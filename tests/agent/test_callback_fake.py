@@ -337,6 +337,16 @@ def test_checkpoint_restore_round_trip_and_incremental(rig, tmp_path) -> None:  
     for key in ("release_s", "first_call_s", "held", "throughput_gbps", "copy_s"):
         assert key in back
     assert (app.read(x) == 11).all() and (app.read(y) == 12).all()
+    app.fill(x, 0)
+    quick = agent.restore(str(tmp_path / "full"), quick_verify=True)
+    assert quick["quick_verify"] and (app.read(x) == 11).all()
+    index = tmp_path / "full" / gpuimage.INDEX
+    text = index.read_text()
+    index.chmod(0o600)
+    index.write_text(text.replace('"format": 1', '"format":  1'))
+    with pytest.raises(Exception, match="corrupt|does not match its manifest"):
+        agent.restore(str(tmp_path / "full"), quick_verify=True)
+    index.write_text(text)
     with pytest.raises(Exception, match="dirty tracking"):
         agent.checkpoint(str(tmp_path / "inc"), incremental=True)
     agent.st.ctl[S.C_TRACK] = 1
