@@ -196,10 +196,15 @@ def _report(result: Any) -> None:
               help="With --concurrent: only the buffers written since the last image "
                    "(needs `pos run --track-dirty`).")
 @click.option("--compress", is_flag=True, help="With --concurrent: zstd-compress the chunks.")
+@click.option("--streams", type=click.IntRange(1, 64), default=None,
+              help="With --concurrent: copy streams (threads) of the copier [default: 4].")
+@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
+              help="With --concurrent or --gpu-only: staging chunk size in MiB [default: 64].")
 @criu_options
 @db_option
 def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: float,
-               concurrent: bool, incremental: bool, compress: bool,
+               concurrent: bool, incremental: bool, compress: bool, streams: Optional[int],
+               chunk_mb: Optional[int],
                shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
                external: tuple[str, ...], db: Optional[str]) -> None:
     """Save a process tree, its GPU state included, into an image directory.
@@ -216,13 +221,17 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 
     if (incremental or compress) and not concurrent:
         raise click.UsageError("--incremental and --compress go with --concurrent.")
+    if (streams or chunk_mb) and not concurrent:
+        raise click.UsageError("--streams and --chunk-mb go with --concurrent.")
     if concurrent:
         from pos.scheduler.concurrent import checkpoint_concurrent
 
         r = checkpoint_concurrent(pid, directory, incremental=incremental,
-                                  compress=compress)
+                                  compress=compress, streams=streams, chunk_mb=chunk_mb)
         click.echo(f"image {r['path']}: {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
-                   f"({r['throughput_gbps'] or 0:.1f} GB/s); intercepted {r['intercepted']}, "
+                   f"({r['throughput_gbps'] or 0:.1f} GB/s; device to host "
+                   f"{r.get('d2h_gbps') or 0:.1f} GB/s; order: {r.get('order_source')}); "
+                   f"intercepted {r['intercepted']}, "
                    f"copied-on-write {r['copied_on_write']}, waited {r['waited']} "
                    f"({r['waited_s']:.3f} s), fallbacks {r['fallbacks']}")
         return
@@ -241,10 +250,15 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 @click.option("--inherit-fd", multiple=True, metavar="fd[N]:RES",
               help="Give the restored tree this file descriptor of pos (CRIU's --inherit-fd).")
 @click.option("--gpu-only", "gpu_only_pid", type=int, metavar="PID",
-              help="Put a `--concurrent` GPU image back into the running `pos run` process PID.")
+              help="Put a `--concurrent` GPU image back into the running `pos run` process PID, "
+                   "on demand: it runs on at once, calls wait only for buffers not back yet.")
+@click.option("--streams", type=click.IntRange(1, 64), default=None,
+              help="With --gpu-only: restorer streams (threads) [default: 8].")
+@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
+              help="With --gpu-only: staging chunk size in MiB [default: 64].")
 @db_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            db: Optional[str]) -> None:
+            streams: Optional[int], chunk_mb: Optional[int], db: Optional[str]) -> None:
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
@@ -254,10 +268,16 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     if gpu_only_pid is not None:
         from pos.scheduler.concurrent import restore_gpu_only
 
-        r = restore_gpu_only(gpu_only_pid, directory)
-        click.echo(f"restored {r['bytes'] / 2**30:.2f} GiB in {r['held_s']:.3f} s "
-                   f"({r['throughput_gbps'] or 0:.1f} GB/s)")
+        r = restore_gpu_only(gpu_only_pid, directory, streams=streams, chunk_mb=chunk_mb)
+        first = r.get("first_call_s")
+        click.echo(f"restored {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
+                   f"({r['throughput_gbps'] or 0:.1f} GB/s); application released after "
+                   f"{r['release_s']:.3f} s, its first call passed after "
+                   + (f"{first:.3f} s" if first is not None else "- (none during the restore)")
+                   + f", {r['held']} calls held")
         return
+    if streams or chunk_mb:
+        raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
 
     result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
     images.mark_restored(db, str(result.path))

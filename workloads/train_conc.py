@@ -3,9 +3,11 @@
 Run under `pos run` on the GPU host. At the boundary of step --at it asks its own agent for a
 GPU image and waits only for the cut (the agent reports cut_done), then trains on to --steps
 while the image is copied, writing one line per step: "step loss step_seconds". With
---verify it then restores the image into itself, sets the loop back to step --at and trains
-again: the re-run losses must equal the first ones bit for bit (printed as RERUN lines and
-checked; exit 3 on a mismatch). With --quiescent DIR it first takes an image while idle at the
+--verify it then restores the image into itself *on demand* (the restore runs in a thread; the
+loop is set back to step --at and trains again as soon as the agent has started the restore,
+its calls held only while they touch buffers not back yet): the re-run losses must equal the
+first ones bit for bit (printed as RERUN lines and checked; exit 3 on a mismatch). The restore's
+report is one RESTORE line (JSON: release_s, first_call_s, held, throughput_gbps, ...). With --quiescent DIR it first takes an image while idle at the
 same cut (a stop-the-world image of that instant) for the image comparison.
 
   pos run -- python workloads/train_conc.py --layers 4 --d 512 --steps 30 --at 10 -D /tmp/img --verify
@@ -74,6 +76,8 @@ def main() -> int:
     ap.add_argument("-D", "--dir", required=True)
     ap.add_argument("--quiescent", help="also take an idle image at the same cut here")
     ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--quick-verify", action="store_true",
+                    help="restore checking chunk checksums as read, not every file's sha256 first")
     ap.add_argument("--infer", action="store_true", help="inference steps instead of training")
     args = ap.parse_args()
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -122,16 +126,40 @@ def main() -> int:
     if not args.verify:
         return 0
     torch.cuda.synchronize()
-    back = concurrent.restore_gpu_only(os.getpid(), args.dir)
-    print(f"RESTORED {back}", flush=True)
     for p, s in cpu_state or []:
         opt.state[p].update({k: v.clone() for k, v in s.items()})
+    back: dict = {}
+    failed: list[BaseException] = []
+
+    def restore() -> None:
+        try:
+            back.update(concurrent.restore_gpu_only(os.getpid(), args.dir,
+                                                    quick_verify=args.quick_verify))
+        except BaseException as e:         # reported below; the job must not hang
+            failed.append(e)
+
+    t_cmd = time.monotonic()
+    restorer = threading.Thread(target=restore)
+    restorer.start()
+    # run on as soon as the agent is in its restore phase (phase 2): from then on every call
+    # that touches a buffer not back yet is held by the agent
+    while restorer.is_alive() and concurrent.status(os.getpid())["phase"] != 2:
+        time.sleep(0.0002)
+    print(f"RESTORE_STARTED {time.monotonic() - t_cmd:.6f}", flush=True)
     bad = 0
+    first_step_s = None
     for i in range(args.at, args.steps):
         loss = step(i)
+        if first_step_s is None:
+            first_step_s = time.monotonic() - t_cmd
         same = loss == losses[i]
         bad += not same
         print(f"RERUN {i} {loss!r} {'same' if same else 'DIFFERENT'}", flush=True)
+    restorer.join()
+    if failed:
+        print(f"RESTORE_FAILED {failed[0]}", flush=True)
+        return 4
+    print(f"RESTORE {json.dumps({**back, 'first_step_s': first_step_s})}", flush=True)
     return 3 if bad else 0
 
 

@@ -16,6 +16,39 @@ Why the image equals the GPU state at one instant, the cut (`checkpoint`):
    wait for their buffer to be saved. Allocations made after the cut are not in the image.
 So each saved buffer holds its bytes at the cut, given that the speculation of every kernel
 that ran as validated is right (the validator's table) and the program has no data race.
+A call that stays inside the driver across a whole checkpoint cannot leak into the next cut:
+set_phase_locked first drains the counter the new epoch will reuse.
+
+Why the agent cannot deadlock with a blocked application thread (the review of this design):
+- An application thread waits only in an API-*enter* callback. CUPTI calls it on the
+  application's thread before the driver function proper runs (the prototype measured a driver
+  call made from inside it completing), so the thread holds no driver lock for that call; what
+  it may hold are the application's own locks (the GIL, PyTorch's allocator mutex), and the
+  agent needs none of them: its threads call only the driver, numba nogil rules and the
+  filesystem. The GIL is the one the agent's Python threads do need: the callback drops it for
+  the time it waits (native.wait), and the lock order GIL -> state mutex is kept everywhere.
+- The state mutex is never held across a driver call: the callback's shadow copies are
+  enqueued with it released (the ISSUING flag keeps the buffers out of reach meanwhile), and
+  agent threads take it only between driver calls. So no thread that waits for the mutex can be
+  one that holds a driver lock another mutex holder needs.
+- Exit callbacks and allocation callbacks take the mutex only briefly and never wait.
+- Backstops, for what CUPTI does not document (whether any driver-internal lock is held around
+  an enter callback): the cut's drain, the cut's cuCtxSynchronize and the copier's progress are
+  each bounded by `stall_s`; past it the checkpoint is abandoned: the phase ends, every held
+  call is released, the partial image is discarded and the caller gets one sentence. The
+  application is never left frozen by pos.
+Frees during a checkpoint wait until their buffer is saved; allocations after the cut are not
+in the image (status NONE: the image is the state at the cut) and are never waited for.
+
+On-demand restore (`restore`): the same machinery in PHASE_RESTORE. After the phase flip and
+the drain + synchronise of the calls already inside the driver (so that no earlier kernel
+writes a buffer after its restored bytes), the application is released at once: a call that may
+read or write a buffer not back yet (the analyzer's rule, read and write sides) waits and marks
+it URGENT, and a restorer thread takes it next; unvalidated kernels, unknown layouts, graphs
+and the calls the agent cannot place wait for everything; other calls pass. Should a restore
+fail midway, every held call is still released, and the error says how many buffers were not
+restored (they keep their contents from before the restore): the process is then half-restored
+and the error says so; restore again or end it.
 
 Not proven on a GPU yet: this module under real CUPTI and the real driver (the fake driver of
 the tests runs the same code without CUPTI; the callback is then invoked by hand).
@@ -36,7 +69,8 @@ import numpy as np
 
 from pos.agent import callbacks, gpuimage, native
 from pos.agent import state as S
-from pos.agent.copier import CU_EVENT_DISABLE_TIMING, Copier, Staging
+from pos.agent.copier import CHUNK, CU_EVENT_DISABLE_TIMING, Copier, Restorer, Staging
+from pos.analyzer.dag import order_from_history
 from pos.analyzer.demangle import parameter_kinds
 from pos.driver import Driver, driver
 from pos.errors import BadInput, PosError
@@ -46,6 +80,7 @@ COUNTERS = {"intercepted": S.C_INTERCEPTED, "copied_on_write": S.C_COW,
             "copied_on_write_bytes": S.C_COW_BYTES, "waited": S.C_WAITED,
             "waited_ns": S.C_WAIT_NS, "fallbacks": S.C_FALLBACKS, "held": S.C_HELD,
             "shadow_copy_errors": S.C_COPY_ERRORS}
+STALL_S = float(os.environ.get("POS_AGENT_STALL_S", "60"))
 
 
 class Agent:
@@ -66,6 +101,7 @@ class Agent:
         self.cupti: Any = None
         self.last_image: Optional[Path] = None
         self._op = threading.Lock()
+        self._staging: Optional[Staging] = None
         self._ctx = ctypes.c_void_p()
         self._pool = ctypes.c_uint64(0)
 
@@ -87,17 +123,11 @@ class Agent:
 
     def register(self) -> None:
         """Make this thread an agent thread (its driver calls pass through the callback) with
-        the process's primary context current."""
+        the process's primary context current. The table is taken without the GIL (the lock
+        order of native.py)."""
         st = self.st
-        native.mutex_lock(st.mutex)
-        try:
-            n = int(st.ctl[S.C_AGENT_N])
-            if n >= st.agents.shape[0]:
-                raise PosError("too many agent threads", "this is a bug in pos")
-            st.agents[n] = native.thread_self()
-            st.ctl[S.C_AGENT_N] = n + 1
-        finally:
-            native.mutex_unlock(st.mutex)
+        if not S.agent_add_locked(st.mutex, st.ctl, st.agents, np.uint64(native.thread_self())):
+            raise PosError("too many agent threads", "this is a bug in pos")
         self.drv.init()
         if not self._ctx.value:
             self.drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(self._ctx), 0)
@@ -105,15 +135,7 @@ class Agent:
 
     def unregister(self) -> None:
         st = self.st
-        me = native.thread_self()
-        native.mutex_lock(st.mutex)
-        try:
-            n = int(st.ctl[S.C_AGENT_N])
-            ids = [int(x) for x in st.agents[:n] if int(x) != me]
-            st.agents[: len(ids)] = ids
-            st.ctl[S.C_AGENT_N] = len(ids)
-        finally:
-            native.mutex_unlock(st.mutex)
+        S.agent_remove_locked(st.mutex, st.agents, np.uint64(native.thread_self()))
 
     # ---- function layouts ----
     def layout(self, f: int) -> Optional[tuple[list[int], list[int], str]]:
@@ -177,8 +199,43 @@ class Agent:
         st.ctl[S.C_POOL_BASE] = self._pool.value
         st.ctl[S.C_POOL_SIZE] = self.pool_bytes
 
+    def staging(self, count: int, chunk: int) -> Staging:
+        """The agent's pinned staging (pinning is slow: allocated once, reused while the
+        requested shape fits)."""
+        have = self._staging
+        if have is not None and have.count >= count and have.size == chunk:
+            return have
+        if have is not None:
+            have.close()
+            self._staging = None
+        self._staging = Staging(self.drv, count, chunk)
+        return self._staging
+
+    def predicted_order(self, predicted: tuple[int, ...] = ()) -> tuple[np.ndarray, str, dict]:
+        """(bases to copy first, source, facts): the client's list; else the agent's history of
+        tracked writes ordered by the analyzer's rule (pos/analyzer/dag.py); else nothing (the
+        state then orders by size; URGENT buffers always go first)."""
+        if predicted:
+            return np.asarray(predicted, np.uint64), "client", {}
+        st = self.st
+        if st.ctl[S.C_TRACK] and st.ctl[S.C_HIST_OPS] > 0:
+            keys = np.empty(st.hist_key.shape[0], np.int64)
+            ops = np.empty(st.hist_op.shape[0], np.int64)
+            bases = np.empty(st.hist_op.shape[0], np.uint64)
+            _, n, m = S.history_locked(st.mutex, st.ctl, st.hist_key, st.hist_op, st.hist_base,
+                                       keys, ops, bases)
+            live = st.live()
+            lb = np.asarray([b for b, _ in live], np.uint64)
+            ls = np.asarray([z for _, z in live], np.int64)
+            order, facts = order_from_history(keys[:n], ops[:m], bases[:m], lb, ls)
+            if len(order):
+                return order, "history", facts
+        return np.zeros(0, np.uint64), "size", {}
+
     def checkpoint(self, directory: str, incremental: bool = False, compress: bool = False,
-                   predicted: tuple[int, ...] = (), streams: int = 4, writers: int = 4) -> dict:
+                   predicted: tuple[int, ...] = (), streams: int = 4, writers: int = 4,
+                   chunk_mb: int = CHUNK >> 20, depth: int = 2,
+                   stall_s: Optional[float] = None) -> dict:
         """Take a GPU image consistent at the cut while the application runs (see the module
         docstring for why); returns the report."""
         if not self._op.acquire(blocking=False):
@@ -186,12 +243,44 @@ class Agent:
                            "wait for it to finish")
         try:
             return self._checkpoint(Path(directory), incremental, compress, predicted,
-                                    streams, writers)
+                                    streams, writers, chunk_mb << 20, depth,
+                                    STALL_S if stall_s is None else stall_s)
         finally:
             self._op.release()
 
+    def _sync(self, stall_s: float, what: str) -> None:
+        """cuCtxSynchronize from an agent thread, waited for at most stall_s (a backstop: the
+        caller abandons the operation and releases the application past it)."""
+        err: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.register()
+                self.drv.call("cuCtxSynchronize")
+            except BaseException as e:
+                err.append(e)
+            finally:
+                self.unregister()
+
+        t = threading.Thread(target=run, name="pos-sync", daemon=True)
+        t.start()
+        t.join(stall_s)
+        if t.is_alive():
+            raise PosError(f"the {what} did not finish synchronising the GPU within {stall_s:g} s",
+                           "the application was released; set POS_AGENT_STALL_S higher if its "
+                           "kernels run longer")
+        if err:
+            raise err[0]
+
+    def _drain(self, old: int, stall_s: float, what: str) -> None:
+        st = self.st
+        if not S.wait_epoch_locked(st.mutex, st.cond, st.ctl, old, int(stall_s * 1e9)):
+            raise PosError(f"calls that entered the driver before the {what} did not leave it "
+                           f"within {stall_s:g} s", "the application was released; try again")
+
     def _checkpoint(self, final: Path, incremental: bool, compress: bool,
-                    predicted: tuple[int, ...], streams: int, writers: int) -> dict:
+                    predicted: tuple[int, ...], streams: int, writers: int, chunk: int,
+                    depth: int, stall_s: float) -> dict:
         st = self.st
         parent = None
         if incremental:
@@ -206,38 +295,59 @@ class Agent:
             raise PosError(f"the agent's allocation table overflowed ({st.bases.shape[0]} "
                            "allocations): an image would miss buffers",
                            "this process allocates too many buffers for the agent")
+        if not (1 << 20) <= chunk <= (1 << 30) or streams < 1 or writers < 1 or depth < 1:
+            raise BadInput("chunk must be 1-1024 MiB and streams, writers, depth >= 1",
+                           "use e.g. chunk 64-256 MiB, 4 streams, 4 writers, depth 2")
         live = st.live()
         partial = image.prepare(final, sum(s for _, s in live) + (1 << 20))
         self.register()
         before = {k: int(st.ctl[i]) for k, i in COUNTERS.items()}
         t0 = time.monotonic()
         writer = gpuimage.Writer(partial, compress)
+        copier: Optional[Copier] = None
         try:
+            order, source, facts = self.predicted_order(predicted)
+            t_order = time.monotonic()
             self._ensure_pool()
+            staging = self.staging(streams * depth + writers, chunk)
             self.resolve_functions()
             n = S.begin_locked(st.mutex, st.ctl, st.bases, st.ends, st.status, st.flags,
-                               st.shadow, st.order, np.asarray(predicted, np.uint64), incremental)
+                               st.shadow, st.order, order, incremental)
             cut_bytes = int(st.ctl[S.C_PENDING_BYTES])
             saved_set = [(int(b), int(e - b), int(s)) for b, e, s in
                          zip(st.bases[:st.ctl[S.C_N]], st.ends[:st.ctl[S.C_N]],
                              st.status[:st.ctl[S.C_N]])]
             old = S.set_phase_locked(st.mutex, st.cond, st.ctl, S.PHASE_CHECKPOINT)
-            S.wait_epoch_locked(st.mutex, st.cond, st.ctl, old)
-            self.drv.call("cuCtxSynchronize")
+            self._drain(old, stall_s, "cut")
+            self._sync(stall_s, "cut")
             S.cut_done_locked(st.mutex, st.cond, st.ctl)
             t_cut = time.monotonic()
             copier = Copier(self.drv, st, writer, self.register, self.unregister,
-                            streams=streams, writers=writers)
-            copier.run()
+                            streams=streams, writers=writers, staging=staging, depth=depth)
+            threads = copier.start()
+            last, seen = time.monotonic(), -1
+            while any(t.is_alive() for t in threads):
+                threads[0].join(0.05)
+                progress = copier.bytes_in + copier.bytes_stored
+                if progress != seen:
+                    last, seen = time.monotonic(), progress
+                elif time.monotonic() - last > stall_s and not copier.errors:
+                    copier.abort.set()
+                    raise PosError(f"the copier made no progress for {stall_s:g} s",
+                                   "the application was released and the image discarded; "
+                                   "set POS_AGENT_STALL_S higher on a slow disk")
+            copier.join()
             t_copied = time.monotonic()
         except BaseException:
-            S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.sh_size)
+            if copier is not None:
+                copier.abort.set()
+            S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
             writer.close()
             image.discard(partial)
             raise
         finally:
             self.unregister()
-        S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.sh_size)
+        S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
         writer.close()
         counters = {k: int(st.ctl[i]) - before[k] for k, i in COUNTERS.items()}
         buffers = []
@@ -249,9 +359,16 @@ class Agent:
             elif parent is not None:
                 buffers.append({"base": f"0x{base:x}", "size": size, "in_parent": True})
         copy_s = t_copied - t_cut
+        host_s = (copier.t_host or t_copied) - t_cut
         report = {"buffers": n, "bytes": cut_bytes, "stored_bytes": copier.bytes_stored,
-                  "cut_s": t_cut - t0, "copy_s": copy_s, "duration_s": t_copied - t0,
+                  "cut_s": t_cut - t0, "order_s": t_order - t0, "copy_s": copy_s,
+                  "duration_s": t_copied - t0,
                   "throughput_gbps": cut_bytes / copy_s / 1e9 if copy_s > 0 else None,
+                  "d2h_s": host_s,
+                  "d2h_gbps": cut_bytes / host_s / 1e9 if host_s > 0 else None,
+                  "order_source": source, "order_facts": facts,
+                  "streams": streams, "writers": writers, "chunk_mb": chunk >> 20,
+                  "depth": depth, "pinned_staging": staging.pinned,
                   "compressed": compress, "incremental": incremental,
                   "parent": str(parent) if parent else None,
                   "shadow_pool_bytes": self.pool_bytes, **counters,
@@ -276,21 +393,36 @@ class Agent:
         return report
 
     # ---- restore ----
-    def restore(self, directory: str, streams: int = 4) -> dict:
-        """Put a GPU image back into this process: verify it, hold the application's calls,
-        copy every buffer to its address, release. Each buffer must be live at the same base
-        with the same size (the same process, or a re-run that allocated alike)."""
+    def restore(self, directory: str, streams: int = 8, chunk_mb: int = CHUNK >> 20,
+                depth: int = 2, stall_s: Optional[float] = None,
+                on_release: Optional[Any] = None, quick_verify: bool = False) -> dict:
+        """Put a GPU image back into this process, on demand: the application runs on from
+        the moment the restore has started (module docstring). Each buffer must be live at
+        the same base with the same size (the same process, or a re-run that allocated
+        alike). `on_release` (tests) is called once the application is released.
+        quick_verify: before the release check the manifest, every file's size and the index's
+        sha256 only, leaving the data to the per-chunk checksums as it is read (faster
+        release; a corrupt chunk is then found midway and the process left half-restored).
+        By default every file's sha256 is checked first (image.verify)."""
         if not self._op.acquire(blocking=False):
             raise BadInput("a checkpoint or restore of this process is already running",
                            "wait for it to finish")
         try:
-            return self._restore(Path(directory))
+            return self._restore(Path(directory), streams, chunk_mb << 20, depth,
+                                 STALL_S if stall_s is None else stall_s, on_release,
+                                 quick_verify)
         finally:
             self._op.release()
 
-    def _restore(self, folder: Path) -> dict:
+    def _restore(self, folder: Path, streams: int, chunk: int, depth: int, stall_s: float,
+                 on_release: Optional[Any], quick_verify: bool) -> dict:
         st = self.st
-        image.verify(folder)
+        t0 = time.monotonic()
+        t0_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        if quick_verify:
+            _quick_verify(folder)
+        else:
+            image.verify(folder)
         plan = gpuimage.resolve(folder)
         live = dict(st.live())
         for base, (_, size, _) in plan.items():
@@ -298,36 +430,65 @@ class Agent:
                 raise BadInput(f"buffer 0x{base:x} ({size} bytes) of the image is not a live "
                                "allocation of this process",
                                "restore into the process the image was taken from")
+        if streams < 1 or depth < 1:
+            raise BadInput("streams and depth must be >= 1", "use e.g. 8 streams, depth 2")
         total = sum(size for _, size, _ in plan.values())
         self.register()
-        t0 = time.monotonic()
-        staging = Staging(self.drv, 2, 64 << 20)
-        stream = ctypes.c_void_p()
+        restorer: Optional[Restorer] = None
+        held0 = int(st.ctl[S.C_HELD])
         try:
+            order, source, facts = self.predicted_order()
+            staging = self.staging(streams * depth, chunk)
+            t_verified = time.monotonic()
+            S.begin_restore_locked(st.mutex, st.ctl, st.bases, st.ends, st.status, st.flags,
+                                   st.shadow, st.order, np.asarray(sorted(plan), np.uint64),
+                                   order)
             old = S.set_phase_locked(st.mutex, st.cond, st.ctl, S.PHASE_RESTORE)
-            S.wait_epoch_locked(st.mutex, st.cond, st.ctl, old)
-            self.drv.call("cuCtxSynchronize")
-            t_held = time.monotonic()
-            self.drv.call("cuStreamCreate", ctypes.byref(stream), 1)
-            for base, (src, _, chunks) in plan.items():
-                for c in chunks:
-                    buf = staging.free.get()
-                    gpuimage.read_chunk(src, c, buf)
-                    self.drv.call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(base + c["offset"]),
-                                  ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(c["raw"]),
-                                  stream)
-                    self.drv.call("cuStreamSynchronize", stream)
-                    staging.free.put(buf)
+            self._drain(old, stall_s, "restore")
+            self._sync(stall_s, "restore")
+            t_released = time.monotonic()
+            restorer = Restorer(self.drv, st, plan, self.register, self.unregister,
+                                streams=streams, staging=staging, chunk=chunk, depth=depth)
+            threads = restorer.start()
+            if on_release is not None:
+                on_release()
+            last, seen = time.monotonic(), -1
+            while any(t.is_alive() for t in threads):
+                threads[0].join(0.05)
+                if restorer.bytes != seen:
+                    last, seen = time.monotonic(), restorer.bytes
+                elif time.monotonic() - last > stall_s and not restorer.errors:
+                    restorer.abort.set()
+                    raise PosError(f"the restore made no progress for {stall_s:g} s",
+                                   "the application was released")
+            restorer.join()
+            done = time.monotonic()
+        except BaseException as e:
+            if restorer is not None:
+                restorer.abort.set()
+            back = restorer.bytes if restorer is not None else 0
+            S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
+            if restorer is None or isinstance(e, BadInput) and back == 0 and \
+                    not restorer.errors:
+                raise
+            msg = e.message if isinstance(e, PosError) else str(e)
+            raise PosError(f"the restore failed after {back} of {total} bytes ({msg.rstrip('.')});"
+                           " the process runs on with the other buffers as they were before the "
+                           "restore", "restore again, or end the process") from e
         finally:
-            if stream.value:
-                self.drv.call("cuStreamDestroy_v2", stream)
-            S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.sh_size)
-            staging.close()
             self.unregister()
-        done = time.monotonic()
-        return {"buffers": len(plan), "bytes": total, "held_s": done - t0,
-                "copy_s": done - t_held,
-                "throughput_gbps": total / (done - t_held) / 1e9 if done > t_held else None}
+        first_ns = int(st.ctl[S.C_FIRST_NS])
+        S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
+        copy_s = done - t_released
+        return {"buffers": len(plan), "bytes": total, "on_demand": True,
+                "verify_s": t_verified - t0, "release_s": t_released - t0,
+                "first_call_s": (first_ns - t0_ns) / 1e9 if first_ns else None,
+                "held": int(st.ctl[S.C_HELD]) - held0, "copy_s": copy_s,
+                "duration_s": done - t0, "held_s": t_released - t0,
+                "throughput_gbps": total / copy_s / 1e9 if copy_s > 0 else None,
+                "quick_verify": quick_verify,
+                "order_source": source, "order_facts": facts, "streams": streams,
+                "chunk_mb": chunk >> 20, "pinned_staging": staging.pinned}
 
     def status(self) -> dict:
         st = self.st
@@ -340,6 +501,22 @@ class Agent:
                 "last_image": str(self.last_image) if self.last_image else None,
                 "table_overflow": int(st.ctl[S.C_OVERFLOW]),
                 **{k: int(st.ctl[i]) for k, i in COUNTERS.items()}}
+
+
+def _quick_verify(folder: Path) -> None:
+    """The manifest, every file present with its size, and the index's sha256 (the data files
+    are checked chunk by chunk as the restore reads them)."""
+    manifest = image.load(folder)
+    for name, want in manifest.files.items():
+        path = Path(folder) / name
+        if not path.is_file() or path.stat().st_size != want["size"]:
+            raise BadInput(f"image {folder} is incomplete or corrupt: {name}",
+                           "take a new checkpoint")
+    want = manifest.files.get(gpuimage.INDEX)
+    if want is None or image.checksums(Path(folder), [gpuimage.INDEX])[gpuimage.INDEX][
+            "sha256"] != want["sha256"]:
+        raise BadInput(f"the index of image {folder} does not match its manifest",
+                       "take a new checkpoint")
 
 
 def load_validated(path: Optional[str]) -> set[str]:

@@ -14,14 +14,25 @@ What it does per call (see state.py for the statuses and pos/agent/server.py for
   rule (`launch_access`, `_range_access` of pos/analyzer/access.py); during a checkpoint shadow
   each PENDING allocation in it with cuMemcpyDtoDAsync_v2 on the caller's stream (plus an event
   the copier waits on), or wait; kernels not validated, unknown layouts, graphs and the other
-  writing calls wait for everything. With dirty tracking on, the write set is marked DIRTY.
-- during a restore every such call (and device-to-host copies) is held until it ends.
+  writing calls wait for everything. The shadow copies are enqueued with the state mutex
+  *released* (ISSUING marks the buffers meanwhile): no driver call is ever made under it, so a
+  thread that waits for the mutex can never be one the driver makes us wait for. The shadow
+  copy's own callback (same thread) sees a destination inside the agent's pool and passes.
+- with dirty tracking on (idle): the write set is marked DIRTY and appended to the history
+  rings (call key, written bases) from which a checkpoint orders its copies (dag.py's rule).
+- during an on-demand restore: a call that may read or write (launch: every accessed
+  buffer; copies: both sides; device-to-host copies: their source) a buffer not back yet waits
+  for it (URGENT: the restorer takes it next); unknown sets wait for everything.
+- a waiting call drops the GIL if its thread holds it (native.wait): the agent's Python threads
+  must be able to run while PyTorch's launching thread is held.
 - every such call is counted, entry to exit, under the current epoch: the cut waits for the
   calls that entered before it to leave the driver (their work is then in a stream).
 Calls made by the agent's own threads pass straight through.
 
 Not proven on a GPU yet: the whole callback under real CUPTI (the 0.25 µs figure and the
-in-callback shadow copy were measured by a prototype, not by this code).
+in-callback shadow copy were measured by a prototype, not by this code), in particular that no
+driver-internal lock is held around an API-enter callback (the agent's stall backstops turn
+such a case into an abandoned checkpoint, not a frozen process).
 """
 
 import ctypes
@@ -35,7 +46,7 @@ from pos.analyzer.access import COPY_DST, _range_access, launch_access, max_evid
 
 # Kinds of intercepted calls (State.cbkind[cbid]); flags in State.cbflag[cbid].
 (K_NONE, K_ALLOC, K_MAP, K_FREE, K_UNMAP, K_LAUNCH, K_LAUNCH_EX, K_COPY, K_SET8, K_SET16,
- K_SET32, K_GRAPH, K_OTHER_WRITE, K_READ) = range(14)
+ K_SET32, K_GRAPH, K_OTHER_WRITE, K_READ, K_OTHER_READ) = range(15)
 ASYNC, PER_THREAD = 1, 2
 DOMAIN_DRIVER_API = 1
 API_ENTER, API_EXIT = 0, 1
@@ -96,9 +107,9 @@ def launch_params(kp: int, extra: int, start: int, count: int, lay_off, lay_size
 @nb.njit(cache=True)
 def launch_writes(ctl, bases, ends, fkey, fstate, fstart, fcount, lay_off, lay_size, lay_kind,
                   newf, f: np.uint64, kp: int, extra: int, scratch, ev_slot, ev_param, ev_word,
-                  ev_off, ev_write, slots) -> int:
-    """The slots a launch of f may write, by the analyzer's rule; EVERYTHING when f's layout is
-    unknown or its speculation is not validated."""
+                  ev_off, ev_write, slots, all_access: bool) -> int:
+    """The slots a launch of f may write (or, `all_access`, read or write), by the analyzer's
+    rule; EVERYTHING when f's layout is unknown or its speculation is not validated."""
     i = S.function_seen(ctl, fkey, fstate, newf, f)
     if i < 0 or fstate[i] != S.F_VALIDATED:
         return EVERYTHING
@@ -114,20 +125,28 @@ def launch_writes(ctl, bases, ends, fkey, fstate, fstart, fcount, lay_off, lay_s
                       ctl[S.C_N], ev_slot, ev_param, ev_word, ev_off, ev_write, 0)
     n = 0
     for r in range(k):
-        if ev_write[r]:
+        if ev_write[r] or all_access:
             slots[n] = ev_slot[r]
             n += 1
     return S.dedupe(slots, n)
 
 
 @nb.njit(cache=True)
-def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, ev_slot, ev_param,
-                 ev_word, ev_off, ev_write, slots) -> int:
-    """The slots a copy or set into [lo, lo+size) writes (the analyzer's range rule)."""
-    if ctl[S.C_N] + 2 > ev_slot.shape[0]:
+def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, lo2: np.uint64,
+                 size2: np.uint64, ev_slot, ev_param, ev_word, ev_off, ev_write, slots) -> int:
+    """The slots that [lo, lo+size) and [lo2, lo2+size2) overlap (a copy's or set's sides, by
+    the analyzer's range rule; size2 0 for one side). A range inside the agent's own shadow
+    pool touches no application buffer: the callback of the agent's own shadow copy (made on
+    the application's thread) passes straight through."""
+    pool = np.uint64(ctl[S.C_POOL_BASE])
+    if size2 == 0 and pool != 0 and lo >= pool and lo < pool + np.uint64(ctl[S.C_POOL_SIZE]):
+        return 0
+    if 2 * ctl[S.C_N] + 2 > ev_slot.shape[0]:
         return EVERYTHING
     k = _range_access(lo, size, bases, ends, ctl[S.C_N], ident, COPY_DST, True, ev_slot,
                       ev_param, ev_word, ev_off, ev_write, 0)
+    k = _range_access(lo2, size2, bases, ends, ctl[S.C_N], ident, COPY_DST, True, ev_slot,
+                      ev_param, ev_word, ev_off, ev_write, k)
     for r in range(k):
         slots[r] = ev_slot[r]
     return S.dedupe(slots, k)
@@ -166,6 +185,8 @@ def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped
     ev_off_a, ev_write_a = arr("ev_off")[0], arr("ev_write")[0]
     writes_a = arr("writes")[0]
     copies_a = arr("copies")[0]
+    hist_key_a, hist_cap, _ = arr("hist_key")
+    hist_op_a, hist_base_a = arr("hist_op")[0], arr("hist_base")[0]
 
     @nb.njit(inline="always")
     def v(addr, n, dt):  # type: ignore[no-untyped-def]
@@ -235,46 +256,55 @@ def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped
         if stream == 0 and (cflag & PER_THREAD):
             stream = np.uint64(STREAM_PER_THREAD)
         slots = v(writes_a, cap, np.int64)
+        hist_key = v(hist_key_a, hist_cap, np.int64)
+        hist_op = v(hist_op_a, 2 * hist_cap, np.int64)
+        hist_base = v(hist_base_a, 2 * hist_cap, np.uint64)
         native.mutex_lock(mutex)
         waited = False
         t0 = 0
         while True:
             phase = ctl[S.C_PHASE]
-            if phase == S.PHASE_RESTORE:
-                if not waited:
-                    ctl[S.C_HELD] += 1
-                    waited = True
-                native.cond_wait(cond, mutex)
-                continue
-            if kind == K_READ or (phase == S.PHASE_IDLE and ctl[S.C_TRACK] == 0):
+            if phase == S.PHASE_IDLE and (kind == K_READ or kind == K_OTHER_READ
+                                          or ctl[S.C_TRACK] == 0):
                 break
+            if phase == S.PHASE_CHECKPOINT and (kind == K_READ or kind == K_OTHER_READ):
+                break
+            restoring = phase == S.PHASE_RESTORE
             if phase == S.PHASE_CHECKPOINT and not waited:
                 ctl[S.C_INTERCEPTED] += 1
             n = EVERYTHING
             shadow_ok = True
+            key = np.int64(-kind)
             if kind == K_LAUNCH or kind == K_LAUNCH_EX:
                 off = 0 if kind == K_LAUNCH else -32
+                f = native.load_u64(params + (0 if kind == K_LAUNCH else 8))
+                key = np.int64(f)
                 n = launch_writes(ctl, bases, ends, v(fkey_a, f_cap, np.uint64),
                                   v(fstate_a, f_cap, np.int8), v(fstart_a, f_cap, np.int64),
                                   v(fcount_a, f_cap, np.int64), v(lay_off_a, lay_cap, np.int64),
                                   v(lay_size_a, lay_cap, np.int64),
                                   v(lay_kind_a, lay_cap, np.int8),
-                                  v(newf_a, newf_cap, np.uint64),
-                                  native.load_u64(params + (0 if kind == K_LAUNCH else 8)),
+                                  v(newf_a, newf_cap, np.uint64), f,
                                   np.int64(native.load_u64(params + 48 + off)),
                                   np.int64(native.load_u64(params + 56 + off)),
                                   v(scratch_a, scratch_cap, np.uint8),
                                   v(ev_slot_a, ev_cap, np.int64), v(ev_param_a, ev_cap, np.int32),
                                   v(ev_word_a, ev_cap, np.int32), v(ev_off_a, ev_cap, np.uint64),
-                                  v(ev_write_a, ev_cap, np.bool_), slots)
-            elif kind == K_COPY or kind == K_SET8 or kind == K_SET16 or kind == K_SET32:
+                                  v(ev_write_a, ev_cap, np.bool_), slots, restoring)
+            elif kind == K_COPY or kind == K_SET8 or kind == K_SET16 or kind == K_SET32 \
+                    or kind == K_READ:
                 count = native.load_u64(params + 16)
                 if kind == K_SET16:
                     count *= np.uint64(2)
                 elif kind == K_SET32:
                     count *= np.uint64(4)
-                n = range_writes(ctl, bases, ends, v(ident_a, cap, np.int64),
-                                 native.load_u64(params), count, v(ev_slot_a, ev_cap, np.int64),
+                lo, lo2, count2 = native.load_u64(params), np.uint64(0), np.uint64(0)
+                if kind == K_READ:                       # cuMemcpyDtoH*(host, src, n)
+                    lo = native.load_u64(params + 8)
+                elif kind == K_COPY and restoring:       # a copy reads its source
+                    lo2, count2 = native.load_u64(params + 8), count
+                n = range_writes(ctl, bases, ends, v(ident_a, cap, np.int64), lo, count, lo2,
+                                 count2, v(ev_slot_a, ev_cap, np.int64),
                                  v(ev_param_a, ev_cap, np.int32), v(ev_word_a, ev_cap, np.int32),
                                  v(ev_off_a, ev_cap, np.uint64), v(ev_write_a, ev_cap, np.bool_),
                                  slots)
@@ -285,11 +315,23 @@ def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped
                     slots[0] = j
                     n = 1
                 shadow_ok = False
-            if phase == S.PHASE_IDLE:                     # dirty tracking only
+            if restoring:                                # on-demand restore
+                if not S.plan_restore(ctl, status, flags, slots, max(n, 0), n == EVERYTHING):
+                    if ctl[S.C_FIRST_NS] == 0:
+                        ctl[S.C_FIRST_NS] = native.now_ns()
+                    break
+                if not waited:
+                    ctl[S.C_HELD] += 1
+                    waited = True
+                native.wait(cond, mutex)
+                continue
+            if phase == S.PHASE_IDLE:                     # dirty tracking (and history) only
                 S.plan_writes(ctl, bases, ends, status, flags, shadow,
                               v(sh_off_a, sh_cap, np.uint64), v(sh_size_a, sh_cap, np.uint64),
                               slots, max(n, 0), n == EVERYTHING, False,
                               v(copies_a, 4 * cap, np.uint64).reshape((4, cap)))
+                S.record_history(ctl, hist_key, hist_op, hist_base, bases, key, slots,
+                                 max(n, 0))
                 break
             if n == EVERYTHING and not waited:
                 ctl[S.C_FALLBACKS] += 1
@@ -299,32 +341,43 @@ def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped
             n_copies, wait = S.plan_writes(ctl, bases, ends, status, flags, shadow, sh_off,
                                            sh_size, slots, max(n, 0), n == EVERYTHING,
                                            shadow_ok, copies)
-            events = v(sh_event_a, sh_cap, np.uint64)
-            pool = np.uint64(ctl[S.C_POOL_BASE])
-            for c in range(n_copies):
-                e = np.int64(copies[3, c])
-                rc = memcpy_dtod(pool + copies[1, c], copies[0, c], copies[2, c], stream)
-                if rc == 0:
-                    rc = event_record(events[e], stream)
-                if rc != 0:                       # no shadow after all: back to PENDING, wait
-                    j = S.slot_of(bases, ctl[S.C_N], copies[0, c])
-                    status[j] = S.PENDING
-                    shadow[j] = -1
-                    flags[j] |= S.URGENT
-                    ctl[S.C_UNSAFE] += 1
-                    ctl[S.C_COPY_ERRORS] += 1
-                    S.pool_free(ctl, sh_size, e)
-                    wait = True
-                else:
-                    ctl[S.C_COW] += 1
-                    ctl[S.C_COW_BYTES] += np.int64(copies[2, c])
+            if n_copies > 0:
+                # The shadow copies are enqueued with the mutex released: a driver call may
+                # wait on driver-internal locks, and no thread that might hold one may be kept
+                # waiting for our mutex meanwhile. ISSUING keeps the copier and other writers
+                # off these buffers until the copies are in the stream.
+                todo = np.empty((4, n_copies), np.uint64)
+                for c in range(n_copies):
+                    for r in range(4):
+                        todo[r, c] = copies[r, c]
+                pool = np.uint64(ctl[S.C_POOL_BASE])
+                events = v(sh_event_a, sh_cap, np.uint64)
+                native.mutex_unlock(mutex)
+                rcs = np.zeros(n_copies, np.int32)
+                for c in range(n_copies):
+                    rc = memcpy_dtod(pool + todo[1, c], todo[0, c], todo[2, c], stream)
+                    if rc == 0:
+                        rc = event_record(events[np.int64(todo[3, c])], stream)
+                    rcs[c] = rc
+                native.mutex_lock(mutex)
+                for c in range(n_copies):
+                    S.shadow_issued(ctl, bases, status, flags, shadow, sh_size, todo[0, c],
+                                    rcs[c] == 0)
+                    if rcs[c] == 0:
+                        ctl[S.C_COW] += 1
+                        ctl[S.C_COW_BYTES] += np.int64(todo[2, c])
+                    else:
+                        wait = True
+                native.cond_broadcast(cond)
+                if ctl[S.C_PHASE] != phase:
+                    continue                              # ended (or aborted) meanwhile
             if not wait:
                 break
             if not waited:
                 ctl[S.C_WAITED] += 1
                 t0 = native.now_ns()
                 waited = True
-            native.cond_wait(cond, mutex)
+            native.wait(cond, mutex)
         if t0 != 0:
             ctl[S.C_WAIT_NS] += native.now_ns() - t0
         if corr != 0:
@@ -376,9 +429,10 @@ CALLS: dict[str, tuple[int, int]] = {
                 "cuStreamWriteValue32 cuStreamWriteValue64 cuStreamWriteValue32_v2 "
                 "cuStreamWriteValue64_v2 cuStreamBatchMemOp cuStreamBatchMemOp_v2",
                 K_OTHER_WRITE),
-    # reads: held while a restore runs
-    **_variants("cuMemcpyDtoH_v2 cuMemcpyDtoA_v2", K_READ),
+    # reads: during an on-demand restore they wait for the buffers they read
+    **_variants("cuMemcpyDtoH_v2", K_READ),
     **_variants("cuMemcpyDtoHAsync_v2", K_READ, ASYNC),
+    **_variants("cuMemcpyDtoA_v2", K_OTHER_READ),
 }
 
 

@@ -1,47 +1,79 @@
-"""The copier: device buffers to host staging on its own streams, then to disk by writer threads.
+"""The copier (checkpoint) and the restorer (on-demand restore): device buffers to and from host
+staging on their own streams, in chunks, with several copies in flight.
 
-Each copy thread owns a CUDA stream; it claims the next buffer (URGENT ones first, those a
-waiting application call needs; then the predicted order), waits for the buffer's shadow copy
-event when it saves a shadow, and moves the buffer in chunks through a pool of staging buffers
-(pinned with cuMemAllocHost_v2 where the driver has it). The buffer is marked saved as soon as
-its last chunk is in host memory, which releases the calls waiting on it; writer threads
-checksum, optionally compress and append the chunks meanwhile. Several copies are in flight
-(one per stream) and the staging pool bounds host memory.
+Checkpoint. Each copy thread owns a CUDA stream and `depth` events. It claims the next buffer
+(URGENT ones first: those a waiting application call needs; then the predicted order), waits
+for the buffer's shadow-copy event when it saves a shadow, and enqueues its chunks device to
+host into pinned staging buffers, each followed by an event; it keeps up to `depth` chunks in
+flight (double-buffered by default) and hands each completed chunk to the writer threads. When
+the last chunk of a buffer has completed (one stream: its earlier chunks have too) the buffer
+is marked saved, which releases the calls waiting on it; the writers checksum (numba, no GIL),
+optionally compress, and write the chunks in large writes meanwhile. Chunks of different
+buffers and streams complete in any order: each is recorded with its offset (gpuimage.Writer),
+so the order on disk does not matter.
 
-Not proven on a GPU yet: the throughput (target 40 GB/s of the 53 GB/s PCIe limit).
+Restore. Each restorer thread claims the next buffer not back yet (URGENT first: a held
+application call needs it), reads its chunks from the image into pinned staging (preadv
+straight into the staging memory, checksum checked without the GIL), and enqueues them host to
+device; reading chunk i+1 overlaps the copy of chunk i; when a buffer's copies are complete it
+is marked back, releasing the calls that wait for it.
+
+Staging is pinned with cuMemHostAlloc (cuMemAllocHost_v2, then plain memory, where the driver
+lacks it), allocated once per agent and reused. No Python work per byte.
+
+Not proven on a GPU yet: the throughput (target >= 40 GB/s of the 53 GB/s PCIe limit, both
+ways); the options to tune it are `chunk` (64-256 MiB), `streams` and `depth`.
 """
 
 import ctypes
+import os
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from pos.agent import state as S
-from pos.agent.gpuimage import Writer
+from pos.agent.gpuimage import Writer, read_chunk_into
 from pos.driver import Driver
 
 CHUNK = 64 << 20
 CU_EVENT_DISABLE_TIMING = 2
+CU_STREAM_NON_BLOCKING = 1
 
 
 class Staging:
-    """A bounded pool of host buffers for device-to-host (and host-to-device) chunks."""
+    """A bounded pool of pinned host buffers of `size` bytes for device<->host chunks."""
 
     def __init__(self, drv: Driver, count: int, size: int) -> None:
-        self.drv, self.size = drv, size
+        self.drv, self.size, self.count = drv, size, count
         self.free: "queue.Queue[np.ndarray]" = queue.Queue()
         self._pinned: list[ctypes.c_void_p] = []
-        for _ in range(count):
-            if drv.has("cuMemAllocHost_v2"):
-                p = ctypes.c_void_p()
-                drv.call("cuMemAllocHost_v2", ctypes.byref(p), ctypes.c_size_t(size))
+        self.pinned = False
+        try:
+            for _ in range(count):
+                self.free.put(self._one())
+        except BaseException:
+            self.close()
+            raise
+
+    def _one(self) -> np.ndarray:
+        p = ctypes.c_void_p()
+        for name, args in (("cuMemHostAlloc", (ctypes.byref(p), ctypes.c_size_t(self.size), 0)),
+                           ("cuMemAllocHost_v2", (ctypes.byref(p), ctypes.c_size_t(self.size)))):
+            if self.drv.has(name):
+                self.drv.call(name, *args, fix="lower the staging (chunk size or count)")
                 self._pinned.append(p)
-                buf = np.frombuffer((ctypes.c_uint8 * size).from_address(p.value), np.uint8)
-            else:
-                buf = np.empty(size, np.uint8)
-            self.free.put(buf)
+                self.pinned = True
+                return np.frombuffer((ctypes.c_uint8 * self.size).from_address(p.value), np.uint8)
+        return np.empty(self.size, np.uint8)
+
+    def get(self) -> np.ndarray:
+        return self.free.get()
+
+    def put(self, buf: np.ndarray) -> None:
+        self.free.put(buf)
 
     def close(self) -> None:
         for p in self._pinned:
@@ -49,81 +81,234 @@ class Staging:
         self._pinned = []
 
 
+class _Stream:
+    """One CUDA stream and its ring of events (created by an agent thread)."""
+
+    def __init__(self, drv: Driver, depth: int) -> None:
+        self.drv = drv
+        self.stream = ctypes.c_void_p()
+        self.events: list[ctypes.c_void_p] = []
+        drv.call("cuStreamCreate", ctypes.byref(self.stream), CU_STREAM_NON_BLOCKING)
+        for _ in range(depth):
+            ev = ctypes.c_void_p()
+            drv.call("cuEventCreate", ctypes.byref(ev), CU_EVENT_DISABLE_TIMING)
+            self.events.append(ev)
+        self.next = 0
+
+    def event(self) -> ctypes.c_void_p:
+        ev = self.events[self.next]
+        self.next = (self.next + 1) % len(self.events)
+        return ev
+
+    def close(self) -> None:
+        for ev in self.events:
+            if self.drv.has("cuEventDestroy_v2"):
+                self.drv.call("cuEventDestroy_v2", ev)
+        if self.stream.value:
+            self.drv.call("cuStreamDestroy_v2", self.stream)
+
+
 class Copier:
     """Saves every buffer the state marks for the image; `run` returns when all are saved."""
 
     def __init__(self, drv: Driver, st: S.State, writer: Writer,
                  register: Callable[[], Any], unregister: Callable[[], None],
-                 streams: int = 4, writers: int = 4, staging: int = 12,
-                 chunk: int = CHUNK) -> None:
+                 streams: int = 4, writers: int = 4, staging: Optional[Staging] = None,
+                 chunk: int = CHUNK, depth: int = 2) -> None:
         self.drv, self.st, self.writer = drv, st, writer
         self.register, self.unregister = register, unregister
-        self.n_streams, self.n_writers, self.chunk = streams, writers, chunk
-        self.staging = Staging(drv, staging, chunk)
+        self.n_streams, self.n_writers, self.depth = streams, writers, max(1, depth)
+        self.own_staging = staging is None
+        self.staging = staging or Staging(drv, streams * self.depth + writers, chunk)
+        self.chunk = self.staging.size
         self.bytes_in = 0
         self.bytes_stored = 0
+        self.t_host: Optional[float] = None      # when the last buffer was in host memory
         self.errors: list[BaseException] = []
+        self.abort = threading.Event()
         self._lock = threading.Lock()
         self._q: "queue.Queue[Optional[tuple[int, int, np.ndarray, int]]]" = queue.Queue()
+
+    def _finish(self, base: int, size: int) -> None:
+        st = self.st
+        S.finish_locked(st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status, st.flags,
+                        st.shadow, st.sh_size, np.uint64(base))
+        with self._lock:
+            self.bytes_in += size
+            self.t_host = time.monotonic()
 
     def _copy_thread(self) -> None:
         st = self.st
         self.register()
-        stream = ctypes.c_void_p()
+        s: Optional[_Stream] = None
+        inflight: list[tuple[ctypes.c_void_p, int, int, np.ndarray, int, int]] = []
+
+        def retire() -> None:
+            ev, base, off, buf, n, size = inflight.pop(0)
+            self.drv.call("cuEventSynchronize", ev)
+            self._q.put((base, off, buf, n))
+            if size:                                    # the last chunk of its buffer
+                self._finish(base, size)
+
         try:
-            self.drv.call("cuStreamCreate", ctypes.byref(stream), 1)   # CU_STREAM_NON_BLOCKING
+            s = _Stream(self.drv, self.depth)
             out = np.zeros(4, np.int64)
-            while not self.errors and S.claim_locked(st.mutex, st.ctl, st.bases, st.ends,
-                                                     st.status, st.flags, st.shadow, st.order,
-                                                     st.sh_off, out):
+            while not self.errors and not self.abort.is_set() and S.claim_locked(
+                    st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
+                    st.order, st.sh_off, out):
                 base, src, size, extent = (int(x) for x in out)
                 if extent >= 0:              # the shadow copy must have run on its stream
                     self.drv.call("cuEventSynchronize", ctypes.c_void_p(int(st.sh_event[extent])))
                 for off in range(0, size, self.chunk):
                     n = min(self.chunk, size - off)
-                    buf = self.staging.free.get()
+                    while inflight and (len(inflight) >= self.depth or self.staging.free.empty()):
+                        retire()
+                    buf = self.staging.get()
+                    ev = s.event()
                     self.drv.call("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(buf.ctypes.data),
-                                  ctypes.c_uint64(src + off), ctypes.c_size_t(n), stream)
-                    self.drv.call("cuStreamSynchronize", stream)
-                    self._q.put((base, off, buf, n))
-                S.finish_locked(st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status,
-                                st.flags, st.shadow, st.sh_size, np.uint64(base))
-                with self._lock:
-                    self.bytes_in += size
+                                  ctypes.c_uint64(src + off), ctypes.c_size_t(n), s.stream)
+                    self.drv.call("cuEventRecord", ev, s.stream)
+                    inflight.append((ev, base, off, buf, n, size if off + n >= size else 0))
+                if size == 0:
+                    self._finish(base, 0)
+            while inflight:
+                retire()
         except BaseException as e:          # reported by run(); the agent ends the checkpoint
             self.errors.append(e)
+            for item in inflight:
+                self.staging.put(item[3])
         finally:
-            if stream.value:
-                self.drv.call("cuStreamDestroy_v2", stream)
+            if s is not None:
+                try:
+                    s.close()
+                except BaseException as e:
+                    self.errors.append(e)
             self.unregister()
 
     def _write_thread(self) -> None:
         while (item := self._q.get()) is not None:
             base, off, buf, n = item
             try:
-                if not self.errors:
+                if not self.errors and not self.abort.is_set():
                     stored = self.writer.put(base, off, buf[:n])
                     with self._lock:
                         self.bytes_stored += stored
             except BaseException as e:
                 self.errors.append(e)
             finally:
-                self.staging.free.put(buf)
+                self.staging.put(buf)
+
+    def start(self) -> list[threading.Thread]:
+        self._writers = [threading.Thread(target=self._write_thread, name=f"pos-writer-{i}",
+                                          daemon=True) for i in range(self.n_writers)]
+        self._copiers = [threading.Thread(target=self._copy_thread, name=f"pos-copier-{i}",
+                                          daemon=True) for i in range(self.n_streams)]
+        for t in self._writers + self._copiers:
+            t.start()
+        return self._copiers
+
+    def join(self) -> None:
+        """Wait for the copy threads, then the writers; raise the first error of any."""
+        for t in self._copiers:
+            t.join()
+        for _ in self._writers:
+            self._q.put(None)
+        for t in self._writers:
+            t.join()
+        if self.own_staging:
+            self.staging.close()
+        if self.errors:
+            raise self.errors[0]
 
     def run(self) -> None:
         """Copy until nothing is left to claim; raises the first error of any thread."""
-        writers = [threading.Thread(target=self._write_thread, name=f"pos-writer-{i}",
-                                    daemon=True) for i in range(self.n_writers)]
-        copiers = [threading.Thread(target=self._copy_thread, name=f"pos-copier-{i}",
-                                    daemon=True) for i in range(self.n_streams)]
-        for t in writers + copiers:
+        self.start()
+        self.join()
+
+
+class Restorer:
+    """Puts the buffers of an image back (on demand: the state says which are not back yet and
+    which a held call needs first); `run` returns when all are back."""
+
+    def __init__(self, drv: Driver, st: S.State, plan: dict[int, tuple[Any, int, list]],
+                 register: Callable[[], Any], unregister: Callable[[], None],
+                 streams: int = 8, staging: Optional[Staging] = None, chunk: int = CHUNK,
+                 depth: int = 2) -> None:
+        self.drv, self.st, self.plan = drv, st, plan
+        self.register, self.unregister = register, unregister
+        self.n_streams, self.depth = streams, max(1, depth)
+        biggest = max((c["raw"] for _, _, cs in plan.values() for c in cs), default=1)
+        self.own_staging = staging is None or staging.size < biggest
+        self.staging = staging if not self.own_staging else \
+            Staging(drv, streams * self.depth, max(chunk, biggest))
+        self.bytes = 0
+        self.errors: list[BaseException] = []
+        self.abort = threading.Event()
+        self._lock = threading.Lock()
+
+    def _thread(self) -> None:
+        st = self.st
+        self.register()
+        s: Optional[_Stream] = None
+        fds: dict[str, int] = {}
+        held: list[np.ndarray] = []
+        try:
+            s = _Stream(self.drv, self.depth)
+            out = np.zeros(4, np.int64)
+            while not self.errors and not self.abort.is_set() and S.claim_locked(
+                    st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
+                    st.order, st.sh_off, out):
+                base = int(out[0])
+                folder, size, chunks = self.plan[base]
+                ring: list[tuple[ctypes.c_void_p, np.ndarray]] = []
+                for c in chunks:
+                    if len(ring) >= self.depth or (ring and self.staging.free.empty()):
+                        ev, buf = ring.pop(0)
+                        self.drv.call("cuEventSynchronize", ev)
+                        held.remove(buf)
+                        self.staging.put(buf)
+                    buf = self.staging.get()
+                    held.append(buf)
+                    read_chunk_into(folder, c, buf, fds)
+                    ev = s.event()
+                    self.drv.call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(base + c["offset"]),
+                                  ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(c["raw"]),
+                                  s.stream)
+                    self.drv.call("cuEventRecord", ev, s.stream)
+                    ring.append((ev, buf))
+                self.drv.call("cuStreamSynchronize", s.stream)
+                for _, buf in ring:
+                    held.remove(buf)
+                    self.staging.put(buf)
+                S.finish_locked(st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status,
+                                st.flags, st.shadow, st.sh_size, np.uint64(base))
+                with self._lock:
+                    self.bytes += size
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            for buf in held:
+                self.staging.put(buf)
+            for fd in fds.values():
+                os.close(fd)
+            if s is not None:
+                try:
+                    s.close()
+                except BaseException as e:
+                    self.errors.append(e)
+            self.unregister()
+
+    def start(self) -> list[threading.Thread]:
+        self._threads = [threading.Thread(target=self._thread, name=f"pos-restorer-{i}",
+                                          daemon=True) for i in range(self.n_streams)]
+        for t in self._threads:
             t.start()
-        for t in copiers:
+        return self._threads
+
+    def join(self) -> None:
+        for t in self._threads:
             t.join()
-        for _ in writers:
-            self._q.put(None)
-        for t in writers:
-            t.join()
-        self.staging.close()
+        if self.own_staging:
+            self.staging.close()
         if self.errors:
             raise self.errors[0]

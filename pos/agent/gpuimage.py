@@ -129,6 +129,34 @@ def resolve(folder: Path) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
     return out
 
 
+def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
+                    fds: dict[str, int]) -> None:
+    """Read one chunk into out[:raw] and check its checksum, with no intermediate copy for an
+    uncompressed chunk (preadv straight into `out`, e.g. pinned staging; the GIL is released
+    by the read and by the checksum). `fds` caches the open data files of the calling thread."""
+    if chunk["zstd"]:
+        read_chunk(folder, chunk, out)
+        return
+    path = str(Path(folder) / chunk["file"])
+    fd = fds.get(path)
+    if fd is None:
+        fd = fds[path] = os.open(path, os.O_RDONLY)
+    n = chunk["raw"]
+    if chunk["stored"] != n or out.shape[0] < n:
+        raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
+                       "the image is corrupt: take a new checkpoint")
+    view = memoryview(out[:n]).cast("B")
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], chunk["at"] + done)
+        if got <= 0:
+            raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
+        done += got
+    if f"{checksum(out[:n]):016x}" != chunk["hash"]:
+        raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
+                       "the image is corrupt: take a new checkpoint")
+
+
 def read_chunk(folder: Path, chunk: dict[str, Any], out: np.ndarray) -> None:
     """Read one chunk into out[:raw] (decompressing) and check its checksum."""
     with open(folder / chunk["file"], "rb", buffering=0) as f:

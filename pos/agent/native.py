@@ -3,8 +3,14 @@
 The CUPTI callback runs on the application's threads without the GIL, so the state it shares
 with the agent's Python threads is guarded by a pthread mutex and condition variable that live
 in numpy memory and are called through ctypes (numba compiles ctypes calls to direct calls).
-The mutex is recursive: a driver call made from inside the callback (the shadow copy) fires the
-callback again on the same thread, which must not deadlock on itself.
+The mutex is recursive (a defence: no driver call is made while it is held, see callbacks.py).
+
+Lock order, the rule that keeps the agent free of deadlocks with the GIL: the GIL before the
+mutex, never the other way round. An application thread may enter the callback holding the GIL
+and take the mutex; so whoever holds the mutex must never wait for the GIL. Python threads take
+the mutex only inside numba `nogil` functions (never through a ctypes call, which re-acquires
+the GIL before returning, i.e. while holding the mutex), and `wait` (below) drops the GIL of a
+blocked application thread for the time it waits and re-takes it with the mutex released.
 """
 
 import ctypes
@@ -55,6 +61,32 @@ def address(typingctx, ptr):  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
+# The GIL, for application threads that block inside the callback while holding it (PyTorch
+# launches kernels with the GIL held): without this the agent's Python threads could not run.
+_api = ctypes.pythonapi
+gil_check = ctypes.CFUNCTYPE(ctypes.c_int)(
+    ctypes.cast(_api.PyGILState_Check, ctypes.c_void_p).value)
+save_thread = ctypes.CFUNCTYPE(_U64)(ctypes.cast(_api.PyEval_SaveThread, ctypes.c_void_p).value)
+restore_thread = ctypes.CFUNCTYPE(None, _U64)(
+    ctypes.cast(_api.PyEval_RestoreThread, ctypes.c_void_p).value)
+
+
+@nb.njit
+def wait(cond: int, mutex: int) -> None:
+    """pthread_cond_wait for a caller that may hold the GIL (the callback on an application
+    thread). The GIL is dropped while waiting; it is re-taken with the mutex released (GIL
+    before mutex), then the mutex is re-taken: the caller must re-check its condition, as
+    after any condition wait. The mutex must be held exactly once (not recursively)."""
+    if gil_check() != 1:
+        cond_wait(cond, mutex)
+        return
+    ts = save_thread()
+    cond_wait(cond, mutex)
+    mutex_unlock(mutex)
+    restore_thread(ts)
+    mutex_lock(mutex)
+
+
 _clock_gettime = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _U64)(("clock_gettime", _libc))
 CLOCK_MONOTONIC = 1
 
@@ -65,6 +97,22 @@ def now_ns() -> int:
     ts = np.empty(2, np.int64)
     _clock_gettime(CLOCK_MONOTONIC, ts.ctypes.data)
     return ts[0] * 1_000_000_000 + ts[1]
+
+
+_cond_timedwait = _proto("pthread_cond_timedwait", _U64, _U64, _U64)
+CLOCK_REALTIME = 0
+
+
+@nb.njit
+def timed_wait(cond: int, mutex: int, ns: int) -> None:
+    """pthread_cond_wait for at most `ns` nanoseconds (for threads that do not hold the GIL:
+    the agent's own, inside numba nogil functions)."""
+    ts = np.empty(2, np.int64)
+    _clock_gettime(CLOCK_REALTIME, ts.ctypes.data)
+    t = ts[0] * 1_000_000_000 + ts[1] + ns
+    ts[0] = t // 1_000_000_000
+    ts[1] = t % 1_000_000_000
+    _cond_timedwait(cond, mutex, ts.ctypes.data)
 
 
 @nb.njit(inline="always")

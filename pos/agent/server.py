@@ -1,8 +1,9 @@
 """The agent's control socket: JSON lines over a root-only Unix socket at socket_path(pid).
 
 Requests, one JSON object per line: {"op": "status"}, {"op": "checkpoint", "dir": DIR,
-"incremental": bool, "compress": bool, "predicted": ["0x...", ...]}, {"op": "restore",
-"dir": DIR}. Each gets one line back: {"ok": true, ...} or {"ok": false, "error": SENTENCE}.
+"incremental": bool, "compress": bool, "predicted": ["0x...", ...], optional "streams",
+"writers", "chunk_mb", "depth"}, {"op": "restore", "dir": DIR, optional "streams", "chunk_mb",
+"depth"}. Each gets one line back: {"ok": true, ...} or {"ok": false, "error": SENTENCE}.
 /run/pos is 0700 and the socket 0600; peers other than root (SO_PEERCRED) are refused.
 """
 
@@ -36,11 +37,17 @@ def handle(agent: Any, line: bytes) -> dict[str, Any]:
         if op in ("checkpoint", "restore"):
             if not isinstance(req.get("dir"), str) or not req["dir"]:
                 return {"ok": False, "error": f"{op} needs \"dir\": the image directory."}
+            opts = {k: int(req[k]) for k in ("streams", "chunk_mb", "writers", "depth")
+                    if req.get(k) is not None}
             if op == "restore":
-                return {"ok": True, **agent.restore(req["dir"])}
+                opts.pop("writers", None)
+                if req.get("quick_verify"):
+                    opts["quick_verify"] = True
+                return {"ok": True, **agent.restore(req["dir"], **opts)}
             predicted = tuple(int(x, 16) for x in req.get("predicted", ()))
             return {"ok": True, **agent.checkpoint(req["dir"], bool(req.get("incremental")),
-                                                   bool(req.get("compress")), predicted)}
+                                                   bool(req.get("compress")), predicted,
+                                                   **opts)}
     except PosError as e:
         return {"ok": False, "error": e.message}
     except (TypeError, ValueError) as e:
@@ -79,17 +86,23 @@ class Server:
         self.thread.start()
 
     def _serve(self) -> None:
+        """One thread per connection: a `status` must be answered while a checkpoint or
+        restore of another connection runs (the job polls for the cut and the release)."""
         self.on_thread()
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    self._session(conn)
-                except OSError:
-                    continue
+            threading.Thread(target=self._connection, args=(conn,), name="pos-agent-conn",
+                             daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                self._session(conn)
+            except OSError:
+                pass
 
     def _session(self, conn: socket.socket) -> None:
         if _peer_uid(conn) != self.allowed_uid:

@@ -14,6 +14,18 @@ Status of an allocation during a checkpoint:
   SHADOWED  its bytes at the cut are in the shadow pool: writers go ahead
   SHADOW_COPYING  the copier is reading its shadow
   SAVED     on its way to disk: writers go ahead
+A SHADOWED allocation whose shadow copy is still being issued (the ISSUING flag: the callback
+makes that driver call with the mutex released) is not claimable, and other writers wait for
+it: the shadow is enqueued before any other call that may write the buffer passes.
+
+During an on-demand restore the same statuses mean: PENDING not back yet, COPYING being
+restored, SAVED back. A call that may read or write a PENDING/COPYING allocation waits (and
+marks it URGENT: the restorer takes it next); other calls pass at once.
+
+Allocations made after the cut are NONE: not in the image (the image is the state at the cut)
+and never waited for. A free during a checkpoint waits until its allocation is saved (the bytes
+at the cut must be read before the memory can be reused); a free during a restore waits until
+its allocation is back (the restorer must not write into memory the program gave away).
 """
 
 import numba as nb
@@ -23,7 +35,7 @@ from pos.agent import native
 from pos.analyzer.access import lower_bound
 
 NONE, PENDING, COPYING, SHADOWED, SHADOW_COPYING, SAVED = 0, 1, 2, 3, 4, 5
-URGENT, DIRTY = np.uint8(1), np.uint8(2)            # flags bits
+URGENT, DIRTY, ISSUING = np.uint8(1), np.uint8(2), np.uint8(4)   # flags bits
 PHASE_IDLE, PHASE_CHECKPOINT, PHASE_RESTORE = 0, 1, 2
 F_EMPTY, F_QUEUED, F_VALIDATED, F_UNVALIDATED = 0, 1, 2, 3   # function table states
 ALIGN = 256
@@ -32,7 +44,8 @@ ALIGN = 256
 (C_N, C_PHASE, C_CUT_DONE, C_EPOCH, C_UNSAFE, C_ORDER_N, C_ORDER_POS, C_POOL_BASE,
  C_POOL_SIZE, C_POOL_USED, C_TRACK, C_LAY_N, C_NEWF_N, C_AGENT_N, C_INTERCEPTED, C_COW,
  C_COW_BYTES, C_WAITED, C_WAIT_NS, C_FALLBACKS, C_OVERFLOW, C_PENDING_BYTES, C_HELD,
- C_N_SHADOWS, C_OUT0, C_OUT1, C_COPY_ERRORS) = range(27)
+ C_N_SHADOWS, C_OUT0, C_OUT1, C_COPY_ERRORS, C_HIST_OPS, C_HIST_ACC, C_FIRST_NS,
+ C_CALLS) = range(31)
 N_CTL = 32
 AGENT_THREADS = 16
 EVIDENCE = 1 << 16
@@ -42,7 +55,8 @@ class State:
     """Every shared array, allocated once (the callback holds their addresses)."""
 
     def __init__(self, capacity: int = 1 << 16, shadows: int = 1 << 12,
-                 functions: int = 1 << 14, layout_words: int = 1 << 18) -> None:
+                 functions: int = 1 << 14, layout_words: int = 1 << 18,
+                 history: int = 1 << 15) -> None:
         self.ctl = np.zeros(N_CTL, np.int64)
         self.bases = np.zeros(capacity, np.uint64)
         self.ends = np.zeros(capacity, np.uint64)
@@ -73,6 +87,11 @@ class State:
         self.ev_write = np.zeros(EVIDENCE, np.bool_)
         self.writes = np.zeros(capacity, np.int64)        # slots one call may write
         self.copies = np.zeros((4, capacity), np.uint64)  # src, dst, size, extent of shadows
+        # history of tracked writing calls (dirty tracking on): a ring of calls (key: the
+        # function handle of a launch, -kind for copies/sets) and a ring of (call, base)
+        self.hist_key = np.zeros(history, np.int64)
+        self.hist_op = np.zeros(2 * history, np.int64)
+        self.hist_base = np.zeros(2 * history, np.uint64)
         self._sync, self.mutex, self.cond = native.sync_objects()
 
     def arrays(self) -> tuple:
@@ -80,13 +99,11 @@ class State:
         return (self.ctl, self.bases, self.ends, self.status, self.flags, self.shadow)
 
     def live(self) -> list[tuple[int, int]]:
-        """(base, size) of every live allocation (a copy, under the lock)."""
-        native.mutex_lock(self.mutex)
-        try:
-            n = int(self.ctl[C_N])
-            return [(int(b), int(e - b)) for b, e in zip(self.bases[:n], self.ends[:n])]
-        finally:
-            native.mutex_unlock(self.mutex)
+        """(base, size) of every live allocation (a copy, under the lock, without the GIL)."""
+        b = np.empty(self.bases.shape[0], np.uint64)
+        e = np.empty(self.bases.shape[0], np.uint64)
+        n = live_locked(self.mutex, self.ctl, self.bases, self.ends, b, e)
+        return [(int(x), int(y - x)) for x, y in zip(b[:n], e[:n])]
 
 
 # ---- the allocation table -----------------------------------------------------------------
@@ -215,6 +232,7 @@ def plan_writes(ctl, bases, ends, status, flags, shadow, sh_off, sh_size, slots,
             e = pool_alloc(ctl, sh_off, sh_size, size)
             if e >= 0:
                 status[j] = SHADOWED
+                flags[j] |= ISSUING                  # cleared once the copy is enqueued
                 shadow[j] = e
                 ctl[C_UNSAFE] -= 1
                 copies[0, n_copies] = bases[j]
@@ -223,10 +241,60 @@ def plan_writes(ctl, bases, ends, status, flags, shadow, sh_off, sh_size, slots,
                 copies[3, n_copies] = e
                 n_copies += 1
                 continue
+        if s == SHADOWED and (flags[j] & ISSUING):      # another call is enqueueing its shadow
+            wait = True
+            continue
         if s == PENDING or s == COPYING or (not shadow_ok and (s == SHADOWED or s == SHADOW_COPYING)):
             flags[j] |= URGENT
             wait = True
     return n_copies, wait
+
+
+@nb.njit(cache=True)
+def shadow_issued(ctl, bases, status, flags, shadow, sh_size, base: np.uint64, ok: bool) -> None:
+    """The callback's shadow copy of `base` is enqueued (ok) or failed: clear ISSUING; on a
+    failure the allocation is PENDING again and URGENT (its callers wait for the copier)."""
+    j = slot_of(bases, ctl[C_N], base)
+    if j < 0:
+        return
+    flags[j] &= ~ISSUING
+    if not ok and status[j] == SHADOWED:
+        pool_free(ctl, sh_size, shadow[j])
+        status[j] = PENDING
+        shadow[j] = -1
+        flags[j] |= URGENT
+        ctl[C_UNSAFE] += 1
+        ctl[C_COPY_ERRORS] += 1
+
+
+@nb.njit(cache=True)
+def plan_restore(ctl, status, flags, slots, n_slots: int, everything: bool) -> bool:
+    """Whether a call that may touch slots[:n_slots] (or anything, `everything`) must wait
+    during an on-demand restore: it touches an allocation not back yet; those become URGENT."""
+    if everything:
+        return ctl[C_UNSAFE] > 0
+    wait = False
+    for r in range(n_slots):
+        j = slots[r]
+        if status[j] == PENDING or status[j] == COPYING:
+            flags[j] |= URGENT
+            wait = True
+    return wait
+
+
+@nb.njit(cache=True)
+def record_history(ctl, hist_key, hist_op, hist_base, bases, key: np.int64, slots,
+                   n_slots: int) -> None:
+    """Append one tracked writing call (its key and the bases it may write) to the rings."""
+    op = ctl[C_HIST_OPS]
+    hist_key[op % hist_key.shape[0]] = key
+    a = ctl[C_HIST_ACC]
+    cap = hist_op.shape[0]
+    for r in range(n_slots):
+        hist_op[(a + r) % cap] = op
+        hist_base[(a + r) % cap] = bases[slots[r]]
+    ctl[C_HIST_ACC] = a + n_slots
+    ctl[C_HIST_OPS] = op + 1
 
 
 @nb.njit(cache=True)
@@ -258,6 +326,16 @@ def begin_checkpoint(ctl, bases, ends, status, flags, shadow, order, predicted, 
         else:
             status[j] = PENDING
             k += 1
+    _make_order(ctl, bases, ends, status, flags, order, predicted, True)
+    ctl[C_UNSAFE] = k
+    return k
+
+
+@nb.njit(cache=True)
+def _make_order(ctl, bases, ends, status, flags, order, predicted, clear_dirty: bool) -> None:
+    """The copy order of the PENDING allocations: `predicted` (bases) first, then the rest by
+    descending size; sets C_ORDER_N/POS and C_PENDING_BYTES."""
+    n = ctl[C_N]
     m = 0
     for i in range(predicted.shape[0]):
         j = slot_of(bases, n, predicted[i])
@@ -280,12 +358,47 @@ def begin_checkpoint(ctl, bases, ends, status, flags, shadow, order, predicted, 
             status[j] = PENDING
         if status[j] == PENDING:
             pending_bytes += ends[j] - bases[j]
-            flags[j] &= ~DIRTY                      # dirty again only if written from now on
+            if clear_dirty:
+                flags[j] &= ~DIRTY                  # dirty again only if written from now on
     ctl[C_ORDER_N] = m
     ctl[C_ORDER_POS] = 0
-    ctl[C_UNSAFE] = k
     ctl[C_PENDING_BYTES] = pending_bytes
+
+
+@nb.njit(cache=True)
+def begin_restore(ctl, bases, ends, status, flags, shadow, order, image_bases,
+                  predicted) -> int:
+    """The table step of an on-demand restore: the allocations at `image_bases` (sorted)
+    become PENDING (not back yet), every other one NONE; order as for a checkpoint."""
+    n = ctl[C_N]
+    k = 0
+    for j in range(n):
+        shadow[j] = -1
+        flags[j] &= ~(URGENT | ISSUING)
+        i = lower_bound(image_bases, image_bases.shape[0], bases[j]) - 1
+        if i >= 0 and image_bases[i] == bases[j]:
+            status[j] = PENDING
+            flags[j] |= DIRTY                   # no longer what the last image holds
+            k += 1
+        else:
+            status[j] = NONE
+    _make_order(ctl, bases, ends, status, flags, order, predicted, False)
+    ctl[C_UNSAFE] = k
+    ctl[C_FIRST_NS] = 0
     return k
+
+
+@nb.njit(cache=True, inline="always")
+def _claimable(s, f) -> bool:
+    return s == PENDING or (s == SHADOWED and not (f & ISSUING))
+
+
+@nb.njit(cache=True)
+def any_issuing(ctl, flags) -> bool:
+    for j in range(ctl[C_N]):
+        if flags[j] & ISSUING:
+            return True
+    return False
 
 
 @nb.njit(cache=True)
@@ -295,17 +408,17 @@ def claim(ctl, bases, ends, status, flags, shadow, order, sh_off, out) -> bool:
     n = ctl[C_N]
     pick = -1
     for j in range(n):
-        if (flags[j] & URGENT) and (status[j] == PENDING or status[j] == SHADOWED):
+        if (flags[j] & URGENT) and _claimable(status[j], flags[j]):
             pick = j
             break
     while pick < 0 and ctl[C_ORDER_POS] < ctl[C_ORDER_N]:
         j = slot_of(bases, n, order[ctl[C_ORDER_POS]])
         ctl[C_ORDER_POS] += 1
-        if j >= 0 and (status[j] == PENDING or status[j] == SHADOWED):
+        if j >= 0 and _claimable(status[j], flags[j]):
             pick = j
     if pick < 0:                                     # shadows made after the order passed them
         for j in range(n):
-            if status[j] == SHADOWED:
+            if status[j] == SHADOWED and _claimable(status[j], flags[j]):
                 pick = j
                 break
     if pick < 0:
@@ -340,12 +453,13 @@ def finish(ctl, bases, ends, status, flags, shadow, sh_size, base: np.uint64) ->
 
 
 @nb.njit(cache=True)
-def end_checkpoint(ctl, status, sh_size) -> None:
+def end_checkpoint(ctl, status, flags, sh_size) -> None:
     """Back to no checkpoint: statuses cleared, the pool emptied."""
     ctl[C_PHASE] = PHASE_IDLE
     ctl[C_CUT_DONE] = 0
     for j in range(ctl[C_N]):
         status[j] = NONE
+        flags[j] &= ~(URGENT | ISSUING)
     for i in range(sh_size.shape[0]):
         sh_size[i] = 0
     ctl[C_POOL_USED] = 0
@@ -407,12 +521,92 @@ def function_seen(ctl, fkey, fstate, newf, f: np.uint64) -> int:
 # ---- locked entry points for Python threads (nogil: the GIL is released while waiting) ----
 
 @nb.njit(nogil=True)
-def claim_locked(mutex: int, ctl, bases, ends, status, flags, shadow, order, sh_off, out) -> bool:
+def claim_locked(mutex: int, cond: int, ctl, bases, ends, status, flags, shadow, order, sh_off,
+                 out) -> bool:
+    """claim; when nothing is claimable but a shadow copy is being issued, wait for it (it
+    becomes claimable within microseconds). False when the phase ended (an abort) too."""
     native.mutex_lock(mutex)
-    ok = claim(ctl, bases, ends, status, flags, shadow, order, sh_off, out)
+    phase = ctl[C_PHASE]
+    while True:
+        if ctl[C_PHASE] != phase or ctl[C_PHASE] == PHASE_IDLE:
+            ok = False
+            break
+        ok = claim(ctl, bases, ends, status, flags, shadow, order, sh_off, out)
+        if ok or not any_issuing(ctl, flags):
+            break
+        native.timed_wait(cond, mutex, 10_000_000)
     native.mutex_unlock(mutex)
     return ok
 
+
+@nb.njit(nogil=True)
+def live_locked(mutex: int, ctl, bases, ends, out_b, out_e) -> int:
+    native.mutex_lock(mutex)
+    n = ctl[C_N]
+    for j in range(n):
+        out_b[j] = bases[j]
+        out_e[j] = ends[j]
+    native.mutex_unlock(mutex)
+    return n
+
+
+@nb.njit(nogil=True)
+def agent_add_locked(mutex: int, ctl, agents, me: np.uint64) -> bool:
+    """Register an agent thread in a free slot. Slots never move (a thread that reads the
+    array without the lock, the callback, always finds its own id); C_AGENT_N is the high-water
+    mark."""
+    native.mutex_lock(mutex)
+    ok = False
+    for i in range(agents.shape[0]):
+        if agents[i] == me:
+            ok = True
+            break
+    if not ok:
+        for i in range(agents.shape[0]):
+            if agents[i] == 0:
+                agents[i] = me
+                if i + 1 > ctl[C_AGENT_N]:
+                    ctl[C_AGENT_N] = i + 1
+                ok = True
+                break
+    native.mutex_unlock(mutex)
+    return ok
+
+
+@nb.njit(nogil=True)
+def agent_remove_locked(mutex: int, agents, me: np.uint64) -> None:
+    native.mutex_lock(mutex)
+    for i in range(agents.shape[0]):
+        if agents[i] == me:
+            agents[i] = 0
+    native.mutex_unlock(mutex)
+
+
+@nb.njit(nogil=True)
+def history_locked(mutex: int, ctl, hist_key, hist_op, hist_base, keys, ops, obases) -> tuple:
+    """Copy the history rings, oldest first: (first call number, calls, accesses); keys[i] is
+    call first+i, and (ops[r], obases[r]) the accesses of calls >= first."""
+    native.mutex_lock(mutex)
+    n_ops = ctl[C_HIST_OPS]
+    n_acc = ctl[C_HIST_ACC]
+    rk = hist_key.shape[0]
+    ra = hist_op.shape[0]
+    first = max(0, n_ops - rk)                   # the oldest call whose key is still there
+    lo = max(0, n_acc - ra)                      # the oldest access still there
+    if lo > 0:                                   # that call may have lost older accesses
+        first = max(first, hist_op[lo % ra] + 1)
+    first = min(first, n_ops)
+    m = 0
+    for a in range(lo, n_acc):
+        op = hist_op[a % ra]
+        if op >= first:
+            ops[m] = op - first
+            obases[m] = hist_base[a % ra]
+            m += 1
+    for i in range(first, n_ops):
+        keys[i - first] = hist_key[i % rk]
+    native.mutex_unlock(mutex)
+    return first, n_ops - first, m
 
 @nb.njit(nogil=True)
 def finish_locked(mutex: int, cond: int, ctl, bases, ends, status, flags, shadow, sh_size,
@@ -426,8 +620,13 @@ def finish_locked(mutex: int, cond: int, ctl, bases, ends, status, flags, shadow
 @nb.njit(nogil=True)
 def set_phase_locked(mutex: int, cond: int, ctl, phase: int) -> int:
     """Enter `phase` and start a new epoch; returns the previous epoch's parity (the calls
-    that passed their entry callback before this instant are counted under it)."""
+    that passed their entry callback before this instant are counted under it). Calls still
+    counted under the new epoch's parity (left from two epochs ago: a call that stayed inside
+    the driver across a whole checkpoint) are waited for first, so that the two counters never
+    mix epochs: new calls count under the old parity until the flip, so this wait ends."""
     native.mutex_lock(mutex)
+    while ctl[C_OUT0 + ((ctl[C_EPOCH] + 1) & 1)] > 0:
+        native.cond_wait(cond, mutex)
     old = ctl[C_EPOCH] & 1
     ctl[C_EPOCH] += 1
     ctl[C_PHASE] = phase
@@ -447,12 +646,28 @@ def cut_done_locked(mutex: int, cond: int, ctl) -> None:
 
 
 @nb.njit(nogil=True)
-def wait_epoch_locked(mutex: int, cond: int, ctl, parity: int) -> None:
-    """Until every call counted under `parity` has left the driver (its work is enqueued)."""
+def wait_epoch_locked(mutex: int, cond: int, ctl, parity: int, timeout_ns: int) -> bool:
+    """Until every call counted under `parity` has left the driver (its work is enqueued);
+    False after timeout_ns (the caller aborts rather than wait for ever)."""
     native.mutex_lock(mutex)
+    deadline = native.now_ns() + timeout_ns
+    ok = True
     while ctl[C_OUT0 + parity] > 0:
-        native.cond_wait(cond, mutex)
+        if native.now_ns() >= deadline:
+            ok = False
+            break
+        native.timed_wait(cond, mutex, 50_000_000)
     native.mutex_unlock(mutex)
+    return ok
+
+
+@nb.njit(nogil=True)
+def begin_restore_locked(mutex: int, ctl, bases, ends, status, flags, shadow, order,
+                         image_bases, predicted) -> int:
+    native.mutex_lock(mutex)
+    k = begin_restore(ctl, bases, ends, status, flags, shadow, order, image_bases, predicted)
+    native.mutex_unlock(mutex)
+    return k
 
 
 @nb.njit(nogil=True)
@@ -465,10 +680,11 @@ def begin_locked(mutex: int, ctl, bases, ends, status, flags, shadow, order, pre
 
 
 @nb.njit(nogil=True)
-def end_locked(mutex: int, cond: int, ctl, status, sh_size) -> None:
+def end_locked(mutex: int, cond: int, ctl, status, flags, sh_size) -> None:
+    """Back to no checkpoint or restore; every held call is released (the broadcast)."""
     native.mutex_lock(mutex)
     ctl[C_EPOCH] += 1
-    end_checkpoint(ctl, status, sh_size)
+    end_checkpoint(ctl, status, flags, sh_size)
     native.cond_broadcast(cond)
     native.mutex_unlock(mutex)
 

@@ -191,6 +191,33 @@ def _buffer_stats(seq: np.ndarray, first: int, period: int, count: int, ts: np.n
     return writes, pos_sum, t_sum, n_written, dirtied
 
 
+def first_writes(seq: np.ndarray, keys: np.ndarray, ts: np.ndarray, start: np.ndarray,
+                 buf: np.ndarray, wr: np.ndarray, sizes: np.ndarray):
+    """Iterations of the call sequence `seq` (op indices, with their `keys`) and, per buffer,
+    where in an iteration its first write comes: (iterations, writes, n_written, first_pos,
+    first_s, dirtied). `start`/`buf`/`wr` are the ops' accesses (CSR by op), `ts` their times
+    in ns (zeros when unknown). The one implementation for `pos analyze` and the agent."""
+    it = find_iterations(keys)
+    writes, pos_sum, t_sum, n_written, dirtied = _buffer_stats(
+        seq, it.first, it.period, it.count, ts, start, buf, wr, sizes)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        first_pos = np.where(n_written > 0, pos_sum / n_written, np.nan)
+        first_s = np.where(n_written > 0, t_sum / n_written / 1e9, np.nan)
+    return it, writes, n_written, first_pos, first_s, dirtied
+
+
+def soonest_written_first(live: np.ndarray, sizes: np.ndarray,
+                          first_pos: np.ndarray) -> np.ndarray:
+    """THE copy-order rule: the buffers `live` ordered by the mean position of their first
+    write in an iteration (soonest first: each one saved before it is overwritten is a soft
+    copy-on-write avoided), never-written ones last, ties by descending size."""
+    if not len(live):
+        return live
+    never = np.isnan(first_pos[live])
+    key_pos = np.where(never, np.inf, first_pos[live])
+    return live[np.lexsort((-sizes[live], key_pos))]
+
+
 @dataclass
 class Analysis:
     """Everything `pos analyze` reports about one trace."""
@@ -260,14 +287,10 @@ def analyze(ops: Ops, evidence: Evidence) -> Analysis:
                                   n_alloc)
     src, dst, via, typ = edges(start, buf, rd, wr, n_alloc)
     seq, keys = op_keys(ops)
-    it = find_iterations(keys)
     sizes = ops.alloc_size.astype(np.int64) if len(ops.alloc_size) else np.zeros(1, np.int64)
-    writes, pos_sum, t_sum, n_written, dirtied = _buffer_stats(
-        seq, it.first, it.period, it.count, ops.ts, start, buf, wr, sizes)
+    it, writes, n_written, first_pos, first_s, dirtied = first_writes(seq, keys, ops.ts, start,
+                                                                       buf, wr, sizes)
     count = max(it.count, 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        first_pos = np.where(n_written > 0, pos_sum / n_written, np.nan)
-        first_s = np.where(n_written > 0, t_sum / n_written / 1e9, np.nan)
     iteration_s = 0.0
     if it.detected and it.count > 1:
         t = ops.ts[seq[it.first + np.arange(it.count) * it.period]]
@@ -277,10 +300,35 @@ def analyze(ops: Ops, evidence: Evidence) -> Analysis:
     else:
         checkpoint_op = len(ops.kind) - 1
     live = live_at(ops, checkpoint_op)
-    never = np.isnan(first_pos[live]) if len(live) else np.zeros(0, np.bool_)
-    key_pos = np.where(never, np.inf, first_pos[live] if len(live) else 0)
-    order = live[np.lexsort((-sizes[live], key_pos))] if len(live) else live
+    order = soonest_written_first(live, sizes, first_pos)
     return Analysis(ops, evidence, start, buf, rd, wr, src, dst, via, typ, seq, it, iteration_s,
                     writes / count, first_pos, first_s, n_written / count,
                     float(dirtied.mean()) if len(dirtied) else 0.0, checkpoint_op, live, order,
                     predict_costs(order, sizes, first_s, iteration_s))
+
+
+def order_from_history(keys: np.ndarray, ops: np.ndarray, bases: np.ndarray,
+                       live_bases: np.ndarray, live_sizes: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The copy order of the buffers `live_bases` from an agent's history: `keys[i]` is call i's
+    key (a kernel's function handle, or a copy kind), (ops[r], bases[r]) the buffers call
+    ops[r] may write (ops ascending). Same rule as `analyze`: iterations of the key sequence,
+    first-write positions, `soonest_written_first`. Returns (bases in order, facts)."""
+    n = len(keys)
+    if n == 0 or len(live_bases) == 0:
+        return np.zeros(0, np.uint64), {"calls": n, "iterations": 0, "period": 0}
+    ids = np.searchsorted(live_bases, bases)
+    ok = (ids < len(live_bases))
+    ok[ok] = live_bases[ids[ok]] == bases[ok]        # writes to buffers freed since: dropped
+    ops, ids = ops[ok], ids[ok]
+    start = np.searchsorted(ops, np.arange(n + 1), side="left").astype(np.int64)
+    seq = np.arange(n, dtype=np.int64)
+    it, _, _, first_pos, _, _ = first_writes(seq, keys.astype(np.int64), np.zeros(n, np.int64),
+                                             start, ids.astype(np.int64),
+                                             np.ones(len(ids), np.bool_),
+                                             live_sizes.astype(np.int64))
+    order = soonest_written_first(np.arange(len(live_bases)), live_sizes.astype(np.int64),
+                                  first_pos)
+    written = ~np.isnan(first_pos[order])
+    return live_bases[order[written]], {"calls": n, "iterations": it.count if it.detected else 0,
+                                        "period": it.period if it.detected else 0,
+                                        "written_buffers": int(written.sum())}

@@ -46,18 +46,30 @@ def request(pid: int, req: dict[str, Any], timeout: Optional[float] = None) -> d
     return reply
 
 
+def _options(**kw: Optional[int]) -> dict[str, int]:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def checkpoint_concurrent(pid: int, directory: str, incremental: bool = False,
-                          compress: bool = False, predicted: tuple[int, ...] = ()) -> dict:
+                          compress: bool = False, predicted: tuple[int, ...] = (),
+                          streams: Optional[int] = None, chunk_mb: Optional[int] = None) -> dict:
     """A GPU image of PID consistent at one instant, taken while PID runs; the agent's report
-    (bytes, duration, intercepted, copied_on_write, waited, waited_s, fallbacks, throughput)."""
+    (bytes, duration, intercepted, copied_on_write, waited, waited_s, fallbacks, throughput,
+    d2h_gbps, order_source)."""
     return request(pid, {"op": "checkpoint", "dir": str(Path(directory).absolute()),
                          "incremental": incremental, "compress": compress,
-                         "predicted": [f"0x{b:x}" for b in predicted]})
+                         "predicted": [f"0x{b:x}" for b in predicted],
+                         **_options(streams=streams, chunk_mb=chunk_mb)})
 
 
-def restore_gpu_only(pid: int, directory: str) -> dict:
-    """Put a GPU image back into the running agent process PID (its calls held meanwhile)."""
-    return request(pid, {"op": "restore", "dir": str(Path(directory).absolute())})
+def restore_gpu_only(pid: int, directory: str, streams: Optional[int] = None,
+                     chunk_mb: Optional[int] = None, quick_verify: bool = False) -> dict:
+    """Put a GPU image back into the running agent process PID, on demand (it runs on; calls
+    that touch buffers not back yet wait for them). Returns when every buffer is back: bytes,
+    release_s, first_call_s, held, throughput_gbps."""
+    return request(pid, {"op": "restore", "dir": str(Path(directory).absolute()),
+                         "quick_verify": quick_verify,
+                         **_options(streams=streams, chunk_mb=chunk_mb)})
 
 
 def status(pid: int) -> dict:

@@ -15,7 +15,7 @@ from pos.agent import callbacks as C
 from pos.agent import gpuimage
 from pos.agent import state as S
 from pos.agent.agent import Agent
-from pos.agent.copier import Copier
+from pos.agent.copier import Copier, Restorer
 from pos.driver import Driver
 from pos.scheduler import image
 
@@ -56,13 +56,16 @@ class App:
         self.bufs = [self.alloc(SIZE) for _ in range(2)]
 
     def fire(self, name: str, site: int, params: ctypes.Structure,
-             ret: int = 0, corr: "ctypes.c_uint64 | None" = None) -> None:
+             ret: int = 0, corr: "ctypes.c_uint64 | None" = None, hold_gil: bool = False) -> None:
+        """Invoke the callback as CUPTI would. hold_gil: keep the GIL across it (PYFUNCTYPE),
+        as an application thread launching from Python (PyTorch) does."""
         code = ctypes.c_int(ret)
         data = CallbackData(callbackSite=site, functionParams=ctypes.addressof(params),
                             functionReturnValue=ctypes.addressof(code),
                             correlationData=ctypes.addressof(corr) if corr is not None else None)
-        fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
-                              ctypes.c_void_p)(self.agent.callback.address)
+        proto = ctypes.PYFUNCTYPE if hold_gil else ctypes.CFUNCTYPE
+        fn = proto(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
+                   ctypes.c_void_p)(self.agent.callback.address)
         fn(None, C.DOMAIN_DRIVER_API, IDS[name], ctypes.addressof(data))
 
     def alloc(self, size: int) -> int:
@@ -83,12 +86,31 @@ class App:
                       ctypes.c_size_t(SIZE))
         return out
 
-    def launch(self, site: int = C.API_ENTER, corr: "ctypes.c_uint64 | None" = None) -> None:
+    def launch(self, site: int = C.API_ENTER, corr: "ctypes.c_uint64 | None" = None,
+               hold_gil: bool = False) -> None:
         """axpy(float const* x = buffer 0, float* y = buffer 1): writes buffer 1."""
         x, y = ctypes.c_uint64(self.bufs[0]), ctypes.c_uint64(self.bufs[1])
         kp = (ctypes.c_void_p * 2)(ctypes.addressof(x), ctypes.addressof(y))
         params = LaunchParams(f=0xF00, hStream=0, kernelParams=ctypes.cast(kp, ctypes.c_void_p))
-        self.fire("cuLaunchKernel", site, params, corr=corr)
+        self.fire("cuLaunchKernel", site, params, corr=corr, hold_gil=hold_gil)
+
+    def read_call(self, base: int, hold_gil: bool = False) -> np.ndarray:
+        """cuMemcpyDtoH_v2 as the application makes it: the callback first, then the call."""
+        ctx = ctypes.c_void_p()
+        self.drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+        self.drv.call("cuCtxSetCurrent", ctx)
+        out = np.empty(SIZE, np.uint8)
+        params = (ctypes.c_uint64 * 3)(out.ctypes.data, base, SIZE)
+        self.fire("cuMemcpyDtoH_v2", C.API_ENTER, params, hold_gil=hold_gil)
+        self.drv.call("cuMemcpyDtoH_v2", ctypes.c_void_p(out.ctypes.data), ctypes.c_uint64(base),
+                      ctypes.c_size_t(SIZE))
+        return out
+
+    def fill_pattern(self, base: int, seed: int) -> np.ndarray:
+        data = np.random.default_rng(seed).integers(0, 256, SIZE, np.uint8)
+        self.drv.call("cuMemcpyHtoD_v2", ctypes.c_uint64(base), ctypes.c_void_p(data.ctypes.data),
+                      ctypes.c_size_t(SIZE))
+        return data
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +137,18 @@ def manual_cut(agent: Agent) -> None:
     S.cut_done_locked(st.mutex, st.cond, st.ctl)
 
 
-def copy_all(agent: Agent, folder: Path) -> dict[int, np.ndarray]:
+def copy_all(agent: Agent, folder: Path, chunk: int = 1 << 20,
+             compress: bool = True) -> dict[int, np.ndarray]:
     """Run the copier in an agent thread; the saved bytes per buffer, read back from disk."""
-    w = gpuimage.Writer(folder, compress=True)
+    w = gpuimage.Writer(folder, compress=compress)
     t = threading.Thread(target=lambda: Copier(agent.drv, agent.st, w, agent.register,
-                                               agent.unregister, streams=2, writers=2).run())
+                                               agent.unregister, streams=2, writers=2,
+                                               chunk=chunk).run())
     t.start()
     t.join()
     w.close()
     st = agent.st
-    S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.sh_size)
+    S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
     out = {}
     for base, chunks in w.chunks.items():
         buf = np.empty(SIZE, np.uint8)
@@ -178,11 +202,106 @@ def test_pool_full_makes_the_call_wait_for_the_copier(rig, tmp_path) -> None:  #
     assert (saved[app.bufs[1]] == 3).all()
 
 
-def app_thread_launch(app: App) -> None:
+def app_thread_launch(app: App, hold_gil: bool = False) -> None:
     ctx = ctypes.c_void_p()
     app.drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
     app.drv.call("cuCtxSetCurrent", ctx)
-    app.launch()
+    app.launch(hold_gil=hold_gil)
+
+
+@pytest.fixture
+def deadlock_guard():  # type: ignore[no-untyped-def]
+    """A deadlock here would hang the whole run: dump the stacks and exit after 120 s."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_call_waiting_with_the_gil_held_lets_the_copier_run(rig, tmp_path,  # type: ignore[no-untyped-def]
+                                                               deadlock_guard) -> None:
+    """The deadlock of review item (a): PyTorch launches with the GIL held; the callback must
+    drop it while it waits, or the copier's Python threads could never release it."""
+    agent, app = rig
+    st = agent.st
+    app.fill(app.bufs[1], 5)
+    pool = int(st.ctl[S.C_POOL_SIZE])
+    manual_cut(agent)
+    st.ctl[S.C_POOL_SIZE] = 0                      # no shadow possible: the call must wait
+    t = threading.Thread(target=app_thread_launch, args=(app, True))
+    t.start()
+    time.sleep(0.3)                                # this thread runs: the GIL is free
+    assert t.is_alive()
+    saved = copy_all(agent, tmp_path)              # Python copier threads need the GIL
+    t.join(10)
+    st.ctl[S.C_POOL_SIZE] = pool
+    assert not t.is_alive()
+    assert (saved[app.bufs[1]] == 5).all()
+
+
+def test_chunks_in_flight_on_several_streams_land_in_place(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chunk 64 KiB: each 256 KiB buffer is 4 chunks, 2 in flight per stream, 2 streams and 2
+    writers: chunks complete and are written in any order; the index puts them back."""
+    agent, app = rig
+    want = {b: app.fill_pattern(b, i) for i, b in enumerate(app.bufs)}
+    manual_cut(agent)
+    saved = copy_all(agent, tmp_path, chunk=64 << 10, compress=False)
+    for b, data in want.items():
+        assert (saved[b] == data).all()
+
+
+def test_on_demand_restore_holds_only_the_calls_that_need_missing_buffers(  # type: ignore[no-untyped-def]
+        rig, tmp_path, deadlock_guard) -> None:
+    agent, app = rig
+    st = agent.st
+    x, y = app.bufs
+    want = {x: app.fill_pattern(x, 7), y: app.fill_pattern(y, 8)}
+    agent.checkpoint(str(tmp_path / "img"))
+    z = app.alloc(SIZE)                            # after the image: not part of it
+    app.fill(x, 0)
+    app.fill(y, 0)
+    plan = gpuimage.resolve(tmp_path / "img")
+    held0 = int(st.ctl[S.C_HELD])
+    S.begin_restore_locked(st.mutex, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
+                           st.order, np.asarray(sorted(plan), np.uint64), np.zeros(0, np.uint64))
+    S.set_phase_locked(st.mutex, st.cond, st.ctl, S.PHASE_RESTORE)
+    got: dict[str, np.ndarray] = {}
+    t = threading.Thread(target=lambda: got.update(x=app.read_call(x, hold_gil=True)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and int(st.ctl[S.C_HELD]) == held0 + 1   # x is not back: held
+    app.read_call(z)                               # z is not in the image: passes at once
+    r = Restorer(agent.drv, st, plan, agent.register, agent.unregister, streams=1,
+                 chunk=SIZE)
+    rt = threading.Thread(target=lambda: (r.start(), r.join()))
+    rt.start()
+    rt.join(30)
+    t.join(10)
+    first = int(st.ctl[S.C_FIRST_NS])
+    S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
+    assert not t.is_alive() and not rt.is_alive() and not r.errors
+    assert (got["x"] == want[x]).all()             # the held call saw the restored bytes
+    assert (app.read(y) == want[y]).all() and first > 0
+    app.fire("cuMemFree_v2", C.API_EXIT, (ctypes.c_uint64 * 1)(z))
+
+
+def test_history_gives_the_copy_order(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent, app = rig
+    st = agent.st
+    st.ctl[S.C_TRACK] = 1
+    try:
+        calls0 = int(st.ctl[S.C_HIST_OPS])
+        for _ in range(8):
+            app.launch()                           # writes y
+        assert int(st.ctl[S.C_HIST_OPS]) == calls0 + 8
+        order, source, facts = agent.predicted_order()
+        assert source == "history" and list(order) == [app.bufs[1]]
+        report = agent.checkpoint(str(tmp_path / "img"))
+        assert report["order_source"] == "history"
+    finally:
+        st.ctl[S.C_TRACK] = 0
+    assert agent.predicted_order((0x1234,))[1] == "client"
 
 
 def test_the_cut_waits_for_calls_already_inside_the_driver(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -214,8 +333,20 @@ def test_checkpoint_restore_round_trip_and_incremental(rig, tmp_path) -> None:  
     app.fill(x, 0)
     app.fill(y, 0)
     back = agent.restore(str(tmp_path / "full"))
-    assert back["bytes"] >= 2 * SIZE
+    assert back["bytes"] >= 2 * SIZE and back["on_demand"]
+    for key in ("release_s", "first_call_s", "held", "throughput_gbps", "copy_s"):
+        assert key in back
     assert (app.read(x) == 11).all() and (app.read(y) == 12).all()
+    app.fill(x, 0)
+    quick = agent.restore(str(tmp_path / "full"), quick_verify=True)
+    assert quick["quick_verify"] and (app.read(x) == 11).all()
+    index = tmp_path / "full" / gpuimage.INDEX
+    text = index.read_text()
+    index.chmod(0o600)
+    index.write_text(text.replace('"format": 1', '"format":  1'))
+    with pytest.raises(Exception, match="corrupt|does not match its manifest"):
+        agent.restore(str(tmp_path / "full"), quick_verify=True)
+    index.write_text(text)
     with pytest.raises(Exception, match="dirty tracking"):
         agent.checkpoint(str(tmp_path / "inc"), incremental=True)
     agent.st.ctl[S.C_TRACK] = 1

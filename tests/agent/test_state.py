@@ -30,6 +30,11 @@ def plan(st: S.State, slots, everything=False, shadow_ok=True):
                          st.copies)
 
 
+def issued(st: S.State, base: int, ok: bool = True) -> None:
+    S.shadow_issued(st.ctl, st.bases, st.status, st.flags, st.shadow, st.sh_size,
+                    np.uint64(base), ok)
+
+
 def test_table_sorted_insert_remove_and_replace() -> None:
     st = make()
     assert list(st.bases[:3]) == [0x1000, 0x2000, 0x3000]
@@ -47,7 +52,12 @@ def test_pending_write_is_shadowed_within_the_pool() -> None:
     assert (n, wait) == (1, False)
     assert st.status[0] == S.SHADOWED and st.ctl[S.C_UNSAFE] == 2
     assert st.copies[0, 0] == 0x1000 and st.copies[2, 0] == MB and st.ctl[S.C_POOL_USED] == MB
-    # written again: nothing to do
+    # written by another call while the shadow copy is being enqueued: it waits
+    assert st.flags[0] & S.ISSUING and plan(st, [0]) == (0, True)
+    out = np.zeros(4, np.int64)
+    assert not S.claim(*st.arrays(), st.order, st.sh_off, out) or out[0] != 0x1000
+    issued(st, 0x1000)
+    # written again once enqueued: nothing to do
     assert plan(st, [0]) == (0, False)
 
 
@@ -96,6 +106,7 @@ def test_copy_order_predicted_first_then_by_size_and_shadows_from_the_pool() -> 
     st = make()
     begin(st, predicted=[0x3000])
     plan(st, [0])                                       # 0x1000 shadowed
+    issued(st, 0x1000)
     out = np.zeros(4, np.int64)
     got = []
     while S.claim(*st.arrays(), st.order, st.sh_off, out):
@@ -111,7 +122,7 @@ def test_copy_order_predicted_first_then_by_size_and_shadows_from_the_pool() -> 
 def test_incremental_takes_only_dirty_buffers() -> None:
     st = make()
     begin(st)
-    S.end_checkpoint(st.ctl, st.status, st.sh_size)
+    S.end_checkpoint(st.ctl, st.status, st.flags, st.sh_size)
     st.ctl[S.C_PHASE] = S.PHASE_IDLE
     plan(st, [2], shadow_ok=False)                      # tracked write to 0x3000
     assert begin(st, only_dirty=True) == 1
@@ -126,3 +137,93 @@ def test_function_table_queues_unknown_and_stores_layouts() -> None:
                           st.lay_size, st.lay_kind, np.uint64(0xABC), np.array([0, 8]),
                           np.array([8, 8]), np.array([1, 2], np.int8), True)
     assert st.fstate[i] == S.F_VALIDATED and st.fcount[i] == 2
+
+
+def test_failed_shadow_copy_goes_back_to_pending_and_urgent() -> None:
+    st = make()
+    begin(st)
+    assert plan(st, [0]) == (1, False)
+    issued(st, 0x1000, ok=False)
+    assert st.status[0] == S.PENDING and st.flags[0] & S.URGENT
+    assert not st.flags[0] & S.ISSUING and st.ctl[S.C_POOL_USED] == 0
+    assert st.ctl[S.C_UNSAFE] == 3 and st.ctl[S.C_COPY_ERRORS] == 1
+    assert plan(st, [0]) == (1, False)                  # a later writer may shadow it again
+
+
+def test_on_demand_restore_holds_only_calls_touching_buffers_not_back() -> None:
+    st = make()
+    image = np.array([0x1000, 0x3000], np.uint64)
+    assert S.begin_restore(*st.arrays(), st.order, image, np.zeros(0, np.uint64)) == 2
+    st.ctl[S.C_PHASE] = S.PHASE_RESTORE
+    assert list(st.status[:3]) == [S.PENDING, S.NONE, S.PENDING]
+    assert not S.plan_restore(st.ctl, st.status, st.flags, np.array([1]), 1, False)
+    assert S.plan_restore(st.ctl, st.status, st.flags, np.array([1, 2]), 2, False)
+    assert S.plan_restore(st.ctl, st.status, st.flags, np.zeros(0, np.int64), 0, True)
+    out = np.zeros(4, np.int64)
+    assert S.claim(*st.arrays(), st.order, st.sh_off, out) and out[0] == 0x3000  # URGENT first
+    S.finish(*st.arrays(), st.sh_size, np.uint64(0x3000))
+    assert not S.plan_restore(st.ctl, st.status, st.flags, np.array([1, 2]), 2, False)
+    assert S.claim(*st.arrays(), st.order, st.sh_off, out) and out[0] == 0x1000
+    assert S.plan_restore(st.ctl, st.status, st.flags, np.array([0]), 1, False)  # COPYING
+    S.finish(*st.arrays(), st.sh_size, np.uint64(0x1000))
+    assert not S.plan_restore(st.ctl, st.status, st.flags, np.zeros(0, np.int64), 0, True)
+    assert not S.claim(*st.arrays(), st.order, st.sh_off, out)
+
+
+def test_agent_slots_never_move() -> None:
+    st = make()
+    for me in (11, 22, 33):
+        assert S.agent_add_locked(st.mutex, st.ctl, st.agents, np.uint64(me))
+    S.agent_remove_locked(st.mutex, st.agents, np.uint64(11))
+    assert list(st.agents[:3]) == [0, 22, 33] and st.ctl[S.C_AGENT_N] == 3
+    assert S.agent_add_locked(st.mutex, st.ctl, st.agents, np.uint64(44))
+    assert S.agent_add_locked(st.mutex, st.ctl, st.agents, np.uint64(44))   # idempotent
+    assert list(st.agents[:4]) == [44, 22, 33, 0]
+
+
+def test_a_new_epoch_first_drains_calls_left_from_two_epochs_ago() -> None:
+    import threading
+
+    st = make()
+    st.ctl[S.C_EPOCH] = 2                       # idle, epoch 2; a call of epoch 1 still inside
+    st.ctl[S.C_OUT1] = 1
+    done = []
+    t = threading.Thread(target=lambda: done.append(
+        S.set_phase_locked(st.mutex, st.cond, st.ctl, S.PHASE_CHECKPOINT)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and st.ctl[S.C_PHASE] == S.PHASE_IDLE
+    native_leave(st, 1)
+    t.join(5)
+    assert done == [0] and st.ctl[S.C_EPOCH] == 3 and st.ctl[S.C_PHASE] == S.PHASE_CHECKPOINT
+    assert S.wait_epoch_locked(st.mutex, st.cond, st.ctl, 0, 10**9)
+    st.ctl[S.C_OUT0] = 1
+    assert not S.wait_epoch_locked(st.mutex, st.cond, st.ctl, 0, 50_000_000)   # bounded
+
+
+def native_leave(st: S.State, parity: int) -> None:
+    """What the exit callback does for a call counted under `parity`."""
+    from pos.agent import native
+
+    native.mutex_lock(st.mutex)
+    st.ctl[S.C_OUT0 + parity] -= 1
+    native.cond_broadcast(st.cond)
+    native.mutex_unlock(st.mutex)
+
+
+def test_history_ring_keeps_whole_calls_after_wrapping() -> None:
+    st = S.State(capacity=64, shadows=8, functions=16, layout_words=64, history=8)
+    for base in (0x1000, 0x2000):
+        S.table_insert(*st.arrays(), np.uint64(base), np.uint64(MB))
+    for call in range(20):                     # each call writes both buffers: 2 accesses
+        S.record_history(st.ctl, st.hist_key, st.hist_op, st.hist_base, st.bases,
+                         np.int64(100 + call), np.array([0, 1]), 2)
+    keys, ops = np.empty(8, np.int64), np.empty(16, np.int64)
+    bases = np.empty(16, np.uint64)
+    first, n, m = S.history_locked(st.mutex, st.ctl, st.hist_key, st.hist_op, st.hist_base,
+                                   keys, ops, bases)
+    # call 12's accesses are the oldest left: it may have lost some, so history starts at 13
+    assert (first, n, m) == (13, 7, 14)
+    assert list(keys[:n]) == list(range(113, 120))
+    assert list(ops[:m]) == [i // 2 for i in range(14)]
+    assert list(bases[:4]) == [0x1000, 0x2000, 0x1000, 0x2000]

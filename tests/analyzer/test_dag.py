@@ -68,3 +68,36 @@ def test_buffer_stats_copy_order_and_costs() -> None:
     assert a.costs["concurrent_copy_s"] == live / 53e9
     # 1.3 MB copy at 53 GB/s takes 25 us: only acts (written at t=0) is copied on write
     assert a.costs["concurrent_cow_bytes"] == 1 << 18
+
+
+def test_order_from_history_is_the_analyzers_rule() -> None:
+    """The agent's order: iterations of its call keys, first-write positions, then the same
+    soonest_written_first as `pos analyze`."""
+    import numpy as np
+
+    from pos.analyzer.dag import order_from_history, soonest_written_first
+
+    # an iteration of 4 calls (keys 7 8 9 10): call 1 writes B (0x2000), call 3 writes A
+    # (0x1000); C (0x3000) is never written; D (0x4000, bigger) is written by call 1 too
+    keys, ops, bases = [], [], []
+    for it in range(5):
+        for k in range(4):
+            call = 4 * it + k
+            keys.append(7 + k)
+            if k == 1:
+                ops += [call, call]
+                bases += [0x2000, 0x4000]
+            elif k == 3:
+                ops.append(call)
+                bases.append(0x1000)
+    live = np.array([0x1000, 0x2000, 0x3000, 0x4000], np.uint64)
+    sizes = np.array([10, 10, 50, 40], np.int64)
+    order, facts = order_from_history(np.array(keys), np.array(ops), np.array(bases, np.uint64),
+                                      live, sizes)
+    assert list(order) == [0x4000, 0x2000, 0x1000]      # never-written C is left to the size order
+    assert facts["period"] == 4 and facts["iterations"] >= 3
+    first = np.array([3.0, 1.0, np.nan, 1.0])
+    assert list(soonest_written_first(np.arange(4), sizes, first)) == [3, 1, 0, 2]
+    empty, _ = order_from_history(np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                  np.zeros(0, np.uint64), live, sizes)
+    assert len(empty) == 0
