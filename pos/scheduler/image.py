@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -94,6 +95,21 @@ def prepare(final: Path, needed_bytes: int) -> Path:
         raise BadInput(f"cannot create {partial} ({e.strerror})",
                        "give a writable directory with -D") from None
     return partial
+
+
+def writable_root(root: str) -> str:
+    """ROOT as an absolute path, created (0700) if missing, after a real write into it (root
+    ignores permission bits, not read-only mounts): where a schedule's images go."""
+    path = Path(root).absolute()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(tempfile.mkstemp(dir=path, prefix=".pos-probe-")[0])
+        for probe in path.glob(".pos-probe-*"):
+            probe.unlink()
+    except OSError as e:
+        raise BadInput(f"-D {root} is not a writable directory ({e.strerror})",
+                       "give a directory on a writable file system with free space") from None
+    return str(path)
 
 
 def workers() -> int:

@@ -7,7 +7,7 @@ connection (a connect-event listener), because SQLite forgets them between conne
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from sqlalchemy import Engine, create_engine, event, select, text, update
 from sqlalchemy.exc import DatabaseError, OperationalError
@@ -25,6 +25,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 
 def default_db_path() -> str:
     return os.environ.get("POS_DB") or DEFAULT_DB
+
+
+def open_store(path: Optional[str]) -> Engine:
+    """An engine on the store at `path` (`--db`), or at the default path when it is None."""
+    return open_db(path or default_db_path())
 
 
 def _pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:

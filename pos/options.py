@@ -1,0 +1,40 @@
+"""Options shared by several command modules (pos/*/commands.py), each defined once.
+
+Only click is imported here: `pos --help` must stay light, so what the options turn into is
+built inside the commands (`criu_options_from` imports the scheduler's CRIU module when called).
+"""
+
+from typing import Any
+
+import click
+
+
+def db_option(f: Any) -> Any:
+    """`--db FILE` (POS_DB): the store; None means the default path (pos.store.db)."""
+    return click.option("--db", "db", type=click.Path(dir_okay=False), envvar="POS_DB",
+                        default=None, show_envvar=True,
+                        help="SQLite file of the store [default: /var/lib/pos/pos.db].")(f)
+
+
+def criu_options(f: Any) -> Any:
+    """The CRIU options a dump may need (recorded in the image; restore reuses them)."""
+    for opt in reversed((
+        click.option("--shell-job", is_flag=True,
+                     help="The process belongs to a terminal session (a shell's job)."),
+        click.option("--tcp-established", is_flag=True, help="Save live TCP connections."),
+        click.option("--ext-unix-sk", is_flag=True,
+                     help="Allow UNIX sockets connected outside the process tree."),
+        click.option("--file-locks", is_flag=True, help="Save file locks."),
+        click.option("--external", multiple=True, metavar="RES",
+                     help="A resource CRIU leaves alone (CRIU's --external), repeatable."),
+    )):
+        f = opt(f)
+    return f
+
+
+def criu_options_from(shell_job: bool, tcp_established: bool, ext_unix_sk: bool,
+                      file_locks: bool, external: tuple[str, ...]) -> Any:
+    """The values of `criu_options` as a pos.scheduler.criu.Options."""
+    from pos.scheduler.criu import Options
+
+    return Options(shell_job, tcp_established, ext_unix_sk, file_locks, tuple(external))

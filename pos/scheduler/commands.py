@@ -1,0 +1,226 @@
+"""`pos checkpoint`, `pos restore`, `pos inspect` and `pos migrate`: the scheduler's
+checkpoint/restore. The engine, CRIU and the store are imported inside the commands."""
+
+from typing import Any, Optional
+
+import click
+
+from pos.options import criu_options, criu_options_from, db_option
+
+EPILOG_CHECKPOINT = """\b
+Examples:
+  pos checkpoint 4242 -D /var/lib/pos/images/job1                  # save and stop PID 4242
+  pos checkpoint 4242 -D /tmp/job1 --leave-running                 # save, keep it running
+  pos checkpoint 4242 -D /tmp/job1 --shell-job --tcp-established   # a job of a terminal, with
+                                                                   # live TCP connections
+  pos checkpoint 4242 -D /tmp/job1 --external 'file[2a:1234]'      # leave a file to the restore
+"""
+
+EPILOG_RESTORE = """\b
+Examples:
+  pos restore -D /var/lib/pos/images/job1       # verify the checksums, restore, resume
+  pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
+"""
+
+EPILOG_INSPECT = """\b
+Examples:
+  pos inspect /tmp/job1            # what the image holds and how long each step took
+  pos inspect /tmp/job1 --verify   # and check every file's sha256
+  pos inspect /tmp/job1 --json     # the manifest itself
+"""
+
+EPILOG_MIGRATE = """\b
+Examples:
+  pos migrate 4242 --to-gpu 1                 # move PID 4242's GPU state onto GPU 1
+  pos migrate --listen -D /tmp/in --port 7070 # on the destination host: receive and restore
+  pos migrate 4242 --to 10.0.0.2:7070         # on the source: stream PID 4242 there
+"""
+
+
+def _report(result: Any) -> None:
+    m = result.manifest
+    steps = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
+    click.echo(steps)
+    if result.restored_pid is None:
+        stall = "n/a (stopped)" if m.stall_s is None else f"{m.stall_s:.3f} s"
+        click.echo(f"image {result.path}: {m.size_bytes / 2**20:.1f} MiB in {len(m.files)} "
+                   f"files; stall {stall}")
+
+
+@click.command(epilog=EPILOG_CHECKPOINT)
+@click.argument("pid", type=int)
+@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+              help="Directory of the new image (must not exist; written as DIR.partial first).")
+@click.option("--leave-running", is_flag=True, help="Resume the process after the dump.")
+@click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
+              show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@click.option("--concurrent", is_flag=True,
+              help="Save the GPU state of a `pos run` process while it keeps running (its agent "
+                   "takes the image; not yet proven on a GPU).")
+@click.option("--incremental", is_flag=True,
+              help="With --concurrent: only the buffers written since the last image "
+                   "(needs `pos run --track-dirty`).")
+@click.option("--compress", is_flag=True, help="With --concurrent: zstd-compress the chunks.")
+@click.option("--streams", type=click.IntRange(1, 64), default=None,
+              help="With --concurrent: copy streams (threads) of the copier [default: 4].")
+@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
+              help="With --concurrent or --gpu-only: staging chunk size in MiB [default: 64].")
+@criu_options
+@db_option
+def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: float,
+               concurrent: bool, incremental: bool, compress: bool, streams: Optional[int],
+               chunk_mb: Optional[int],
+               shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
+               external: tuple[str, ...], db: Optional[str]) -> None:
+    """Save a process tree, its GPU state included, into an image directory.
+
+    GPU processes: the CUDA driver locks and checkpoints them, then CRIU dumps the tree. Without
+    --leave-running the processes end once saved; restore them with `pos restore`. Whatever
+    fails, the processes are left running (a watchdog undoes even if pos is killed).
+    With --concurrent, only the GPU state of a `pos run` process, taken while it runs.
+    """
+    from pathlib import Path
+
+    from pos.scheduler import engine
+    from pos.store import images
+
+    if (incremental or compress) and not concurrent:
+        raise click.UsageError("--incremental and --compress go with --concurrent.")
+    if (streams or chunk_mb) and not concurrent:
+        raise click.UsageError("--streams and --chunk-mb go with --concurrent.")
+    if concurrent:
+        from pos.scheduler.concurrent import checkpoint_concurrent
+
+        r = checkpoint_concurrent(pid, directory, incremental=incremental,
+                                  compress=compress, streams=streams, chunk_mb=chunk_mb)
+        click.echo(f"image {r['path']}: {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
+                   f"({r['throughput_gbps'] or 0:.1f} GB/s; device to host "
+                   f"{r.get('d2h_gbps') or 0:.1f} GB/s; order: {r.get('order_source')}); "
+                   f"intercepted {r['intercepted']}, "
+                   f"copied-on-write {r['copied_on_write']}, waited {r['waited']} "
+                   f"({r['waited_s']:.3f} s), fallbacks {r['fallbacks']}")
+        return
+
+    options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
+    result = engine.checkpoint(pid, Path(directory), options, leave_running,
+                               int(lock_timeout * 1000), echo=click.echo)
+    images.record(db, str(result.path), result.manifest)
+    _report(result)
+
+
+@click.command(epilog=EPILOG_RESTORE)
+@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+              help="The image directory that `pos checkpoint` wrote.")
+@click.option("--inherit-fd", multiple=True, metavar="fd[N]:RES",
+              help="Give the restored tree this file descriptor of pos (CRIU's --inherit-fd).")
+@click.option("--gpu-only", "gpu_only_pid", type=int, metavar="PID",
+              help="Put a `--concurrent` GPU image back into the running `pos run` process PID, "
+                   "on demand: it runs on at once, calls wait only for buffers not back yet.")
+@click.option("--streams", type=click.IntRange(1, 64), default=None,
+              help="With --gpu-only: restorer streams (threads) [default: 8].")
+@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
+              help="With --gpu-only: staging chunk size in MiB [default: 64].")
+@db_option
+def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
+            streams: Optional[int], chunk_mb: Optional[int], db: Optional[str]) -> None:
+    """Restore a process tree from an image and resume it (checksums verified first)."""
+    from pathlib import Path
+
+    from pos.scheduler import engine
+    from pos.store import images
+
+    if gpu_only_pid is not None:
+        from pos.scheduler.concurrent import restore_gpu_only
+
+        r = restore_gpu_only(gpu_only_pid, directory, streams=streams, chunk_mb=chunk_mb)
+        first = r.get("first_call_s")
+        click.echo(f"restored {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
+                   f"({r['throughput_gbps'] or 0:.1f} GB/s); application released after "
+                   f"{r['release_s']:.3f} s, its first call passed after "
+                   + (f"{first:.3f} s" if first is not None else "- (none during the restore)")
+                   + f", {r['held']} calls held")
+        return
+    if streams or chunk_mb:
+        raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
+
+    result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
+    images.mark_restored(db, str(result.path))
+    _report(result)
+    click.echo(f"restored PID {result.restored_pid}")
+
+
+@click.command(epilog=EPILOG_INSPECT)
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--verify", is_flag=True, help="Also check every file's size and sha256.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(directory: str, verify: bool, as_json: bool) -> None:
+    """Show what an image holds: process, GPUs, driver, files, the time of each step."""
+    from pathlib import Path
+
+    from pos.scheduler import image
+
+    m = (image.verify if verify else image.load)(Path(directory))
+    if as_json:
+        click.echo(m.to_json(), nl=False)
+        return
+    gpus = ", ".join(f"{g['name']} {g['uuid']}" for g in m.gpus) or "n/a"
+    stall = "n/a (stopped after the dump)" if m.stall_s is None else f"{m.stall_s:.3f} s"
+    for key, value in (
+            ("process", f"PID {m.pid} {m.comm}: {m.cmdline}"),
+            ("tree", f"{len(m.pids)} process(es) {m.pids}, CUDA state in {m.gpu_pids or 'none'}"),
+            ("taken", f"{m.created_at} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version})"),
+            ("driver", f"{m.driver_version or 'n/a'} (CUDA {m.cuda_version or 'n/a'})"),
+            ("GPUs", gpus),
+            ("options", ", ".join(k for k, v in m.criu_options.items() if v) or "none"),
+            ("size", f"{m.size_bytes} bytes in {len(m.files)} files"),
+            ("steps", ", ".join(f"{k} {v:.3f} s" for k, v in m.timings.items())),
+            ("stall", stall)):
+        click.echo(f"{key:8} {value}")
+    if verify:
+        click.echo("verify   every file matches its sha256")
+
+
+@click.command(epilog=EPILOG_MIGRATE)
+@click.argument("pid", type=int, required=False)
+@click.option("--to-gpu", type=click.IntRange(min=0), help="Move the GPU state onto this GPU "
+              "(NVML index) of this host.")
+@click.option("--to", "to_host", metavar="HOST[:PORT]",
+              help="Stream the process to `pos migrate --listen` on HOST.")
+@click.option("--listen", is_flag=True, help="Receive a migrating process and restore it here.")
+@click.option("--port", type=click.IntRange(1, 65534), default=7070, show_default=True,
+              help="With --listen: the control port (CRIU's page server uses PORT+1).")
+@click.option("--address", default="0.0.0.0", show_default=True,
+              help="With --listen: the address to listen on.")
+@click.option("-D", "--dir", "directory", type=click.Path(file_okay=False),
+              help="With --listen: where the received image goes; with --to: the local part "
+                   "of the image [default: a temporary folder].")
+@click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
+              show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@criu_options
+def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], listen: bool,
+            port: int, address: str, directory: Optional[str], lock_timeout: float,
+            shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
+            external: tuple[str, ...]) -> None:
+    """Move a process onto another GPU of this host, or to another host."""
+    from pathlib import Path
+
+    from pos.scheduler import migrate as mig
+
+    modes = sum((to_gpu is not None, to_host is not None, listen))
+    if modes != 1:
+        raise click.UsageError("give exactly one of --to-gpu N, --to HOST or --listen.")
+    if listen:
+        if directory is None:
+            raise click.UsageError("--listen needs -D DIR (where the image goes).")
+        pid_here = mig.listen(address, port, Path(directory), echo=click.echo)
+        click.echo(f"restored PID {pid_here}")
+        return
+    if pid is None:
+        raise click.UsageError("Missing argument 'PID' (the process to migrate).")
+    timeout_ms = int(lock_timeout * 1000)
+    if to_gpu is not None:
+        mig.to_gpu(pid, to_gpu, timeout_ms, echo=click.echo)
+        return
+    options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
+    mig.to_host(pid, to_host or "", options, Path(directory) if directory else None, timeout_ms,
+                echo=click.echo)
