@@ -513,8 +513,8 @@ def _quick_verify(folder: Path) -> None:
             raise BadInput(f"image {folder} is incomplete or corrupt: {name}",
                            "take a new checkpoint")
     want = manifest.files.get(gpuimage.INDEX)
-    if want is None or image.checksums(Path(folder), [gpuimage.INDEX])[gpuimage.INDEX][
-            "sha256"] != want["sha256"]:
+    if want is None or image.checksums(Path(folder), [gpuimage.INDEX], manifest.chunk_bytes)[
+            gpuimage.INDEX]["sha256"] != want["sha256"]:
         raise BadInput(f"the index of image {folder} does not match its manifest",
                        "take a new checkpoint")
 
