@@ -7,13 +7,13 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from pos.scheduler.image import Manifest
-from pos.store.db import default_db_path, open_db
+from pos.store.db import open_store
 from pos.store.models import Image
 
 
 def record(db: Optional[str], path: str, manifest: Manifest) -> int:
     """Add one image row; its id."""
-    engine = open_db(db or default_db_path())
+    engine = open_store(db)
     with Session(engine) as s:
         row = Image(path=path, pid=manifest.pid, comm=manifest.comm, cmdline=manifest.cmdline,
                     created_at=datetime.fromisoformat(manifest.created_at),
@@ -26,7 +26,7 @@ def record(db: Optional[str], path: str, manifest: Manifest) -> int:
 
 
 def mark_restored(db: Optional[str], path: str) -> None:
-    engine = open_db(db or default_db_path())
+    engine = open_store(db)
     with Session(engine) as s:
         s.execute(update(Image).where(Image.path == path)
                   .values(restored_at=datetime.now(timezone.utc)))
@@ -35,14 +35,14 @@ def mark_restored(db: Optional[str], path: str) -> None:
 
 def list_images(db: Optional[str]) -> Sequence[Image]:
     """Every recorded image, newest first (an empty store lists nothing)."""
-    engine = open_db(db or default_db_path())
+    engine = open_store(db)
     with Session(engine) as s:
         return s.scalars(select(Image).order_by(Image.created_at.desc(), Image.id.desc())).all()
 
 
 def forget(db: Optional[str], paths: list[str]) -> None:
     """Drop the rows of images that were deleted (by retention)."""
-    engine = open_db(db or default_db_path())
+    engine = open_store(db)
     with Session(engine) as s:
         s.execute(delete(Image).where(Image.path.in_(paths)))
         s.commit()
