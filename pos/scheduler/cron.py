@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Protocol
 
 from croniter import croniter
-from croniter.croniter import CroniterError
+from croniter.croniter import CroniterBadDateError, CroniterError
 
 from pos.errors import BadInput
 
@@ -38,10 +38,14 @@ class SystemClock:
 
 
 def validate(expr: str) -> str:
-    """The expression, stripped; BadInput with croniter's reason when it is not a cron line."""
+    """The expression, stripped; BadInput with croniter's reason when it is not a cron line, or
+    when it names no time that occurs (`* * 31 2 *`)."""
     expr = " ".join(expr.split())
     try:
-        croniter(expr, datetime(2000, 1, 1, tzinfo=timezone.utc))
+        croniter(expr, datetime(2000, 1, 1, tzinfo=timezone.utc)).get_next(datetime)
+    except CroniterBadDateError:
+        raise BadInput(f"cron expression '{expr}' never fires (no such date)",
+                       "give a day of month that the month has, e.g. '0 0 28 2 *'") from None
     except (CroniterError, ValueError, KeyError) as e:
         reason = str(e).replace(f"[{expr}] ", "").rstrip(".") or "not understood"
         reason = reason[0].lower() + reason[1:]

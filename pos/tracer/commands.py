@@ -69,11 +69,16 @@ def trace(pid: Optional[int], db: Optional[str], duration: Optional[float], lib:
               help="Write here instead of standard output.")
 def export(file: str, fmt: str, trace_id: Optional[int], output: Optional[str]) -> None:
     """Export a recorded trace: JSON lines (one event each, in time order) or Perfetto."""
+    from pos.errors import BadInput
     from pos.store.db import open_db
     from pos.store.export import export_jsonl, export_perfetto
 
     engine = open_db(file, create=False)
-    out = open(output, "w") if output else sys.stdout
+    try:
+        out = open(output, "w") if output else sys.stdout
+    except OSError as e:
+        raise BadInput(f"cannot write {output} ({e.strerror})",
+                       "give -o a file in an existing, writable directory") from None
     try:
         (export_jsonl if fmt == "jsonl" else export_perfetto)(engine, out, trace_id)
     finally:

@@ -58,6 +58,7 @@ def test_absent_match_target_is_accepted_with_a_note(run, tmp_path: Path) -> Non
 @pytest.mark.parametrize("args,fragments", [
     (["--cron", "61 * * * *"], ["invalid cron expression '61 * * * *'", "give five fields"]),
     (["--cron", "* * *"], ["invalid cron expression"]),
+    (["--cron", "* * 31 2 *"], ["cron expression '* * 31 2 *' never fires", "give a day"]),
     (["--engine", "concurrent"], ["has no pos agent (/run/pos/agent-", "so the concurrent engine "
                                   "cannot snapshot it: start the job with `pos run`"]),
     (["--engine", "concurrent", "--external", "file[2a:1]"], [

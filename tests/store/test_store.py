@@ -139,6 +139,12 @@ def test_cli_export_errors_are_one_sentence(tmp_path: Path) -> None:
     open_db(str(tmp_path / "empty.db"))
     r = runner.invoke(cli, ["export", str(tmp_path / "empty.db")])
     assert r.exit_code == 2 and "holds no trace" in r.output and "Traceback" not in r.output
+    r = runner.invoke(cli, ["export", str(tmp_path / "empty.db"), "-o",
+                            str(tmp_path / "no" / "out.json")])
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"Error: cannot write {tmp_path / 'no' / 'out.json'} (No such "
+                                "file or directory): give -o a file in an existing, writable "
+                                "directory.")
 
 
 def test_cli_export_writes_a_file(recorded, tmp_path: Path) -> None:
