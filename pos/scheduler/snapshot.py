@@ -71,7 +71,7 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
         result = full.checkpoint(pid, directory, options, leave_running,
                                  echo=lambda s: print(s, file=sys.stderr, flush=True))
         path, manifest = result.path, result.manifest
-    images.record(db, str(path), manifest)
+    images.record(db, str(path), manifest.to_json())
     return {"path": str(path), "bytes": manifest.size_bytes, "stall_s": manifest.stall_s}
 
 

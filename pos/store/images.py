@@ -1,31 +1,34 @@
 """Queries over the store's `images`: what `pos checkpoint` wrote and `pos images` lists."""
 
+import json
 from datetime import datetime, timezone
 from typing import Optional, Sequence
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from pos.scheduler.image import Manifest
 from pos.store.db import open_store
 from pos.store.models import Image
 
 
-def record(db: Optional[str], path: str, manifest: Manifest) -> int:
-    """Add one image row; its id."""
+def record(db: Optional[str], path: str, manifest_json: str) -> int:
+    """Add one image row from the text of its manifest (pos.scheduler.image.Manifest.to_json,
+    passed as text so that the store does not depend on the scheduler); its id."""
+    m = json.loads(manifest_json)
     engine = open_store(db)
     with Session(engine) as s:
-        row = Image(path=path, pid=manifest.pid, comm=manifest.comm, cmdline=manifest.cmdline,
-                    created_at=datetime.fromisoformat(manifest.created_at),
-                    gpu=bool(manifest.gpu_pids), driver_version=manifest.driver_version,
-                    size_bytes=manifest.size_bytes, stall_s=manifest.stall_s,
-                    manifest=manifest.to_json())
+        row = Image(path=path, pid=m["pid"], comm=m["comm"], cmdline=m["cmdline"],
+                    created_at=datetime.fromisoformat(m["created_at"]),
+                    gpu=bool(m["gpu_pids"]), driver_version=m.get("driver_version"),
+                    size_bytes=m.get("size_bytes", 0), stall_s=m.get("stall_s"),
+                    manifest=manifest_json)
         s.add(row)
         s.commit()
         return row.id
 
 
 def mark_restored(db: Optional[str], path: str) -> None:
+    """Stamp the row of the image at `path` (if any) with the time of its restore."""
     engine = open_store(db)
     with Session(engine) as s:
         s.execute(update(Image).where(Image.path == path)
