@@ -55,7 +55,6 @@ the tests runs the same code without CUPTI; the callback is then invoked by hand
 """
 
 import ctypes
-import json
 import os
 import platform
 import socket
@@ -70,6 +69,7 @@ import numpy as np
 from pos.agent import callbacks, gpuimage, native
 from pos.agent import state as S
 from pos.agent.copier import CHUNK, CU_EVENT_DISABLE_TIMING, Copier, Restorer, Staging
+from pos.analyzer import load_validation
 from pos.analyzer.dag import order_from_history
 from pos.analyzer.demangle import parameter_kinds
 from pos.driver import Driver, driver
@@ -523,9 +523,5 @@ def load_validated(path: Optional[str]) -> set[str]:
     """Kernel names the validator's table (pos.analyzer.validate.Validator.save) validated."""
     if not path:
         return set()
-    try:
-        table = json.loads(Path(path).read_text())
-        return {n for n, r in table["kernels"].items() if r.get("validated")}
-    except (OSError, ValueError, KeyError, AttributeError):
-        raise BadInput(f"{path} is not a validator table",
-                       "give the JSON that pos.analyzer.validate.Validator.save wrote") from None
+    table = load_validation(path)
+    return {n for n, r in table["kernels"].items() if isinstance(r, dict) and r.get("validated")}

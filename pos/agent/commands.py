@@ -32,7 +32,10 @@ def run(name: Optional[str], track_dirty: bool, validation: Optional[str], shado
     from pathlib import Path
 
     from pos.agent import ENABLE_ENV, RUN_NAME_ENV
+    from pos.analyzer import load_validation
 
+    if validation:
+        load_validation(validation)      # a bad table is refused here, not ignored by the agent
     prog = shutil.which(command[0])
     if prog is None:
         raise click.UsageError(f"{command[0]}: command not found.")

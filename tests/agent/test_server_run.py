@@ -84,6 +84,15 @@ def test_pos_run_refuses_a_program_that_is_not_python() -> None:
     assert r.exit_code == 2 and "is not a Python program" in r.output
 
 
+def test_pos_run_refuses_a_validation_file_that_is_not_a_table(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.json"
+    junk.write_text("[1, 2]\n")
+    r = CliRunner().invoke(cli, ["run", "--validation", str(junk), "--", sys.executable, "-c", "1"])
+    assert r.exit_code == 2
+    assert r.output == (f"Error: {junk} is not a validation table: give the JSON file that the "
+                        "validator saved.\n")
+
+
 def test_pos_run_starts_the_agent_and_chains_sitecustomize(tmp_path: Path, fakegpu,  # type: ignore[no-untyped-def]
                                                             fake_cupti: Path) -> None:
     if os.geteuid() != 0:
