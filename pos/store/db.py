@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Optional
 
-from sqlalchemy import Engine, create_engine, event, select, text, update
+from sqlalchemy import Engine, create_engine, event, inspect, select, text, update
 from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -56,6 +56,10 @@ def open_db(path: str, create: bool = True) -> Engine:
     engine = create_engine(f"sqlite:///{p}")
     event.listen(engine, "connect", _pragmas)
     try:
+        tables = inspect(engine).get_table_names()
+        if tables and Meta.__tablename__ not in tables:
+            raise BadInput(f"{path} is an SQLite file of something else (it has no pos tables)",
+                           "give the file that `pos trace --db` wrote, or a new path")
         if create:
             Base.metadata.create_all(engine)
         with Session(engine) as s:

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import sqlite3
 import stat
 from datetime import datetime, timezone
 from pathlib import Path
@@ -139,6 +140,16 @@ def test_cli_export_errors_are_one_sentence(tmp_path: Path) -> None:
     open_db(str(tmp_path / "empty.db"))
     r = runner.invoke(cli, ["export", str(tmp_path / "empty.db")])
     assert r.exit_code == 2 and "holds no trace" in r.output and "Traceback" not in r.output
+    other = tmp_path / "other.db"
+    c = sqlite3.connect(other)
+    c.execute("CREATE TABLE things (a)")
+    c.commit()
+    c.close()
+    r = runner.invoke(cli, ["images", "--db", str(other)])
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"Error: {other} is an SQLite file of something else (it has no "
+                                "pos tables): give the file that `pos trace --db` wrote, or a "
+                                "new path.")
     r = runner.invoke(cli, ["export", str(tmp_path / "empty.db"), "-o",
                             str(tmp_path / "no" / "out.json")])
     assert r.exit_code == 2
