@@ -4,6 +4,7 @@ Each check returns None when fine, or a PosError naming the cause and the fix; `
 prints them all, the commands raise the first that stops them.
 """
 
+import importlib
 import os
 import platform
 from pathlib import Path
@@ -49,7 +50,7 @@ def check_privileges(needed: tuple[str, ...] = ("CAP_SYS_ADMIN", "CAP_BPF", "CAP
 
 def check_bcc() -> Optional[BadInput]:
     try:
-        import bcc  # noqa: F401  (the import is the check)
+        importlib.import_module("bcc")   # the import is the check
     except ImportError:
         return BadInput("bcc's Python package is not importable",
                         f"install python3-bpfcc (apt-get install python3-bpfcc) or {SETUP_HINT}")

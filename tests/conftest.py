@@ -8,10 +8,11 @@ cannot run real eBPF never reports green.
 import os
 import shutil
 import sqlite3
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -94,3 +95,12 @@ def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),
         log = tr.stop()
     engine = open_db(str(db), create=False)
     return truth, list(json_events(engine, 1)), log
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    """A process to target that does nothing (its command line is unique: sleep 600.4242)."""
+    p = subprocess.Popen(["sleep", "600.4242"])
+    yield p.pid
+    p.kill()
+    p.wait()

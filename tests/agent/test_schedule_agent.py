@@ -18,7 +18,7 @@ from pos.scheduler import image, snapshot, targets
 from pos.store import images, schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT
-from tests.scheduler.conftest import sleeper, wait_for  # noqa: F401 (a fixture)
+from tests.scheduler.conftest import wait_for
 
 # A job that initialises (fake) CUDA, says so, and runs until a line arrives on its stdin.
 JOB = """import ctypes, os, sys

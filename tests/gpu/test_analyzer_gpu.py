@@ -3,8 +3,6 @@ predicted write sets are exactly the declared ones, kernels write what they decl
 kernel the speculation can see is validated, and every kernel that writes through pointers it
 cannot see (pointer arrays, an address in a scalar) is flagged unvalidated."""
 
-from pathlib import Path
-
 import pytest
 
 from tests.gpu.kernels.suite import load_truth, run_suite

@@ -147,10 +147,3 @@ def one_sentence(r: subprocess.CompletedProcess, code: int, *fragments: str) -> 
     return errs[0]
 
 
-@pytest.fixture
-def sleeper() -> Iterator[int]:
-    """A process to target that does nothing (its command line is unique: sleep 600.4242)."""
-    p = subprocess.Popen(["sleep", "600.4242"])
-    yield p.pid
-    p.kill()
-    p.wait()
