@@ -85,8 +85,3 @@ class Cupti:
         for cbid in cbids:
             self.check("cuptiEnableCallback", self.lib.cuptiEnableCallback(
                 1, self.subscriber, DOMAIN_DRIVER_API, cbid))
-
-    def unsubscribe(self) -> None:
-        if self.subscriber.value:
-            self.lib.cuptiUnsubscribe(self.subscriber)
-            self.subscriber = ctypes.c_void_p()

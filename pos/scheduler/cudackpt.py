@@ -109,13 +109,6 @@ def cuda_state(pid: int) -> Optional[str]:
         raise
 
 
-def restore_thread_id(pid: int) -> int:
-    """The thread of the target that performs the driver's restore (it must be running)."""
-    tid = ctypes.c_int()
-    _drv().call("cuCheckpointProcessGetRestoreThreadId", pid, ctypes.byref(tid))
-    return tid.value
-
-
 def driver_version() -> Optional[int]:
     """cuDriverGetVersion (13000 = CUDA 13.0), None when no driver can be loaded."""
     try:

@@ -37,7 +37,6 @@ from pos.store import images, schedules
 from pos.store.db import open_db
 from pos.store.models import Schedule
 
-DEFAULT_METRICS_PORT = 9464
 DEFAULT_GRACE_S = 120.0
 STAMP = "%Y%m%dT%H%M%SZ"      # ROOT/<schedule id>/<UTC time of the run>
 Log = Callable[[str], None]
