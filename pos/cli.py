@@ -28,6 +28,22 @@ from pos.scheduler.schedule_commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
 
 
+EPILOG_POS = """\b
+Examples:
+  pos doctor                               # what this host has and lacks
+  pos trace 4242 --db /tmp/t.db            # record PID 4242's GPU driver calls
+  pos analyze /tmp/t.db                    # its read/write sets, iterations, copy order
+  pos checkpoint 4242 -D /tmp/job1         # save it (and end it); pos restore -D /tmp/job1
+  pos COMMAND --help                       # each command's options and examples
+"""
+
+EPILOG_DOCTOR = """\b
+Examples:
+  pos doctor                               # one line per prerequisite: ok, n/a or what to do
+  sudo .venv/bin/pos doctor                # as root, as pos runs
+"""
+
+
 class PosGroup(click.Group):
     """Turns PosError into click's error output and exit code."""
 
@@ -40,13 +56,14 @@ class PosGroup(click.Group):
             raise err from None
 
 
-@click.group(cls=PosGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PosGroup, epilog=EPILOG_POS,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="pos")
 def cli() -> None:
     """pos: transparent, concurrent checkpoint/restore of GPU processes."""
 
 
-@cli.command()
+@cli.command(epilog=EPILOG_DOCTOR)
 def doctor() -> None:
     """Check every prerequisite of pos on this host and say how to get what is missing."""
     from pos.doctor import run_checks

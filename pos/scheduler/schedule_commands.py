@@ -29,6 +29,18 @@ Examples:
   pos schedule rm 3                   # its images stay on disk
 """
 
+EPILOG_SCHEDULE_LS = """\b
+Examples:
+  pos schedule ls                     # the default store (POS_DB, else /var/lib/pos/pos.db)
+  pos schedule ls --db /tmp/t.db      # another store
+"""
+
+EPILOG_SCHEDULE_RM = """\b
+Examples:
+  pos schedule rm 3                   # schedule 3 and its run history; its images stay on disk
+  pos images prune --schedule 3       # first, to apply its retention one last time
+"""
+
 EPILOG_DAEMON = """\b
 Examples:
   pos daemon                                   # the default store, metrics on 127.0.0.1:9464
@@ -42,6 +54,18 @@ Examples:
   pos images                     # every image in the default store (same as `pos images ls`)
   pos images ls --db /tmp/t.db
   pos images prune --dry-run     # what the schedules' retention would delete now
+  pos images prune --schedule 3  # apply schedule 3's retention now
+"""
+
+EPILOG_IMAGES_LS = """\b
+Examples:
+  pos images ls                  # every image in the default store, newest first
+  pos images ls --db /tmp/t.db   # another store
+"""
+
+EPILOG_IMAGES_PRUNE = """\b
+Examples:
+  pos images prune --dry-run     # what every schedule's retention would delete now
   pos images prune --schedule 3  # apply schedule 3's retention now
 """
 
@@ -134,7 +158,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
                    "with `pos restore`)")
 
 
-@schedule.command("ls")
+@schedule.command("ls", epilog=EPILOG_SCHEDULE_LS)
 @db_option
 def schedule_ls(db: Optional[str]) -> None:
     """List the schedules with their last outcome and next run (UTC)."""
@@ -157,7 +181,7 @@ def schedule_ls(db: Optional[str]) -> None:
             click.echo(f"    last error: {lr.error}")
 
 
-@schedule.command("rm")
+@schedule.command("rm", epilog=EPILOG_SCHEDULE_RM)
 @click.argument("schedule_id", metavar="ID", type=int)
 @db_option
 def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
@@ -209,7 +233,7 @@ def images(ctx: click.Context, db: Optional[str]) -> None:
         ctx.invoke(images_ls, db=db)
 
 
-@images.command("ls")
+@images.command("ls", epilog=EPILOG_IMAGES_LS)
 @db_option
 def images_ls(db: Optional[str]) -> None:
     """List the images recorded in the store, newest first."""
@@ -228,7 +252,7 @@ def images_ls(db: Optional[str]) -> None:
                    f"{state:9} {r.path}")
 
 
-@images.command("prune")
+@images.command("prune", epilog=EPILOG_IMAGES_PRUNE)
 @click.option("--schedule", "schedule_id", type=int, metavar="ID",
               help="Only this schedule's images [default: every schedule's].")
 @click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
