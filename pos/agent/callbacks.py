@@ -7,7 +7,7 @@ cuLaunchKernelEx_params config +0, f +8, kernelParams +16, extra +24, config->hS
 copies and sets: dst +0, size/count +16, hStream +24 for the Async forms; cuGraphLaunch hStream
 +8; cuMemAlloc_v2 dptr* +0, size +8; cuMemFree_v2 dptr +0; cuMemMap/Unmap ptr +0, size +8).
 
-What it does per call (see state.py for the statuses and pos/agent/server.py for the cut):
+What it does per call (see state.py for the statuses and pos/agent/agent.py for the cut):
 - allocations, maps (exit, on success): insert into the exact live table; frees and unmaps
   (entry): during a checkpoint wait until the allocation is saved, then (exit) remove it.
 - calls that may write device memory (entry): speculate the write set with the analyzer's own

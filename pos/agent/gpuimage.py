@@ -3,7 +3,7 @@
 DIR/gpu-index.json lists every buffer saved at the cut (base, size) and its chunks (data file,
 position, stored and raw length, 64-bit checksum of the raw bytes, whether zstd-compressed);
 the chunks live in DIR/gpu-data-NN.bin, one file per writer thread. The directory is written
-as DIR.partial and sealed by pos/scheduler/image.py (sha256 of every file in
+as DIR.partial and sealed by pos/scheduler/image.py (chunked sha256 of every file in
 pos-manifest.json, root-only, renamed to DIR when complete): the same trust as a full image.
 An incremental image names its parent; a buffer not written since the parent is listed with
 `in_parent` and read from there (recursively).

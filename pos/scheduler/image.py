@@ -1,4 +1,5 @@
-"""A pos image: CRIU's files plus pos-manifest.json, in one directory readable by root only.
+"""A pos image: CRIU's files (or the GPU image of a `pos run` agent, pos/agent/gpuimage.py)
+plus pos-manifest.json, in one directory readable by root only.
 
 The image is written into DIR.partial and renamed to DIR only once the manifest (with the
 checksums of every file) is on disk, so that a directory named DIR is always complete; anything

@@ -1,8 +1,10 @@
 """The one writer of a trace: a thread that drains a queue into batched inserts.
 
-The tracer's poll loop must never wait for SQLite, so `add` only appends to a deque (atomic
-under the GIL); the thread takes up to BATCH rows at a time, groups them by table and inserts
-each group with one executemany, one commit per batch. `close` drains everything first.
+It runs in the tracer's sink process (pos/tracer/sink.py), whose decode loop must never wait
+for SQLite, so `add` only appends to a deque (atomic under the GIL); the thread takes up to
+BATCH rows at a time, groups them by table and inserts each group with one executemany, one
+commit per batch (trace-row updates in the same transaction, in order). `close` drains
+everything first.
 The volume (hundreds of thousands of launches a second) is why this is plain SQL on the DBAPI
 connection: SQLAlchemy's per-row processing costs ten times the decoding of an event.
 """

@@ -2,10 +2,12 @@
 
 Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (bulk drain; resolves kernel names
 and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes
-the rest and makes batched inserts into the store). Layouts go back into the
-probes' `layouts` map so that later launches of a kernel copy exactly its parameters; launches
-that run before their layout arrives (one poll interval after the kernel is looked up) are
-recorded as 8-byte slots with layout_known = False.
+the rest and makes batched inserts into the store). Module images are parsed in worker
+processes; each parsed layout goes into the probes' `named_layouts` map (by kernel-name hash),
+so that the probe gives a handle looked up later its layout in the kernel, and into the
+`layouts` map (by handle) for handles looked up before the parse ended, so that launches copy
+exactly their parameters. Launches that run before their kernel's layout is known are recorded
+as 8-byte slots with layout_known = False.
 """
 
 import json
@@ -16,9 +18,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pos.errors import PosError
 import numpy as np
 
+from pos.errors import PosError
 from pos.tracer import fatbin
 from pos.tracer.events import (ALLOC, FREE, FUNCTION_KIND, LAUNCH_KIND, MEMCPY, MEMORY_KINDS,
                                MEMSET, MODULE, SYNC, Row, decode)
