@@ -36,6 +36,7 @@ such a case into an abandoned checkpoint, not a frozen process).
 """
 
 import ctypes
+from typing import Any
 
 import numba as nb
 import numpy as np
@@ -152,7 +153,7 @@ def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, lo2: n
     return S.dedupe(slots, k)
 
 
-def build(st: S.State, copy_fn: int, record_fn: int):  # type: ignore[no-untyped-def]
+def build(st: S.State, copy_fn: int, record_fn: int) -> Any:
     """The compiled callback for State `st`; copy_fn and record_fn are the addresses of the
     driver's cuMemcpyDtoDAsync_v2 and cuEventRecord (the shadow copy and its event)."""
     memcpy_dtod = COPY_PROTO(copy_fn)

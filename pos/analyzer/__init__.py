@@ -1,10 +1,13 @@
 """`pos analyze`: speculative access sets of launches and copies, the buffer DAG, iterations,
 checkpoint copy order and predicted costs, and the run-time validator of the speculation."""
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from pos.analyzer.dag import Analysis
 
 
-def analyze_file(path: str, trace_id: Optional[int] = None):
+def analyze_file(path: str, trace_id: Optional[int] = None) -> "tuple[int, Analysis]":
     """(trace id, dag.Analysis) of a trace in the store at `path` (the latest by default)."""
     from pos.analyzer.access import speculate
     from pos.analyzer.dag import analyze

@@ -13,8 +13,13 @@ table of live allocations sorted by base so that a value is matched by binary se
 allocations live *at that launch* (addresses are reused after a free).
 """
 
+from typing import TYPE_CHECKING
+
 import numba as nb
 import numpy as np
+
+if TYPE_CHECKING:
+    from pos.analyzer.load import Ops
 
 from pos.analyzer.demangle import CONST_PTR, PTR, SCALAR
 
@@ -251,7 +256,7 @@ class Evidence:
         return reads, sorted({int(a) for a in ids[writes]})
 
 
-def speculate(ops) -> Evidence:
+def speculate(ops: "Ops") -> Evidence:
     """The evidence of every op of `ops` (load.Ops), by the rule of this module."""
     return Evidence(*sweep(ops.kind, ops.a, ops.b, ops.c, ops.sig, ops.pstart, ops.plen,
                            ops.pbytes, ops.sig_start, ops.sig_off, ops.sig_size, ops.sig_kind,

@@ -192,7 +192,9 @@ def _buffer_stats(seq: np.ndarray, first: int, period: int, count: int, ts: np.n
 
 
 def first_writes(seq: np.ndarray, keys: np.ndarray, ts: np.ndarray, start: np.ndarray,
-                 buf: np.ndarray, wr: np.ndarray, sizes: np.ndarray):
+                 buf: np.ndarray, wr: np.ndarray, sizes: np.ndarray
+                 ) -> tuple["Iterations", np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                            np.ndarray]:
     """Iterations of the call sequence `seq` (op indices, with their `keys`) and, per buffer,
     where in an iteration its first write comes: (iterations, writes, n_written, first_pos,
     first_s, dirtied). `start`/`buf`/`wr` are the ops' accesses (CSR by op), `ts` their times

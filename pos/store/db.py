@@ -58,7 +58,8 @@ def open_db(path: str, create: bool = True) -> Engine:
     try:
         tables = inspect(engine).get_table_names()
         if tables and Meta.__tablename__ not in tables:
-            raise BadInput(f"{path} is an SQLite file of something else (it has no pos tables)",
+            raise BadInput(f"{path} is not a usable pos store (an SQLite file without "
+                           "pos's tables)",
                            "give the file that `pos trace --db` wrote, or a new path")
         if create:
             Base.metadata.create_all(engine)

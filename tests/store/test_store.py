@@ -147,9 +147,9 @@ def test_cli_export_errors_are_one_sentence(tmp_path: Path) -> None:
     c.close()
     r = runner.invoke(cli, ["images", "--db", str(other)])
     assert r.exit_code == 2
-    assert r.output.strip() == (f"Error: {other} is an SQLite file of something else (it has no "
-                                "pos tables): give the file that `pos trace --db` wrote, or a "
-                                "new path.")
+    assert r.output.strip() == (f"Error: {other} is not a usable pos store (an SQLite file "
+                                "without pos's tables): give the file that `pos trace --db` "
+                                "wrote, or a new path.")
     r = runner.invoke(cli, ["export", str(tmp_path / "empty.db"), "-o",
                             str(tmp_path / "no" / "out.json")])
     assert r.exit_code == 2
