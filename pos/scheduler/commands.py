@@ -83,7 +83,6 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 
     from pos.scheduler import engine
     from pos.store import images
-    from pos.store.db import open_store
 
     if (incremental or compress) and not concurrent:
         raise click.UsageError("--incremental and --compress go with --concurrent.")
@@ -103,7 +102,6 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
         return
 
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
-    open_store(db)                       # a bad --db is refused before anything is dumped
     result = engine.checkpoint(pid, Path(directory), options, leave_running,
                                int(lock_timeout * 1000), echo=click.echo)
     images.record(db, str(result.path), result.manifest.to_json())
@@ -130,7 +128,6 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
     from pos.scheduler import engine
     from pos.store import images
-    from pos.store.db import open_store
 
     if gpu_only_pid is not None:
         from pos.scheduler.concurrent import restore_gpu_only
@@ -146,7 +143,6 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     if streams or chunk_mb:
         raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
 
-    open_store(db)                       # a bad --db is refused before anything is restored
     result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
     images.mark_restored(db, str(result.path))
     _report(result)

@@ -7,9 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from pos.cli import cli
 from tests.conftest import need
 from tests.scheduler.conftest import Counter, one_sentence, pos
 
@@ -122,16 +120,3 @@ def test_old_criu_is_refused(tmp_path, counter, env) -> None:
     old.chmod(0o755)
     one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"),
                      env={**env, "POS_CRIU": str(old)}), 2, "is CRIU 3.17.1, pos needs >= 4.0")
-
-
-def test_bad_store_is_refused_before_the_dump_or_the_restore(tmp_path, counter) -> None:
-    junk = tmp_path / "junk.db"
-    junk.write_text("not a store\n")
-    runner = CliRunner()
-    r = runner.invoke(cli, ["checkpoint", str(counter.pid), "-D", str(tmp_path / "img"),
-                            "--db", str(junk)])
-    assert r.exit_code == 2, r.output
-    assert r.output.startswith(f"Error: {junk} is not a usable pos store"), r.output
-    assert not list(tmp_path.glob("img*")) and counter.running()
-    r = runner.invoke(cli, ["restore", "-D", str(tmp_path), "--db", str(junk)])
-    assert r.exit_code == 2 and "is not a usable pos store" in r.output, r.output
