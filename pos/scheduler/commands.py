@@ -81,8 +81,9 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     """
     from pathlib import Path
 
-    from pos.scheduler import engine
+    from pos.scheduler import engine, procs
     from pos.store import images
+    from pos.store.db import open_store
 
     if (incremental or compress) and not concurrent:
         raise click.UsageError("--incremental and --compress go with --concurrent.")
@@ -102,6 +103,8 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
         return
 
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
+    procs.require_checkpointable(pid)   # a bad PID or no privileges is said first,
+    open_store(db)                      # then a bad --db, before the process is touched
     result = engine.checkpoint(pid, Path(directory), options, leave_running,
                                int(lock_timeout * 1000), echo=click.echo)
     images.record(db, str(result.path), result.manifest.to_json())
@@ -128,6 +131,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
     from pos.scheduler import engine
     from pos.store import images
+    from pos.store.db import open_store
 
     if gpu_only_pid is not None:
         from pos.scheduler.concurrent import restore_gpu_only
@@ -143,6 +147,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     if streams or chunk_mb:
         raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
 
+    open_store(db)   # a bad --db is refused before anything is restored
     result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
     images.mark_restored(db, str(result.path))
     _report(result)

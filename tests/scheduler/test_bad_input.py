@@ -120,3 +120,17 @@ def test_old_criu_is_refused(tmp_path, counter, env) -> None:
     old.chmod(0o755)
     one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"),
                      env={**env, "POS_CRIU": str(old)}), 2, "is CRIU 3.17.1, pos needs >= 4.0")
+
+
+def test_bad_store_is_refused_before_the_process_is_touched(tmp_path, counter, env) -> None:
+    """Without --leave-running the dump ends the process: a --db that cannot take the image's
+    row must be refused before that, not after."""
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not a SQLite file" * 100)
+    r = pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"), "--db", str(junk),
+            env=env)
+    one_sentence(r, 2, "junk.db")
+    assert counter.running()
+    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    r = pos("restore", "-D", str(tmp_path / "img"), "--db", str(junk), env=env)
+    one_sentence(r, 2, "junk.db")
