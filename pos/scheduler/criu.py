@@ -29,6 +29,12 @@ DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 
 # What CRIU's log says, and what the user should do about it: (pattern, cause, fix).
 KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
+    # Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets and CRIU 4.1 treats that as
+    # fatal (checkpoint-restore/criu#2718, fixed after 4.1): no process with a TCP/UDP socket
+    # can be dumped by it, whatever the options.
+    (r"Can't get 1:(16|34) opt", "this CRIU cannot dump INET (TCP/UDP) sockets on this kernel "
+     "(Linux >= 6.16 refuses SO_PASSCRED on them; CRIU issue 2718)",
+     "use a CRIU released after 4.1 (POS_CRIU), or a kernel older than 6.16"),
     (r"No space left on device", "the image's filesystem ran out of space",
      "free space there or give another -D"),
     (r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
@@ -36,8 +42,14 @@ KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
      "add --shell-job"),
     (r"Connected TCP socket|TCP connection", "the process has established TCP connections",
      "add --tcp-established"),
-    (r"External socket|unix socket .*external|Can't dump half of stream unix", "the process has a "
-     "UNIX socket connected outside its tree", "add --ext-unix-sk"),
+    # a stream socket's other half cannot be recreated by the restore: --ext-unix-sk does not
+    # help, the launcher keeps the peer and hands the socket back (--inherit-fd)
+    (r"Can't dump half of stream unix", "the process has a UNIX stream socket connected "
+     "outside its tree", "add --external 'unix[INODE]' (INODE of its socket:[INODE] in "
+     "/proc/PID/fd) and restore with --inherit-fd 'fd[N]:socket:[INODE]'"),
+    (r"External socket|unix socket .*external", "the process has a UNIX socket connected "
+     "outside its tree", "add --ext-unix-sk for a datagram socket; for a stream socket add "
+     "--external 'unix[INODE]' and restore with --inherit-fd 'fd[N]:socket:[INODE]'"),
     (r"Missing file locks|[Ff]ile lock", "the process holds file locks", "add --file-locks"),
     (r"[Uu]nable to find mount point|[Ee]xternal mount", "the process uses a mount CRIU cannot "
      "see as its own", "name it with --external mnt[...]"),
@@ -122,11 +134,13 @@ class Criu:
         return self._base("page-server", images, "criu-page-server.log", workdir) + [
             "--address", address, "--port", str(port)]
 
-    def start(self, argv: list[str]) -> subprocess.Popen:
+    def start(self, argv: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
         """Start CRIU in its own process group: a Ctrl-C meant for pos must not kill CRIU while
-        its parasite code runs inside the target (pos decides what to do instead)."""
+        its parasite code runs inside the target (pos decides what to do instead). `pass_fds`
+        stay open in CRIU: the descriptors that --inherit-fd hands to the restored tree."""
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
+                                stderr=subprocess.STDOUT, preexec_fn=os.setpgrp,
+                                pass_fds=pass_fds)
 
     def finish(self, proc: subprocess.Popen, what: str, log: Path) -> None:
         """Wait for CRIU and raise PosError if it failed. A SIGINT/SIGTERM that pos gets
@@ -146,6 +160,26 @@ class Criu:
 
     def run(self, argv: list[str], what: str, log: Path) -> None:
         self.finish(self.start(argv), what, log)
+
+
+def inherited_fds(specs: tuple[str, ...]) -> tuple[int, ...]:
+    """The descriptors of pos that --inherit-fd specs (`fd[N]:RES`) name; BadInput for a spec
+    of another form or a descriptor pos does not have (CRIU would fail later, less clearly)."""
+    fds = []
+    for spec in specs:
+        m = re.fullmatch(r"fd\[(\d+)\]:(.+)", spec)
+        if m is None:
+            raise BadInput(f"--inherit-fd {spec!r} is not of the form fd[N]:RESOURCE",
+                           "e.g. --inherit-fd 'fd[3]:socket:[12345]'")
+        fd = int(m.group(1))
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise BadInput(f"--inherit-fd {spec!r} names descriptor {fd}, which pos was not "
+                           "given", f"start pos with descriptor {fd} open on the resource") \
+                from None
+        fds.append(fd)
+    return tuple(fds)
 
 
 def log_tail(log: Path, lines: int = 6) -> list[str]:

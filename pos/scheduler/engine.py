@@ -69,8 +69,9 @@ class Guard:
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
 
-    def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path) -> None:
-        proc = criu.start(argv)
+    def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
+                 pass_fds: tuple[int, ...] = ()) -> None:
+        proc = criu.start(argv, pass_fds)
         self.step(self.plan.step, criu_pid=proc.pid)
         criu.finish(proc, what, log)
         self.step(self.plan.step, criu_pid=None)
@@ -222,6 +223,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     t = time.monotonic()
     manifest = verified or image.verify(directory)
     verify_s = time.monotonic() - t
+    fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
     check_restorable(directory, manifest)
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
@@ -237,7 +239,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
         argv = criu.restore_argv(directory, Options.from_json(manifest.criu_options), work,
                                  work / "pidfile", inherit_fds)
         g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
-                                                   work / criu_mod.RESTORE_LOG))
+                                                   work / criu_mod.RESTORE_LOG, fds))
         root = int((work / "pidfile").read_text())
         for p in manifest.gpu_pids:
             g.step("restore")

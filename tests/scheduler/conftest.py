@@ -75,15 +75,18 @@ class Counter:
 
     def __init__(self, path: Path, children: int = 0, cuda: Optional[Path] = None,
                  shell_job: bool = False, env: Optional[dict] = None,
-                 ballast_mb: int = 0) -> None:
+                 ballast_mb: int = 0, extra: tuple[str, ...] = (),
+                 prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = ()) -> None:
+        """`extra`: more counter.py flags; `prefix`: a command that execs the counter (nsenter),
+        so that its PID stays the counter's; `pass_fds`: descriptors it inherits."""
         self.path = path
-        argv = [sys.executable, str(COUNTER), str(path), "--children", str(children),
-                "--ballast-mb", str(ballast_mb)]
+        argv = [*prefix, sys.executable, str(COUNTER), str(path), "--children", str(children),
+                "--ballast-mb", str(ballast_mb), *extra]
         if cuda:
             argv += ["--cuda", str(cuda)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=not shell_job,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, pass_fds=pass_fds)
         self.pid = self.proc.pid
         # the original is reaped as soon as it dies (a dump kills it): its PID is free then
         threading.Thread(target=self.proc.wait, daemon=True).start()
@@ -131,10 +134,10 @@ def counters(criu_ready: None) -> Iterator[list[Counter]]:
 
 
 def pos(*args: str, env: Optional[dict] = None, timeout: float = 120,
-        prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run([*prefix, sys.executable, "-m", "pos.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, **(env or {})},
-                          timeout=timeout)
+                          timeout=timeout, pass_fds=pass_fds)
 
 
 def one_sentence(r: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
