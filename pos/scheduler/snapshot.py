@@ -7,7 +7,8 @@ SIGTERM here abandons the snapshot through the Guard: the target runs on, DIR.pa
 removed. The concurrent engine runs in the target itself (its `pos run` agent), which never
 stops it; SIGTERM only stops waiting for the agent, which finishes (and seals) its image or
 discards its DIR.partial on its own. The outcome is one JSON line on stdout: engine, path,
-bytes, stall_s, or error.
+bytes, stall_s (for the concurrent engine: the time the agent held application calls), or
+error.
 """
 
 import argparse
@@ -63,8 +64,16 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
     if engine == "concurrent":
         from pos.scheduler.concurrent import checkpoint_concurrent
 
-        path = Path(checkpoint_concurrent(pid, str(directory))["path"])
+        report = checkpoint_concurrent(pid, str(directory))
+        path = Path(report["path"])
         manifest = image.load(path)      # sealed by the agent with the same manifest writer
+        # The concurrent engine never stops the process: its threads run on, and the only time
+        # the application loses is inside its own driver calls that the agent held (intercepted
+        # calls waiting for the cut or for their buffer to be saved), summed over all threads:
+        # the agent's waited_s. That, not the image's wall time, is the stall it saw.
+        images.record(db, str(path), manifest.to_json())
+        return {"path": str(path), "bytes": manifest.size_bytes,
+                "stall_s": float(report["waited_s"])}
     else:
         from pos.scheduler import engine as full
 

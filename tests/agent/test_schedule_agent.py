@@ -83,9 +83,13 @@ def test_daemon_auto_snapshots_a_pos_run_job_with_its_agent(pos_run, tmp_path: P
     assert {r.engine for r in runs} == {"concurrent"} and {r.pid for r in runs} == {job.pid}
     kept = sorted(root.joinpath("1").iterdir())
     assert len(kept) == 2 and not [k for k in kept if k.name.endswith(".partial")]
+    stall = {r.path: r.stall_s for r in runs}
     for k in kept:
         m = image.verify(k)                          # sealed with the same manifest writer
         assert m.pid == job.pid and "gpu-index.json" in m.files
+        # the run's stall is the time the agent held the job's calls, from the agent's report
+        waited = json.loads((k / "gpu-index.json").read_text())["report"]["waited_s"]
+        assert isinstance(stall[str(k)], float) and stall[str(k)] == waited
     assert {r.path for r in images.list_images(env["POS_DB"])} == {str(k) for k in kept}
     assert job.proc.poll() is None                   # never stopped
     assert job.end()[0] == 0
