@@ -17,7 +17,9 @@ Why the image equals the GPU state at one instant, the cut (`checkpoint`):
 So each saved buffer holds its bytes at the cut, given that the speculation of every kernel
 that ran as validated is right (the validator's table) and the program has no data race.
 A call that stays inside the driver across a whole checkpoint cannot leak into the next cut:
-set_phase_locked first drains the counter the new epoch will reuse.
+the new epoch reuses that call's counter, so the next operation first drains it
+(`_drain_leftover`, bounded like the other waits; past the bound it is refused before it holds
+anything, and set_phase_locked's own wait for that counter then never blocks).
 
 Why the agent cannot deadlock with a blocked application thread (the review of this design):
 - An application thread waits only in an API-*enter* callback. CUPTI calls it on the
@@ -33,8 +35,8 @@ Why the agent cannot deadlock with a blocked application thread (the review of t
   one that holds a driver lock another mutex holder needs.
 - Exit callbacks and allocation callbacks take the mutex only briefly and never wait.
 - Backstops, for what CUPTI does not document (whether any driver-internal lock is held around
-  an enter callback): the cut's drain, the cut's cuCtxSynchronize and the copier's progress are
-  each bounded by `stall_s`; past it the checkpoint is abandoned: the phase ends, every held
+  an enter callback): the drain of calls left over from an earlier operation, the cut's drain,
+  the cut's cuCtxSynchronize and the copier's progress are each bounded by `stall_s`; past it the checkpoint is abandoned: the phase ends, every held
   call is released, the partial image is discarded and the caller gets one sentence. The
   application is never left frozen by pos.
 Frees during a checkpoint wait until their buffer is saved; allocations after the cut are not
@@ -278,6 +280,21 @@ class Agent:
             raise PosError(f"calls that entered the driver before the {what} did not leave it "
                            f"within {stall_s:g} s", "the application was released; try again")
 
+    def _drain_leftover(self, stall_s: float, what: str) -> None:
+        """Wait, at most stall_s, for calls counted under the parity the next epoch reuses:
+        calls that entered the driver during an earlier checkpoint or restore and never left.
+        Done before the operation changes anything: a call stuck in the driver (a kernel that
+        never ends) must refuse this one, not make it wait for ever. No new call counts under
+        that parity before the flip and the epoch only moves under self._op, so a drained
+        counter stays drained until set_phase_locked."""
+        st = self.st
+        reused = (int(st.ctl[S.C_EPOCH]) + 1) & 1
+        if not S.wait_epoch_locked(st.mutex, st.cond, st.ctl, reused, int(stall_s * 1e9)):
+            raise PosError(f"a driver call that entered during an earlier checkpoint or restore "
+                           f"has not returned within {stall_s:g} s, so the {what} cannot begin",
+                           "nothing was held and the application runs on; try again once that "
+                           "call returns, or set POS_AGENT_STALL_S higher")
+
     def _checkpoint(self, final: Path, incremental: bool, compress: bool,
                     predicted: tuple[int, ...], streams: int, writers: int, chunk: int,
                     depth: int, stall_s: float) -> dict:
@@ -298,6 +315,7 @@ class Agent:
         if not (1 << 20) <= chunk <= (1 << 30) or streams < 1 or writers < 1 or depth < 1:
             raise BadInput("chunk must be 1-1024 MiB and streams, writers, depth >= 1",
                            "use e.g. chunk 64-256 MiB, 4 streams, 4 writers, depth 2")
+        self._drain_leftover(stall_s, "checkpoint")
         live = st.live()
         partial = image.prepare(final, sum(s for _, s in live) + (1 << 20))
         self.register()
@@ -433,6 +451,7 @@ class Agent:
         if streams < 1 or depth < 1:
             raise BadInput("streams and depth must be >= 1", "use e.g. 8 streams, depth 2")
         total = sum(size for _, size, _ in plan.values())
+        self._drain_leftover(stall_s, "restore")
         self.register()
         restorer: Optional[Restorer] = None
         held0 = int(st.ctl[S.C_HELD])

@@ -320,6 +320,41 @@ def test_the_cut_waits_for_calls_already_inside_the_driver(rig, tmp_path) -> Non
     image.verify(tmp_path / "img")
 
 
+def test_a_call_left_inside_the_driver_by_an_earlier_checkpoint_refuses_the_next(  # type: ignore[no-untyped-def]
+        rig, tmp_path) -> None:
+    """A launch that entered during a checkpoint and never returned is counted under the parity
+    the next epoch reuses: the next checkpoint is refused after stall_s, holding nothing."""
+    from pos.errors import PosError
+
+    agent, app = rig
+    st = agent.st
+    manual_cut(agent)
+    corr = ctypes.c_uint64(0)
+    app.launch(C.API_ENTER, corr)                  # entered during the checkpoint, still inside
+    try:
+        (tmp_path / "first").mkdir()
+        copy_all(agent, tmp_path / "first")        # that checkpoint ends (a new epoch)
+        t = time.monotonic()
+        with pytest.raises(PosError) as e:
+            agent.checkpoint(str(tmp_path / "img"), stall_s=0.5)
+        assert 0.5 <= time.monotonic() - t < 5
+        assert e.value.message == (
+            "a driver call that entered during an earlier checkpoint or restore has not returned "
+            "within 0.5 s, so the checkpoint cannot begin: nothing was held and the application "
+            "runs on; try again once that call returns, or set POS_AGENT_STALL_S higher.")
+        assert st.ctl[S.C_PHASE] == S.PHASE_IDLE
+        assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+        waited = int(st.ctl[S.C_WAITED])
+        other = ctypes.c_uint64(0)
+        app.launch(C.API_ENTER, other)             # the application is not held
+        app.launch(C.API_EXIT, other)
+        assert int(st.ctl[S.C_WAITED]) == waited
+    finally:
+        app.launch(C.API_EXIT, corr)               # the stuck call returns at last
+    assert agent.checkpoint(str(tmp_path / "img"))["buffers"] >= 2
+    image.verify(tmp_path / "img")
+
+
 def test_checkpoint_restore_round_trip_and_incremental(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
     agent, app = rig
     x, y = app.bufs
