@@ -13,6 +13,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +27,9 @@ MIN_VERSION = (4, 0)
 FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.1 into /opt/pos/criu), or set POS_CRIU "
                "to a CRIU >= 4.0")
 DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
+
+# Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
+LOG_DIR = Path(os.environ.get("POS_LOG_DIR", "/var/log/pos"))
 
 # What CRIU's log says, and what the user should do about it: (pattern, cause, fix).
 KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
@@ -192,9 +196,24 @@ def log_tail(log: Path, lines: int = 6) -> list[str]:
     return (errors or text)[-lines:]
 
 
+def keep_log(log: Path) -> Optional[Path]:
+    """A copy of CRIU's log that outlives the failed image or work folder it was written in
+    (both are removed by the undo), root-only; None when there is none to keep."""
+    try:
+        LOG_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        kept = LOG_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log.name}"
+        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(log.read_bytes())
+        return kept
+    except OSError:
+        return None
+
+
 def failure(what: str, log: Path, output: str = "") -> PosError:
     """One PosError for a failed CRIU run: a known cause with its fix, else the log's tail."""
     tail = log_tail(log) or output.strip().splitlines()[-6:]
+    log = keep_log(log) or log
     text = "\n".join(tail)
     for pattern, cause, fix in KNOWN_FAILURES:
         if re.search(pattern, text):

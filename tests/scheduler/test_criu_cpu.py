@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from tests.scheduler.conftest import Counter, lines, one_sentence, pos, wait_for
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    return {"POS_DB": str(tmp_path / "pos.db"), "POS_WATCHDOG_LOG": str(tmp_path / "wd.log")}
+    return {"POS_DB": str(tmp_path / "pos.db"), "POS_WATCHDOG_LOG": str(tmp_path / "wd.log"),
+            "POS_LOG_DIR": str(tmp_path / "logs")}
 
 
 def continues(c: Counter, restored_after: dict[Path, int]) -> None:
@@ -81,6 +83,10 @@ def test_shell_job_needs_the_option(tmp_path, counters, env) -> None:
     one_sentence(r, 2, "terminal session", "add --shell-job")
     assert c.running()
     assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    # the log the sentence names outlives the removed image folder, root-only
+    log = Path(re.search(r"CRIU's log: (\S+?)\)", r.stderr).group(1))
+    assert log.parent == tmp_path / "logs" and "Error" in log.read_text()
+    assert log.stat().st_mode & 0o777 == 0o600
     r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), "--shell-job", env=env)
     assert r.returncode == 0, r.stderr
     c.reap_original()
