@@ -13,7 +13,8 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 kernel=$(uname -r)
 
 # ---- system packages -----------------------------------------------------------------------
-pkgs=(python3-bpfcc python3-venv python3-dev gcc make iproute2 debian-archive-keyring)
+# iptables: CRIU locks established TCP connections with it during a dump (--tcp-established)
+pkgs=(python3-bpfcc python3-venv python3-dev gcc make iproute2 iptables debian-archive-keyring)
 if apt-cache show "linux-headers-$kernel" >/dev/null 2>&1; then
   pkgs+=("linux-headers-$kernel")
 elif [ "${ID:-}" = ubuntu ]; then
@@ -45,23 +46,23 @@ mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 
 mountpoint -q /sys/kernel/debug || mount -t debugfs nodev /sys/kernel/debug || true
 
 # ---- CRIU >= 4 in a private folder ------------------------------------------------------------
-# Bookworm's CRIU 3.17 fails on recent kernels (vDSO layout); 4.1 from Debian trixie works, run
+# Bookworm's CRIU 3.17 fails on recent kernels (vDSO layout), and trixie's 4.1 cannot dump any
+# TCP/UDP socket on Linux >= 6.16 (CRIU issue 2718); 4.2 from Debian forky works. It runs
 # through its own glibc's loader so that the system's libraries stay as they are. The debs come
 # through a private apt configuration: the system's sources are never changed. pos finds the
 # wrapper /opt/pos/criu/criu by default (POS_CRIU and a criu >= 4 on the PATH come first).
 criu_home=/opt/pos/criu
-criu_pkgs=(criu libcompel1 libc6 libprotobuf-c1 libnl-3-200 libnet1 libnftables1 libgnutls30t64
+criu_release=forky
+criu_pkgs=(criu libcompel1 libc6 libprotobuf-c1 libnl-3-200 libnet9 libnftables1 libgnutls30t64
   libbsd0 libmd0 libuuid1 libjansson4 libmnl0 libnftnl11 libxtables12 libp11-kit0 libidn2-0
   libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libffi8 libgcc-s1 libcap2)
-criu_ok() { "$criu_home/criu" --version 2>/dev/null | grep -Eq '^Version: ([4-9]|[1-9][0-9])\.'; }
+criu_ok() { "$criu_home/criu" --version 2>/dev/null | grep -Eq '^Version: (4\.([2-9]|[1-9][0-9])|([5-9]|[1-9][0-9])\.)'; }
 if ! criu_ok; then
-  log "installing CRIU 4.x from Debian trixie into $criu_home"
+  log "installing CRIU from Debian $criu_release into $criu_home"
   apt_dir=$(mktemp -d)
   mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
   key='[signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]'
-  { echo "deb $key http://deb.debian.org/debian trixie main"
-    echo "deb $key http://deb.debian.org/debian trixie-updates main"
-    echo "deb $key http://deb.debian.org/debian-security trixie-security main"; } > "$apt_dir/sources.list"
+  echo "deb $key http://deb.debian.org/debian $criu_release main" > "$apt_dir/sources.list"
   apt_opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
             -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
   apt-get "${apt_opts[@]}" update -qq
@@ -69,7 +70,7 @@ if ! criu_ok; then
   rm -rf "$criu_home.new" && mkdir -p "$criu_home.new/root"
   for d in "$apt_dir"/debs/*.deb; do dpkg -x "$d" "$criu_home.new/root"; done
   r=$criu_home/root
-  printf '#!/bin/sh\n# CRIU from Debian trixie with its own glibc (written by pos scripts/setup.sh)\nexec %s/usr/lib64/ld-linux-x86-64.so.2 --library-path %s/usr/lib/x86_64-linux-gnu %s/usr/sbin/criu "$@"\n' \
+  printf '#!/bin/sh\n# CRIU from Debian '"$criu_release"' with its own glibc (written by pos scripts/setup.sh)\nexec %s/usr/lib64/ld-linux-x86-64.so.2 --library-path %s/usr/lib/x86_64-linux-gnu %s/usr/sbin/criu "$@"\n' \
     "$r" "$r" "$r" > "$criu_home.new/criu"
   chmod 755 "$criu_home.new/criu"
   rm -rf "$criu_home" && mv "$criu_home.new" "$criu_home"

@@ -2,8 +2,8 @@
 options, run it, and turn its failures into PosError with the tail of its log.
 
 Where CRIU comes from, first found wins: $POS_CRIU (must work if set), `criu` on the PATH when it
-is >= 4, then the copy that scripts/setup.sh installs (/opt/pos/criu/criu: CRIU 4.1 from Debian
-trixie run through its own glibc). Bookworm's 3.17 fails on kernels >= 6.x (vDSO layout), so
+is >= 4, then the copy that scripts/setup.sh installs (/opt/pos/criu/criu: CRIU 4.2 from Debian
+forky run through its own glibc). Bookworm's 3.17 fails on kernels >= 6.x (vDSO layout), so
 older versions are refused rather than allowed to fail half-way.
 """
 
@@ -24,7 +24,7 @@ from pos.errors import BadInput, PosError
 ENV = "POS_CRIU"
 SETUP_COPY = "/opt/pos/criu/criu"
 MIN_VERSION = (4, 0)
-FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.1 into /opt/pos/criu), or set POS_CRIU "
+FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.2 into /opt/pos/criu), or set POS_CRIU "
                "to a CRIU >= 4.0")
 DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 
@@ -39,6 +39,10 @@ KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
     (r"Can't get 1:(16|34) opt", "this CRIU cannot dump INET (TCP/UDP) sockets on this kernel "
      "(Linux >= 6.16 refuses SO_PASSCRED on them; CRIU issue 2718)",
      "use a CRIU released after 4.1 (POS_CRIU), or a kernel older than 6.16"),
+    # before the "TCP connection" entry: the lock of the connections is what failed here
+    (r"Iptables configuration failed|Failed to lock TCP connection",
+     "CRIU could not lock the process's TCP connections for the dump (it runs iptables-restore)",
+     "install iptables (apt-get install iptables), or run pos where iptables works"),
     (r"No space left on device", "the image's filesystem ran out of space",
      "free space there or give another -D"),
     (r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
