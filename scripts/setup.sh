@@ -52,29 +52,18 @@ mountpoint -q /sys/kernel/debug || mount -t debugfs nodev /sys/kernel/debug || t
 # through a private apt configuration: the system's sources are never changed. pos finds the
 # wrapper /opt/pos/criu/criu by default (POS_CRIU and a criu >= 4 on the PATH come first).
 criu_home=/opt/pos/criu
-criu_release=forky
-criu_pkgs=(criu libcompel1 libc6 libprotobuf-c1 libnl-3-200 libnet9 libnftables1 libgnutls30t64
-  libbsd0 libmd0 libuuid1 libjansson4 libmnl0 libnftnl11 libxtables12 libp11-kit0 libidn2-0
-  libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libffi8 libgcc-s1 libcap2)
 criu_ok() { "$criu_home/criu" --version 2>/dev/null | grep -Eq '^Version: (4\.([2-9]|[1-9][0-9])|([5-9]|[1-9][0-9])\.)'; }
 if ! criu_ok; then
-  log "installing CRIU from Debian $criu_release into $criu_home"
-  apt_dir=$(mktemp -d)
-  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
-  key='[signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]'
-  echo "deb $key http://deb.debian.org/debian $criu_release main" > "$apt_dir/sources.list"
-  apt_opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
-            -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
-  apt-get "${apt_opts[@]}" update -qq
-  (cd "$apt_dir/debs" && apt-get "${apt_opts[@]}" download -qq "${criu_pkgs[@]}")
+  log "installing CRIU from Debian forky into $criu_home"
   rm -rf "$criu_home.new" && mkdir -p "$criu_home.new/root"
-  for d in "$apt_dir"/debs/*.deb; do dpkg -x "$d" "$criu_home.new/root"; done
+  scripts/criu-debs.sh "$criu_home.new/debs"
+  for d in "$criu_home.new"/debs/*.deb; do dpkg -x "$d" "$criu_home.new/root"; done
+  rm -rf "$criu_home.new/debs"
   r=$criu_home/root
-  printf '#!/bin/sh\n# CRIU from Debian '"$criu_release"' with its own glibc (written by pos scripts/setup.sh)\nexec %s/usr/lib64/ld-linux-x86-64.so.2 --library-path %s/usr/lib/x86_64-linux-gnu %s/usr/sbin/criu "$@"\n' \
+  printf '#!/bin/sh\n# CRIU from Debian forky with its own glibc (written by pos scripts/setup.sh)\nexec %s/usr/lib64/ld-linux-x86-64.so.2 --library-path %s/usr/lib/x86_64-linux-gnu %s/usr/sbin/criu "$@"\n' \
     "$r" "$r" "$r" > "$criu_home.new/criu"
   chmod 755 "$criu_home.new/criu"
   rm -rf "$criu_home" && mv "$criu_home.new" "$criu_home"
-  rm -rf "$apt_dir"
   criu_ok || { echo "setup: $criu_home/criu does not run (criu --version failed)" >&2; exit 1; }
   log "CRIU: $("$criu_home/criu" --version | head -1)"
 fi
