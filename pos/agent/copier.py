@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -108,6 +108,16 @@ class _Stream:
             self.drv.call("cuStreamDestroy_v2", self.stream)
 
 
+def _claims(st: S.State, errors: list, abort: threading.Event) -> Iterator[np.ndarray]:
+    """The buffers the state hands this thread next (copier and restorer alike), as the
+    claim's (base, source, size, shadow extent) row, until none is left or the work stops."""
+    out = np.zeros(4, np.int64)
+    while not errors and not abort.is_set() and S.claim_locked(
+            st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
+            st.order, st.sh_off, out):
+        yield out
+
+
 class Copier:
     """Saves every buffer the state marks for the image; `run` returns when all are saved."""
 
@@ -152,10 +162,7 @@ class Copier:
 
         try:
             s = _Stream(self.drv, self.depth)
-            out = np.zeros(4, np.int64)
-            while not self.errors and not self.abort.is_set() and S.claim_locked(
-                    st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
-                    st.order, st.sh_off, out):
+            for out in _claims(st, self.errors, self.abort):
                 base, src, size, extent = (int(x) for x in out)
                 if extent >= 0:              # the shadow copy must have run on its stream
                     self.drv.call("cuEventSynchronize", ctypes.c_void_p(int(st.sh_event[extent])))
@@ -254,10 +261,7 @@ class Restorer:
         held: list[np.ndarray] = []
         try:
             s = _Stream(self.drv, self.depth)
-            out = np.zeros(4, np.int64)
-            while not self.errors and not self.abort.is_set() and S.claim_locked(
-                    st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status, st.flags, st.shadow,
-                    st.order, st.sh_off, out):
+            for out in _claims(st, self.errors, self.abort):
                 base = int(out[0])
                 folder, size, chunks = self.plan[base]
                 ring: list[tuple[ctypes.c_void_p, np.ndarray]] = []
