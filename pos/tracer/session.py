@@ -309,10 +309,7 @@ class Tracer:
                 found = {}
             self._scan = None
             self._scan_enabled = False
-            for name, layout in found.items():
-                self.by_name.setdefault(name, layout)
-            for probes in self._probes:
-                probes.push_named(found)
+            self._learn(found)
             self._resolve("pos-layout-scan")
         if self._unresolved and not (wait or self._parses or self._scan) and self._scan_enabled:
             try:
@@ -320,6 +317,15 @@ class Tracer:
             except PosError:
                 return
             self._scan = self._workers().submit(_scan_files, paths)
+
+    def _learn(self, layouts: dict[str, fatbin.KernelLayout]) -> None:
+        """Layouts by name, for user space and the probes; only names not known yet are
+        pushed (the rest of a fatbin mostly repeats its first cubins' kernels for other
+        architectures, and every push is a map update in the drain's thread)."""
+        new = {name: layout for name, layout in layouts.items() if name not in self.by_name}
+        self.by_name.update(new)
+        for probes in self._probes:
+            probes.push_named(new)
 
     def _take_parse(self, p: _Parse) -> None:
         """Merge a finished part; after the first, parse the rest; after the last, store the
@@ -332,9 +338,7 @@ class Tracer:
         merged = self.by_module.setdefault(row["handle"], {})
         for name, layout in layouts.items():
             merged.setdefault(name, layout)
-            self.by_name.setdefault(name, layout)
-        for probes in self._probes:
-            probes.push_named(layouts)
+        self._learn(layouts)
         if p.part == "first" and row["note"] is None and p.data is not None:
             self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, p.data, "rest"),
                                        row, None, "rest"))

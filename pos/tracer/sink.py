@@ -65,9 +65,10 @@ class Sink:
         self._proc.start()
 
     def raw(self, data: bytes, offsets: np.ndarray) -> None:
-        """Records of a ring batch (payload offsets into `data`) to decode and store."""
+        """Records of a ring batch (payload offsets into `data`, int64 as the ring reader
+        makes them) to decode and store."""
         if len(offsets):
-            self._queue.put((_RAW, data, offsets.astype(np.int64).tobytes()))
+            self._queue.put((_RAW, data, offsets.tobytes()))
 
     def add(self, table: str, row: Row) -> None:
         self._queue.put((_ROW, table, row))
