@@ -45,6 +45,12 @@ KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
      "install iptables (apt-get install iptables), or run pos where iptables works"),
     (r"No space left on device", "the image's filesystem ran out of space",
      "free space there or give another -D"),
+    # before the shell-job entry: --shell-job does not help here (CRIU cannot recreate a
+    # session whose leader it cannot see), a session of the job's own does
+    (r"outside of its pid namespace", "the process's session was started outside its PID "
+     "namespace (a container's first process that never called setsid), so CRIU cannot "
+     "recreate it, not even with --shell-job", "start the job in its own session "
+     "(setsid COMMAND, or your runtime's init option), then checkpoint it"),
     (r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
      "the process belongs to a terminal session that is not part of the dump",
      "add --shell-job"),

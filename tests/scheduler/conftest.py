@@ -71,7 +71,7 @@ def reap(pid: int) -> None:
 
 
 class Counter:
-    """A counter.py process (see there), started in its own session unless `shell_job`."""
+    """A counter.py process (see there) in its own session, or in a shell's (`shell_job`)."""
 
     def __init__(self, path: Path, children: int = 0, cuda: Optional[Path] = None,
                  shell_job: bool = False, env: Optional[dict] = None,
@@ -84,10 +84,16 @@ class Counter:
                 "--ballast-mb", str(ballast_mb), *extra]
         if cuda:
             argv += ["--cuda", str(cuda)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=not shell_job,
-                                     env={**os.environ, **(env or {})}, pass_fds=pass_fds)
-        self.pid = self.proc.pid
+        if shell_job:
+            # a shell job: its session and group leader is a shell outside the dump. The shell
+            # starts its own session so that the leader is in this PID namespace, which
+            # pytest's session need not be (CI may run it in a namespace entered mid-session).
+            argv = ["sh", "-c", '"$@" >/dev/null & echo $!; wait', "sh", *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE if shell_job else subprocess.DEVNULL,
+                                     start_new_session=True, pass_fds=pass_fds,
+                                     env={**os.environ, **(env or {})})
+        self.pid = int(self.proc.stdout.readline()) if shell_job else self.proc.pid
         # the original is reaped as soon as it dies (a dump kills it): its PID is free then
         threading.Thread(target=self.proc.wait, daemon=True).start()
         self.files = [path] + [Path(f"{path}.{i}") for i in range(children)]

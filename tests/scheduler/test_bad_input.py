@@ -4,12 +4,13 @@ traceback, the target untouched and nothing half-written left looking complete."
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import need
-from tests.scheduler.conftest import Counter, one_sentence, pos
+from tests.scheduler.conftest import COUNTER, Counter, lines, one_sentence, pos, wait_for
 
 
 @pytest.fixture
@@ -30,8 +31,19 @@ def test_no_such_pid(tmp_path, criu_ready, env) -> None:
                                   "process.")
 
 
-@pytest.mark.parametrize("pid,what", [(1, "init"), (2, "a kernel thread")])
+def kernel_thread() -> int:
+    """A kernel thread's PID (kthreadd is 2 only where this PID namespace is the host's)."""
+    from pos.scheduler import procs
+
+    pids = sorted(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
+    found = [pid for pid in pids if procs.is_kernel_thread(pid)]
+    need(bool(found), "no kernel thread is visible in this PID namespace")
+    return found[0]
+
+
+@pytest.mark.parametrize("pid,what", [(1, "init"), (None, "a kernel thread")])
 def test_pid_that_cannot_be_checkpointed(tmp_path, criu_ready, env, pid, what) -> None:
+    pid = pid or kernel_thread()
     one_sentence(pos("checkpoint", str(pid), "-D", str(tmp_path / "img"), env=env), 2,
                  f"PID {pid} is {what}")
 
@@ -105,6 +117,29 @@ def test_restore_of_something_else(tmp_path, criu_ready, env) -> None:
     one_sentence(pos("restore", "-D", str(tmp_path), env=env), 2, "is not a complete pos image")
     one_sentence(pos("restore", "-D", str(tmp_path / "nothing"), env=env), 2,
                  "is not a directory")
+
+
+def test_session_begun_outside_its_pid_namespace(tmp_path, criu_ready, env) -> None:
+    """A container's first process that never called setsid: --shell-job cannot help, a
+    session of its own does (CI itself may run so)."""
+    from pos.scheduler import procs
+
+    count = tmp_path / "count"
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable,
+                              str(COUNTER), str(count)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(lines(count)) >= 5, what="the counter")
+        pid = procs.tree(outer.pid)[1]
+        r = pos("checkpoint", str(pid), "-D", str(tmp_path / "img"), "--shell-job", env=env)
+        one_sentence(r, 2, "started outside its PID namespace", "not even with --shell-job",
+                     "setsid COMMAND")
+        before = len(lines(count))
+        wait_for(lambda: len(lines(count)) > before + 5, what="the counter to go on")
+        assert not (tmp_path / "img").exists()
+    finally:
+        outer.kill()
+        outer.wait()
 
 
 def test_missing_criu(tmp_path, counter, env) -> None:
