@@ -73,8 +73,10 @@ def wait_for_layouts(db: Path, n: int) -> None:
 
 
 def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),
-              layouts: int = KERNELS) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
-    """Run the workload's phases under `pos trace`; (truth by phase, exported events, log)."""
+              layouts: int = KERNELS, layouts_before: str = "launch",
+              ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """Run the workload's phases under `pos trace`, the `layouts` known before the phase
+    `layouts_before`; (truth by phase, exported events, log)."""
     from pos.store.db import open_db
     from pos.store.export import json_events
     from workloads.harness import Job, PosTrace
@@ -83,13 +85,11 @@ def trace_app(argv: list[str], db: Path, phases_before: tuple[str, ...] = (),
     truth = {p: job.run(p) for p in phases_before}
     tr = PosTrace(job.pid, str(db))
     try:
-        for p in ("load", "lookup", "alloc"):
+        for p in ("load", "lookup", "alloc", "launch", "free"):
+            if p == layouts_before and layouts:
+                wait_for_layouts(db, layouts)
             if p not in truth:
                 truth[p] = job.run(p)
-        if layouts:
-            wait_for_layouts(db, layouts)
-        for p in ("launch", "free"):
-            truth[p] = job.run(p)
         job.close()
     finally:
         log = tr.stop()

@@ -37,6 +37,9 @@ struct pos_launch_scratch {
     u64 ptrs[POS_MAX_PARAMS];
 };
 BPF_PERCPU_ARRAY(launch_scratch, struct pos_launch_scratch, 1);
+/* [0] is 1 while user space may still learn a layout (module parses or the mapped-file scan
+ * under way): launches without one then also keep a capture to be completed from later. */
+BPF_ARRAY(capturing, u32, 1);
 BPF_PERCPU_ARRAY(function_scratch, struct pos_function, 1);
 
 #define ARG1 PT_REGS_PARM1(ctx)
@@ -108,6 +111,23 @@ static __always_inline u64 read_u64(u64 addr) {
     return v;
 }
 
+/* Launches without a layout keep a capture from now on: a layout may come (user space turns
+ * this off once nothing it waits for can bring one). */
+static __always_inline void capture_on(void) {
+    int zero = 0;
+    u32 one = 1;
+    capturing.update(&zero, &one);
+}
+
+/* Return of a module load: its image's layouts come once user space has parsed it. */
+static __always_inline int module_ret(struct pt_regs *ctx, u16 api) {
+    struct pos_pending p;
+    if (!take(ctx, api, &p))
+        return 0;
+    capture_on();
+    return emit(ctx, POS_MODULE, api, read_u64(p.out), p.a, 0, 0, 0);
+}
+
 /* Return of an allocation whose out-parameter receives the pointer or handle. */
 static __always_inline int alloc_ret(struct pt_regs *ctx, u16 api, u16 kind) {
     struct pos_pending p;
@@ -144,6 +164,8 @@ static __always_inline void inherit_layout(struct pos_function *f) {
     }
     if (lay)
         layouts.update(&f->handle, lay);
+    else
+        capture_on();
 }
 
 /* Return of a module/function lookup that names its result: the name is read now. */
@@ -174,6 +196,58 @@ static __always_inline int function_ret(struct pt_regs *ctx, u16 api) {
     return 0;
 }
 
+static __always_inline int capturing_now(void) {
+    int zero = 0;
+    u32 *on = capturing.lookup(&zero);
+    return on && *on;
+}
+
+/* The capture of a launch whose recorded bytes already lie as its layout will say (the packed
+ * buffer of the `extra` form, or no parameters): base 0 alone, after those bytes. */
+static __always_inline u32 laid_out(struct pos_launch *e, u32 at) {
+    if (at > POS_PARAM_BYTES)
+        return 0;
+    *(u64 *)&e->params[at & (2 * POS_PARAM_BYTES - 1)] = 0;
+    return 8;
+}
+
+/* While a layout may still come (`capturing`), a launch without one also keeps, after its n
+ * slots, the capture that user space completes it from once the layout is known
+ * (pos/tracer/late.py): the base address, the n parameter addresses, and POS_CAPTURE_BYTES of
+ * memory from the base (the lowest address near the first parameter's). Read in the same
+ * instant as the slots, the bytes are what a known layout would have copied. Returns its size. */
+static __always_inline u32 capture(struct pos_launch_scratch *s, int n) {
+    if (n < 1)
+        return laid_out(&s->ev, 0);
+    u64 first = s->ptrs[0], base = first;
+#pragma clang loop unroll(disable)
+    for (int i = 1; i < POS_SLOTS; i++) {
+        if (i >= n)
+            break;
+        u64 p = s->ptrs[i];
+        if (p < base && first - p < POS_CAPTURE_NEAR)
+            base = p;
+    }
+    u8 *out = s->ev.params;
+    u32 at = 8 * n;
+    *(u64 *)&out[at & (POS_PARAM_BYTES - 1)] = base;
+#pragma clang loop unroll(disable)
+    for (int i = 0; i < POS_SLOTS; i++) {
+        if (i >= n)
+            break;
+        *(u64 *)&out[(at + 8 + 8 * i) & (POS_PARAM_BYTES - 1)] = s->ptrs[i];
+    }
+    at = (at + 8 + 8 * n) & (POS_PARAM_BYTES / 8 - 1);
+    u32 size = POS_CAPTURE_BYTES;
+    if (bpf_probe_read_user(&out[at], POS_CAPTURE_BYTES, (void *)base) < 0) {
+        /* the memory ends within the window: keep what is left of base's page */
+        size = ((4095 - (base & 4095)) & 4095) + 1;
+        if (bpf_probe_read_user(&out[at], size, (void *)base) < 0)
+            return 0;
+    }
+    return 8 + 8 * n + size;
+}
+
 /* A launch: copies every parameter's bytes to its layout offset, or 8-byte slots when the
  * layout is unknown, or the packed buffer of the `extra` form (CU_LAUNCH_PARAM_BUFFER_POINTER). */
 static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 stream, u32 gx,
@@ -194,7 +268,7 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
     e->block[2] = bz;
     e->shared_mem = shmem;
     e->truncated = 0;
-    u32 nbytes = 0;
+    u32 nbytes = 0, capture_len = 0;
     struct pos_layout *lay = layouts.lookup(&func);
     e->layout_known = lay != 0;
     if (params && lay) {
@@ -217,6 +291,7 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
         }
         nbytes = lay->total;
     } else if (params) {
+        int n = 0;
 #pragma clang loop unroll(disable)
         for (int i = 0; i < POS_SLOTS; i++) {
             u64 p = 0;
@@ -224,8 +299,12 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
                 break;
             if (bpf_probe_read_user(&e->params[(8 * i) & (POS_PARAM_BYTES - 1)], 8, (void *)p) < 0)
                 break;
-            nbytes = 8 * (i + 1);
+            s->ptrs[i & (POS_MAX_PARAMS - 1)] = p;
+            n = i + 1;
         }
+        nbytes = 8 * n;
+        if (capturing_now())
+            capture_len = capture(s, n);
     } else if (extra) {
         u64 x[6] = {};
         bpf_probe_read_user(x, 40, (void *)extra);
@@ -246,12 +325,16 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
             nbytes = size;
         }
     }
+    if (!params && !lay && capturing_now())
+        capture_len = laid_out(e, nbytes);
     if (nbytes > POS_PARAM_BYTES) {
         nbytes = POS_PARAM_BYTES;
         e->truncated = 1;
     }
     e->nbytes = nbytes;
-    u32 len = offsetof(struct pos_launch, params) + (nbytes & (2 * POS_PARAM_BYTES - 1));
+    /* slots and capture: at most 16 * 8 + 8 + 16 * 8 + POS_CAPTURE_BYTES, within params */
+    u32 len = offsetof(struct pos_launch, params) +
+              ((nbytes + capture_len) & (2 * POS_PARAM_BYTES - 1));
     if (len > sizeof(*e))
         len = sizeof(*e);
     fill_hdr(&e->h, POS_LAUNCH, api, len);

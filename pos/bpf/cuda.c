@@ -214,12 +214,7 @@ SYNC(cuStreamWaitEvent_ptsz, ARG2, ARG1)
 /* ---- modules and functions (names and parameter layouts) --------------------------------- */
 #define MODULE(sym)                                                                            \
     int on_##sym(struct pt_regs *ctx) { return stash(API_##sym, ARG1, ARG2, 0, 0); }          \
-    int ret_##sym(struct pt_regs *ctx) {                                                       \
-        struct pos_pending p;                                                                  \
-        if (!take(ctx, API_##sym, &p))                                                         \
-            return 0;                                                                          \
-        return emit(ctx, POS_MODULE, API_##sym, read_u64(p.out), p.a, 0, 0, 0);                \
-    }
+    int ret_##sym(struct pt_regs *ctx) { return module_ret(ctx, API_##sym); }
 
 MODULE(cuModuleLoadData)
 MODULE(cuModuleLoadDataEx)

@@ -7,6 +7,8 @@
 #define POS_MAX_PARAMS 64      /* parameters a layout in the `layouts` map can describe */
 #define POS_PARAM_BYTES 4096   /* parameter bytes copied per launch; more sets `truncated` */
 #define POS_SLOTS 16           /* 8-byte slots captured when a launch's layout is unknown */
+#define POS_CAPTURE_BYTES 6144 /* bytes around the parameters kept while a layout may still come */
+#define POS_CAPTURE_NEAR 4096  /* parameters this far from the first one count for the capture */
 #define POS_NAME_LEN 1024      /* bytes of a kernel's mangled name */
 
 enum pos_kind {
@@ -47,7 +49,7 @@ struct pos_launch {
     u32 grid[3];
     u32 block[3];
     u32 shared_mem;
-    u16 nbytes;       /* bytes of params that follow */
+    u16 nbytes;       /* bytes of params that follow; then, to the event's end (h.len), the capture */
     u8 layout_known;  /* params laid out at the layout's offsets; else 8-byte slots */
     u8 truncated;     /* some parameter lay beyond POS_PARAM_BYTES */
     u8 params[2 * POS_PARAM_BYTES];  /* room so that offset + size always fits for the verifier */

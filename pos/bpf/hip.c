@@ -84,12 +84,7 @@ int on_hipStreamSynchronize(struct pt_regs *ctx) {
 int on_hipModuleLoadData(struct pt_regs *ctx) {
     return stash(API_hipModuleLoadData, ARG1, ARG2, 0, 0);
 }
-int ret_hipModuleLoadData(struct pt_regs *ctx) {
-    struct pos_pending p;
-    if (!take(ctx, API_hipModuleLoadData, &p))
-        return 0;
-    return emit(ctx, POS_MODULE, API_hipModuleLoadData, read_u64(p.out), p.a, 0, 0, 0);
-}
+int ret_hipModuleLoadData(struct pt_regs *ctx) { return module_ret(ctx, API_hipModuleLoadData); }
 int on_hipModuleGetFunction(struct pt_regs *ctx) {
     return stash(API_hipModuleGetFunction, ARG1, ARG2, ARG3, 0);
 }

@@ -20,6 +20,7 @@ DEFAULT_DB = "/var/lib/pos/pos.db"
 # version -> the statements that bring a store of that version to the next one
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: ("ALTER TABLE schedules ADD COLUMN criu_options TEXT NOT NULL DEFAULT '{}'",),
+    4: ("ALTER TABLE launches ADD COLUMN capture BLOB",),
 }
 
 

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 4   # 2: images; 3: schedules, runs; 4: schedules.criu_options
+SCHEMA_VERSION = 5   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
+                     # 5: launches.capture
 
 
 def to_signed(value: Any) -> Any:
@@ -106,6 +107,8 @@ class Launch(_Event, Base):
     params: Mapped[bytes] = mapped_column(LargeBinary)
     layout_known: Mapped[bool]
     truncated: Mapped[bool]
+    # a launch recorded before its layout was known: what pos/tracer/late.py completes it from
+    capture: Mapped[Optional[bytes]] = mapped_column(LargeBinary)
 
 
 class Copy(_Event, Base):

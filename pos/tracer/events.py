@@ -39,7 +39,8 @@ def decode(data: Any, at: int = 0) -> tuple[str, Row]:
         row.update(function=f, stream=stream, grid_x=gx, grid_y=gy, grid_z=gz, block_x=bx,
                    block_y=by, block_z=bz, shared_mem=shmem,
                    params=bytes(data[at + LAUNCH_PARAMS_AT:at + LAUNCH_PARAMS_AT + nbytes]),
-                   layout_known=bool(known), truncated=bool(trunc))
+                   layout_known=bool(known), truncated=bool(trunc),
+                   capture=bytes(data[at + LAUNCH_PARAMS_AT + nbytes:at + length]) or None)
         return "launches", row
     if kind == FUNCTION_KIND:
         handle, module = FUNCTION.unpack_from(data, at + HDR.size)

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from pos import host
 from pos.store.db import default_db_path, open_db
 from pos.store.models import Trace
+from pos.tracer import late
 from pos.tracer.session import Tracer
 from pos.tracer.sink import Sink
 from pos.tracer.target import find_libraries, process_exists
@@ -80,6 +81,9 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
         sink.update_trace(status=status, ended_at=datetime.now(timezone.utc),
                             lost_events=tracer.stats.lost if tracer else 0)
         sink.close()
+    if tracer is not None:
+        tracer.stats.completed = late.complete(engine, trace_id)
+        tracer.stats.layout_known += tracer.stats.completed
     print(view.summary(tracer.stats, str(Path(db)), status)
           if tracer else "", file=sys.stderr)
     return trace_id

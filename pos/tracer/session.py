@@ -7,7 +7,8 @@ processes; each parsed layout goes into the probes' `named_layouts` map (by kern
 so that the probe gives a handle looked up later its layout in the kernel, and into the
 `layouts` map (by handle) for handles looked up before the parse ended, so that launches copy
 exactly their parameters. Launches that run before their kernel's layout is known are recorded
-as 8-byte slots with layout_known = False.
+as 8-byte slots with layout_known = False, and with a capture while a layout may still come,
+from which pos/tracer/late.py completes them when the trace ends.
 """
 
 import json
@@ -51,6 +52,7 @@ class Stats:
     lost: int = 0
     layout_known: int = 0
     layouts_full: bool = False    # a probes' layout map ran full (later kernels: 8-byte slots)
+    completed: int = 0            # launches completed after the trace (pos/tracer/late.py)
     _sizes: dict[int, int] = field(default_factory=dict)
 
     def take(self, batch: Batch, names: dict[int, str]) -> None:
@@ -125,13 +127,23 @@ class _Probes:
                 if sym in RETURNS:
                     self.bpf.attach_uretprobe(name=library.host_path, sym=sym,
                                               fn_name=f"ret_{sym}", pid=pid)
-            except Exception:  # bcc raises plain Exception for a symbol the library lacks
+            except Exception as e:  # bcc raises plain Exception, also for a symbol the library lacks
+                if "Failed to load BPF program" in str(e):   # the verifier refused it: a pos bug
+                    self.bpf.cleanup()
+                    raise PosError(f"the kernel's BPF verifier refused pos's probe for {sym} ({e})",
+                                   "report this with `uname -r` and `pos doctor`'s output") from None
                 continue
             self.attached.append(sym)
         self.layouts = self.bpf["layouts"]
         self.named = self.bpf["named_layouts"]
+        self._capturing = self.bpf["capturing"]
+        self.capture(True)
         self.full = False        # a layouts map ran full: later kernels go without layouts
         self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
+
+    def capture(self, on: bool) -> None:
+        """Whether launches without a layout keep a capture (pos/tracer/late.py)."""
+        self._capturing[self._capturing.Key(0)] = self._capturing.Leaf(int(on))
 
     def _leaf(self, layout: fatbin.KernelLayout) -> Optional[Any]:
         leaf = self.layouts.Leaf()
@@ -218,6 +230,11 @@ class Tracer:
                 if len(batch) < MAX_RECORDS:
                     break
         self._settle()
+        # captures are kept while a layout may come (the probes also turn them on at a module
+        # load or a lookup that found none, before this drain saw either)
+        waiting = bool(self._parses or self._scan or (self._unresolved and self._scan_enabled))
+        for probes in self._probes:
+            probes.capture(waiting)
         self.stats.lost = sum(p.lost() for p in self._probes)
         self.stats.layouts_full = any(p.full for p in self._probes)
         self.sink.check()

@@ -53,6 +53,8 @@ class LiveView:
     def summary(self, stats: Stats, db: str, status: Optional[str] = None) -> str:
         e = stats.events
         known = f"{100 * stats.layout_known / e['launches']:.1f}%" if e["launches"] else "n/a"
+        if stats.completed:
+            known += f", {stats.completed:,} completed when their layout came"
         return (f"traced {self.pid} for {time.monotonic() - self.started:.1f} s"
                 f"{' (' + status + ')' if status else ''}: {e['launches']:,} launches "
                 f"({known} with layout), {e['allocations']:,} allocation events, "

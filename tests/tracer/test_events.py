@@ -48,7 +48,15 @@ def test_decode_launch_and_memset() -> None:
     assert row == {"ts_ns": 123, "pid": 10, "tid": 11, "api": "cuLaunchKernel",
                    "function": 0xdead, "stream": 5, "grid_x": 1, "grid_y": 2, "grid_z": 3,
                    "block_x": 4, "block_y": 5, "block_z": 6, "shared_mem": 7, "params": params,
-                   "layout_known": True, "truncated": False}
+                   "layout_known": True, "truncated": False, "capture": None}
+    # without a layout: 8-byte slots, then to the event's end the capture (pos/tracer/late.py)
+    capture = bytes(range(100, 140))
+    raw = (events.HDR.pack(123, 10, 11, events.LAUNCH_KIND, api, events.LAUNCH_PARAMS_AT + 56)
+           + events.LAUNCH.pack(0xdead, 0x5, 1, 2, 3, 4, 5, 6, 7, 16, 0, 0) + params + bytes(4)
+           + capture)
+    _, row = events.decode(raw)
+    assert row["params"] == params + bytes(4) and row["capture"] == capture
+    assert row["layout_known"] is False
     raw = (events.HDR.pack(1, 2, 3, events.MEMSET, API_IDS["cuMemsetD32_v2"], events.SMALL_SIZE)
            + events.SMALL.pack(0x1000, 64, 7, 0, 4))
     assert events.decode(raw) == ("copies", {

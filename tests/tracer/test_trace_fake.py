@@ -5,6 +5,7 @@ The workload prints, per phase, what it did (its ground truth); the test compare
 the trace with it. The fake driver proves the plumbing, not GPU behaviour (tests/gpu does that).
 """
 
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,21 @@ def test_layouts_found_in_mapped_files_when_attached_after_load(
     scanned = [e for e in of(ev, "function") if e["api"] == "pos-layout-scan"]
     assert {e["name"] for e in scanned} == set(truth["lookup"]["functions"])
     check_launches(truth["launch"]["launches"], of(ev, "launch"))
+
+
+def test_launches_made_before_their_layout_came_are_completed(
+        fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
+    """Attached after the module load, the job looks its kernels up and launches them at once,
+    before the scan of its mapped files has brought their layouts: those launches keep a
+    capture and are completed, byte for byte, when the trace ends."""
+    truth, ev, log = trace_app([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])],
+                               tmp_path / "t.db", phases_before=("load",),
+                               layouts_before="free")
+    check_launches(truth["launch"]["launches"], of(ev, "launch"))
+    completed = re.search(r"([\d,]+) completed when their layout came", log)
+    assert completed and int(completed.group(1).replace(",", "")) > 0, log
+    with sqlite3.connect(tmp_path / "t.db") as c:
+        assert c.execute("select count(*) from launches where capture is not null").fetchone() == (0,)
 
 
 def test_hip_app_is_traced(fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
