@@ -309,8 +309,9 @@ class Tracer:
 
     def _settle(self, wait: bool = False) -> None:
         """Take in finished parses and scans, and push the layouts that kernels waited for
-        (`wait`: every parse, as the tracer closes). The mapped files are scanned, once, only
-        for kernels that no loaded module explains: modules loaded before pos attached."""
+        (`wait`: every parse and the scan, as the tracer closes: launches recorded before their
+        layout came are completed from them). The mapped files are scanned, once, only for
+        kernels that no loaded module explains: modules loaded before pos attached."""
         while True:
             done = [p for p in self._parses if wait or p.future.done()]
             if not done:
@@ -319,7 +320,13 @@ class Tracer:
                 self._parses.remove(p)
                 self._take_parse(p)
             self._resolve("pos-layout")
-        if self._scan is not None and self._scan.done():
+        if self._unresolved and not (self._parses or self._scan) and self._scan_enabled:
+            try:
+                paths = [f"/proc/{self.pid}/root{p}" for p in mapped_files(self.pid)]
+                self._scan = self._workers().submit(_scan_files, paths)
+            except PosError:    # the process is gone: its files with it
+                self._scan_enabled = False
+        if self._scan is not None and (wait or self._scan.done()):
             try:
                 found = self._scan.result()
             except Exception:   # the scan is best effort: those launches keep 8-byte slots
@@ -328,12 +335,6 @@ class Tracer:
             self._scan_enabled = False
             self._learn(found)
             self._resolve("pos-layout-scan")
-        if self._unresolved and not (wait or self._parses or self._scan) and self._scan_enabled:
-            try:
-                paths = [f"/proc/{self.pid}/root{p}" for p in mapped_files(self.pid)]
-            except PosError:
-                return
-            self._scan = self._workers().submit(_scan_files, paths)
 
     def _learn(self, layouts: dict[str, fatbin.KernelLayout]) -> None:
         """Layouts by name, for user space and the probes; only names not known yet are
@@ -377,10 +378,10 @@ class Tracer:
 
     def close(self) -> None:
         """Detach the probes (after a last drain by the caller) and free what the session holds."""
+        if getattr(self, "_parses", None) or getattr(self, "_unresolved", None):
+            self._settle(wait=True)   # module rows still being parsed, layouts still missing
         for p in getattr(self, "_probes", []):
             p.close()
-        if getattr(self, "_parses", None):
-            self._settle(wait=True)   # the module rows still being parsed
         if getattr(self, "_pool", None) is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "_mem", None) is not None:
