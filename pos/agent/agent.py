@@ -83,6 +83,7 @@ COUNTERS = {"intercepted": S.C_INTERCEPTED, "copied_on_write": S.C_COW,
             "waited_ns": S.C_WAIT_NS, "fallbacks": S.C_FALLBACKS, "held": S.C_HELD,
             "shadow_copy_errors": S.C_COPY_ERRORS}
 STALL_S = float(os.environ.get("POS_AGENT_STALL_S", "60"))
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
 class Agent:
@@ -123,17 +124,43 @@ class Agent:
         self.cupti.subscribe(self.callback.address)
         self.cupti.enable(enabled)
 
+    def uses_gpu(self) -> bool:
+        """Whether the application has device memory yet (racy read: a hint for polling)."""
+        return bool(self.st.ctl[S.C_N])
+
     def register(self) -> None:
         """Make this thread an agent thread (its driver calls pass through the callback) with
-        the process's primary context current. The table is taken without the GIL (the lock
-        order of native.py)."""
+        the application's context current: the primary context of the device its first
+        allocation is on. pos neither initialises CUDA nor makes a context before the
+        application has (a program that picks its device, or sets CUDA_VISIBLE_DEVICES or
+        forks before using CUDA, is not disturbed). The table is taken without the GIL (the
+        lock order of native.py)."""
         st = self.st
+        if not self._ctx.value:
+            self.drv.init()
+            self.drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(self._ctx), self._device())
         if not S.agent_add_locked(st.mutex, st.ctl, st.agents, np.uint64(native.thread_self())):
             raise PosError("too many agent threads", "this is a bug in pos")
-        self.drv.init()
-        if not self._ctx.value:
-            self.drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(self._ctx), 0)
         self.drv.call("cuCtxSetCurrent", self._ctx)
+
+    def _device(self) -> int:
+        """The application's device: its first allocation's, else the one whose primary
+        context it has made (PyTorch's, through cudart)."""
+        live = self.st.live()
+        if live:
+            device = ctypes.c_int()
+            self.drv.call("cuPointerGetAttribute", ctypes.byref(device),
+                          CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(live[0][0]))
+            return device.value
+        count, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        self.drv.call("cuDeviceGetCount", ctypes.byref(count))
+        for device in range(count.value):
+            self.drv.call("cuDevicePrimaryCtxGetState", device, ctypes.byref(flags),
+                          ctypes.byref(active))
+            if active.value:
+                return device
+        raise BadInput("the process has not set up a GPU context yet",
+                       "checkpoint it once it uses the GPU")
 
     def unregister(self) -> None:
         st = self.st

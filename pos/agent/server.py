@@ -151,6 +151,8 @@ def _resolver(agent: Any) -> None:
     """Looks up the layouts of newly launched functions every 20 ms."""
     import time
 
+    while not agent.uses_gpu():      # the application sets CUDA up first (Agent.register)
+        time.sleep(0.02)
     agent.register()
     while True:
         agent.resolve_functions()

@@ -20,9 +20,14 @@ from pos.store.db import open_db
 from tests.conftest import ROOT
 from tests.scheduler.conftest import wait_for
 
-# A job that initialises (fake) CUDA, says so, and runs until a line arrives on its stdin.
+# A job that sets (fake) CUDA up with 1 MiB of device memory, says so, and runs until a line
+# arrives on its stdin.
 JOB = """import ctypes, os, sys
-assert ctypes.CDLL(os.environ["POS_LIBCUDA"]).cuInit(0) == 0
+cuda = ctypes.CDLL(os.environ["POS_LIBCUDA"])
+ctx, buf = ctypes.c_void_p(), ctypes.c_uint64()
+assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert cuda.cuCtxSetCurrent(ctx) == 0
+assert cuda.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)) == 0
 print("ready", flush=True)
 sys.stdin.readline()
 """

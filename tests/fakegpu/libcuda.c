@@ -188,6 +188,7 @@ struct CUevent_st {
 };
 
 static int initialized;
+static int primary_retained;  /* cuDevicePrimaryCtxRetain minus Release */
 static struct CUctx_st primary_context = {MAGIC_CONTEXT, 0};
 static __thread CUcontext current_context;
 
@@ -295,13 +296,40 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     if (dev != 0)
         return CUDA_ERROR_INVALID_DEVICE;
     *pctx = &primary_context;
+    primary_retained++;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!flags || !active)
+        return CUDA_ERROR_INVALID_VALUE;
+    *flags = 0;
+    *active = primary_retained > 0;
+    return CUDA_SUCCESS;
+}
+
+/* Only CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (9): the one device of the fake. */
+API CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!data || !ptr || attribute != 9)
+        return CUDA_ERROR_INVALID_VALUE;
+    *(int *)data = 0;
     return CUDA_SUCCESS;
 }
 
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     if (!initialized)
         return CUDA_ERROR_NOT_INITIALIZED;
-    return dev == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (primary_retained > 0)
+        primary_retained--;
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuCtxSetCurrent(CUcontext ctx) {
