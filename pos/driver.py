@@ -16,6 +16,7 @@ from typing import Any, Optional
 from pos.errors import PosError
 
 CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
 LIBRARY_ENV = "POS_LIBCUDA"      # a path to load instead of the system's libcuda.so.1
 
 

@@ -74,7 +74,7 @@ from pos.agent.copier import CHUNK, CU_EVENT_DISABLE_TIMING, Copier, Restorer, S
 from pos.analyzer import load_validation
 from pos.analyzer.dag import order_from_history
 from pos.analyzer.demangle import parameter_kinds
-from pos.driver import Driver, driver
+from pos.driver import CUDA_ERROR_INVALID_VALUE, Driver, driver
 from pos.errors import BadInput, PosError
 from pos.scheduler import image
 
@@ -168,7 +168,11 @@ class Agent:
 
     # ---- function layouts ----
     def layout(self, f: int) -> Optional[tuple[list[int], list[int], str]]:
-        """(offsets, sizes, name) of a CUfunction (or CUkernel) from the driver, or None."""
+        """(offsets, sizes, name) of a CUfunction (or CUkernel) from the driver, or None.
+        The parameters are enumerated until CUDA_ERROR_INVALID_VALUE (past the last one);
+        any other error means the handle is not of that API's kind: the next API is asked,
+        and a handle none of them knows has no layout (its launches then wait for every
+        buffer) rather than an empty one (which would say it writes nothing)."""
         for get, name_of in (("cuFuncGetParamInfo", "cuFuncGetName"),
                              ("cuKernelGetParamInfo", "cuKernelGetName")):
             if not self.drv.has(get):
@@ -176,10 +180,12 @@ class Agent:
             fn = self.drv.function(get)
             offs, sizes = [], []
             o, s = ctypes.c_size_t(), ctypes.c_size_t()
-            while fn(ctypes.c_void_p(f), ctypes.c_size_t(len(offs)), ctypes.byref(o),
-                     ctypes.byref(s)) == 0:
+            while (rc := fn(ctypes.c_void_p(f), ctypes.c_size_t(len(offs)), ctypes.byref(o),
+                            ctypes.byref(s))) == 0:
                 offs.append(o.value)
                 sizes.append(s.value)
+            if rc != CUDA_ERROR_INVALID_VALUE:
+                continue
             text = ctypes.c_char_p()
             if self.drv.has(name_of) and self.drv.function(name_of)(
                     ctypes.byref(text), ctypes.c_void_p(f)) == 0 and text.value:
