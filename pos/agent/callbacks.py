@@ -250,7 +250,7 @@ def build(st: S.State, copy_fn: int, record_fn: int) -> Any:
             stream = native.load_u64(params + 40)
         elif kind == K_LAUNCH_EX:
             stream = native.load_u64(np.int64(native.load_u64(params)) + 32)
-        elif kind == K_GRAPH:
+        elif kind == K_GRAPH or (kind == K_FREE and cflag & ASYNC):   # (graph | dptr, hStream)
             stream = native.load_u64(params + 8)
         elif cflag & ASYNC:
             stream = native.load_u64(params + 24)
@@ -425,7 +425,9 @@ CALLS: dict[str, tuple[int, int]] = {
                 "cuLaunchGridAsync cuLaunch cuMemcpy2D_v2 cuMemcpy2DAsync_v2 "
                 "cuMemcpy2DUnaligned_v2 cuMemcpy3D_v2 cuMemcpy3DAsync_v2 cuMemcpy3DPeer "
                 "cuMemcpy3DPeerAsync cuMemcpyPeer cuMemcpyPeerAsync cuMemcpyAtoD_v2 "
-                "cuMemcpyBatchAsync cuMemcpy3DBatchAsync cuMemsetD2D8_v2 cuMemsetD2D16_v2 "
+                "cuMemcpyBatchAsync cuMemcpy3DBatchAsync cuMemcpyBatchAsync_v2 "
+                "cuMemcpy3DBatchAsync_v2 cuMemBatchDecompressAsync cuMemDiscardBatchAsync "
+                "cuMemDiscardAndPrefetchBatchAsync cuMemsetD2D8_v2 cuMemsetD2D16_v2 "
                 "cuMemsetD2D32_v2 cuMemsetD2D8Async cuMemsetD2D16Async cuMemsetD2D32Async "
                 "cuStreamWriteValue32 cuStreamWriteValue64 cuStreamWriteValue32_v2 "
                 "cuStreamWriteValue64_v2 cuStreamBatchMemOp cuStreamBatchMemOp_v2",

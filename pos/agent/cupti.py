@@ -20,6 +20,7 @@ LIBRARY_ENV = "POS_LIBCUPTI"
 DOMAIN_DRIVER_API = 1
 MAX_CBID = 2048
 CUPTI_SUCCESS = 0
+CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39   # cupti_result.h
 
 
 def candidates() -> list[str]:
@@ -78,8 +79,14 @@ class Cupti:
         return names
 
     def subscribe(self, callback_address: int) -> None:
-        self.check("cuptiSubscribe", self.lib.cuptiSubscribe(
-            ctypes.byref(self.subscriber), ctypes.c_void_p(callback_address), None))
+        code = self.lib.cuptiSubscribe(ctypes.byref(self.subscriber),
+                                       ctypes.c_void_p(callback_address), None)
+        if code == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED:
+            raise BadInput("another CUPTI tool (a profiler such as Nsight Systems, "
+                           "compute-sanitizer or torch.profiler's CUDA tracing) already holds the "
+                           "process's one CUPTI subscription", "run the job under `pos run` "
+                           "without it, or without `pos run` while profiling")
+        self.check("cuptiSubscribe", code)
 
     def enable(self, cbids: Iterable[int]) -> None:
         for cbid in cbids:

@@ -1,5 +1,5 @@
 """Fixtures of the agent tests: a fake libcupti (the agent's CUPTI calls succeed, no callback
-is ever invoked), and `pos run` jobs started as a user would start them."""
+is ever invoked; POS_FAKECUPTI_BUSY makes it another tool's already), and `pos run` jobs started as a user would start them."""
 
 import os
 import subprocess
@@ -16,13 +16,18 @@ from tests.conftest import ROOT
 # The calls the agent makes into libcupti; the names it resolves are a handful of real ones.
 FAKE_CUPTI = r"""
 #include <stddef.h>
+#include <stdlib.h>
 static const char *names[] = {"", "cuMemAlloc_v2", "cuMemFree_v2", "cuLaunchKernel",
                               "cuMemcpyHtoD_v2"};
 int cuptiGetCallbackName(int domain, unsigned cbid, const char **name) {
     if (domain != 1 || cbid == 0 || cbid >= sizeof(names) / sizeof(names[0])) return 1;
     *name = names[cbid]; return 0;
 }
-int cuptiSubscribe(void **sub, void *cb, void *ud) { (void)cb; (void)ud; *sub = (void *)1; return 0; }
+int cuptiSubscribe(void **sub, void *cb, void *ud) {
+    (void)cb; (void)ud;
+    if (getenv("POS_FAKECUPTI_BUSY")) return 39;  /* CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED */
+    *sub = (void *)1; return 0;
+}
 int cuptiEnableCallback(unsigned e, void *s, int d, unsigned id) { (void)e; (void)s; (void)d; (void)id; return 0; }
 int cuptiUnsubscribe(void *s) { (void)s; return 0; }
 int cuptiGetResultString(int r, const char **s) { (void)r; *s = "fake"; return 0; }

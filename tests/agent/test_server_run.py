@@ -138,3 +138,21 @@ def test_checkpoint_and_restore_reach_the_agent_only_through_their_flags() -> No
         assert r.exit_code == 2, r.output
         assert f"process {pid} has no pos agent" in r.output and "pos run -- CMD" in r.output
         assert "Traceback" not in r.output
+
+
+def test_pos_run_says_when_another_cupti_tool_holds_the_process(tmp_path: Path, fakegpu,  # type: ignore[no-untyped-def]
+                                                                fake_cupti: Path) -> None:
+    """CUPTI takes one subscriber: under a profiler the job runs on, without an agent, and
+    pos says why in one sentence."""
+    prog = tmp_path / "app.py"
+    prog.write_text("print('ran', flush=True)\n")
+    env = dict(os.environ, POS_LIBCUPTI=str(fake_cupti), POS_LIBCUDA=str(fakegpu["libcuda"]),
+               POS_FAKECUPTI_BUSY="1")
+    r = subprocess.run([str(ROOT / ".venv/bin/pos"), "run", "--", sys.executable, str(prog)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "ran\n"
+    assert r.stderr.strip() == (
+        "pos agent: not started: another CUPTI tool (a profiler such as Nsight Systems, "
+        "compute-sanitizer or torch.profiler's CUDA tracing) already holds the process's one "
+        "CUPTI subscription: run the job under `pos run` without it, or without `pos run` "
+        "while profiling.")
