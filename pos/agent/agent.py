@@ -201,7 +201,7 @@ class Agent:
         self.names[f] = name
         ok = self.trust_all or name in self.validated
         st = self.st
-        return S.function_add_locked(st.mutex, st.ctl, st.fkey, st.fstate, st.fstart,
+        return S.function_add_locked(st.mutex, st.cond, st.ctl, st.fkey, st.fstate, st.fstart,
                                      st.fcount, st.lay_off, st.lay_size, st.lay_kind,
                                      np.uint64(f), np.asarray(offsets, np.int64),
                                      np.asarray(sizes, np.int64), np.asarray(kinds, np.int8),

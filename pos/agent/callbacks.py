@@ -267,6 +267,10 @@ def build(st: S.State, copy_fn: int, record_fn: int) -> Any:
             phase = ctl[S.C_PHASE]
             if phase == S.PHASE_IDLE and (kind == K_READ or kind == K_OTHER_READ
                                           or ctl[S.C_TRACK] == 0):
+                if kind == K_LAUNCH or kind == K_LAUNCH_EX:   # its layout, before any cut
+                    S.function_seen(ctl, v(fkey_a, f_cap, np.uint64), v(fstate_a, f_cap, np.int8),
+                                    v(newf_a, newf_cap, np.uint64),
+                                    native.load_u64(params + (0 if kind == K_LAUNCH else 8)))
                 break
             if phase == S.PHASE_CHECKPOINT and (kind == K_READ or kind == K_OTHER_READ):
                 break

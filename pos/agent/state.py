@@ -690,11 +690,14 @@ def end_locked(mutex: int, cond: int, ctl, status, flags, sh_size) -> None:
 
 
 @nb.njit(nogil=True)
-def function_add_locked(mutex: int, ctl, fkey, fstate, fstart, fcount, lay_off, lay_size,
-                        lay_kind, f: np.uint64, offsets, sizes, kinds, validated: bool) -> bool:
+def function_add_locked(mutex: int, cond: int, ctl, fkey, fstate, fstart, fcount, lay_off,
+                        lay_size, lay_kind, f: np.uint64, offsets, sizes, kinds,
+                        validated: bool) -> bool:
+    """function_add; calls held because f's layout was unknown re-check (broadcast)."""
     native.mutex_lock(mutex)
     ok = function_add(ctl, fkey, fstate, fstart, fcount, lay_off, lay_size, lay_kind, f,
                       offsets, sizes, kinds, validated)
+    native.cond_broadcast(cond)
     native.mutex_unlock(mutex)
     return ok
 

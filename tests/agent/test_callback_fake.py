@@ -166,6 +166,21 @@ def test_allocations_enter_the_table(rig) -> None:  # type: ignore[no-untyped-de
     assert all(live.get(b) == SIZE for b in app.bufs)
 
 
+def test_a_launch_while_idle_queues_its_kernel_for_its_layout(rig) -> None:  # type: ignore[no-untyped-def]
+    """Without dirty tracking an idle launch is otherwise let through untouched: its kernel's
+    layout is still looked up now, so that the first cut knows what it writes."""
+    agent, app = rig
+    assert not agent.st.ctl[S.C_TRACK] and agent.st.ctl[S.C_PHASE] == S.PHASE_IDLE
+    x = ctypes.c_uint64(app.bufs[0])
+    kp = (ctypes.c_void_p * 1)(ctypes.addressof(x))
+    app.fire("cuLaunchKernel", C.API_ENTER,
+             LaunchParams(f=0xBEEF, hStream=0, kernelParams=ctypes.cast(kp, ctypes.c_void_p)))
+    st = agent.st
+    out = np.zeros(st.newf.shape[0], np.uint64)
+    n = S.take_new_functions_locked(st.mutex, st.ctl, st.newf, out)
+    assert 0xBEEF in out[:n].tolist()
+
+
 def test_write_after_the_cut_is_shadowed_on_the_callers_stream(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
     agent, app = rig
     x, y = app.bufs
