@@ -14,6 +14,8 @@ Why the image equals the GPU state at one instant, the cut (`checkpoint`):
    copier has it in host memory, and the copier starts after step 3. Unvalidated kernels,
    unknown layouts, graphs and copies the agent cannot place wait for everything, and frees
    wait for their buffer to be saved. Allocations made after the cut are not in the image.
+   Calls on a stream that is capturing a CUDA graph do not run at the call: they pass
+   untouched (their work runs when the graph is launched, which waits for everything).
 So each saved buffer holds its bytes at the cut, given that the speculation of every kernel
 that ran as validated is right (the validator's table) and the program has no data race.
 A call that stays inside the driver across a whole checkpoint cannot leak into the next cut:
@@ -84,6 +86,7 @@ COUNTERS = {"intercepted": S.C_INTERCEPTED, "copied_on_write": S.C_COW,
             "shadow_copy_errors": S.C_COPY_ERRORS}
 STALL_S = float(os.environ.get("POS_AGENT_STALL_S", "60"))
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
 
 
 class Agent:
@@ -114,7 +117,8 @@ class Agent:
         lib = self.drv.lib
         addr = ctypes.cast(lib.cuMemcpyDtoDAsync_v2, ctypes.c_void_p).value
         rec = ctypes.cast(lib.cuEventRecord, ctypes.c_void_p).value
-        self.callback = callbacks.build(self.st, addr, rec)
+        capturing = ctypes.cast(lib.cuStreamIsCapturing, ctypes.c_void_p).value
+        self.callback = callbacks.build(self.st, addr, rec, capturing)
 
     def attach_cupti(self) -> None:
         from pos.agent.cupti import Cupti
@@ -142,6 +146,10 @@ class Agent:
         if not S.agent_add_locked(st.mutex, st.ctl, st.agents, np.uint64(native.thread_self())):
             raise PosError("too many agent threads", "this is a bug in pos")
         self.drv.call("cuCtxSetCurrent", self._ctx)
+        # while the application captures a CUDA graph in the global mode (PyTorch's default),
+        # the agent's own calls (synchronise, allocate, copy) must not break its capture
+        mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
+        self.drv.call("cuThreadExchangeStreamCaptureMode", ctypes.byref(mode))
 
     def _device(self) -> int:
         """The application's device: its first allocation's, else the one whose primary

@@ -60,6 +60,7 @@ SIGNATURE = nb.types.void(nb.types.voidptr, nb.types.int32, nb.types.uint32, nb.
 COPY_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                               ctypes.c_uint64)
 RECORD_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
+CAPTURING_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
 
 
 @nb.njit(cache=True)
@@ -153,11 +154,13 @@ def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, lo2: n
     return S.dedupe(slots, k)
 
 
-def build(st: S.State, copy_fn: int, record_fn: int) -> Any:
-    """The compiled callback for State `st`; copy_fn and record_fn are the addresses of the
-    driver's cuMemcpyDtoDAsync_v2 and cuEventRecord (the shadow copy and its event)."""
+def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
+    """The compiled callback for State `st`; copy_fn, record_fn and capturing_fn are the
+    addresses of the driver's cuMemcpyDtoDAsync_v2 and cuEventRecord (the shadow copy and its
+    event) and cuStreamIsCapturing."""
     memcpy_dtod = COPY_PROTO(copy_fn)
     event_record = RECORD_PROTO(record_fn)
+    stream_is_capturing = CAPTURING_PROTO(capturing_fn)
     mutex, cond = st.mutex, st.cond
     a = {name: (arr.ctypes.data, arr.size, arr.dtype) for name, arr in vars(st).items()
          if isinstance(arr, np.ndarray)}
@@ -262,6 +265,7 @@ def build(st: S.State, copy_fn: int, record_fn: int) -> Any:
         hist_base = v(hist_base_a, 2 * hist_cap, np.uint64)
         native.mutex_lock(mutex)
         waited = False
+        capture_known = False
         t0 = 0
         while True:
             phase = ctl[S.C_PHASE]
@@ -274,6 +278,19 @@ def build(st: S.State, copy_fn: int, record_fn: int) -> Any:
                 break
             if phase == S.PHASE_CHECKPOINT and (kind == K_READ or kind == K_OTHER_READ):
                 break
+            if not capture_known:
+                # A call on a capturing stream (CUDA graph capture) does not run now: it must
+                # neither wait nor get a shadow copy, which would be captured into the graph
+                # and replayed with it. Asked with the mutex released (a driver call).
+                native.mutex_unlock(mutex)
+                capture = np.zeros(1, np.int32)
+                captured = stream_is_capturing(stream, np.uint64(capture.ctypes.data)) == 0 \
+                    and capture[0] != 0
+                native.mutex_lock(mutex)
+                capture_known = True
+                if captured:
+                    break
+                continue                                  # the phase may have moved meanwhile
             restoring = phase == S.PHASE_RESTORE
             if phase == S.PHASE_CHECKPOINT and not waited:
                 ctl[S.C_INTERCEPTED] += 1

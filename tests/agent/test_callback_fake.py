@@ -87,11 +87,12 @@ class App:
         return out
 
     def launch(self, site: int = C.API_ENTER, corr: "ctypes.c_uint64 | None" = None,
-               hold_gil: bool = False) -> None:
+               hold_gil: bool = False, stream: int = 0) -> None:
         """axpy(float const* x = buffer 0, float* y = buffer 1): writes buffer 1."""
         x, y = ctypes.c_uint64(self.bufs[0]), ctypes.c_uint64(self.bufs[1])
         kp = (ctypes.c_void_p * 2)(ctypes.addressof(x), ctypes.addressof(y))
-        params = LaunchParams(f=0xF00, hStream=0, kernelParams=ctypes.cast(kp, ctypes.c_void_p))
+        params = LaunchParams(f=0xF00, hStream=stream,
+                              kernelParams=ctypes.cast(kp, ctypes.c_void_p))
         self.fire("cuLaunchKernel", site, params, corr=corr, hold_gil=hold_gil)
 
     def read_call(self, base: int, hold_gil: bool = False) -> np.ndarray:
@@ -195,6 +196,26 @@ def test_write_after_the_cut_is_shadowed_on_the_callers_stream(rig, tmp_path) ->
     assert (saved[x] == 1).all()
     assert (saved[y] == 2).all()                   # the bytes at the cut, from the shadow
     assert (app.read(y) == 7).all()
+
+
+def test_a_launch_being_captured_into_a_graph_passes_untouched(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A launch on a capturing stream does not run now: a shadow copy would be captured into
+    the graph and replayed with it, so it gets none (and does not wait)."""
+    agent, app = rig
+    drv, ctx, stream, graph = app.drv, ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+    drv.call("cuCtxSetCurrent", ctx)
+    drv.call("cuStreamCreate", ctypes.byref(stream), 0)
+    drv.call("cuStreamBeginCapture_v2", stream, 0)
+    cow0 = int(agent.st.ctl[S.C_COW])
+    manual_cut(agent)
+    app.launch(stream=stream.value)
+    assert int(agent.st.ctl[S.C_COW]) == cow0
+    drv.call("cuStreamEndCapture", stream, ctypes.byref(graph))
+    app.launch(stream=stream.value)               # the same call, no longer captured
+    assert int(agent.st.ctl[S.C_COW]) == cow0 + 1
+    copy_all(agent, tmp_path)
+    drv.call("cuStreamDestroy_v2", stream)
 
 
 def test_pool_full_makes_the_call_wait_for_the_copier(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]

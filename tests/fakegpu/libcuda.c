@@ -181,6 +181,7 @@ struct CUctx_st {
 struct CUstream_st {
     uint32_t magic;
     unsigned int flags;
+    int capturing; /* between cuStreamBeginCapture and cuStreamEndCapture */
 };
 struct CUevent_st {
     uint32_t magic;
@@ -368,8 +369,45 @@ API CUresult cuStreamCreate(CUstream *phStream, unsigned int flags) {
     struct CUstream_st *s = malloc(sizeof(*s));
     if (!s)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *s = (struct CUstream_st){MAGIC_STREAM, flags};
+    *s = (struct CUstream_st){MAGIC_STREAM, flags, 0};
     *phStream = s;
+    return CUDA_SUCCESS;
+}
+
+/* Stream capture, as far as the agent looks at it: whether a stream is capturing (the graph
+ * it would make is not kept). */
+API CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
+    NEED_CONTEXT();
+    if ((uintptr_t)s <= 2 || s->magic != MAGIC_STREAM || mode < 0 || mode > 2)
+        return CUDA_ERROR_INVALID_VALUE;
+    s->capturing = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamEndCapture(CUstream s, void **graph) {
+    NEED_CONTEXT();
+    if ((uintptr_t)s <= 2 || s->magic != MAGIC_STREAM || !s->capturing || !graph)
+        return CUDA_ERROR_INVALID_VALUE;
+    s->capturing = 0;
+    *graph = NULL;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    NEED_CONTEXT();
+    if (!stream_valid(s) || !status)
+        return CUDA_ERROR_INVALID_VALUE;
+    *status = (uintptr_t)s > 2 && s->capturing; /* CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 */
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    if (!mode || *mode < 0 || *mode > 2)
+        return CUDA_ERROR_INVALID_VALUE;
+    static __thread int current; /* CU_STREAM_CAPTURE_MODE_GLOBAL */
+    int previous = current;
+    current = *mode;
+    *mode = previous;
     return CUDA_SUCCESS;
 }
 
