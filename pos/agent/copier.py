@@ -39,6 +39,7 @@ from pos.agent.gpuimage import Writer, read_chunk_into
 from pos.driver import Driver
 
 CHUNK = 64 << 20
+CU_EVENT_BLOCKING_SYNC = 1
 CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1
 
@@ -91,7 +92,10 @@ class _Stream:
         drv.call("cuStreamCreate", ctypes.byref(self.stream), CU_STREAM_NON_BLOCKING)
         for _ in range(depth):
             ev = ctypes.c_void_p()
-            drv.call("cuEventCreate", ctypes.byref(ev), CU_EVENT_DISABLE_TIMING)
+            # blocking sync: the copier's threads sleep on a chunk instead of spinning on a
+            # core the application's launching thread may need (a chunk takes milliseconds)
+            drv.call("cuEventCreate", ctypes.byref(ev),
+                     CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)
             self.events.append(ev)
         self.next = 0
 
