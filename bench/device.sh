@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One call's worth of GPU work on the lent machine (the `device` tool's `run`), so that its scarce
+# minutes go to measuring: set up what the call carried, run one group, leave every result and
+# log under $OUT (copy them to bench/results/ and describe them in its README afterwards).
+#
+#   bench/device.sh trace        # pos trace: counts, layouts, launch cost; its GPU test  (~7 min)
+#   bench/device.sh analyze      # the validator on PyTorch and the kernel suite; its test (~6 min)
+#   bench/device.sh checkpoint   # stop-the-world C/R: bit-exact tests, 1-16 GiB table  (~8 min)
+#   bench/device.sh checkpoint32 # the 32 GiB row of that table, restore included       (~5 min)
+#   bench/device.sh concurrent   # the concurrent engine: tests, training + inference   (~10 min)
+#   bench/device.sh schedule     # a schedule every minute for 5 minutes, images restored (~8 min)
+#
+# Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
+# .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
+# checkpoint/schedule: both together exceed the 64 MiB a call may carry, so drop the part a
+# group does not need). For CRIU 4.2 (4.1 cannot dump a process with a TCP/UDP socket on
+# Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent schedule}
+if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
+    exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
+        SQLAlchemy==2.0.44 greenlet pyelftools lz4 zstandard cxxfilt croniter
+fi
+out=${OUT:?run this through the device tool: it sets OUT}
+
+# shellcheck disable=SC1091
+source .device/setup.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+{ date -u +%FT%TZ; git log -1 --format=%H 2>/dev/null || true; nvidia-smi --query-gpu=name,driver_version \
+    --format=csv,noheader; uname -r; ${POS_CRIU:-criu} --version 2>/dev/null | head -1; } \
+    > "$out/machine.txt"
+
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, go on whatever it returns
+    local name=$1; shift
+    echo "== $name: $*" | tee -a "$out/steps.txt"
+    local t0=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    echo "   exit $? after $((SECONDS - t0)) s" | tee -a "$out/steps.txt"
+    tail -5 "$out/$name.log"
+}
+
+case $group in
+trace)
+    step trace-test python3 -m pytest -ra -s tests/gpu/test_trace_gpu.py
+    step trace-bench python3 bench/trace_gpu.py --out "$out/trace-h100.json" --only count \
+        --only launch --launches 200000 --rounds 5 ;;
+analyze)
+    step analyze-test python3 -m pytest -ra tests/gpu/test_analyzer_gpu.py
+    step validate python3 bench/validate_gpu.py --out "$out/validate-gpu-h100.json" ;;
+checkpoint)
+    step checkpoint-test python3 -m pytest -ra -s tests/gpu/test_checkpoint_gpu.py
+    step checkpoint-bench python3 bench/checkpoint_gpu.py --sizes 1,4,16 \
+        --out "$out/checkpoint-h100.json" --images /tmp ;;
+checkpoint32)
+    step checkpoint-bench-32 python3 bench/checkpoint_gpu.py --sizes 32 \
+        --out "$out/checkpoint-h100-32.json" --images /tmp ;;
+concurrent)
+    step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py
+    step concurrent-train python3 bench/concurrent_gpu.py --out "$out/concurrent-h100.json"
+    step concurrent-infer python3 bench/concurrent_gpu.py --infer \
+        --out "$out/concurrent-infer-h100.json" ;;
+schedule)
+    step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
+*)
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent schedule" >&2
+    exit 2 ;;
+esac
