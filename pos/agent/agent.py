@@ -77,6 +77,7 @@ from pos.analyzer import load_validation
 from pos.analyzer.dag import order_from_history
 from pos.analyzer.demangle import parameter_kinds
 from pos.driver import CUDA_ERROR_INVALID_VALUE, Driver, driver
+from pos import nvml
 from pos.errors import BadInput, PosError
 from pos.scheduler import image
 
@@ -86,6 +87,8 @@ COUNTERS = {"intercepted": S.C_INTERCEPTED, "copied_on_write": S.C_COW,
             "shadow_copy_errors": S.C_COPY_ERRORS}
 STALL_S = float(os.environ.get("POS_AGENT_STALL_S", "60"))
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+# device memory a process holds that no allocation call made (its context, the driver's own)
+UNSEEN_SLACK = 2 << 30
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
 
 
@@ -291,6 +294,18 @@ class Agent:
         finally:
             self._op.release()
 
+    def _check_the_table_sees(self, live: list[tuple[int, int]]) -> None:
+        """Refuse an image that would miss device memory: the table holds what CUPTI reported,
+        NVML says what the process holds (skipped where NVML cannot see this process)."""
+        used = sum(nvml.gpus_of([os.getpid()]).values())
+        seen = sum(size for _, size in live) + (self.pool_bytes if self._pool.value else 0)
+        if used - seen > UNSEEN_SLACK:
+            raise PosError(f"the agent's table holds {seen / 2**30:.1f} GiB of the "
+                           f"{used / 2**30:.1f} GiB of device memory this process uses: CUPTI "
+                           "did not report some of its allocations, and an image would miss "
+                           "them", "report this with the program and its CUDA and driver "
+                           "versions; use the stop-the-world engine (without --concurrent)")
+
     def _sync(self, stall_s: float, what: str) -> None:
         """cuCtxSynchronize from an agent thread, waited for at most stall_s (a backstop: the
         caller abandons the operation and releases the application past it)."""
@@ -358,6 +373,7 @@ class Agent:
                            "use e.g. chunk 64-256 MiB, 4 streams, 4 writers, depth 2")
         self._drain_leftover(stall_s, "checkpoint")
         live = st.live()
+        self._check_the_table_sees(live)
         partial = image.prepare(final, sum(s for _, s in live) + (1 << 20))
         self.register()
         before = {k: int(st.ctl[i]) for k, i in COUNTERS.items()}

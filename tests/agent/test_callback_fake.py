@@ -17,6 +17,7 @@ from pos.agent import state as S
 from pos.agent.agent import Agent
 from pos.agent.copier import Copier, Restorer
 from pos.driver import Driver
+from pos.errors import PosError
 from pos.scheduler import image
 
 SIZE = 256 << 10
@@ -360,8 +361,6 @@ def test_a_call_left_inside_the_driver_by_an_earlier_checkpoint_refuses_the_next
         rig, tmp_path) -> None:
     """A launch that entered during a checkpoint and never returned is counted under the parity
     the next epoch reuses: the next checkpoint is refused after stall_s, holding nothing."""
-    from pos.errors import PosError
-
     agent, app = rig
     st = agent.st
     manual_cut(agent)
@@ -389,6 +388,17 @@ def test_a_call_left_inside_the_driver_by_an_earlier_checkpoint_refuses_the_next
         app.launch(C.API_EXIT, corr)               # the stuck call returns at last
     assert agent.checkpoint(str(tmp_path / "img"))["buffers"] >= 2
     image.verify(tmp_path / "img")
+
+
+def test_a_table_missing_device_memory_refuses_the_image(rig, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Should CUPTI not report allocations, NVML's count of the process's device memory shows
+    it: no image that would miss them, nothing held."""
+    agent, _ = rig
+    monkeypatch.setattr("pos.agent.agent.nvml.gpus_of", lambda pids: {"GPU-0": 40 << 30})
+    with pytest.raises(PosError, match=r"holds \d+\.\d GiB of the 40\.0 GiB .* CUPTI did not"):
+        agent.checkpoint(str(tmp_path / "img"))
+    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert agent.st.ctl[S.C_PHASE] == S.PHASE_IDLE
 
 
 def test_checkpoint_restore_round_trip_and_incremental(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
