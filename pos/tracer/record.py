@@ -77,6 +77,9 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
             live.stop()
         if tracer is not None:
             tracer.poll()          # what the probes wrote before detaching
+            if tracer.layouts_pending():
+                console.print("pos: finishing the kernel layouts still being read, to complete "
+                              "the launches recorded before them", highlight=False)
             tracer.close()
         sink.update_trace(status=status, ended_at=datetime.now(timezone.utc),
                             lost_events=tracer.stats.lost if tracer else 0)

@@ -232,7 +232,7 @@ class Tracer:
         self._settle()
         # captures are kept while a layout may come (the probes also turn them on at a module
         # load or a lookup that found none, before this drain saw either)
-        waiting = bool(self._parses or self._scan or (self._unresolved and self._scan_enabled))
+        waiting = self.layouts_pending()
         for probes in self._probes:
             probes.capture(waiting)
         self.stats.lost = sum(p.lost() for p in self._probes)
@@ -375,6 +375,10 @@ class Tracer:
                     "ts_ns": 0, "pid": self.pid, "tid": 0, "api": source, "handle": handle,
                     "module": None, "name": name, "layout": self._pushed[handle][1]})
                 del self._unresolved[handle]
+
+    def layouts_pending(self) -> bool:
+        """Whether `close` will wait for module parses or the mapped-file scan."""
+        return bool(self._parses or self._scan or (self._unresolved and self._scan_enabled))
 
     def close(self) -> None:
         """Detach the probes (after a last drain by the caller) and free what the session holds."""
