@@ -1,5 +1,6 @@
 """Fixtures of the agent tests: a fake libcupti (the agent's CUPTI calls succeed, no callback
-is ever invoked; POS_FAKECUPTI_BUSY makes it another tool's already), and `pos run` jobs started as a user would start them."""
+is ever invoked; with POS_FAKECUPTI_BUSY another tool holds it already), and `pos run` jobs
+started as a user would start them."""
 
 import os
 import subprocess
