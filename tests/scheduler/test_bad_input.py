@@ -37,7 +37,8 @@ def kernel_thread() -> int:
 
     pids = sorted(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
     found = [pid for pid in pids if procs.is_kernel_thread(pid)]
-    need(bool(found), "no kernel thread is visible in this PID namespace")
+    if not found:   # a property of where the suite runs, not a missing prerequisite
+        pytest.skip("no kernel thread is visible in this PID namespace")
     return found[0]
 
 
