@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -112,6 +113,26 @@ class _Stream:
             self.drv.call("cuStreamDestroy_v2", self.stream)
 
 
+@contextmanager
+def _agent_stream(drv: Driver, depth: int, register: Callable[[], Any],
+                  unregister: Callable[[], None], errors: list) -> Iterator[_Stream]:
+    """The stream of one copier or restorer thread, which is an agent thread meanwhile (its
+    calls pass the callback untouched); the stream is closed and the thread unregistered however
+    the work ends (a failure to close is recorded in `errors`)."""
+    register()
+    s: Optional[_Stream] = None
+    try:
+        s = _Stream(drv, depth)
+        yield s
+    finally:
+        if s is not None:
+            try:
+                s.close()
+            except BaseException as e:
+                errors.append(e)
+        unregister()
+
+
 def _claims(st: S.State, errors: list, abort: threading.Event) -> Iterator[np.ndarray]:
     """The buffers the state hands this thread next (copier and restorer alike), as the
     claim's (base, source, size, shadow extent) row, until none is left or the work stops."""
@@ -153,8 +174,6 @@ class Copier:
 
     def _copy_thread(self) -> None:
         st = self.st
-        self.register()
-        s: Optional[_Stream] = None
         inflight: list[tuple[ctypes.c_void_p, int, int, np.ndarray, int, int]] = []
 
         def retire() -> None:
@@ -165,36 +184,32 @@ class Copier:
                 self._finish(base, size)
 
         try:
-            s = _Stream(self.drv, self.depth)
-            for out in _claims(st, self.errors, self.abort):
-                base, src, size, extent = (int(x) for x in out)
-                if extent >= 0:              # the shadow copy must have run on its stream
-                    self.drv.call("cuEventSynchronize", ctypes.c_void_p(int(st.sh_event[extent])))
-                for off in range(0, size, self.chunk):
-                    n = min(self.chunk, size - off)
-                    while inflight and (len(inflight) >= self.depth or self.staging.free.empty()):
-                        retire()
-                    buf = self.staging.get()
-                    ev = s.event()
-                    self.drv.call("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(buf.ctypes.data),
-                                  ctypes.c_uint64(src + off), ctypes.c_size_t(n), s.stream)
-                    self.drv.call("cuEventRecord", ev, s.stream)
-                    inflight.append((ev, base, off, buf, n, size if off + n >= size else 0))
-                if size == 0:
-                    self._finish(base, 0)
-            while inflight:
-                retire()
+            with _agent_stream(self.drv, self.depth, self.register, self.unregister,
+                               self.errors) as s:
+                for out in _claims(st, self.errors, self.abort):
+                    base, src, size, extent = (int(x) for x in out)
+                    if extent >= 0:          # the shadow copy must have run on its stream
+                        self.drv.call("cuEventSynchronize",
+                                      ctypes.c_void_p(int(st.sh_event[extent])))
+                    for off in range(0, size, self.chunk):
+                        n = min(self.chunk, size - off)
+                        while inflight and (len(inflight) >= self.depth
+                                            or self.staging.free.empty()):
+                            retire()
+                        buf = self.staging.get()
+                        ev = s.event()
+                        self.drv.call("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(buf.ctypes.data),
+                                      ctypes.c_uint64(src + off), ctypes.c_size_t(n), s.stream)
+                        self.drv.call("cuEventRecord", ev, s.stream)
+                        inflight.append((ev, base, off, buf, n, size if off + n >= size else 0))
+                    if size == 0:
+                        self._finish(base, 0)
+                while inflight:
+                    retire()
         except BaseException as e:          # reported by run(); the agent ends the checkpoint
             self.errors.append(e)
             for item in inflight:
                 self.staging.put(item[3])
-        finally:
-            if s is not None:
-                try:
-                    s.close()
-                except BaseException as e:
-                    self.errors.append(e)
-            self.unregister()
 
     def _write_thread(self) -> None:
         while (item := self._q.get()) is not None:
@@ -259,39 +274,39 @@ class Restorer:
 
     def _thread(self) -> None:
         st = self.st
-        self.register()
-        s: Optional[_Stream] = None
         fds: dict[str, int] = {}
         held: list[np.ndarray] = []
         try:
-            s = _Stream(self.drv, self.depth)
-            for out in _claims(st, self.errors, self.abort):
-                base = int(out[0])
-                folder, size, chunks = self.plan[base]
-                ring: list[tuple[ctypes.c_void_p, np.ndarray]] = []
-                for c in chunks:
-                    if len(ring) >= self.depth or (ring and self.staging.free.empty()):
-                        ev, buf = ring.pop(0)
-                        self.drv.call("cuEventSynchronize", ev)
+            with _agent_stream(self.drv, self.depth, self.register, self.unregister,
+                               self.errors) as s:
+                for out in _claims(st, self.errors, self.abort):
+                    base = int(out[0])
+                    folder, size, chunks = self.plan[base]
+                    ring: list[tuple[ctypes.c_void_p, np.ndarray]] = []
+                    for c in chunks:
+                        if len(ring) >= self.depth or (ring and self.staging.free.empty()):
+                            ev, buf = ring.pop(0)
+                            self.drv.call("cuEventSynchronize", ev)
+                            held.remove(buf)
+                            self.staging.put(buf)
+                        buf = self.staging.get()
+                        held.append(buf)
+                        read_chunk_into(folder, c, buf, fds)
+                        ev = s.event()
+                        self.drv.call("cuMemcpyHtoDAsync_v2",
+                                      ctypes.c_uint64(base + c["offset"]),
+                                      ctypes.c_void_p(buf.ctypes.data),
+                                      ctypes.c_size_t(c["raw"]), s.stream)
+                        self.drv.call("cuEventRecord", ev, s.stream)
+                        ring.append((ev, buf))
+                    self.drv.call("cuStreamSynchronize", s.stream)
+                    for _, buf in ring:
                         held.remove(buf)
                         self.staging.put(buf)
-                    buf = self.staging.get()
-                    held.append(buf)
-                    read_chunk_into(folder, c, buf, fds)
-                    ev = s.event()
-                    self.drv.call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(base + c["offset"]),
-                                  ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(c["raw"]),
-                                  s.stream)
-                    self.drv.call("cuEventRecord", ev, s.stream)
-                    ring.append((ev, buf))
-                self.drv.call("cuStreamSynchronize", s.stream)
-                for _, buf in ring:
-                    held.remove(buf)
-                    self.staging.put(buf)
-                S.finish_locked(st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status,
-                                st.flags, st.shadow, st.sh_size, np.uint64(base))
-                with self._lock:
-                    self.bytes += size
+                    S.finish_locked(st.mutex, st.cond, st.ctl, st.bases, st.ends, st.status,
+                                    st.flags, st.shadow, st.sh_size, np.uint64(base))
+                    with self._lock:
+                        self.bytes += size
         except BaseException as e:
             self.errors.append(e)
         finally:
@@ -299,12 +314,6 @@ class Restorer:
                 self.staging.put(buf)
             for fd in fds.values():
                 os.close(fd)
-            if s is not None:
-                try:
-                    s.close()
-                except BaseException as e:
-                    self.errors.append(e)
-            self.unregister()
 
     def start(self) -> list[threading.Thread]:
         self._threads = [threading.Thread(target=self._thread, name=f"pos-restorer-{i}",
