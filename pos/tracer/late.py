@@ -48,19 +48,19 @@ def complete(engine: Engine, trace_id: int) -> int:
     """Complete the trace's captured launches from their kernels' layouts, drop the captures;
     returns how many launches were completed. A handle with more than one layout in the trace
     (reused after a module unload) is left alone: which one applied is not known."""
-    layouts: dict[int, set[str]] = {}
+    texts: dict[int, set[str]] = {}
     with engine.begin() as c:
         for handle, layout in c.execute(select(Function.handle, Function.layout).where(
                 Function.trace_id == trace_id, Function.layout.is_not(None))):
-            layouts.setdefault(handle, set()).add(layout)
+            texts.setdefault(handle, set()).add(layout)
+        layouts = {h: json.loads(t.pop()) for h, t in texts.items() if len(t) == 1}
         done = []
         for id_, function, params, capture in c.execute(
                 select(Launch.id, Launch.function, Launch.params, Launch.capture).where(
                     Launch.trace_id == trace_id, Launch.capture.is_not(None))):
-            known = layouts.get(function, set())
-            if len(known) != 1:
+            if function not in layouts:
                 continue
-            rebuilt = rebuild(params, capture, json.loads(next(iter(known))))
+            rebuilt = rebuild(params, capture, layouts[function])
             if rebuilt is not None:
                 done.append({"launch": id_, "bytes": rebuilt})
         if done:

@@ -382,7 +382,7 @@ class Tracer:
 
     def close(self) -> None:
         """Detach the probes (after a last drain by the caller) and free what the session holds."""
-        if getattr(self, "_parses", None) or getattr(self, "_unresolved", None):
+        if hasattr(self, "_parses") and self.layouts_pending():
             self._settle(wait=True)   # module rows still being parsed, layouts still missing
         for p in getattr(self, "_probes", []):
             p.close()
