@@ -278,10 +278,11 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
                 break
             if phase == S.PHASE_CHECKPOINT and (kind == K_READ or kind == K_OTHER_READ):
                 break
-            if not capture_known:
+            if not capture_known and phase != S.PHASE_IDLE:
                 # A call on a capturing stream (CUDA graph capture) does not run now: it must
                 # neither wait nor get a shadow copy, which would be captured into the graph
-                # and replayed with it. Asked with the mutex released (a driver call).
+                # and replayed with it. Asked with the mutex released (a driver call), and
+                # not while idle: dirty tracking then only over-marks a captured call's buffers.
                 native.mutex_unlock(mutex)
                 capture = np.zeros(1, np.int32)
                 captured = stream_is_capturing(stream, np.uint64(capture.ctypes.data)) == 0 \
