@@ -475,8 +475,8 @@ class Agent:
         the moment the restore has started (module docstring). Each buffer must be live at
         the same base with the same size (the same process, or a re-run that allocated
         alike). `on_release` (tests) is called once the application is released.
-        quick_verify: before the release check the manifest, every file's size and the index's
-        sha256 only, leaving the data to the per-chunk checksums as it is read (faster
+        quick_verify: before the release check the manifest, the image's files and their sizes,
+        and the index's checksums only, leaving the data to the per-chunk checksums as it is read (faster
         release; a corrupt chunk is then found midway and the process left half-restored).
         By default every file's sha256 is checked first (image.verify)."""
         if not self._op.acquire(blocking=False):
@@ -494,10 +494,8 @@ class Agent:
         st = self.st
         t0 = time.monotonic()
         t0_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        if quick_verify:
-            _quick_verify(folder)
-        else:
-            image.verify(folder)
+        # quick: the data files are checked chunk by chunk as the restore reads them
+        image.verify(folder, [gpuimage.INDEX] if quick_verify else None)
         plan = gpuimage.resolve(folder)
         live = dict(st.live())
         for base, (_, size, _) in plan.items():
@@ -577,22 +575,6 @@ class Agent:
                 "last_image": str(self.last_image) if self.last_image else None,
                 "table_overflow": int(st.ctl[S.C_OVERFLOW]),
                 **{k: int(st.ctl[i]) for k, i in COUNTERS.items()}}
-
-
-def _quick_verify(folder: Path) -> None:
-    """The manifest, every file present with its size, and the index's sha256 (the data files
-    are checked chunk by chunk as the restore reads them)."""
-    manifest = image.load(folder)
-    for name, want in manifest.files.items():
-        path = Path(folder) / name
-        if not path.is_file() or path.stat().st_size != want["size"]:
-            raise BadInput(f"image {folder} is incomplete or corrupt: {name}",
-                           "take a new checkpoint")
-    want = manifest.files.get(gpuimage.INDEX)
-    if want is None or image.checksums(Path(folder), [gpuimage.INDEX], manifest.chunk_bytes)[
-            gpuimage.INDEX]["sha256"] != want["sha256"]:
-        raise BadInput(f"the index of image {folder} does not match its manifest",
-                       "take a new checkpoint")
 
 
 def load_validated(path: Optional[str]) -> set[str]:

@@ -260,8 +260,9 @@ def _well_formed(m: Manifest) -> bool:
     return True
 
 
-def verify(folder: Path) -> Manifest:
-    """load + exactly the listed files, each with its recorded size and chunk checksums."""
+def verify(folder: Path, digests: Optional[list[str]] = None) -> Manifest:
+    """load + exactly the listed files, each with its recorded size and chunk checksums (only
+    the files named in `digests`, when given: the rest is checked by whoever reads it)."""
     folder = Path(folder)
     manifest = load(folder)
     if not manifest.files:
@@ -279,9 +280,15 @@ def verify(folder: Path) -> Manifest:
     if extra:
         raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "
                        "list", "remove what was added, or take a new checkpoint")
-    got = chunk_digests(folder, {n: w["size"] for n, w in manifest.files.items()},
+    names = list(manifest.files) if digests is None else digests
+    missing = [n for n in names if n not in manifest.files]
+    if missing:
+        raise BadInput(f"image {folder} lacks {', '.join(missing)} in its manifest",
+                       "take a new checkpoint")
+    got = chunk_digests(folder, {n: manifest.files[n]["size"] for n in names},
                         manifest.chunk_bytes)
-    for name, want in manifest.files.items():
+    for name in names:
+        want = manifest.files[name]
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):
             if have.hex() != rec:
                 first = i * manifest.chunk_bytes
