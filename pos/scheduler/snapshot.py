@@ -71,17 +71,15 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
         # the application loses is inside its own driver calls that the agent held (intercepted
         # calls waiting for the cut or for their buffer to be saved), summed over all threads:
         # the agent's waited_s. That, not the image's wall time, is the stall it saw.
-        images.record(db, str(path), manifest.to_json())
-        return {"path": str(path), "bytes": manifest.size_bytes,
-                "stall_s": float(report["waited_s"])}
+        stall_s = float(report["waited_s"])
     else:
         from pos.scheduler import engine as full
 
         result = full.checkpoint(pid, directory, options, leave_running,
                                  echo=lambda s: print(s, file=sys.stderr, flush=True))
-        path, manifest = result.path, result.manifest
+        path, manifest, stall_s = result.path, result.manifest, result.manifest.stall_s
     images.record(db, str(path), manifest.to_json())
-    return {"path": str(path), "bytes": manifest.size_bytes, "stall_s": manifest.stall_s}
+    return {"path": str(path), "bytes": manifest.size_bytes, "stall_s": stall_s}
 
 
 def _interrupt(_signum: int, _frame: Any) -> None:
