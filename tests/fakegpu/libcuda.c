@@ -357,9 +357,14 @@ API CUresult cuCtxSynchronize(void) {
 }
 
 /* ---- streams and events ----------------------------------------------------------------- */
+/* A stream cuStreamCreate made (not NULL, CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2)). */
+static int own_stream(CUstream s) {
+    return (uintptr_t)s > 2 && s->magic == MAGIC_STREAM;
+}
+
 /* NULL, CU_STREAM_LEGACY (1), CU_STREAM_PER_THREAD (2) or a stream of ours. */
 static int stream_valid(CUstream s) {
-    return (uintptr_t)s <= 2 || s->magic == MAGIC_STREAM;
+    return (uintptr_t)s <= 2 || own_stream(s);
 }
 
 API CUresult cuStreamCreate(CUstream *phStream, unsigned int flags) {
@@ -378,7 +383,7 @@ API CUresult cuStreamCreate(CUstream *phStream, unsigned int flags) {
  * it would make is not kept). */
 API CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
     NEED_CONTEXT();
-    if ((uintptr_t)s <= 2 || s->magic != MAGIC_STREAM || mode < 0 || mode > 2)
+    if (!own_stream(s) || mode < 0 || mode > 2)
         return CUDA_ERROR_INVALID_VALUE;
     s->capturing = 1;
     return CUDA_SUCCESS;
@@ -386,7 +391,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
 
 API CUresult cuStreamEndCapture(CUstream s, void **graph) {
     NEED_CONTEXT();
-    if ((uintptr_t)s <= 2 || s->magic != MAGIC_STREAM || !s->capturing || !graph)
+    if (!own_stream(s) || !s->capturing || !graph)
         return CUDA_ERROR_INVALID_VALUE;
     s->capturing = 0;
     *graph = NULL;
@@ -397,7 +402,7 @@ API CUresult cuStreamIsCapturing(CUstream s, int *status) {
     NEED_CONTEXT();
     if (!stream_valid(s) || !status)
         return CUDA_ERROR_INVALID_VALUE;
-    *status = (uintptr_t)s > 2 && s->capturing; /* CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 */
+    *status = own_stream(s) && s->capturing; /* CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 */
     return CUDA_SUCCESS;
 }
 
@@ -420,7 +425,7 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s) { return stream_sync(s); }
 
 API CUresult cuStreamDestroy_v2(CUstream s) {
     NEED_CONTEXT();
-    if ((uintptr_t)s <= 2 || s->magic != MAGIC_STREAM)
+    if (!own_stream(s))
         return CUDA_ERROR_INVALID_HANDLE;
     s->magic = 0;
     free(s);
