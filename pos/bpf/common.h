@@ -37,9 +37,13 @@ struct pos_launch_scratch {
     u64 ptrs[POS_MAX_PARAMS];
 };
 BPF_PERCPU_ARRAY(launch_scratch, struct pos_launch_scratch, 1);
-/* [0] is 1 while user space may still learn a layout (module parses or the mapped-file scan
- * under way): launches without one then also keep a capture to be completed from later. */
-BPF_ARRAY(capturing, u32, 1);
+/* Handles whose lookup found no layout while one may still come (a module being parsed, the
+ * mapped files being scanned): their launches keep a capture to be completed from later. The
+ * probe marks a handle at its lookup, before the launch that follows; only user space, having
+ * read that lookup, unmarks it (once it has the layout, or once nothing can bring one). A flag
+ * for all handles, turned off by user space, raced: a lookup made between user space's drain
+ * and its turning captures off had its launches go without one. */
+BPF_F_TABLE("lru_hash", u64, u8, awaiting, 65536, 0);
 BPF_PERCPU_ARRAY(function_scratch, struct pos_function, 1);
 
 #define ARG1 PT_REGS_PARM1(ctx)
@@ -111,20 +115,11 @@ static __always_inline u64 read_u64(u64 addr) {
     return v;
 }
 
-/* Launches without a layout keep a capture from now on: a layout may come (user space turns
- * this off once nothing it waits for can bring one). */
-static __always_inline void capture_on(void) {
-    int zero = 0;
-    u32 one = 1;
-    capturing.update(&zero, &one);
-}
-
 /* Return of a module load: its image's layouts come once user space has parsed it. */
 static __always_inline int module_ret(struct pt_regs *ctx, u16 api) {
     struct pos_pending p;
     if (!take(ctx, api, &p))
         return 0;
-    capture_on();
     return emit(ctx, POS_MODULE, api, read_u64(p.out), p.a, 0, 0, 0);
 }
 
@@ -162,10 +157,11 @@ static __always_inline void inherit_layout(struct pos_function *f) {
     } else {
         lay = layouts.lookup(&f->module);
     }
+    u8 one = 1;
     if (lay)
         layouts.update(&f->handle, lay);
     else
-        capture_on();
+        awaiting.update(&f->handle, &one);
 }
 
 /* Return of a module/function lookup that names its result: the name is read now. */
@@ -196,10 +192,8 @@ static __always_inline int function_ret(struct pt_regs *ctx, u16 api) {
     return 0;
 }
 
-static __always_inline int capturing_now(void) {
-    int zero = 0;
-    u32 *on = capturing.lookup(&zero);
-    return on && *on;
+static __always_inline int is_awaited(u64 func) {
+    return awaiting.lookup(&func) != 0;
 }
 
 /* The capture of a launch whose recorded bytes already lie as its layout will say (the packed
@@ -211,7 +205,7 @@ static __always_inline u32 laid_out(struct pos_launch *e, u32 at) {
     return 8;
 }
 
-/* While a layout may still come (`capturing`), a launch without one also keeps, after its n
+/* While its layout may still come (`awaiting`), a launch without one also keeps, after its n
  * slots, the capture that user space completes it from once the layout is known
  * (pos/tracer/late.py): the base address, the n parameter addresses, and POS_CAPTURE_BYTES of
  * memory from the base (the lowest address near the first parameter's). Read in the same
@@ -238,14 +232,17 @@ static __always_inline u32 capture(struct pos_launch_scratch *s, int n) {
         *(u64 *)&out[(at + 8 + 8 * i) & (POS_PARAM_BYTES - 1)] = s->ptrs[i];
     }
     at = (at + 8 + 8 * n) & (POS_PARAM_BYTES / 8 - 1);
-    u32 size = POS_CAPTURE_BYTES;
-    if (bpf_probe_read_user(&out[at], POS_CAPTURE_BYTES, (void *)base) < 0) {
-        /* the memory ends within the window: keep what is left of base's page */
-        size = ((4095 - (base & 4095)) & 4095) + 1;
-        if (bpf_probe_read_user(&out[at], size, (void *)base) < 0)
-            return 0;
-    }
-    return 8 + 8 * n + size;
+    if (bpf_probe_read_user(&out[at], POS_CAPTURE_BYTES, (void *)base) == 0)
+        return 8 + 8 * n + POS_CAPTURE_BYTES;
+    /* The memory ends within the window (a thread's stack ends a few KiB above its first frames),
+     * at a page boundary: at the end of base's page, or of the next one. */
+    u32 first_page = ((4095 - (base & 4095)) & 4095) + 1;
+    u32 size = first_page + 4096;
+    if (size < POS_CAPTURE_BYTES && bpf_probe_read_user(&out[at], size, (void *)base) == 0)
+        return 8 + 8 * n + size;
+    if (bpf_probe_read_user(&out[at], first_page, (void *)base) < 0)
+        return 0;
+    return 8 + 8 * n + first_page;
 }
 
 /* A launch: copies every parameter's bytes to its layout offset, or 8-byte slots when the
@@ -303,7 +300,7 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
             n = i + 1;
         }
         nbytes = 8 * n;
-        if (capturing_now())
+        if (is_awaited(func))
             capture_len = capture(s, n);
     } else if (extra) {
         u64 x[6] = {};
@@ -325,7 +322,7 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
             nbytes = size;
         }
     }
-    if (!params && !lay && capturing_now())
+    if (!params && !lay && is_awaited(func))
         capture_len = laid_out(e, nbytes);
     if (nbytes > POS_PARAM_BYTES) {
         nbytes = POS_PARAM_BYTES;

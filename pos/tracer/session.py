@@ -7,8 +7,9 @@ processes; each parsed layout goes into the probes' `named_layouts` map (by kern
 so that the probe gives a handle looked up later its layout in the kernel, and into the
 `layouts` map (by handle) for handles looked up before the parse ended, so that launches copy
 exactly their parameters. Launches that run before their kernel's layout is known are recorded
-as 8-byte slots with layout_known = False, and with a capture while a layout may still come,
-from which pos/tracer/late.py completes them when the trace ends.
+as 8-byte slots with layout_known = False, and with a capture while a layout may still come
+(the probe marks the handle `awaiting` at its lookup; `poll` unmarks it once nothing can bring
+one), from which pos/tracer/late.py completes them when the trace ends.
 """
 
 import json
@@ -136,14 +137,20 @@ class _Probes:
             self.attached.append(sym)
         self.layouts = self.bpf["layouts"]
         self.named = self.bpf["named_layouts"]
-        self._capturing = self.bpf["capturing"]
-        self.capture(True)
+        self.awaited: set[int] = set()   # handles the probes mark `awaiting`, read, not resolved
         self.full = False        # a layouts map ran full: later kernels go without layouts
         self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
 
-    def capture(self, on: bool) -> None:
-        """Whether launches without a layout keep a capture (pos/tracer/late.py)."""
-        self._capturing[self._capturing.Key(0)] = self._capturing.Leaf(int(on))
+    def release(self) -> None:
+        """Unmark the awaited handles: no layout can come for them any more, so their launches
+        stop keeping a capture (pos/tracer/late.py)."""
+        table = self.bpf["awaiting"]
+        for handle in self.awaited:
+            try:
+                del table[table.Key(handle)]
+            except KeyError:    # evicted already (the map is an LRU)
+                pass
+        self.awaited.clear()
 
     def _leaf(self, layout: fatbin.KernelLayout) -> Optional[Any]:
         leaf = self.layouts.Leaf()
@@ -230,11 +237,9 @@ class Tracer:
                 if len(batch) < MAX_RECORDS:
                     break
         self._settle()
-        # captures are kept while a layout may come (the probes also turn them on at a module
-        # load or a lookup that found none, before this drain saw either)
-        waiting = self.layouts_pending()
-        for probes in self._probes:
-            probes.capture(waiting)
+        if not self.layouts_pending():
+            for probes in self._probes:
+                probes.release()
         self.stats.lost = sum(p.lost() for p in self._probes)
         self.stats.layouts_full = any(p.full for p in self._probes)
         self.sink.check()
@@ -298,8 +303,10 @@ class Tracer:
         if layout is not None and probes.push_layout(row["handle"], layout):
             row["layout"] = _layout_json(layout)
             self._pushed[row["handle"]] = (name, row["layout"])
-        elif name:
-            self._unresolved[row["handle"]] = (probes, name)
+        else:
+            probes.awaited.add(row["handle"])
+            if name:
+                self._unresolved[row["handle"]] = (probes, name)
 
     # ---- layouts that arrive later: parsed modules, then the mapped files' fatbins -------
     def _workers(self) -> ProcessPoolExecutor:
@@ -375,6 +382,7 @@ class Tracer:
                     "ts_ns": 0, "pid": self.pid, "tid": 0, "api": source, "handle": handle,
                     "module": None, "name": name, "layout": self._pushed[handle][1]})
                 del self._unresolved[handle]
+                probes.awaited.discard(handle)
 
     def layouts_pending(self) -> bool:
         """Whether `close` will wait for module parses or the mapped-file scan."""

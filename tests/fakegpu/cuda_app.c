@@ -14,6 +14,7 @@
  *   wrapped  dlopen(DIR/libkernels.so), cuModuleLoadData(its __fatBinC_Wrapper_t) */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "app_common.h"
@@ -354,6 +355,21 @@ static void expect_bytes(const unsigned char *got, unsigned char want, size_t n,
         }
 }
 
+/* A page boundary with one readable page after it, then an inaccessible page. */
+static char *memory_edge(void) {
+    static char *edge;
+    if (!edge) {
+        long page = sysconf(_SC_PAGESIZE);
+        char *m = mmap(NULL, 3 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED || mprotect(m + 2 * page, page, PROT_NONE) != 0) {
+            perror("mmap");
+            exit(1);
+        }
+        edge = m + page;
+    }
+    return edge;
+}
+
 static void phase_launch(void) {
     if (!looked_up || !allocated) {
         phase_error("launch", "lookup and alloc first");
@@ -379,16 +395,19 @@ static void phase_launch(void) {
         launch(LAUNCH, K_AXPY, (struct dims){{4, 1, 1}, {256, 1, 1}, 0, NULL}, params, sizes, 4,
                NULL, 0);
     }
-    /* pair_copy(Pair{a, b, n}, scale): a struct holding two device pointers */
+    /* pair_copy(Pair{a, b, n}, scale): a struct holding two device pointers, across a page
+     * boundary and near where its memory ends, as a main thread's stack may end a few KiB above
+     * the frame of a launch */
     {
-        struct Pair pair;
-        memset(&pair, 0, sizeof(pair)); /* padding bytes are part of the ground truth */
-        pair.a = C;
-        pair.b = P;
-        pair.n = 64;
-        float scale = 0.5f;
-        void *params[] = {&pair, &scale};
-        size_t sizes[] = {sizeof(pair), sizeof(scale)};
+        struct Pair *pair = (struct Pair *)(memory_edge() - 8);
+        memset(pair, 0, sizeof(*pair)); /* padding bytes are part of the ground truth */
+        pair->a = C;
+        pair->b = P;
+        pair->n = 64;
+        float *scale = (float *)(memory_edge() + 64);
+        *scale = 0.5f;
+        void *params[] = {pair, scale};
+        size_t sizes[] = {sizeof(*pair), sizeof(*scale)};
         launch(LAUNCH_PTSZ, K_PAIR_COPY, (struct dims){{1, 1, 1}, {64, 1, 1}, 0, stream}, params,
                sizes, 2, NULL, 0);
     }

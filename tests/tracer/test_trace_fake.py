@@ -147,3 +147,41 @@ def test_a_launch_right_after_its_lookup_has_the_layout(
         tr.stop()
     launches = of(list(json_events(open_db(str(db), create=False), 1)), "launch")
     check_launches(truth["launch"]["launches"], launches)
+
+
+class _Discard:
+    """A sink for a test about the probes' maps, not the events."""
+
+    def add(self, table: str, row: dict[str, Any]) -> None:
+        pass
+
+    def raw(self, data: Any, offsets: Any) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+
+def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
+        fakegpu: dict[str, Path], bpf_ready: None) -> None:
+    """The probe marks a handle whose lookup found no layout; once the drain has read that
+    lookup and nothing can bring the layout (here: the module was loaded before pos attached,
+    and the mapped-file scan is off), the mark goes, so the kernel's launches cost no capture."""
+    from pos.tracer.session import Tracer
+    from pos.tracer.target import find_libraries
+
+    job = Job([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])])
+    try:
+        job.run("load")
+        tracer = Tracer(job.pid, find_libraries(job.pid), _Discard(),  # type: ignore[arg-type]
+                        scan_libraries=False)
+        try:
+            awaiting = tracer._probes[0].bpf["awaiting"]
+            functions = set(int(h, 16) for h in job.run("lookup")["functions"].values())
+            assert {k.value for k in awaiting.keys()} == functions
+            tracer.poll()
+            assert list(awaiting.keys()) == []
+        finally:
+            tracer.close()
+    finally:
+        job.close()
