@@ -5,6 +5,8 @@ The socket path is the one contract with the scheduler side (pos/scheduler/concu
 `socket_path(pid)`.
 """
 
+from pos.errors import PosError
+
 SOCKET_DIR = "/run/pos"
 SOCKET_TEMPLATE = SOCKET_DIR + "/agent-{pid}.sock"
 ENABLE_ENV = "POS_AGENT"            # "1": the sitecustomize starts the agent
@@ -14,3 +16,9 @@ RUN_NAME_ENV = "POS_RUN_NAME"       # `pos run --name`; the scheduler resolves n
 def socket_path(pid: int) -> str:
     """The control socket of the agent inside process `pid`."""
     return SOCKET_TEMPLATE.format(pid=pid)
+
+
+class HalfRestored(PosError):
+    """An on-demand restore failed after the application was released: some buffers hold the
+    image's bytes and others their old ones. The server ends the process after answering, so that
+    it never computes on that mix (a failed CRIU restore ends its tree the same way)."""

@@ -50,9 +50,10 @@ writes a buffer after its restored bytes), the application is released at once: 
 read or write a buffer not back yet (the analyzer's rule, read and write sides) waits and marks
 it URGENT, and a restorer thread takes it next; unvalidated kernels, unknown layouts, graphs
 and the calls the agent cannot place wait for everything; other calls pass. Should a restore
-fail midway, every held call is still released, and the error says how many buffers were not
-restored (they keep their contents from before the restore): the process is then half-restored
-and the error says so; restore again or end it.
+fail after the release, every held call is still released, the error says how many bytes were
+back, and the process is ended once the answer is sent (HalfRestored; pos/agent/server.py): it
+has already run on, so its old contents cannot be put back, and a mix of the image's buffers and
+older ones must not compute on. A failure before the release (a refused image) leaves it as it was.
 
 Not proven on a GPU yet: this module under real CUPTI and the real driver (the fake driver of
 the tests runs the same code without CUPTI; the callback is then invoked by hand).
@@ -70,7 +71,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pos.agent import callbacks, gpuimage, native
+from pos.agent import HalfRestored, callbacks, gpuimage, native
 from pos.agent import state as S
 from pos.agent.copier import CHUNK, CU_EVENT_DISABLE_TIMING, Copier, Restorer, Staging
 from pos.analyzer import load_validation
@@ -477,7 +478,7 @@ class Agent:
         alike). `on_release` (tests) is called once the application is released.
         quick_verify: before the release check the manifest, the image's files and their sizes,
         and the index's checksums only, leaving the data to the per-chunk checksums as it is read (faster
-        release; a corrupt chunk is then found midway and the process left half-restored).
+        release; a corrupt chunk is then found midway, and the process ended: HalfRestored).
         By default every file's sha256 is checked first (image.verify)."""
         if not self._op.acquire(blocking=False):
             raise BadInput("a checkpoint or restore of this process is already running",
@@ -546,9 +547,10 @@ class Agent:
                     not restorer.errors:
                 raise
             msg = e.message if isinstance(e, PosError) else str(e)
-            raise PosError(f"the restore failed after {back} of {total} bytes ({msg.rstrip('.')});"
-                           " the process runs on with the other buffers as they were before the "
-                           "restore", "restore again, or end the process") from e
+            raise HalfRestored(f"the restore failed after {back} of {total} bytes "
+                               f"({msg.rstrip('.')}), so pos ended the process rather than leave "
+                               "it running half-restored", "start the job again and restore the "
+                               "image into it") from e
         finally:
             self.unregister()
         first_ns = int(st.ctl[S.C_FIRST_NS])

@@ -3,19 +3,22 @@
 Requests, one JSON object per line: {"op": "status"}, {"op": "checkpoint", "dir": DIR,
 "incremental": bool, "compress": bool, "predicted": ["0x...", ...], optional "streams",
 "writers", "chunk_mb", "depth"}, {"op": "restore", "dir": DIR, optional "streams", "chunk_mb",
-"depth"}. Each gets one line back: {"ok": true, ...} or {"ok": false, "error": SENTENCE}.
+"depth"}. Each gets one line back: {"ok": true, ...} or {"ok": false, "error": SENTENCE}; with
+"ended": true the process ends once that line is sent (a restore that failed after the release:
+HalfRestored).
 /run/pos is 0700 and the socket 0600; peers other than root (SO_PEERCRED) are refused.
 """
 
 import json
 import os
+import signal
 import socket
 import struct
 import sys
 import threading
 from typing import Any, Callable
 
-from pos.agent import SOCKET_DIR, socket_path
+from pos.agent import SOCKET_DIR, HalfRestored, socket_path
 from pos.errors import PosError
 
 MAX_REQUEST = 1 << 20
@@ -48,6 +51,8 @@ def handle(agent: Any, line: bytes) -> dict[str, Any]:
             return {"ok": True, **agent.checkpoint(req["dir"], bool(req.get("incremental")),
                                                    bool(req.get("compress")), predicted,
                                                    **opts)}
+    except HalfRestored as e:
+        return {"ok": False, "error": e.message, "ended": True}
     except PosError as e:
         return {"ok": False, "error": e.message}
     except (TypeError, ValueError) as e:
@@ -61,11 +66,14 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 class Server:
-    """Listens on socket_path(os.getpid()) in a daemon thread; `close` removes the socket."""
+    """Listens on socket_path(os.getpid()) in a daemon thread; `close` removes the socket.
+    `end` ends the process after an "ended" answer (SIGKILL: a handler the job installed for
+    SIGTERM could save the half-restored state)."""
 
     def __init__(self, agent: Any, path: str = "", allowed_uid: int = 0,
-                 on_thread: Callable[[], None] = lambda: None) -> None:
-        self.agent, self.allowed_uid, self.on_thread = agent, allowed_uid, on_thread
+                 on_thread: Callable[[], None] = lambda: None,
+                 end: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGKILL)) -> None:
+        self.agent, self.allowed_uid, self.on_thread, self.end = agent, allowed_uid, on_thread, end
         self.path = path or socket_path(os.getpid())
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         if os.path.dirname(self.path) == SOCKET_DIR:
@@ -113,7 +121,12 @@ class Server:
         while line := f.readline(MAX_REQUEST):
             if not line.strip():
                 continue
-            conn.sendall(json.dumps(handle(self.agent, line)).encode() + b"\n")
+            reply = handle(self.agent, line)
+            try:
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            finally:
+                if reply.get("ended"):
+                    self.end()
 
     def close(self) -> None:
         self.sock.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pos.agent import HalfRestored
 from pos.agent import callbacks as C
 from pos.agent import gpuimage
 from pos.agent import state as S
@@ -444,6 +445,35 @@ def test_checkpoint_restore_round_trip_and_incremental(rig, tmp_path) -> None:  
     app.fill(y, 0)
     agent.restore(str(tmp_path / "inc"))          # y from inc, x from its parent
     assert (app.read(x) == 11).all() and (app.read(y) == 13).all()
+
+
+def test_a_restore_failing_after_the_release_says_the_process_must_end(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Quick verification leaves the data to the chunks' checksums: a corrupt chunk is found
+    after the release, when other buffers are back already. Every call is released and the
+    error is HalfRestored, which the server answers and then ends the process with."""
+    agent, app = rig
+    x, y = app.bufs
+    app.fill(x, 21)
+    app.fill(y, 22)
+    agent.checkpoint(str(tmp_path / "img"), chunk_mb=1)
+    data = sorted((tmp_path / "img").glob("gpu-data-*.bin"))
+    assert data
+    data[-1].chmod(0o600)
+    with data[-1].open("r+b") as f:         # one byte of the last chunk written
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    app.fill(x, 0)
+    app.fill(y, 0)
+    with pytest.raises(HalfRestored, match=r"the restore failed after \d+ of \d+ bytes .*so pos "
+                       r"ended the process rather than leave it running half-restored: start the "
+                       r"job again and restore the image into it\.$"):
+        agent.restore(str(tmp_path / "img"), streams=1, quick_verify=True)
+    assert agent.st.ctl[S.C_PHASE] == S.PHASE_IDLE
+    held = int(agent.st.ctl[S.C_HELD])
+    app.read_call(x)                               # x is not back, and the call is not held
+    assert int(agent.st.ctl[S.C_HELD]) == held
 
 
 def test_restore_refuses_an_image_of_other_buffers(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pos.agent import socket_path
+from pos.agent import HalfRestored, socket_path
 from pos.agent.server import Server, handle
 from pos.cli import cli
 from pos.errors import BadInput
@@ -70,6 +70,31 @@ def test_socket_is_root_only_and_refuses_other_peers(tmp_path: Path) -> None:
         assert ask(path, b'{"op": "status"}')["error"].startswith("the pos agent answers root")
     finally:
         other.close()
+
+
+class HalfRestoringAgent(FakeAgent):
+    def restore(self, directory, quick_verify=False):  # type: ignore[no-untyped-def]
+        raise HalfRestored("the restore failed after 1 of 2 bytes (chunk 3 is corrupt), so pos "
+                           "ended the process", "start the job again")
+
+
+def test_a_restore_failed_after_the_release_is_answered_then_ends_the_process(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "agent.sock")
+    ended: list[bool] = []
+    srv = Server(HalfRestoringAgent(), path, end=lambda: ended.append(True))
+    try:
+        assert ask(path, b'{"op": "status"}')["ok"] and not ended
+        reply = ask(path, b'{"op": "restore", "dir": "/img", "quick_verify": true}')
+        assert reply == {"ok": False, "ended": True, "error": (
+            "the restore failed after 1 of 2 bytes (chunk 3 is corrupt), so pos ended the "
+            "process: start the job again.")}
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ended == [True]
+    finally:
+        srv.close()
 
 
 def test_client_says_plainly_when_there_is_no_agent() -> None:
