@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pos.errors import BadInput, PosError
-from pos.scheduler import cron, procs, retention, targets
+from pos.scheduler import cron, image, procs, retention, targets
 from pos.scheduler.cron import Clock, SystemClock
 from pos.scheduler.watchdog import _import_path
 from pos.store import images, schedules
@@ -246,11 +246,24 @@ class Daemon:
             self._advance(s, now)
 
     def _retain(self, s: Schedule, now: datetime) -> None:
+        folder = Path(s.root) / str(s.id)
+        self._adopt(s, folder)
         policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
-        gone = retention.prune(Path(s.root) / str(s.id), policy, now)
+        gone = retention.prune(folder, policy, now)
         if gone:
             images.forget(self.db, [str(k.path) for k in gone])
             self.log(f"schedule {s.id}: pruned {len(gone)} image(s) ({policy})")
+
+    def _adopt(self, s: Schedule, folder: Path) -> None:
+        """Record the sealed images of the schedule's folder that the store lacks: the agent
+        of an abandoned concurrent snapshot finishes and seals its image after the daemon
+        stopped waiting for it (pos/scheduler/snapshot.py), so no run recorded it."""
+        kept = [str(k.path) for k in retention.images_in(folder)]
+        known = images.recorded(self.db, kept)
+        for path in (p for p in kept if p not in known):
+            images.record(self.db, path, image.load(Path(path)).to_json())
+            self.log(f"schedule {s.id}: recorded {path}, an image finished after its snapshot "
+                     "was abandoned")
 
     # ---- the loop ---------------------------------------------------------------------------
     def serve_metrics(self, port: int, address: str = "127.0.0.1") -> Any:

@@ -6,7 +6,7 @@ failure deep in CRIU or the driver must not take the daemon (and every other sch
 SIGTERM here abandons the snapshot through the Guard: the target runs on, DIR.partial is
 removed. The concurrent engine runs in the target itself (its `pos run` agent), which never
 stops it; SIGTERM only stops waiting for the agent, which finishes (and seals) its image or
-discards its DIR.partial on its own. The outcome is one JSON line on stdout: engine, path,
+discards its DIR.partial on its own (the daemon records such an image later: Daemon._adopt). The outcome is one JSON line on stdout: engine, path,
 bytes, stall_s (for the concurrent engine: the time the agent held application calls), or
 error.
 """
@@ -107,7 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         code = 1
         out["error"] = (f"the snapshot was abandoned; the agent of PID {a.pid} may still finish "
-                        f"its image in {a.dir}" if out["engine"] == "concurrent"
+                        f"its image in {a.dir}, which the daemon records at the schedule's next "
+                        "snapshot" if out["engine"] == "concurrent"
                         else "the snapshot was stopped before it began")
     print(json.dumps(out), flush=True)
     return code

@@ -43,6 +43,13 @@ def list_images(db: Optional[str]) -> Sequence[Image]:
         return s.scalars(select(Image).order_by(Image.created_at.desc(), Image.id.desc())).all()
 
 
+def recorded(db: Optional[str], paths: list[str]) -> set[str]:
+    """Which of `paths` have a row."""
+    engine = open_store(db)
+    with Session(engine) as s:
+        return set(s.scalars(select(Image.path).where(Image.path.in_(paths))))
+
+
 def forget(db: Optional[str], paths: list[str]) -> None:
     """Drop the rows of images that were deleted (by retention)."""
     engine = open_store(db)

@@ -8,9 +8,10 @@ from typing import Any, Optional
 import pytest
 
 from pos.errors import BadInput
-from pos.scheduler import cron
+from pos.scheduler import cron, image
+from pos.scheduler.image import Manifest
 from pos.scheduler.daemon import Daemon
-from pos.store import schedules
+from pos.store import images, schedules
 from pos.store.db import open_db
 
 T0 = datetime(2025, 3, 2, 12, 0, 0, tzinfo=timezone.utc)   # a Sunday
@@ -184,3 +185,28 @@ def test_shutdown_abandons_after_the_grace(rig, sleeper, tmp_path) -> None:
     d.shutdown(grace_s=0.2)
     assert workers[0].terminated
     assert [r.outcome for r in schedules.runs(open_db(db), sid)] == ["abandoned"]
+
+
+def test_an_image_sealed_after_its_snapshot_was_abandoned_is_recorded(rig, sleeper,
+                                                                      tmp_path) -> None:
+    """The agent of an abandoned concurrent snapshot seals its image later; the schedule's next
+    snapshot records it, once, before retention counts it."""
+    d, clock, workers, db = rig
+    said: list[str] = []
+    d.log = said.append
+    sid = add(db, "* * * * *", "pid", str(sleeper), tmp_path / "imgs")
+    late = tmp_path / "imgs" / str(sid) / "20250302T115900Z"
+    late.mkdir(parents=True)
+    image.write_manifest(late, Manifest(
+        pid=sleeper, pids=[sleeper], gpu_pids=[sleeper], comm="sleep", cmdline="sleep",
+        created_at="2025-03-02T11:59:00+00:00", host="h", kernel="k", criu_version="",
+        criu_options={}, leave_running=True, size_bytes=4096))
+    for _ in range(2):
+        clock.advance(minutes=1)
+        d.tick()
+        workers[-1].result = (0, {"engine": "concurrent", "path": "/x", "bytes": 1,
+                                  "stall_s": 0.0})
+        d.tick()
+    assert [i.path for i in images.list_images(db)] == [str(late)]
+    assert said.count(f"schedule {sid}: recorded {late}, an image finished after its snapshot "
+                      "was abandoned") == 1
