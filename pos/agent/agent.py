@@ -74,6 +74,7 @@ import numpy as np
 from pos.agent import HalfRestored, callbacks, gpuimage, native
 from pos.agent import state as S
 from pos.agent.copier import CHUNK, CU_EVENT_DISABLE_TIMING, Copier, Restorer, Staging
+from pos.agent.runtime import Runtimes
 from pos.analyzer import load_validation
 from pos.analyzer.dag import order_from_history
 from pos.analyzer.demangle import parameter_kinds
@@ -107,6 +108,7 @@ class Agent:
         self.trust_all = trust_all
         self.st.ctl[S.C_TRACK] = int(track_dirty)
         self.names: dict[int, str] = {}
+        self.runtimes = Runtimes()
         self.callback: Any = None
         self.cupti: Any = None
         self.last_image: Optional[Path] = None
@@ -128,9 +130,11 @@ class Agent:
         from pos.agent.cupti import Cupti
 
         self.cupti = Cupti()
-        enabled = callbacks.install(self.st, self.cupti.callback_ids())
+        enabled = callbacks.install(self.st, {d: self.cupti.callback_ids(d)
+                                              for d in callbacks.CALLS})
         self.cupti.subscribe(self.callback.address)
-        self.cupti.enable(enabled)
+        for domain, cbids in enabled.items():
+            self.cupti.enable(domain, cbids)
 
     def uses_gpu(self) -> bool:
         """Whether the application has device memory yet (racy read: a hint for polling)."""
@@ -179,12 +183,19 @@ class Agent:
         S.agent_remove_locked(st.mutex, st.agents, np.uint64(native.thread_self()))
 
     # ---- function layouts ----
-    def layout(self, f: int) -> Optional[tuple[list[int], list[int], str]]:
-        """(offsets, sizes, name) of a CUfunction (or CUkernel) from the driver, or None.
-        The parameters are enumerated until CUDA_ERROR_INVALID_VALUE (past the last one);
-        any other error means the handle is not of that API's kind: the next API is asked,
-        and a handle none of them knows has no layout (its launches then wait for every
-        buffer) rather than an empty one (which would say it writes nothing)."""
+    def layout(self, key: int) -> Optional[tuple[list[int], list[int], str]]:
+        """(offsets, sizes, name) of a function-table key from the driver, or None: a
+        CUfunction (or CUkernel), or a runtime launch's host stub tagged with STUB_TAG, whose
+        CUfunction the process's runtime gives. The parameters are enumerated until
+        CUDA_ERROR_INVALID_VALUE (past the last one); any other error means the handle is not
+        of that API's kind: the next API is asked, and a handle none of them knows has no
+        layout (its launches then wait for every buffer) rather than an empty one (which would
+        say it writes nothing)."""
+        f: Optional[int] = key
+        if key & int(callbacks.STUB_TAG):
+            f = self.runtimes.function_of(key & ~int(callbacks.STUB_TAG))
+            if f is None:
+                return None
         for get, name_of in (("cuFuncGetParamInfo", "cuFuncGetName"),
                              ("cuKernelGetParamInfo", "cuKernelGetName")):
             if not self.drv.has(get):

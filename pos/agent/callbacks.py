@@ -1,4 +1,5 @@
-"""The CUPTI driver-API callback, compiled with numba `@cfunc` (no GIL, ~0.25 µs per call).
+"""The CUPTI driver-API and runtime-API callback, compiled with numba `@cfunc` (no GIL, ~0.25 µs
+per call).
 
 It reads CUpti_CallbackData (cupti_callbacks.h: callbackSite int32 at +0, functionParams at
 +16, functionReturnValue at +24, correlationData at +56) and the call's parameter struct
@@ -6,6 +7,15 @@ It reads CUpti_CallbackData (cupti_callbacks.h: callbackSite int32 at +0, functi
 cuLaunchKernelEx_params config +0, f +8, kernelParams +16, extra +24, config->hStream +32;
 copies and sets: dst +0, size/count +16, hStream +24 for the Async forms; cuGraphLaunch hStream
 +8; cuMemAlloc_v2 dptr* +0, size +8; cuMemFree_v2 dptr +0; cuMemMap/Unmap ptr +0, size +8).
+The runtime's structs (generated_cuda_runtime_api_meta.h) mostly lie the same way: cudaMalloc
+like cuMemAlloc_v2, cudaFree(Async) like cuMemFree(Async), cudaMemcpy like cuMemcpy (its
+cudaMemcpyKind at +24, so cudaMemcpyAsync's stream is at +32), cudaMemset(Async) like
+cuMemsetD8(Async), cudaGraphLaunch like cuGraphLaunch; cudaLaunchKernel_params func +0, args
++32, stream +48; cudaLaunchKernelExC_params config +0, func +8, args +16, config->stream +32.
+A runtime launch names its kernel by the host stub (`func`), not a CUfunction: its key in the
+function table is the stub tagged with STUB_TAG, which the agent resolves through the
+process's CUDA runtime (pos/agent/runtime.py). Runtime ids index cbkind/cbflag after the
+driver's (RUNTIME_BASE).
 
 What it does per call (see state.py for the statuses and pos/agent/agent.py for the cut):
 - allocations, maps (exit, on success): insert into the exact live table; frees and unmaps
@@ -47,9 +57,11 @@ from pos.analyzer.access import COPY_DST, _range_access, launch_access, max_evid
 
 # Kinds of intercepted calls (State.cbkind[cbid]); flags in State.cbflag[cbid].
 (K_NONE, K_ALLOC, K_MAP, K_FREE, K_UNMAP, K_LAUNCH, K_LAUNCH_EX, K_COPY, K_SET8, K_SET16,
- K_SET32, K_GRAPH, K_OTHER_WRITE, K_READ, K_OTHER_READ) = range(15)
-ASYNC, PER_THREAD = 1, 2
-DOMAIN_DRIVER_API = 1
+ K_SET32, K_GRAPH, K_OTHER_WRITE, K_READ, K_OTHER_READ, K_RT_LAUNCH, K_RT_LAUNCH_EX) = range(17)
+ASYNC, PER_THREAD, STREAM_AFTER_KIND = 1, 2, 4     # STREAM_AFTER_KIND: the stream at +32
+DOMAIN_DRIVER_API, DOMAIN_RUNTIME_API = 1, 2
+RUNTIME_BASE = 2048                    # cbkind/cbflag index of runtime cbid 0
+STUB_TAG = np.uint64(1 << 62)          # function-table key of a runtime launch: stub | STUB_TAG
 API_ENTER, API_EXIT = 0, 1
 STREAM_PER_THREAD = 2                  # CU_STREAM_PER_THREAD
 LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 1, 2
@@ -154,6 +166,23 @@ def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, lo2: n
     return S.dedupe(slots, k)
 
 
+@nb.njit(cache=True)
+def launch_target(kind: int, params: int) -> tuple:
+    """(function-table key, kernelParams, extra) of a launch's parameter struct; a runtime
+    launch has no `extra` and names its kernel by the host stub (tagged)."""
+    if kind == K_LAUNCH:
+        return (native.load_u64(params), np.int64(native.load_u64(params + 48)),
+                np.int64(native.load_u64(params + 56)))
+    if kind == K_LAUNCH_EX:
+        return (native.load_u64(params + 8), np.int64(native.load_u64(params + 16)),
+                np.int64(native.load_u64(params + 24)))
+    if kind == K_RT_LAUNCH:
+        return (native.load_u64(params) | STUB_TAG, np.int64(native.load_u64(params + 32)),
+                np.int64(0))
+    return (native.load_u64(params + 8) | STUB_TAG, np.int64(native.load_u64(params + 16)),
+            np.int64(0))
+
+
 def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
     """The compiled callback for State `st`; copy_fn, record_fn and capturing_fn are the
     addresses of the driver's cuMemcpyDtoDAsync_v2 and cuEventRecord (the shadow copy and its
@@ -198,7 +227,11 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
 
     @nb.njit
     def body(domain: int, cbid: int, data: int) -> None:
-        if domain != DOMAIN_DRIVER_API or cbid >= cb_cap:
+        if domain == DOMAIN_RUNTIME_API:
+            cbid += RUNTIME_BASE
+        elif domain != DOMAIN_DRIVER_API:
+            return
+        if cbid >= cb_cap:
             return
         kind = v(cbkind_a, cb_cap, np.int8)[cbid]
         if kind == K_NONE:
@@ -249,12 +282,18 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
         # ---- entry of a call that may write (or, for K_READ, read) device memory ----
         cflag = v(cbflag_a, cb_cap, np.int8)[cbid]
         stream = np.uint64(0)
+        launch = kind == K_LAUNCH or kind == K_LAUNCH_EX or kind == K_RT_LAUNCH \
+            or kind == K_RT_LAUNCH_EX
         if kind == K_LAUNCH:
             stream = native.load_u64(params + 40)
-        elif kind == K_LAUNCH_EX:
+        elif kind == K_RT_LAUNCH:
+            stream = native.load_u64(params + 48)
+        elif kind == K_LAUNCH_EX or kind == K_RT_LAUNCH_EX:
             stream = native.load_u64(np.int64(native.load_u64(params)) + 32)
         elif kind == K_GRAPH or (kind == K_FREE and cflag & ASYNC):   # (graph | dptr, hStream)
             stream = native.load_u64(params + 8)
+        elif cflag & STREAM_AFTER_KIND:
+            stream = native.load_u64(params + 32)
         elif cflag & ASYNC:
             stream = native.load_u64(params + 24)
         if stream == 0 and (cflag & PER_THREAD):
@@ -271,10 +310,9 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
             phase = ctl[S.C_PHASE]
             if phase == S.PHASE_IDLE and (kind == K_READ or kind == K_OTHER_READ
                                           or ctl[S.C_TRACK] == 0):
-                if kind == K_LAUNCH or kind == K_LAUNCH_EX:   # its layout, before any cut
+                if launch:                                    # its layout, before any cut
                     S.function_seen(ctl, v(fkey_a, f_cap, np.uint64), v(fstate_a, f_cap, np.int8),
-                                    v(newf_a, newf_cap, np.uint64),
-                                    native.load_u64(params + (0 if kind == K_LAUNCH else 8)))
+                                    v(newf_a, newf_cap, np.uint64), launch_target(kind, params)[0])
                 break
             if phase == S.PHASE_CHECKPOINT and (kind == K_READ or kind == K_OTHER_READ):
                 break
@@ -298,18 +336,15 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
             n = EVERYTHING
             shadow_ok = True
             key = np.int64(-kind)
-            if kind == K_LAUNCH or kind == K_LAUNCH_EX:
-                off = 0 if kind == K_LAUNCH else -32
-                f = native.load_u64(params + (0 if kind == K_LAUNCH else 8))
+            if launch:
+                f, kp, extra = launch_target(kind, params)
                 key = np.int64(f)
                 n = launch_writes(ctl, bases, ends, v(fkey_a, f_cap, np.uint64),
                                   v(fstate_a, f_cap, np.int8), v(fstart_a, f_cap, np.int64),
                                   v(fcount_a, f_cap, np.int64), v(lay_off_a, lay_cap, np.int64),
                                   v(lay_size_a, lay_cap, np.int64),
                                   v(lay_kind_a, lay_cap, np.int8),
-                                  v(newf_a, newf_cap, np.uint64), f,
-                                  np.int64(native.load_u64(params + 48 + off)),
-                                  np.int64(native.load_u64(params + 56 + off)),
+                                  v(newf_a, newf_cap, np.uint64), f, kp, extra,
                                   v(scratch_a, scratch_cap, np.uint8),
                                   v(ev_slot_a, ev_cap, np.int64), v(ev_param_a, ev_cap, np.int32),
                                   v(ev_word_a, ev_cap, np.int32), v(ev_off_a, ev_cap, np.uint64),
@@ -427,7 +462,7 @@ def _variants(names: str, kind: int, flag: int = 0) -> dict[str, tuple[int, int]
 
 
 # Every driver call the agent intercepts, by name; the ids come from cupti.Cupti.callback_ids.
-CALLS: dict[str, tuple[int, int]] = {
+DRIVER_CALLS: dict[str, tuple[int, int]] = {
     **_variants("cuMemAlloc_v2 cuMemAllocManaged cuMemAllocAsync cuMemAllocFromPoolAsync",
                 K_ALLOC),
     **_variants("cuMemMap", K_MAP),
@@ -461,13 +496,40 @@ CALLS: dict[str, tuple[int, int]] = {
 }
 
 
-def install(st: S.State, ids: dict[str, int]) -> list[int]:
-    """Fill st.cbkind/cbflag for the calls this CUPTI knows; the callback ids to enable."""
-    enabled = []
-    for name, (kind, flag) in CALLS.items():
-        cbid = ids.get(name)
-        if cbid is not None and cbid < st.cbkind.shape[0]:
-            st.cbkind[cbid] = kind
-            st.cbflag[cbid] = flag
-            enabled.append(cbid)
-    return sorted(enabled)
+# Every runtime call the agent intercepts, by name without its version suffix.
+RUNTIME_CALLS: dict[str, tuple[int, int]] = {
+    **_variants("cudaMalloc cudaMallocManaged cudaMallocAsync cudaMallocFromPoolAsync", K_ALLOC),
+    **_variants("cudaFree", K_FREE),
+    **_variants("cudaFreeAsync", K_FREE, ASYNC),
+    **_variants("cudaLaunchKernel", K_RT_LAUNCH),
+    **_variants("cudaLaunchKernelExC", K_RT_LAUNCH_EX),
+    **_variants("cudaMemcpy", K_COPY),           # any direction: writes dst, reads src
+    **_variants("cudaMemcpyAsync", K_COPY, STREAM_AFTER_KIND),
+    **_variants("cudaMemset", K_SET8), **_variants("cudaMemsetAsync", K_SET8, ASYNC),
+    **_variants("cudaGraphLaunch", K_GRAPH),
+    **_variants("cudaLaunchCooperativeKernel cudaLaunchCooperativeKernelMultiDevice "
+                "cudaMemcpy2D cudaMemcpy2DAsync cudaMemcpy3D cudaMemcpy3DAsync cudaMemcpy3DPeer "
+                "cudaMemcpy3DPeerAsync cudaMemcpyPeer cudaMemcpyPeerAsync cudaMemcpyToSymbol "
+                "cudaMemcpyToSymbolAsync cudaMemcpyFromArray cudaMemcpyFromArrayAsync "
+                "cudaMemcpy2DFromArray cudaMemcpy2DFromArrayAsync cudaMemcpyBatchAsync "
+                "cudaMemcpy3DBatchAsync cudaMemset2D cudaMemset2DAsync cudaMemset3D "
+                "cudaMemset3DAsync", K_OTHER_WRITE),
+}
+CALLS = {DOMAIN_DRIVER_API: DRIVER_CALLS, DOMAIN_RUNTIME_API: RUNTIME_CALLS}
+
+
+def install(st: S.State, ids: dict[int, dict[str, int]]) -> dict[int, list[int]]:
+    """Fill st.cbkind/cbflag for the calls this CUPTI knows (`ids`: domain -> name -> cbid);
+    the callback ids to enable, by domain."""
+    enabled: dict[int, list[int]] = {}
+    for domain, calls in CALLS.items():
+        base = RUNTIME_BASE if domain == DOMAIN_RUNTIME_API else 0
+        on = enabled.setdefault(domain, [])
+        for name, (kind, flag) in calls.items():
+            cbid = ids.get(domain, {}).get(name)
+            if cbid is not None and base + cbid < st.cbkind.shape[0] and cbid < RUNTIME_BASE:
+                st.cbkind[base + cbid] = kind
+                st.cbflag[base + cbid] = flag
+                on.append(cbid)
+        on.sort()
+    return enabled

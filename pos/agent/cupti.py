@@ -1,15 +1,26 @@
 """The one module that loads libcupti (ctypes): find it, subscribe a callback, enable driver-API
-callbacks by name.
+and runtime-API callbacks by name.
+
+Both domains, because CUPTI reports a call at the API the application made it through: a
+PyTorch job allocates, copies and launches through the CUDA runtime (cudaMalloc,
+cudaLaunchKernel), and the driver calls the runtime makes inside are not reported in the driver
+domain (as Nsight Systems' and CUPTI's samples' traces of runtime programs show: runtime rows
+only); Triton's launches and the caching allocator's expandable segments (cuMemMap) come through
+the driver API. Not yet checked on a GPU; should CUPTI report a runtime call's inner driver
+calls too, the call is handled twice, which the callback's rules tolerate (pos/agent/callbacks.py).
 
 libcupti is looked for in this order: $POS_LIBCUPTI, the nvidia-cuda-cupti wheel (any
 `nvidia/**/libcupti.so*` on sys.path), $CUDA_HOME (extras/CUPTI/lib64, lib64), then the
 dynamic linker's cache. Callback ids are resolved from their names with cuptiGetCallbackName,
-so that pos does not depend on one CUDA release's numbering of cupti_driver_cbid.h.
+so that pos does not depend on one CUDA release's numbering of cupti_driver_cbid.h and
+cupti_runtime_cbid.h; runtime names lose their version suffix (cudaLaunchKernel_v7000 ->
+cudaLaunchKernel, cudaMemcpyAsync_ptsz_v7000 -> cudaMemcpyAsync_ptsz).
 """
 
 import ctypes
 import glob
 import os
+import re
 import subprocess
 import sys
 from typing import Iterable, Optional
@@ -17,7 +28,7 @@ from typing import Iterable, Optional
 from pos.errors import BadInput, PosError
 
 LIBRARY_ENV = "POS_LIBCUPTI"
-DOMAIN_DRIVER_API = 1
+DOMAIN_DRIVER_API, DOMAIN_RUNTIME_API = 1, 2   # CUpti_CallbackDomain
 MAX_CBID = 2048
 CUPTI_SUCCESS = 0
 CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39   # cupti_result.h
@@ -68,14 +79,18 @@ class Cupti:
             raise PosError(f"{name} failed: {(text.value or b'?').decode()} ({code})",
                            "check that the CUDA driver and libcupti versions match")
 
-    def callback_ids(self) -> dict[str, int]:
-        """Driver API name -> callback id, as this libcupti numbers them."""
+    def callback_ids(self, domain: int = DOMAIN_DRIVER_API) -> dict[str, int]:
+        """API name -> callback id in `domain`, as this libcupti numbers them (runtime names
+        without their version suffix; the first id of a name wins)."""
         names: dict[str, int] = {}
         fn = self.lib.cuptiGetCallbackName
         text = ctypes.c_char_p()
         for cbid in range(1, MAX_CBID):
-            if fn(DOMAIN_DRIVER_API, cbid, ctypes.byref(text)) == CUPTI_SUCCESS and text.value:
-                names.setdefault(text.value.decode(), cbid)
+            if fn(domain, cbid, ctypes.byref(text)) == CUPTI_SUCCESS and text.value:
+                name = text.value.decode()
+                if domain == DOMAIN_RUNTIME_API:
+                    name = re.sub(r"_v\d+$", "", name)
+                names.setdefault(name, cbid)
         return names
 
     def subscribe(self, callback_address: int) -> None:
@@ -88,7 +103,7 @@ class Cupti:
                            "without it, or without `pos run` while profiling")
         self.check("cuptiSubscribe", code)
 
-    def enable(self, cbids: Iterable[int]) -> None:
+    def enable(self, domain: int, cbids: Iterable[int]) -> None:
         for cbid in cbids:
             self.check("cuptiEnableCallback", self.lib.cuptiEnableCallback(
-                1, self.subscriber, DOMAIN_DRIVER_API, cbid))
+                1, self.subscriber, domain, cbid))

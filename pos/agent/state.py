@@ -75,8 +75,9 @@ class State:
         self.lay_size = np.zeros(layout_words, np.int64)
         self.lay_kind = np.zeros(layout_words, np.int8)
         self.newf = np.zeros(1024, np.uint64)
-        self.cbkind = np.zeros(2048, np.int8)              # CUPTI cbid -> callbacks.K_*
-        self.cbflag = np.zeros(2048, np.int8)              # callbacks.ASYNC | PER_THREAD
+        # CUPTI cbid (runtime ids after the driver's: callbacks.RUNTIME_BASE) -> callbacks.K_*
+        self.cbkind = np.zeros(4096, np.int8)
+        self.cbflag = np.zeros(4096, np.int8)              # callbacks.ASYNC | PER_THREAD | ...
         self.ident = np.arange(capacity, dtype=np.int64)   # slot -> slot (range rule ids)
         self.agents = np.zeros(AGENT_THREADS, np.uint64)
         self.scratch = np.zeros(1 << 14, np.uint8)        # one launch's parameter bytes

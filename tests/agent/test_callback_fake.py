@@ -22,7 +22,8 @@ from pos.errors import PosError
 from pos.scheduler import image
 
 SIZE = 256 << 10
-IDS = {name: i for i, name in enumerate(sorted(C.CALLS), start=1)}   # this test's numbering
+IDS = {domain: {name: i for i, name in enumerate(sorted(calls), start=1)}   # this test's numbering
+       for domain, calls in C.CALLS.items()}
 
 
 class CallbackData(ctypes.Structure):
@@ -68,7 +69,8 @@ class App:
         proto = ctypes.PYFUNCTYPE if hold_gil else ctypes.CFUNCTYPE
         fn = proto(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
                    ctypes.c_void_p)(self.agent.callback.address)
-        fn(None, C.DOMAIN_DRIVER_API, IDS[name], ctypes.addressof(data))
+        domain = C.DOMAIN_RUNTIME_API if name.startswith("cuda") else C.DOMAIN_DRIVER_API
+        fn(None, domain, IDS[domain][name], ctypes.addressof(data))
 
     def alloc(self, size: int) -> int:
         p = ctypes.c_uint64()
@@ -217,6 +219,80 @@ def test_a_launch_being_captured_into_a_graph_passes_untouched(rig, tmp_path) ->
     app.launch(stream=stream.value)               # the same call, no longer captured
     assert int(agent.st.ctl[S.C_COW]) == cow0 + 1
     copy_all(agent, tmp_path)
+    drv.call("cuStreamDestroy_v2", stream)
+
+
+class RtLaunchParams(ctypes.Structure):
+    """cudaLaunchKernel_v7000_params (generated_cuda_runtime_api_meta.h)."""
+    _fields_ = [("func", ctypes.c_uint64), ("grid", ctypes.c_uint32 * 3),
+                ("block", ctypes.c_uint32 * 3), ("args", ctypes.c_void_p),
+                ("sharedMem", ctypes.c_uint64), ("stream", ctypes.c_uint64)]
+
+
+class RtMemcpyAsyncParams(ctypes.Structure):
+    """cudaMemcpyAsync_v3020_params: the direction before the stream."""
+    _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64), ("count", ctypes.c_uint64),
+                ("kind", ctypes.c_int), ("stream", ctypes.c_uint64)]
+
+
+assert RtLaunchParams.args.offset == 32 and RtLaunchParams.stream.offset == 48
+assert RtMemcpyAsyncParams.stream.offset == 32
+STUB = 0x7F00_0000_1230                            # a host stub of nvcc's
+
+
+def test_runtime_calls_are_handled_like_the_driver_calls_inside_them(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A PyTorch job calls the runtime, and CUPTI reports cudaMalloc and cudaLaunchKernel, not
+    the driver calls inside them. A runtime launch is known by its host stub (tagged); the
+    runtime structs' streams are read where they lie: a call on a capturing stream passes,
+    the same call on another stream is shadowed (only what the stub's layout says it writes)."""
+    agent, app = rig
+    drv, st = app.drv, agent.st
+    p = ctypes.c_uint64()
+    drv.call("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(SIZE))   # inside cudaMalloc
+    app.fire("cudaMalloc", C.API_EXIT, (ctypes.c_uint64 * 2)(ctypes.addressof(p), SIZE))
+    x, y, z = *app.bufs, p.value
+    assert dict(st.live()).get(z) == SIZE
+    agent.add_function(STUB | int(C.STUB_TAG), [0, 8], [8, 8], "_Z4axpyPKfPf")
+    xa, ya = ctypes.c_uint64(x), ctypes.c_uint64(y)
+    args = (ctypes.c_void_p * 2)(ctypes.addressof(xa), ctypes.addressof(ya))
+
+    def launch(stream: int, stub: int = STUB) -> None:
+        app.fire("cudaLaunchKernel", C.API_ENTER, RtLaunchParams(
+            func=stub, args=ctypes.cast(args, ctypes.c_void_p), stream=stream))
+
+    def copy(stream: int) -> None:                 # z <- x, device to device
+        app.fire("cudaMemcpyAsync", C.API_ENTER,
+                 RtMemcpyAsyncParams(dst=z, src=x, count=SIZE, kind=3, stream=stream))
+
+    ctx, stream, graph = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+    drv.call("cuCtxSetCurrent", ctx)
+    drv.call("cuStreamCreate", ctypes.byref(stream), 0)
+    app.fill(y, 2)
+    app.fill(z, 3)
+    drv.call("cuStreamBeginCapture_v2", stream, 0)
+    cow0 = int(st.ctl[S.C_COW])
+    manual_cut(agent)
+    launch(stream.value)
+    copy(stream.value)
+    assert int(st.ctl[S.C_COW]) == cow0            # being captured: untouched
+    drv.call("cuStreamEndCapture", stream, ctypes.byref(graph))
+    launch(stream.value)
+    assert int(st.ctl[S.C_COW]) == cow0 + 1        # y, by the stub's layout (not x too)
+    copy(stream.value)
+    assert int(st.ctl[S.C_COW]) == cow0 + 2        # z
+    app.fill(y, 7)
+    app.fill(z, 8)
+    saved = copy_all(agent, tmp_path)
+    assert (saved[y] == 2).all() and (saved[z] == 3).all()
+    app.fire("cudaFree", C.API_ENTER, (ctypes.c_uint64 * 1)(z))
+    drv.call("cuMemFree_v2", ctypes.c_uint64(z))
+    app.fire("cudaFree", C.API_EXIT, (ctypes.c_uint64 * 1)(z))
+    assert z not in dict(st.live())
+    launch(0, STUB + 0x40)                         # idle: a new stub is queued for its layout
+    out = np.zeros(st.newf.shape[0], np.uint64)
+    n = S.take_new_functions_locked(st.mutex, st.ctl, st.newf, out)
+    assert (STUB + 0x40) | int(C.STUB_TAG) in out[:n].tolist()
     drv.call("cuStreamDestroy_v2", stream)
 
 

@@ -1,0 +1,57 @@
+"""The one place that talks to the application's own CUDA runtime (ctypes): a runtime launch
+names its kernel by the host stub that nvcc generated, and only the runtime instance that
+registered the stub can say which CUfunction it launches (cudaGetFuncBySymbol, CUDA >= 11).
+
+The agent does not load a runtime of its own: it asks each libcudart already mapped into the
+process (PyTorch's, from the nvidia-cuda-runtime wheel; an extension may bring another), in
+the order they were mapped, and takes the first answer. A stub no runtime knows (a runtime
+linked statically into a library hides its symbols) gets no layout, so its launches wait for
+every buffer during a checkpoint: slower, never wrong.
+"""
+
+import ctypes
+import os
+from typing import Optional
+
+CUDA_SUCCESS = 0
+
+
+def mapped_runtimes(maps: str = "/proc/self/maps") -> list[str]:
+    """The paths of the libcudart.so* files mapped into this process, in mapping order."""
+    seen: list[str] = []
+    with open(maps) as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            path = fields[5].strip() if len(fields) == 6 else ""
+            if os.path.basename(path).startswith("libcudart.so") and path not in seen:
+                seen.append(path)
+    return seen
+
+
+class Runtimes:
+    """The process's CUDA runtimes, opened lazily (a job starts its runtime after the agent)."""
+
+    def __init__(self) -> None:
+        self._libs: dict[str, Optional[ctypes.CDLL]] = {}
+
+    def _current(self) -> list[ctypes.CDLL]:
+        for path in mapped_runtimes():
+            if path not in self._libs:
+                try:   # RTLD_NOLOAD: only a runtime the process has loaded already
+                    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                    fn = lib.cudaGetFuncBySymbol
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+                    self._libs[path] = lib
+                except (OSError, AttributeError):
+                    self._libs[path] = None
+        return [lib for lib in self._libs.values() if lib is not None]
+
+    def function_of(self, stub: int) -> Optional[int]:
+        """The CUfunction (cudaFunction_t) that launches of host stub `stub` run, or None."""
+        out = ctypes.c_void_p()
+        for lib in self._current():
+            if lib.cudaGetFuncBySymbol(ctypes.byref(out), ctypes.c_void_p(stub)) == CUDA_SUCCESS \
+                    and out.value:
+                return out.value
+        return None
