@@ -585,6 +585,8 @@ class Agent:
                 "phase": int(st.ctl[S.C_PHASE]), "cut_done": bool(st.ctl[S.C_CUT_DONE]),
                 "track_dirty": bool(st.ctl[S.C_TRACK]),
                 "cupti": self.cupti is not None, "functions": len(self.names),
+                # CUPTI reported a runtime call's inner driver calls (callbacks.py, C_NESTED)
+                "nested_driver_calls": bool(st.ctl[S.C_NESTED]),
                 "last_image": str(self.last_image) if self.last_image else None,
                 "table_overflow": int(st.ctl[S.C_OVERFLOW]),
                 **{k: int(st.ctl[i]) for k, i in COUNTERS.items()}}

@@ -37,7 +37,9 @@ What it does per call (see state.py for the statuses and pos/agent/agent.py for 
   must be able to run while PyTorch's launching thread is held.
 - every such call is counted, entry to exit, under the current epoch: the cut waits for the
   calls that entered before it to leave the driver (their work is then in a stream).
-Calls made by the agent's own threads pass straight through.
+Calls made by the agent's own threads pass straight through. Runtime calls are acted on until a
+driver call is seen inside one (state.py: runtime_open, C_NESTED): CUPTI then reports the
+runtime's inner driver calls too, and those alone are acted on from then on.
 
 Not proven on a GPU yet: the whole callback under real CUPTI (the 0.25 µs figure and the
 in-callback shadow copy were measured by a prototype, not by this code), in particular that no
@@ -209,6 +211,8 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
     lay_size_a, lay_kind_a = arr("lay_size")[0], arr("lay_kind")[0]
     newf_a, newf_cap, _ = arr("newf")
     agents_a, agents_cap, _ = arr("agents")
+    rt_tid_a, rt_cap, _ = arr("rt_tid")
+    rt_depth_a = arr("rt_depth")[0]
     cbkind_a, cb_cap, _ = arr("cbkind")
     cbflag_a = arr("cbflag")[0]
     ident_a = arr("ident")[0]
@@ -227,7 +231,8 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
 
     @nb.njit
     def body(domain: int, cbid: int, data: int) -> None:
-        if domain == DOMAIN_RUNTIME_API:
+        runtime = domain == DOMAIN_RUNTIME_API
+        if runtime:
             cbid += RUNTIME_BASE
         elif domain != DOMAIN_DRIVER_API:
             return
@@ -265,8 +270,12 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
             S.table_insert(ctl, bases, ends, status, flags, shadow, base, size)
             native.mutex_unlock(mutex)
             return
+        rt_tid = v(rt_tid_a, rt_cap, np.uint64)
+        rt_depth = v(rt_depth_a, rt_cap, np.int64)
         if site == API_EXIT:
             native.mutex_lock(mutex)
+            if runtime and ctl[S.C_NESTED] == 0:
+                S.runtime_open(rt_tid, rt_depth, me, -1)
             if corr != 0:
                 tag = native.load_u64(corr)
                 if tag == 1 or tag == 2:
@@ -280,6 +289,10 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
             native.mutex_unlock(mutex)
             return
         # ---- entry of a call that may write (or, for K_READ, read) device memory ----
+        if runtime and ctl[S.C_NESTED] != 0:   # its inner driver calls are handled instead
+            if corr != 0:
+                native.store_u64(corr, np.uint64(0))
+            return
         cflag = v(cbflag_a, cb_cap, np.int8)[cbid]
         stream = np.uint64(0)
         launch = kind == K_LAUNCH or kind == K_LAUNCH_EX or kind == K_RT_LAUNCH \
@@ -303,6 +316,11 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
         hist_op = v(hist_op_a, 2 * hist_cap, np.int64)
         hist_base = v(hist_base_a, 2 * hist_cap, np.uint64)
         native.mutex_lock(mutex)
+        if ctl[S.C_NESTED] == 0:
+            if runtime:
+                S.runtime_open(rt_tid, rt_depth, me, 1)
+            elif S.inside_runtime(rt_tid, rt_depth, me):
+                ctl[S.C_NESTED] = 1
         waited = False
         capture_known = False
         t0 = 0
@@ -496,7 +514,8 @@ DRIVER_CALLS: dict[str, tuple[int, int]] = {
 }
 
 
-# Every runtime call the agent intercepts, by name without its version suffix.
+# Every runtime call the agent intercepts, by name without its version suffix (offsets checked
+# against CUDA 12.6's generated_cuda_runtime_api_meta.h).
 RUNTIME_CALLS: dict[str, tuple[int, int]] = {
     **_variants("cudaMalloc cudaMallocManaged cudaMallocAsync cudaMallocFromPoolAsync", K_ALLOC),
     **_variants("cudaFree", K_FREE),
@@ -514,6 +533,8 @@ RUNTIME_CALLS: dict[str, tuple[int, int]] = {
                 "cudaMemcpy2DFromArray cudaMemcpy2DFromArrayAsync cudaMemcpyBatchAsync "
                 "cudaMemcpy3DBatchAsync cudaMemset2D cudaMemset2DAsync cudaMemset3D "
                 "cudaMemset3DAsync", K_OTHER_WRITE),
+    # the <<<>>> launch of CUDA 13 runtimes (its parameter struct is not one pos has checked)
+    **_variants("__cudaLaunchKernel", K_OTHER_WRITE),
 }
 CALLS = {DOMAIN_DRIVER_API: DRIVER_CALLS, DOMAIN_RUNTIME_API: RUNTIME_CALLS}
 

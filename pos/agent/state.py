@@ -45,9 +45,10 @@ ALIGN = 256
  C_POOL_SIZE, C_POOL_USED, C_TRACK, C_LAY_N, C_NEWF_N, C_AGENT_N, C_INTERCEPTED, C_COW,
  C_COW_BYTES, C_WAITED, C_WAIT_NS, C_FALLBACKS, C_OVERFLOW, C_PENDING_BYTES, C_HELD,
  C_N_SHADOWS, C_OUT0, C_OUT1, C_COPY_ERRORS, C_HIST_OPS, C_HIST_ACC, C_FIRST_NS,
- C_CALLS) = range(31)
-N_CTL = 32
+ C_CALLS, C_NESTED) = range(32)
+N_CTL = 40
 AGENT_THREADS = 16
+RUNTIME_THREADS = 256      # application threads with a runtime call open, until C_NESTED is known
 EVIDENCE = 1 << 16
 
 
@@ -80,6 +81,8 @@ class State:
         self.cbflag = np.zeros(4096, np.int8)              # callbacks.ASYNC | PER_THREAD | ...
         self.ident = np.arange(capacity, dtype=np.int64)   # slot -> slot (range rule ids)
         self.agents = np.zeros(AGENT_THREADS, np.uint64)
+        self.rt_tid = np.zeros(RUNTIME_THREADS, np.uint64)     # thread -> runtime calls open
+        self.rt_depth = np.zeros(RUNTIME_THREADS, np.int64)
         self.scratch = np.zeros(1 << 14, np.uint8)        # one launch's parameter bytes
         self.ev_slot = np.zeros(EVIDENCE, np.int64)        # evidence rows of one call
         self.ev_param = np.zeros(EVIDENCE, np.int32)
@@ -549,6 +552,35 @@ def live_locked(mutex: int, ctl, bases, ends, out_b, out_e) -> int:
         out_e[j] = ends[j]
     native.mutex_unlock(mutex)
     return n
+
+
+# ---- is a runtime call's inner driver call reported too? ---------------------------------------
+# Whether CUPTI reports the driver calls that a runtime call makes inside is not documented. The
+# callback finds out: a driver call on a thread with a runtime call open says yes (C_NESTED),
+# and from then on the driver domain alone is acted on (it names a CUfunction, which every
+# kernel's layout comes from). Until then both are: a call handled twice is handled alike.
+
+@nb.njit(cache=True)
+def runtime_open(rt_tid, rt_depth, me: np.uint64, step: int) -> None:
+    """One more (step 1) or one fewer (step -1) runtime call open on thread `me`."""
+    free = -1
+    for i in range(rt_tid.shape[0]):
+        if rt_tid[i] == me:
+            rt_depth[i] = max(rt_depth[i] + step, 0)
+            return
+        if free < 0 and rt_depth[i] == 0:
+            free = i
+    if step > 0 and free >= 0:
+        rt_tid[free] = me
+        rt_depth[free] = step
+
+
+@nb.njit(cache=True)
+def inside_runtime(rt_tid, rt_depth, me: np.uint64) -> bool:
+    for i in range(rt_tid.shape[0]):
+        if rt_tid[i] == me:
+            return rt_depth[i] > 0
+    return False
 
 
 @nb.njit(nogil=True)

@@ -296,6 +296,44 @@ def test_runtime_calls_are_handled_like_the_driver_calls_inside_them(rig, tmp_pa
     drv.call("cuStreamDestroy_v2", stream)
 
 
+def test_once_a_driver_call_is_seen_inside_a_runtime_call_the_driver_domain_alone_acts(  # type: ignore[no-untyped-def]
+        rig, tmp_path) -> None:
+    """Should CUPTI report the driver calls a runtime call makes inside (not documented), the
+    first such call says so, and from then on runtime calls pass: their driver calls name the
+    CUfunction. The calls in flight are counted once each either way."""
+    agent, app = rig
+    st = agent.st
+    x, y = app.bufs
+    xa, ya = ctypes.c_uint64(x), ctypes.c_uint64(y)
+    args = (ctypes.c_void_p * 2)(ctypes.addressof(xa), ctypes.addressof(ya))
+    agent.add_function(STUB | int(C.STUB_TAG), [0, 8], [8, 8], "_Z4axpyPKfPf")
+    out0 = (int(st.ctl[S.C_OUT0]), int(st.ctl[S.C_OUT1]))
+
+    def nested_launch() -> None:                   # cudaLaunchKernel, cuLaunchKernel inside it
+        rc, dc = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        rt = RtLaunchParams(func=STUB, args=ctypes.cast(args, ctypes.c_void_p))
+        app.fire("cudaLaunchKernel", C.API_ENTER, rt, corr=rc)
+        app.launch(C.API_ENTER, dc)
+        app.launch(C.API_EXIT, dc)
+        app.fire("cudaLaunchKernel", C.API_EXIT, rt, corr=rc)
+
+    try:
+        assert st.ctl[S.C_NESTED] == 0
+        nested_launch()                            # idle: learns that driver calls nest
+        assert st.ctl[S.C_NESTED] == 1 and agent.status()["nested_driver_calls"]
+        cow0 = int(st.ctl[S.C_COW])
+        manual_cut(agent)
+        held = int(st.ctl[S.C_INTERCEPTED])
+        nested_launch()
+        assert int(st.ctl[S.C_COW]) == cow0 + 1    # y, shadowed once, by the driver call
+        assert int(st.ctl[S.C_INTERCEPTED]) == held + 1
+        copy_all(agent, tmp_path)
+        assert (int(st.ctl[S.C_OUT0]), int(st.ctl[S.C_OUT1])) == out0
+    finally:
+        st.ctl[S.C_NESTED] = 0                     # for the tests after this one
+        st.rt_depth[:] = 0
+
+
 def test_pool_full_makes_the_call_wait_for_the_copier(rig, tmp_path) -> None:  # type: ignore[no-untyped-def]
     agent, app = rig
     st = agent.st
