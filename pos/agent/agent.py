@@ -454,6 +454,7 @@ class Agent:
                   "d2h_s": host_s,
                   "d2h_gbps": cut_bytes / host_s / 1e9 if host_s > 0 else None,
                   "order_source": source, "order_facts": facts,
+                  "nested_driver_calls": bool(st.ctl[S.C_NESTED]),
                   "streams": streams, "writers": writers, "chunk_mb": chunk >> 20,
                   "depth": depth, "pinned_staging": staging.pinned,
                   "compressed": compress, "incremental": incremental,
