@@ -1,13 +1,12 @@
 """The one module that loads libcupti (ctypes): find it, subscribe a callback, enable driver-API
 and runtime-API callbacks by name.
 
-Both domains, because CUPTI reports a call at the API the application made it through: a
-PyTorch job allocates, copies and launches through the CUDA runtime (cudaMalloc,
-cudaLaunchKernel), and the driver calls the runtime makes inside are not reported in the driver
-domain (as Nsight Systems' and CUPTI's samples' traces of runtime programs show: runtime rows
-only); Triton's launches and the caching allocator's expandable segments (cuMemMap) come through
-the driver API. Not yet checked on a GPU; should CUPTI report a runtime call's inner driver
-calls too, the call is handled twice, which the callback's rules tolerate (pos/agent/callbacks.py).
+Both domains: a PyTorch job allocates, copies and launches through the CUDA runtime
+(cudaMalloc, cudaLaunchKernel), Triton and the caching allocator's expandable segments
+(cuMemMap) through the driver API. Whether CUPTI also reports the driver calls a runtime call
+makes inside is not documented (Nsight Systems hides them; HPCToolkit's and parcagpu's CUPTI
+code handles them as nested): the callback learns which at the first such call
+(pos/agent/callbacks.py).
 
 libcupti is looked for in this order: $POS_LIBCUPTI, the nvidia-cuda-cupti wheel (any
 `nvidia/**/libcupti.so*` on sys.path), $CUDA_HOME (extras/CUPTI/lib64, lib64), then the
