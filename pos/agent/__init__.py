@@ -20,5 +20,6 @@ def socket_path(pid: int) -> str:
 
 class HalfRestored(PosError):
     """An on-demand restore failed after the application was released: some buffers hold the
-    image's bytes and others their old ones. The server ends the process after answering, so that
-    it never computes on that mix (a failed CRIU restore ends its tree the same way)."""
+    image's bytes and others their old ones. The calls that need the others stay held, and the
+    server ends the process after answering, so that it never computes on that mix (a failed
+    CRIU restore ends its tree the same way)."""

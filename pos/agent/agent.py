@@ -50,10 +50,11 @@ writes a buffer after its restored bytes), the application is released at once: 
 read or write a buffer not back yet (the analyzer's rule, read and write sides) waits and marks
 it URGENT, and a restorer thread takes it next; unvalidated kernels, unknown layouts, graphs
 and the calls the agent cannot place wait for everything; other calls pass. Should a restore
-fail after the release, every held call is still released, the error says how many bytes were
-back, and the process is ended once the answer is sent (HalfRestored; pos/agent/server.py): it
-has already run on, so its old contents cannot be put back, and a mix of the image's buffers and
-older ones must not compute on. A failure before the release (a refused image) leaves it as it was.
+fail after the release, the calls held for buffers not back stay held, the error says how many
+bytes were back, and the process is ended once the answer is sent (HalfRestored;
+pos/agent/server.py): it has already run on, so its old contents cannot be put back, and a mix
+of the image's buffers and older ones must not compute on. A failure before the release (a
+refused image) leaves it as it was.
 
 Not proven on a GPU yet: this module under real CUPTI and the real driver (the fake driver of
 the tests runs the same code without CUPTI; the callback is then invoked by hand).
@@ -554,10 +555,12 @@ class Agent:
             if restorer is not None:
                 restorer.abort.set()
             back = restorer.bytes if restorer is not None else 0
-            S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
             if restorer is None or isinstance(e, BadInput) and back == 0 and \
                     not restorer.errors:
+                S.end_locked(st.mutex, st.cond, st.ctl, st.status, st.flags, st.sh_size)
                 raise
+            # the calls held for buffers not back stay held: the server ends the process once
+            # it has answered, and no call may meanwhile read what was not restored
             msg = e.message if isinstance(e, PosError) else str(e)
             raise HalfRestored(f"the restore failed after {back} of {total} bytes "
                                f"({msg.rstrip('.')}), so pos ended the process rather than leave "

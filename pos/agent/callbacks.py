@@ -68,6 +68,9 @@ API_ENTER, API_EXIT = 0, 1
 STREAM_PER_THREAD = 2                  # CU_STREAM_PER_THREAD
 LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 1, 2
 EVERYTHING = -1
+# correlationData, from a call's entry to its exit: the epoch it was counted under (1, 2; 0: not
+# counted), and whether it opened a runtime call on its thread (state.runtime_open)
+TAG_EPOCH, TAG_OPENED = np.uint64(3), np.uint64(4)
 
 SIGNATURE = nb.types.void(nb.types.voidptr, nb.types.int32, nb.types.uint32, nb.types.voidptr)
 # cuMemcpyDtoDAsync_v2(dst, src, bytes, stream), cuEventRecord(event, stream)
@@ -148,14 +151,20 @@ def launch_writes(ctl, bases, ends, fkey, fstate, fstart, fcount, lay_off, lay_s
 
 
 @nb.njit(cache=True)
+def in_pool(ctl, address: np.uint64) -> bool:
+    """Whether `address` lies in the agent's shadow pool (no application buffer does)."""
+    pool = np.uint64(ctl[S.C_POOL_BASE])
+    return pool != 0 and address >= pool and address < pool + np.uint64(ctl[S.C_POOL_SIZE])
+
+
+@nb.njit(cache=True)
 def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, lo2: np.uint64,
                  size2: np.uint64, ev_slot, ev_param, ev_word, ev_off, ev_write, slots) -> int:
     """The slots that [lo, lo+size) and [lo2, lo2+size2) overlap (a copy's or set's sides, by
     the analyzer's range rule; size2 0 for one side). A range inside the agent's own shadow
     pool touches no application buffer: the callback of the agent's own shadow copy (made on
     the application's thread) passes straight through."""
-    pool = np.uint64(ctl[S.C_POOL_BASE])
-    if size2 == 0 and pool != 0 and lo >= pool and lo < pool + np.uint64(ctl[S.C_POOL_SIZE]):
+    if size2 == 0 and in_pool(ctl, lo):
         return 0
     if 2 * ctl[S.C_N] + 2 > ev_slot.shape[0]:
         return EVERYTHING
@@ -255,44 +264,71 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
         status = v(status_a, cap, np.int8)
         flags = v(flags_a, cap, np.uint8)
         shadow = v(shadow_a, cap, np.int64)
-        if kind == K_ALLOC or kind == K_MAP:
-            if site != API_EXIT:
-                return
-            ret = np.int64(native.load_u64(data + 24))
-            if ret == 0 or native.load_u32(ret) != 0:
-                return
-            if kind == K_ALLOC:
-                base = native.load_u64(np.int64(native.load_u64(params)))
-            else:
-                base = native.load_u64(params)
-            size = native.load_u64(params + 8)
-            native.mutex_lock(mutex)
-            S.table_insert(ctl, bases, ends, status, flags, shadow, base, size)
-            native.mutex_unlock(mutex)
-            return
         rt_tid = v(rt_tid_a, rt_cap, np.uint64)
         rt_depth = v(rt_depth_a, rt_cap, np.int64)
+        alloc = kind == K_ALLOC or kind == K_MAP
         if site == API_EXIT:
+            ret = np.int64(native.load_u64(data + 24))
+            ok = ret != 0 and native.load_u32(ret) == 0
             native.mutex_lock(mutex)
-            if runtime and ctl[S.C_NESTED] == 0:
-                S.runtime_open(rt_tid, rt_depth, me, -1)
             if corr != 0:
                 tag = native.load_u64(corr)
-                if tag == 1 or tag == 2:
-                    ctl[S.C_OUT0 + np.int64(tag) - 1] -= 1
+                epoch = np.int64(tag & TAG_EPOCH)
+                if epoch == 1 or epoch == 2:
+                    ctl[S.C_OUT0 + epoch - 1] -= 1
                     native.cond_broadcast(cond)
-            if kind == K_FREE or kind == K_UNMAP:
-                ret = np.int64(native.load_u64(data + 24))
-                if ret != 0 and native.load_u32(ret) == 0:
+                if tag & TAG_OPENED:
+                    S.runtime_open(ctl, rt_tid, rt_depth, me, -1)
+            # once the runtime's inner driver calls are known to be reported, they alone
+            # change the table (a runtime call would repeat its inner call's change)
+            if ok and not (runtime and ctl[S.C_NESTED] != 0):
+                if kind == K_ALLOC:
+                    S.table_insert(ctl, bases, ends, status, flags, shadow,
+                                   native.load_u64(np.int64(native.load_u64(params))),
+                                   native.load_u64(params + 8))
+                elif kind == K_MAP:
+                    S.table_insert(ctl, bases, ends, status, flags, shadow,
+                                   native.load_u64(params), native.load_u64(params + 8))
+                elif kind == K_FREE or kind == K_UNMAP:
                     S.table_remove(ctl, bases, ends, status, flags, shadow,
                                    native.load_u64(params))
             native.mutex_unlock(mutex)
             return
-        # ---- entry of a call that may write (or, for K_READ, read) device memory ----
-        if runtime and ctl[S.C_NESTED] != 0:   # its inner driver calls are handled instead
+        # ---- entry ----
+        # The agent's own shadow copy (made on this thread, inside a callback) passes.
+        if kind == K_COPY and not runtime and in_pool(ctl, native.load_u64(params)):
             if corr != 0:
                 native.store_u64(corr, np.uint64(0))
             return
+        if runtime and ctl[S.C_NESTED] != 0:  # its inner driver calls are acted on instead
+            if corr != 0:
+                native.store_u64(corr, np.uint64(0))
+            return
+        opened = False
+        if runtime or ctl[S.C_RT_OPEN] > 0:
+            native.mutex_lock(mutex)
+            if runtime and ctl[S.C_NESTED] == 0:
+                if corr != 0:                  # (its exit closes it through the tag)
+                    S.runtime_open(ctl, rt_tid, rt_depth, me, 1)
+                    opened = True
+            elif not runtime and S.inside_runtime(rt_tid, rt_depth, me):
+                # CUPTI reports the driver calls inside runtime calls; this one's runtime
+                # call was acted on already (as runtime calls are from now on: not at all)
+                ctl[S.C_NESTED] = 1
+                native.mutex_unlock(mutex)
+                if corr != 0:
+                    native.store_u64(corr, np.uint64(0))
+                return
+            native.mutex_unlock(mutex)
+            if runtime and not opened and ctl[S.C_NESTED] != 0:   # set meanwhile
+                if corr != 0:
+                    native.store_u64(corr, np.uint64(0))
+                return
+        if alloc:                             # allocations are entered at their exit
+            if corr != 0:
+                native.store_u64(corr, TAG_OPENED if opened else np.uint64(0))
+            return
+        # ---- a call that may write (or, for K_READ, read) device memory ----
         cflag = v(cbflag_a, cb_cap, np.int8)[cbid]
         stream = np.uint64(0)
         launch = kind == K_LAUNCH or kind == K_LAUNCH_EX or kind == K_RT_LAUNCH \
@@ -316,11 +352,6 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
         hist_op = v(hist_op_a, 2 * hist_cap, np.int64)
         hist_base = v(hist_base_a, 2 * hist_cap, np.uint64)
         native.mutex_lock(mutex)
-        if ctl[S.C_NESTED] == 0:
-            if runtime:
-                S.runtime_open(rt_tid, rt_depth, me, 1)
-            elif S.inside_runtime(rt_tid, rt_depth, me):
-                ctl[S.C_NESTED] = 1
         waited = False
         capture_known = False
         t0 = 0
@@ -459,7 +490,8 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
         if corr != 0:
             parity = ctl[S.C_EPOCH] & 1
             ctl[S.C_OUT0 + parity] += 1
-            native.store_u64(corr, np.uint64(parity + 1))
+            native.store_u64(corr, np.uint64(parity + 1) | (TAG_OPENED if opened
+                                                             else np.uint64(0)))
         native.mutex_unlock(mutex)
 
     @nb.cfunc(SIGNATURE)
@@ -539,18 +571,18 @@ RUNTIME_CALLS: dict[str, tuple[int, int]] = {
 CALLS = {DOMAIN_DRIVER_API: DRIVER_CALLS, DOMAIN_RUNTIME_API: RUNTIME_CALLS}
 
 
-def install(st: S.State, ids: dict[int, dict[str, int]]) -> dict[int, list[int]]:
-    """Fill st.cbkind/cbflag for the calls this CUPTI knows (`ids`: domain -> name -> cbid);
+def install(st: S.State, ids: dict[int, dict[str, list[int]]]) -> dict[int, list[int]]:
+    """Fill st.cbkind/cbflag for the calls this CUPTI knows (`ids`: domain -> name -> cbids);
     the callback ids to enable, by domain."""
     enabled: dict[int, list[int]] = {}
     for domain, calls in CALLS.items():
         base = RUNTIME_BASE if domain == DOMAIN_RUNTIME_API else 0
         on = enabled.setdefault(domain, [])
         for name, (kind, flag) in calls.items():
-            cbid = ids.get(domain, {}).get(name)
-            if cbid is not None and base + cbid < st.cbkind.shape[0] and cbid < RUNTIME_BASE:
-                st.cbkind[base + cbid] = kind
-                st.cbflag[base + cbid] = flag
-                on.append(cbid)
+            for cbid in ids.get(domain, {}).get(name, []):
+                if cbid < RUNTIME_BASE and base + cbid < st.cbkind.shape[0]:
+                    st.cbkind[base + cbid] = kind
+                    st.cbflag[base + cbid] = flag
+                    on.append(cbid)
         on.sort()
     return enabled

@@ -13,7 +13,8 @@ libcupti is looked for in this order: $POS_LIBCUPTI, the nvidia-cuda-cupti wheel
 dynamic linker's cache. Callback ids are resolved from their names with cuptiGetCallbackName,
 so that pos does not depend on one CUDA release's numbering of cupti_driver_cbid.h and
 cupti_runtime_cbid.h; runtime names lose their version suffix (cudaLaunchKernel_v7000 ->
-cudaLaunchKernel, cudaMemcpyAsync_ptsz_v7000 -> cudaMemcpyAsync_ptsz).
+cudaLaunchKernel, cudaMemcpyAsync_ptsz_v7000 -> cudaMemcpyAsync_ptsz), and every version is
+enabled.
 """
 
 import ctypes
@@ -78,10 +79,11 @@ class Cupti:
             raise PosError(f"{name} failed: {(text.value or b'?').decode()} ({code})",
                            "check that the CUDA driver and libcupti versions match")
 
-    def callback_ids(self, domain: int = DOMAIN_DRIVER_API) -> dict[str, int]:
-        """API name -> callback id in `domain`, as this libcupti numbers them (runtime names
-        without their version suffix; the first id of a name wins)."""
-        names: dict[str, int] = {}
+    def callback_ids(self, domain: int = DOMAIN_DRIVER_API) -> dict[str, list[int]]:
+        """API name -> its callback ids in `domain`, as this libcupti numbers them (runtime
+        names without their version suffix: cudaMemcpyBatchAsync_v12080 and _v13000 are one
+        name with two ids)."""
+        names: dict[str, list[int]] = {}
         fn = self.lib.cuptiGetCallbackName
         text = ctypes.c_char_p()
         for cbid in range(1, MAX_CBID):
@@ -89,7 +91,7 @@ class Cupti:
                 name = text.value.decode()
                 if domain == DOMAIN_RUNTIME_API:
                     name = re.sub(r"_v\d+$", "", name)
-                names.setdefault(name, cbid)
+                names.setdefault(name, []).append(cbid)
         return names
 
     def subscribe(self, callback_address: int) -> None:

@@ -29,29 +29,40 @@ def mapped_runtimes(maps: str = "/proc/self/maps") -> list[str]:
 
 
 class Runtimes:
-    """The process's CUDA runtimes, opened lazily (a job starts its runtime after the agent)."""
+    """The process's CUDA runtimes, opened lazily (a job starts its runtime after the agent);
+    the process's mappings are read again only when no runtime known so far has the stub."""
 
     def __init__(self) -> None:
         self._libs: dict[str, Optional[ctypes.CDLL]] = {}
 
-    def _current(self) -> list[ctypes.CDLL]:
+    def _open_new(self) -> list[ctypes.CDLL]:
+        """The runtimes mapped since the last look."""
+        new = []
         for path in mapped_runtimes():
-            if path not in self._libs:
-                try:   # RTLD_NOLOAD: only a runtime the process has loaded already
-                    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-                    fn = lib.cudaGetFuncBySymbol
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-                    self._libs[path] = lib
-                except (OSError, AttributeError):
-                    self._libs[path] = None
-        return [lib for lib in self._libs.values() if lib is not None]
+            if path in self._libs:
+                continue
+            self._libs[path] = None
+            try:   # RTLD_NOLOAD: only a runtime the process has loaded already
+                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                fn = lib.cudaGetFuncBySymbol
+            except (OSError, AttributeError):
+                continue
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            self._libs[path] = lib
+            new.append(lib)
+        return new
 
-    def function_of(self, stub: int) -> Optional[int]:
-        """The CUfunction (cudaFunction_t) that launches of host stub `stub` run, or None."""
+    @staticmethod
+    def _ask(libs: list[ctypes.CDLL], stub: int) -> Optional[int]:
         out = ctypes.c_void_p()
-        for lib in self._current():
+        for lib in libs:
             if lib.cudaGetFuncBySymbol(ctypes.byref(out), ctypes.c_void_p(stub)) == CUDA_SUCCESS \
                     and out.value:
                 return out.value
         return None
+
+    def function_of(self, stub: int) -> Optional[int]:
+        """The CUfunction (cudaFunction_t) that launches of host stub `stub` run, or None."""
+        known = [lib for lib in self._libs.values() if lib is not None]
+        return self._ask(known, stub) or self._ask(self._open_new(), stub)

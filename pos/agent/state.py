@@ -45,7 +45,7 @@ ALIGN = 256
  C_POOL_SIZE, C_POOL_USED, C_TRACK, C_LAY_N, C_NEWF_N, C_AGENT_N, C_INTERCEPTED, C_COW,
  C_COW_BYTES, C_WAITED, C_WAIT_NS, C_FALLBACKS, C_OVERFLOW, C_PENDING_BYTES, C_HELD,
  C_N_SHADOWS, C_OUT0, C_OUT1, C_COPY_ERRORS, C_HIST_OPS, C_HIST_ACC, C_FIRST_NS,
- C_CALLS, C_NESTED) = range(32)
+ C_CALLS, C_NESTED, C_RT_OPEN) = range(33)
 N_CTL = 40
 AGENT_THREADS = 16
 RUNTIME_THREADS = 256      # application threads with a runtime call open, until C_NESTED is known
@@ -561,18 +561,22 @@ def live_locked(mutex: int, ctl, bases, ends, out_b, out_e) -> int:
 # kernel's layout comes from). Until then both are: a call handled twice is handled alike.
 
 @nb.njit(cache=True)
-def runtime_open(rt_tid, rt_depth, me: np.uint64, step: int) -> None:
-    """One more (step 1) or one fewer (step -1) runtime call open on thread `me`."""
+def runtime_open(ctl, rt_tid, rt_depth, me: np.uint64, step: int) -> None:
+    """One more (step 1) or one fewer (step -1) runtime call open on thread `me`; C_RT_OPEN
+    counts them over all threads (0: no driver call need look)."""
     free = -1
     for i in range(rt_tid.shape[0]):
         if rt_tid[i] == me:
-            rt_depth[i] = max(rt_depth[i] + step, 0)
+            if rt_depth[i] + step >= 0:
+                rt_depth[i] += step
+                ctl[C_RT_OPEN] += step
             return
         if free < 0 and rt_depth[i] == 0:
             free = i
     if step > 0 and free >= 0:
         rt_tid[free] = me
         rt_depth[free] = step
+        ctl[C_RT_OPEN] += step
 
 
 @nb.njit(cache=True)

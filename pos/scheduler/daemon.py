@@ -258,12 +258,16 @@ class Daemon:
         """Record the sealed images of the schedule's folder that the store lacks: the agent
         of an abandoned concurrent snapshot finishes and seals its image after the daemon
         stopped waiting for it (pos/scheduler/snapshot.py), so no run recorded it."""
-        kept = [str(k.path) for k in retention.images_in(folder)]
-        known = images.recorded(self.db, kept)
-        for path in (p for p in kept if p not in known):
-            images.record(self.db, path, image.load(Path(path)).to_json())
-            self.log(f"schedule {s.id}: recorded {path}, an image finished after its snapshot "
-                     "was abandoned")
+        try:
+            kept = [str(k.path) for k in retention.images_in(folder)]
+            known = images.recorded(self.db, kept)
+            for path in (p for p in kept if p not in known):
+                images.record(self.db, path, image.load(Path(path)).to_json())
+                self.log(f"schedule {s.id}: recorded {path}, an image finished after its "
+                         "snapshot was abandoned")
+        except Exception as e:   # a store busy, an image going: the next snapshot tries again
+            self.log(f"schedule {s.id}: recording the images of {folder} failed "
+                     f"({type(e).__name__}: {e}); retention goes on")
 
     # ---- the loop ---------------------------------------------------------------------------
     def serve_metrics(self, port: int, address: str = "127.0.0.1") -> Any:

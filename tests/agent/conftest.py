@@ -21,7 +21,9 @@ FAKE_CUPTI = r"""
 static const char *names[] = {"", "cuMemAlloc_v2", "cuMemFree_v2", "cuLaunchKernel",
                               "cuMemcpyHtoD_v2"};
 static const char *runtime_names[] = {"", "cudaMalloc_v3020", "cudaLaunchKernel_v7000",
-                                      "cudaMemcpyAsync_ptsz_v7000"};
+                                      "cudaMemcpyAsync_ptsz_v7000",
+                                      "cudaMemcpyBatchAsync_v12080",
+                                      "cudaMemcpyBatchAsync_v13000"};
 int cuptiGetCallbackName(int domain, unsigned cbid, const char **name) {
     if (domain == 2 && cbid > 0 && cbid < sizeof(runtime_names) / sizeof(runtime_names[0])) {
         *name = runtime_names[cbid]; return 0;

@@ -48,5 +48,6 @@ def test_callback_ids_of_both_domains(fake_cupti: Path) -> None:
 
     cupti = Cupti(str(fake_cupti))
     assert cupti.callback_ids(DOMAIN_RUNTIME_API) == {
-        "cudaMalloc": 1, "cudaLaunchKernel": 2, "cudaMemcpyAsync_ptsz": 3}
-    assert cupti.callback_ids(DOMAIN_DRIVER_API)["cuLaunchKernel"] == 3
+        "cudaMalloc": [1], "cudaLaunchKernel": [2], "cudaMemcpyAsync_ptsz": [3],
+        "cudaMemcpyBatchAsync": [4, 5]}                  # two versions: both enabled
+    assert cupti.callback_ids(DOMAIN_DRIVER_API)["cuLaunchKernel"] == [3]

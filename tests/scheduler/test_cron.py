@@ -210,3 +210,23 @@ def test_an_image_sealed_after_its_snapshot_was_abandoned_is_recorded(rig, sleep
     assert [i.path for i in images.list_images(db)] == [str(late)]
     assert said.count(f"schedule {sid}: recorded {late}, an image finished after its snapshot "
                       "was abandoned") == 1
+
+
+def test_a_store_error_while_recording_late_images_does_not_stop_the_schedule(
+        rig, sleeper, tmp_path, monkeypatch) -> None:
+    d, clock, workers, db = rig
+    said: list[str] = []
+    d.log = said.append
+    sid = add(db, "* * * * *", "pid", str(sleeper), tmp_path / "imgs")
+
+    def busy(*_: Any) -> set[str]:
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(images, "recorded", busy)
+    clock.advance(minutes=1)
+    d.tick()
+    workers[0].result = (0, {"engine": "criu", "path": "/x", "bytes": 1, "stall_s": 0.1})
+    d.tick()
+    assert any("recording the images of" in line and "database is locked" in line
+               for line in said), said
+    assert schedules.utc(schedules.get(open_db(db), sid).next_run_at) > clock.now()
