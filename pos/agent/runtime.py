@@ -13,19 +13,15 @@ import ctypes
 import os
 from typing import Optional
 
+from pos.tracer.target import mapped_files
+
 CUDA_SUCCESS = 0
 
 
-def mapped_runtimes(maps: str = "/proc/self/maps") -> list[str]:
+def mapped_runtimes() -> list[str]:
     """The paths of the libcudart.so* files mapped into this process, in mapping order."""
-    seen: list[str] = []
-    with open(maps) as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            path = fields[5].strip() if len(fields) == 6 else ""
-            if os.path.basename(path).startswith("libcudart.so") and path not in seen:
-                seen.append(path)
-    return seen
+    return [p for p in mapped_files(os.getpid())
+            if os.path.basename(p).startswith("libcudart.so")]
 
 
 class Runtimes:
