@@ -68,7 +68,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -412,18 +412,9 @@ class Agent:
             t_cut = time.monotonic()
             copier = Copier(self.drv, st, writer, self.register, self.unregister,
                             streams=streams, writers=writers, staging=staging, depth=depth)
-            threads = copier.start()
-            last, seen = time.monotonic(), -1
-            while any(t.is_alive() for t in threads):
-                threads[0].join(0.05)
-                progress = copier.bytes_in + copier.bytes_stored
-                if progress != seen:
-                    last, seen = time.monotonic(), progress
-                elif time.monotonic() - last > stall_s and not copier.errors:
-                    copier.abort.set()
-                    raise PosError(f"the copier made no progress for {stall_s:g} s",
-                                   "the application was released and the image discarded; "
-                                   "set POS_AGENT_STALL_S higher on a slow disk")
+            _watch(copier, copier.start(), lambda: copier.bytes_in + copier.bytes_stored,
+                   stall_s, "copier", "the application was released and the image discarded; "
+                   "set POS_AGENT_STALL_S higher on a slow disk")
             copier.join()
             t_copied = time.monotonic()
         except BaseException:
@@ -540,15 +531,8 @@ class Agent:
             threads = restorer.start()
             if on_release is not None:
                 on_release()
-            last, seen = time.monotonic(), -1
-            while any(t.is_alive() for t in threads):
-                threads[0].join(0.05)
-                if restorer.bytes != seen:
-                    last, seen = time.monotonic(), restorer.bytes
-                elif time.monotonic() - last > stall_s and not restorer.errors:
-                    restorer.abort.set()
-                    raise PosError(f"the restore made no progress for {stall_s:g} s",
-                                   "the application was released")
+            _watch(restorer, threads, lambda: restorer.bytes, stall_s, "restore",
+                   "the application was released")
             restorer.join()
             done = time.monotonic()
         except BaseException as e:
@@ -594,6 +578,22 @@ class Agent:
                 "last_image": str(self.last_image) if self.last_image else None,
                 "table_overflow": int(st.ctl[S.C_OVERFLOW]),
                 **{k: int(st.ctl[i]) for k, i in COUNTERS.items()}}
+
+
+def _watch(worker: Any, threads: list[threading.Thread], progress: Callable[[], int],
+           stall_s: float, what: str, fix: str) -> None:
+    """Wait for the threads of `worker` (a Copier or Restorer); past stall_s without
+    `progress()` moving, and no error of the worker's own, abort it and raise (a backstop: the
+    caller then releases the application)."""
+    last, seen = time.monotonic(), -1
+    while any(t.is_alive() for t in threads):
+        threads[0].join(0.05)
+        now = progress()
+        if now != seen:
+            last, seen = time.monotonic(), now
+        elif time.monotonic() - last > stall_s and not worker.errors:
+            worker.abort.set()
+            raise PosError(f"the {what} made no progress for {stall_s:g} s", fix)
 
 
 def load_validated(path: Optional[str]) -> set[str]:
