@@ -161,11 +161,7 @@ def in_pool(ctl, address: np.uint64) -> bool:
 def range_writes(ctl, bases, ends, ident, lo: np.uint64, size: np.uint64, lo2: np.uint64,
                  size2: np.uint64, ev_slot, ev_param, ev_word, ev_off, ev_write, slots) -> int:
     """The slots that [lo, lo+size) and [lo2, lo2+size2) overlap (a copy's or set's sides, by
-    the analyzer's range rule; size2 0 for one side). A range inside the agent's own shadow
-    pool touches no application buffer: the callback of the agent's own shadow copy (made on
-    the application's thread) passes straight through."""
-    if size2 == 0 and in_pool(ctl, lo):
-        return 0
+    the analyzer's range rule; size2 0 for one side)."""
     if 2 * ctl[S.C_N] + 2 > ev_slot.shape[0]:
         return EVERYTHING
     k = _range_access(lo, size, bases, ends, ctl[S.C_N], ident, COPY_DST, True, ev_slot,
@@ -295,17 +291,12 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
             native.mutex_unlock(mutex)
             return
         # ---- entry ----
-        # The agent's own shadow copy (made on this thread, inside a callback) passes.
-        if kind == K_COPY and not runtime and in_pool(ctl, native.load_u64(params)):
-            if corr != 0:
-                native.store_u64(corr, np.uint64(0))
-            return
-        if runtime and ctl[S.C_NESTED] != 0:  # its inner driver calls are acted on instead
-            if corr != 0:
-                native.store_u64(corr, np.uint64(0))
-            return
+        # Passing untouched: the agent's own shadow copy (made on this thread, inside a
+        # callback), and runtime calls once their inner driver calls are known to be reported.
+        passes = (kind == K_COPY and not runtime and in_pool(ctl, native.load_u64(params))) \
+            or (runtime and ctl[S.C_NESTED] != 0)
         opened = False
-        if runtime or ctl[S.C_RT_OPEN] > 0:
+        if not passes and (runtime or ctl[S.C_RT_OPEN] > 0):
             native.mutex_lock(mutex)
             if runtime and ctl[S.C_NESTED] == 0:
                 if corr != 0:                  # (its exit closes it through the tag)
@@ -315,16 +306,10 @@ def build(st: S.State, copy_fn: int, record_fn: int, capturing_fn: int) -> Any:
                 # CUPTI reports the driver calls inside runtime calls; this one's runtime
                 # call was acted on already (as runtime calls are from now on: not at all)
                 ctl[S.C_NESTED] = 1
-                native.mutex_unlock(mutex)
-                if corr != 0:
-                    native.store_u64(corr, np.uint64(0))
-                return
+                passes = True
             native.mutex_unlock(mutex)
-            if runtime and not opened and ctl[S.C_NESTED] != 0:   # set meanwhile
-                if corr != 0:
-                    native.store_u64(corr, np.uint64(0))
-                return
-        if alloc:                             # allocations are entered at their exit
+            passes = passes or (runtime and not opened and ctl[S.C_NESTED] != 0)  # set meanwhile
+        if passes or alloc:                   # (allocations are entered at their exit)
             if corr != 0:
                 native.store_u64(corr, TAG_OPENED if opened else np.uint64(0))
             return
