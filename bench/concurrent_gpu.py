@@ -1,164 +1,308 @@
-"""Concurrent vs stop-the-world checkpoint of one running job, side by side (GPU host, root).
+"""The concurrent engine on the GPU, measured against its baselines in the same run (root).
 
-    python3 bench/concurrent_gpu.py --out bench/results/concurrent-h100.json
-    python3 bench/concurrent_gpu.py --infer --out bench/results/concurrent-infer-h100.json
+    python3 bench/concurrent_gpu.py --out DIR [--only overhead,consistency,big,stw,hoistfd]
 
-The job (workloads/train_conc.py, GPT-2-class, random weights; default 24 layers, d=1024,
-batch 8x1024: >= 16 GB of GPU state) runs under `pos run`. At step --at it takes a concurrent
-GPU image of itself (the agent's report: bytes, copy throughput vs the 53 GB/s PCIe limit,
-intercepted, copied-on-write, waited, fallbacks); at step --stw this script locks, checkpoints,
-restores and unlocks it through the driver API (stop-the-world). Stall of each = the sum of
-step-time excess over the median step of the steps before --at, over the steps from the
-trigger until the step time is back to normal (and the worst step). After the last step the
-job restores the concurrent image into itself on demand and trains again from step --at
-(bit-exact losses checked by the job): the restore's time to release the job, time to its
-first call and first step, calls held, and throughput (target >= 40 GB/s); it checks the
-chunks' checksums as it reads them (--quick-verify) so that the release is not behind a sha256
-of the whole image. The job runs with
-`pos run --track-dirty` (copy order from the agent's history; --no-history: by size).
-POS_TRUST_SPECULATION=1 in the environment runs the job trusting every kernel's speculation
-(measurement only). Writes JSON with device, driver, date and command; exits non-zero, with
-the reason, when the job fails, a re-run loss differs or a report is missing. About 4-6 min
-on the H100 with the defaults (--timeout bounds it).
+Each part writes DIR/<part>.json (device, driver, date, command, commit) and prints a summary:
+  overhead     a training step (workloads/torch_job.py) with no agent, with the agent not owning
+               memory (POS_OWN=0), and with the agent owning it: alternated rounds, medians
+  consistency  workloads/fill_job.py (48 x 64 MiB, one kernel per operation) under `pos run`,
+               GPU-only checkpoints from outside at random moments: every image must be the
+               state after an exact number of operations; then a restore into the paused job,
+               read back by a second checkpoint: equal, buffer by buffer
+  big          train_det.py with --ballast-gib G (8 and 16) under `pos run`: GPU-only concurrent
+               checkpoint from outside (release time, longest held call, device-to-host GB/s
+               against the 55 GB/s limit, time to disk) beside the driver's stop-the-world
+               lock/checkpoint/restore/unlock of the same job
+  stw          `pos checkpoint` (driver + CRIU, the job killed) then `pos restore` of a `pos run`
+               training job: its losses against an uninterrupted run's, bit for bit
+  hoistfd      the agent gives its memory up and maps it back from descriptors that no CUDA
+               context of pos holds: whether the exported descriptor alone keeps the memory
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
+import random
+import signal
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
-from pos.scheduler import cudackpt  # noqa: E402
+from pos.agent import gpuimage  # noqa: E402
+from pos.agent.control import Agent  # noqa: E402
+from pos.scheduler import concurrent, cudackpt  # noqa: E402
+from workloads.fill_job import torn  # noqa: E402
 
-PCIE_LIMIT_GBPS = 53.0
+PY = sys.executable
+POS = [PY, "-m", "pos.cli"]
+LIMIT_GBPS = 55.0
 
 
-def stall(times: dict[int, float], start: int, base: float, window: int) -> dict:
-    excess = [max(0.0, times[i] - base) for i in range(start, start + window) if i in times]
-    return {"stall_s": sum(excess), "worst_step_s": max((times[i] for i in range(
-        start, start + window) if i in times), default=None), "steps": len(excess)}
+def machine() -> dict[str, Any]:
+    gpus = nvml.gpus()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": gpus[0].name if gpus else "n/a", "driver": nvml.driver_version(),
+            "kernel": os.uname().release, "command": " ".join(sys.argv), "commit": commit}
 
 
-def main() -> int:
+def start(argv: list[str], pos_run: bool = True, env: dict[str, str] = {},
+          log: Path = Path(os.devnull)) -> subprocess.Popen:
+    cmd = [*POS, "run", "--", *argv] if pos_run else argv
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=open(log, "ab"), env={**os.environ, **env}, text=True,
+                            start_new_session=True, cwd=ROOT)
+
+
+def wait_ready(p: subprocess.Popen) -> int:
+    line = p.stdout.readline()
+    if not line.startswith("READY"):
+        raise SystemExit(f"job did not start: {line!r}")
+    return int(line.split()[1])
+
+
+def wait_agent(pid: int, seconds: float = 60) -> None:
+    t = time.monotonic()
+    while time.monotonic() - t < seconds:
+        try:
+            with Agent(pid, timeout=5) as a:
+                if a.status().buffers:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the agent of {pid} never answered")
+
+
+def image_values(path: Path) -> list[int]:
+    """Each buffer's one int32 value (None-free: a non-uniform buffer raises)."""
+    import numpy as np
+
+    out = []
+    for base, (folder, size, chunks) in sorted(gpuimage.resolve(path).items()):
+        vals = set()
+        for c in chunks:
+            buf = np.empty(c["raw"], np.uint8)
+            gpuimage.read_chunk(folder, c, buf)
+            vals.update(np.unique(buf[: c["raw"] // 4 * 4].view(np.int32)).tolist())
+        if len(vals) != 1:
+            raise AssertionError(f"buffer 0x{base:x} is not uniform: {sorted(vals)[:4]}")
+        out.append(vals.pop())
+    return out
+
+
+def kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+# -- parts ---------------------------------------------------------------------------------
+def overhead(out: Path, rounds: int) -> dict[str, Any]:
+    modes = {"plain": (False, {}), "agent_not_owning": (True, {"POS_OWN": "0"}),
+             "agent_owning": (True, {})}
+    procs = {}
+    for m, (run, env) in modes.items():
+        p = subprocess.Popen([*POS, "run", "--", PY, "workloads/torch_job.py"] if run else
+                             [PY, "workloads/torch_job.py"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, **env})
+        p.stdout.readline()
+        p.stdin.write("init\n"); p.stdin.flush(); p.stdout.readline()
+        procs[m] = p
+    steps: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m, p in procs.items():
+            p.stdin.write("train 20\n"); p.stdin.flush()
+            r = json.loads(p.stdout.readline())
+            steps[m].append(r["seconds_per_step"] if "seconds_per_step" in r else r["s_per_step"])
+    for p in procs.values():
+        p.stdin.write("exit\n"); p.stdin.flush(); p.wait(timeout=60)
+    med = {m: statistics.median(v) for m, v in steps.items()}
+    return {"rounds": steps, "median_step_s": med,
+            "owning_vs_plain": med["agent_owning"] / med["plain"] - 1,
+            "not_owning_vs_plain": med["agent_not_owning"] / med["plain"] - 1}
+
+
+def consistency(out: Path, images: Path, n_images: int) -> dict[str, Any]:
+    pause = images / "pause"
+    p = start([PY, "workloads/fill_job.py", "--buffers", "48", "--mib", "64",
+               "--pause-file", str(pause)], log=out / "fill_job.log")
+    res: dict[str, Any] = {"images": []}
+    try:
+        pid = wait_ready(p)
+        wait_agent(pid)
+        for i in range(n_images):
+            time.sleep(random.uniform(0.2, 1.5))
+            d = images / f"fill-{i}"
+            r = concurrent.checkpoint_gpu(pid, d)
+            vals = image_values(Path(r.path))
+            res["images"].append({"report": r.to_json(), "ops": max(vals), "torn": torn(vals)})
+        pause.touch()
+        time.sleep(0.5)
+        first = images / "fill-0"
+        rr = concurrent.restore_gpu(pid, first)
+        again = concurrent.checkpoint_gpu(pid, images / "fill-readback")
+        res["restore"] = rr.to_json()
+        res["readback_equal"] = image_values(first) == image_values(Path(again.path))
+        pause.unlink()
+        time.sleep(0.5)
+        res["alive_after"] = p.poll() is None
+    finally:
+        kill(p)
+    return res
+
+
+def big(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
+    rows = []
+    for gib in sizes:
+        log = images / f"det-{gib}.log"
+        p = start([PY, "workloads/train_det.py", str(log), "--steps", "0", "--sleep", "0.01",
+                   "--ballast-gib", str(gib)], log=out / "train_det.log")
+        try:
+            time.sleep(3)
+            pid = p.pid      # `pos run` execs the program: the PID Popen started
+            wait_agent(pid)
+            time.sleep(random.uniform(0.5, 1.5))
+            r = concurrent.checkpoint_gpu(pid, images / f"big-{gib}")
+            row: dict[str, Any] = {"gib": gib, "concurrent": r.to_json(),
+                                   "d2h_vs_limit": (r.d2h_gbps or 0) / LIMIT_GBPS}
+            import shutil
+            shutil.rmtree(r.path, ignore_errors=True)
+            time.sleep(1)
+            t = [time.monotonic()]
+            rcs = []
+            for fn in (cudackpt.lock, cudackpt.checkpoint, cudackpt.restore, cudackpt.unlock):
+                try:
+                    fn(pid, 10000) if fn is cudackpt.lock else fn(pid)
+                    rcs.append("ok")
+                except Exception as e:     # measured and reported, not fatal
+                    rcs.append(str(e))
+                t.append(time.monotonic())
+            row["stop_the_world"] = {"steps": rcs, "lock_s": t[1] - t[0], "checkpoint_s": t[2] - t[1],
+                                     "restore_s": t[3] - t[2], "unlock_s": t[4] - t[3],
+                                     "stall_s": t[4] - t[0]}
+            row["stall_ratio"] = (r.gate.held_max_s if r.gate else 0) / row["stop_the_world"]["stall_s"]
+            row["alive_after"] = p.poll() is None
+            rows.append(row)
+        finally:
+            kill(p)
+    return {"rows": rows}
+
+
+def stw(out: Path, images: Path) -> dict[str, Any]:
+    ref_log, log = images / "ref.log", images / "stw.log"
+    argv = [PY, "workloads/train_det.py", "--steps", "80", "--sleep", "0.05", "--ballast-gib", "4"]
+    r = subprocess.run([*POS, "run", "--", argv[0], argv[1], str(ref_log), *argv[2:]], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    res: dict[str, Any] = {"reference_rc": r.returncode}
+    p = subprocess.Popen([*POS, "run", "--", argv[0], argv[1], str(log), *argv[2:]], cwd=ROOT,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(out / "stw-job.log", "ab"), start_new_session=True)
+    try:
+        while not log.exists() or len(log.read_text().splitlines()) < 20:
+            time.sleep(0.1)
+        time.sleep(random.uniform(0, 0.5))
+        d = images / "stw-img"
+        t = time.monotonic()
+        c = subprocess.run([*POS, "checkpoint", str(p.pid), "-D", str(d)], cwd=ROOT,
+                           capture_output=True, text=True)
+        res["checkpoint"] = {"rc": c.returncode, "s": time.monotonic() - t, "out": c.stdout[-800:],
+                             "err": c.stderr[-800:]}
+        p.wait(timeout=60)
+        t = time.monotonic()
+        rs = subprocess.run([*POS, "restore", "-D", str(d)], cwd=ROOT, capture_output=True,
+                            text=True)
+        res["restore"] = {"rc": rs.returncode, "s": time.monotonic() - t, "out": rs.stdout[-800:],
+                          "err": rs.stderr[-800:]}
+        t = time.monotonic()
+        while time.monotonic() - t < 120 and "ballast" not in log.read_text():
+            time.sleep(0.2)
+        ref, got = ref_log.read_text().splitlines(), log.read_text().splitlines()
+        res["lines"] = [len(ref), len(got)]
+        res["bit_exact"] = ref == got
+    finally:
+        kill(p)
+    return res
+
+
+def hoistfd(out: Path, images: Path) -> dict[str, Any]:
+    """Give the memory up with no pos CUDA context holding it, map it back from the bare
+    descriptors, and compare a checkpoint before and after."""
+    pause = images / "pause2"
+    pause.touch()
+    p = start([PY, "workloads/fill_job.py", "--buffers", "8", "--mib", "64",
+               "--pause-file", str(pause)], log=out / "hoistfd.log")
+    res: dict[str, Any] = {}
+    try:
+        pid = wait_ready(p)
+        pause.unlink()
+        time.sleep(1.0)
+        pause.touch()
+        time.sleep(0.3)
+        before = image_values(Path(concurrent.checkpoint_gpu(pid, images / "hfd-0").path))
+        with Agent(pid) as a:
+            a.cut(10)
+            fds = a.export()
+            res["released"] = a.hoist()
+            res["remapped"] = a.remap(fds)
+            res["end"] = a.end().__dict__
+        for fd in fds:
+            os.close(fd)
+        after = image_values(Path(concurrent.checkpoint_gpu(pid, images / "hfd-1").path))
+        res["equal"] = before == after
+        res["values"] = [before[:4], after[:4]]
+        # a second cycle: the job's memory is now imported, re-exported by the agent
+        again = image_values(Path(concurrent.checkpoint_gpu(pid, images / "hfd-2").path))
+        res["second_cycle_equal"] = again == before
+    except Exception as e:
+        res["error"] = repr(e)
+    finally:
+        kill(p)
+    return res
+
+
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--dir", default="/var/tmp/pos-bench-conc")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--at", type=int, default=20)
-    ap.add_argument("--stw", type=int, default=40)
-    ap.add_argument("--window", type=int, default=8)
-    ap.add_argument("--infer", action="store_true")
-    ap.add_argument("--no-history", action="store_true", help="run without --track-dirty")
-    ap.add_argument("--timeout", type=float, default=450.0, help="seconds before the job is "
-                    "killed and the bench fails")
-    ap.add_argument("job_args", nargs="*", help="extra arguments of train_conc.py")
+    ap.add_argument("--images", default="/dev/shm/pos-bench")
+    ap.add_argument("--only", default="overhead,consistency,big,stw,hoistfd")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--sizes", default="8,16")
     a = ap.parse_args()
-    img = Path(a.dir)
-    subprocess.run(["rm", "-rf", str(img)], check=True)
-    cmd = [sys.executable, "-m", "pos.cli", "run", *([] if a.no_history else ["--track-dirty"]),
-           "--", sys.executable,
-           str(ROOT / "workloads" / "train_conc.py"), "--steps", str(a.steps), "--at", str(a.at),
-           "-D", str(img), "--verify", "--quick-verify", *(["--infer"] if a.infer else []),
-           *a.job_args]
-    print(f"bench: starting {' '.join(cmd)}", flush=True)
-    t_start = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killer = threading.Timer(a.timeout, p.kill)
-    killer.start()
-    times: dict[int, float] = {}
-    report, restore, stw = None, None, {}
-    reruns, different = 0, 0
-    assert p.stdout is not None
-    for line in p.stdout:
-        print(f"[{time.monotonic() - t_start:6.1f}s] {line}", end="", flush=True)
-        parts = line.split()
-        if parts[:1] == ["STEP"]:
-            times[int(parts[1])] = float(parts[3])
-            if int(parts[1]) == a.stw - 1:
-                print("bench: stop-the-world lock/checkpoint/restore/unlock ...", flush=True)
-                t = time.monotonic()
-                try:
-                    cudackpt.lock(p.pid, 60000)
-                    t_lock = time.monotonic()
-                    cudackpt.checkpoint(p.pid)
-                    t_ck = time.monotonic()
-                    cudackpt.restore(p.pid)
-                    t_rs = time.monotonic()
-                    cudackpt.unlock(p.pid)
-                    stw = {"lock_s": t_lock - t, "checkpoint_s": t_ck - t_lock,
-                           "restore_s": t_rs - t_ck, "unlock_s": time.monotonic() - t_rs,
-                           "total_s": time.monotonic() - t}
-                except Exception as e:      # never leave the job locked
-                    print(f"bench: stop-the-world failed: {e}", file=sys.stderr, flush=True)
-                    for undo in (cudackpt.restore, cudackpt.unlock):
-                        try:
-                            undo(p.pid)
-                        except Exception:
-                            pass
-        elif parts[:1] == ["REPORT"]:
-            report = json.loads(line[len("REPORT "):])
-        elif parts[:1] == ["RESTORE"]:
-            restore = json.loads(line[len("RESTORE "):])
-        elif parts[:1] == ["RERUN"]:
-            reruns += 1
-            different += parts[-1] != "same"
-    p.wait()
-    killer.cancel()
-    problems = []
-    if p.returncode != 0:
-        problems.append(f"the job exited with {p.returncode}"
-                        + (" (killed by --timeout)" if p.returncode == -9 else ""))
-    if report is None:
-        problems.append("no REPORT line: the concurrent checkpoint did not report")
-    if restore is None:
-        problems.append("no RESTORE line: the on-demand restore did not report")
-    if different or reruns != a.steps - a.at:
-        problems.append(f"{different} of {reruns} re-run steps differ (want {a.steps - a.at} "
-                        "identical)")
-    if not stw:
-        problems.append("the stop-the-world measurement did not run")
-    if len([i for i in range(3, a.at) if i in times]) < 2:
-        print("bench: FAILED: " + "; ".join(problems + ["too few steps before --at"]),
-              file=sys.stderr)
-        return 1
-    base = statistics.median(times[i] for i in range(3, a.at) if i in times)
-    conc = stall(times, a.at, base, a.window)
-    stop = stall(times, a.stw, base, a.window)
-    out = {"device": [dataclasses.asdict(g) for g in nvml.gpus()],
-           "driver": nvml.driver_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "command": " ".join(sys.argv), "job": cmd, "exit": p.returncode,
-           "median_step_s": base, "concurrent": {**conc, "report": report,
-                                                 "pcie_limit_gbps": PCIE_LIMIT_GBPS},
-           "on_demand_restore": {**(restore or {}), "target_gbps": 40.0},
-           "problems": problems,
-           "stop_the_world": {**stop, **stw},
-           "trust_speculation": os.environ.get("POS_TRUST_SPECULATION") == "1",
-           "step_times": times}
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("median_step_s", "concurrent", "stop_the_world",
-                                          "on_demand_restore")}, indent=1, default=str))
-    r = report or {}
-    print(f"bench: concurrent checkpoint {r.get('bytes', 0) / 1e9:.1f} GB, stall "
-          f"{conc['stall_s']:.3f} s, copy {r.get('throughput_gbps') or 0:.1f} GB/s (device to "
-          f"host {r.get('d2h_gbps') or 0:.1f}), order {r.get('order_source')}; stop-the-world "
-          f"stall {stop['stall_s']:.3f} s; on-demand restore: released after "
-          f"{(restore or {}).get('release_s', float('nan')):.3f} s, first step after "
-          f"{(restore or {}).get('first_step_s') or float('nan'):.3f} s, "
-          f"{(restore or {}).get('throughput_gbps') or 0:.1f} GB/s", flush=True)
-    if problems:
-        print("bench: FAILED: " + "; ".join(problems), file=sys.stderr)
-        return 1
-    return 0
+    out, images = Path(a.out), Path(a.images)
+    out.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
+    parts: dict[str, Callable[[], dict[str, Any]]] = {
+        "overhead": lambda: overhead(out, a.rounds),
+        "consistency": lambda: consistency(out, images, 4),
+        "big": lambda: big(out, images, [float(s) for s in a.sizes.split(",")]),
+        "stw": lambda: stw(out, images),
+        "hoistfd": lambda: hoistfd(out, images),
+    }
+    for name in a.only.split(","):
+        t = time.monotonic()
+        try:
+            res = parts[name]()
+        except BaseException as e:      # one part failing must not lose the others' results
+            res = {"error": repr(e)}
+        res = {"machine": machine(), "seconds": time.monotonic() - t, **res}
+        (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+        print(name, json.dumps(res, default=str)[:1500], flush=True)
+        subprocess.run(["rm", "-rf", str(images)])
+        images.mkdir(parents=True, exist_ok=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

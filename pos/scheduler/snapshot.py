@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pos.agent import socket_path
 from pos.errors import BadInput, PosError
 from pos.scheduler import image, procs, targets
 from pos.scheduler.criu import Options
@@ -35,7 +34,7 @@ def choose(engine: str, pid: int) -> str:
     agent = targets.agent_present(pid)
     if engine == "concurrent":
         if not agent:
-            raise BadInput(f"PID {pid} has no pos agent ({socket_path(pid)} is missing), so the "
+            raise BadInput(f"PID {pid} has no pos agent that owns its memory, so the "
                            "concurrent engine cannot snapshot it", "start the job with `pos run`, "
                            "or use --engine auto")
         return engine
@@ -62,16 +61,15 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
     from pos.store import images
 
     if engine == "concurrent":
-        from pos.scheduler.concurrent import checkpoint_concurrent
+        from pos.scheduler import concurrent
 
-        report = checkpoint_concurrent(pid, str(directory))
-        path = Path(report["path"])
-        manifest = image.load(path)      # sealed by the agent with the same manifest writer
-        # The concurrent engine never stops the process: its threads run on, and the only time
-        # the application loses is inside its own driver calls that the agent held (intercepted
-        # calls waiting for the cut or for their buffer to be saved), summed over all threads:
-        # the agent's waited_s. That, not the image's wall time, is the stall it saw.
-        stall_s = float(report["waited_s"])
+        report = concurrent.checkpoint(pid, directory, options, leave_running)
+        path = Path(report.path)
+        manifest = image.load(path)
+        # The concurrent engine holds the job only at the cut and, for a whole-process image,
+        # through the driver's and CRIU's frozen part; afterwards its calls wait only for
+        # buffers not yet saved. The longest wait of any call is the stall the job saw.
+        stall_s = report.gate.held_max_s if report.gate else manifest.stall_s
     else:
         from pos.scheduler import engine as full
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from pos import host
-from pos.agent import RUN_NAME_ENV, socket_path
+from pos.agent import RUN_NAME_ENV
 from pos.errors import BadInput, PosError
 from pos.scheduler import procs
 
@@ -115,9 +115,12 @@ def resolve(target: Target, exclude: frozenset[int] = frozenset()) -> int:
 
 
 def agent_present(pid: int) -> bool:
-    """The `pos run` agent of `pid` listens on its control socket (root only): the concurrent
-    engine can snapshot it."""
+    """The `pos run` agent of `pid` answers on its control socket: the concurrent engine can
+    snapshot it."""
+    from pos.agent.control import Agent
+
     try:
-        return stat.S_ISSOCK(os.stat(socket_path(pid)).st_mode)
-    except OSError:
+        with Agent(pid, timeout=5) as agent:
+            return agent.status().owning
+    except PosError:
         return False

@@ -49,6 +49,7 @@ def build(out: Path) -> dict[str, Path]:
         "libamdhip64": out / "libamdhip64.so",
         "cuda_app": out / "cuda_app",
         "hip_app": out / "hip_app",
+        "fill_job": out / "fill_job",
     }
     _run([nvcc, "-cubin", "-arch=sm_90", "-o", str(paths["cubin"]), cu], out)
     _run([nvcc, "-fatbin", *GENCODE, "-o", str(paths["fatbin"]), cu], out)
@@ -72,4 +73,6 @@ def build(out: Path) -> dict[str, Path]:
     _run([*gcc, "-o", str(paths["cuda_app"]), str(HERE / "cuda_app.c"), *rpath, "-lcuda", "-ldl"],
          out)
     _run([*gcc, "-o", str(paths["hip_app"]), str(HERE / "hip_app.c"), *rpath, "-lamdhip64"], out)
+    _run([*gcc, "-o", str(paths["fill_job"]), str(HERE / "fill_job.c"), *rpath, "-lcuda", "-ldl"],
+         out)
     return paths

@@ -28,6 +28,7 @@ enum range_kind {
     RANGE_ALLOC = 1,    /* plain allocation: usable memory, freed by base address */
     RANGE_RESERVED = 2, /* reserved virtual addresses (VMM): not usable until mapped */
     RANGE_MAPPED = 4,   /* a physical allocation mapped into a reservation: usable */
+    RANGE_HOST = 8,     /* page-locked host memory (cuMemHostAlloc) */
 };
 #define RANGE_USABLE (RANGE_ALLOC | RANGE_MAPPED)
 

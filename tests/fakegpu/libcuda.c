@@ -16,6 +16,7 @@
  * the first N calls of that name, counted across processes in the state directory (a transient
  * failure that an undo's retry gets past). */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -643,6 +644,132 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     /* back to reserved, inaccessible addresses */
     mmap((void *)(uintptr_t)ptr, size, PROT_NONE,
          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    return CUDA_SUCCESS;
+}
+
+/* Page-locked host memory: plain host memory here. */
+API CUresult cuMemHostAlloc(void **pp, size_t size, unsigned int flags) {
+    (void)flags;
+    NEED_CONTEXT();
+    if (!pp || !size)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (range_add((uintptr_t)p, size, RANGE_HOST) != 0) {
+        munmap(p, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemFreeHost(void *p) {
+    NEED_CONTEXT();
+    size_t n = range_remove((uintptr_t)p, RANGE_HOST);
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap(p, n);
+    return CUDA_SUCCESS;
+}
+
+/* A 16 GiB device, of which the fake's allocations take nothing it tracks. */
+API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    NEED_CONTEXT();
+    if (!free_bytes || !total)
+        return CUDA_ERROR_INVALID_VALUE;
+    *total = (size_t)16 << 30;
+    *free_bytes = (size_t)8 << 30;
+    return CUDA_SUCCESS;
+}
+
+/* Shareable handles: the memfd itself, as the driver's POSIX file descriptor handle is. */
+API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
+                                          int type, unsigned long long flags) {
+    NEED_CONTEXT();
+    struct vmm_handle *h = vmm_handle(handle);
+    if (!h)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!shareable || type != 1 || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *(int *)shareable = fd;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                            void *shareable, int type) {
+    NEED_CONTEXT();
+    struct stat sb;
+    int fd = (int)(intptr_t)shareable;
+    if (!handle || type != 1 || fstat(fd, &sb) != 0 || sb.st_size <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vmm_handle *h = malloc(sizeof(*h));
+    if (!h)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    h->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (h->fd < 0) {
+        free(h);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    h->magic = MAGIC_VMM;
+    h->size = (size_t)sb.st_size;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return CUDA_SUCCESS;
+}
+
+/* cuGetProcAddress: the exported function of the version a caller of `cudaVersion` gets
+ * (here: the _v2 of a name when there is one), per-thread-stream variants when asked. */
+static void *self_handle(void) {
+    static void *self;
+    Dl_info info;
+    if (!self && dladdr((void *)cuInit, &info) && info.dli_fname)
+        self = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    return self;
+}
+
+static CUresult proc_address(const char *symbol, void **pfn, unsigned long long flags) {
+    if (!symbol || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    char name[256];
+    const char *suffixes[] = {(flags & 2) ? "_v2_ptsz" : "_v2", (flags & 2) ? "_ptsz" : "",
+                              (flags & 2) ? "_v2_ptds" : "", (flags & 2) ? "_ptds" : "", ""};
+    for (size_t i = 0; i < sizeof(suffixes) / sizeof(*suffixes); i++) {
+        snprintf(name, sizeof(name), "%s%s", symbol, suffixes[i]);
+        /* this library's own symbol (through whatever dlsym the process has: a preloaded
+         * interposer may hand back its wrapper, as it does for the real driver) */
+        void *p = dlsym(self_handle(), name);
+        if (p) {
+            *pfn = p;
+            return CUDA_SUCCESS;
+        }
+    }
+    *pfn = NULL;
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                 unsigned long long flags, int *symbolStatus) {
+    (void)cudaVersion;
+    CUresult r = proc_address(symbol, pfn, flags);
+    if (symbolStatus)
+        *symbolStatus = r == CUDA_SUCCESS ? 0 : 1;
+    return r;
+}
+
+API CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
+                              unsigned long long flags) {
+    (void)cudaVersion;
+    return proc_address(symbol, pfn, flags);
+}
+
+API CUresult cuCtxGetDevice(CUdevice *device) {
+    NEED_CONTEXT();
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    *device = 0;
     return CUDA_SUCCESS;
 }
 

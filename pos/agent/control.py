@@ -1,0 +1,220 @@
+"""pos's side of the control socket of a `pos run` job (the agent is pos/agent/hook/poshook.c;
+protocol.md beside it is the contract).
+
+One `Agent` is one connection, and one connection is one operation: if pos goes away in the
+middle of it, the agent releases the job by itself (or, while pos holds the job's memory, keeps
+its calls held until the watchdog gives the memory back)."""
+
+import ctypes
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pos.errors import BadInput, PosError
+
+MAX_FDS = 250   # descriptors per message, as the agent sends them
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation the agent owns: the job's addresses [va, va+mapped)."""
+
+    va: int
+    size: int          # what the job asked for
+    mapped: int        # rounded up to the allocation granularity
+    device: int
+    present: bool      # False while hoisted (the physical memory is pos's)
+
+
+@dataclass(frozen=True)
+class Status:
+    pid: int
+    phase: str
+    buffers: int
+    owned_bytes: int
+    foreign_allocs: int    # allocations the agent could not own (pools, managed, pitched)
+    foreign_bytes: int     # their bytes, cumulative
+    owning: bool
+
+
+@dataclass(frozen=True)
+class Cut:
+    drain_s: float     # waiting for the calls already inside the driver
+    sync_s: float      # synchronising the job's contexts: the GPU work queued before the cut
+    buffers: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What the job's calls went through during one operation."""
+
+    held: int              # calls that waited
+    held_s: float          # their waits, summed
+    held_max_s: float      # the longest wait: the job's worst stall
+    passed: int            # calls that went through while the operation ran
+    first_pass_s: Optional[float]   # from the cut to the first call let through
+
+    @classmethod
+    def from_reply(cls, r: dict[str, Any]) -> "Gate":
+        first = r.get("first_pass_s", -1.0)
+        return cls(int(r["held"]), float(r["held_s"]), float(r["held_max_s"]), int(r["passed"]),
+                   None if first < 0 else float(first))
+
+
+def agent_pid(pid: int) -> int:
+    """PID as the job itself sees it (its innermost PID namespace names the socket)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except OSError:
+        pass
+    return pid
+
+
+def _connect_in_netns(pid: int, address: bytes) -> socket.socket:
+    """A socket connected to an abstract address of PID's network namespace."""
+    mine, theirs = "/proc/self/ns/net", f"/proc/{pid}/ns/net"
+    try:
+        same = os.stat(mine).st_ino == os.stat(theirs).st_ino
+    except OSError:
+        same = True
+    if same:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address)
+        return s
+    libc = ctypes.CDLL(None, use_errno=True)
+    back = os.open(mine, os.O_RDONLY)
+    there = os.open(theirs, os.O_RDONLY)
+    try:
+        if libc.setns(there, 0x40000000) != 0:      # CLONE_NEWNET
+            raise PermissionError(ctypes.get_errno(), "setns")
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(address)
+        finally:
+            libc.setns(back, 0x40000000)
+        return s
+    finally:
+        os.close(back)
+        os.close(there)
+
+
+class Agent:
+    """A connection to the agent inside process `pid` (root only)."""
+
+    def __init__(self, pid: int, timeout: Optional[float] = 120.0) -> None:
+        if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
+            raise BadInput(f"there is no process {pid}", "give the PID of a `pos run` job")
+        self.pid = pid
+        address = b"\0pos-agent-%d" % agent_pid(pid)
+        try:
+            self.sock = _connect_in_netns(pid, address)
+        except ConnectionRefusedError:
+            raise BadInput(f"process {pid} has no pos agent", "start the job with "
+                           "`pos run -- CMD` (the agent starts with its first CUDA call)") from None
+        except PermissionError:
+            raise BadInput(f"cannot reach the agent of process {pid}",
+                           "run pos as root (sudo)") from None
+        self.sock.settimeout(timeout)
+        self._buf = b""
+        self._fds: list[int] = []
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self.sock.close()
+
+    # -- the wire ---------------------------------------------------------------------------
+    def _recv(self) -> None:
+        data, anc, _flags, _addr = self.sock.recvmsg(
+            1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                n = len(payload) // 4
+                self._fds.extend(int.from_bytes(payload[4 * i:4 * i + 4], "little", signed=True)
+                                 for i in range(n))
+        if not data:
+            raise PosError(f"the agent of process {self.pid} closed the connection",
+                           "check that the job is still running; its standard error says why")
+        self._buf += data
+
+    def _line(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            try:
+                self._recv()
+            except socket.timeout:
+                raise PosError(f"the agent of process {self.pid} did not answer in time",
+                               "check the job's standard error") from None
+        line, _, self._buf = self._buf.partition(b"\n")
+        reply = json.loads(line.lstrip(b"+"))
+        if not reply.get("ok"):
+            raise PosError(f"the agent of process {self.pid} refused: {reply.get('error')}")
+        return reply
+
+    def _ask(self, line: str) -> dict[str, Any]:
+        self.sock.sendall(line.encode() + b"\n")
+        return self._line()
+
+    def tell(self, line: str) -> None:
+        """A request the agent does not answer (`done`)."""
+        self.sock.sendall(line.encode() + b"\n")
+
+    # -- requests ---------------------------------------------------------------------------
+    def status(self) -> Status:
+        r = self._ask("status")
+        return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
+                      r["foreign_bytes"], r["owning"])
+
+    def cut(self, timeout_s: float) -> Cut:
+        r = self._ask(f"cut {int(timeout_s * 1000)}")
+        return Cut(r["drain_s"], r["sync_s"], r["buffers"], r["bytes"])
+
+    def table(self) -> list[Buffer]:
+        r = self._ask("table")
+        return [Buffer(va, size, mapped, dev, bool(present))
+                for va, size, mapped, dev, present in r["buffers"]]
+
+    def export(self) -> list[int]:
+        """Every owned allocation as a descriptor (table order); the caller owns them."""
+        n = self._ask("export")["fds"]
+        while len(self._fds) < n:
+            self._recv()
+        fds, self._fds = self._fds[:n], self._fds[n:]
+        self._buf = self._buf.lstrip(b"+")
+        return fds
+
+    def hoist(self) -> int:
+        """The job gives its physical memory up (pos must hold it); bytes released."""
+        return int(self._ask("hoist")["bytes"])
+
+    def remap(self, fds: list[int]) -> int:
+        """The job maps these descriptors (table order) at its addresses again."""
+        self.sock.sendall(f"remap {len(fds)}\n".encode())
+        for at in range(0, len(fds), MAX_FDS):
+            socket.send_fds(self.sock, [b"+"], fds[at:at + MAX_FDS])
+        return int(self._line()["mapped"])
+
+    def copy(self) -> None:
+        self._ask("copy")
+
+    def restore(self) -> None:
+        self._ask("restore")
+
+    def done(self, vas: list[int]) -> None:
+        """These buffers are saved (checkpoint) or back (restore): their calls may go."""
+        for at in range(0, len(vas), 512):
+            self.tell("done " + " ".join(hex(v) for v in vas[at:at + 512]))
+
+    def end(self) -> Gate:
+        return Gate.from_reply(self._ask("end"))

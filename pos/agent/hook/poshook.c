@@ -1,0 +1,1160 @@
+/* libposhook.so: the part of pos that lives inside a `pos run` job (LD_PRELOAD).
+ *
+ * It does four things and nothing more (the copying happens outside the job, in pos):
+ *  1. owns the job's device memory: cuMemAlloc becomes exportable VMM memory (POSIX fd handles)
+ *     in address ranges that pos reserves, so that pos can import it from outside, and so that
+ *     the job can give the physical memory up (keeping the addresses) while the driver
+ *     checkpoints it and take it back afterwards;
+ *  2. the cut: hold every call that may enqueue GPU work, drain the calls already inside the
+ *     driver, synchronise the contexts;
+ *  3. the checkpoint gate: while pos copies, a call that may write a buffer not yet saved waits
+ *     for it (a kernel launch waits for the whole copy unless its kernel is validated, see
+ *     speculate());
+ *  4. the on-demand restore gate: a call that may read or write a buffer not back yet waits.
+ *
+ * Calls reach the driver three ways, all interposed: direct linking (this library's exported
+ * symbols come first), dlsym on libcuda (ours replaces the libc one) and cuGetProcAddress
+ * (runtimes and frameworks: the pointer it returns is named with dladdr and swapped for ours).
+ * No CUPTI: a process that subscribed CUPTI cannot be checkpointed by the driver.
+ *
+ * Control: a thread listens on the abstract unix socket "\0pos-agent-<pid>" (root peers only);
+ * protocol.md beside this file is the contract with pos/agent/control.py.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- the driver ABI this library needs (no CUDA headers at build time) ------------------- */
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef int CUdevice;
+typedef void *CUcontext, *CUstream, *CUfunction, *CUgraphExec, *CUevent;
+typedef struct { int type, id; } CUmemLocation;
+typedef struct {
+    int type, requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    unsigned long long allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    CUstream hStream;
+    void *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_NOT_INITIALIZED = 3,
+       CUDA_ERROR_NOT_FOUND = 500 };
+enum { MEM_PINNED = 1, HANDLE_POSIX_FD = 1, LOCATION_DEVICE = 1, ACCESS_RW = 3 };
+#define LAUNCH_PARAM_END ((void *)0x00)
+#define LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
+#define LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- resolving the real driver ------------------------------------------------------------ */
+static void *(*real_dlsym)(void *, const char *);
+static void *libcuda;
+
+static void find_real_dlsym(void) {
+    if (!real_dlsym)
+        real_dlsym = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!real_dlsym)
+        real_dlsym = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+}
+
+/* The driver's own `name`, for a call that reached our exported symbol directly. */
+static void *driver_symbol(const char *name) {
+    find_real_dlsym();
+    if (!libcuda) {
+        const char *path = getenv("POS_LIBCUDA");
+        libcuda = dlopen(path && *path ? path : "libcuda.so.1", RTLD_LAZY);
+    }
+    return libcuda && real_dlsym ? real_dlsym(libcuda, name) : NULL;
+}
+
+static void *real_of(void *volatile *slot, const char *name) {
+    void *p = *slot;
+    if (!p) {
+        p = driver_symbol(name);
+        *slot = p;
+    }
+    return p;
+}
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static void note(const char *fmt, ...) {
+    if (!getenv("POS_HOOK_DEBUG"))
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "poshook[%d]: ", getpid());
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+/* ---- the table of owned allocations ------------------------------------------------------- */
+enum { ST_NONE = 0, ST_PENDING = 1, ST_DONE = 2 };   /* per buffer, during one operation */
+struct owned {
+    CUdeviceptr va;
+    size_t size;                     /* what the job asked for */
+    size_t mapped;                   /* rounded to the granularity: reserved, created, mapped */
+    CUmemGenericAllocationHandle h;  /* 0 while hoisted */
+    int device;
+    int status;
+};
+
+enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };
+static const char *phase_name[] = {"idle", "hold", "copy", "restore", "hoisted"};
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;   /* table, phase changes, stats */
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;     /* phase or a status changed */
+static struct owned *tab;
+static size_t ntab, captab;
+static size_t owned_bytes;
+static uint64_t foreign_allocs, foreign_bytes;   /* allocations pos could not own (cumulative) */
+static _Atomic int phase = P_IDLE;
+static _Atomic long inflight;                            /* calls past the gate, not yet out */
+static long waiting;                                     /* calls waiting in the gate (mu) */
+static CUcontext ctxs[16];
+static int nctx;
+static size_t granularity[16];
+
+struct stats {
+    uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
+};
+static struct stats st;
+
+/* Index of the entry containing p, or -1. Caller holds mu. */
+static long find(CUdeviceptr p) {
+    size_t lo = 0, hi = ntab;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (tab[mid].va <= p)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return -1;
+    struct owned *o = &tab[lo - 1];
+    return p < o->va + o->mapped ? (long)(lo - 1) : -1;
+}
+
+static int insert(const struct owned *o) {
+    if (ntab == captab) {
+        size_t cap = captab ? captab * 2 : 256;
+        struct owned *t = realloc(tab, cap * sizeof(*t));
+        if (!t)
+            return -1;
+        tab = t, captab = cap;
+    }
+    size_t i = 0;
+    while (i < ntab && tab[i].va < o->va)
+        i++;
+    memmove(&tab[i + 1], &tab[i], (ntab - i) * sizeof(*tab));
+    tab[i] = *o;
+    ntab++;
+    owned_bytes += o->size;
+    return 0;
+}
+
+static void drop(long i) {
+    owned_bytes -= tab[i].size;
+    memmove(&tab[i], &tab[i + 1], (ntab - (size_t)i - 1) * sizeof(*tab));
+    ntab--;
+}
+
+static void remember_ctx(CUcontext c) {
+    for (int i = 0; i < nctx; i++)
+        if (ctxs[i] == c)
+            return;
+    if (nctx < 16)
+        ctxs[nctx++] = c;
+}
+
+/* ---- the gate ---------------------------------------------------------------------------- */
+/* What one call may touch: buffers it may write, buffers it may read, or everything. */
+struct touch {
+    CUdeviceptr w[2], r[2];
+    int nw, nr, all;
+};
+#define T_NONE ((struct touch){.nw = 0})
+#define T_ALL ((struct touch){.all = 1})
+#define T_W(a) ((struct touch){.w = {(a)}, .nw = 1})
+#define T_R(a) ((struct touch){.r = {(a)}, .nr = 1})
+#define T_WR(a, b) ((struct touch){.w = {(a)}, .nw = 1, .r = {(b)}, .nr = 1})
+
+static int pending(CUdeviceptr p) {
+    long i = find(p);
+    return i >= 0 && tab[i].status == ST_PENDING;
+}
+
+/* Whether a call touching `t` must wait in the current phase. Caller holds mu. */
+static int must_wait(const struct touch *t) {
+    switch (atomic_load(&phase)) {
+    case P_IDLE:
+        return 0;
+    case P_COPY:     /* writes wait for their buffer to be saved; reads pass */
+        if (t->all)
+            return 1;
+        for (int i = 0; i < t->nw; i++)
+            if (pending(t->w[i]))
+                return 1;
+        return 0;
+    case P_RESTORE:  /* reads and writes wait for their buffer to be back */
+        if (t->all)
+            return 1;
+        for (int i = 0; i < t->nw; i++)
+            if (pending(t->w[i]))
+                return 1;
+        for (int i = 0; i < t->nr; i++)
+            if (pending(t->r[i]))
+                return 1;
+        return 0;
+    default:         /* the cut and the hoist hold everything */
+        return 1;
+    }
+}
+
+static __thread int in_agent;    /* the control thread's own driver calls pass untouched */
+
+/* Enter the driver for a call touching `t`: at once when idle (one atomic add), else after
+ * waiting for what the phase requires. The add and the phase read are sequentially
+ * consistent, as the cut's store and drain: either the cut sees this call in flight and
+ * waits for it, or this call sees the cut and waits. */
+static void gate_enter(const struct touch *t) {
+    if (in_agent)
+        return;
+    atomic_fetch_add(&inflight, 1);
+    if (atomic_load(&phase) == P_IDLE)
+        return;
+    atomic_fetch_sub(&inflight, 1);
+    pthread_mutex_lock(&mu);
+    if (must_wait(t)) {
+        uint64_t t0 = now_ns();
+        waiting++;
+        do
+            pthread_cond_wait(&cv, &mu);
+        while (must_wait(t));
+        waiting--;
+        pthread_cond_broadcast(&cv);
+        uint64_t waited = now_ns() - t0;
+        st.held++;
+        st.held_ns += waited;
+        if (waited > st.held_max_ns)
+            st.held_max_ns = waited;
+    }
+    st.passed++;
+    if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
+        st.first_pass_ns = now_ns();
+    atomic_fetch_add(&inflight, 1);
+    pthread_mutex_unlock(&mu);
+}
+
+static void gate_exit(void) {
+    if (!in_agent)
+        atomic_fetch_sub(&inflight, 1);
+}
+
+/* ---- speculation: which owned buffers a kernel may touch ---------------------------------- *
+ * The analyzer's rule (pos/analyzer/access.py) without the const distinction: every 8-byte
+ * word of every parameter that points into an owned allocation is a buffer the kernel may read
+ * and write. Used only for kernels named in POS_VALIDATED (the validator's table); the others
+ * wait for everything. Not yet wired: every launch waits for everything (see launch_touch). */
+
+/* ---- the wrappers ------------------------------------------------------------------------- */
+/* HOOKS(X): X(name, params, args, touch). Each becomes an exported wrapper that enters the
+ * gate with `touch`, calls the driver's own function and leaves the gate. */
+#define HOOKS(X)                                                                                   \
+    X(cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)                   \
+    X(cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)              \
+    X(cuMemcpyAsync, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st),         \
+      T_WR(d, s), NOAFTER)                                                                                  \
+    X(cuMemcpyAsync_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st),    \
+      T_WR(d, s), NOAFTER)                                                                                  \
+    X(cuMemcpyHtoD_v2, (CUdeviceptr d, const void *h, size_t n), (d, h, n), T_W(d), NOAFTER)                \
+    X(cuMemcpyHtoD_v2_ptds, (CUdeviceptr d, const void *h, size_t n), (d, h, n), T_W(d), NOAFTER)           \
+    X(cuMemcpyHtoDAsync_v2, (CUdeviceptr d, const void *h, size_t n, CUstream s), (d, h, n, s),    \
+      T_W(d), NOAFTER)                                                                                      \
+    X(cuMemcpyHtoDAsync_v2_ptsz, (CUdeviceptr d, const void *h, size_t n, CUstream s),             \
+      (d, h, n, s), T_W(d), NOAFTER)                                                                        \
+    X(cuMemcpyDtoH_v2, (void *h, CUdeviceptr s, size_t n), (h, s, n), T_R(s), NOAFTER)                      \
+    X(cuMemcpyDtoH_v2_ptds, (void *h, CUdeviceptr s, size_t n), (h, s, n), T_R(s), NOAFTER)                 \
+    X(cuMemcpyDtoHAsync_v2, (void *h, CUdeviceptr s, size_t n, CUstream st), (h, s, n, st),        \
+      T_R(s), NOAFTER)                                                                                      \
+    X(cuMemcpyDtoHAsync_v2_ptsz, (void *h, CUdeviceptr s, size_t n, CUstream st), (h, s, n, st),   \
+      T_R(s), NOAFTER)                                                                                      \
+    X(cuMemcpyDtoD_v2, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)            \
+    X(cuMemcpyDtoD_v2_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)       \
+    X(cuMemcpyDtoDAsync_v2, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st),  \
+      T_WR(d, s), NOAFTER)                                                                                  \
+    X(cuMemcpyDtoDAsync_v2_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st),            \
+      (d, s, n, st), T_WR(d, s), NOAFTER)                                                                   \
+    X(cuMemcpyPeer, (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n),          \
+      (d, dc, s, sc, n), T_WR(d, s), NOAFTER)                                                               \
+    X(cuMemcpyPeerAsync,                                                                           \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st),           \
+      (d, dc, s, sc, n, st), T_WR(d, s), NOAFTER)                                                           \
+    X(cuMemcpy2D_v2, (const void *p), (p), T_ALL, NOAFTER)                                                  \
+    X(cuMemcpy2DUnaligned_v2, (const void *p), (p), T_ALL, NOAFTER)                                         \
+    X(cuMemcpy2DAsync_v2, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                              \
+    X(cuMemcpy2DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                         \
+    X(cuMemcpy3D_v2, (const void *p), (p), T_ALL, NOAFTER)                                                  \
+    X(cuMemcpy3DAsync_v2, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                              \
+    X(cuMemcpy3DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                         \
+    X(cuMemcpy3DPeer, (const void *p), (p), T_ALL, NOAFTER)                                                 \
+    X(cuMemcpy3DPeerAsync, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                             \
+    X(cuMemcpyBatchAsync,                                                                          \
+      (void *d, void *s, void *n, size_t c, void *a, void *ai, size_t na, size_t *f, CUstream st), \
+      (d, s, n, c, a, ai, na, f, st), T_ALL, NOAFTER)                                                       \
+    X(cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)                \
+    X(cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d), NOAFTER)              \
+    X(cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)                \
+    X(cuMemsetD8_v2_ptds, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)           \
+    X(cuMemsetD16_v2_ptds, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d), NOAFTER)         \
+    X(cuMemsetD32_v2_ptds, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)           \
+    X(cuMemsetD8Async, (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s),       \
+      T_W(d), NOAFTER)                                                                                      \
+    X(cuMemsetD16Async, (CUdeviceptr d, unsigned short v, size_t n, CUstream s), (d, v, n, s),     \
+      T_W(d), NOAFTER)                                                                                      \
+    X(cuMemsetD32Async, (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s),       \
+      T_W(d), NOAFTER)                                                                                      \
+    X(cuMemsetD8Async_ptsz, (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s),  \
+      T_W(d), NOAFTER)                                                                                      \
+    X(cuMemsetD16Async_ptsz, (CUdeviceptr d, unsigned short v, size_t n, CUstream s),              \
+      (d, v, n, s), T_W(d), NOAFTER)                                                                        \
+    X(cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s),  \
+      T_W(d), NOAFTER)                                                                                      \
+    X(cuMemsetD2D8_v2, (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h),             \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                                     \
+    X(cuMemsetD2D16_v2, (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h),           \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                                     \
+    X(cuMemsetD2D32_v2, (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h),             \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                                     \
+    X(cuMemsetD2D8Async, (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h, CUstream s), \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                                  \
+    X(cuMemsetD2D16Async,                                                                          \
+      (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h, CUstream s),                 \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                                  \
+    X(cuMemsetD2D32Async, (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h, CUstream s), \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                                  \
+    X(cuLaunchKernel,                                                                              \
+      (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
+       unsigned sm, CUstream s, void **kp, void **ex),                                             \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                           \
+    X(cuLaunchKernel_ptsz,                                                                         \
+      (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
+       unsigned sm, CUstream s, void **kp, void **ex),                                             \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                           \
+    X(cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **kp, void **ex),             \
+      (c, f, kp, ex), T_ALL, NOAFTER)                                                                       \
+    X(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **kp, void **ex),        \
+      (c, f, kp, ex), T_ALL, NOAFTER)                                                                       \
+    X(cuLaunchCooperativeKernel,                                                                   \
+      (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
+       unsigned sm, CUstream s, void **kp),                                                        \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                               \
+    X(cuLaunchCooperativeKernel_ptsz,                                                              \
+      (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
+       unsigned sm, CUstream s, void **kp),                                                        \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                               \
+    X(cuGraphLaunch, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                                   \
+    X(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                              \
+    X(cuStreamWriteValue32_v2, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),  \
+      T_W(a), NOAFTER)                                                                                      \
+    X(cuStreamWriteValue64_v2, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),      \
+      (s, a, v, f), T_W(a), NOAFTER)                                                                        \
+    X(cuStreamBatchMemOp_v2, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL, NOAFTER)   \
+    X(cuMemAllocAsync, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE, FOREIGN(p, n))                 \
+    X(cuMemAllocAsync_ptsz, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE, FOREIGN(p, n))            \
+    X(cuMemAllocFromPoolAsync, (CUdeviceptr * p, size_t n, void *pool, CUstream s),                \
+      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                                     \
+    X(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr * p, size_t n, void *pool, CUstream s),           \
+      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                                     \
+    X(cuMemAllocManaged, (CUdeviceptr * p, size_t n, unsigned f), (p, n, f), T_NONE, FOREIGN(p, n))              \
+    X(cuMemAllocPitch_v2, (CUdeviceptr * p, size_t *pitch, size_t w, size_t h, unsigned e),        \
+      (p, pitch, w, h, e), T_NONE, FOREIGN(p, pitch ? *pitch * h : 0))                                                                 \
+    X(cuMemCreate, (CUmemGenericAllocationHandle * h, size_t n, const void *prop,                  \
+      unsigned long long f), (h, n, prop, f), T_NONE, NOAFTER)                                              \
+    X(cuMemMap, (CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h,                \
+      unsigned long long f), (p, n, o, h, f), T_NONE, FOREIGN(&p, n))                                              \
+    X(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), T_W(p), NOAFTER)
+
+
+#define NOAFTER ((void)0)
+#define FOREIGN(p, n)                                                                              \
+    do {                                                                                           \
+        if (r == CUDA_SUCCESS) {                                                                   \
+            pthread_mutex_lock(&mu);                                                               \
+            foreign_allocs++;                                                                      \
+            foreign_bytes += (n);                                                                  \
+            pthread_mutex_unlock(&mu);                                                             \
+        }                                                                                          \
+    } while (0)
+
+#define DECLARE(name, params, args, tch, after) static void *volatile real_##name;
+HOOKS(DECLARE)
+
+/* The driver functions with wrappers of their own below, or that the control thread calls. */
+#define OWN(X)                                                                                     \
+    X(cuInit) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)            \
+    X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent)               \
+    X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)  \
+    X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess) X(cuMemExportToShareableHandle)          \
+    X(cuMemImportFromShareableHandle) X(cuStreamSynchronize)
+#define DECLARE_OWN(name) static void *volatile real_##name;
+OWN(DECLARE_OWN)
+
+CUresult cuInit(unsigned flags);
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
+CUresult cuMemFree_v2(CUdeviceptr p);
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s);
+CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags);
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags,
+                             int *status);
+CUresult cuCtxGetCurrent(CUcontext *c);
+CUresult cuCtxSetCurrent(CUcontext c);
+CUresult cuCtxGetDevice(CUdevice *d);
+CUresult cuCtxSynchronize(void);
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option);
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
+                             unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr p, size_t n);
+CUresult cuMemRelease(CUmemGenericAllocationHandle h);
+CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const CUmemAccessDesc *d, size_t count);
+CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, int type,
+                                      unsigned long long flags);
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *fd, int type);
+CUresult cuStreamSynchronize(CUstream s);
+/* cuMemCreate and cuMemMap/cuMemUnmap are wrappers too (the gate holds them during a cut);
+ * the library's own uses call the driver's through these. */
+#define DRV(name) ((__typeof__(&name))real_of(&real_##name, #name))
+
+#define WRAP(name, params, args, tch, after)                                                    \
+    EXPORT CUresult name params {                                                                  \
+        CUresult(*fn) params = (CUresult(*) params)real_of(&real_##name, #name);                   \
+        if (!fn)                                                                                   \
+            return CUDA_ERROR_NOT_FOUND;                                                           \
+        struct touch t = tch;                                                                      \
+        gate_enter(&t);                                                                            \
+        CUresult r = fn args;                                                                      \
+        after;                                                                                     \
+        gate_exit();                                                                               \
+        return r;                                                                                  \
+    }
+HOOKS(WRAP)
+
+/* ---- owned memory ------------------------------------------------------------------------- */
+static CUmemAllocationProp prop_for(int device) {
+    CUmemAllocationProp p = {.type = MEM_PINNED, .requestedHandleTypes = HANDLE_POSIX_FD,
+                             .location = {LOCATION_DEVICE, device}};
+    return p;
+}
+
+static int map_rw(CUdeviceptr va, size_t n, CUmemGenericAllocationHandle h, int device) {
+    CUmemAccessDesc acc = {.location = {LOCATION_DEVICE, device}, .flags = ACCESS_RW};
+    CUresult r = ((CUresult(*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                               unsigned long long))real_of(&real_cuMemMap, "cuMemMap"))(va, n, 0, h,
+                                                                                          0);
+    if (r == CUDA_SUCCESS && (r = DRV(cuMemSetAccess)(va, n, &acc, 1)) != CUDA_SUCCESS)
+        ((CUresult(*)(CUdeviceptr, size_t))real_of(&real_cuMemUnmap, "cuMemUnmap"))(va, n);
+    return r;
+}
+
+static CUresult unmap(CUdeviceptr va, size_t n) {
+    return ((CUresult(*)(CUdeviceptr, size_t))real_of(&real_cuMemUnmap, "cuMemUnmap"))(va, n);
+}
+
+static int owning = -1;    /* POS_OWN=0 turns ownership off (a measurement baseline) */
+
+/* Allocate `size` bytes as exportable VMM memory at addresses of our own; CUDA_ERROR_* else. */
+static CUresult own_alloc(CUdeviceptr *out, size_t size) {
+    CUdevice dev;
+    CUcontext ctx;
+    CUresult r = DRV(cuCtxGetDevice)(&dev);
+    if (r != CUDA_SUCCESS || (r = DRV(cuCtxGetCurrent)(&ctx)) != CUDA_SUCCESS)
+        return r;
+    if (dev < 0 || dev >= 16)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUmemAllocationProp prop = prop_for(dev);
+    if (!granularity[dev] &&
+        (r = DRV(cuMemGetAllocationGranularity)(&granularity[dev], &prop, 0)) != CUDA_SUCCESS)
+        return r;
+    size_t g = granularity[dev], n = (size + g - 1) / g * g;
+    CUdeviceptr va = 0;
+    CUmemGenericAllocationHandle h = 0;
+    if ((r = DRV(cuMemAddressReserve)(&va, n, 0, 0, 0)) != CUDA_SUCCESS)
+        return r;
+    r = ((CUresult(*)(CUmemGenericAllocationHandle *, size_t, const void *,
+                      unsigned long long))real_of(&real_cuMemCreate, "cuMemCreate"))(&h, n, &prop,
+                                                                                     0);
+    if (r == CUDA_SUCCESS && (r = map_rw(va, n, h, dev)) != CUDA_SUCCESS)
+        DRV(cuMemRelease)(h);
+    if (r != CUDA_SUCCESS) {
+        DRV(cuMemAddressFree)(va, n);
+        return r;
+    }
+    struct owned o = {.va = va, .size = size, .mapped = n, .h = h, .device = dev};
+    pthread_mutex_lock(&mu);
+    remember_ctx(ctx);
+    int bad = insert(&o);
+    pthread_mutex_unlock(&mu);
+    if (bad) {
+        unmap(va, n);
+        DRV(cuMemRelease)(h);
+        DRV(cuMemAddressFree)(va, n);
+        return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    }
+    *out = va;
+    return CUDA_SUCCESS;
+}
+
+/* Free an owned allocation; 1 if `p` was not ours. */
+static int own_free(CUdeviceptr p, CUresult *r) {
+    pthread_mutex_lock(&mu);
+    long i = find(p);
+    if (i < 0 || tab[i].va != p) {
+        pthread_mutex_unlock(&mu);
+        return 1;
+    }
+    struct owned o = tab[i];
+    drop(i);
+    pthread_mutex_unlock(&mu);
+    *r = unmap(o.va, o.mapped);
+    if (*r == CUDA_SUCCESS)
+        *r = DRV(cuMemRelease)(o.h);
+    if (*r == CUDA_SUCCESS)
+        *r = DRV(cuMemAddressFree)(o.va, o.mapped);
+    return 0;
+}
+
+static void start_control(void);
+
+EXPORT CUresult cuInit(unsigned flags) {
+    CUresult r = DRV(cuInit)(flags);
+    if (r == CUDA_SUCCESS)
+        start_control();
+    return r;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    if (!p || !n)
+        return DRV(cuMemAlloc_v2)(p, n);
+    struct touch t = T_NONE;
+    gate_enter(&t);
+    CUresult r = owning ? own_alloc(p, n) : DRV(cuMemAlloc_v2)(p, n);
+    gate_exit();
+    return r;
+}
+
+static int is_owned(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    long i = find(p);
+    int yes = i >= 0 && tab[i].va == p;
+    pthread_mutex_unlock(&mu);
+    return yes;
+}
+
+static CUresult free_via(CUdeviceptr p, CUstream s, CUresult (*driver_free)(CUdeviceptr,
+                                                                            CUstream)) {
+    struct touch t = T_W(p);
+    gate_enter(&t);
+    CUresult r;
+    if (p && is_owned(p)) {
+        /* unmapping does not wait for the work queued before the free, as cuMemFree does */
+        if (!s || DRV(cuStreamSynchronize)(s) != CUDA_SUCCESS)
+            DRV(cuCtxSynchronize)();
+        if (own_free(p, &r))
+            r = driver_free(p, s);
+    } else {
+        r = driver_free(p, s);
+    }
+    gate_exit();
+    return r;
+}
+static CUresult sync_free(CUdeviceptr p, CUstream s) { (void)s; return DRV(cuMemFree_v2)(p); }
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return free_via(p, 0, sync_free); }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    return free_via(p, s, DRV(cuMemFreeAsync));
+}
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) {
+    return free_via(p, s, DRV(cuMemFreeAsync_ptsz));
+}
+
+/* ---- interposing the lookups -------------------------------------------------------------- */
+struct entry { const char *name; void *wrapper; void *volatile *real; };
+#define ENTRY(name, params, args, tch, after) {#name, (void *)name, &real_##name},
+#define ENTRY_OWN(name) {#name, (void *)name, &real_##name},
+static const struct entry entries[] = {
+    HOOKS(ENTRY)
+    ENTRY_OWN(cuInit) ENTRY_OWN(cuMemAlloc_v2) ENTRY_OWN(cuMemFree_v2) ENTRY_OWN(cuMemFreeAsync)
+    ENTRY_OWN(cuMemFreeAsync_ptsz) ENTRY_OWN(cuGetProcAddress) ENTRY_OWN(cuGetProcAddress_v2)
+};
+
+/* `p`, a function of the driver, or our wrapper of it (whose real slot is filled). */
+static void *swap(void *p) {
+    Dl_info info;
+    if (!p || !dladdr(p, &info) || !info.dli_sname || info.dli_saddr != p ||
+        !info.dli_fname || !strstr(info.dli_fname, "libcuda"))
+        return p;
+    for (size_t i = 0; i < sizeof(entries) / sizeof(*entries); i++)
+        if (!strcmp(entries[i].name, info.dli_sname)) {
+            if (!*entries[i].real)
+                *entries[i].real = p;
+            return entries[i].wrapper;
+        }
+    return p;
+}
+
+EXPORT void *dlsym(void *handle, const char *name) {
+    find_real_dlsym();
+    if (!real_dlsym)
+        return NULL;
+    void *p = real_dlsym(handle, name);
+    return name[0] == 'c' && name[1] == 'u' ? swap(p) : p;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags,
+                                    int *status) {
+    CUresult r = DRV(cuGetProcAddress_v2)(sym, pfn, ver, flags, status);
+    if (r == CUDA_SUCCESS && pfn)
+        *pfn = swap(*pfn);
+    return r;
+}
+
+EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags) {
+    CUresult r = DRV(cuGetProcAddress)(sym, pfn, ver, flags);
+    if (r == CUDA_SUCCESS && pfn)
+        *pfn = swap(*pfn);
+    return r;
+}
+
+/* ---- the control thread -------------------------------------------------------------------- */
+enum { MAX_FDS = 250 };           /* file descriptors per message (SCM_MAX_FD is 253) */
+
+struct conn {
+    int fd;
+    char buf[65536];
+    size_t len;
+    int fds[4096];                /* received descriptors not yet consumed, in order */
+    size_t nfds;
+};
+
+static double secs(uint64_t ns) { return (double)ns / 1e9; }
+
+/* Read more bytes (and any descriptors sent with them); 0 at EOF, -1 on error/timeout. */
+static int rx(struct conn *c, int timeout_ms) {
+    struct pollfd p = {.fd = c->fd, .events = POLLIN};
+    int n = poll(&p, 1, timeout_ms);
+    if (n <= 0)
+        return n == 0 ? -2 : -1;
+    char cbuf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+    struct iovec iov = {.iov_base = c->buf + c->len, .iov_len = sizeof(c->buf) - c->len - 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                       .msg_controllen = sizeof(cbuf)};
+    ssize_t got = recvmsg(c->fd, &m, MSG_CMSG_CLOEXEC);
+    if (got <= 0)
+        return got == 0 ? 0 : -1;
+    for (struct cmsghdr *h = CMSG_FIRSTHDR(&m); h; h = CMSG_NXTHDR(&m, h))
+        if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS) {
+            size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            int *f = (int *)CMSG_DATA(h);
+            for (size_t i = 0; i < k; i++) {
+                if (c->nfds < sizeof(c->fds) / sizeof(*c->fds))
+                    c->fds[c->nfds++] = f[i];
+                else
+                    close(f[i]);
+            }
+        }
+    c->len += (size_t)got;
+    return 1;
+}
+
+/* The next line (without its newline) into `line`; 0 at EOF, -1 on error, -2 on timeout. */
+static int next_line(struct conn *c, char *line, size_t cap, int timeout_ms) {
+    for (;;) {
+        char *nl = memchr(c->buf, '\n', c->len);
+        if (nl) {
+            size_t n = (size_t)(nl - c->buf);
+            if (n >= cap)
+                n = cap - 1;
+            memcpy(line, c->buf, n);
+            line[n] = 0;
+            c->len -= (size_t)(nl - c->buf) + 1;
+            memmove(c->buf, nl + 1, c->len);
+            return 1;
+        }
+        if (c->len >= sizeof(c->buf) - 1)
+            return -1;
+        int r = rx(c, timeout_ms);
+        if (r <= 0)
+            return r;
+    }
+}
+
+static int send_all(int fd, const char *s, size_t n) {
+    while (n) {
+        ssize_t k = send(fd, s, n, MSG_NOSIGNAL);
+        if (k <= 0)
+            return -1;
+        s += k, n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int reply(struct conn *c, const char *fmt, ...) {
+    char *s = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&s, &n);
+    if (!f)
+        return -1;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fputc('\n', f);
+    fclose(f);
+    int r = send_all(c->fd, s, n);
+    free(s);
+    return r;
+}
+
+static int fail(struct conn *c, const char *what) {
+    return reply(c, "{\"ok\":false,\"error\":\"%s\"}", what);
+}
+
+/* Send `n` descriptors after a reply line, MAX_FDS per message. */
+static int send_fds(struct conn *c, const int *fds, size_t n) {
+    for (size_t at = 0; at < n; at += MAX_FDS) {
+        size_t k = n - at < MAX_FDS ? n - at : MAX_FDS;
+        char cbuf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+        memset(cbuf, 0, sizeof(cbuf));
+        char byte = '+';
+        struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+        struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                           .msg_controllen = CMSG_SPACE(k * sizeof(int))};
+        struct cmsghdr *h = CMSG_FIRSTHDR(&m);
+        h->cmsg_level = SOL_SOCKET, h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN(k * sizeof(int));
+        memcpy(CMSG_DATA(h), fds + at, k * sizeof(int));
+        if (sendmsg(c->fd, &m, MSG_NOSIGNAL) != 1)
+            return -1;
+    }
+    return 0;
+}
+
+static void set_phase(int p) {   /* caller holds mu */
+    atomic_store(&phase, p);
+    pthread_cond_broadcast(&cv);
+}
+
+static int use_context(void) {
+    return nctx ? DRV(cuCtxSetCurrent)(ctxs[0]) : CUDA_SUCCESS;
+}
+
+static int stats_json(char *out, size_t cap) {
+    return snprintf(out, cap,
+                    "\"held\":%llu,\"held_s\":%.6f,\"held_max_s\":%.6f,\"passed\":%llu,"
+                    "\"first_pass_s\":%.6f",
+                    (unsigned long long)st.held, secs(st.held_ns), secs(st.held_max_ns),
+                    (unsigned long long)st.passed,
+                    st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0);
+}
+
+static void do_status(struct conn *c) {
+    char s[512];
+    pthread_mutex_lock(&mu);
+    stats_json(s, sizeof(s));
+    reply(c,
+          "{\"ok\":true,\"pid\":%d,\"phase\":\"%s\",\"buffers\":%zu,\"owned_bytes\":%zu,"
+          "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,%s}",
+          getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
+          (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
+          atomic_load(&inflight), owning ? "true" : "false", s);
+    pthread_mutex_unlock(&mu);
+}
+
+/* The cut: hold new calls, wait for those inside the driver, synchronise every context. */
+static void do_cut(struct conn *c, long timeout_ms) {
+    uint64_t t0 = now_ns();
+    pthread_mutex_lock(&mu);
+    if (atomic_load(&phase) != P_IDLE) {
+        pthread_mutex_unlock(&mu);
+        fail(c, "another checkpoint or restore is running");
+        return;
+    }
+    memset(&st, 0, sizeof(st));
+    st.started_ns = t0;
+    set_phase(P_HOLD);
+    pthread_mutex_unlock(&mu);
+    while (atomic_load(&inflight) > 0) {
+        if (now_ns() - t0 > (uint64_t)timeout_ms * 1000000ull) {
+            pthread_mutex_lock(&mu);
+            set_phase(P_IDLE);
+            pthread_mutex_unlock(&mu);
+            fail(c, "calls inside the driver did not return within the cut's timeout");
+            return;
+        }
+        usleep(50);
+    }
+    uint64_t t1 = now_ns();
+    CUresult r = CUDA_SUCCESS;
+    pthread_mutex_lock(&mu);
+    int n = nctx;
+    CUcontext list[16];
+    memcpy(list, ctxs, sizeof(list));
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < n && r == CUDA_SUCCESS; i++)
+        if ((r = DRV(cuCtxSetCurrent)(list[i])) == CUDA_SUCCESS)
+            r = DRV(cuCtxSynchronize)();
+    uint64_t t2 = now_ns();
+    pthread_mutex_lock(&mu);
+    if (r != CUDA_SUCCESS) {
+        set_phase(P_IDLE);
+        pthread_mutex_unlock(&mu);
+        reply(c, "{\"ok\":false,\"error\":\"cuCtxSynchronize failed with CUresult %d\"}", r);
+        return;
+    }
+    for (size_t i = 0; i < ntab; i++)
+        tab[i].status = ST_PENDING;
+    reply(c, "{\"ok\":true,\"drain_s\":%.6f,\"sync_s\":%.6f,\"buffers\":%zu,\"bytes\":%zu}",
+          secs(t1 - t0), secs(t2 - t1), ntab, owned_bytes);
+    pthread_mutex_unlock(&mu);
+}
+
+static void do_table(struct conn *c) {
+    char *s = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&s, &n);
+    if (!f) {
+        fail(c, "out of memory");
+        return;
+    }
+    pthread_mutex_lock(&mu);
+    fprintf(f, "{\"ok\":true,\"phase\":\"%s\",\"buffers\":[", phase_name[atomic_load(&phase)]);
+    for (size_t i = 0; i < ntab; i++)
+        fprintf(f, "%s[%llu,%zu,%zu,%d,%d]", i ? "," : "", tab[i].va, tab[i].size,
+                tab[i].mapped, tab[i].device, tab[i].h != 0);
+    pthread_mutex_unlock(&mu);
+    fputs("]}\n", f);
+    fclose(f);
+    send_all(c->fd, s, n);
+    free(s);
+}
+
+/* Export every owned allocation as a file descriptor, in table order (phase hold only). */
+static void do_export(struct conn *c) {
+    pthread_mutex_lock(&mu);
+    int ph = atomic_load(&phase);
+    size_t n = ntab;
+    int *fds = calloc(n ? n : 1, sizeof(int));
+    size_t done = 0;
+    CUresult r = ph == P_HOLD ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS && n)
+        r = use_context();
+    for (; fds && r == CUDA_SUCCESS && done < n; done++)
+        r = DRV(cuMemExportToShareableHandle)(&fds[done], tab[done].h, HANDLE_POSIX_FD, 0);
+    pthread_mutex_unlock(&mu);
+    if (!fds || r != CUDA_SUCCESS) {
+        for (size_t i = 0; fds && i + 1 < done; i++)
+            close(fds[i]);
+        if (ph != P_HOLD)
+            fail(c, "export needs the cut first");
+        else
+            reply(c, "{\"ok\":false,\"error\":\"cuMemExportToShareableHandle failed with "
+                     "CUresult %d\"}", r);
+        free(fds);
+        return;
+    }
+    if (reply(c, "{\"ok\":true,\"fds\":%zu}", n) == 0)
+        send_fds(c, fds, n);
+    for (size_t i = 0; i < n; i++)
+        close(fds[i]);
+    free(fds);
+}
+
+/* Give up the physical memory (the helper holds it), keeping the addresses: phase hoisted. */
+static void do_hoist(struct conn *c) {
+    pthread_mutex_lock(&mu);
+    if (atomic_load(&phase) != P_HOLD) {
+        pthread_mutex_unlock(&mu);
+        fail(c, "hoist needs the cut first");
+        return;
+    }
+    CUresult r = use_context();
+    size_t released = 0, bytes = 0;
+    set_phase(P_HOISTED);
+    for (size_t i = 0; i < ntab && r == CUDA_SUCCESS; i++) {
+        if (!tab[i].h)
+            continue;
+        if ((r = unmap(tab[i].va, tab[i].mapped)) == CUDA_SUCCESS &&
+            (r = DRV(cuMemRelease)(tab[i].h)) == CUDA_SUCCESS) {
+            tab[i].h = 0;
+            released++, bytes += tab[i].mapped;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS)
+        reply(c, "{\"ok\":false,\"error\":\"giving the memory up failed with CUresult %d after "
+                 "%zu buffers\"}", r, released);
+    else
+        reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu}", released, bytes);
+}
+
+/* Map the descriptors that came with the request at the table's addresses: phase hold. */
+static void do_remap(struct conn *c, size_t want) {
+    while (c->nfds < want) {
+        int r = rx(c, 30000);
+        if (r <= 0) {
+            fail(c, "remap: fewer descriptors came than announced");
+            return;
+        }
+    }
+    pthread_mutex_lock(&mu);
+    CUresult r = want == ntab ? use_context() : CUDA_ERROR_INVALID_VALUE;
+    size_t mapped = 0;
+    for (size_t i = 0; i < ntab && r == CUDA_SUCCESS; i++) {
+        if (tab[i].h)
+            continue;   /* never given up */
+        CUmemGenericAllocationHandle h = 0;
+        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)c->fds[i],
+                                                HANDLE_POSIX_FD);
+        if (r == CUDA_SUCCESS && (r = map_rw(tab[i].va, tab[i].mapped, h, tab[i].device)))
+            DRV(cuMemRelease)(h);
+        if (r == CUDA_SUCCESS)
+            tab[i].h = h, mapped++;
+    }
+    int all = 1;
+    for (size_t i = 0; i < ntab; i++)
+        all &= tab[i].h != 0;
+    if (all && atomic_load(&phase) == P_HOISTED)
+        set_phase(P_HOLD);
+    pthread_mutex_unlock(&mu);
+    for (size_t i = 0; i < c->nfds; i++)
+        close(c->fds[i]);
+    c->nfds = 0;
+    if (r != CUDA_SUCCESS)
+        reply(c, "{\"ok\":false,\"error\":\"remap failed with CUresult %d (%zu of %zu buffers "
+                 "announced, %zu in the table)\"}", r, want, want, ntab);
+    else
+        reply(c, "{\"ok\":true,\"mapped\":%zu}", mapped);
+}
+
+static void mark_done(char *args) {
+    pthread_mutex_lock(&mu);
+    for (char *t = strtok(args, " "); t; t = strtok(NULL, " ")) {
+        long i = find(strtoull(t, NULL, 0));
+        if (i >= 0)
+            tab[i].status = ST_DONE;
+    }
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+static void do_move(struct conn *c, int from, int to) {
+    pthread_mutex_lock(&mu);
+    int ok = atomic_load(&phase) == from;
+    if (ok)
+        set_phase(to);
+    pthread_mutex_unlock(&mu);
+    if (ok)
+        reply(c, "{\"ok\":true,\"phase\":\"%s\"}", phase_name[to]);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"the job is in phase %s, not %s\"}",
+              phase_name[atomic_load(&phase)], phase_name[from]);
+}
+
+static void do_end(struct conn *c) {
+    char s[512];
+    pthread_mutex_lock(&mu);
+    int ph = atomic_load(&phase);
+    if (ph != P_HOISTED) {
+        set_phase(P_IDLE);
+        /* the released calls account for their waits before the report is made */
+        uint64_t until = now_ns() + 100000000ull;
+        while (waiting > 0 && now_ns() < until) {
+            pthread_mutex_unlock(&mu);
+            usleep(50);
+            pthread_mutex_lock(&mu);
+        }
+    }
+    stats_json(s, sizeof(s));
+    pthread_mutex_unlock(&mu);
+    if (ph == P_HOISTED)
+        fail(c, "the job's memory is given up: remap it first");
+    else
+        reply(c, "{\"ok\":true,%s}", s);
+}
+
+/* The helper went away (EOF, error, or silence past the stall bound) in the middle of an
+ * operation: never leave the job held. A restore that released calls is half done: the job
+ * must not compute on a mix of restored and stale buffers, so it ends. While hoisted, the
+ * memory is pos's to give back: the calls stay held until a remap (the watchdog's). */
+static void abandon(const char *why) {
+    pthread_mutex_lock(&mu);
+    int ph = atomic_load(&phase);
+    if (ph == P_HOLD || ph == P_COPY)
+        set_phase(P_IDLE);
+    pthread_mutex_unlock(&mu);
+    if (ph == P_RESTORE) {
+        fprintf(stderr, "pos: the restore of this process was abandonned (%s) with buffers not "
+                        "back; ending the process\n", why);
+        kill(getpid(), SIGKILL);
+    }
+    if (ph == P_HOISTED)
+        fprintf(stderr, "pos: %s while the job's GPU memory is held by pos; its calls wait for "
+                        "pos to give the memory back\n", why);
+}
+
+static int stall_ms(void) {
+    const char *s = getenv("POS_AGENT_STALL_S");
+    double v = s ? atof(s) : 60.0;
+    return v > 0 ? (int)(v * 1000) : 60000;
+}
+
+static void serve(int fd) {
+    struct conn *c = calloc(1, sizeof(*c));
+    if (!c) {
+        close(fd);
+        return;
+    }
+    c->fd = fd;
+    char line[65536];
+    int stall = stall_ms();
+    for (;;) {
+        int r = next_line(c, line, sizeof(line), stall);
+        if (r <= 0) {
+            abandon(r == 0 ? "pos closed the connection" : "pos stopped answering");
+            break;
+        }
+        char *cmd = line + strspn(line, "+");   /* the bytes that carried descriptors */
+        char *args = strchr(cmd, ' ');
+        if (args)
+            *args++ = 0;
+        if (!strcmp(cmd, "status"))
+            do_status(c);
+        else if (!strcmp(cmd, "cut"))
+            do_cut(c, args ? atol(args) : stall);
+        else if (!strcmp(cmd, "table"))
+            do_table(c);
+        else if (!strcmp(cmd, "export"))
+            do_export(c);
+        else if (!strcmp(cmd, "hoist"))
+            do_hoist(c);
+        else if (!strcmp(cmd, "remap"))
+            do_remap(c, args ? strtoul(args, NULL, 10) : 0);
+        else if (!strcmp(cmd, "copy"))
+            do_move(c, P_HOLD, P_COPY);
+        else if (!strcmp(cmd, "restore"))
+            do_move(c, P_HOLD, P_RESTORE);
+        else if (!strcmp(cmd, "done"))
+            mark_done(args ? args : cmd + 4);
+        else if (!strcmp(cmd, "end"))
+            do_end(c);
+        else if (!strcmp(cmd, "bye")) {
+            reply(c, "{\"ok\":true}");
+            break;
+        } else
+            fail(c, "unknown request");
+    }
+    for (size_t i = 0; i < c->nfds; i++)
+        close(c->fds[i]);
+    close(fd);
+    free(c);
+}
+
+static void *control(void *arg) {
+    int ls = (int)(intptr_t)arg;
+    in_agent = 1;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);   /* the job's signals go to its own threads */
+    for (;;) {
+        int fd = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            usleep(100000);
+            continue;
+        }
+        struct ucred cred;
+        socklen_t len = sizeof(cred);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) || cred.uid != 0) {
+            const char *no = "{\"ok\":false,\"error\":\"pos answers root only\"}\n";
+            send_all(fd, no, strlen(no));
+            close(fd);
+            continue;
+        }
+        serve(fd);
+    }
+    return NULL;
+}
+
+static pthread_once_t control_once = PTHREAD_ONCE_INIT;
+
+static void control_start_once(void) {
+    const char *own = getenv("POS_OWN");
+    owning = !(own && !strcmp(own, "0"));
+    int ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int n = snprintf(a.sun_path + 1, sizeof(a.sun_path) - 1, "pos-agent-%d", getpid());
+    if (ls < 0 || bind(ls, (struct sockaddr *)&a, (socklen_t)(offsetof(struct sockaddr_un,
+                                                                       sun_path) + 1 + n)) ||
+        listen(ls, 4)) {
+        fprintf(stderr, "pos: the agent's control socket could not be opened (%s); this job "
+                        "cannot be checkpointed by pos\n", strerror(errno));
+        if (ls >= 0)
+            close(ls);
+        return;
+    }
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &at, control, (void *)(intptr_t)ls)) {
+        fprintf(stderr, "pos: the agent's control thread could not start\n");
+        close(ls);
+    }
+    pthread_attr_destroy(&at);
+    note("control socket @pos-agent-%d", getpid());
+}
+
+static void after_fork_child(void) {
+    /* the control thread is not forked: a child that uses CUDA starts its own */
+    pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    control_once = fresh;
+    atomic_store(&inflight, 0);
+}
+
+static void start_control(void) { pthread_once(&control_once, control_start_once); }
+
+__attribute__((constructor)) static void init(void) {
+    find_real_dlsym();
+    const char *own = getenv("POS_OWN");
+    owning = !(own && !strcmp(own, "0"));
+    pthread_atfork(NULL, NULL, after_fork_child);
+}

@@ -1,0 +1,248 @@
+"""The concurrent engine's copier, outside the job: pos imports the job's device memory (the
+descriptors its agent exports), snapshots it device-to-device into a shadow of its own while
+the job is held (HBM speed: milliseconds), and copies the shadow to pinned host memory and then
+to disk while the job runs. A restore goes the other way, buffer by buffer, telling the agent
+each buffer that is back so that the job's calls that need it may go.
+
+Every driver call goes through pos/driver.py (one place talks to libcuda)."""
+
+import ctypes
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from pos.agent.control import Buffer
+from pos.driver import Driver, DriverError, driver
+
+C = ctypes
+U64, SZ = C.c_uint64, C.c_size_t
+HANDLE_POSIX_FD = 1
+CHUNK = 64 << 20
+
+
+class _Loc(C.Structure):
+    _fields_ = [("type", C.c_int), ("id", C.c_int)]
+
+
+class _Prop(C.Structure):
+    _fields_ = [("type", C.c_int), ("handles", C.c_int), ("loc", _Loc), ("win32", C.c_void_p),
+                ("flags", C.c_uint64)]
+
+
+class _Access(C.Structure):
+    _fields_ = [("loc", _Loc), ("flags", C.c_int)]
+
+
+def context(device: int = 0) -> Driver:
+    """The driver with the device's primary context current on this thread."""
+    drv = driver()
+    drv.init()
+    ctx = C.c_void_p()
+    drv.call("cuDevicePrimaryCtxRetain", C.byref(ctx), C.c_int(device))
+    drv.call("cuCtxSetCurrent", ctx)
+    return drv
+
+
+def _map(drv: Driver, size: int, handle: int, device: int) -> int:
+    va = U64()
+    drv.call("cuMemAddressReserve", C.byref(va), SZ(size), SZ(0), U64(0), U64(0))
+    try:
+        drv.call("cuMemMap", va, SZ(size), SZ(0), U64(handle), U64(0))
+        acc = _Access(_Loc(1, device), 3)
+        drv.call("cuMemSetAccess", va, SZ(size), C.byref(acc), SZ(1))
+    except DriverError:
+        drv.function("cuMemUnmap")(va, SZ(size))
+        drv.function("cuMemAddressFree")(va, SZ(size))
+        raise
+    return va.value
+
+
+class Imported:
+    """The job's buffers mapped into this process: handle i holds buffers[i]'s memory."""
+
+    def __init__(self, drv: Driver, buffers: Sequence[Buffer], fds: Sequence[int]) -> None:
+        self.drv, self.buffers = drv, list(buffers)
+        self.handles: list[int] = []
+        self.local: list[int] = []
+        try:
+            for b, fd in zip(self.buffers, fds):
+                h = U64()
+                drv.call("cuMemImportFromShareableHandle", C.byref(h), C.c_void_p(fd),
+                         C.c_int(HANDLE_POSIX_FD))
+                self.handles.append(h.value)
+                self.local.append(_map(drv, b.mapped, h.value, b.device))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def create(cls, drv: Driver, buffers: Sequence[Buffer]) -> tuple["Imported", list[int]]:
+        """New exportable memory for `buffers` (a restore into a new process): the mapping and
+        one descriptor per buffer for the job to map."""
+        fds: list[int] = []
+        try:
+            for b in buffers:
+                prop = _Prop(1, HANDLE_POSIX_FD, _Loc(1, b.device), None, 0)
+                h = U64()
+                drv.call("cuMemCreate", C.byref(h), SZ(b.mapped), C.byref(prop), U64(0))
+                fd = C.c_int()
+                try:
+                    drv.call("cuMemExportToShareableHandle", C.byref(fd), h,
+                             C.c_int(HANDLE_POSIX_FD), U64(0))
+                finally:
+                    drv.function("cuMemRelease")(h)   # the descriptor holds it now
+                fds.append(fd.value)
+            return cls(drv, buffers, fds), fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def close(self) -> None:
+        for va, b in zip(self.local, self.buffers):
+            self.drv.function("cuMemUnmap")(U64(va), SZ(b.mapped))
+            self.drv.function("cuMemAddressFree")(U64(va), SZ(b.mapped))
+        for h in self.handles:
+            self.drv.function("cuMemRelease")(U64(h))
+        self.local, self.handles = [], []
+
+
+class Pinned:
+    """One page-locked host arena, with numpy views of it."""
+
+    def __init__(self, drv: Driver, size: int) -> None:
+        self.drv, self.size = drv, max(size, 1)
+        p = C.c_void_p()
+        drv.call("cuMemHostAlloc", C.byref(p), SZ(self.size), C.c_uint(0))
+        self.ptr = p.value or 0
+
+    def view(self, offset: int, n: int) -> np.ndarray:
+        return np.ctypeslib.as_array((C.c_uint8 * n).from_address(self.ptr + offset))
+
+    def close(self) -> None:
+        if self.ptr:
+            self.drv.function("cuMemFreeHost")(C.c_void_p(self.ptr))
+            self.ptr = 0
+
+
+class Shadow:
+    """Device memory of pos's own holding a copy of some buffers, taken device-to-device."""
+
+    def __init__(self, drv: Driver, size: int) -> None:
+        self.drv, self.ptr, self.size = drv, 0, size
+        p = U64()
+        if size:
+            drv.call("cuMemAlloc_v2", C.byref(p), SZ(size))
+        self.ptr = p.value
+
+    def close(self) -> None:
+        if self.ptr:
+            self.drv.function("cuMemFree_v2")(U64(self.ptr))
+            self.ptr = 0
+
+
+def free_device_bytes(drv: Driver) -> int:
+    free, total = SZ(), SZ()
+    drv.call("cuMemGetInfo_v2", C.byref(free), C.byref(total))
+    return free.value
+
+
+@dataclass
+class Copy:
+    """One direction of a copy: bytes and seconds (its own, apart from the disk)."""
+
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> Optional[float]:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else None
+
+
+def grid(sizes: Sequence[int], chunk: int) -> list[tuple[int, int, int]]:
+    """(buffer index, offset, length) for every chunk, buffer by buffer."""
+    return [(i, off, min(chunk, n - off)) for i, n in enumerate(sizes) for off in range(0, n, chunk)]
+
+
+class _Streams:
+    """One stream per worker thread, made current with the caller's context."""
+
+    def __init__(self, drv: Driver) -> None:
+        self.drv = drv
+        ctx = C.c_void_p()
+        drv.call("cuCtxGetCurrent", C.byref(ctx))
+        self.ctx = ctx
+        self.local = threading.local()
+        self.all: list[C.c_void_p] = []
+        self.lock = threading.Lock()
+
+    def mine(self) -> C.c_void_p:
+        s = getattr(self.local, "stream", None)
+        if s is None:
+            self.drv.call("cuCtxSetCurrent", self.ctx)
+            s = C.c_void_p()
+            self.drv.call("cuStreamCreate", C.byref(s), C.c_uint(1))   # non-blocking
+            self.local.stream = s
+            with self.lock:
+                self.all.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self.all:
+            self.drv.function("cuStreamDestroy_v2")(s)
+
+
+def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, workers: int,
+               one: Callable[[C.c_void_p, int, int, int], None],
+               buffer_done: Callable[[int], None] = lambda _i: None) -> float:
+    """Run `one(stream, buffer, offset, length)` over every chunk of `work` on `workers`
+    threads, each with its own stream, in order; `buffer_done(i)` once buffer i's chunks are
+    complete (at once for a buffer without chunks). Returns the seconds it took."""
+    left = [0] * buffers
+    for i, _off, _n in work:
+        left[i] += 1
+    for i, n in enumerate(left):
+        if n == 0:
+            buffer_done(i)
+    lock = threading.Lock()
+    streams = _Streams(drv)
+
+    def task(item: tuple[int, int, int]) -> None:
+        i, off, n = item
+        s = streams.mine()
+        one(s, i, off, n)
+        drv.call("cuStreamSynchronize", s)
+        with lock:
+            left[i] -= 1
+            last = left[i] == 0
+        if last:
+            buffer_done(i)
+
+    t = time.monotonic()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for f in [pool.submit(task, w) for w in work]:
+                f.result()
+    finally:
+        streams.close()
+    return time.monotonic() - t
+
+
+def device_to_device(drv: Driver, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int]
+                     ) -> float:
+    """Copy src[i] -> dst[i] on one stream and wait: the shadow taken while the job is held."""
+    s = C.c_void_p()
+    drv.call("cuStreamCreate", C.byref(s), C.c_uint(1))
+    t = time.monotonic()
+    try:
+        for d, a, n in zip(dst, src, sizes):
+            drv.call("cuMemcpyDtoDAsync_v2", U64(d), U64(a), SZ(n), s)
+        drv.call("cuStreamSynchronize", s)
+    finally:
+        drv.function("cuStreamDestroy_v2")(s)
+    return time.monotonic() - t

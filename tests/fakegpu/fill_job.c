@@ -1,0 +1,93 @@
+/* The fake-driver twin of workloads/fill_job.py: a job of many buffers that knows nothing of
+ * pos. Operation k (k = 1, 2, ...) fills buffer (k-1) % N with the 32-bit k (cuMemsetD32),
+ * and launches a kernel, so that the state after exactly K operations is known (fill_job.torn).
+ * It reaches the driver the three ways a real job does: cuMemAlloc through cuGetProcAddress
+ * (as a runtime), cuMemsetD32 through dlsym on libcuda, and cuLaunchKernel linked directly.
+ * While PAUSE_FILE exists it makes no CUDA call.
+ *
+ *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
+CUresult cuInit(unsigned);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, int);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, CUstream, void **, void **);
+CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
+
+#define CHECK(x)                                                                                  \
+    do {                                                                                           \
+        CUresult r_ = (x);                                                                         \
+        if (r_) {                                                                                  \
+            fprintf(stderr, "%s -> %d\n", #x, r_);                                                 \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static void *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    void *p = malloc((size_t)n);
+    if (p && fread(p, 1, (size_t)n, f) != (size_t)n)
+        p = NULL;
+    fclose(f);
+    return p;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s KERNELS.cubin N BYTES [PAUSE_FILE]\n", argv[0]);
+        return 2;
+    }
+    int n = atoi(argv[2]);
+    size_t bytes = strtoull(argv[3], NULL, 0);
+    const char *pause = argc > 4 ? argv[4] : NULL;
+    CUcontext ctx;
+    CHECK(cuInit(0));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
+    CHECK(cuCtxSetCurrent(ctx));
+    CUresult (*alloc)(CUdeviceptr *, size_t);
+    CHECK(cuGetProcAddress_v2("cuMemAlloc", (void **)&alloc, 12000, 0, NULL));
+    void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    CUresult (*memset32)(CUdeviceptr, unsigned, size_t) = lib ? dlsym(lib, "cuMemsetD32_v2") : 0;
+    if (!memset32)
+        return 1;
+    CUmodule mod;
+    CUfunction fn;
+    void *cubin = slurp(argv[1]);
+    CHECK(cubin ? 0 : 1);
+    CHECK(cuModuleLoadData(&mod, cubin));
+    CHECK(cuModuleGetFunction(&fn, mod, "no_params"));
+    CUdeviceptr *buf = calloc((size_t)n, sizeof(*buf));
+    for (int i = 0; i < n; i++) {
+        CHECK(alloc(&buf[i], bytes));
+        CHECK(memset32(buf[i], 0, bytes / 4));
+    }
+    printf("READY %d\n", getpid());
+    fflush(stdout);
+    struct stat sb;
+    for (uint32_t k = 1;; k++) {
+        while (pause && stat(pause, &sb) == 0)
+            usleep(1000);
+        CHECK(memset32(buf[(k - 1) % (uint32_t)n], k, bytes / 4));
+        CHECK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
+        if (k % 64 == 0)
+            usleep(100);
+    }
+}
