@@ -7,7 +7,7 @@
 #   bench/device.sh analyze      # the validator on PyTorch and the kernel suite; its test (~6 min)
 #   bench/device.sh checkpoint   # stop-the-world C/R: bit-exact tests, 1-16 GiB table  (~8 min)
 #   bench/device.sh checkpoint32 # the 32 GiB row of that table, restore included       (~5 min)
-#   bench/device.sh concurrent   # the concurrent engine: tests, training + inference   (~10 min)
+#   bench/device.sh concurrent   # the concurrent engine: overhead, images, stalls, tests (~8 min)
 #   bench/device.sh schedule     # a schedule every minute for 5 minutes, images restored (~8 min)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
@@ -59,10 +59,10 @@ checkpoint32)
     step checkpoint-bench-32 python3 bench/checkpoint_gpu.py --sizes 32 \
         --out "$out/checkpoint-h100-32.json" --images /tmp ;;
 concurrent)
-    step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py
-    step concurrent-train python3 bench/concurrent_gpu.py --out "$out/concurrent-h100.json"
-    step concurrent-infer python3 bench/concurrent_gpu.py --infer \
-        --out "$out/concurrent-infer-h100.json" ;;
+    step hook python3 -m pos.agent.hook
+    step concurrent-bench python3 bench/concurrent_gpu.py --out "$out" \
+        --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}"
+    step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
