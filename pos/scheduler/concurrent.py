@@ -77,7 +77,9 @@ class _Saver:
     """Steps 1-3 and 5-6 of a checkpoint, shared by the GPU-only and the whole-process ones."""
 
     def __init__(self, agent: Agent, streams: int, chunk: int, echo: Echo) -> None:
-        self.agent, self.streams, self.chunk, self.echo = agent, streams, chunk, echo
+        self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
+        self.pid = agent.pid
+        self.streams, self.chunk, self.echo = streams, chunk, echo
         self.drv = gpucopy.context(0)
         self.timings: dict[str, float] = {}
         self.host: Optional[gpucopy.Pinned] = None
@@ -94,21 +96,24 @@ class _Saver:
             self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
 
     def prepare(self) -> int:
+        assert self.agent is not None
         st = self.agent.status()
         if not st.owning:
-            raise BadInput(f"the agent of process {self.agent.pid} does not own its memory "
+            raise BadInput(f"the agent of process {self.pid} does not own its memory "
                            "(POS_OWN=0)", "run the job under `pos run` without POS_OWN=0")
         want = st.owned_bytes
+        self.owned_bytes = want
         self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, want))
         room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
-        self.shadow = self._timed("shadow_alloc", lambda: gpucopy.Shadow(
-            self.drv, min(room, want) // (2 << 20) * (2 << 20)))
+        self.shadow = self._timed("shadow_alloc", lambda: gpucopy.Shadow(self.drv, min(room, want)))
         return st.foreign_bytes
 
     def cut_and_import(self) -> Cut:
-        cut = self._timed("cut", lambda: self.agent.cut(STALL_S))
-        self.table = self.agent.table()
-        self.fds = self._timed("export", self.agent.export)
+        assert self.agent is not None
+        agent = self.agent
+        cut = self._timed("cut", lambda: agent.cut(STALL_S))
+        self.table = agent.table()
+        self.fds = self._timed("export", agent.export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))
         total = sum(b.size for b in self.table)
         assert self.host is not None
@@ -134,6 +139,7 @@ class _Saver:
 
     def release(self) -> None:
         """The job goes on: the shadowed buffers are saved as far as it is concerned."""
+        assert self.agent is not None
         self.agent.copy()
         self.agent.done([b.va for b in self.table[:self.shadowed]])
 
@@ -151,7 +157,7 @@ class _Saver:
                           gpucopy.U64(sources[i] + off), gpucopy.SZ(n), stream)
 
         def saved(i: int) -> None:
-            if i >= self.shadowed:
+            if i >= self.shadowed and self.agent is not None:
                 self.agent.done([self.table[i].va])
 
         sizes = [b.size for b in self.table]
@@ -189,7 +195,7 @@ class _Saver:
                     "device": b.device, "chunks": sorted(writer.chunks.get(b.va, []),
                                                          key=lambda c: c["offset"])}
                    for b in self.table]
-        gpuimage.write_index(folder, {"format": gpuimage.FORMAT, "pid": self.agent.pid,
+        gpuimage.write_index(folder, {"format": gpuimage.FORMAT, "pid": self.pid,
                                       "parent": None, "buffers": buffers})
         self.timings["disk"] = time.monotonic() - t
 
@@ -300,3 +306,145 @@ def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
         for st in staging:
             st.close()
     return gpucopy.Copy(sum(n for _i, _o, n in work), seconds)
+
+
+def checkpoint_full(pid: int, directory: Path, options: Any, leave_running: bool = True,
+                    lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
+                    chunk_mb: int = 64, echo: Echo = lambda _: None) -> Report:
+    """A whole-process image of the `pos run` job `pid` (CRIU + the driver, the job's device
+    memory hoisted out of the driver's checkpoint and copied by pos): restorable into a new
+    process by `restore_full`. See the module docstring for the steps."""
+    from pos.scheduler import criu as criu_mod
+    from pos.scheduler import cudackpt, engine, procs
+    from pos.scheduler.watchdog import Plan
+
+    procs.require_checkpointable(pid)
+    criu = criu_mod.find()
+    pids = procs.tree(pid)
+    cuda = engine.gpu_pids(pids)
+    if cuda != [pid]:
+        raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: the "
+                       "concurrent engine takes trees whose one CUDA process is the `pos run` job",
+                       "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
+    agent = Agent(pid)
+    s = _Saver(agent, streams, chunk_mb << 20, echo)
+    try:
+        foreign = s.prepare()
+        partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
+        manifest = engine.new_manifest(pid, pids, cuda, criu, options, leave_running,
+                                       nvml.gpus_of(cuda))
+        plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
+                    stopped=[p for p in pids if procs.state(p) in ("T", "t")],
+                    criu_options=options.to_json())
+        echo(f"checkpointing PID {pid} ({manifest.comm}) concurrently: "
+             f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
+        gate: Optional[Gate] = None
+        with engine.Guard(plan, echo, partial) as g:
+            t0 = time.monotonic()
+            g.step("cut")
+            cut = s.cut_and_import()
+            sources = g.timed("shadow", s.snapshot)
+            g.hold(s.fds)
+            g.step("hoist", hoisted=True)
+            g.timed("hoist", agent.hoist)
+            agent.close()                  # CRIU dumps no socket connected to pos
+            g.step("lock")
+            g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
+            g.step("checkpoint")
+            g.timed("checkpoint", lambda: cudackpt.checkpoint(pid))
+            g.step("dump")
+            argv = criu.dump_argv(pid, partial, options, leave_running)
+            g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
+            frozen = criu_mod.frozen_seconds(partial)
+            if frozen is not None:
+                g.timings["frozen"] = frozen
+            if leave_running:
+                g.step("restore")
+                g.timed("restore", lambda: cudackpt.restore(pid))
+                g.step("unlock")
+                g.timed("unlock", lambda: cudackpt.unlock(pid))
+                s.agent = agent = Agent(pid)
+                g.timed("remap", lambda: agent.remap(s.fds))
+                g.step("copy", hoisted=False)
+                s.release()
+            else:
+                s.agent = None             # CRIU ended the job: nothing is waiting for it
+                g.step("copy", hoisted=False)
+            release_s = time.monotonic() - t0
+            copy = s.to_host(sources)
+            if s.agent is not None:
+                gate = s.agent.end()
+            s.drop_device()
+            g.step("seal")
+            s.write(partial, compress=False)
+            manifest.timings = {**s.timings, **g.timings}
+            manifest.stall_s = release_s if leave_running else None
+            final = g.timed("checksum", lambda: image.seal(partial, manifest))
+        manifest.timings = {**s.timings, **g.timings}
+        image.write_manifest(final, manifest)
+    finally:
+        s.close()
+        if s.agent is not None:
+            s.agent.close()
+    return Report(str(final), len(s.table), copy.bytes, cut, gate, s.shadow_bytes, release_s,
+                  copy.gbps, None, foreign, manifest.timings)
+
+
+def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
+                 chunk_mb: int = 64, echo: Echo = lambda _: None) -> tuple[int, Report]:
+    """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
+    driver's restore of its small context, then new device memory at the same addresses, filled
+    from the image while the job runs (its calls wait only for the buffers not back yet)."""
+    from pos.scheduler import engine
+
+    directory = Path(directory).absolute()
+    t0 = time.monotonic()
+    data = [n for n in image.load(directory).files if not n.startswith("gpu-data-")]
+    manifest = image.verify(directory, data)   # the GPU chunks are checked as they are read
+    verify_s = time.monotonic() - t0
+    saved = gpuimage.resolve(directory)
+    out: dict[str, Any] = {}
+
+    def fill(g: Any, root: int) -> None:
+        drv = gpucopy.context(0)
+        g.step("remap", hoisted=True)
+        with Agent(root) as agent:
+            table = agent.table()
+            if sorted((b.va, b.size) for b in table) != sorted((va, v[1]) for va, v in
+                                                                saved.items()):
+                raise PosError(f"the restored job's allocations do not match {directory}'s GPU "
+                               "index", "take a new checkpoint")
+            t = time.monotonic()
+            mem, fds = gpucopy.Imported.create(drv, table)
+            try:
+                agent.remap(fds)
+                agent.restore()
+                out["release_s"] = time.monotonic() - t0
+                out["map_s"] = time.monotonic() - t
+                g.step("fill")
+                out["copy"] = _fill(drv, agent, table, mem.local, saved, streams, chunk_mb << 20)
+                out["gate"] = agent.end()
+                g.step("done", hoisted=False)
+            finally:
+                mem.close()
+                for fd in fds:
+                    os.close(fd)
+        out["table"] = table
+
+    result = engine.restore(directory, inherit_fds, echo, verified=manifest, finish=fill)
+    copy = out["copy"]
+    timings = {"verify": verify_s, **result.timings, "map": out["map_s"], "h2d": copy.seconds}
+    return result.restored_pid or 0, Report(str(directory), len(out["table"]), copy.bytes, None,
+                                            out["gate"], 0, out["release_s"], None, copy.gbps, 0,
+                                            timings)
+
+
+def is_full_image(directory: Path) -> bool:
+    """A whole-process concurrent image: CRIU's files and a GPU index side by side."""
+    d = Path(directory)
+    return (d / gpuimage.INDEX).is_file() and (d / "inventory.img").is_file()
+
+
+def checkpoint(pid: int, directory: Path, options: Any, leave_running: bool) -> Report:
+    """The scheduler's entry (pos/scheduler/snapshot.py): the whole process."""
+    return checkpoint_full(pid, directory, options, leave_running)

@@ -43,6 +43,7 @@ class Guard:
         self.plan, self.echo, self.partial = plan, echo, partial
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
+        self.memory: list[int] = []          # descriptors of a job's hoisted device memory
 
     def __enter__(self) -> "Guard":
         self.watchdog = Watchdog()
@@ -60,6 +61,13 @@ class Guard:
         point = name + (":criu" if self.plan.criu_pid else "")
         if fault.partition("=")[0] == point:
             os.kill(os.getpid(), signal.Signals["SIG" + fault.partition("=")[2]])
+
+    def hold(self, fds: list[int]) -> None:
+        """The job's device memory, as descriptors that the undo (here or in the watchdog)
+        maps back into the job should this operation fail while the memory is pos's."""
+        self.memory = list(fds)
+        assert self.watchdog is not None
+        self.watchdog.hold(self.memory)
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one step and add its duration to timings[name]."""
@@ -86,7 +94,7 @@ class Guard:
             self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
                       f"(failed at step {self.plan.step})")
             try:
-                recover(self.plan, self.echo)
+                recover(self.plan, self.echo, self.memory)
             except PosError as undo:
                 raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
                                undo.fix or "check the process by hand") from None
@@ -121,6 +129,24 @@ def gpu_pids(pids: list[int]) -> list[int]:
     return [p for p in candidates if cudackpt.cuda_state(p) is not None]
 
 
+def new_manifest(pid: int, pids: list[int], cuda: list[int], criu: criu_mod.Criu,
+                 options: Options, leave_running: bool, gpu_use: dict[str, int]) -> Manifest:
+    """The manifest of a full-process image about to be taken (timings and files come later)."""
+    from pos.scheduler import cudackpt
+
+    names = {g.uuid: g.name for g in nvml.gpus()} if gpu_use else {}
+    comm, cmdline = host.describe(pid)
+    return Manifest(
+        pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(), kernel=platform.release(), criu_version=criu.version_text,
+        criu_options=options.to_json(), leave_running=leave_running,
+        driver_version=nvml.driver_version() if cuda else None,
+        cuda_version=cudackpt.driver_version() if cuda else None,
+        gpus=[{"uuid": u, "name": names.get(u, "n/a"), "memory_used": m}
+              for u, m in gpu_use.items()])
+
+
 @dataclass
 class Result:
     path: Path
@@ -140,21 +166,12 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     from pos.scheduler import cudackpt
 
     gpu_use = nvml.gpus_of(cuda) if cuda else {}
-    names = {g.uuid: g.name for g in nvml.gpus()} if gpu_use else {}
     # pages at least as large as what is resident, plus the device memory the dump will hold;
     # a page server takes the pages elsewhere
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
     partial = image.prepare(directory, needed)
-    comm, cmdline = host.describe(pid)
-    manifest = Manifest(
-        pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        host=socket.gethostname(), kernel=platform.release(), criu_version=criu.version_text,
-        criu_options=options.to_json(), leave_running=leave_running,
-        driver_version=nvml.driver_version() if cuda else None,
-        cuda_version=cudackpt.driver_version() if cuda else None,
-        gpus=[{"uuid": u, "name": names.get(u, "n/a"), "memory_used": m}
-              for u, m in gpu_use.items()])
+    manifest = new_manifest(pid, pids, cuda, criu, options, leave_running, gpu_use)
+    comm = manifest.comm
     plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                 criu_options=options.to_json())
@@ -217,8 +234,11 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
 
 
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
-            gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None) -> Result:
-    """Restore the image in `directory` (verified first) and resume its processes."""
+            gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None,
+            finish: Optional[Callable[[Guard, int], None]] = None) -> Result:
+    """Restore the image in `directory` (verified first) and resume its processes; `finish(g,
+    root)` runs last under the same guard (the concurrent engine puts the job's device memory
+    back there: a failure then ends the restored tree, never leaves it half-restored)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
     manifest = verified or image.verify(directory)
@@ -247,5 +267,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
         for p in manifest.gpu_pids:
             g.step("unlock")
             g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+        if finish is not None:
+            finish(g, root)
     shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)

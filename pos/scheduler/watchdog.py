@@ -3,9 +3,12 @@ itself dies.
 
 pos starts `python -m pos.scheduler.watchdog` (its own session, so a terminal's Ctrl-C or a
 killed process group does not take it along) before touching the target, and writes the
-current `Plan` to its stdin as one JSON line per step. A line {"done": true} ends it quietly.
-If the pipe closes without it, pos died (even SIGKILL closes the pipe) and the watchdog runs
-`recover(plan)`. pos runs the very same `recover` on its own failures and on SIGINT/SIGTERM.
+current `Plan` to its stdin (a unix socket) as one JSON line per step. A line {"done": true}
+ends it quietly. If the socket closes without it, pos died (even SIGKILL closes it) and the
+watchdog runs `recover(plan)`. pos runs the very same `recover` on its own failures and on
+SIGINT/SIGTERM. While a `pos run` job has given its device memory up to pos (the concurrent
+engine's hoist), the watchdog holds descriptors of that memory too (`Watchdog.hold`), so that
+the memory outlives pos and goes back to the job.
 
 `recover` decides from what it observes, not from what it was told was done, so it may run
 twice (pos died during its own undo) without harm:
@@ -15,12 +18,14 @@ twice (pos died during its own undo) without harm:
     then every CUDA process that is CHECKPOINTED gets the driver's restore, every LOCKED one
     its unlock;
   - restore: forward, a restored tree is finished (driver restore onto the planned GPUs,
-    unlock); a tree that cannot be finished is killed, never left half-restored.
+    unlock); a tree that cannot be finished is killed, never left half-restored;
+  - hoisted memory (`Plan.hoisted`) is mapped back into the job, which then runs on.
 """
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +57,7 @@ class Plan:
     images: str = ""                          # checkpoint: DIR.partial; restore: DIR
     criu_options: dict[str, Any] = field(default_factory=dict)
     gpu_pairs: list[list[str]] = field(default_factory=list)   # restore onto these GPUs
+    hoisted: bool = False                     # the job's device memory is pos's (hoist..remap)
 
     def to_json(self) -> str:
         return json.dumps({"plan": asdict(self)})
@@ -115,8 +121,21 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], N
             cudackpt.unlock(pid)
 
 
-def recover(plan: Plan, log: Callable[[str], None]) -> None:
-    """Bring the plan's processes back to running (see the module docstring)."""
+def _give_back(plan: Plan, memory: list[int], log: Callable[[str], None]) -> None:
+    """Map the hoisted memory back into the job (its calls wait for it) and release it."""
+    from pos.agent.control import Agent
+
+    if not plan.hoisted or not plan.pids or not procs.alive(plan.pids[0]):
+        return
+    log(f"PID {plan.pids[0]}: giving its device memory back ({len(memory)} buffers)")
+    with Agent(plan.pids[0]) as agent:
+        agent.remap(memory)
+        agent.end()
+
+
+def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> None:
+    """Bring the plan's processes back to running (see the module docstring); `memory`: the
+    descriptors of the hoisted memory, in the agent's table order."""
     _wait_criu(plan, log)
     if plan.op == "restore":
         if not plan.pids or not procs.alive(plan.pids[0]):
@@ -127,35 +146,44 @@ def recover(plan: Plan, log: Callable[[str], None]) -> None:
             log(f"cannot finish the restore ({e.message}): killing the restored tree")
             procs.kill_tree(procs.tree(plan.pids[0]))
             raise
+        if plan.hoisted:       # its device memory is not all back: it must not run on
+            log(f"the device memory of PID {plan.pids[0]} is not back: killing the tree")
+            procs.kill_tree(procs.tree(plan.pids[0]))
         return
     if plan.op == "checkpoint" and plan.step in ("dump", "seal") and plan.pids \
             and not procs.alive(plan.pids[0]):
         _resurrect(plan, log)
     procs.thaw([p for p in plan.pids if p not in plan.stopped])
     _finish_gpu(plan, [], log)
+    _give_back(plan, memory, log)
 
 
 class Watchdog:
     """pos's side of the watchdog process: start it, tell it each step, say done."""
 
     def __init__(self) -> None:
+        self.sock, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pos.scheduler.watchdog"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "pos.scheduler.watchdog"], stdin=theirs,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "PYTHONPATH": _import_path()})
+        theirs.close()
 
     def send(self, plan: Plan) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((plan.to_json() + "\n").encode())
-        self.proc.stdin.flush()
+        self.sock.sendall((plan.to_json() + "\n").encode())
+
+    def hold(self, fds: list[int]) -> None:
+        """The watchdog keeps its own copies of these descriptors (the hoisted memory)."""
+        self.sock.sendall(json.dumps({"hold": len(fds)}).encode() + b"\n")
+        for at in range(0, len(fds), 250):
+            socket.send_fds(self.sock, [b" "], fds[at:at + 250])
 
     def done(self) -> None:
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(b'{"done": true}\n')
-            self.proc.stdin.close()
-        except BrokenPipeError:
+            self.sock.sendall(b'{"done": true}\n')
+        except OSError:
             pass
+        self.sock.close()
         self.proc.wait()
 
 
@@ -177,22 +205,44 @@ def _log_to(path: str) -> Callable[[str], None]:
     return log
 
 
+def _messages(sock: socket.socket, fds: list[int]):  # type: ignore[no-untyped-def]
+    """pos's JSON lines, collecting the descriptors that come with them into `fds`."""
+    buf = b""
+    while True:
+        try:
+            data, anc, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(250 * 4))
+        except OSError:
+            return
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(int.from_bytes(payload[i:i + 4], "little", signed=True)
+                           for i in range(0, len(payload) - len(payload) % 4, 4))
+        if not data:
+            return
+        buf += data
+        while b"\n" in buf:
+            line, _, buf = buf.partition(b"\n")
+            if line.strip():
+                yield json.loads(line)
+
+
 def main() -> int:
-    # Only pos's pipe ends the watchdog; a terminal's signals are not for it.
+    # Only pos's socket ends the watchdog; a terminal's signals are not for it.
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     log = _log_to(os.environ.get(LOG_ENV) or DEFAULT_LOG)
     plan: Optional[Plan] = None
-    for line in sys.stdin:
-        msg = json.loads(line)
+    memory: list[int] = []
+    for msg in _messages(socket.socket(fileno=0), memory):
         if msg.get("done"):
             return 0
-        plan = Plan.from_json(msg["plan"])
+        if "plan" in msg:
+            plan = Plan.from_json(msg["plan"])
     if plan is None:
         return 0
     log(f"pos died during {plan.op} of PID {plan.pids[:1]} at step {plan.step}: undoing")
     try:
-        recover(plan, log)
+        recover(plan, log, memory)
     except PosError as e:
         log(f"undo failed: {e.message}")
         return 1

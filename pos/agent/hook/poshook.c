@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -122,6 +123,8 @@ struct owned {
     size_t size;                     /* what the job asked for */
     size_t mapped;                   /* rounded to the granularity: reserved, created, mapped */
     CUmemGenericAllocationHandle h;  /* 0 while hoisted */
+    int fd;                          /* the descriptor it was mapped from, or -1: the driver
+                                        exports only handles it created, not imported ones */
     int device;
     int status;
 };
@@ -518,7 +521,7 @@ static CUresult own_alloc(CUdeviceptr *out, size_t size) {
         DRV(cuMemAddressFree)(va, n);
         return r;
     }
-    struct owned o = {.va = va, .size = size, .mapped = n, .h = h, .device = dev};
+    struct owned o = {.va = va, .size = size, .mapped = n, .h = h, .fd = -1, .device = dev};
     pthread_mutex_lock(&mu);
     remember_ctx(ctx);
     int bad = insert(&o);
@@ -544,6 +547,8 @@ static int own_free(CUdeviceptr p, CUresult *r) {
     struct owned o = tab[i];
     drop(i);
     pthread_mutex_unlock(&mu);
+    if (o.fd >= 0)
+        close(o.fd);
     *r = unmap(o.va, o.mapped);
     if (*r == CUDA_SUCCESS)
         *r = DRV(cuMemRelease)(o.h);
@@ -876,8 +881,12 @@ static void do_export(struct conn *c) {
     CUresult r = ph == P_HOLD ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
     if (r == CUDA_SUCCESS && n)
         r = use_context();
-    for (; fds && r == CUDA_SUCCESS && done < n; done++)
-        r = DRV(cuMemExportToShareableHandle)(&fds[done], tab[done].h, HANDLE_POSIX_FD, 0);
+    for (; fds && r == CUDA_SUCCESS && done < n; done++) {
+        if (tab[done].fd >= 0)
+            r = (fds[done] = fcntl(tab[done].fd, F_DUPFD_CLOEXEC, 0)) < 0 ? 2 : CUDA_SUCCESS;
+        else
+            r = DRV(cuMemExportToShareableHandle)(&fds[done], tab[done].h, HANDLE_POSIX_FD, 0);
+    }
     pthread_mutex_unlock(&mu);
     if (!fds || r != CUDA_SUCCESS) {
         for (size_t i = 0; fds && i + 1 < done; i++)
@@ -914,6 +923,8 @@ static void do_hoist(struct conn *c) {
         if ((r = unmap(tab[i].va, tab[i].mapped)) == CUDA_SUCCESS &&
             (r = DRV(cuMemRelease)(tab[i].h)) == CUDA_SUCCESS) {
             tab[i].h = 0;
+            if (tab[i].fd >= 0)   /* CRIU cannot dump it; pos holds its own */
+                close(tab[i].fd), tab[i].fd = -1;
             released++, bytes += tab[i].mapped;
         }
     }
@@ -945,8 +956,10 @@ static void do_remap(struct conn *c, size_t want) {
                                                 HANDLE_POSIX_FD);
         if (r == CUDA_SUCCESS && (r = map_rw(tab[i].va, tab[i].mapped, h, tab[i].device)))
             DRV(cuMemRelease)(h);
-        if (r == CUDA_SUCCESS)
+        if (r == CUDA_SUCCESS) {
             tab[i].h = h, mapped++;
+            tab[i].fd = c->fds[i], c->fds[i] = -1;   /* kept for the next export */
+        }
     }
     int all = 1;
     for (size_t i = 0; i < ntab; i++)
@@ -955,7 +968,8 @@ static void do_remap(struct conn *c, size_t want) {
         set_phase(P_HOLD);
     pthread_mutex_unlock(&mu);
     for (size_t i = 0; i < c->nfds; i++)
-        close(c->fds[i]);
+        if (c->fds[i] >= 0)
+            close(c->fds[i]);
     c->nfds = 0;
     if (r != CUDA_SUCCESS)
         reply(c, "{\"ok\":false,\"error\":\"remap failed with CUresult %d (%zu of %zu buffers "
