@@ -17,6 +17,11 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                training job: its losses against an uninterrupted run's, bit for bit
   hoistfd      the agent gives its memory up and maps it back from descriptors that no CUDA
                context of pos holds: whether the exported descriptor alone keeps the memory
+  fullexact    `pos checkpoint --concurrent` (whole process, hoisted; the job ended by the
+               dump) at a moment the job does not choose, then `pos restore` into a new
+               process: every loss against an uninterrupted run's, bit for bit; restore times
+  fullstall    the same job with --leave-running: the driver's stop-the-world `pos checkpoint`
+               first, then the concurrent one, on the same job, at each --full-sizes GiB
 """
 
 import argparse
@@ -273,6 +278,79 @@ def hoistfd(out: Path, images: Path) -> dict[str, Any]:
     return res
 
 
+def det_argv(log: Path, steps: int, gib: float, sleep: float = 0.05) -> list[str]:
+    return [PY, "workloads/train_det.py", str(log), "--steps", str(steps), "--sleep", str(sleep),
+            "--ballast-gib", str(gib)]
+
+
+def pos_cmd(*args: str) -> dict[str, Any]:
+    t = time.monotonic()
+    r = subprocess.run([*POS, *args], cwd=ROOT, capture_output=True, text=True)
+    return {"rc": r.returncode, "s": time.monotonic() - t, "out": r.stdout[-1500:],
+            "err": r.stderr[-1500:]}
+
+
+def fullexact(out: Path, images: Path, gib: float) -> dict[str, Any]:
+    ref_log, log = images / "ref.log", images / "full.log"
+    subprocess.run([*POS, "run", "--", *det_argv(ref_log, 80, gib)], cwd=ROOT, timeout=600,
+                   capture_output=True)
+    p = subprocess.Popen([*POS, "run", "--", *det_argv(log, 80, gib)], cwd=ROOT,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(out / "fullexact-job.log", "ab"), start_new_session=True)
+    res: dict[str, Any] = {"gib": gib}
+    try:
+        while not log.exists() or len(log.read_text().splitlines()) < 20:
+            time.sleep(0.05)
+        time.sleep(random.uniform(0, 0.7))
+        d = images / "full-img"
+        res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent")
+        res["steps_at_checkpoint"] = len(log.read_text().splitlines())
+        p.wait(timeout=60)
+        res["restore"] = pos_cmd("restore", "-D", str(d))
+        t = time.monotonic()
+        while time.monotonic() - t < 180 and "ballast" not in log.read_text():
+            time.sleep(0.2)
+        ref, got = ref_log.read_text().splitlines(), log.read_text().splitlines()
+        res["lines"] = [len(ref), len(got)]
+        res["bit_exact"] = ref == got
+        res["first_diff"] = next(([a, b] for a, b in zip(ref, got) if a != b), None)
+    finally:
+        kill(p)
+        subprocess.run(["pkill", "-9", "-f", str(log)])
+    return res
+
+
+def fullstall(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
+    rows = []
+    for gib in sizes:
+        log = images / f"stall-{gib}.log"
+        p = subprocess.Popen([*POS, "run", "--", *det_argv(log, 0, gib, 0.01)], cwd=ROOT,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=open(out / "fullstall-job.log", "ab"), start_new_session=True)
+        row: dict[str, Any] = {"gib": gib}
+        try:
+            while not log.exists() or len(log.read_text().splitlines()) < 20:
+                time.sleep(0.05)
+            row["stop_the_world"] = pos_cmd("checkpoint", str(p.pid), "-D",
+                                            str(images / "stw"), "--leave-running")
+            subprocess.run(["rm", "-rf", str(images / "stw")])
+            time.sleep(random.uniform(0.5, 1.0))
+            row["concurrent"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "conc"),
+                                        "--concurrent", "--leave-running")
+            row["manifest"] = json.loads((images / "conc" / "pos-manifest.json").read_text()
+                                         ) if (images / "conc").exists() else None
+            if row["manifest"]:
+                row["manifest"].pop("files", None)
+            subprocess.run(["rm", "-rf", str(images / "conc")])
+            n = len(log.read_text().splitlines())
+            time.sleep(1)
+            row["alive_after"] = p.poll() is None and len(log.read_text().splitlines()) > n
+        finally:
+            kill(p)
+        rows.append(row)
+    return {"rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -280,6 +358,8 @@ def main() -> None:
     ap.add_argument("--only", default="overhead,consistency,big,stw,hoistfd")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sizes", default="8,16")
+    ap.add_argument("--exact-gib", type=float, default=16)
+    ap.add_argument("--full-sizes", default="16,25")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)
@@ -290,6 +370,8 @@ def main() -> None:
         "big": lambda: big(out, images, [float(s) for s in a.sizes.split(",")]),
         "stw": lambda: stw(out, images),
         "hoistfd": lambda: hoistfd(out, images),
+        "fullexact": lambda: fullexact(out, images, a.exact_gib),
+        "fullstall": lambda: fullstall(out, images, [float(x) for x in a.full_sizes.split(",")]),
     }
     for name in a.only.split(","):
         t = time.monotonic()

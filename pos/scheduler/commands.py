@@ -47,6 +47,26 @@ def _report(result: Any) -> None:
                    f"files; stall {stall}")
 
 
+def image_manifest_json(path: str) -> str:
+    from pathlib import Path
+
+    from pos.scheduler import image
+
+    return image.load(Path(path)).to_json()
+
+
+def _report_concurrent(r: Any) -> None:
+    """One line for a concurrent checkpoint or restore: what the job saw, then the copy."""
+    held = f"longest held call {r.gate.held_max_s:.3f} s" if r.gate else "job not running"
+    rate = r.d2h_gbps or r.h2d_gbps
+    click.echo(f"{r.path}: {r.buffers} buffers, {r.bytes / 2**30:.2f} GiB; job released after "
+               f"{r.release_s:.3f} s, {held}; copy {rate or 0:.1f} GB/s "
+               f"(PCIe limit ~55); " + ", ".join(f"{k} {v:.3f} s" for k, v in r.timings.items()))
+    if r.foreign_bytes:
+        click.echo(f"not in the image: {r.foreign_bytes / 2**20:.1f} MiB the agent could not own "
+                   "(stream-ordered pools, managed or pitched memory)")
+
+
 @click.command(epilog=EPILOG_CHECKPOINT)
 @click.argument("pid", type=int)
 @click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
@@ -55,20 +75,19 @@ def _report(result: Any) -> None:
 @click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
               show_default=True, help="Seconds the driver may take to lock the CUDA process.")
 @click.option("--concurrent", is_flag=True,
-              help="Save the GPU state of a `pos run` process while it keeps running (its agent "
-                   "takes the image; not yet proven on a GPU).")
-@click.option("--incremental", is_flag=True,
-              help="With --concurrent: only the buffers written since the last image "
-                   "(needs `pos run --track-dirty`).")
-@click.option("--compress", is_flag=True, help="With --concurrent: zstd-compress the chunks.")
+              help="A `pos run` job, saved while it runs: held only for the cut and the "
+                   "driver's and CRIU's short frozen part; its device memory is copied by pos.")
+@click.option("--gpu-only", "gpu_only", is_flag=True,
+              help="With --concurrent: only the GPU state (rolls back into the live job with "
+                   "`pos restore --gpu-only PID`).")
 @click.option("--streams", type=click.IntRange(1, 64), default=None,
-              help="With --concurrent: copy streams (threads) of the copier [default: 4].")
+              help="With --concurrent: copy streams (threads) [default: 8].")
 @click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
-              help="With --concurrent or --gpu-only: staging chunk size in MiB [default: 64].")
+              help="With --concurrent or --gpu-only: chunk size in MiB [default: 64].")
 @criu_options
 @db_option
 def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: float,
-               concurrent: bool, incremental: bool, compress: bool, streams: Optional[int],
+               concurrent: bool, gpu_only: bool, streams: Optional[int],
                chunk_mb: Optional[int],
                shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
                external: tuple[str, ...], db: Optional[str]) -> None:
@@ -77,7 +96,7 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     GPU processes: the CUDA driver locks and checkpoints them, then CRIU dumps the tree. Without
     --leave-running the processes end once saved; restore them with `pos restore`. Whatever
     fails, the processes are left running (a watchdog undoes even if pos is killed).
-    With --concurrent, only the GPU state of a `pos run` process, taken while it runs.
+    With --concurrent, a `pos run` job is saved while it runs.
     """
     from pathlib import Path
 
@@ -85,24 +104,26 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     from pos.store import images
     from pos.store.db import open_store
 
-    if (incremental or compress) and not concurrent:
-        raise click.UsageError("--incremental and --compress go with --concurrent.")
+    if gpu_only and not concurrent:
+        raise click.UsageError("--gpu-only goes with --concurrent.")
     if (streams or chunk_mb) and not concurrent:
         raise click.UsageError("--streams and --chunk-mb go with --concurrent.")
+    options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     if concurrent:
-        from pos.scheduler.concurrent import checkpoint_concurrent
+        from pos.scheduler import concurrent as conc
 
-        r = checkpoint_concurrent(pid, directory, incremental=incremental,
-                                  compress=compress, streams=streams, chunk_mb=chunk_mb)
-        click.echo(f"image {r['path']}: {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
-                   f"({r['throughput_gbps'] or 0:.1f} GB/s; device to host "
-                   f"{r.get('d2h_gbps') or 0:.1f} GB/s; order: {r.get('order_source')}); "
-                   f"intercepted {r['intercepted']}, "
-                   f"copied-on-write {r['copied_on_write']}, waited {r['waited']} "
-                   f"({r['waited_s']:.3f} s), fallbacks {r['fallbacks']}")
+        procs.require_checkpointable(pid)
+        open_store(db)
+        kw = {"streams": streams or conc.DEFAULT_STREAMS, "chunk_mb": chunk_mb or 64}
+        if gpu_only:
+            r = conc.checkpoint_gpu(pid, Path(directory), echo=click.echo, **kw)
+        else:
+            r = conc.checkpoint_full(pid, Path(directory), options, leave_running,
+                                     int(lock_timeout * 1000), echo=click.echo, **kw)
+        images.record(db, r.path, image_manifest_json(r.path))
+        _report_concurrent(r)
         return
 
-    options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     procs.require_checkpointable(pid)   # a bad PID or no privileges is said first,
     open_store(db)                      # then a bad --db, before the process is touched
     result = engine.checkpoint(pid, Path(directory), options, leave_running,
@@ -134,19 +155,23 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     from pos.store.db import open_store
 
     if gpu_only_pid is not None:
-        from pos.scheduler.concurrent import restore_gpu_only
+        from pos.scheduler import concurrent as conc
 
-        r = restore_gpu_only(gpu_only_pid, directory, streams=streams, chunk_mb=chunk_mb)
-        first = r.get("first_call_s")
-        click.echo(f"restored {r['bytes'] / 2**30:.2f} GiB in {r['duration_s']:.3f} s "
-                   f"({r['throughput_gbps'] or 0:.1f} GB/s); application released after "
-                   f"{r['release_s']:.3f} s, its first call passed after "
-                   + (f"{first:.3f} s" if first is not None else "- (none during the restore)")
-                   + f", {r['held']} calls held")
+        r = conc.restore_gpu(gpu_only_pid, Path(directory), streams=streams or 16,
+                             chunk_mb=chunk_mb or 64, echo=click.echo)
+        _report_concurrent(r)
         return
     if streams or chunk_mb:
         raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
+    from pos.scheduler import concurrent as conc
 
+    if conc.is_full_image(Path(directory)):
+        open_store(db)
+        pid, r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=click.echo)
+        images.mark_restored(db, str(Path(directory)))
+        _report_concurrent(r)
+        click.echo(f"restored PID {pid}")
+        return
     open_store(db)   # a bad --db is refused before anything is restored
     result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
     images.mark_restored(db, str(result.path))
