@@ -136,9 +136,27 @@ class Agent:
         self.sock.close()
 
     # -- the wire ---------------------------------------------------------------------------
+    def _gone(self, e: OSError) -> PosError:
+        return PosError(f"the agent of process {self.pid} went away ({e.strerror or e})",
+                        "check that the job is still running")
+
+    def _send(self, data: bytes, fds: list[int] = []) -> None:
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.sendall(data)
+        except OSError as e:
+            raise self._gone(e) from None
+
     def _recv(self) -> None:
-        data, anc, _flags, _addr = self.sock.recvmsg(
-            1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
+        try:
+            data, anc, _flags, _addr = self.sock.recvmsg(
+                1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
+        except socket.timeout:
+            raise
+        except OSError as e:
+            raise self._gone(e) from None
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 n = len(payload) // 4
@@ -163,12 +181,12 @@ class Agent:
         return reply
 
     def _ask(self, line: str) -> dict[str, Any]:
-        self.sock.sendall(line.encode() + b"\n")
+        self._send(line.encode() + b"\n")
         return self._line()
 
     def tell(self, line: str) -> None:
         """A request the agent does not answer (`done`)."""
-        self.sock.sendall(line.encode() + b"\n")
+        self._send(line.encode() + b"\n")
 
     # -- requests ---------------------------------------------------------------------------
     def status(self) -> Status:
@@ -200,9 +218,9 @@ class Agent:
 
     def remap(self, fds: list[int]) -> int:
         """The job maps these descriptors (table order) at its addresses again."""
-        self.sock.sendall(f"remap {len(fds)}\n".encode())
+        self._send(f"remap {len(fds)}\n".encode())
         for at in range(0, len(fds), MAX_FDS):
-            socket.send_fds(self.sock, [b"+"], fds[at:at + MAX_FDS])
+            self._send(b"+", fds[at:at + MAX_FDS])
         return int(self._line()["mapped"])
 
     def copy(self) -> None:

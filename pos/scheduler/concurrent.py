@@ -161,8 +161,8 @@ class _Saver:
                 self.agent.done([self.table[i].va])
 
         sizes = [b.size for b in self.table]
-        seconds = gpucopy.run_chunks(self.drv, gpucopy.grid(sizes, self.chunk), len(sizes),
-                                     self.streams, one, saved)
+        self.work = gpucopy.grid(sizes, self.chunk, offsets, gpucopy.Pinned.PIECE)
+        seconds = gpucopy.run_chunks(self.drv, self.work, len(sizes), self.streams, one, saved)
         self.timings["d2h"] = seconds
         return gpucopy.Copy(sum(sizes), seconds)
 
@@ -181,7 +181,7 @@ class _Saver:
     def write(self, folder: Path, compress: bool) -> None:
         assert self.host is not None
         writer = gpuimage.Writer(folder, compress)
-        work = gpucopy.grid([b.size for b in self.table], self.chunk)
+        work = self.work
 
         def put(item: tuple[int, int, int]) -> None:
             i, off, n = item

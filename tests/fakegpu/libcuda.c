@@ -673,6 +673,20 @@ API CUresult cuMemFreeHost(void *p) {
     return CUDA_SUCCESS;
 }
 
+API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
+    (void)flags;
+    NEED_CONTEXT();
+    if (!p || !size)
+        return CUDA_ERROR_INVALID_VALUE;
+    return range_add((uintptr_t)p, size, RANGE_HOST) == 0 ? CUDA_SUCCESS
+                                                            : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+API CUresult cuMemHostUnregister(void *p) {
+    NEED_CONTEXT();
+    return range_remove((uintptr_t)p, RANGE_HOST) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 /* A 16 GiB device, of which the fake's allocations take nothing it tracks. */
 API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     NEED_CONTEXT();

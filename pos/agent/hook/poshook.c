@@ -141,6 +141,7 @@ static uint64_t foreign_allocs, foreign_bytes;   /* allocations pos could not ow
 static _Atomic int phase = P_IDLE;
 static _Atomic long inflight;                            /* calls past the gate, not yet out */
 static long waiting;                                     /* calls waiting in the gate (mu) */
+static size_t npending;                                  /* buffers ST_PENDING (mu) */
 static CUcontext ctxs[16];
 static int nctx;
 static size_t granularity[16];
@@ -186,6 +187,8 @@ static int insert(const struct owned *o) {
 
 static void drop(long i) {
     owned_bytes -= tab[i].size;
+    if (tab[i].status == ST_PENDING)
+        npending--;
     memmove(&tab[i], &tab[i + 1], (ntab - (size_t)i - 1) * sizeof(*tab));
     ntab--;
 }
@@ -222,14 +225,14 @@ static int must_wait(const struct touch *t) {
         return 0;
     case P_COPY:     /* writes wait for their buffer to be saved; reads pass */
         if (t->all)
-            return 1;
+            return npending > 0;
         for (int i = 0; i < t->nw; i++)
             if (pending(t->w[i]))
                 return 1;
         return 0;
     case P_RESTORE:  /* reads and writes wait for their buffer to be back */
         if (t->all)
-            return 1;
+            return npending > 0;
         for (int i = 0; i < t->nw; i++)
             if (pending(t->w[i]))
                 return 1;
@@ -773,6 +776,11 @@ static int send_fds(struct conn *c, const int *fds, size_t n) {
 }
 
 static void set_phase(int p) {   /* caller holds mu */
+    if (p == P_IDLE) {
+        for (size_t i = 0; i < ntab; i++)
+            tab[i].status = ST_NONE;
+        npending = 0;
+    }
     atomic_store(&phase, p);
     pthread_cond_broadcast(&cv);
 }
@@ -846,6 +854,7 @@ static void do_cut(struct conn *c, long timeout_ms) {
     }
     for (size_t i = 0; i < ntab; i++)
         tab[i].status = ST_PENDING;
+    npending = ntab;
     reply(c, "{\"ok\":true,\"drain_s\":%.6f,\"sync_s\":%.6f,\"buffers\":%zu,\"bytes\":%zu}",
           secs(t1 - t0), secs(t2 - t1), ntab, owned_bytes);
     pthread_mutex_unlock(&mu);
@@ -982,8 +991,8 @@ static void mark_done(char *args) {
     pthread_mutex_lock(&mu);
     for (char *t = strtok(args, " "); t; t = strtok(NULL, " ")) {
         long i = find(strtoull(t, NULL, 0));
-        if (i >= 0)
-            tab[i].status = ST_DONE;
+        if (i >= 0 && tab[i].status == ST_PENDING)
+            tab[i].status = ST_DONE, npending--;
     }
     pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
