@@ -320,13 +320,14 @@ def checkpoint_full(pid: int, directory: Path, options: Any, leave_running: bool
 
     procs.require_checkpointable(pid)
     criu = criu_mod.find()
+    agent = Agent(pid)                 # no agent: one sentence, before anything else
     pids = procs.tree(pid)
     cuda = engine.gpu_pids(pids)
     if cuda != [pid]:
+        agent.close()
         raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: the "
                        "concurrent engine takes trees whose one CUDA process is the `pos run` job",
                        "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
-    agent = Agent(pid)
     s = _Saver(agent, streams, chunk_mb << 20, echo)
     try:
         foreign = s.prepare()

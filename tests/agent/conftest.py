@@ -1,99 +1,81 @@
-"""Fixtures of the agent tests: a fake libcupti (the agent's CUPTI calls succeed, no callback
-is ever invoked; with POS_FAKECUPTI_BUSY another tool holds it already), and `pos run` jobs
-started as a user would start them."""
+"""Fixtures of the agent tests: the fake driver's fill_job (tests/fakegpu/fill_job.c) started
+under the real `pos run`, as a user starts a job: its agent owns its memory and answers pos."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import pytest
 
-from pos.agent import socket_path
 from tests.conftest import ROOT
-
-# The calls the agent makes into libcupti; the names it resolves are a handful of real ones.
-FAKE_CUPTI = r"""
-#include <stddef.h>
-#include <stdlib.h>
-static const char *names[] = {"", "cuMemAlloc_v2", "cuMemFree_v2", "cuLaunchKernel",
-                              "cuMemcpyHtoD_v2"};
-static const char *runtime_names[] = {"", "cudaMalloc_v3020", "cudaLaunchKernel_v7000",
-                                      "cudaMemcpyAsync_ptsz_v7000",
-                                      "cudaMemcpyBatchAsync_v12080",
-                                      "cudaMemcpyBatchAsync_v13000"};
-int cuptiGetCallbackName(int domain, unsigned cbid, const char **name) {
-    if (domain == 2 && cbid > 0 && cbid < sizeof(runtime_names) / sizeof(runtime_names[0])) {
-        *name = runtime_names[cbid]; return 0;
-    }
-    if (domain != 1 || cbid == 0 || cbid >= sizeof(names) / sizeof(names[0])) return 1;
-    *name = names[cbid]; return 0;
-}
-int cuptiSubscribe(void **sub, void *cb, void *ud) {
-    (void)cb; (void)ud;
-    if (getenv("POS_FAKECUPTI_BUSY")) return 39;  /* CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED */
-    *sub = (void *)1; return 0;
-}
-int cuptiEnableCallback(unsigned e, void *s, int d, unsigned id) { (void)e; (void)s; (void)d; (void)id; return 0; }
-int cuptiUnsubscribe(void *s) { (void)s; return 0; }
-int cuptiGetResultString(int r, const char **s) { (void)r; *s = "fake"; return 0; }
-"""
+from tests.scheduler.conftest import criu_ready  # noqa: F401  (a fixture)
 
 
-@pytest.fixture(scope="session")
-def fake_cupti(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("cupti")
-    (d / "cupti.c").write_text(FAKE_CUPTI)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(d / "libcupti.so"), str(d / "cupti.c")],
-                   check=True)
-    return d / "libcupti.so"
+class FillJob:
+    """`pos run -- fill_job CUBIN N BYTES PAUSE`, its output in a file (CRIU dumps no pipe to
+    pos), in a session of its own."""
 
-
-class PosRun:
-    """`pos run --name NAME -- python PROG` with the fake libcupti and libcuda; PROG reads one
-    line of standard input and exits."""
-
-    def __init__(self, name: str, prog: Path, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([str(ROOT / ".venv/bin/pos"), "run", "--name", name, "--",
-                                      sys.executable, str(prog)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+    def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str],
+                 buffers: int, size: int, name: Optional[str] = None) -> None:
+        self.out = folder / "job.out"
+        self.pause = folder / "pause"
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pos.cli", "run", *(["--name", name] if name else []),
+                 "--", str(fakegpu["fill_job"]),
+                 str(fakegpu["cubin"]), str(buffers), str(size), str(self.pause)], cwd=ROOT,
+                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
         self.pid = self.proc.pid
+        deadline = time.monotonic() + 30
+        while "READY" not in self.out.read_text():
+            assert self.proc.poll() is None, self.out.read_text()
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.05)
 
-    def wait_for_agent(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(socket_path(self.pid)):
-            assert self.proc.poll() is None, self.proc.communicate()
-            assert time.monotonic() < deadline, "the agent's socket did not appear"
-            time.sleep(0.1)
+    def alive(self) -> bool:
+        try:
+            return open(f"/proc/{self.pid}/stat").read().split()[2] not in "ZX"
+        except OSError:
+            return False
 
-    def end(self) -> tuple[int, str]:
-        """Let PROG exit; its exit status and standard error."""
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if self.proc.poll() is None:
-            _, err = self.proc.communicate("\n", timeout=30)
-        else:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-        return self.proc.returncode, err
+            self.proc.wait()
 
 
 @pytest.fixture
-def pos_run(tmp_path: Path, fakegpu, fake_cupti: Path) -> Iterator:  # type: ignore[no-untyped-def]
-    """Start `pos run` jobs (as root: the agent's socket lives in /run/pos); ended after."""
+def gpu_env(tmp_path: Path, fakegpu: dict[str, Path]) -> dict[str, str]:
+    """pos's and the job's environment: the fake driver, its checkpoint state, the store."""
     if os.geteuid() != 0:
-        pytest.skip("the agent's socket lives in /run/pos (root)")
-    started: list[PosRun] = []
+        pytest.skip("the agent answers root only, and pos needs root")
+    env = {"POS_LIBCUDA": str(fakegpu["libcuda"]),
+           "POS_FAKECUDA_STATE_DIR": str(tmp_path / "fakecuda"),
+           "POS_DB": str(tmp_path / "pos.db"),
+           "POS_WATCHDOG_LOG": str(tmp_path / "wd.log")}
+    os.environ.update(env)          # pos in this process (the engine's functions) too
+    return {**os.environ, **env}
 
-    def start(name: str, prog: str) -> PosRun:
-        path = tmp_path / f"{name}.py"
-        path.write_text(prog)
-        env = dict(os.environ, POS_LIBCUPTI=str(fake_cupti), POS_LIBCUDA=str(fakegpu["libcuda"]))
-        job = PosRun(name, path, env)
+
+@pytest.fixture
+def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
+             ) -> Iterator[Callable[..., FillJob]]:
+    started: list[FillJob] = []
+
+    def start(buffers: int = 12, size: int = 1 << 20, name: Optional[str] = None) -> FillJob:
+        d = tmp_path / f"job{len(started)}"
+        d.mkdir(exist_ok=True)
+        job = FillJob(fakegpu, d, gpu_env, buffers, size, name)
         started.append(job)
         return job
     yield start
     for job in started:
-        if job.proc.poll() is None:
-            job.proc.kill()
-            job.proc.wait()
+        job.kill()

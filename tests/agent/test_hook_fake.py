@@ -1,0 +1,163 @@
+"""The agent (libposhook.so under `pos run`) and the concurrent engine against the fake driver,
+with real CRIU: the plumbing of ownership, the gates, the hoist and both kinds of image, and pos
+killed at every step. The fake's "device memory" is shared memory, so pos really reads the
+job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu does)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pos.agent import gpuimage
+from pos.agent.control import Agent
+from pos.scheduler import concurrent
+from tests.conftest import ROOT
+from tests.scheduler.conftest import one_sentence, pos, wait_for
+from workloads.fill_job import torn
+
+
+def values(folder: Path) -> list[int]:
+    """One value per buffer of a GPU image (fill_job fills whole buffers)."""
+    out = []
+    for _base, (where, _size, chunks) in sorted(gpuimage.resolve(folder).items()):
+        seen: set[int] = set()
+        for c in chunks:
+            buf = np.empty(c["raw"], np.uint8)
+            gpuimage.read_chunk(where, c, buf)
+            seen.update(np.unique(buf.view(np.uint32)).tolist())
+        assert len(seen) == 1, seen
+        out.append(seen.pop())
+    return out
+
+
+def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
+    job = fill_job(buffers=5, size=3 << 20)
+    with Agent(job.pid) as a:
+        st = a.status()
+        table = a.table()
+    # cuMemAlloc came through cuGetProcAddress: owned, each rounded to the granularity
+    assert st.owning and st.phase == "idle" and st.buffers == 5
+    assert st.owned_bytes == 5 * (3 << 20) and st.foreign_allocs == 0
+    assert {b.size for b in table} == {3 << 20} and all(b.mapped % (2 << 20) == 0 for b in table)
+
+
+def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Path) -> None:
+    job = fill_job()
+    ops = []
+    for i in range(3):
+        time.sleep(0.2)
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
+        v = values(Path(r.path))
+        assert not torn(v), v        # the memset (dlsym) is gated: the cut is exact
+        ops.append(max(v))
+        assert r.release_s < 5 and r.bytes == 12 << 20 and r.shadow_bytes == r.bytes
+    assert ops == sorted(ops) and ops[0] > 0
+    job.pause.touch()
+    time.sleep(0.1)
+    rr = concurrent.restore_gpu(job.pid, tmp_path / "img0")
+    assert rr.bytes == 12 << 20
+    back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
+    assert values(Path(back.path)) == values(tmp_path / "img0")
+    job.pause.unlink()
+    time.sleep(0.2)
+    assert job.alive()
+
+
+def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
+    job = fill_job()
+    a = Agent(job.pid)
+    a.cut(5)
+    assert a.status().phase == "hold"
+    a.close()                                   # pos gone in the middle of the cut
+    with Agent(job.pid) as b:
+        wait_for(lambda: b.status().phase == "idle", what="the release")
+
+
+def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,
+                                                                criu_ready, gpu_env) -> None:
+    job = fill_job()
+    time.sleep(0.3)
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert "job released after" in r.stdout
+    job.proc.wait(timeout=30)                   # CRIU ended it after the dump
+    saved = values(img)
+    assert not torn(saved)
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert f"restored PID {job.pid}" in r.stdout
+    time.sleep(0.3)
+    assert job.alive()
+    now = concurrent.checkpoint_gpu(job.pid, tmp_path / "after")
+    later = values(Path(now.path))
+    assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_ready,
+                                                gpu_env) -> None:
+    job = fill_job()
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert not torn(values(tmp_path / "img"))
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle"
+    first = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
+    time.sleep(0.2)
+    second = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
+    assert max(second) > max(first)             # running, and re-exported (kept descriptors)
+
+
+@pytest.mark.parametrize("step", ["cut", "hoist", "lock", "checkpoint", "dump", "restore",
+                                  "unlock", "copy", "seal"])
+def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
+    job = fill_job()
+    time.sleep(0.2)
+    before = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running", env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog's undo")
+    with Agent(job.pid) as a:
+        wait_for(lambda: a.status().phase == "idle", what="the job's release")
+    after = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert job.alive() and not torn(after) and max(after) > max(before)
+    assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
+        == "running"
+
+
+def test_pos_killed_while_filling_a_restore_ends_the_half_restored_job(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    job = fill_job()
+    img = tmp_path / "full"
+    assert pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
+               env=gpu_env).returncode == 0
+    job.proc.wait(timeout=30)
+    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FAULT_AT": "fill=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    wait_for(lambda: not Path(f"/proc/{job.pid}").exists() or
+             open(f"/proc/{job.pid}/stat").read().split()[2] == "Z", timeout=60,
+             what="the half-restored job's end")
+
+
+def test_concurrent_checkpoint_without_an_agent_is_one_sentence(sleeper, tmp_path: Path,
+                                                                gpu_env) -> None:
+    r = pos("checkpoint", str(sleeper), "-D", str(tmp_path / "img"), "--concurrent",
+            env=gpu_env)
+    one_sentence(r, 2, f"process {sleeper} has no pos agent", "pos run")
+    assert not (tmp_path / "img").exists()
+
+
+def test_pos_run_of_a_missing_command_is_a_usage_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "pos.cli", "run", "--", "no-such-program-42"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "no-such-program-42: command not found" in r.stderr
