@@ -22,6 +22,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                process: every loss against an uninterrupted run's, bit for bit; restore times
   fullstall    the same job with --leave-running: the driver's stop-the-world `pos checkpoint`
                first, then the concurrent one, on the same job, at each --full-sizes GiB
+  faults       pos killed (SIGKILL) at each step of a whole-process concurrent checkpoint: the
+               job must run on, its memory intact (fill_job's images before and after)
 """
 
 import argparse
@@ -290,11 +292,11 @@ def pos_cmd(*args: str) -> dict[str, Any]:
             "err": r.stderr[-1500:]}
 
 
-def fullexact(out: Path, images: Path, gib: float) -> dict[str, Any]:
+def fullexact(out: Path, images: Path, gib: float, steps: int = 300) -> dict[str, Any]:
     ref_log, log = images / "ref.log", images / "full.log"
-    subprocess.run([*POS, "run", "--", *det_argv(ref_log, 80, gib)], cwd=ROOT, timeout=600,
+    subprocess.run([*POS, "run", "--", *det_argv(ref_log, steps, gib)], cwd=ROOT, timeout=600,
                    capture_output=True)
-    p = subprocess.Popen([*POS, "run", "--", *det_argv(log, 80, gib)], cwd=ROOT,
+    p = subprocess.Popen([*POS, "run", "--", *det_argv(log, steps, gib)], cwd=ROOT,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=open(out / "fullexact-job.log", "ab"), start_new_session=True)
     res: dict[str, Any] = {"gib": gib}
@@ -351,6 +353,43 @@ def fullstall(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def faults(out: Path, images: Path) -> dict[str, Any]:
+    rows = []
+    for step in ("cut", "hoist", "checkpoint", "dump", "unlock", "copy"):
+        p = start([PY, "workloads/fill_job.py", "--buffers", "16", "--mib", "64"],
+                  log=out / "faults.log")
+        row: dict[str, Any] = {"step": step}
+        try:
+            pid = wait_ready(p)
+            wait_agent(pid)
+            time.sleep(0.5)
+            before = image_values(Path(concurrent.checkpoint_gpu(pid, images / "f0").path))
+            wd = images / f"wd-{step}.log"
+            t = time.monotonic()
+            r = subprocess.run([*POS, "checkpoint", str(pid), "-D", str(images / "fimg"),
+                                "--concurrent", "--leave-running"], cwd=ROOT, capture_output=True,
+                               text=True, env={**os.environ, "POS_FAULT_AT": f"{step}=KILL",
+                                               "POS_WATCHDOG_LOG": str(wd)})
+            row["rc"] = r.returncode
+            while time.monotonic() - t < 60 and not (wd.exists() and "undo done" in wd.read_text()):
+                time.sleep(0.1)
+            row["watchdog"] = wd.read_text()[-600:] if wd.exists() else None
+            with Agent(pid) as a:
+                row["phase_after"] = a.status().phase
+            time.sleep(0.3)
+            after = image_values(Path(concurrent.checkpoint_gpu(pid, images / "f1").path))
+            row["ok"] = (p.poll() is None and row["phase_after"] == "idle" and not torn(after)
+                         and max(after) > max(before))
+        except Exception as e:
+            row["error"] = repr(e)
+        finally:
+            kill(p)
+            subprocess.run(["rm", "-rf", str(images / "f0"), str(images / "f1"),
+                            str(images / "fimg"), str(images / "fimg.partial")])
+        rows.append(row)
+    return {"rows": rows, "all_ok": all(r.get("ok") for r in rows)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -372,6 +411,7 @@ def main() -> None:
         "hoistfd": lambda: hoistfd(out, images),
         "fullexact": lambda: fullexact(out, images, a.exact_gib),
         "fullstall": lambda: fullstall(out, images, [float(x) for x in a.full_sizes.split(",")]),
+        "faults": lambda: faults(out, images),
     }
     for name in a.only.split(","):
         t = time.monotonic()
