@@ -286,6 +286,8 @@ def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
     local = threading.local()
     staging: list[gpucopy.Pinned] = []
     lock = threading.Lock()
+    read_s = [0.0]          # summed over the threads: reading and checking the chunks
+    open_files: list[dict[str, int]] = []
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
         st = getattr(local, "staging", None)
@@ -294,8 +296,12 @@ def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
             local.fds = {}
             with lock:
                 staging.append(st)
+                open_files.append(local.fds)
         b = table[i]
+        t = time.monotonic()
         gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)], st.view(0, n), local.fds)
+        with lock:
+            read_s[0] += time.monotonic() - t
         drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off), gpucopy.C.c_void_p(st.ptr),
                  gpucopy.SZ(n), stream)
 
@@ -305,7 +311,12 @@ def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
     finally:
         for st in staging:
             st.close()
-    return gpucopy.Copy(sum(n for _i, _o, n in work), seconds)
+        for fds in open_files:
+            for fd in fds.values():
+                os.close(fd)
+    copy = gpucopy.Copy(sum(n for _i, _o, n in work), seconds)
+    copy.read_thread_s = read_s[0]
+    return copy
 
 
 def checkpoint_full(pid: int, directory: Path, options: Any, leave_running: bool = True,
@@ -434,7 +445,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
 
     result = engine.restore(directory, inherit_fds, echo, verified=manifest, finish=fill)
     copy = out["copy"]
-    timings = {"verify": verify_s, **result.timings, "map": out["map_s"], "h2d": copy.seconds}
+    timings = {"verify": verify_s, **result.timings, "map": out["map_s"], "h2d": copy.seconds,
+               "read_threads": copy.read_thread_s}
     return result.restored_pid or 0, Report(str(directory), len(out["table"]), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
                                             timings)

@@ -114,9 +114,9 @@ class Imported:
 
 class Pinned:
     """One page-locked host arena, with numpy views of it. Pinning is the slow part of setting
-    it aside (the driver faults in and locks every page: 8 s for 16 GiB with cuMemHostAlloc on
-    the H100 host), so the arena is anonymous memory on transparent huge pages, locked in
-    PIECE-sized parts by several threads at once. A copy must not cross a part: `grid` cuts
+    it aside (the driver faults in and locks every page: 7.8 s for 16 GiB with cuMemHostAlloc
+    on the H100 host, 2.8-3.8 s this way), so the arena is anonymous memory on transparent huge
+    pages, locked in PIECE-sized parts by several threads at once. A copy must not cross a part: `grid` cuts
     chunks there."""
 
     PIECE = 1 << 30
@@ -127,7 +127,10 @@ class Pinned:
         self.drv, self.size = drv, max(size, 1)
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.ptr = C.addressof(C.c_char.from_buffer(self._map))
-        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        # not into the children pos forks (CRIU): the kernel copies pinned private pages at
+        # fork, which took 11 s for 16 GiB inside the dump on the H100
+        self._map.madvise(mmap.MADV_DONTFORK)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         parts = [(at, min(self.PIECE, self.size - at)) for at in range(0, self.size, self.PIECE)]
         ctx = C.c_void_p()
@@ -192,6 +195,7 @@ class Copy:
 
     bytes: int
     seconds: float
+    read_thread_s: float = 0.0     # a restore's reads and checksums, summed over its threads
 
     @property
     def gbps(self) -> Optional[float]:

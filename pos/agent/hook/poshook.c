@@ -267,7 +267,9 @@ static void gate_enter(const struct touch *t) {
         while (must_wait(t));
         waiting--;
         pthread_cond_broadcast(&cv);
-        uint64_t waited = now_ns() - t0;
+        /* a wait begun before this operation (a job restored by CRIU while its calls were
+         * held) counts from the operation's start */
+        uint64_t waited = now_ns() - (t0 > st.started_ns ? t0 : st.started_ns);
         st.held++;
         st.held_ns += waited;
         if (waited > st.held_max_ns)
@@ -1001,6 +1003,10 @@ static void mark_done(char *args) {
 static void do_move(struct conn *c, int from, int to) {
     pthread_mutex_lock(&mu);
     int ok = atomic_load(&phase) == from;
+    if (ok && to == P_RESTORE) {   /* the restore's own account: its calls from here */
+        memset(&st, 0, sizeof(st));
+        st.started_ns = now_ns();
+    }
     if (ok)
         set_phase(to);
     pthread_mutex_unlock(&mu);
