@@ -70,8 +70,8 @@ class Guard:
             self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
 
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
-                 pass_fds: tuple[int, ...] = ()) -> None:
-        proc = criu.start(argv, pass_fds)
+                 pass_fds: tuple[int, ...] = (), terminal: bool = False) -> None:
+        proc = criu.start(argv, pass_fds, terminal)
         self.step(self.plan.step, criu_pid=proc.pid)
         criu.finish(proc, what, log)
         self.step(self.plan.step, criu_pid=None)
@@ -169,6 +169,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             g.step("checkpoint")
             g.timed("checkpoint", lambda p=p: cudackpt.checkpoint(p))
         g.step("dump")
+        manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
         g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
         frozen = criu_mod.frozen_seconds(partial)
@@ -226,6 +227,12 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
     check_restorable(directory, manifest)
+    options = Options.from_json(manifest.criu_options)
+    for path, size in manifest.logs.items():
+        now = os.stat(path).st_size if os.path.exists(path) else size
+        if now != size:
+            echo(f"{path} changed since the dump ({size} bytes then, {now} now): the restored "
+                 "process appends to it")
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs])
@@ -233,19 +240,26 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     from pos.scheduler import cudackpt
 
-    with Guard(plan, echo) as g:
-        g.timings["verify"] = verify_s
-        g.step("criu-restore")
-        argv = criu.restore_argv(directory, Options.from_json(manifest.criu_options), work,
-                                 work / "pidfile", inherit_fds)
-        g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
-                                                   work / criu_mod.RESTORE_LOG, fds))
-        root = int((work / "pidfile").read_text())
-        for p in manifest.gpu_pids:
-            g.step("restore")
-            g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
-        for p in manifest.gpu_pids:
-            g.step("unlock")
-            g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+    logs = criu_mod.reopen_logs(manifest.logs)
+    try:
+        with Guard(plan, echo) as g:
+            g.timings["verify"] = verify_s
+            g.step("criu-restore")
+            argv = criu.restore_argv(directory, options, work, work / "pidfile",
+                                     inherit_fds + tuple(logs.values()))
+            terminal = options.shell_job and os.isatty(0)
+            g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
+                                                       work / criu_mod.RESTORE_LOG,
+                                                       fds + tuple(logs), terminal))
+            root = int((work / "pidfile").read_text())
+            for p in manifest.gpu_pids:
+                g.step("restore")
+                g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
+            for p in manifest.gpu_pids:
+                g.step("unlock")
+                g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+    finally:
+        for fd in logs:
+            os.close(fd)
     shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)

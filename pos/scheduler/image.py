@@ -50,6 +50,7 @@ class Manifest:
     driver_version: Optional[str] = None      # NVML's, e.g. 580.159.04
     cuda_version: Optional[int] = None        # cuDriverGetVersion, e.g. 13000
     gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used
+    logs: dict[str, int] = field(default_factory=dict)   # path -> size at the dump (procs.logs)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256, chunks
     chunk_bytes: int = CHUNK_BYTES            # what files[*].chunks were computed over
     size_bytes: int = 0
