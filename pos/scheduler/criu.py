@@ -251,21 +251,14 @@ def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
     return out
 
 
-def log_errors(log: Path) -> list[str]:
-    """CRIU's error lines of the failure: the last run of consecutive "Error" lines of its log
-    (a failing CRIU writes its errors one after the other at the end; earlier ones, such as
-    its rlimit complaint, are harmless), or its last lines when it names no error."""
+def log_tail(log: Path, lines: int = 6) -> list[str]:
+    """The last error lines of a CRIU log (or its last lines when it names no error)."""
     try:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
         return []
-    marks = [i for i, ln in enumerate(text) if "Error" in ln or "error" in ln]
-    if not marks:
-        return text[-6:]
-    first = len(marks) - 1
-    while first > 0 and marks[first - 1] == marks[first] - 1:
-        first -= 1
-    return [text[i] for i in marks[first:]]
+    errors = [ln for ln in text if "Error" in ln or "error" in ln]
+    return (errors or text)[-lines:]
 
 
 def keep_log(log: Path) -> Optional[Path]:
@@ -283,9 +276,9 @@ def keep_log(log: Path) -> Optional[Path]:
 
 
 def failure(what: str, log: Path, output: str = "") -> PosError:
-    """One PosError for a failed CRIU run: a known cause with its fix, else CRIU's own first
-    error of the failure (never its closing "FAILED" alone)."""
-    errors = log_errors(log) or output.strip().splitlines()[-6:]
+    """One PosError for a failed CRIU run: a known cause with its fix, else CRIU's last error
+    before its closing lines (never "Restoring FAILED" alone)."""
+    errors = log_tail(log) or output.strip().splitlines()[-6:]
     log = keep_log(log) or log
     for known in KNOWN_FAILURES:
         m = re.search(known.pattern, "\n".join(errors))
@@ -294,8 +287,8 @@ def failure(what: str, log: Path, output: str = "") -> PosError:
             return BadInput(f"criu {what} failed: {known.cause.format(*groups)}",
                             f"{known.fix.format(*groups)} (CRIU's log: {log})")
     causes = [ln for ln in errors if not SUMMARY.search(ln)] or errors or ["no log"]
-    first = re.sub(r"^\([\d.]+\)\s+(\d+: )?", "", causes[0].strip())
-    return PosError(f"criu {what} failed: {first}", f"see CRIU's log {log}")
+    cause = re.sub(r"^\([\d.]+\)\s+(\d+: )?", "", causes[-1].strip())
+    return PosError(f"criu {what} failed: {cause}", f"see CRIU's log {log}")
 
 
 def _version_of(path: str) -> Optional[tuple[tuple[int, ...], str]]:
