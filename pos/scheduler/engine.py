@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from pos import host, nvml
 from pos.errors import BadInput, PosError
+from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import image, procs
 from pos.scheduler.criu import Options, PageServer
@@ -39,8 +40,9 @@ FAULT_ENV = "POS_FAULT_AT"
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
-    def __init__(self, plan: Plan, echo: Echo, partial: Optional[Path] = None) -> None:
-        self.plan, self.echo, self.partial = plan, echo, partial
+    def __init__(self, plan: Plan, echo: Echo, partial: Optional[Path] = None,
+                 progress: Progress = QUIET) -> None:
+        self.plan, self.echo, self.partial, self.progress = plan, echo, partial, progress
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
 
@@ -52,6 +54,7 @@ class Guard:
     def step(self, name: str, **changes: Any) -> None:
         """Tell the watchdog which step begins (and what changed in the plan)."""
         self.plan.step = name
+        self.progress.phase(name)
         for k, v in changes.items():
             setattr(self.plan, k, v)
         assert self.watchdog is not None
@@ -103,6 +106,11 @@ class Guard:
         return False
 
 
+def folder_bytes(folder: Path) -> int:
+    """What the files of `folder` hold now (an image being written)."""
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
 def _what(exc: Optional[BaseException]) -> str:
     if isinstance(exc, PosError):
         return exc.cause
@@ -128,10 +136,18 @@ class Result:
     restored_pid: Optional[int] = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    def report(self) -> dict[str, Any]:
+        """The outcome for scripts (--json): one JSON object."""
+        m = self.manifest
+        return {"path": str(self.path), "pid": m.pid, "pids": m.pids, "gpu_pids": m.gpu_pids,
+                "restored_pid": self.restored_pid, "size_bytes": m.size_bytes,
+                "files": len(m.files), "timings": self.timings, "stall_s": m.stall_s,
+                "logs": m.logs}
+
 
 def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
                lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, echo: Echo = lambda _: None,
-               page_server: Optional[PageServer] = None) -> Result:
+               page_server: Optional[PageServer] = None, progress: Progress = QUIET) -> Result:
     """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
     procs.require_checkpointable(pid)
     criu = criu_mod.find()
@@ -160,7 +176,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                 criu_options=options.to_json())
     echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with CUDA "
          f"state")
-    with Guard(plan, echo, partial) as g:
+    with Guard(plan, echo, partial, progress) as g:
         start = time.monotonic()
         for p in cuda:
             g.step("lock")
@@ -168,6 +184,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         for p in cuda:
             g.step("checkpoint")
             g.timed("checkpoint", lambda p=p: cudackpt.checkpoint(p))
+        progress.phase("dump", poll=lambda: folder_bytes(partial))
         g.step("dump")
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
@@ -185,7 +202,8 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             manifest.stall_s = time.monotonic() - start if cuda else frozen
         g.step("seal")
         manifest.timings = g.timings
-        final = g.timed("checksum", lambda: image.seal(partial, manifest))
+        progress.phase("checksum", total=folder_bytes(partial))
+        final = g.timed("checksum", lambda: image.seal(partial, manifest, progress.advance))
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
     return Result(final, manifest, timings=g.timings)
@@ -218,11 +236,14 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
 
 
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
-            gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None) -> Result:
+            gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None,
+            progress: Progress = QUIET) -> Result:
     """Restore the image in `directory` (verified first) and resume its processes."""
     directory = Path(directory).absolute()
     t = time.monotonic()
-    manifest = verified or image.verify(directory)
+    if verified is None and progress.enabled:
+        progress.phase("verify", total=image.load(directory).size_bytes)
+    manifest = verified or image.verify(directory, hashed=progress.advance)
     verify_s = time.monotonic() - t
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
@@ -242,7 +263,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
 
     logs = criu_mod.reopen_logs(manifest.logs)
     try:
-        with Guard(plan, echo) as g:
+        with Guard(plan, echo, progress=progress) as g:
             g.timings["verify"] = verify_s
             g.step("criu-restore")
             argv = criu.restore_argv(directory, options, work, work / "pidfile",
