@@ -11,10 +11,18 @@ from types import TracebackType
 from typing import Callable, Optional
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, SpinnerColumn,
+from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, SpinnerColumn, Task,
                            TaskID, TextColumn, TimeElapsedColumn)
+from rich.text import Text
 
 POLL_S = 0.1
+
+
+class _Bytes(DownloadColumn):
+    """Bytes done (of the total where known); nothing for a phase that counts none."""
+
+    def render(self, task: Task) -> Text:
+        return Text("") if not task.total and not task.completed else super().render(task)
 
 
 class Progress:
@@ -38,7 +46,7 @@ class Progress:
     def __enter__(self) -> "Progress":
         if self.enabled:
             self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            DownloadColumn(), TimeElapsedColumn(),
+                            _Bytes(), TimeElapsedColumn(),
                             console=Console(stderr=True), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self.title, total=None)
