@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import time
@@ -244,6 +245,8 @@ def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
     out = {}
     for path in logs:
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO there would block the open
+                continue
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError:
             continue
