@@ -108,7 +108,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
                  "pos checkpoints the GPU state first; check that the driver checkpoint "
                  "succeeded"),
 )
-# CRIU's last line whatever failed: never the cause
+# CRIU's closing lines, whatever failed: never the cause themselves
 SUMMARY = re.compile(r"(Dumping|Restoring) FAILED|Unable to open fd=")
 
 
@@ -238,10 +238,10 @@ def inherited_fds(specs: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
-    """Descriptors of the image's logs (procs.logs) opened for appending, each with the
-    --inherit-fd spec that hands it to the restored tree in place of the file CRIU would
-    reopen at its old offset, and refuse once the log has grown. CRIU names a file by its path
-    without the leading "/". A log that is gone is left to CRIU (which names it)."""
+    """The image's logs (procs.logs) opened for appending: descriptor -> the --inherit-fd
+    spec that hands it to the restored tree instead of the file that CRIU would reopen at its
+    old offset (and refuse, once the log has grown). CRIU names a file by its path without the
+    leading "/". A log that is gone is left to CRIU, which names it."""
     out = {}
     for path in logs:
         try:
