@@ -134,6 +134,13 @@ class Counter:
             self.proc.wait()
 
 
+@pytest.fixture(autouse=True)
+def criu_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRIU logs that pos keeps of failed runs go to the test's folder, not /var/log/pos
+    (a test's env may name another POS_LOG_DIR)."""
+    monkeypatch.setenv("POS_LOG_DIR", str(tmp_path / "criu-logs"))
+
+
 @pytest.fixture
 def counters(criu_ready: None) -> Iterator[list[Counter]]:
     """Counters to stop after the test (whatever incarnation, original or restored, runs)."""
