@@ -16,6 +16,13 @@ def db_option(f: Any) -> Any:
                         help="SQLite file of the store [default: /var/lib/pos/pos.db].")(f)
 
 
+def json_option(f: Any) -> Any:
+    """`--json`: the final report as one JSON object on stdout, for scripts (the lines of the
+    steps go to stderr then, and no progress is drawn)."""
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print the final report as one JSON object (for scripts).")(f)
+
+
 def criu_options(f: Any) -> Any:
     """The CRIU options a dump may need (recorded in the image; restore reuses them)."""
     for opt in reversed((

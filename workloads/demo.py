@@ -14,13 +14,71 @@ import ctypes
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, Optional
 
 from workloads.harness import ROOT, Job, PosTrace, q
+
+POS = [sys.executable, "-m", "pos.cli"]
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class DemoFailed(Exception):
+    """A step of the demo did not do what it shows (one sentence)."""
+
+
+class Started:
+    """Everything the demo starts, ended and reaped when it ends, however it ends (done, a
+    failed step, Ctrl-C, SIGTERM, its terminal closed). The demo is a child subreaper, so a
+    job that `pos restore` brings back is its child too, and every job leads a process group
+    of its own (a restored job keeps it): killing the groups and the children ends it all."""
+
+    def __init__(self) -> None:
+        self.groups: list[int] = []
+        self.children: list[subprocess.Popen] = []
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    def job(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """A job in a session of its own, stdin /dev/null, stdout and stderr appended to `log`:
+        it depends in nothing on where the demo's output goes (a terminal would make it a
+        shell job, the demo's own log file would change under its image)."""
+        with open(log, "ab") as out:
+            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                 start_new_session=True)
+        self.groups.append(p.pid)
+        self.children.append(p)
+        return p
+
+    def child(self, p: Any) -> Any:
+        """Record a process (a Job, a PosTrace: anything with a Popen `p`) to end at the end."""
+        self.children.append(p.p)
+        return p
+
+    def end(self) -> None:
+        for p in self.children:
+            if p.poll() is None:
+                p.kill()
+        for g in self.groups:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                    time.sleep(0.05)
+            except ChildProcessError:    # no child left
+                return
+
+
+def say(text: str) -> None:
+    print(f"demo: {text}", flush=True)
 
 
 def torch_python() -> str | None:
@@ -34,22 +92,24 @@ def torch_python() -> str | None:
     return None
 
 
-def run_gpu(py: str, db: str) -> None:
-    print(f"demo: tracing a PyTorch training job on the GPU ({py})", flush=True)
-    job = Job([py, str(ROOT / "workloads" / "torch_job.py")])
-    trace = PosTrace(job.pid, db)
-    print("demo:", json.dumps(job.run("init")), flush=True)
-    print("demo:", json.dumps(job.run("train 10")), flush=True)
+def run_gpu(py: str, db: str, out: Path, started: Started) -> None:
+    say(f"tracing a PyTorch training job on the GPU ({py})")
+    with open(out / "traced-job.log", "ab") as log:
+        job = started.child(Job([py, str(ROOT / "workloads" / "torch_job.py")], stderr=log))
+    trace = started.child(PosTrace(job.pid, db))
+    say(json.dumps(job.run("init")))
+    say(json.dumps(job.run("train 10")))
     job.close()
     print(trace.stop().strip().splitlines()[-1], flush=True)
 
 
-def run_fake(db: str, built: dict[str, Path]) -> None:
-    print("demo: no NVIDIA GPU with PyTorch here: tracing the fake-driver workload of the tests "
-          "(real eBPF probes on a fake libcuda.so.1; this proves the plumbing, not GPU behaviour)",
-          flush=True)
-    job = Job([str(built["cuda_app"]), "fatbin", str(built["dir"])])
-    trace = PosTrace(job.pid, db)
+def run_fake(db: str, built: dict[str, Path], out: Path, started: Started) -> None:
+    say("no NVIDIA GPU with PyTorch here: tracing the fake-driver workload of the tests (real "
+        "eBPF probes on a fake libcuda.so.1; this proves the plumbing, not GPU behaviour)")
+    with open(out / "traced-job.log", "ab") as log:
+        job = started.child(Job([str(built["cuda_app"]), "fatbin", str(built["dir"])],
+                                stderr=log))
+    trace = started.child(PosTrace(job.pid, db))
     looked_up = 0
     for phase in ("load", "lookup", "alloc"):
         looked_up = len(job.run(phase).get("functions", {})) or looked_up
@@ -63,41 +123,85 @@ def run_fake(db: str, built: dict[str, Path]) -> None:
     print(trace.stop().strip().splitlines()[-1], flush=True)
 
 
-def checkpoint_restore(argv: list[str], progress: Path, image: Path, env: dict[str, str],
-                       unit: str) -> None:
+def pos(*args: str, env: Optional[dict[str, str]] = None) -> None:
+    """Run one pos command as a user would; its output is the demo's."""
+    print("demo: $ pos " + " ".join(args), flush=True)
+    r = subprocess.run(POS + list(args), env=env, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise DemoFailed(f"`pos {' '.join(args)}` exited {r.returncode} (its error is above)")
+
+
+def checkpoint_restore(argv: list[str], progress: Path, out: Path, env: dict[str, str],
+                       unit: str, started: Started) -> None:
     """Start `argv` (it appends a line to `progress` per unit of work), checkpoint it after a
     few units, restore it, and show that it goes on from where it was saved."""
-    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)   # restored jobs come back to us to be reaped
     progress.unlink(missing_ok=True)
-    pos = [sys.executable, "-m", "pos.cli"]
-    job = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           start_new_session=True)
+    image = out / "image"
+    job = started.job(argv, env, out / "job.log")
+
     def count() -> int:
         return len(progress.read_text().splitlines()) if progress.exists() else 0
 
     deadline = time.monotonic() + 300
     while count() < 10:
         if job.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"demo: the job to checkpoint did not start (exit {job.poll()})")
+            raise DemoFailed(f"the job to checkpoint did not start (exit {job.poll()}; its "
+                             f"output is in {out / 'job.log'})")
         time.sleep(0.05)
     shutil.rmtree(image, ignore_errors=True)
-    print(f"demo: $ pos checkpoint {job.pid} -D {image}", flush=True)
-    subprocess.run(pos + ["checkpoint", str(job.pid), "-D", str(image)], env=env, check=True)
+    pos("checkpoint", str(job.pid), "-D", str(image), env=env)
     job.wait(timeout=60)
     saved = count()
-    print(f"demo: the job was saved after {saved} {unit} and has ended; $ pos restore -D {image}",
-          flush=True)
-    subprocess.run(pos + ["restore", "-D", str(image)], env=env, check=True)
+    say(f"the job was saved after {saved} {unit} and has ended")
+    pos("restore", "-D", str(image), env=env)
     deadline = time.monotonic() + 120
     while count() < saved + 5 and time.monotonic() < deadline:
         time.sleep(0.05)
-    print(f"demo: the restored job (PID {job.pid}) went on: {count()} {unit} now", flush=True)
+    say(f"the restored job (PID {job.pid}) went on: {count()} {unit} now")
     if count() < saved + 5:
-        sys.exit("demo: FAILED: the restored job did not go on")
-    try:
-        os.kill(job.pid, 9)
-    except ProcessLookupError:
-        pass
+        raise DemoFailed("the restored job did not go on")
+
+
+def run(db: str, out: Path, started: Started) -> None:
+    """The demo's steps (see the module docstring)."""
+    py = torch_python()
+    built: dict[str, Path] = {}
+    if py:
+        run_gpu(py, db, out, started)
+    else:
+        sys.path.insert(0, str(ROOT))
+        from tests.fakegpu.build import build
+
+        built = build(out / "fakegpu")
+        run_fake(db, built, out, started)
+    jsonl, perfetto = out / "trace.jsonl", out / "trace.perfetto.json"
+    pos("export", db, "--format", "jsonl", "-o", str(jsonl))
+    pos("export", db, "--format", "perfetto", "-o", str(perfetto))
+    events = [json.loads(line) for line in jsonl.open()]
+    kinds = Counter(e["kind"] for e in events)
+    kernels = Counter(e["name"] or e["function"] for e in events if e["kind"] == "launch")
+    say(f"{len(events):,} events: " + ", ".join(f"{k} {n:,}" for k, n in kinds.most_common()))
+    for name, n in kernels.most_common(5):
+        say(f"{n:8,}  {name[:100]}")
+    say(f"wrote {jsonl} and {perfetto} (open the latter in ui.perfetto.dev)")
+    env = dict(os.environ, POS_DB=db)
+    if py:
+        say("checkpoint/restore of a PyTorch training job on the GPU")
+        checkpoint_restore([py, str(ROOT / "workloads" / "train_det.py"), str(out / "losses"),
+                            "--steps", "400"], out / "losses", out, env, "steps", started)
+    else:
+        lib = str(built["libcuda"])
+        say("checkpoint/restore of the tests' counter process holding fake CUDA state (real "
+            "CRIU; the driver calls go to the fake libcuda: plumbing, not GPU behaviour)")
+        env.update(POS_LIBCUDA=lib, POS_FAKECUDA_STATE_DIR=str(out / "fakecuda"))
+        checkpoint_restore([sys.executable, str(ROOT / "tests" / "scheduler" / "counter.py"),
+                            str(out / "count"), "--cuda", lib], out / "count", out, env,
+                           "counts", started)
+    say("done; everything the demo started has ended")
+
+
+def _interrupted(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main() -> None:
@@ -105,42 +209,19 @@ def main() -> None:
     ap.add_argument("--db", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    out = Path(args.out)
-    py = torch_python()
-    built: dict[str, Path] = {}
-    if py:
-        run_gpu(py, args.db)
-    else:
-        sys.path.insert(0, str(ROOT))
-        from tests.fakegpu.build import build
-
-        built = build(out / "fakegpu")
-        run_fake(args.db, built)
-    pos = [sys.executable, "-m", "pos.cli"]
-    jsonl, perfetto = out / "trace.jsonl", out / "trace.perfetto.json"
-    subprocess.run(pos + ["export", args.db, "--format", "jsonl", "-o", str(jsonl)], check=True)
-    subprocess.run(pos + ["export", args.db, "--format", "perfetto", "-o", str(perfetto)], check=True)
-    events = [json.loads(line) for line in jsonl.open()]
-    kinds = Counter(e["kind"] for e in events)
-    kernels = Counter(e["name"] or e["function"] for e in events if e["kind"] == "launch")
-    print(f"demo: {len(events):,} events: " + ", ".join(f"{k} {n:,}" for k, n in kinds.most_common()))
-    for name, n in kernels.most_common(5):
-        print(f"demo: {n:8,}  {name[:100]}")
-    print(f"demo: wrote {jsonl} and {perfetto} (open the latter in ui.perfetto.dev)")
-    env = dict(os.environ, POS_DB=args.db)
-    if py:
-        print("demo: checkpoint/restore of a PyTorch training job on the GPU", flush=True)
-        checkpoint_restore([py, str(ROOT / "workloads" / "train_det.py"), str(out / "losses"),
-                            "--steps", "400"], out / "losses", out / "image", env, "steps")
-    else:
-        lib = str(built["libcuda"])
-        print("demo: checkpoint/restore of the tests' counter process holding fake CUDA state "
-              "(real CRIU; the driver calls go to the fake libcuda: plumbing, not GPU behaviour)",
-              flush=True)
-        env.update(POS_LIBCUDA=lib, POS_FAKECUDA_STATE_DIR=str(out / "fakecuda"))
-        checkpoint_restore([sys.executable, str(ROOT / "tests" / "scheduler" / "counter.py"),
-                            str(out / "count"), "--cuda", lib], out / "count", out / "image",
-                           env, "counts")
+    for sig in (signal.SIGTERM, signal.SIGHUP):   # end like Ctrl-C: through the cleanup
+        signal.signal(sig, _interrupted)
+    started = Started()
+    try:
+        run(args.db, Path(args.out), started)
+    except (DemoFailed, RuntimeError) as e:     # RuntimeError: a workload did not start
+        sys.exit(f"demo: FAILED: {e}")
+    except subprocess.CalledProcessError as e:  # building the fake driver
+        sys.exit(f"demo: FAILED: `{' '.join(map(str, e.cmd))}` exited {e.returncode}")
+    except KeyboardInterrupt:
+        sys.exit("demo: interrupted")
+    finally:
+        started.end()
 
 
 if __name__ == "__main__":

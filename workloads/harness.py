@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import IO, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "workloads" / "torch_job.py"
@@ -41,9 +41,11 @@ def split_cpus() -> tuple[set[int], set[int]]:
 class Job:
     """A workload process that speaks the READY / one-JSON-line-per-phase protocol."""
 
-    def __init__(self, argv: list[str], cpus: Optional[set[int]] = None) -> None:
+    def __init__(self, argv: list[str], cpus: Optional[set[int]] = None,
+                 stderr: Optional[IO] = None) -> None:
+        """`stderr`: where the workload's stderr goes (default: ours)."""
         self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  preexec_fn=pinned(cpus))
+                                  stderr=stderr, preexec_fn=pinned(cpus))
         line = self.p.stdout.readline()
         if not line.startswith("READY"):
             raise RuntimeError(f"workload did not start: {line!r}")

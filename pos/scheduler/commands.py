@@ -1,11 +1,12 @@
 """`pos checkpoint`, `pos restore`, `pos inspect` and `pos migrate`: the scheduler's
 checkpoint/restore. The engine, CRIU and the store are imported inside the commands."""
 
-from typing import Any, Optional
+import json
+from typing import Any, Callable, Optional
 
 import click
 
-from pos.options import criu_options, criu_options_from, db_option
+from pos.options import criu_options, criu_options_from, db_option, json_option
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -37,6 +38,11 @@ Examples:
 """
 
 
+def _lines(as_json: bool) -> Callable[[str], None]:
+    """Where the lines of the steps go: stdout, or stderr when stdout carries --json."""
+    return lambda text: click.echo(text, err=as_json)
+
+
 def _report(result: Any) -> None:
     m = result.manifest
     steps = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
@@ -55,8 +61,12 @@ def image_manifest_json(path: str) -> str:
     return image.load(Path(path)).to_json()
 
 
-def _report_concurrent(r: Any) -> None:
-    """One line for a concurrent checkpoint or restore: what the job saw, then the copy."""
+def _report_concurrent(r: Any, as_json: bool = False) -> None:
+    """One line for a concurrent checkpoint or restore: what the job saw, then the copy (or,
+    with --json, the whole report as one JSON object)."""
+    if as_json:
+        click.echo(json.dumps(r.to_json()))
+        return
     held = f"longest held call {r.gate.held_max_s:.3f} s" if r.gate else "job not running"
     rate = r.d2h_gbps or r.h2d_gbps
     click.echo(f"{r.path}: {r.buffers} buffers, {r.bytes / 2**30:.2f} GiB; job released after "
@@ -86,11 +96,12 @@ def _report_concurrent(r: Any) -> None:
               help="With --concurrent or --gpu-only: chunk size in MiB [default: 64].")
 @criu_options
 @db_option
+@json_option
 def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: float,
                concurrent: bool, gpu_only: bool, streams: Optional[int],
                chunk_mb: Optional[int],
                shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
-               external: tuple[str, ...], db: Optional[str]) -> None:
+               external: tuple[str, ...], db: Optional[str], as_json: bool) -> None:
     """Save a process tree, its GPU state included, into an image directory.
 
     GPU processes: the CUDA driver locks and checkpoints them, then CRIU dumps the tree. Without
@@ -100,6 +111,7 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     """
     from pathlib import Path
 
+    from pos.progress import Progress
     from pos.scheduler import engine, procs
     from pos.store import images
     from pos.store.db import open_store
@@ -115,20 +127,26 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
         procs.require_checkpointable(pid)
         open_store(db)
         kw = {"streams": streams or conc.DEFAULT_STREAMS, "chunk_mb": chunk_mb or 64}
+        echo = _lines(as_json)
         if gpu_only:
-            r = conc.checkpoint_gpu(pid, Path(directory), echo=click.echo, **kw)
+            r = conc.checkpoint_gpu(pid, Path(directory), echo=echo, **kw)
         else:
             r = conc.checkpoint_full(pid, Path(directory), options, leave_running,
-                                     int(lock_timeout * 1000), echo=click.echo, **kw)
+                                     int(lock_timeout * 1000), echo=echo, **kw)
         images.record(db, r.path, image_manifest_json(r.path))
-        _report_concurrent(r)
+        _report_concurrent(r, as_json)
         return
 
     procs.require_checkpointable(pid)   # a bad PID or no privileges is said first,
     open_store(db)                      # then a bad --db, before the process is touched
-    result = engine.checkpoint(pid, Path(directory), options, leave_running,
-                               int(lock_timeout * 1000), echo=click.echo)
+    with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
+        result = engine.checkpoint(pid, Path(directory), options, leave_running,
+                                   int(lock_timeout * 1000), echo=_lines(as_json),
+                                   progress=progress)
     images.record(db, str(result.path), result.manifest.to_json())
+    if as_json:
+        click.echo(json.dumps(result.report()))
+        return
     _report(result)
 
 
@@ -145,36 +163,42 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 @click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
               help="With --gpu-only: staging chunk size in MiB [default: 64].")
 @db_option
+@json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            streams: Optional[int], chunk_mb: Optional[int], db: Optional[str]) -> None:
+            streams: Optional[int], chunk_mb: Optional[int], db: Optional[str],
+            as_json: bool) -> None:
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
+    from pos.progress import Progress
+    from pos.scheduler import concurrent as conc
     from pos.scheduler import engine
     from pos.store import images
     from pos.store.db import open_store
 
     if gpu_only_pid is not None:
-        from pos.scheduler import concurrent as conc
-
         r = conc.restore_gpu(gpu_only_pid, Path(directory), streams=streams or 16,
-                             chunk_mb=chunk_mb or 64, echo=click.echo)
-        _report_concurrent(r)
+                             chunk_mb=chunk_mb or 64, echo=_lines(as_json))
+        _report_concurrent(r, as_json)
         return
     if streams or chunk_mb:
         raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
-    from pos.scheduler import concurrent as conc
-
     if conc.is_full_image(Path(directory)):
         open_store(db)
-        pid, r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=click.echo)
+        pid, r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json))
         images.mark_restored(db, str(Path(directory)))
-        _report_concurrent(r)
-        click.echo(f"restored PID {pid}")
+        _report_concurrent(r, as_json)
+        if not as_json:
+            click.echo(f"restored PID {pid}")
         return
     open_store(db)   # a bad --db is refused before anything is restored
-    result = engine.restore(Path(directory), tuple(inherit_fd), echo=click.echo)
+    with Progress.on_terminal(f"restore {directory}", as_json) as progress:
+        result = engine.restore(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
+                                progress=progress)
     images.mark_restored(db, str(result.path))
+    if as_json:
+        click.echo(json.dumps(result.report()))
+        return
     _report(result)
     click.echo(f"restored PID {result.restored_pid}")
 
@@ -227,13 +251,15 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
 @click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
               show_default=True, help="Seconds the driver may take to lock the CUDA process.")
 @criu_options
+@json_option
 def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], listen: bool,
             port: int, address: str, directory: Optional[str], lock_timeout: float,
             shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
-            external: tuple[str, ...]) -> None:
+            external: tuple[str, ...], as_json: bool) -> None:
     """Move a process onto another GPU of this host, or to another host."""
     from pathlib import Path
 
+    from pos.progress import Progress
     from pos.scheduler import migrate as mig
 
     modes = sum((to_gpu is not None, to_host is not None, listen))
@@ -242,15 +268,23 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
     if listen:
         if directory is None:
             raise click.UsageError("--listen needs -D DIR (where the image goes).")
-        pid_here = mig.listen(address, port, Path(directory), echo=click.echo)
-        click.echo(f"restored PID {pid_here}")
+        with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
+            pid_here = mig.listen(address, port, Path(directory), echo=_lines(as_json),
+                                  progress=progress)
+        click.echo(json.dumps({"restored_pid": pid_here}) if as_json
+                   else f"restored PID {pid_here}")
         return
     if pid is None:
         raise click.UsageError("Missing argument 'PID' (the process to migrate).")
     timeout_ms = int(lock_timeout * 1000)
-    if to_gpu is not None:
-        mig.to_gpu(pid, to_gpu, timeout_ms, echo=click.echo)
-        return
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
-    mig.to_host(pid, to_host or "", options, Path(directory) if directory else None, timeout_ms,
-                echo=click.echo)
+    with Progress.on_terminal(f"migrate PID {pid}", as_json) as progress:
+        if to_gpu is not None:
+            report: dict[str, Any] = {"pid": pid, "gpu": to_gpu, "timings": mig.to_gpu(
+                pid, to_gpu, timeout_ms, echo=_lines(as_json), progress=progress)}
+        else:
+            report = {"pid": pid, "host": to_host, "restored_pid": mig.to_host(
+                pid, to_host or "", options, Path(directory) if directory else None,
+                timeout_ms, echo=_lines(as_json), progress=progress)}
+    if as_json:
+        click.echo(json.dumps(report))

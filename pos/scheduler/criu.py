@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import time
@@ -31,47 +32,84 @@ DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 # Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
 LOG_DIR = Path(os.environ.get("POS_LOG_DIR", "/var/log/pos"))
 
-# What CRIU's log says, and what the user should do about it: (pattern, cause, fix).
-KNOWN_FAILURES: tuple[tuple[str, str, str], ...] = (
+@dataclass(frozen=True)
+class KnownFailure:
+    """One class of CRIU failure: what CRIU's log says, and the cause and the fix in words, so
+    that the user reads one sentence instead of CRIU's log. `cause` and `fix` may name the
+    pattern's groups ({0}, {1} ...); `action` limits the entry to "dump" or "restore"."""
+
+    pattern: str
+    cause: str
+    fix: str
+    action: str = ""
+
+
+# First match wins, so the narrow entries come before the broad ones.
+KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     # Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets and CRIU 4.1 treats that as
     # fatal (checkpoint-restore/criu#2718, fixed after 4.1): no process with a TCP/UDP socket
     # can be dumped by it, whatever the options.
-    (r"Can't get 1:(16|34) opt", "this CRIU cannot dump INET (TCP/UDP) sockets on this kernel "
-     "(Linux >= 6.16 refuses SO_PASSCRED on them; CRIU issue 2718)",
-     "use a CRIU released after 4.1 (POS_CRIU), or a kernel older than 6.16"),
+    KnownFailure(r"Can't get 1:(16|34) opt", "this CRIU cannot dump INET (TCP/UDP) sockets on "
+                 "this kernel (Linux >= 6.16 refuses SO_PASSCRED on them; CRIU issue 2718)",
+                 "use a CRIU released after 4.1 (POS_CRIU), or a kernel older than 6.16"),
     # before the "TCP connection" entry: the lock of the connections is what failed here
-    (r"Iptables configuration failed|Failed to lock TCP connection",
-     "CRIU could not lock the process's TCP connections for the dump (it runs iptables-restore)",
-     "install iptables (apt-get install iptables), or run pos where iptables works"),
-    (r"No space left on device", "the image's filesystem ran out of space",
-     "free space there or give another -D"),
+    KnownFailure(r"Iptables configuration failed|Failed to lock TCP connection",
+                 "CRIU could not lock the process's TCP connections for the dump (it runs "
+                 "iptables-restore)", "install iptables (apt-get install iptables), or run pos "
+                 "where iptables works"),
+    KnownFailure(r"No space left on device", "the image's filesystem ran out of space",
+                 "free space there or give another -D"),
+    # CRIU refuses to reopen a file whose size differs from the dump's. pos itself reopens a
+    # log (a file open write-only at its end) for appending; this is any other file.
+    KnownFailure(r"File (\S+) has bad size (\d+) \(expect (\d+)\)",
+                 "the file /{0} changed since the dump ({2} bytes then, {1} now)",
+                 "put it back as it was at the dump, or hand the restore a descriptor of it "
+                 "with --inherit-fd 'fd[N]:{0}'"),
+    # a shell job's terminal is the one CRIU itself runs on: pos gives it its own
+    KnownFailure(r"Don't have tty to inherit session from", "the process had a terminal, and "
+                 "the restore attaches it to the terminal that `pos restore` runs on, which has "
+                 "none", "run pos restore on a terminal, or start the job with its output "
+                 "redirected (setsid COMMAND </dev/null >LOG 2>&1) before the checkpoint",
+                 "restore"),
     # before the shell-job entry: --shell-job does not help here (CRIU cannot recreate a
     # session whose leader it cannot see), a session of the job's own does
-    (r"outside of its pid namespace", "the process's session was started outside its PID "
-     "namespace (a container's first process that never called setsid), so CRIU cannot "
-     "recreate it, not even with --shell-job", "start the job in its own session "
-     "(setsid COMMAND, or your runtime's init option), then checkpoint it"),
-    (r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
-     "the process belongs to a terminal session that is not part of the dump",
-     "add --shell-job"),
-    (r"Connected TCP socket|TCP connection", "the process has established TCP connections",
-     "add --tcp-established"),
+    KnownFailure(r"outside of its pid namespace", "the process's session was started outside "
+                 "its PID namespace (a container's first process that never called setsid), so "
+                 "CRIU cannot recreate it, not even with --shell-job", "start the job in its own "
+                 "session (setsid COMMAND, or your runtime's init option), then checkpoint it"),
+    KnownFailure(r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
+                 "the process belongs to a terminal session that is not part of the dump",
+                 "add --shell-job"),
+    KnownFailure(r"Connected TCP socket|TCP connection", "the process has established TCP "
+                 "connections", "add --tcp-established"),
     # a stream socket's other half cannot be recreated by the restore: --ext-unix-sk does not
     # help, the launcher keeps the peer and hands the socket back (--inherit-fd)
-    (r"Can't dump half of stream unix", "the process has a UNIX stream socket connected "
-     "outside its tree", "add --external 'unix[INODE]' (INODE of its socket:[INODE] in "
-     "/proc/PID/fd) and restore with --inherit-fd 'fd[N]:socket:[INODE]'"),
-    (r"External socket|unix socket .*external", "the process has a UNIX socket connected "
-     "outside its tree", "add --ext-unix-sk for a datagram socket; for a stream socket add "
-     "--external 'unix[INODE]' and restore with --inherit-fd 'fd[N]:socket:[INODE]'"),
-    (r"Missing file locks|[Ff]ile lock", "the process holds file locks", "add --file-locks"),
-    (r"[Uu]nable to find mount point|[Ee]xternal mount", "the process uses a mount CRIU cannot "
-     "see as its own", "name it with --external mnt[...]"),
-    (r"Can't fork for (\d+): File exists|PID .* is busy|clone.*File exists",
-     "a PID of the image is taken by another process", "stop that process, then restore again"),
-    (r"/dev/nvidia", "the process still has NVIDIA device files open",
-     "pos checkpoints the GPU state first; check that the driver checkpoint succeeded"),
+    KnownFailure(r"Can't dump half of stream unix", "the process has a UNIX stream socket "
+                 "connected outside its tree", "add --external 'unix[INODE]' (INODE of its "
+                 "socket:[INODE] in /proc/PID/fd) and restore with --inherit-fd "
+                 "'fd[N]:socket:[INODE]'"),
+    # the dump left the socket to the restore (--external), and the restore was not given it
+    KnownFailure(r"External socket found in image", "the image holds a UNIX socket that the "
+                 "dump left external, and the restore was not given it", "restore with "
+                 "--inherit-fd 'fd[N]:socket:[INODE]' (N: pos's descriptor of a socket, INODE: "
+                 "the one of the dump's --external 'unix[INODE]')", "restore"),
+    KnownFailure(r"External socket|unix socket .*external", "the process has a UNIX socket "
+                 "connected outside its tree", "add --ext-unix-sk for a datagram socket; for a "
+                 "stream socket add --external 'unix[INODE]' and restore with --inherit-fd "
+                 "'fd[N]:socket:[INODE]'"),
+    KnownFailure(r"Missing file locks|[Ff]ile lock", "the process holds file locks",
+                 "add --file-locks"),
+    KnownFailure(r"[Uu]nable to find mount point|[Ee]xternal mount", "the process uses a mount "
+                 "CRIU cannot see as its own", "name it with --external mnt[...]"),
+    KnownFailure(r"Can't fork for (\d+): File exists|PID .* is busy|clone.*File exists",
+                 "a PID of the image is taken by another process", "stop that process, then "
+                 "restore again"),
+    KnownFailure(r"/dev/nvidia", "the process still has NVIDIA device files open",
+                 "pos checkpoints the GPU state first; check that the driver checkpoint "
+                 "succeeded"),
 )
+# CRIU's closing lines, whatever failed: never the cause themselves
+SUMMARY = re.compile(r"(Dumping|Restoring) FAILED|Unable to open fd=")
 
 
 @dataclass(frozen=True)
@@ -148,13 +186,16 @@ class Criu:
         return self._base("page-server", images, "criu-page-server.log", workdir) + [
             "--address", address, "--port", str(port)]
 
-    def start(self, argv: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    def start(self, argv: list[str], pass_fds: tuple[int, ...] = (),
+              terminal: bool = False) -> subprocess.Popen:
         """Start CRIU in its own process group: a Ctrl-C meant for pos must not kill CRIU while
         its parasite code runs inside the target (pos decides what to do instead). `pass_fds`
-        stay open in CRIU: the descriptors that --inherit-fd hands to the restored tree."""
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, preexec_fn=os.setpgrp,
-                                pass_fds=pass_fds)
+        stay open in CRIU: the descriptors that --inherit-fd hands to the restored tree.
+        `terminal`: CRIU gets pos's stdin, a terminal, which a shell job's restore attaches
+        the job to (CRIU takes the terminal of its own stdin)."""
+        return subprocess.Popen(argv, stdin=0 if terminal else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=os.setpgrp, pass_fds=pass_fds)
 
     def finish(self, proc: subprocess.Popen, what: str, log: Path) -> None:
         """Wait for CRIU and raise PosError if it failed. A SIGINT/SIGTERM that pos gets
@@ -196,6 +237,23 @@ def inherited_fds(specs: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(fds)
 
 
+def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
+    """The image's logs (procs.logs) opened for appending: descriptor -> the --inherit-fd
+    spec that hands it to the restored tree instead of the file that CRIU would reopen at its
+    old offset (and refuse, once the log has grown). CRIU names a file by its path without the
+    leading "/". A log that is gone is left to CRIU, which names it."""
+    out = {}
+    for path in logs:
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO there would block the open
+                continue
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError:
+            continue
+        out[fd] = f"fd[{fd}]:{path.lstrip('/')}"
+    return out
+
+
 def log_tail(log: Path, lines: int = 6) -> list[str]:
     """The last error lines of a CRIU log (or its last lines when it names no error)."""
     try:
@@ -221,15 +279,19 @@ def keep_log(log: Path) -> Optional[Path]:
 
 
 def failure(what: str, log: Path, output: str = "") -> PosError:
-    """One PosError for a failed CRIU run: a known cause with its fix, else the log's tail."""
-    tail = log_tail(log) or output.strip().splitlines()[-6:]
+    """One PosError for a failed CRIU run: a known cause with its fix, else CRIU's last error
+    before its closing lines (never "Restoring FAILED" alone)."""
+    errors = log_tail(log) or output.strip().splitlines()[-6:]
     log = keep_log(log) or log
-    text = "\n".join(tail)
-    for pattern, cause, fix in KNOWN_FAILURES:
-        if re.search(pattern, text):
-            return BadInput(f"criu {what} failed: {cause}", f"{fix} (CRIU's log: {log})")
-    last = tail[-1].strip() if tail else "no log"
-    return PosError(f"criu {what} failed ({last})", f"see CRIU's log {log}")
+    for known in KNOWN_FAILURES:
+        m = re.search(known.pattern, "\n".join(errors))
+        if m and known.action in ("", what):
+            groups = m.groups()
+            return BadInput(f"criu {what} failed: {known.cause.format(*groups)}",
+                            f"{known.fix.format(*groups)} (CRIU's log: {log})")
+    causes = [ln for ln in errors if not SUMMARY.search(ln)] or errors or ["no log"]
+    cause = re.sub(r"^\([\d.]+\)\s+(\d+: )?", "", causes[-1].strip())
+    return PosError(f"criu {what} failed: {cause}", f"see CRIU's log {log}")
 
 
 def _version_of(path: str) -> Optional[tuple[tuple[int, ...], str]]:

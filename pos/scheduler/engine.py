@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from pos import host, nvml
 from pos.errors import BadInput, PosError
+from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import image, procs
 from pos.scheduler.criu import Options, PageServer
@@ -39,8 +40,9 @@ FAULT_ENV = "POS_FAULT_AT"
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
-    def __init__(self, plan: Plan, echo: Echo, partial: Optional[Path] = None) -> None:
-        self.plan, self.echo, self.partial = plan, echo, partial
+    def __init__(self, plan: Plan, echo: Echo, partial: Optional[Path] = None,
+                 progress: Progress = QUIET) -> None:
+        self.plan, self.echo, self.partial, self.progress = plan, echo, partial, progress
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
         self.memory: list[int] = []          # descriptors of a job's hoisted device memory
@@ -53,6 +55,7 @@ class Guard:
     def step(self, name: str, **changes: Any) -> None:
         """Tell the watchdog which step begins (and what changed in the plan)."""
         self.plan.step = name
+        self.progress.phase(name)
         for k, v in changes.items():
             setattr(self.plan, k, v)
         assert self.watchdog is not None
@@ -78,8 +81,8 @@ class Guard:
             self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
 
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
-                 pass_fds: tuple[int, ...] = ()) -> None:
-        proc = criu.start(argv, pass_fds)
+                 pass_fds: tuple[int, ...] = (), terminal: bool = False) -> None:
+        proc = criu.start(argv, pass_fds, terminal)
         self.step(self.plan.step, criu_pid=proc.pid)
         criu.finish(proc, what, log)
         self.step(self.plan.step, criu_pid=None)
@@ -109,6 +112,11 @@ class Guard:
             raise PosError(f"{self.plan.op} of PID {self.plan.pids[0]} interrupted and undone",
                            "the processes run as before") from None
         return False
+
+
+def folder_bytes(folder: Path) -> int:
+    """What the files of `folder` hold now (an image being written)."""
+    return sum(f.stat().st_size for f in folder.iterdir())
 
 
 def _what(exc: Optional[BaseException]) -> str:
@@ -154,10 +162,18 @@ class Result:
     restored_pid: Optional[int] = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    def report(self) -> dict[str, Any]:
+        """The outcome for scripts (--json): one JSON object."""
+        m = self.manifest
+        return {"path": str(self.path), "pid": m.pid, "pids": m.pids, "gpu_pids": m.gpu_pids,
+                "restored_pid": self.restored_pid, "size_bytes": m.size_bytes,
+                "files": len(m.files), "timings": self.timings, "stall_s": m.stall_s,
+                "logs": m.logs}
+
 
 def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
                lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, echo: Echo = lambda _: None,
-               page_server: Optional[PageServer] = None) -> Result:
+               page_server: Optional[PageServer] = None, progress: Progress = QUIET) -> Result:
     """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
     procs.require_checkpointable(pid)
     criu = criu_mod.find()
@@ -177,7 +193,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                 criu_options=options.to_json())
     echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with CUDA "
          f"state")
-    with Guard(plan, echo, partial) as g:
+    with Guard(plan, echo, partial, progress) as g:
         start = time.monotonic()
         for p in cuda:
             g.step("lock")
@@ -185,7 +201,9 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         for p in cuda:
             g.step("checkpoint")
             g.timed("checkpoint", lambda p=p: cudackpt.checkpoint(p))
+        progress.phase("dump", poll=lambda: folder_bytes(partial))
         g.step("dump")
+        manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
         g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
         frozen = criu_mod.frozen_seconds(partial)
@@ -201,7 +219,8 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             manifest.stall_s = time.monotonic() - start if cuda else frozen
         g.step("seal")
         manifest.timings = g.timings
-        final = g.timed("checksum", lambda: image.seal(partial, manifest))
+        progress.phase("checksum", total=folder_bytes(partial))
+        final = g.timed("checksum", lambda: image.seal(partial, manifest, progress.advance))
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
     return Result(final, manifest, timings=g.timings)
@@ -235,17 +254,26 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
 
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
             gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None,
+            progress: Progress = QUIET,
             finish: Optional[Callable[[Guard, int], None]] = None) -> Result:
     """Restore the image in `directory` (verified first) and resume its processes; `finish(g,
     root)` runs last under the same guard (the concurrent engine puts the job's device memory
     back there: a failure then ends the restored tree, never leaves it half-restored)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
-    manifest = verified or image.verify(directory)
+    if verified is None and progress.enabled:
+        progress.phase("verify", total=image.load(directory).size_bytes)
+    manifest = verified or image.verify(directory, hashed=progress.advance)
     verify_s = time.monotonic() - t
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
     check_restorable(directory, manifest)
+    options = Options.from_json(manifest.criu_options)
+    for path, size in manifest.logs.items():
+        now = os.stat(path).st_size if os.path.exists(path) else size
+        if now != size:
+            echo(f"{path} changed since the dump ({size} bytes then, {now} now): the restored "
+                 "process appends to it")
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs])
@@ -253,21 +281,28 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     from pos.scheduler import cudackpt
 
-    with Guard(plan, echo) as g:
-        g.timings["verify"] = verify_s
-        g.step("criu-restore")
-        argv = criu.restore_argv(directory, Options.from_json(manifest.criu_options), work,
-                                 work / "pidfile", inherit_fds)
-        g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
-                                                   work / criu_mod.RESTORE_LOG, fds))
-        root = int((work / "pidfile").read_text())
-        for p in manifest.gpu_pids:
-            g.step("restore")
-            g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
-        for p in manifest.gpu_pids:
-            g.step("unlock")
-            g.timed("unlock", lambda p=p: cudackpt.unlock(p))
-        if finish is not None:
-            finish(g, root)
+    logs = criu_mod.reopen_logs(manifest.logs)
+    try:
+        with Guard(plan, echo, progress=progress) as g:
+            g.timings["verify"] = verify_s
+            g.step("criu-restore")
+            argv = criu.restore_argv(directory, options, work, work / "pidfile",
+                                     inherit_fds + tuple(logs.values()))
+            terminal = options.shell_job and os.isatty(0)
+            g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
+                                                       work / criu_mod.RESTORE_LOG,
+                                                       fds + tuple(logs), terminal))
+            root = int((work / "pidfile").read_text())
+            for p in manifest.gpu_pids:
+                g.step("restore")
+                g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
+            for p in manifest.gpu_pids:
+                g.step("unlock")
+                g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+            if finish is not None:
+                finish(g, root)
+    finally:
+        for fd in logs:
+            os.close(fd)
     shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)

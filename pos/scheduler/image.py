@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pos.errors import BadInput
 
@@ -50,6 +50,7 @@ class Manifest:
     driver_version: Optional[str] = None      # NVML's, e.g. 580.159.04
     cuda_version: Optional[int] = None        # cuDriverGetVersion, e.g. 13000
     gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used
+    logs: dict[str, int] = field(default_factory=dict)   # path -> size at the dump (procs.logs)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256, chunks
     chunk_bytes: int = CHUNK_BYTES            # what files[*].chunks were computed over
     size_bytes: int = 0
@@ -119,6 +120,11 @@ def workers() -> int:
 
 
 _local = threading.local()
+Hashed = Callable[[int], None]
+
+
+def _nothing(_done: int) -> None:
+    """The `hashed` of callers that show no progress."""
 
 
 def _hash_range(fd: int, offset: int, length: int) -> bytes:
@@ -139,10 +145,17 @@ def _hash_range(fd: int, offset: int, length: int) -> bytes:
     return h.digest()
 
 
-def chunk_digests(folder: Path, sizes: dict[str, int],
-                  chunk_bytes: int) -> dict[str, list[bytes]]:
+def chunk_digests(folder: Path, sizes: dict[str, int], chunk_bytes: int,
+                  hashed: Hashed = _nothing) -> dict[str, list[bytes]]:
     """name -> the sha256 of each `chunk_bytes` chunk of the first `sizes[name]` bytes of the
-    file, every chunk of every file hashed by a pool of `workers()` threads."""
+    file, every chunk of every file hashed by a pool of `workers()` threads; `hashed` is told
+    the bytes of each chunk done (progress on a terminal)."""
+
+    def one(task: tuple[str, int, int]) -> bytes:
+        digest = _hash_range(fds[task[0]], task[1], task[2])
+        hashed(task[2])
+        return digest
+
     fds: dict[str, int] = {}
     try:
         for n in sizes:
@@ -150,7 +163,7 @@ def chunk_digests(folder: Path, sizes: dict[str, int],
         tasks = [(n, at, min(chunk_bytes, size - at))
                  for n, size in sizes.items() for at in range(0, max(size, 1), chunk_bytes)]
         with ThreadPoolExecutor(max_workers=workers()) as pool:
-            digests = list(pool.map(lambda t: _hash_range(fds[t[0]], t[1], t[2]), tasks))
+            digests = list(pool.map(one, tasks))
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -165,10 +178,11 @@ def file_digest(chunks: list[bytes]) -> str:
     return hashlib.sha256(b"".join(chunks)).hexdigest()
 
 
-def checksums(folder: Path, names: list[str], chunk_bytes: int) -> dict[str, dict[str, Any]]:
+def checksums(folder: Path, names: list[str], chunk_bytes: int,
+              hashed: Hashed = _nothing) -> dict[str, dict[str, Any]]:
     """name -> {size, sha256 (of the chunk digests), chunks (hex digest of each chunk)}."""
     sizes = {n: (folder / n).stat().st_size for n in names}
-    digests = chunk_digests(folder, sizes, chunk_bytes)
+    digests = chunk_digests(folder, sizes, chunk_bytes, hashed)
     return {n: {"size": sizes[n], "sha256": file_digest(digests[n]),
                 "chunks": [d.hex() for d in digests[n]]} for n in names}
 
@@ -181,14 +195,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def seal(partial: Path, manifest: Manifest) -> Path:
+def seal(partial: Path, manifest: Manifest, hashed: Hashed = _nothing) -> Path:
     """Make every file root-only, checksum it, write the manifest, then rename DIR.partial to
     DIR: the image appears complete or not at all."""
     names = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MANIFEST)
     for n in names:
         os.chmod(partial / n, 0o600)
     manifest.chunk_bytes = CHUNK_BYTES
-    manifest.files = checksums(partial, names, manifest.chunk_bytes)
+    manifest.files = checksums(partial, names, manifest.chunk_bytes, hashed)
     manifest.size_bytes = sum(f["size"] for f in manifest.files.values())
     write_manifest(partial, manifest)
     final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
@@ -260,9 +274,11 @@ def _well_formed(m: Manifest) -> bool:
     return True
 
 
-def verify(folder: Path, digests: Optional[list[str]] = None) -> Manifest:
+def verify(folder: Path, digests: Optional[list[str]] = None,
+           hashed: Hashed = _nothing) -> Manifest:
     """load + exactly the listed files, each with its recorded size and chunk checksums (only
-    the files named in `digests`, when given: the rest is checked by whoever reads it)."""
+    the files named in `digests`, when given: the rest is checked by whoever reads it);
+    `hashed` is told the bytes of each chunk checked."""
     folder = Path(folder)
     manifest = load(folder)
     if not manifest.files:
@@ -286,7 +302,7 @@ def verify(folder: Path, digests: Optional[list[str]] = None) -> Manifest:
         raise BadInput(f"image {folder} lacks {', '.join(missing)} in its manifest",
                        "take a new checkpoint")
     got = chunk_digests(folder, {n: manifest.files[n]["size"] for n in names},
-                        manifest.chunk_bytes)
+                        manifest.chunk_bytes, hashed)
     for name in names:
         want = manifest.files[name]
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from pos import nvml
 from pos.errors import BadInput, PosError
+from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import engine, image, procs
 from pos.scheduler.criu import Options, PageServer
@@ -32,9 +33,10 @@ def gpu_pairs(used: list[str], target: str, all_uuids: list[str]) -> list[tuple[
     return [(u, swap.get(u, u)) for u in all_uuids]
 
 
-def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None) -> None:
+def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None,
+           progress: Progress = QUIET) -> dict[str, float]:
     """lock -> checkpoint -> restore onto GPU `index` -> unlock, for every CUDA process of the
-    tree; the undo restores onto the original GPU."""
+    tree; the undo restores onto the original GPU. The seconds of each step."""
     procs.require_checkpointable(pid)
     pids = procs.tree(pid)
     cuda = engine.gpu_pids(pids)
@@ -51,7 +53,7 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
     from pos.scheduler import cudackpt
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
-    with Guard(plan, echo) as g:
+    with Guard(plan, echo, progress=progress) as g:
         for step, fn in (("lock", lambda p: cudackpt.lock(p, lock_timeout_ms)),
                          ("checkpoint", cudackpt.checkpoint),
                          ("restore", lambda p: cudackpt.restore(p, pairs)),
@@ -61,6 +63,7 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
                 g.timed(step, lambda p=p, fn=fn: fn(p))
     echo(", ".join(f"{k} {v:.3f} s" for k, v in g.timings.items()))
     echo(f"PID {pid} now runs on GPU {index} ({gpus[index].name} {gpus[index].uuid})")
+    return g.timings
 
 
 # ---- to another host ---------------------------------------------------------------------
@@ -105,9 +108,9 @@ def _split(host: str) -> tuple[str, int]:
 
 
 def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,
-            echo: Echo = lambda _: None) -> None:
+            echo: Echo = lambda _: None, progress: Progress = QUIET) -> int:
     """Checkpoint PID with its pages streamed to HOST's page server, send the rest of the image,
-    and wait until HOST has restored it."""
+    and wait until HOST has restored it; the PID it has there."""
     address, port = _split(host)
     procs.require_checkpointable(pid)
     try:
@@ -126,10 +129,14 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
         keep = local is not None
         local = local or Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
         result = engine.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
-                                   page_server=PageServer(address, port + 1))
+                                   page_server=PageServer(address, port + 1),
+                                   progress=progress)
+        progress.phase("send", total=result.manifest.size_bytes)
         for name in sorted(result.manifest.files):
             data = (result.path / name).read_bytes()
             _send(sock, {"file": name, "size": len(data)}, data)
+            progress.advance(len(data))
+        progress.phase(f"restore on {address}")
         manifest = result.manifest.to_json().encode()
         _send(sock, {"manifest": len(manifest)}, manifest)
         reply = reader.message()
@@ -139,6 +146,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
     if not keep:     # the pages went to HOST: this part alone restores nothing
         shutil.rmtree(result.path, ignore_errors=True)
     echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
+    return int(reply["pid"])
 
 
 def _wait_listening(port: int, proc: Any) -> None:
@@ -157,7 +165,8 @@ def _wait_listening(port: int, proc: Any) -> None:
                    "see criu-page-server.log next to the image")
 
 
-def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None) -> int:
+def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None,
+           progress: Progress = QUIET) -> int:
     """Receive one migrating process into `directory` and restore it; its PID."""
     criu = criu_mod.find()
     partial = image.prepare(directory.absolute(), 0)
@@ -180,6 +189,7 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
             ps = criu.start(criu.page_server_argv(partial, address, port + 1, work))
             _wait_listening(port + 1, ps)
             _send(conn, {"ready": True})
+            progress.phase("receive", poll=lambda: engine.folder_bytes(partial))
             manifest_text = b""
             while not manifest_text:
                 msg = reader.message()
@@ -190,9 +200,10 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
                     manifest_text = reader.exactly(msg["manifest"])
             criu.finish(ps, "page-server", work / "criu-page-server.log")
             manifest = image.Manifest.from_json(manifest_text.decode())
-            final = image.seal(partial, manifest)
+            progress.phase("checksum", total=engine.folder_bytes(partial))
+            final = image.seal(partial, manifest, progress.advance)
             echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
-            result = engine.restore(final, echo=echo)
+            result = engine.restore(final, echo=echo, progress=progress)
         except PosError as e:
             image.discard(partial)
             _send(conn, {"error": e.message, "path": str(directory)})

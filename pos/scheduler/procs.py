@@ -3,6 +3,7 @@
 
 import os
 import signal
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -87,6 +88,35 @@ def resident_bytes(pids: list[int]) -> int:
         except OSError:
             pass
     return total
+
+
+def logs(pids: list[int]) -> dict[str, int]:
+    """The logs the processes write: regular files open write-only (not appending) whose offset
+    is at their end, such as a stdout redirected with `>`, by path with their size. CRIU
+    refuses to restore such a file once it has grown (someone else wrote to it, or the job
+    after a --leave-running dump); the restore reopens these for appending instead. Files
+    opened with O_APPEND need nothing: CRIU does not check their size."""
+    found: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                here = os.stat(path)   # the same file in pos's view (not another namespace's)
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+            flags, offset = int(fields["flags"], 8), int(fields["pos"])
+            if (stat.S_ISREG(st.st_mode) and flags & os.O_ACCMODE == os.O_WRONLY
+                    and not flags & os.O_APPEND and offset == st.st_size
+                    and (here.st_dev, here.st_ino) == (st.st_dev, st.st_ino)):
+                found[path] = st.st_size
+    return found
 
 
 def require_checkpointable(pid: int) -> None:

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import IO, Iterator, Optional
 
 import pytest
 
@@ -76,9 +76,11 @@ class Counter:
     def __init__(self, path: Path, children: int = 0, cuda: Optional[Path] = None,
                  shell_job: bool = False, env: Optional[dict] = None,
                  ballast_mb: int = 0, extra: tuple[str, ...] = (),
-                 prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = ()) -> None:
+                 prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = (),
+                 stdout: Optional[IO] = None) -> None:
         """`extra`: more counter.py flags; `prefix`: a command that execs the counter (nsenter),
-        so that its PID stays the counter's; `pass_fds`: descriptors it inherits."""
+        so that its PID stays the counter's; `pass_fds`: descriptors it inherits; `stdout`:
+        where its stdout and stderr go (default /dev/null)."""
         self.path = path
         argv = [*prefix, sys.executable, str(COUNTER), str(path), "--children", str(children),
                 "--ballast-mb", str(ballast_mb), *extra]
@@ -89,8 +91,10 @@ class Counter:
             # starts its own session so that the leader is in this PID namespace, which
             # pytest's session need not be (CI may run it in a namespace entered mid-session).
             argv = ["sh", "-c", '"$@" >/dev/null & echo $!; wait', "sh", *argv]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE if shell_job else subprocess.DEVNULL,
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                     stderr=stdout or subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE if shell_job else
+                                     stdout or subprocess.DEVNULL,
                                      start_new_session=True, pass_fds=pass_fds,
                                      env={**os.environ, **(env or {})})
         self.pid = int(self.proc.stdout.readline()) if shell_job else self.proc.pid
@@ -130,6 +134,13 @@ class Counter:
             self.proc.wait()
 
 
+@pytest.fixture(autouse=True)
+def criu_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRIU logs that pos keeps of failed runs go to the test's folder, not /var/log/pos
+    (a test's env may name another POS_LOG_DIR)."""
+    monkeypatch.setenv("POS_LOG_DIR", str(tmp_path / "criu-logs"))
+
+
 @pytest.fixture
 def counters(criu_ready: None) -> Iterator[list[Counter]]:
     """Counters to stop after the test (whatever incarnation, original or restored, runs)."""
@@ -141,8 +152,10 @@ def counters(criu_ready: None) -> Iterator[list[Counter]]:
 
 def pos(*args: str, env: Optional[dict] = None, timeout: float = 120,
         prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess:
+    """pos as a user runs it, its stdin no terminal whatever pytest's is."""
     return subprocess.run([*prefix, sys.executable, "-m", "pos.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})},
                           timeout=timeout, pass_fds=pass_fds)
 
 

@@ -2,6 +2,7 @@
 
   counter.py FILE [--children N] [--cuda LIBCUDA] [--ballast-mb M]
              [--tcp PORT] [--unix-fd N] [--unix-dgram PATH] [--lock LOCKFILE]
+             [--stdout] [--hold DATAFILE]
 
 --children N forks N children after start, child i counting into FILE.i (a process tree);
 --cuda calls cuInit of that library first, so that the process holds (fake) CUDA state.
@@ -15,6 +16,8 @@ other half the launcher holds (--external unix[INODE] on dump, --inherit-fd on r
 --unix-dgram PATH connects a UNIX datagram socket to the socket bound at PATH by a process
 outside the tree and sends each number over it (--ext-unix-sk).
 --lock LOCKFILE takes an exclusive flock on LOCKFILE and holds it (--file-locks).
+--stdout also writes each number to stdout (a log file or a terminal, tests/scheduler/
+test_criu_failures.py); --hold DATAFILE keeps DATAFILE open for reading and writing.
 The file is opened with O_APPEND: after a restore the counter appends where it left off.
 """
 
@@ -34,6 +37,8 @@ args.add_argument("--tcp", type=int)
 args.add_argument("--unix-fd", type=int)
 args.add_argument("--unix-dgram")
 args.add_argument("--lock")
+args.add_argument("--stdout", action="store_true")
+args.add_argument("--hold")
 a = args.parse_args()
 ballast = b"\1" * (a.ballast_mb << 20)
 if a.cuda:
@@ -43,6 +48,7 @@ unix = socket.socket(fileno=a.unix_fd) if a.unix_fd is not None else None
 if a.unix_dgram:
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     unix.connect(a.unix_dgram)
+held = os.open(a.hold, os.O_RDWR) if a.hold else None
 if a.lock:
     lock_fd = os.open(a.lock, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -68,4 +74,6 @@ while True:
     if unix is not None:
         unix.send(line)
     os.write(fd, line)
+    if a.stdout:
+        os.write(1, line)
     time.sleep(0.01)

@@ -2,6 +2,7 @@
 counter is dumped in one, its pages stream through CRIU's page server over TCP into the other,
 where it is restored and counts on from the right value."""
 
+import json
 import os
 import subprocess
 import sys
@@ -64,12 +65,16 @@ def test_migrate_to_another_host(tmp_path: Path, hosts, counters) -> None:
                            "10.77.0.2", "--port", "7070"], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)
-    tx = subprocess.run([*in_ns(a), *pos, str(c.pid), "--to", "10.77.0.2:7070"], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=120)
+    tx = subprocess.run([*in_ns(a), *pos, str(c.pid), "--to", "10.77.0.2:7070", "--json"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     out, err = rx.communicate(timeout=120)
     assert tx.returncode == 0, (tx.stdout, tx.stderr, out, err)
     assert rx.returncode == 0, (out, err)
     assert f"restored PID {c.pid}" in out
+    # --json: the sender's report is one JSON object, its steps' lines went to stderr
+    assert json.loads(tx.stdout) == {"pid": c.pid, "host": "10.77.0.2:7070",
+                                     "restored_pid": c.pid}
+    assert "migrated to 10.77.0.2" in tx.stderr
     at = len(lines(c.path))
     wait_for(lambda: len(lines(c.path)) > at + 20, what="the migrated counter")
     values = lines(c.path)

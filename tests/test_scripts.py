@@ -1,0 +1,60 @@
+"""The setup scripts' own logic: scripts/criu-debs.sh takes the Debian mirror from the host's
+apt sources (one-line and deb822), never from a host name written in the script."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+CRIU_DEBS = ROOT / "scripts" / "criu-debs.sh"
+
+
+def codename() -> str:
+    fields = dict(re.findall(r'^(\w+)="?([^"\n]*)"?$', Path("/etc/os-release").read_text(), re.M))
+    if fields.get("ID") != "debian":
+        pytest.skip("the mirror is taken from a Debian host's sources")
+    return fields["VERSION_CODENAME"]
+
+
+def mirror(etc: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CRIU_DEBS), "--mirror"], capture_output=True, text=True,
+                          env={**os.environ, "APT_ETC": str(etc), **env})
+
+
+def test_mirror_from_one_line_sources(tmp_path: Path) -> None:
+    c = codename()
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list").write_text(
+        f"# deb http://commented.example/debian {c} main\n"
+        f"deb-src http://src.example/debian {c} main\n"
+        f"deb [signed-by=/k.gpg] http://sec.example/debian-security {c}-security main\n"
+        f"deb [arch=amd64] http://mirror.example/debian/ {c} main contrib\n")
+    r = mirror(tmp_path)
+    assert (r.returncode, r.stdout) == (0, "http://mirror.example/debian\n"), r.stderr
+
+
+def test_mirror_from_deb822_sources(tmp_path: Path) -> None:
+    c = codename()
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        f"Types: deb\nURIs: http://disabled.example/debian\nSuites: {c}\nEnabled: no\n\n"
+        f"Types: deb\nURIs: http://sec.example/debian-security\nSuites: {c}-security\n\n"
+        f"Types: deb deb-src\n# a comment\nURIs: https://mirror.example/debian\n"
+        f"Suites: {c}-updates\n {c}\nComponents: main\n")
+    (tmp_path / "sources.list.d" / "other.list").write_text(
+        "deb https://vendor.example/apt nodistro main\n")
+    r = mirror(tmp_path)
+    assert (r.returncode, r.stdout) == (0, "https://mirror.example/debian\n"), r.stderr
+
+
+def test_no_debian_mirror_is_one_sentence_and_the_variable_overrides(tmp_path: Path) -> None:
+    (tmp_path / "sources.list").write_text("deb https://vendor.example/apt nodistro main\n")
+    r = mirror(tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "set POS_DEBIAN_MIRROR" in r.stderr, r.stderr
+    r = mirror(tmp_path, POS_DEBIAN_MIRROR="http://given.example/debian")
+    assert (r.returncode, r.stdout) == (0, "http://given.example/debian\n"), r.stderr
