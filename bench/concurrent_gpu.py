@@ -22,6 +22,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                process: every loss against an uninterrupted run's, bit for bit; restore times
   fullstall    the same job with --leave-running: the driver's stop-the-world `pos checkpoint`
                first, then the concurrent one, on the same job, at each --full-sizes GiB
+  predump      whether CRIU can pre-dump a running `pos run` job (nvidia mappings still in it):
+               the way to shorten the frozen part of the dump (a probe, not yet used by pos)
   faults       pos killed (SIGKILL) at each step of a whole-process concurrent checkpoint: the
                job must run on, its memory intact (fill_job's images before and after)
 """
@@ -390,6 +392,33 @@ def faults(out: Path, images: Path) -> dict[str, Any]:
     return {"rows": rows, "all_ok": all(r.get("ok") for r in rows)}
 
 
+def predump(out: Path, images: Path) -> dict[str, Any]:
+    from pos.scheduler import criu as criu_mod
+
+    log = images / "pre.log"
+    p = subprocess.Popen([*POS, "run", "--", *det_argv(log, 0, 2, 0.01)], cwd=ROOT,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    res: dict[str, Any] = {}
+    try:
+        while not log.exists() or len(log.read_text().splitlines()) < 20:
+            time.sleep(0.05)
+        criu = criu_mod.find().path
+        d = images / "pre"
+        d.mkdir()
+        t = time.monotonic()
+        r = subprocess.run([criu, "pre-dump", "-t", str(p.pid), "-D", str(d), "--track-mem",
+                            "-o", "pre.log", "-v4"], capture_output=True, text=True)
+        res["rc"], res["s"] = r.returncode, time.monotonic() - t
+        text = (d / "pre.log").read_text() if (d / "pre.log").exists() else ""
+        res["errors"] = [ln for ln in text.splitlines() if "Error" in ln][-8:]
+        res["frozen"] = next((ln for ln in text.splitlines() if "freez" in ln.lower()), None)
+        res["alive_after"] = p.poll() is None
+    finally:
+        kill(p)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -412,6 +441,7 @@ def main() -> None:
         "fullexact": lambda: fullexact(out, images, a.exact_gib),
         "fullstall": lambda: fullstall(out, images, [float(x) for x in a.full_sizes.split(",")]),
         "faults": lambda: faults(out, images),
+        "predump": lambda: predump(out, images),
     }
     for name in a.only.split(","):
         t = time.monotonic()

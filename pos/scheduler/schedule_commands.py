@@ -115,9 +115,6 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
     expr = cron.validate(expr)
     target = targets.from_options(pid, match, name)
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
-    if engine == "concurrent" and options.argv():
-        raise BadInput(f"{' '.join(options.argv())} are CRIU options and the concurrent engine "
-                       "does not run CRIU", "drop them, or use --engine auto or driver")
     if keep is not None and keep < 1:
         raise BadInput(f"--keep {keep} would keep no image", "give --keep 1 or more")
     policy = retention.Policy(keep, retention.parse_duration(max_age) if max_age else None,

@@ -59,11 +59,8 @@ def test_absent_match_target_is_accepted_with_a_note(run, tmp_path: Path) -> Non
     (["--cron", "61 * * * *"], ["invalid cron expression '61 * * * *'", "give five fields"]),
     (["--cron", "* * *"], ["invalid cron expression"]),
     (["--cron", "* * 31 2 *"], ["cron expression '* * 31 2 *' never fires", "give a day"]),
-    (["--engine", "concurrent"], ["has no pos agent (/run/pos/agent-", "so the concurrent engine "
-                                  "cannot snapshot it: start the job with `pos run`"]),
-    (["--engine", "concurrent", "--external", "file[2a:1]"], [
-        "--external file[2a:1] are CRIU options and the concurrent engine does not run CRIU: "
-        "drop them, or use --engine auto or driver"]),
+    (["--engine", "concurrent"], ["has no pos agent that owns its memory, so the concurrent "
+                                  "engine cannot snapshot it: start the job with `pos run`"]),
     (["--keep", "0"], ["--keep 0 would keep no image"]),
     (["--max-age", "soon"], ["--max-age 'soon' is not a duration"]),
     (["--max-bytes", "lots"], ["--max-bytes 'lots' is not a size"]),
