@@ -37,7 +37,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,7 +44,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
-from pos.agent import gpuimage  # noqa: E402
+from pos.image import gpu as gpuimage  # noqa: E402
 from pos.agent.control import Agent  # noqa: E402
 from pos.scheduler import concurrent, cudackpt  # noqa: E402
 from workloads.fill_job import torn  # noqa: E402

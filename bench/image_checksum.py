@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """image_checksum: how fast an image's checksums are computed, the old way against the new.
 
-old: sha256 of each whole file, files spread over threads (what pos/scheduler/image.py did until
+old: sha256 of each whole file, files spread over threads (what pos/image did until
      format 2). A CRIU image is one huge pages-*.img and a few small files, so one thread does
      nearly all of it: 21 s for 17.4 GiB on the H100 host.
 new: image.checksums(): sha256 of every 64 MiB chunk of every file on a pool of os.cpu_count()
@@ -36,7 +36,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pos.scheduler import image  # noqa: E402
+from pos import image  # noqa: E402
 
 OLD_READ = 8 << 20
 

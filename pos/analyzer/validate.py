@@ -18,37 +18,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numba as nb
 import numpy as np
 
 from pos.driver import Driver, driver
+from pos.image.checksum import fold
 
 CHUNK = 64 << 20
-
-
-@nb.njit(cache=True)
-def hash_words(words: np.ndarray, h: np.uint64) -> np.uint64:
-    """A 64-bit hash of `words` continuing from h (four independent lanes, then folded)."""
-    p1 = np.uint64(0x9E3779B97F4A7C15)
-    p2 = np.uint64(0xC2B2AE3D27D4EB4F)
-    lanes = np.empty(4, np.uint64)
-    for j in range(4):
-        lanes[j] = h ^ (p2 * np.uint64(j + 1))
-    n = words.shape[0]
-    i = 0
-    while i + 4 <= n:
-        for j in range(4):
-            lanes[j] = (lanes[j] ^ words[i + j]) * p1
-            lanes[j] ^= lanes[j] >> np.uint64(29)
-        i += 4
-    out = np.uint64(n) * p2
-    for j in range(4):
-        out = (out ^ lanes[j]) * p1
-    while i < n:
-        out = (out ^ words[i]) * p2
-        out ^= out >> np.uint64(31)
-        i += 1
-    return out
 
 
 @dataclass
@@ -90,12 +65,7 @@ class Validator:
             n = min(self.chunk, size - at)
             self.drv.call("cuMemcpyDtoH_v2", ctypes.c_void_p(self._host.ctypes.data),
                           ctypes.c_uint64(base + at), ctypes.c_size_t(n))
-            words = self._host[: n // 8 * 8].view(np.uint64)
-            h = np.uint64(hash_words(words, h))
-            if n % 8:
-                tail = np.zeros(8, np.uint8)
-                tail[: n % 8] = self._host[n // 8 * 8:n]
-                h = np.uint64(hash_words(tail.view(np.uint64), h))
+            h = np.uint64(fold(self._host[:n], int(h)))
         return int(h)
 
     def snapshot(self, allocations: Iterable[tuple[int, int]]) -> dict[int, int]:

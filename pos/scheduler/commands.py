@@ -56,7 +56,7 @@ def _report(result: Any) -> None:
 def image_manifest_json(path: str) -> str:
     from pathlib import Path
 
-    from pos.scheduler import image
+    from pos import image
 
     return image.load(Path(path)).to_json()
 
@@ -211,7 +211,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
     """Show what an image holds: process, GPUs, driver, files, the time of each step."""
     from pathlib import Path
 
-    from pos.scheduler import image
+    from pos import image
 
     m = (image.verify if verify else image.load)(Path(directory))
     if as_json:

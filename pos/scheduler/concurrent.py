@@ -21,22 +21,19 @@ is pos's (steps 4's hoist to remap) the watchdog holds it too and gives it back.
 """
 
 import os
-import platform
 import threading
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pos import host, nvml
-from pos.agent import gpuimage
+from pos import image, nvml
 from pos.agent.control import Agent, Buffer, Cut, Gate
 from pos.errors import BadInput, PosError
-from pos.scheduler import gpucopy, image
-from pos.scheduler.image import Manifest
+from pos.image import gpu as gpuimage
+from pos.scheduler import engine, gpucopy
+from pos.scheduler.criu import Options
 
 Echo = Callable[[str], None]
 DEFAULT_STREAMS = 8
@@ -62,15 +59,6 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _manifest(pid: int, gpu_only: bool) -> Manifest:
-    comm, cmdline = host.describe(pid)
-    return Manifest(pid=pid, pids=[pid], gpu_pids=[pid], comm=comm, cmdline=cmdline,
-                    created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    host=socket.gethostname(), kernel=platform.release(),
-                    criu_version="" if gpu_only else "", criu_options={},
-                    leave_running=True, driver_version=nvml.driver_version())
 
 
 class _Saver:
@@ -224,7 +212,8 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
             copy = s.to_host(sources)
             gate = agent.end()
             s.drop_device()
-            manifest = _manifest(pid, gpu_only=True)
+            manifest = engine.new_manifest(pid, [pid], [pid], "", Options(), True,
+                                           nvml.gpus_of([pid]))
             try:
                 s.write(partial, compress)
                 manifest.timings = s.timings
@@ -319,14 +308,14 @@ def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
     return copy
 
 
-def checkpoint_full(pid: int, directory: Path, options: Any, leave_running: bool = True,
+def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
                     lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
                     chunk_mb: int = 64, echo: Echo = lambda _: None) -> Report:
     """A whole-process image of the `pos run` job `pid` (CRIU + the driver, the job's device
     memory hoisted out of the driver's checkpoint and copied by pos): restorable into a new
     process by `restore_full`. See the module docstring for the steps."""
     from pos.scheduler import criu as criu_mod
-    from pos.scheduler import cudackpt, engine, procs
+    from pos.scheduler import cudackpt, procs
     from pos.scheduler.watchdog import Plan
 
     procs.require_checkpointable(pid)
@@ -343,8 +332,8 @@ def checkpoint_full(pid: int, directory: Path, options: Any, leave_running: bool
     try:
         foreign = s.prepare()
         partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
-        manifest = engine.new_manifest(pid, pids, cuda, criu, options, leave_running,
-                                       nvml.gpus_of(cuda))
+        manifest = engine.new_manifest(pid, pids, cuda, criu.version_text, options,
+                                       leave_running, nvml.gpus_of(cuda))
         plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
                     stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                     criu_options=options.to_json())
@@ -407,8 +396,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet)."""
-    from pos.scheduler import engine
-
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     data = [n for n in image.load(directory).files if not n.startswith("gpu-data-")]
@@ -458,6 +445,6 @@ def is_full_image(directory: Path) -> bool:
     return (d / gpuimage.INDEX).is_file() and (d / "inventory.img").is_file()
 
 
-def checkpoint(pid: int, directory: Path, options: Any, leave_running: bool) -> Report:
+def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool) -> Report:
     """The scheduler's entry (pos/scheduler/snapshot.py): the whole process."""
     return checkpoint_full(pid, directory, options, leave_running)

@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pos.errors import BadInput, PosError
-from pos.scheduler import cron, image, procs, retention, targets
+from pos import image
+from pos.scheduler import cron, procs, retention, targets
 from pos.scheduler.cron import Clock, SystemClock
 from pos.scheduler.watchdog import _import_path
 from pos.store import images, schedules

@@ -25,9 +25,10 @@ from pos import host, nvml
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import image, procs
+from pos import image
+from pos.scheduler import procs
 from pos.scheduler.criu import Options, PageServer
-from pos.scheduler.image import Manifest
+from pos.image import Manifest
 from pos.scheduler.watchdog import Plan, Watchdog, recover
 
 Echo = Callable[[str], None]
@@ -137,9 +138,10 @@ def gpu_pids(pids: list[int]) -> list[int]:
     return [p for p in candidates if cudackpt.cuda_state(p) is not None]
 
 
-def new_manifest(pid: int, pids: list[int], cuda: list[int], criu: criu_mod.Criu,
+def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
                  options: Options, leave_running: bool, gpu_use: dict[str, int]) -> Manifest:
-    """The manifest of a full-process image about to be taken (timings and files come later)."""
+    """The manifest of an image about to be taken, by either engine (timings and files come
+    later; a GPU-only image has no CRIU version and no CRIU options)."""
     from pos.scheduler import cudackpt
 
     names = {g.uuid: g.name for g in nvml.gpus()} if gpu_use else {}
@@ -147,7 +149,7 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu: criu_mod.Criu
     return Manifest(
         pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        host=socket.gethostname(), kernel=platform.release(), criu_version=criu.version_text,
+        host=socket.gethostname(), kernel=platform.release(), criu_version=criu_version,
         criu_options=options.to_json(), leave_running=leave_running,
         driver_version=nvml.driver_version() if cuda else None,
         cuda_version=cudackpt.driver_version() if cuda else None,
@@ -186,7 +188,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     # a page server takes the pages elsewhere
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
     partial = image.prepare(directory, needed)
-    manifest = new_manifest(pid, pids, cuda, criu, options, leave_running, gpu_use)
+    manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
     comm = manifest.comm
     plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],

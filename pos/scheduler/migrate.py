@@ -13,7 +13,8 @@ from pos import nvml
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import engine, image, procs
+from pos import image
+from pos.scheduler import engine, procs
 from pos.scheduler.criu import Options, PageServer
 from pos.scheduler.engine import Echo, Guard
 from pos.scheduler.watchdog import Plan

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from pos.errors import BadInput, PosError
-from pos.scheduler import image
+from pos import image
 
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNITS_B = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

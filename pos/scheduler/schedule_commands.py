@@ -108,7 +108,8 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
     import json
 
     from pos.errors import BadInput
-    from pos.scheduler import cron, image, retention, targets
+    from pos import image
+    from pos.scheduler import cron, retention, targets
     from pos.store import schedules
     from pos.store.db import open_store
 

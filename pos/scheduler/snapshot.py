@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pos.errors import BadInput, PosError
-from pos.scheduler import image, procs, targets
+from pos import image
+from pos.scheduler import procs, targets
 from pos.scheduler.criu import Options
 
 ENGINES = ("auto", "driver", "concurrent", "criu")

@@ -10,7 +10,6 @@ as `exclude` and their children (the daemon's snapshot workers, and their CRIU a
 
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional

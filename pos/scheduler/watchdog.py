@@ -247,7 +247,7 @@ def main() -> int:
         log(f"undo failed: {e.message}")
         return 1
     if plan.op == "checkpoint" and plan.images:
-        from pos.scheduler.image import discard
+        from pos.image import discard
 
         discard(Path(plan.images))
     log("undo done: the processes run")

@@ -3,8 +3,6 @@ with real CRIU: the plumbing of ownership, the gates, the hoist and both kinds o
 killed at every step. The fake's "device memory" is shared memory, so pos really reads the
 job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu does)."""
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pos.agent import gpuimage
+from pos.image import gpu as gpuimage
 from pos.agent.control import Agent
 from pos.scheduler import concurrent
 from tests.conftest import ROOT

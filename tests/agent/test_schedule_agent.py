@@ -14,7 +14,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from pos.cli import cli
-from pos.scheduler import image, snapshot, targets
+from pos import image
+from pos.scheduler import snapshot, targets
 from pos.store import images, schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT

@@ -10,7 +10,8 @@ import pytest
 
 from pos.analyzer.access import launch_sets
 from pos.analyzer.demangle import parameter_kinds
-from pos.analyzer.validate import Validator, hash_words
+from pos.analyzer.validate import Validator
+from pos.image.checksum import hash_words
 from pos.driver import Driver
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pos.agent import gpuimage
+from pos.image import gpu as gpuimage
 from pos.scheduler import concurrent
 from workloads.fill_job import torn
 

@@ -8,8 +8,9 @@ from typing import Any, Optional
 import pytest
 
 from pos.errors import BadInput
-from pos.scheduler import cron, image
-from pos.scheduler.image import Manifest
+from pos import image
+from pos.scheduler import cron
+from pos.image import Manifest
 from pos.scheduler.daemon import Daemon
 from pos.store import images, schedules
 from pos.store.db import open_db

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from pos.errors import BadInput
-from pos.scheduler import image, retention
-from pos.scheduler.image import Manifest
+from pos import image
+from pos.scheduler import retention
+from pos.image import Manifest
 from pos.scheduler.retention import Policy
 
 NOW = datetime(2025, 3, 2, 12, 0, 0, tzinfo=timezone.utc)

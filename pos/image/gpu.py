@@ -3,7 +3,7 @@
 DIR/gpu-index.json lists every buffer saved at the cut (base, size) and its chunks (data file,
 position, stored and raw length, 64-bit checksum of the raw bytes, whether zstd-compressed);
 the chunks live in DIR/gpu-data-NN.bin, one file per writer thread. The directory is written
-as DIR.partial and sealed by pos/scheduler/image.py (chunked sha256 of every file in
+as DIR.partial and sealed by pos/image/__init__.py (chunked sha256 of every file in
 pos-manifest.json, root-only, renamed to DIR when complete): the same trust as a full image.
 An incremental image names its parent; a buffer not written since the parent is listed with
 `in_parent` and read from there (recursively).
@@ -15,30 +15,13 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-import numba as nb
 import numpy as np
 
-from pos.analyzer.validate import hash_words
 from pos.errors import BadInput
+from pos.image.checksum import checksum
 
 INDEX = "gpu-index.json"
 FORMAT = 1
-
-
-@nb.njit(nogil=True, cache=True)
-def _hash(words: np.ndarray, h: np.uint64) -> np.uint64:
-    return hash_words(words, h)
-
-
-def checksum(buf: np.ndarray) -> int:
-    """The validator's 64-bit hash of a chunk's bytes (seeded with its length); no GIL held."""
-    n = buf.shape[0]
-    h = _hash(buf[: n // 8 * 8].view(np.uint64), np.uint64(n))
-    if n % 8:
-        tail = np.zeros(8, np.uint8)
-        tail[: n % 8] = buf[n // 8 * 8:]
-        h = _hash(tail.view(np.uint64), h)
-    return int(h)
 
 
 class Writer:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pos.agent import gpuimage
+from pos.image import gpu as gpuimage
 from pos.errors import BadInput
 
 CHUNK = 1 << 16

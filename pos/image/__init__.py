@@ -1,4 +1,4 @@
-"""A pos image: CRIU's files (or the GPU image of a `pos run` agent, pos/agent/gpuimage.py)
+"""A pos image: CRIU's files and/or the GPU buffers of a `pos run` job (pos/image/gpu.py)
 plus pos-manifest.json, in one directory readable by root only.
 
 The image is written into DIR.partial and renamed to DIR only once the manifest (with the

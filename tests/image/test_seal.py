@@ -1,4 +1,4 @@
-"""Image checksums (pos/scheduler/image.py): sha256 per chunk, computed by a thread pool, and
+"""Image checksums (pos/image/__init__.py): sha256 per chunk, computed by a thread pool, and
 verification that names the bad file (and its bytes) for a flipped byte, a truncated file, an
 extra or missing file, and refuses a manifest format it does not read. No CRIU needed: the
 images here are folders of plain files sealed by the same writer as every image."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pos.errors import BadInput
-from pos.scheduler import image
+from pos import image
 
 MiB = 1 << 20
 
