@@ -1,6 +1,8 @@
 """The main job, end to end (scripts/demo.sh): start a GPU workload, trace it with `pos trace`
 as a user would, and export what was recorded; then checkpoint a running job with
 `pos checkpoint` (which ends it), bring it back with `pos restore`, and show that it goes on.
+On a GPU the job runs under `pos run` and is saved by the concurrent engine, after a
+stop-the-world checkpoint of it with --leave-running for comparison.
 
 Where an NVIDIA GPU and a Python with PyTorch are present, the workloads are PyTorch training
 jobs on the GPU (workloads/torch_job.py traced, workloads/train_det.py checkpointed). Elsewhere
@@ -132,9 +134,11 @@ def pos(*args: str, env: Optional[dict[str, str]] = None) -> None:
 
 
 def checkpoint_restore(argv: list[str], progress: Path, out: Path, env: dict[str, str],
-                       unit: str, started: Started) -> None:
+                       unit: str, started: Started, concurrent: bool = False) -> None:
     """Start `argv` (it appends a line to `progress` per unit of work), checkpoint it after a
-    few units, restore it, and show that it goes on from where it was saved."""
+    few units, restore it, and show that it goes on from where it was saved. `concurrent`: a
+    `pos run` job, first checkpointed stop-the-world with --leave-running (its stall shown),
+    then saved by the concurrent engine while it runs."""
     progress.unlink(missing_ok=True)
     image = out / "image"
     job = started.job(argv, env, out / "job.log")
@@ -149,7 +153,15 @@ def checkpoint_restore(argv: list[str], progress: Path, out: Path, env: dict[str
                              f"output is in {out / 'job.log'})")
         time.sleep(0.05)
     shutil.rmtree(image, ignore_errors=True)
-    pos("checkpoint", str(job.pid), "-D", str(image), env=env)
+    if concurrent:
+        say("first the stop-the-world engine (driver + CRIU), the job left running: its stall")
+        pos("checkpoint", str(job.pid), "-D", str(out / "stw-image"), "--leave-running", env=env)
+        shutil.rmtree(out / "stw-image", ignore_errors=True)
+        say("now the concurrent engine: the job is held only for the cut and the short frozen "
+            "part, its GPU memory copied by pos")
+        pos("checkpoint", str(job.pid), "-D", str(image), "--concurrent", env=env)
+    else:
+        pos("checkpoint", str(job.pid), "-D", str(image), env=env)
     job.wait(timeout=60)
     saved = count()
     say(f"the job was saved after {saved} {unit} and has ended")
@@ -186,9 +198,11 @@ def run(db: str, out: Path, started: Started) -> None:
     say(f"wrote {jsonl} and {perfetto} (open the latter in ui.perfetto.dev)")
     env = dict(os.environ, POS_DB=db)
     if py:
-        say("checkpoint/restore of a PyTorch training job on the GPU")
-        checkpoint_restore([py, str(ROOT / "workloads" / "train_det.py"), str(out / "losses"),
-                            "--steps", "400"], out / "losses", out, env, "steps", started)
+        say("checkpoint/restore of a PyTorch training job on the GPU, started with `pos run` "
+            "(4 GiB of GPU state)")
+        checkpoint_restore([*POS, "run", "--", py, str(ROOT / "workloads" / "train_det.py"),
+                            str(out / "losses"), "--steps", "600", "--ballast-gib", "4"],
+                           out / "losses", out, env, "steps", started, concurrent=True)
     else:
         lib = str(built["libcuda"])
         say("checkpoint/restore of the tests' counter process holding fake CUDA state (real "

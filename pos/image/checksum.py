@@ -39,7 +39,7 @@ def fold(buf: np.ndarray, h: int) -> int:
     if n % 8:
         tail = np.zeros(8, np.uint8)
         tail[: n % 8] = buf[n // 8 * 8:]
-        out = hash_words(tail.view(np.uint64), out)
+        out = hash_words(tail.view(np.uint64), np.uint64(out))
     return int(out)
 
 
