@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this host for pos, idempotently: system packages (bcc, kernel headers, compiler),
-# the kernel-headers link bcc looks for, tracefs, CRIU >= 4 in /opt/pos/criu, and the virtual
-# environment .venv with pos installed in it. Needs root (apt-get, /lib/modules, mount).
+# the kernel-headers link bcc looks for, tracefs, CRIU >= 4 in /opt/pos/criu, the virtual
+# environment .venv with pos installed in it, and pos's preload library (libposhook.so). Needs root (apt-get, /lib/modules, mount).
 # Debian 12+ and Ubuntu 22.04+.
 #
 #   scripts/setup.sh          # then: .venv/bin/pos doctor
@@ -91,4 +91,6 @@ mkdir -p .venv/distro
 ln -sfn "$bcc_dir/bcc" .venv/distro/bcc
 echo "$PWD/.venv/distro" > "$site/pos-distro-bcc.pth"
 .venv/bin/python -c 'import bcc' || { echo "setup: bcc is not importable from .venv" >&2; exit 1; }
+# the agent that `pos run` preloads into jobs, built with the distribution's compiler
+.venv/bin/python -m pos.agent.hook >/dev/null
 log "ready: .venv/bin/pos"
