@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this host for pos, idempotently: system packages (bcc, kernel headers, compiler),
 # the kernel-headers link bcc looks for, tracefs, CRIU >= 4 in /opt/pos/criu, the virtual
-# environment .venv with pos installed in it, and pos's preload library (libposhook.so). Needs root (apt-get, /lib/modules, mount).
+# environment .venv with pos installed in it, and pos's preload library (libposhook.so).
+# Needs root (apt-get, /lib/modules, mount).
 # Debian 12+ and Ubuntu 22.04+.
 #
 #   scripts/setup.sh          # then: .venv/bin/pos doctor
