@@ -44,10 +44,9 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
-from pos.image import gpu as gpuimage  # noqa: E402
 from pos.agent.control import Agent  # noqa: E402
 from pos.scheduler import concurrent, cudackpt  # noqa: E402
-from workloads.fill_job import torn  # noqa: E402
+from workloads.fill_job import image_values, torn  # noqa: E402
 
 PY = sys.executable
 POS = [PY, "-m", "pos.cli"]
@@ -89,23 +88,6 @@ def wait_agent(pid: int, seconds: float = 60) -> None:
             pass
         time.sleep(0.2)
     raise SystemExit(f"the agent of {pid} never answered")
-
-
-def image_values(path: Path) -> list[int]:
-    """Each buffer's one int32 value (None-free: a non-uniform buffer raises)."""
-    import numpy as np
-
-    out = []
-    for base, (folder, size, chunks) in sorted(gpuimage.resolve(path).items()):
-        vals = set()
-        for c in chunks:
-            buf = np.empty(c["raw"], np.uint8)
-            gpuimage.read_chunk(folder, c, buf)
-            vals.update(np.unique(buf[: c["raw"] // 4 * 4].view(np.int32)).tolist())
-        if len(vals) != 1:
-            raise AssertionError(f"buffer 0x{base:x} is not uniform: {sorted(vals)[:4]}")
-        out.append(vals.pop())
-    return out
 
 
 def kill(p: subprocess.Popen) -> None:

@@ -11,6 +11,7 @@ job makes no CUDA call at all (it sleeps), so that a restored image can be read 
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Sequence
 
 
@@ -22,6 +23,25 @@ def torn(values: Sequence[int]) -> bool:
     n, k = len(values), max(values, default=0)
     window = list(range(max(1, k - n + 1), k + 1))
     return sorted(values) != [0] * (n - len(window)) + window
+
+
+def image_values(folder: Path) -> list[int]:
+    """One value per buffer of a pos GPU image of this job (a whole buffer is filled at once,
+    so a buffer that is not uniform is torn too: AssertionError)."""
+    import numpy as np
+
+    from pos.image import gpu
+
+    out = []
+    for _base, (where, _size, chunks) in sorted(gpu.resolve(folder).items()):
+        seen: set[int] = set()
+        for c in chunks:
+            buf = np.empty(c["raw"], np.uint8)
+            gpu.read_chunk(where, c, buf)
+            seen.update(np.unique(buf[: c["raw"] // 4 * 4].view(np.uint32)).tolist())
+        assert len(seen) == 1, f"a buffer of {folder} is not uniform: {sorted(seen)[:4]}"
+        out.append(seen.pop())
+    return out
 
 
 def main() -> None:

@@ -8,29 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from pos.image import gpu as gpuimage
 from pos.agent.control import Agent
 from pos.scheduler import concurrent
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for
-from workloads.fill_job import torn
-
-
-def values(folder: Path) -> list[int]:
-    """One value per buffer of a GPU image (fill_job fills whole buffers)."""
-    out = []
-    for _base, (where, _size, chunks) in sorted(gpuimage.resolve(folder).items()):
-        seen: set[int] = set()
-        for c in chunks:
-            buf = np.empty(c["raw"], np.uint8)
-            gpuimage.read_chunk(where, c, buf)
-            seen.update(np.unique(buf.view(np.uint32)).tolist())
-        assert len(seen) == 1, seen
-        out.append(seen.pop())
-    return out
+from workloads.fill_job import image_values, torn
 
 
 def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
@@ -50,7 +34,7 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
     for i in range(3):
         time.sleep(0.2)
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
-        v = values(Path(r.path))
+        v = image_values(Path(r.path))
         assert not torn(v), v        # the memset (dlsym) is gated: the cut is exact
         ops.append(max(v))
         assert r.release_s < 5 and r.bytes == 12 << 20 and r.shadow_bytes == r.bytes
@@ -60,7 +44,7 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
     rr = concurrent.restore_gpu(job.pid, tmp_path / "img0")
     assert rr.bytes == 12 << 20
     back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
-    assert values(Path(back.path)) == values(tmp_path / "img0")
+    assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
     job.pause.unlink()
     time.sleep(0.2)
     assert job.alive()
@@ -85,7 +69,7 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     assert r.returncode == 0, r.stderr
     assert "job released after" in r.stdout
     job.proc.wait(timeout=30)                   # CRIU ended it after the dump
-    saved = values(img)
+    saved = image_values(img)
     assert not torn(saved)
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -93,7 +77,7 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     time.sleep(0.3)
     assert job.alive()
     now = concurrent.checkpoint_gpu(job.pid, tmp_path / "after")
-    later = values(Path(now.path))
+    later = image_values(Path(now.path))
     assert not torn(later) and max(later) > max(saved)   # it went on from the image
 
 
@@ -103,12 +87,12 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
             "--leave-running", env=gpu_env)
     assert r.returncode == 0, r.stderr
-    assert not torn(values(tmp_path / "img"))
+    assert not torn(image_values(tmp_path / "img"))
     with Agent(job.pid) as a:
         assert a.status().phase == "idle"
-    first = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
+    first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
     time.sleep(0.2)
-    second = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
+    second = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
 
 
@@ -118,7 +102,7 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
         fill_job, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
     job = fill_job()
     time.sleep(0.2)
-    before = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
             "--leave-running", env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
     assert r.returncode == -9, (r.returncode, r.stderr)
@@ -127,7 +111,7 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
              what="the watchdog's undo")
     with Agent(job.pid) as a:
         wait_for(lambda: a.status().phase == "idle", what="the job's release")
-    after = values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
         == "running"

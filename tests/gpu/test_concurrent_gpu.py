@@ -10,26 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-from pos.image import gpu as gpuimage
 from pos.scheduler import concurrent
-from workloads.fill_job import torn
+from workloads.fill_job import image_values, torn
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-
-
-def values(folder: Path) -> list[int]:
-    out = []
-    for _base, (where, _size, chunks) in sorted(gpuimage.resolve(folder).items()):
-        seen: set[int] = set()
-        for c in chunks:
-            buf = np.empty(c["raw"], np.uint8)
-            gpuimage.read_chunk(where, c, buf)
-            seen.update(np.unique(buf.view(np.int32)).tolist())
-        assert len(seen) == 1, f"a buffer of {folder} is not uniform"
-        out.append(seen.pop())
-    return out
 
 
 def test_images_from_outside_are_exact_and_restore_reads_back(tmp_path: Path) -> None:
@@ -44,7 +29,7 @@ def test_images_from_outside_are_exact_and_restore_reads_back(tmp_path: Path) ->
         for i in range(3):
             time.sleep(random.uniform(0.2, 1.0))
             r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
-            v = values(Path(r.path))
+            v = image_values(Path(r.path))
             assert not torn(v), v
             ops.append(max(v))
         assert ops == sorted(ops) and ops[0] > 0
@@ -52,7 +37,7 @@ def test_images_from_outside_are_exact_and_restore_reads_back(tmp_path: Path) ->
         time.sleep(0.3)
         concurrent.restore_gpu(job.pid, tmp_path / "img0")
         back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
-        assert values(Path(back.path)) == values(tmp_path / "img0")
+        assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
         pause.unlink()
         time.sleep(0.3)
         assert job.poll() is None
