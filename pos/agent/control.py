@@ -223,6 +223,25 @@ class Agent:
             self._send(b"+", fds[at:at + MAX_FDS])
         return int(self._line()["mapped"])
 
+    def lend(self) -> list[tuple[int, int]]:
+        """(va, descriptor) of each allocation whose descriptor the agent kept: pos holds them
+        while CRIU dumps the job (CRIU cannot dump them), and gives them back with `keep`."""
+        r = self._ask("lend")
+        while len(self._fds) < r["fds"]:
+            self._recv()
+        fds, self._fds = self._fds[:r["fds"]], self._fds[r["fds"]:]
+        return list(zip(r["vas"], fds))
+
+    def keep(self, lent: list[tuple[int, int]]) -> int:
+        """Give lent descriptors back to the agent; how many it took."""
+        kept = 0
+        for at in range(0, len(lent), MAX_FDS):
+            part = lent[at:at + MAX_FDS]
+            self._send(("keep " + " ".join(hex(va) for va, _fd in part) + "\n").encode())
+            self._send(b"+", [fd for _va, fd in part])
+            kept += int(self._line()["kept"])
+        return kept
+
     def copy(self) -> None:
         self._ask("copy")
 

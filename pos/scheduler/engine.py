@@ -69,9 +69,9 @@ class Guard:
     def hold(self, fds: list[int]) -> None:
         """The job's device memory, as descriptors that the undo (here or in the watchdog)
         maps back into the job should this operation fail while the memory is pos's."""
-        self.memory = list(fds)
+        self.memory += fds
         assert self.watchdog is not None
-        self.watchdog.hold(self.memory)
+        self.watchdog.hold(fds)
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one step and add its duration to timings[name]."""
@@ -197,6 +197,11 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
          f"state")
     with Guard(plan, echo, partial, progress) as g:
         start = time.monotonic()
+        lent = {p: _lend(p) for p in cuda}
+        for p, pairs in lent.items():
+            if pairs:
+                g.hold([fd for _va, fd in pairs])
+                g.step("lend", lent={**plan.lent, str(p): [va for va, _fd in pairs]})
         for p in cuda:
             g.step("lock")
             g.timed("lock", lambda p=p: cudackpt.lock(p, lock_timeout_ms))
@@ -218,6 +223,11 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             for p in cuda:
                 g.step("unlock")
                 g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+            for p, pairs in lent.items():
+                if pairs:
+                    _give_lent(p, pairs)    # again by the undo if pos dies here: harmless
+            if plan.lent:
+                g.step("unlock", lent={})
             manifest.stall_s = time.monotonic() - start if cuda else frozen
         g.step("seal")
         manifest.timings = g.timings
@@ -226,6 +236,28 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
     return Result(final, manifest, timings=g.timings)
+
+
+def _lend(pid: int) -> list[tuple[int, int]]:
+    """The descriptors a `pos run` job's agent keeps of memory it mapped back after a
+    concurrent checkpoint (CRIU cannot dump them): pos holds them around the dump."""
+    from pos.agent.control import Agent
+
+    try:
+        agent = Agent(pid, timeout=10)
+    except PosError:
+        return []                       # no agent: nothing kept
+    with agent:
+        return agent.lend()
+
+
+def _give_lent(pid: int, pairs: list[tuple[int, int]]) -> None:
+    from pos.agent.control import Agent
+
+    with Agent(pid, timeout=10) as agent:
+        agent.keep(pairs)
+    for _va, fd in pairs:
+        os.close(fd)
 
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:

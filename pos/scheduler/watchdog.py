@@ -58,6 +58,8 @@ class Plan:
     criu_options: dict[str, Any] = field(default_factory=dict)
     gpu_pairs: list[list[str]] = field(default_factory=list)   # restore onto these GPUs
     hoisted: bool = False                     # the job's device memory is pos's (hoist..remap)
+    lent: dict[str, list[int]] = field(default_factory=dict)   # PID -> addresses whose kept
+                                              # descriptors pos holds around a dump
 
     def to_json(self) -> str:
         return json.dumps({"plan": asdict(self)})
@@ -122,15 +124,23 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], N
 
 
 def _give_back(plan: Plan, memory: list[int], log: Callable[[str], None]) -> None:
-    """Map the hoisted memory back into the job (its calls wait for it) and release it."""
+    """Map the hoisted memory back into the job (its calls wait for it) and release it; or
+    give lent descriptors back (`memory` holds them in the order of `plan.lent`)."""
     from pos.agent.control import Agent
 
-    if not plan.hoisted or not plan.pids or not procs.alive(plan.pids[0]):
+    if plan.hoisted and plan.pids and procs.alive(plan.pids[0]):
+        log(f"PID {plan.pids[0]}: giving its device memory back ({len(memory)} buffers)")
+        with Agent(plan.pids[0]) as agent:
+            agent.remap(memory)
+            agent.end()
         return
-    log(f"PID {plan.pids[0]}: giving its device memory back ({len(memory)} buffers)")
-    with Agent(plan.pids[0]) as agent:
-        agent.remap(memory)
-        agent.end()
+    at = 0
+    for pid, vas in plan.lent.items():
+        fds, at = memory[at:at + len(vas)], at + len(vas)
+        if procs.alive(int(pid)):
+            log(f"PID {pid}: giving back {len(vas)} descriptors of its device memory")
+            with Agent(int(pid)) as agent:
+                agent.keep(list(zip(vas, fds)))
 
 
 def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> None:

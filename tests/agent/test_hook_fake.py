@@ -143,3 +143,37 @@ def test_pos_run_of_a_missing_command_is_a_usage_error() -> None:
     r = subprocess.run([sys.executable, "-m", "pos.cli", "run", "--", "no-such-program-42"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "no-such-program-42: command not found" in r.stderr
+
+
+def test_stop_the_world_after_a_concurrent_checkpoint(fill_job, tmp_path: Path, criu_ready,
+                                                      gpu_env) -> None:
+    """After a whole-process concurrent checkpoint the agent keeps descriptors of the memory it
+    mapped back, which CRIU cannot dump: the driver's engine takes them out of the job around
+    its dump and gives them back, so both engines keep working on the job."""
+    job = fill_job()
+    assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c1"), "--concurrent",
+               "--leave-running", env=gpu_env).returncode == 0
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "stw"), "--leave-running",
+            env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c2"), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert not torn(image_values(tmp_path / "c2")) and job.alive()
+
+
+def test_pos_killed_during_a_stop_the_world_dump_gives_the_descriptors_back(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    job = fill_job()
+    assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c1"), "--concurrent",
+               "--leave-running", env=gpu_env).returncode == 0
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "stw"), "--leave-running",
+            env={**gpu_env, "POS_FAULT_AT": "lock=KILL"})
+    assert r.returncode == -9
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog's undo")
+    assert "giving back" in log.read_text()
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c2"), "--concurrent",
+            "--leave-running", env=gpu_env)        # re-exported through the kept descriptors
+    assert r.returncode == 0, r.stderr
