@@ -32,6 +32,12 @@ from pos.tracer.sink import Sink
 from pos.tracer.target import MappedLibrary, mapped_files
 
 MAX_IMAGE_BYTES = 1 << 30
+# Bytes of captures the probes may write between two drains (pos/bpf/common.h: capture_credit):
+# about 150 launches' captures, 7,500 a second at the default 20 ms interval -- the start of a
+# job, where a few kernels wait for their layout, not a storm -- and never more than 1/16 of the
+# ring, which stays for the launch events themselves.
+CAPTURE_CREDIT = 1 << 20
+CAPTURE_RING_SHARE = 16
 NAME_LEN = 1024                  # POS_NAME_LEN of pos/bpf/events.h
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
@@ -51,6 +57,7 @@ class Stats:
     live_bytes: int = 0
     copied_bytes: int = 0
     lost: int = 0
+    captures_dropped: int = 0     # launches that lost their capture: the credit was spent
     layout_known: int = 0
     layouts_full: bool = False    # a probes' layout map ran full (later kernels: 8-byte slots)
     completed: int = 0            # launches completed after the trace (pos/tracer/late.py)
@@ -140,6 +147,14 @@ class _Probes:
         self.awaited: set[int] = set()   # handles the probes mark `awaiting`, read, not resolved
         self.full = False        # a layouts map ran full: later kernels go without layouts
         self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
+        self._credit = self.bpf["capture_credit"]
+        self._budget = min(CAPTURE_CREDIT, self.ring.size // CAPTURE_RING_SHARE)
+        self.refill()
+
+    def refill(self) -> None:
+        """Give the probes the next drain's capture credit (what is left of the last is
+        forgotten: the credit bounds the bytes between two drains)."""
+        self._credit[self._credit.Key(0)] = self._credit.Leaf(self._budget)
 
     def release(self) -> None:
         """Unmark the awaited handles: no layout can come for them any more, so their launches
@@ -186,6 +201,9 @@ class _Probes:
 
     def lost(self) -> int:
         return sum(sum(v) for v in self.bpf["lost"].values())
+
+    def captures_dropped(self) -> int:
+        return sum(sum(v) for v in self.bpf["captures_dropped"].values())
 
     def close(self) -> None:
         self.ring.close()
@@ -236,11 +254,14 @@ class Tracer:
                     self._take(probes, batch)
                 if len(batch) < MAX_RECORDS:
                     break
+        for probes in self._probes:
+            probes.refill()
         self._settle()
         if not self.layouts_pending():
             for probes in self._probes:
                 probes.release()
         self.stats.lost = sum(p.lost() for p in self._probes)
+        self.stats.captures_dropped = sum(p.captures_dropped() for p in self._probes)
         self.stats.layouts_full = any(p.full for p in self._probes)
         self.sink.check()
         return taken

@@ -55,6 +55,8 @@ class LiveView:
         known = f"{100 * stats.layout_known / e['launches']:.1f}%" if e["launches"] else "n/a"
         if stats.completed:
             known += f", {stats.completed:,} completed when their layout came"
+        if stats.captures_dropped:
+            known += f"; {stats.captures_dropped:,} lost their capture (overload)"
         return (f"traced {self.pid} for {time.monotonic() - self.started:.1f} s"
                 f"{' (' + status + ')' if status else ''}: {e['launches']:,} launches "
                 f"({known} with layout), {e['allocations']:,} allocation events, "
