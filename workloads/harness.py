@@ -69,10 +69,11 @@ class Job:
 class PosTrace:
     """`pos trace PID` as a user runs it, waiting until its probes are attached."""
 
-    def __init__(self, pid: int, db: str, cpus: Optional[set[int]] = None) -> None:
+    def __init__(self, pid: int, db: str, cpus: Optional[set[int]] = None,
+                 options: tuple[str, ...] = ()) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "pos.cli", "trace", str(pid), "--db", db,
-                                   "--quiet"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                  preexec_fn=pinned(cpus))
+                                   "--quiet", *options], stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT, preexec_fn=pinned(cpus))
         self.log = []
         while True:
             line = self.p.stderr.readline()

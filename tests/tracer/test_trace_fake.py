@@ -128,6 +128,34 @@ def test_no_event_lost_in_a_launch_storm(fakegpu: dict[str, Path], bpf_ready: No
     assert spin["launches"] == 200000
 
 
+def test_a_storm_of_launches_whose_layout_comes_late_loses_captures_not_launches(
+        fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
+    """The module was loaded before pos attached, so the kernel's layout comes only from the scan
+    of the mapped files, while the job already launches it as fast as it can. Every such launch
+    would carry a 6 KiB capture: that lost most launches (the H100 run of issue 13, 240k
+    launches/s). The capture credit bounds them: every launch is recorded; each either has its layout
+    (known at the launch, or completed from its capture) or is counted as having lost its
+    capture."""
+    db = tmp_path / "t.db"
+    job = Job([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])])
+    job.run("load")
+    tr = PosTrace(job.pid, str(db))
+    try:
+        job.run("lookup")
+        spin = job.run("spin 200000")
+        wait_for_layouts(db, KERNELS)   # the scan reads the job's files: it must still run
+        job.close()
+    finally:
+        log = tr.stop()
+    with sqlite3.connect(db) as c:
+        n, known = c.execute("select count(*), sum(layout_known) from launches").fetchone()
+        lost, dropped = c.execute("select lost_events, captures_dropped from traces").fetchone()
+    assert spin["launches"] == n == 200000 and lost == 0, log
+    assert dropped > 0 and f"{dropped:,} lost their capture" in log, log
+    assert re.search(r"[1-9][\d,]* completed when their layout came", log), log
+    assert known + dropped == n, log
+
+
 @pytest.mark.parametrize("mode", ["cubin", "library"])
 def test_a_launch_right_after_its_lookup_has_the_layout(
         mode: str, fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
