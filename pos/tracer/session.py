@@ -2,14 +2,15 @@
 
 Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (bulk drain; resolves kernel names
 and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes
-the rest and makes batched inserts into the store). Module images are parsed in worker
-processes; each parsed layout goes into the probes' `named_layouts` map (by kernel-name hash),
+the rest and makes batched inserts into the store). Module images are parsed in the drain
+when small, else in worker processes; each parsed layout goes into the probes' `named_layouts` map (by kernel-name hash),
 so that the probe gives a handle looked up later its layout in the kernel, and into the
 `layouts` map (by handle) for handles looked up before the parse ended, so that launches copy
 exactly their parameters. Launches that run before their kernel's layout is known are recorded
 as 8-byte slots with layout_known = False, and with a capture while a layout may still come
 (the probe marks the handle `awaiting` at its lookup; `poll` unmarks it once nothing can bring
-one), from which pos/tracer/late.py completes them when the trace ends.
+one), from which pos/tracer/late.py completes them when the trace ends; captures are paid from
+a credit that each drain refills, so that a storm of such launches cannot flood the ring.
 """
 
 import json
@@ -32,6 +33,9 @@ from pos.tracer.sink import Sink
 from pos.tracer.target import MappedLibrary, mapped_files
 
 MAX_IMAGE_BYTES = 1 << 30
+# Images up to this size are parsed in the drain itself (milliseconds): their layouts reach the
+# probes in the drain that sees the load, before the job's lookups of its kernels are handled.
+INLINE_PARSE_BYTES = 1 << 18
 # Bytes of captures the probes may write between two drains (pos/bpf/common.h: capture_credit):
 # about 150 launches' captures, 7,500 a second at the default 20 ms interval -- the start of a
 # job, where a few kernels wait for their layout, not a storm -- and never more than 1/16 of the
@@ -218,7 +222,15 @@ class Tracer:
         self.pid = pid
         self.sink = sink
         self.stats = Stats()
-        self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
+        # Started now, before the probes exist (forked workers would hold their file descriptors)
+        # and before the first module load, which must not wait for the workers to start.
+        self._pool = ProcessPoolExecutor(max_workers=min(8, len(os.sched_getaffinity(0))))
+        self._pool.submit(os.getpid).result()
+        try:
+            self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
         self.attached = sum(len(p.attached) for p in self._probes)
         if not self.attached:
             self.close()
@@ -232,7 +244,6 @@ class Tracer:
         self._parses: list[_Parse] = []                       # module images being parsed
         self._scan: Optional[Future] = None
         self._scan_enabled = scan_libraries
-        self._pool: Optional[ProcessPoolExecutor] = None
         try:
             self._mem: Optional[int] = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         except OSError:
@@ -287,10 +298,10 @@ class Tracer:
             return b""
 
     def _on_module(self, row: Row) -> bool:
-        """Read the loaded image out of the process and start parsing its kernels' layouts in a
-        worker process (PyTorch loads hundreds of MB of fatbins at start: parsed here, they would
-        hold up the drain and every layout behind them). True when the row is complete now;
-        otherwise `_settle` writes it once the parse is done."""
+        """Read the loaded image out of the process and parse its kernels' layouts: a small one
+        at once, a large one in a worker process (PyTorch loads hundreds of MB of fatbins at
+        start: parsed here, they would hold up the drain and every layout behind them). True
+        when the row is complete now; otherwise `_settle` writes it once the parse is done."""
         addr = row["image"]
         for _ in range(2):  # a fatbin wrapper points at the fatbin: follow it once
             extent = fatbin.image_extent(self._read(addr, 4096))
@@ -306,9 +317,16 @@ class Tracer:
         else:
             data = self._read(addr, extent.size)
             row["image_size"] = len(data)
-            self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, data, "first"),
-                                       row, data, "first"))
-            return False
+            if len(data) > INLINE_PARSE_BYTES:
+                self._parses.append(_Parse(self._pool.submit(fatbin.parse_image, data, "first"),
+                                           row, data, "first"))
+                return False
+            try:
+                layouts, note = fatbin.parse_image(data), None
+            except fatbin.FatbinError as e:
+                layouts, note = {}, str(e)
+            row["kernels"] = self._merge(row, layouts, note)
+            self._resolve("pos-layout")
         return True
 
     def _on_function(self, probes: _Probes, row: Row) -> None:
@@ -330,11 +348,6 @@ class Tracer:
                 self._unresolved[row["handle"]] = (probes, name)
 
     # ---- layouts that arrive later: parsed modules, then the mapped files' fatbins -------
-    def _workers(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
-        return self._pool
-
     def _settle(self, wait: bool = False) -> None:
         """Take in finished parses and scans, and push the layouts that kernels waited for
         (`wait`: every parse and the scan, as the tracer closes: launches recorded before their
@@ -351,7 +364,7 @@ class Tracer:
         if self._unresolved and not (self._parses or self._scan) and self._scan_enabled:
             try:
                 paths = [f"/proc/{self.pid}/root{p}" for p in mapped_files(self.pid)]
-                self._scan = self._workers().submit(_scan_files, paths)
+                self._scan = self._pool.submit(_scan_files, paths)
             except PosError:    # the process is gone: its files with it
                 self._scan_enabled = False
         if self._scan is not None and (wait or self._scan.done()):
@@ -378,19 +391,27 @@ class Tracer:
         module's row."""
         row = p.row
         try:
-            layouts, row["note"] = p.future.result(), None
+            layouts, note = p.future.result(), None
         except (fatbin.FatbinError, OSError) as e:
-            layouts, row["note"] = {}, str(e)
+            layouts, note = {}, str(e)
+        kernels = self._merge(row, layouts, note)
+        if p.part == "first" and note is None and p.data is not None:
+            self._parses.append(_Parse(self._pool.submit(fatbin.parse_image, p.data, "rest"),
+                                       row, None, "rest"))
+            return
+        row["kernels"] = kernels
+        self.sink.add("modules", row)
+
+    def _merge(self, row: Row, layouts: dict[str, fatbin.KernelLayout], note: Optional[str]
+               ) -> int:
+        """Add a parsed part of the module of `row` (the first definition of a name wins) and
+        give its layouts to the probes; how many kernels the module has so far."""
+        row["note"] = note
         merged = self.by_module.setdefault(row["handle"], {})
         for name, layout in layouts.items():
             merged.setdefault(name, layout)
         self._learn(layouts)
-        if p.part == "first" and row["note"] is None and p.data is not None:
-            self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, p.data, "rest"),
-                                       row, None, "rest"))
-            return
-        row["kernels"] = len(merged)
-        self.sink.add("modules", row)
+        return len(merged)
 
     def _resolve(self, source: str) -> None:
         """Push the layouts now known for kernels looked up earlier; a function row (ts 0, so
@@ -415,7 +436,7 @@ class Tracer:
             self._settle(wait=True)   # module rows still being parsed, layouts still missing
         for p in getattr(self, "_probes", []):
             p.close()
-        if getattr(self, "_pool", None) is not None:
+        if hasattr(self, "_pool"):
             self._pool.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "_mem", None) is not None:
             os.close(self._mem)

@@ -7,6 +7,7 @@ the trace with it. The fake driver proves the plumbing, not GPU behaviour (tests
 
 import re
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,11 +178,14 @@ def test_a_launch_right_after_its_lookup_has_the_layout(
     check_launches(truth["launch"]["launches"], launches)
 
 
-class _Discard:
-    """A sink for a test about the probes' maps, not the events."""
+class _Rows:
+    """A sink for tests about the probes' maps: keeps the rows the tracer builds itself."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, dict[str, Any]]] = []
 
     def add(self, table: str, row: dict[str, Any]) -> None:
-        pass
+        self.rows.append((table, row))
 
     def raw(self, data: Any, offsets: Any) -> None:
         pass
@@ -201,7 +205,7 @@ def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
     job = Job([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])])
     try:
         job.run("load")
-        tracer = Tracer(job.pid, find_libraries(job.pid), _Discard(),  # type: ignore[arg-type]
+        tracer = Tracer(job.pid, find_libraries(job.pid), _Rows(),  # type: ignore[arg-type]
                         scan_libraries=False)
         try:
             awaiting = tracer._probes[0].bpf["awaiting"]
@@ -209,6 +213,36 @@ def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
             assert {k.value for k in awaiting.keys()} == functions
             tracer.poll()
             assert list(awaiting.keys()) == []
+        finally:
+            tracer.close()
+    finally:
+        job.close()
+
+
+def test_a_large_image_is_parsed_in_a_worker_and_its_layouts_reach_the_probes(
+        fakegpu: dict[str, Path], bpf_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Images above INLINE_PARSE_BYTES are parsed in worker processes (here: every image): the
+    module's row is stored once both parts are parsed, and a lookup made after that gets its
+    layout in the kernel, by name."""
+    from pos.tracer import session
+    from pos.tracer.target import find_libraries
+
+    monkeypatch.setattr(session, "INLINE_PARSE_BYTES", 0)
+    sink = _Rows()
+    job = Job([str(fakegpu["cuda_app"]), "library", str(fakegpu["dir"])])
+    try:
+        tracer = session.Tracer(job.pid, find_libraries(job.pid), sink)  # type: ignore[arg-type]
+        try:
+            job.run("load")
+            deadline = time.monotonic() + 20
+            while not [r for t, r in sink.rows if t == "modules"] and time.monotonic() < deadline:
+                tracer.poll()
+                time.sleep(0.02)
+            modules = [r for t, r in sink.rows if t == "modules"]
+            assert len(modules) == 1 and modules[0]["kernels"] == KERNELS, modules
+            functions = job.run("lookup")["functions"]
+            layouts = tracer._probes[0].layouts
+            assert {k.value for k in layouts.keys()} >= {int(h, 16) for h in functions.values()}
         finally:
             tracer.close()
     finally:
