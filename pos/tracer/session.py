@@ -108,8 +108,21 @@ class _Parse:
 
     future: Future
     row: Row
-    data: Optional[bytes]    # kept for the second part; None once it is submitted
+    addr: int      # the image in the process's memory
+    size: int
     part: str
+
+
+def _parse_at(pid: int, addr: int, size: int, part: str) -> dict[str, fatbin.KernelLayout]:
+    """`part` of the layouts of the image at `addr` in `pid`'s memory (runs in a worker, which
+    reads the image itself: PyTorch's are hundreds of MB, which the drain must neither read nor
+    send through a pipe). FatbinError for an image cut short (the process unmapped it)."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        data = os.pread(fd, size, addr)
+    finally:
+        os.close(fd)
+    return fatbin.parse_image(data, part)
 
 
 def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
@@ -315,14 +328,12 @@ class Tracer:
         elif extent.size > MAX_IMAGE_BYTES:
             row["note"] = f"image of {extent.size} bytes not read"
         else:
-            data = self._read(addr, extent.size)
-            row["image_size"] = len(data)
-            if len(data) > INLINE_PARSE_BYTES:
-                self._parses.append(_Parse(self._pool.submit(fatbin.parse_image, data, "first"),
-                                           row, data, "first"))
+            row["image_size"] = extent.size
+            if extent.size > INLINE_PARSE_BYTES:
+                self._parse(row, addr, extent.size, "first")
                 return False
             try:
-                layouts, note = fatbin.parse_image(data), None
+                layouts, note = fatbin.parse_image(self._read(addr, extent.size)), None
             except fatbin.FatbinError as e:
                 layouts, note = {}, str(e)
             row["kernels"] = self._merge(row, layouts, note)
@@ -395,12 +406,15 @@ class Tracer:
         except (fatbin.FatbinError, OSError) as e:
             layouts, note = {}, str(e)
         kernels = self._merge(row, layouts, note)
-        if p.part == "first" and note is None and p.data is not None:
-            self._parses.append(_Parse(self._pool.submit(fatbin.parse_image, p.data, "rest"),
-                                       row, None, "rest"))
+        if p.part == "first" and note is None:
+            self._parse(row, p.addr, p.size, "rest")
             return
         row["kernels"] = kernels
         self.sink.add("modules", row)
+
+    def _parse(self, row: Row, addr: int, size: int, part: str) -> None:
+        future = self._pool.submit(_parse_at, self.pid, addr, size, part)
+        self._parses.append(_Parse(future, row, addr, size, part))
 
     def _merge(self, row: Row, layouts: dict[str, fatbin.KernelLayout], note: Optional[str]
                ) -> int:
