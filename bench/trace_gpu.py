@@ -11,7 +11,8 @@ Runs, each on fresh processes:
             workload on one core and pos on the others; the cost per launch is traced minus
             the mean of the untraced phases around it: median, quartiles and range over the
             rounds, and each traced phase's share of launches with their layout (the common
-            path is measured only where that is 1.0);
+            path is measured only where that is 1.0) and the probe program's own mean run time
+            (the kernel's bpf_stats: without the uprobe trap, and without the phases' noise);
   train:    torch_job.py training steps, untraced -> traced -> untraced in one process (the
             tracer attaches to a running job, so its kernels' layouts come from mapped files);
             also its ATen launch-bound loop (`add_` on a small tensor) the same way;
@@ -22,11 +23,13 @@ Runs, each on fresh processes:
 """
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
 import platform
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -48,6 +51,46 @@ def build_storm(workdir: str) -> list[str]:
     return [exe, cubin]
 
 
+# The kernel's own account of a BPF program's run time (bpf_stats: run_time_ns, run_cnt), which
+# isolates the probe's work from the uprobe trap and from the noise of the phases' timing.
+_BPF = 321                       # the bpf syscall on x86-64
+_PROG_GET_NEXT_ID, _PROG_GET_FD_BY_ID, _OBJ_GET_INFO_BY_FD, _ENABLE_STATS = 11, 13, 15, 32
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _bpf(cmd: int, attr: bytes) -> tuple[int, bytes]:
+    buf = ctypes.create_string_buffer(attr, 128)
+    return _libc.syscall(_BPF, cmd, buf, 128), buf.raw
+
+
+def bpf_stats() -> int:
+    """An fd that keeps the kernel's BPF run-time statistics on while it is open (-1: cannot)."""
+    return _bpf(_ENABLE_STATS, struct.pack("<I", 0))[0]
+
+
+def probe_run_ns(prefix: str = "on_cuLaunchKer") -> Optional[float]:
+    """Mean run time in ns of the loaded BPF programs whose name starts with `prefix` (the
+    kernel keeps 15 characters of a name), over all their runs; None when none ran."""
+    total = runs = 0
+    prog_id = 0
+    while True:
+        rc, raw = _bpf(_PROG_GET_NEXT_ID, struct.pack("<I", prog_id))
+        if rc != 0:
+            break
+        prog_id = struct.unpack_from("<I", raw, 4)[0]
+        fd, _ = _bpf(_PROG_GET_FD_BY_ID, struct.pack("<I", prog_id))
+        if fd < 0:
+            continue
+        info = ctypes.create_string_buffer(256)
+        rc, _ = _bpf(_OBJ_GET_INFO_BY_FD, struct.pack("<IIQ", fd, 256, ctypes.addressof(info)))
+        os.close(fd)
+        name = info.raw[64:80].split(b"\0")[0].decode()
+        if rc == 0 and name.startswith(prefix):
+            t, n = struct.unpack_from("<QQ", info.raw, 192)
+            total, runs = total + t, runs + n
+    return total / runs if runs else None
+
+
 # The cost runs keep the workload on one core and pos (tracer, sink, parsers) on the others,
 # so that what is measured is the probes' cost, not two processes sharing a core (--no-pin).
 Pin = tuple[Optional[set[int]], Optional[set[int]]]   # (workload CPUs, pos CPUs)
@@ -58,11 +101,12 @@ def alternate(job: Job, db: str, cmd: str, key: str, rounds: int, pos_cpus: Opti
     """untraced, traced, untraced ... (rounds traced phases); the added cost of each traced
     phase against the mean of its two neighbours: median, quartiles and range over rounds, and
     the share of each traced phase's launches that had their layout."""
-    seq, logs, known = [], [], []
+    seq, logs, known, probe_ns = [], [], [], []
     for i in range(2 * rounds + 1):
         tr = PosTrace(job.pid, db, pos_cpus) if i % 2 else None
         seq.append(job.run(cmd)[key])
         if tr:
+            probe_ns.append(probe_run_ns())
             logs.append(tr.stop().strip().splitlines()[-1])
             n, k = q(db, "select count(*), sum(layout_known) from launches where trace_id = "
                          "(select max(id) from traces)")[0]
@@ -74,7 +118,7 @@ def alternate(job: Job, db: str, cmd: str, key: str, rounds: int, pos_cpus: Opti
             "added_s_median": statistics.median(added), "added_s_quartiles": [q1, q3],
             "added_s_range": [min(added), max(added)], "added_s": added,
             "added_pct_median": statistics.median(added) / base * 100,
-            "layout_known_share": known, "trace_logs": logs}
+            "layout_known_share": known, "launch_probe_run_ns": probe_ns, "trace_logs": logs}
 
 
 def launch_run(db: str, storm: list[str], launches: int, rounds: int, pin: Pin) -> dict:
@@ -87,6 +131,8 @@ def launch_run(db: str, storm: list[str], launches: int, rounds: int, pin: Pin) 
     r["added_us_per_launch_range"] = [x * 1e6 for x in r["added_s_range"]]
     r["untraced_us_per_launch"] = r["untraced_s"] * 1e6
     r["layout_known_in_every_phase"] = all(k == 1.0 for k in r["layout_known_share"])
+    runs = [ns for ns in r["launch_probe_run_ns"] if ns is not None]
+    r["launch_probe_run_ns_median"] = statistics.median(runs) if runs else None
     return r
 
 
@@ -133,12 +179,14 @@ def main() -> None:
                     help="let the workload and pos share cores in the cost runs")
     args = ap.parse_args()
     pin: Pin = (None, None) if args.no_pin else split_cpus()
+    stats = bpf_stats()   # closed when the bench exits
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu_and_driver": smi, "kernel": platform.release(),
               "command": " ".join([Path(sys.executable).name] + sys.argv),
-              "pinning": {"workload": sorted(pin[0] or []), "pos": sorted(pin[1] or [])}}
+              "pinning": {"workload": sorted(pin[0] or []), "pos": sorted(pin[1] or [])},
+              "bpf_stats": stats >= 0}
     with tempfile.TemporaryDirectory() as d:
         storm = build_storm(d)
         for name in args.only or ["count", "launch", "train", "storm"]:
