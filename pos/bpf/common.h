@@ -39,7 +39,7 @@ struct pos_pending {
 };
 BPF_HASH(pending, struct pos_pkey, struct pos_pending, 16384);
 
-/* The memory around a launch's parameter array read in one go (see `launch`). */
+/* The memory around a launch's parameter array read in one go (see `span_u64`). */
 #define POS_SPAN_BYTES 1024
 
 struct pos_launch_scratch {
@@ -283,6 +283,27 @@ static __always_inline u32 capture(struct pos_launch_scratch *s, int n, u64 para
     return head + first_page;
 }
 
+/* The parameter array and the values it points to usually lie together (the launch stub's
+ * frame): `launch` reads the POS_SPAN_BYTES around the array at once (the span; not where that
+ * memory ends, as at a stack's top), and takes the array's entries and each value of up to 8
+ * bytes from it as words -- instead of a helper call for each (about 60 ns apiece). */
+static __always_inline u64 span_u64(struct pos_launch_scratch *s, u32 at) {
+    return *(u64 *)&s->span[at & (POS_SPAN_BYTES - 1)];
+}
+
+/* Writes 8 bytes to out: the value of `size` (<= 8) bytes at user address p, from the span when
+ * it lies there (the word's extra bytes fall on the next parameter, copied after it, on padding,
+ * or past the recorded bytes), else by a read of its own; < 0 when p is unreadable. */
+static __always_inline int read_value(struct pos_launch_scratch *s, int span, u64 lo, u64 p,
+                                      u8 *out, u32 size) {
+    u64 at = p - lo;
+    if (span && at <= POS_SPAN_BYTES - 8) {
+        *(u64 *)out = span_u64(s, at);
+        return 0;
+    }
+    return bpf_probe_read_user(out, size & 15, (void *)p);
+}
+
 /* A launch: copies every parameter's bytes to its layout offset, or 8-byte slots when the
  * layout is unknown, or the packed buffer of the `extra` form (CU_LAUNCH_PARAM_BUFFER_POINTER). */
 static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 stream, u32 gx,
@@ -304,22 +325,17 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
     e->shared_mem = shmem;
     e->truncated = 0;
     u32 nbytes = 0, capture_len = 0;
+    u64 lo = params - POS_SPAN_BYTES / 2;
+    int span = params && bpf_probe_read_user(s->span, POS_SPAN_BYTES, (void *)lo) == 0;
     struct pos_layout *lay = layouts.lookup(&func);
     e->layout_known = lay != 0;
     if (params && lay) {
         u32 n = lay->count;
         if (n > POS_MAX_PARAMS)
             n = POS_MAX_PARAMS;
-        /* The parameter array and the values it points to usually lie together (the launch
-         * stub's frame): one read of the POS_SPAN_BYTES around the array takes them all, and
-         * each value of up to 8 bytes is copied from it as one word -- instead of a helper call
-         * for the array and one per value (about 60 ns each). A word's extra bytes fall on the
-         * next parameter, copied after it, on padding, or past the recorded bytes. Where that
-         * memory ends (a stack's top) or the array is longer, each part is read alone. */
-        u64 lo = params - POS_SPAN_BYTES / 2;
-        int span = bpf_probe_read_user(s->span, POS_SPAN_BYTES, (void *)lo) == 0 &&
-                   n <= POS_SPAN_BYTES / 16 - 1;
-        if (!span)
+        /* More parameters than the span holds: the array is read alone. */
+        int in_span = span && n <= POS_SPAN_BYTES / 16 - 1;
+        if (!in_span)
             bpf_probe_read_user(s->ptrs, (n * 8) & (sizeof(s->ptrs) * 2 - 1) & ~7u,
                                 (void *)params);
 #pragma clang loop unroll(disable)
@@ -332,15 +348,12 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
                 e->truncated = 1;
                 continue;
             }
-            u64 p = span ? *(u64 *)&s->span[(POS_SPAN_BYTES / 2 + 8 * i) & (POS_SPAN_BYTES - 1)]
-                         : s->ptrs[i];
-            u64 at = p - lo;
-            if (span && size <= 8 && at <= POS_SPAN_BYTES - 8)
-                *(u64 *)&e->params[off & (POS_PARAM_BYTES - 1)] =
-                    *(u64 *)&s->span[at & (POS_SPAN_BYTES - 1)];
+            u64 p = in_span ? span_u64(s, POS_SPAN_BYTES / 2 + 8 * i) : s->ptrs[i];
+            u8 *out = &e->params[off & (POS_PARAM_BYTES - 1)];
+            if (size <= 8)
+                read_value(s, span, lo, p, out, size);
             else
-                bpf_probe_read_user(&e->params[off & (POS_PARAM_BYTES - 1)],
-                                    size & (POS_PARAM_BYTES - 1), (void *)p);
+                bpf_probe_read_user(out, size & (POS_PARAM_BYTES - 1), (void *)p);
         }
         nbytes = lay->total;
     } else if (params) {
@@ -348,9 +361,12 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
 #pragma clang loop unroll(disable)
         for (int i = 0; i < POS_SLOTS; i++) {
             u64 p = 0;
-            if (bpf_probe_read_user(&p, 8, (void *)(params + 8 * i)) < 0 || !p)
+            if (span)
+                p = span_u64(s, POS_SPAN_BYTES / 2 + 8 * i);
+            else if (bpf_probe_read_user(&p, 8, (void *)(params + 8 * i)) < 0)
                 break;
-            if (bpf_probe_read_user(&e->params[(8 * i) & (POS_PARAM_BYTES - 1)], 8, (void *)p) < 0)
+            u8 *out = &e->params[(8 * i) & (POS_PARAM_BYTES - 1)];
+            if (!p || read_value(s, span, lo, p, out, 8) < 0)
                 break;
             s->ptrs[i & (POS_MAX_PARAMS - 1)] = p;
             n = i + 1;

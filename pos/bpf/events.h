@@ -8,7 +8,7 @@
 #define POS_PARAM_BYTES 4096   /* parameter bytes copied per launch; more sets `truncated` */
 #define POS_SLOTS 16           /* 8-byte slots captured when a launch's layout is unknown */
 #define POS_CAPTURE_BYTES 6144 /* bytes around the parameters kept while a layout may still come */
-#define POS_CAPTURE_ADDRS 64   /* parameter addresses a capture keeps (kernels of up to 64 params) */
+#define POS_CAPTURE_ADDRS 64   /* parameter addresses a capture keeps (kernels up to 64 params) */
 #define POS_CAPTURE_NEAR 4096  /* parameters this far from the first one count for the capture */
 #define POS_NAME_LEN 1024      /* bytes of a kernel's mangled name */
 

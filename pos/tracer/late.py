@@ -6,11 +6,12 @@ layout may still come, the probes record such a launch as 8-byte slots plus a ca
 (pos/bpf/common.h: capture): the base address, the parameters' addresses, and the memory from
 the base, all read at the call. Captures are paid from a credit that each drain refills, so that
 a storm of such launches cannot flood the ring: a launch that found it spent has no capture and
-keeps its slots (`pos trace` counts them as launches that lost their capture). When the trace ends, each captured launch whose kernel has a
-layout by then gets the bytes at its layout's offsets from the capture: the bytes the probe
-would have copied had it known the layout. A launch with a parameter outside the captured
-memory keeps its slots (layout_known stays false); nothing is guessed. A launch of the `extra`
-form has its packed buffer recorded, which lies as the layout says: it only waits for the layout.
+keeps its slots (`pos trace` counts them as launches that lost their capture). When the trace
+ends, each captured launch whose kernel has a layout by then gets the bytes at its layout's
+offsets from the capture: the bytes the probe would have copied had it known the layout. A
+launch with a parameter outside the captured memory keeps its slots (layout_known stays false);
+nothing is guessed. A launch of the `extra` form has its packed buffer recorded, which lies as
+the layout says: it only waits for the layout.
 """
 
 import json

@@ -1,16 +1,17 @@
 """A tracing session: load the probes, attach them to one process, drain and record events.
 
 Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (bulk drain; resolves kernel names
-and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes
-the rest and makes batched inserts into the store). Module images are parsed in the drain
-when small, else in worker processes; each parsed layout goes into the probes' `named_layouts` map (by kernel-name hash),
-so that the probe gives a handle looked up later its layout in the kernel, and into the
-`layouts` map (by handle) for handles looked up before the parse ended, so that launches copy
-exactly their parameters. Launches that run before their kernel's layout is known are recorded
-as 8-byte slots with layout_known = False, and with a capture while a layout may still come
-(the probe marks the handle `awaiting` at its lookup; `poll` unmarks it once nothing can bring
-one), from which pos/tracer/late.py completes them when the trace ends; captures are paid from
-a credit that each drain refills, so that a storm of such launches cannot flood the ring.
+and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes the
+rest and makes batched inserts into the store). Module images are parsed in the drain when
+small, else in worker processes; each parsed layout goes into the probes' `named_layouts` map
+(by kernel-name hash), so that the probe gives a handle looked up later its layout in the
+kernel, and into the `layouts` map (by handle) for handles looked up before the parse ended, so
+that launches copy exactly their parameters. Launches that run before their kernel's layout is
+known are recorded as 8-byte slots with layout_known = False, and with a capture while a layout
+may still come (the probe marks the handle `awaiting` at its lookup; `poll` unmarks it once
+nothing can bring one), from which pos/tracer/late.py completes them when the trace ends;
+captures are paid from a credit that each drain refills, so that a storm of such launches cannot
+flood the ring.
 """
 
 import json
