@@ -37,6 +37,10 @@ MAX_IMAGE_BYTES = 1 << 30
 # Images up to this size are parsed in the drain itself (milliseconds): their layouts reach the
 # probes in the drain that sees the load, before the job's lookups of its kernels are handled.
 INLINE_PARSE_BYTES = 1 << 18
+# Images larger than this are parsed by every worker at once, each taking one share of their
+# fatbin containers: the layouts of one large library (cuBLAS, libtorch_cuda) come as soon as
+# those of many small ones.
+SHARED_PARSE_BYTES = 16 << 20
 # Bytes of captures the probes may write between two drains (pos/bpf/common.h: capture_credit):
 # about 150 launches' captures, 7,500 a second at the default 20 ms interval -- the start of a
 # job, where a few kernels wait for their layout, not a storm -- and never more than 1/16 of the
@@ -103,27 +107,40 @@ def _layout_json(layout: fatbin.KernelLayout) -> str:
 
 
 @dataclass
-class _Parse:
-    """A module image being parsed in a worker: first its first cubin per fatbin container
-    (most kernels, quickly), then the rest (fatbin.parse_image says why)."""
+class _Module:
+    """A module image being parsed in workers: first the first cubin of each fatbin container
+    (most kernels, quickly), then the rest (fatbin.parse_image says why); a large image in as
+    many shares as there are workers, each part's shares at once."""
 
-    future: Future
     row: Row
     addr: int      # the image in the process's memory
     size: int
-    part: str
+    shares: int
+    part: str = "first"
+    left: int = 0                  # shares of the part not yet taken in
+    note: Optional[str] = None     # why (a share of) the image could not be parsed
 
 
-def _parse_at(pid: int, addr: int, size: int, part: str) -> dict[str, fatbin.KernelLayout]:
-    """`part` of the layouts of the image at `addr` in `pid`'s memory (runs in a worker, which
-    reads the image itself: PyTorch's are hundreds of MB, which the drain must neither read nor
-    send through a pipe). FatbinError for an image cut short (the process unmapped it)."""
+@dataclass
+class _Parse:
+    """One share of a part of a module image, in a worker."""
+
+    future: Future
+    module: _Module
+
+
+def _parse_at(pid: int, addr: int, size: int, part: str, share: int, shares: int
+              ) -> dict[str, fatbin.KernelLayout]:
+    """fatbin.parse_share of the image at `addr` in `pid`'s memory (runs in a worker, which
+    reads the image itself, and only its share: PyTorch's are hundreds of MB, which the drain
+    must neither read nor send through a pipe). FatbinError for an image cut short (the process
+    unmapped it)."""
     fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     try:
-        data = os.pread(fd, size, addr)
+        return fatbin.parse_share(lambda at, n: os.pread(fd, max(0, min(n, size - at)), addr + at),
+                                  size, part, share, shares)
     finally:
         os.close(fd)
-    return fatbin.parse_image(data, part)
 
 
 def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
@@ -238,7 +255,8 @@ class Tracer:
         self.stats = Stats()
         # Started now, before the probes exist (forked workers would hold their file descriptors)
         # and before the first module load, which must not wait for the workers to start.
-        self._pool = ProcessPoolExecutor(max_workers=min(8, len(os.sched_getaffinity(0))))
+        self._workers = min(8, len(os.sched_getaffinity(0)))
+        self._pool = ProcessPoolExecutor(max_workers=self._workers)
         self._pool.submit(os.getpid).result()
         try:
             self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
@@ -331,13 +349,14 @@ class Tracer:
         else:
             row["image_size"] = extent.size
             if extent.size > INLINE_PARSE_BYTES:
-                self._parse(row, addr, extent.size, "first")
+                shares = self._workers if extent.size > SHARED_PARSE_BYTES else 1
+                self._parse(_Module(row, addr, extent.size, shares))
                 return False
             try:
-                layouts, note = fatbin.parse_image(self._read(addr, extent.size)), None
+                layouts, row["note"] = fatbin.parse_image(self._read(addr, extent.size)), None
             except fatbin.FatbinError as e:
-                layouts, note = {}, str(e)
-            row["kernels"] = self._merge(row, layouts, note)
+                layouts, row["note"] = {}, str(e)
+            row["kernels"] = self._merge(row, layouts)
             self._resolve("pos-layout")
         return True
 
@@ -399,29 +418,35 @@ class Tracer:
             probes.push_named(new)
 
     def _take_parse(self, p: _Parse) -> None:
-        """Merge a finished part; after the first, parse the rest; after the last, store the
-        module's row."""
-        row = p.row
+        """Merge a finished share; once every share of the first part is in, parse the rest;
+        once the rest is in, store the module's row."""
+        m = p.module
         try:
-            layouts, note = p.future.result(), None
+            layouts = p.future.result()
         except (fatbin.FatbinError, OSError) as e:
-            layouts, note = {}, str(e)
-        kernels = self._merge(row, layouts, note)
-        if p.part == "first" and note is None:
-            self._parse(row, p.addr, p.size, "rest")
+            layouts, m.note = {}, m.note or str(e)
+        kernels = self._merge(m.row, layouts)
+        m.left -= 1
+        if m.left:
             return
-        row["kernels"] = kernels
-        self.sink.add("modules", row)
+        if m.part == "first" and m.note is None:
+            m.part = "rest"
+            self._parse(m)
+            return
+        m.row["kernels"], m.row["note"] = kernels, m.note
+        self.sink.add("modules", m.row)
 
-    def _parse(self, row: Row, addr: int, size: int, part: str) -> None:
-        future = self._pool.submit(_parse_at, self.pid, addr, size, part)
-        self._parses.append(_Parse(future, row, addr, size, part))
+    def _parse(self, m: _Module) -> None:
+        """Start the shares of the module's current part."""
+        m.left = m.shares
+        for share in range(m.shares):
+            future = self._pool.submit(_parse_at, self.pid, m.addr, m.size, m.part, share,
+                                       m.shares)
+            self._parses.append(_Parse(future, m))
 
-    def _merge(self, row: Row, layouts: dict[str, fatbin.KernelLayout], note: Optional[str]
-               ) -> int:
-        """Add a parsed part of the module of `row` (the first definition of a name wins) and
-        give its layouts to the probes; how many kernels the module has so far."""
-        row["note"] = note
+    def _merge(self, row: Row, layouts: dict[str, fatbin.KernelLayout]) -> int:
+        """Add parsed layouts of the module of `row` (the first definition of a name wins) and
+        give them to the probes; how many kernels the module has so far."""
         merged = self.by_module.setdefault(row["handle"], {})
         for name, layout in layouts.items():
             merged.setdefault(name, layout)

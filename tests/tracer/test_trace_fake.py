@@ -219,15 +219,16 @@ def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
         job.close()
 
 
-def test_a_large_image_is_parsed_in_a_worker_and_its_layouts_reach_the_probes(
+def test_a_large_image_is_parsed_in_shares_by_the_workers_and_its_layouts_reach_the_probes(
         fakegpu: dict[str, Path], bpf_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Images above INLINE_PARSE_BYTES are parsed in worker processes (here: every image): the
-    module's row is stored once both parts are parsed, and a lookup made after that gets its
-    layout in the kernel, by name."""
+    """Images above INLINE_PARSE_BYTES are parsed in worker processes, above SHARED_PARSE_BYTES
+    in one share per worker (here: every image): the module's row is stored once every share of
+    both parts is in, and a lookup made after that gets its layout in the kernel, by name."""
     from pos.tracer import session
     from pos.tracer.target import find_libraries
 
     monkeypatch.setattr(session, "INLINE_PARSE_BYTES", 0)
+    monkeypatch.setattr(session, "SHARED_PARSE_BYTES", 0)
     sink = _Rows()
     job = Job([str(fakegpu["cuda_app"]), "library", str(fakegpu["dir"])])
     try:
