@@ -11,8 +11,9 @@ Runs, each on fresh processes:
             workload on one core and pos on the others; the cost per launch is traced minus
             the mean of the untraced phases around it: median, quartiles and range over the
             rounds, and each traced phase's share of launches with their layout (the common
-            path is measured only where that is 1.0) and the probe program's own mean run time
-            (the kernel's bpf_stats: without the uprobe trap, and without the phases' noise);
+            path is measured only where that is 1.0); then, in one more traced phase, the probe
+            program's own mean run time (the kernel's bpf_stats: without the uprobe trap and the
+            phases' noise);
   train:    torch_job.py training steps, untraced -> traced -> untraced in one process (the
             tracer attaches to a running job, so its kernels' layouts come from mapped files);
             also its ATen launch-bound loop (`add_` on a small tensor) the same way;
@@ -64,7 +65,8 @@ def _bpf(cmd: int, attr: bytes) -> tuple[int, bytes]:
 
 
 def bpf_stats() -> int:
-    """An fd that keeps the kernel's BPF run-time statistics on while it is open (-1: cannot)."""
+    """An fd that keeps the kernel's BPF run-time statistics on while it is open (-1: cannot;
+    kernels before 5.8)."""
     return _bpf(_ENABLE_STATS, struct.pack("<I", 0))[0]
 
 
@@ -101,38 +103,45 @@ def alternate(job: Job, db: str, cmd: str, key: str, rounds: int, pos_cpus: Opti
     """untraced, traced, untraced ... (rounds traced phases); the added cost of each traced
     phase against the mean of its two neighbours: median, quartiles and range over rounds, and
     the share of each traced phase's launches that had their layout."""
-    seq, logs, known, probe_ns = [], [], [], []
+    seq, logs, known = [], [], []
     for i in range(2 * rounds + 1):
         tr = PosTrace(job.pid, db, pos_cpus) if i % 2 else None
         seq.append(job.run(cmd)[key])
         if tr:
-            probe_ns.append(probe_run_ns())
             logs.append(tr.stop().strip().splitlines()[-1])
             n, k = q(db, "select count(*), sum(layout_known) from launches where trace_id = "
                          "(select max(id) from traces)")[0]
             known.append((k or 0) / n if n else 0.0)
     added = [seq[i] - (seq[i - 1] + seq[i + 1]) / 2 for i in range(1, len(seq), 2)]
     base = statistics.mean(seq[0::2])
-    q1, _, q3 = statistics.quantiles(added, n=4) if len(added) > 1 else (added[0],) * 3
+    q1, _, q3 = (statistics.quantiles(added, n=4, method="inclusive") if len(added) > 1
+                 else (added[0],) * 3)
     return {"command": cmd, "phases_s": seq, "untraced_s": base,
             "added_s_median": statistics.median(added), "added_s_quartiles": [q1, q3],
             "added_s_range": [min(added), max(added)], "added_s": added,
             "added_pct_median": statistics.median(added) / base * 100,
-            "layout_known_share": known, "launch_probe_run_ns": probe_ns, "trace_logs": logs}
+            "layout_known_share": known, "trace_logs": logs}
 
 
 def launch_run(db: str, storm: list[str], launches: int, rounds: int, pin: Pin) -> dict:
     job = Job(storm, pin[0])
     job.run("init")
     r = alternate(job, db, f"loop {launches}", "s_per_launch", rounds, pin[1])
+    # The probe's own run time, in one more traced phase of its own: the statistics cost two
+    # clock reads per program run, which the phases above must not pay.
+    stats = bpf_stats()
+    tr = PosTrace(job.pid, db, pin[1])
+    job.run(f"loop {launches}")
+    r["launch_probe_run_ns"] = probe_run_ns() if stats >= 0 else None
+    tr.stop()
+    if stats >= 0:
+        os.close(stats)
     job.close()
     r["added_us_per_launch_median"] = r["added_s_median"] * 1e6
     r["added_us_per_launch_quartiles"] = [x * 1e6 for x in r["added_s_quartiles"]]
     r["added_us_per_launch_range"] = [x * 1e6 for x in r["added_s_range"]]
     r["untraced_us_per_launch"] = r["untraced_s"] * 1e6
     r["layout_known_in_every_phase"] = all(k == 1.0 for k in r["layout_known_share"])
-    runs = [ns for ns in r["launch_probe_run_ns"] if ns is not None]
-    r["launch_probe_run_ns_median"] = statistics.median(runs) if runs else None
     return r
 
 
@@ -179,14 +188,12 @@ def main() -> None:
                     help="let the workload and pos share cores in the cost runs")
     args = ap.parse_args()
     pin: Pin = (None, None) if args.no_pin else split_cpus()
-    stats = bpf_stats()   # closed when the bench exits
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu_and_driver": smi, "kernel": platform.release(),
               "command": " ".join([Path(sys.executable).name] + sys.argv),
-              "pinning": {"workload": sorted(pin[0] or []), "pos": sorted(pin[1] or [])},
-              "bpf_stats": stats >= 0}
+              "pinning": {"workload": sorted(pin[0] or []), "pos": sorted(pin[1] or [])}}
     with tempfile.TemporaryDirectory() as d:
         storm = build_storm(d)
         for name in args.only or ["count", "launch", "train", "storm"]:
