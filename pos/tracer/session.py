@@ -119,6 +119,7 @@ class _Module:
     part: str = "first"
     left: int = 0                  # shares of the part not yet taken in
     note: Optional[str] = None     # why (a share of) the image could not be parsed
+    wanted: bool = False           # a kernel of it was looked up and waits for its layout
 
 
 @dataclass
@@ -127,6 +128,12 @@ class _Parse:
 
     future: Future
     module: _Module
+
+
+def next_share(queue: list[tuple[_Module, int]]) -> int:
+    """Which queued share a free worker parses next: the first of a module that a looked-up
+    kernel waits for (the parse follows the job's lookups), else the oldest."""
+    return next((i for i, (m, _) in enumerate(queue) if m.wanted), 0)
 
 
 def _parse_at(pid: int, addr: int, size: int, part: str, share: int, shares: int
@@ -273,7 +280,9 @@ class Tracer:
         self.by_name: dict[str, fatbin.KernelLayout] = {}
         self._unresolved: dict[int, tuple[_Probes, str]] = {}  # handle -> (probes, name)
         self._pushed: dict[int, tuple[str, str]] = {}         # handle -> (name, layout JSON)
-        self._parses: list[_Parse] = []                       # module images being parsed
+        self._parses: list[_Parse] = []                       # shares in the workers
+        self._queue: list[tuple[_Module, int]] = []           # shares waiting for a worker
+        self._modules: dict[int, _Module] = {}                # module handle -> being parsed
         self._scan: Optional[Future] = None
         self._scan_enabled = scan_libraries
         try:
@@ -377,6 +386,8 @@ class Tracer:
             probes.awaited.add(row["handle"])
             if name:
                 self._unresolved[row["handle"]] = (probes, name)
+            if row["module"] in self._modules:
+                self._modules[row["module"]].wanted = True
 
     # ---- layouts that arrive later: parsed modules, then the mapped files' fatbins -------
     def _settle(self, wait: bool = False) -> None:
@@ -385,6 +396,7 @@ class Tracer:
         layout came are completed from them). The mapped files are scanned, once, only for
         kernels that no loaded module explains: modules loaded before pos attached."""
         while True:
+            self._pump()
             done = [p for p in self._parses if wait or p.future.done()]
             if not done:
                 break
@@ -392,7 +404,8 @@ class Tracer:
                 self._parses.remove(p)
                 self._take_parse(p)
             self._resolve("pos-layout")
-        if self._unresolved and not (self._parses or self._scan) and self._scan_enabled:
+        if self._unresolved and not (self._parses or self._queue or self._scan) and \
+                self._scan_enabled:
             try:
                 paths = [f"/proc/{self.pid}/root{p}" for p in mapped_files(self.pid)]
                 self._scan = self._pool.submit(_scan_files, paths)
@@ -435,11 +448,19 @@ class Tracer:
             return
         m.row["kernels"], m.row["note"] = kernels, m.note
         self.sink.add("modules", m.row)
+        del self._modules[m.row["handle"]]
 
     def _parse(self, m: _Module) -> None:
-        """Start the shares of the module's current part."""
+        """Queue the shares of the module's current part."""
+        self._modules[m.row["handle"]] = m
         m.left = m.shares
-        for share in range(m.shares):
+        self._queue.extend((m, share) for share in range(m.shares))
+
+    def _pump(self) -> None:
+        """Give each free worker a queued share (next_share says which). Shares wait here, not
+        in the pool's queue, so that one whose kernels the job has looked up goes first."""
+        while self._queue and len(self._parses) < self._workers:
+            m, share = self._queue.pop(next_share(self._queue))
             future = self._pool.submit(_parse_at, self.pid, m.addr, m.size, m.part, share,
                                        m.shares)
             self._parses.append(_Parse(future, m))
@@ -468,7 +489,8 @@ class Tracer:
 
     def layouts_pending(self) -> bool:
         """Whether `close` will wait for module parses or the mapped-file scan."""
-        return bool(self._parses or self._scan or (self._unresolved and self._scan_enabled))
+        return bool(self._parses or self._queue or self._scan or
+                    (self._unresolved and self._scan_enabled))
 
     def close(self) -> None:
         """Detach the probes (after a last drain by the caller) and free what the session holds."""

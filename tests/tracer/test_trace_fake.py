@@ -248,3 +248,4 @@ def test_a_large_image_is_parsed_in_shares_by_the_workers_and_its_layouts_reach_
             tracer.close()
     finally:
         job.close()
+
