@@ -6,6 +6,8 @@
 //   init            cuInit and the primary context
 //   loop N          N launches from one thread; seconds per launch
 //   storm T S       T threads, each on its own stream, launching for S seconds
+//   storm T S late  the same, launching right after the lookup, before a tracer can have
+//                   pushed the kernel's layout: its first launches go without one
 #include <cuda.h>
 #include <atomic>
 #include <chrono>
@@ -26,12 +28,12 @@ extern "C" __global__ void empty(int *p, int v) { if (p && v < 0) *p = v; }
 
 static std::string image;
 
-static CUfunction fresh_function() {
+static CUfunction fresh_function(bool wait = true) {
   CUmodule m;
   CUfunction f;
   CHECK(cuModuleLoadData(&m, image.data()));
   CHECK(cuModuleGetFunction(&f, m, "empty"));
-  usleep(200000);  // a tracer pushes the layout on its next drain (20 ms)
+  if (wait) usleep(200000);  // a tracer pushes the layout on its next drain (20 ms)
   return f;
 }
 
@@ -48,10 +50,10 @@ int main(int argc, char **argv) {
   char line[128];
   CUcontext ctx;
   while (fgets(line, sizeof line, stdin)) {
-    char cmd[32] = "";
+    char cmd[32] = "", opt[16] = "";
     long a = 0;
     double b = 0;
-    sscanf(line, "%31s %ld %lf", cmd, &a, &b);
+    sscanf(line, "%31s %ld %lf %15s", cmd, &a, &b, opt);
     if (!strcmp(cmd, "init")) {
       CUdevice dev;
       CHECK(cuInit(0));
@@ -68,7 +70,7 @@ int main(int argc, char **argv) {
       CHECK(cuCtxSynchronize());
       printf("{\"phase\": \"loop\", \"n\": %ld, \"s_per_launch\": %.9f}\n", a, (now() - t) / a);
     } else if (!strcmp(cmd, "storm")) {
-      CUfunction f = fresh_function();
+      CUfunction f = fresh_function(strcmp(opt, "late") != 0);
       std::atomic<long> total{0};
       double t0 = now();
       std::vector<std::thread> pool;

@@ -71,10 +71,11 @@ class Job:
 class PosTrace:
     """`pos trace PID` as a user runs it, waiting until its probes are attached."""
 
-    def __init__(self, pid: int, db: str, cpus: Optional[set[int]] = None) -> None:
+    def __init__(self, pid: int, db: str, cpus: Optional[set[int]] = None,
+                 options: tuple[str, ...] = ()) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "pos.cli", "trace", str(pid), "--db", db,
-                                   "--quiet"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                  preexec_fn=pinned(cpus))
+                                   "--quiet", *options], stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT, preexec_fn=pinned(cpus))
         self.log = []
         while True:
             line = self.p.stderr.readline()
@@ -118,7 +119,7 @@ def count_run(db: str, steps: int) -> dict:
     n, known, named = launches[0], launches[1] or 0, launches[2] or 0
     apis = dict(q(db, "select api, count(*) from launches where trace_id=? and ts_ns > ? and "
                       "ts_ns < ? group by api", tid, lo, hi))
-    lost = q(db, "select lost_events from traces where id=?", tid)[0][0]
+    lost, dropped = q(db, "select lost_events, captures_dropped from traces where id=?", tid)[0]
     # where layouts came from, and which kernels went without one
     modules = q(db, "select api, count(*), sum(kernels), group_concat(distinct note) from modules "
                     "where trace_id=? group by api", tid)
@@ -132,4 +133,5 @@ def count_run(db: str, steps: int) -> dict:
             "top_kernels_without_layout": unknown, "init": init, "steps": steps, "profiler_kernels": prof["profiler_kernels"],
             "traced_launches": n, "launch_apis": apis, "equal": n == prof["profiler_kernels"],
             "named_share": named / n if n else 0, "layout_known_share": known / n if n else 0,
-            "lost_events": lost, "trace_log": log.strip().splitlines()[-1:]}
+            "lost_events": lost, "captures_dropped": dropped,
+            "trace_log": log.strip().splitlines()[-1:]}

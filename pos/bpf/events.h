@@ -8,6 +8,7 @@
 #define POS_PARAM_BYTES 4096   /* parameter bytes copied per launch; more sets `truncated` */
 #define POS_SLOTS 16           /* 8-byte slots captured when a launch's layout is unknown */
 #define POS_CAPTURE_BYTES 6144 /* bytes around the parameters kept while a layout may still come */
+#define POS_CAPTURE_ADDRS 64   /* parameter addresses a capture keeps (kernels up to 64 params) */
 #define POS_CAPTURE_NEAR 4096  /* parameters this far from the first one count for the capture */
 #define POS_NAME_LEN 1024      /* bytes of a kernel's mangled name */
 
@@ -49,7 +50,9 @@ struct pos_launch {
     u32 grid[3];
     u32 block[3];
     u32 shared_mem;
-    u16 nbytes;       /* bytes of params that follow; then, to the event's end (h.len), the capture */
+    u16 nbytes;       /* bytes of params that follow; then, to the event's end (h.len), the capture:
+                       * u64 base, u64 k, k parameter addresses, the memory from base on
+                       * (pos/tracer/late.py); or 8 zero bytes when params are laid out already */
     u8 layout_known;  /* params laid out at the layout's offsets; else 8-byte slots */
     u8 truncated;     /* some parameter lay beyond POS_PARAM_BYTES */
     u8 params[2 * POS_PARAM_BYTES];  /* room so that offset + size always fits for the verifier */

@@ -21,6 +21,7 @@ DEFAULT_DB = "/var/lib/pos/pos.db"
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: ("ALTER TABLE schedules ADD COLUMN criu_options TEXT NOT NULL DEFAULT '{}'",),
     4: ("ALTER TABLE launches ADD COLUMN capture BLOB",),
+    5: ("ALTER TABLE traces ADD COLUMN captures_dropped INTEGER NOT NULL DEFAULT 0",),
 }
 
 

@@ -13,8 +13,8 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 5   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
-                     # 5: launches.capture
+SCHEMA_VERSION = 6   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
+                     # 5: launches.capture; 6: traces.captures_dropped
 
 
 def to_signed(value: Any) -> Any:
@@ -61,6 +61,7 @@ class Trace(Base):
     probes: Mapped[int]
     status: Mapped[str] = mapped_column(String(32))    # running, done, interrupted, target-exited, failed
     lost_events: Mapped[int] = mapped_column(default=0)
+    captures_dropped: Mapped[int] = mapped_column(default=0)   # launches that lost their capture
 
 
 class _Event:

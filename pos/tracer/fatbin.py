@@ -25,6 +25,7 @@ reverse-engineering notes and checked against nvcc 13 and `cuobjdump -elf`:
 
 import os
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -116,9 +117,27 @@ def parse_image(data: bytes, part: str = "all") -> dict[str, KernelLayout]:
     each, so "first" (the first cubin of every container) already names nearly every kernel
     for a fraction of the decompression; "rest" gives the other cubins (kernels built for some
     architectures only); "all" both."""
-    if data[:4] == ELF_MAGIC:
-        return _cubin_layouts(data) if part != "rest" else {}
-    return _fatbin_layouts(data, part)
+    return parse_share(lambda at, n: data[at:at + n], len(data), part)
+
+
+def parse_share(read: Callable[[int, int], bytes], size: int, part: str = "all", share: int = 0,
+                shares: int = 1) -> dict[str, KernelLayout]:
+    """parse_image of an image of `size` bytes that `read(offset, n)` gives parts of, limited to
+    the containers whose index is `share` modulo `shares`: parsers working in parallel take one
+    share each of a large image and read only its containers. A cubin is share 0's."""
+    head = read(0, 4)
+    if head == ELF_MAGIC:
+        return _cubin_layouts(read(0, size)) if part != "rest" and share == 0 else {}
+    if head != _FATBIN_MAGIC_BYTES:
+        raise FatbinError("the data is neither a cubin nor a fatbin.")
+    layouts: dict[str, KernelLayout] = {}
+    for index, (start, end) in enumerate(_containers(read, size)):
+        if index % shares != share:
+            continue
+        for cubin in _container_cubins(read(start, end - start), part):
+            for name, layout in _cubin_layouts(cubin).items():
+                layouts.setdefault(name, layout)
+    return layouts
 
 
 def layouts_from_elf_file(path: str) -> dict[str, KernelLayout]:
@@ -142,44 +161,53 @@ def layouts_from_elf_file(path: str) -> dict[str, KernelLayout]:
             raise FatbinError(f"the .nv_fatbin section of {path} runs past the end of the file.")
         f.seek(offset)
         data = f.read(size)
-    return _fatbin_layouts(data)
+    if data[:4] != _FATBIN_MAGIC_BYTES:
+        raise FatbinError(f"the .nv_fatbin section of {path} does not start with a fatbin.")
+    return parse_image(data)
 
 
 # ---- fatbins ------------------------------------------------------------------------------
 
-def _fatbin_layouts(data: bytes, part: str = "all") -> dict[str, KernelLayout]:
-    """Merge the cubins (`part` of them, see parse_image) of every container in `data`; the
-    first definition of a name wins."""
-    if data[:4] != _FATBIN_MAGIC_BYTES:
-        raise FatbinError("the data is neither a cubin nor a fatbin.")
-    layouts: dict[str, KernelLayout] = {}
+def _containers(read: Callable[[int, int], bytes], size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each container: the first at 0, each next one at the first magic after
+    the end of the last (padding may lie between them)."""
     start = 0
     while start >= 0:
-        end, cubins = _container_cubins(data, start, part)
-        for cubin in cubins:
-            for name, layout in _cubin_layouts(cubin).items():
-                layouts.setdefault(name, layout)
-        start = data.find(_FATBIN_MAGIC_BYTES, end)
-    return layouts
+        head = read(start, _FATBIN_HEADER.size)
+        if len(head) < _FATBIN_HEADER.size:
+            raise FatbinError(f"the fatbin header at offset {start} is cut off.")
+        _, _, header_size, body = _FATBIN_HEADER.unpack(head)
+        end = start + header_size + body
+        if header_size < _FATBIN_HEADER.size or end > size:
+            raise FatbinError(f"the fatbin at offset {start} claims {header_size + body} bytes "
+                              f"but only {size - start} are there.")
+        yield start, end
+        start = _next_magic(read, end, size)
 
 
-def _container_cubins(data: bytes, start: int, part: str = "all") -> tuple[int, list[bytes]]:
-    """The end of the container at `start` and its cubins (`part`: all, the first, or the
-    rest), decompressed."""
-    if start + _FATBIN_HEADER.size > len(data):
-        raise FatbinError(f"the fatbin header at offset {start} is cut off.")
-    _, _, header_size, size = _FATBIN_HEADER.unpack_from(data, start)
-    end = start + header_size + size
-    if header_size < _FATBIN_HEADER.size or end > len(data):
-        raise FatbinError(f"the fatbin at offset {start} claims {header_size + size} bytes "
-                          f"but only {len(data) - start} are there.")
+def _next_magic(read: Callable[[int, int], bytes], at: int, size: int) -> int:
+    """The offset of the first container magic at or after `at`; -1 when there is none."""
+    window = 4096
+    while at < size:
+        found = read(at, window + len(_FATBIN_MAGIC_BYTES) - 1).find(_FATBIN_MAGIC_BYTES)
+        if found >= 0:
+            return at + found
+        at += window
+    return -1
+
+
+def _container_cubins(container: bytes, part: str = "all") -> list[bytes]:
+    """The cubins (`part`: all, the first, or the rest) of one container, decompressed."""
+    _, _, header_size, size = _FATBIN_HEADER.unpack_from(container)
+    end = header_size + size
     cubins = []
     seen = 0
-    pos = start + header_size
+    pos = header_size
     while pos < end:
         if pos + _ENTRY_HEADER.size > end:
             raise FatbinError(f"the fatbin entry at offset {pos} is cut off.")
-        kind, _, entry_size, padded, packed, flags, full = _ENTRY_HEADER.unpack_from(data, pos)
+        kind, _, entry_size, padded, packed, flags, full = _ENTRY_HEADER.unpack_from(container,
+                                                                                     pos)
         payload = pos + entry_size
         pos = payload + padded
         if entry_size < _ENTRY_HEADER.size or pos > end:
@@ -188,8 +216,8 @@ def _container_cubins(data: bytes, start: int, part: str = "all") -> tuple[int, 
         if kind == ENTRY_CUBIN:
             seen += 1
             if part == "all" or (part == "first") == (seen == 1):
-                cubins.append(_decompress(data[payload:pos], flags, packed, full))
-    return end, cubins
+                cubins.append(_decompress(container[payload:pos], flags, packed, full))
+    return cubins
 
 
 def _decompress(payload: bytes, flags: int, packed: int, full: int) -> bytes:

@@ -82,7 +82,8 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
                               "the launches recorded before them", highlight=False)
             tracer.close()
         sink.update_trace(status=status, ended_at=datetime.now(timezone.utc),
-                            lost_events=tracer.stats.lost if tracer else 0)
+                          lost_events=tracer.stats.lost if tracer else 0,
+                          captures_dropped=tracer.stats.captures_dropped if tracer else 0)
         sink.close()
     if tracer is not None:
         tracer.stats.completed = late.complete(engine, trace_id)

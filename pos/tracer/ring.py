@@ -91,6 +91,10 @@ class RingReader:
         self._offsets = np.empty(MAX_RECORDS, np.int64)
         self._kinds = np.empty(MAX_RECORDS, np.int64)
         self._words = np.empty((MAX_RECORDS, 3), np.uint64)
+        # Compile the walk now (0.3 s on a development VM), not in the first drain: meanwhile
+        # the probes would fill the ring and the kernels looked up first would wait for their
+        # layouts.
+        _walk(self._data, self.size - 1, 0, 0, self._offsets, self._kinds, self._words)
 
     def read(self) -> Batch:
         """The records committed since the last read (up to MAX_RECORDS), consumed."""

@@ -1,15 +1,17 @@
 """A tracing session: load the probes, attach them to one process, drain and record events.
 
 Data flow: probes (pos/bpf) -> ring buffer -> `Tracer.poll` (bulk drain; resolves kernel names
-and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes
-the rest and makes batched inserts into the store). Module images are parsed in worker
-processes; each parsed layout goes into the probes' `named_layouts` map (by kernel-name hash),
-so that the probe gives a handle looked up later its layout in the kernel, and into the
-`layouts` map (by handle) for handles looked up before the parse ended, so that launches copy
-exactly their parameters. Launches that run before their kernel's layout is known are recorded
-as 8-byte slots with layout_known = False, and with a capture while a layout may still come
-(the probe marks the handle `awaiting` at its lookup; `poll` unmarks it once nothing can bring
-one), from which pos/tracer/late.py completes them when the trace ends.
+and parameter layouts from the lookup and module events) -> `Sink` (another process: decodes the
+rest and makes batched inserts into the store). Module images are parsed in the drain when
+small, else in worker processes; each parsed layout goes into the probes' `named_layouts` map
+(by kernel-name hash), so that the probe gives a handle looked up later its layout in the
+kernel, and into the `layouts` map (by handle) for handles looked up before the parse ended, so
+that launches copy exactly their parameters. Launches that run before their kernel's layout is
+known are recorded as 8-byte slots with layout_known = False, and with a capture while a layout
+may still come (the probe marks the handle `awaiting` at its lookup; `poll` unmarks it once
+nothing can bring one), from which pos/tracer/late.py completes them when the trace ends;
+captures are paid from a credit that each drain refills, so that a storm of such launches cannot
+flood the ring.
 """
 
 import json
@@ -32,6 +34,19 @@ from pos.tracer.sink import Sink
 from pos.tracer.target import MappedLibrary, mapped_files
 
 MAX_IMAGE_BYTES = 1 << 30
+# Images up to this size are parsed in the drain itself (milliseconds): their layouts reach the
+# probes in the drain that sees the load, before the job's lookups of its kernels are handled.
+INLINE_PARSE_BYTES = 1 << 18
+# Images larger than this are parsed by every worker at once, each taking one share of their
+# fatbin containers: the layouts of one large library (cuBLAS, libtorch_cuda) come as soon as
+# those of many small ones.
+SHARED_PARSE_BYTES = 16 << 20
+# Bytes of captures the probes may write between two drains (pos/bpf/common.h: capture_credit):
+# about 150 launches' captures, 7,500 a second at the default 20 ms interval -- the start of a
+# job, where a few kernels wait for their layout, not a storm -- and never more than 1/16 of the
+# ring, which stays for the launch events themselves.
+CAPTURE_CREDIT = 1 << 20
+CAPTURE_RING_SHARE = 16
 NAME_LEN = 1024                  # POS_NAME_LEN of pos/bpf/events.h
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
@@ -51,6 +66,7 @@ class Stats:
     live_bytes: int = 0
     copied_bytes: int = 0
     lost: int = 0
+    captures_dropped: int = 0     # launches that lost their capture: the credit was spent
     layout_known: int = 0
     layouts_full: bool = False    # a probes' layout map ran full (later kernels: 8-byte slots)
     completed: int = 0            # launches completed after the trace (pos/tracer/late.py)
@@ -91,14 +107,47 @@ def _layout_json(layout: fatbin.KernelLayout) -> str:
 
 
 @dataclass
+class _Module:
+    """A module image being parsed in workers: first the first cubin of each fatbin container
+    (most kernels, quickly), then the rest (fatbin.parse_image says why); a large image in as
+    many shares as there are workers, each part's shares at once."""
+
+    row: Row
+    addr: int      # the image in the process's memory
+    size: int
+    shares: int
+    part: str = "first"
+    left: int = 0                  # shares of the part not yet taken in
+    note: Optional[str] = None     # why (a share of) the image could not be parsed
+    wanted: bool = False           # a kernel of it was looked up and waits for its layout
+
+
+@dataclass
 class _Parse:
-    """A module image being parsed in a worker: first its first cubin per fatbin container
-    (most kernels, quickly), then the rest (fatbin.parse_image says why)."""
+    """One share of a part of a module image, in a worker."""
 
     future: Future
-    row: Row
-    data: Optional[bytes]    # kept for the second part; None once it is submitted
-    part: str
+    module: _Module
+
+
+def next_share(queue: list[tuple[_Module, int]]) -> int:
+    """Which queued share a free worker parses next: the first of a module that a looked-up
+    kernel waits for (the parse follows the job's lookups), else the oldest."""
+    return next((i for i, (m, _) in enumerate(queue) if m.wanted), 0)
+
+
+def _parse_at(pid: int, addr: int, size: int, part: str, share: int, shares: int
+              ) -> dict[str, fatbin.KernelLayout]:
+    """fatbin.parse_share of the image at `addr` in `pid`'s memory (runs in a worker, which
+    reads the image itself, and only its share: PyTorch's are hundreds of MB, which the drain
+    must neither read nor send through a pipe). FatbinError for an image cut short (the process
+    unmapped it)."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        return fatbin.parse_share(lambda at, n: os.pread(fd, max(0, min(n, size - at)), addr + at),
+                                  size, part, share, shares)
+    finally:
+        os.close(fd)
 
 
 def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
@@ -140,6 +189,14 @@ class _Probes:
         self.awaited: set[int] = set()   # handles the probes mark `awaiting`, read, not resolved
         self.full = False        # a layouts map ran full: later kernels go without layouts
         self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
+        self._credit = self.bpf["capture_credit"]
+        self._budget = min(CAPTURE_CREDIT, self.ring.size // CAPTURE_RING_SHARE)
+        self.refill()
+
+    def refill(self) -> None:
+        """Give the probes the next drain's capture credit (what is left of the last is
+        forgotten: the credit bounds the bytes between two drains)."""
+        self._credit[self._credit.Key(0)] = self._credit.Leaf(self._budget)
 
     def release(self) -> None:
         """Unmark the awaited handles: no layout can come for them any more, so their launches
@@ -187,6 +244,9 @@ class _Probes:
     def lost(self) -> int:
         return sum(sum(v) for v in self.bpf["lost"].values())
 
+    def captures_dropped(self) -> int:
+        return sum(sum(v) for v in self.bpf["captures_dropped"].values())
+
     def close(self) -> None:
         self.ring.close()
         self.bpf.cleanup()
@@ -200,7 +260,16 @@ class Tracer:
         self.pid = pid
         self.sink = sink
         self.stats = Stats()
-        self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
+        # Started now, before the probes exist (forked workers would hold their file descriptors)
+        # and before the first module load, which must not wait for the workers to start.
+        self._workers = min(8, len(os.sched_getaffinity(0)))
+        self._pool = ProcessPoolExecutor(max_workers=self._workers)
+        self._pool.submit(os.getpid).result()
+        try:
+            self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
         self.attached = sum(len(p.attached) for p in self._probes)
         if not self.attached:
             self.close()
@@ -211,10 +280,11 @@ class Tracer:
         self.by_name: dict[str, fatbin.KernelLayout] = {}
         self._unresolved: dict[int, tuple[_Probes, str]] = {}  # handle -> (probes, name)
         self._pushed: dict[int, tuple[str, str]] = {}         # handle -> (name, layout JSON)
-        self._parses: list[_Parse] = []                       # module images being parsed
+        self._parses: list[_Parse] = []                       # shares in the workers
+        self._queue: list[tuple[_Module, int]] = []           # shares waiting for a worker
+        self._modules: dict[int, _Module] = {}                # module handle -> being parsed
         self._scan: Optional[Future] = None
         self._scan_enabled = scan_libraries
-        self._pool: Optional[ProcessPoolExecutor] = None
         try:
             self._mem: Optional[int] = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         except OSError:
@@ -236,11 +306,14 @@ class Tracer:
                     self._take(probes, batch)
                 if len(batch) < MAX_RECORDS:
                     break
+        for probes in self._probes:
+            probes.refill()
         self._settle()
         if not self.layouts_pending():
             for probes in self._probes:
                 probes.release()
         self.stats.lost = sum(p.lost() for p in self._probes)
+        self.stats.captures_dropped = sum(p.captures_dropped() for p in self._probes)
         self.stats.layouts_full = any(p.full for p in self._probes)
         self.sink.check()
         return taken
@@ -266,10 +339,10 @@ class Tracer:
             return b""
 
     def _on_module(self, row: Row) -> bool:
-        """Read the loaded image out of the process and start parsing its kernels' layouts in a
-        worker process (PyTorch loads hundreds of MB of fatbins at start: parsed here, they would
-        hold up the drain and every layout behind them). True when the row is complete now;
-        otherwise `_settle` writes it once the parse is done."""
+        """Read the loaded image out of the process and parse its kernels' layouts: a small one
+        at once, a large one in a worker process (PyTorch loads hundreds of MB of fatbins at
+        start: parsed here, they would hold up the drain and every layout behind them). True
+        when the row is complete now; otherwise `_settle` writes it once the parse is done."""
         addr = row["image"]
         for _ in range(2):  # a fatbin wrapper points at the fatbin: follow it once
             extent = fatbin.image_extent(self._read(addr, 4096))
@@ -283,11 +356,17 @@ class Tracer:
         elif extent.size > MAX_IMAGE_BYTES:
             row["note"] = f"image of {extent.size} bytes not read"
         else:
-            data = self._read(addr, extent.size)
-            row["image_size"] = len(data)
-            self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, data, "first"),
-                                       row, data, "first"))
-            return False
+            row["image_size"] = extent.size
+            if extent.size > INLINE_PARSE_BYTES:
+                shares = self._workers if extent.size > SHARED_PARSE_BYTES else 1
+                self._parse(_Module(row, addr, extent.size, shares))
+                return False
+            try:
+                layouts, row["note"] = fatbin.parse_image(self._read(addr, extent.size)), None
+            except fatbin.FatbinError as e:
+                layouts, row["note"] = {}, str(e)
+            row["kernels"] = self._merge(row, layouts)
+            self._resolve("pos-layout")
         return True
 
     def _on_function(self, probes: _Probes, row: Row) -> None:
@@ -307,19 +386,17 @@ class Tracer:
             probes.awaited.add(row["handle"])
             if name:
                 self._unresolved[row["handle"]] = (probes, name)
+            if row["module"] in self._modules:
+                self._modules[row["module"]].wanted = True
 
     # ---- layouts that arrive later: parsed modules, then the mapped files' fatbins -------
-    def _workers(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
-        return self._pool
-
     def _settle(self, wait: bool = False) -> None:
         """Take in finished parses and scans, and push the layouts that kernels waited for
         (`wait`: every parse and the scan, as the tracer closes: launches recorded before their
         layout came are completed from them). The mapped files are scanned, once, only for
         kernels that no loaded module explains: modules loaded before pos attached."""
         while True:
+            self._pump()
             done = [p for p in self._parses if wait or p.future.done()]
             if not done:
                 break
@@ -327,10 +404,11 @@ class Tracer:
                 self._parses.remove(p)
                 self._take_parse(p)
             self._resolve("pos-layout")
-        if self._unresolved and not (self._parses or self._scan) and self._scan_enabled:
+        if self._unresolved and not (self._parses or self._queue or self._scan) and \
+                self._scan_enabled:
             try:
                 paths = [f"/proc/{self.pid}/root{p}" for p in mapped_files(self.pid)]
-                self._scan = self._workers().submit(_scan_files, paths)
+                self._scan = self._pool.submit(_scan_files, paths)
             except PosError:    # the process is gone: its files with it
                 self._scan_enabled = False
         if self._scan is not None and (wait or self._scan.done()):
@@ -353,23 +431,48 @@ class Tracer:
             probes.push_named(new)
 
     def _take_parse(self, p: _Parse) -> None:
-        """Merge a finished part; after the first, parse the rest; after the last, store the
-        module's row."""
-        row = p.row
+        """Merge a finished share; once every share of the first part is in, parse the rest;
+        once the rest is in, store the module's row."""
+        m = p.module
         try:
-            layouts, row["note"] = p.future.result(), None
+            layouts = p.future.result()
         except (fatbin.FatbinError, OSError) as e:
-            layouts, row["note"] = {}, str(e)
+            layouts, m.note = {}, m.note or str(e)
+        kernels = self._merge(m.row, layouts)
+        m.left -= 1
+        if m.left:
+            return
+        if m.part == "first" and m.note is None:
+            m.part = "rest"
+            self._parse(m)
+            return
+        m.row["kernels"], m.row["note"] = kernels, m.note
+        self.sink.add("modules", m.row)
+        del self._modules[m.row["handle"]]
+
+    def _parse(self, m: _Module) -> None:
+        """Queue the shares of the module's current part."""
+        self._modules[m.row["handle"]] = m
+        m.left = m.shares
+        self._queue.extend((m, share) for share in range(m.shares))
+
+    def _pump(self) -> None:
+        """Give each free worker a queued share (next_share says which). Shares wait here, not
+        in the pool's queue, so that one whose kernels the job has looked up goes first."""
+        while self._queue and len(self._parses) < self._workers:
+            m, share = self._queue.pop(next_share(self._queue))
+            future = self._pool.submit(_parse_at, self.pid, m.addr, m.size, m.part, share,
+                                       m.shares)
+            self._parses.append(_Parse(future, m))
+
+    def _merge(self, row: Row, layouts: dict[str, fatbin.KernelLayout]) -> int:
+        """Add parsed layouts of the module of `row` (the first definition of a name wins) and
+        give them to the probes; how many kernels the module has so far."""
         merged = self.by_module.setdefault(row["handle"], {})
         for name, layout in layouts.items():
             merged.setdefault(name, layout)
         self._learn(layouts)
-        if p.part == "first" and row["note"] is None and p.data is not None:
-            self._parses.append(_Parse(self._workers().submit(fatbin.parse_image, p.data, "rest"),
-                                       row, None, "rest"))
-            return
-        row["kernels"] = len(merged)
-        self.sink.add("modules", row)
+        return len(merged)
 
     def _resolve(self, source: str) -> None:
         """Push the layouts now known for kernels looked up earlier; a function row (ts 0, so
@@ -386,7 +489,8 @@ class Tracer:
 
     def layouts_pending(self) -> bool:
         """Whether `close` will wait for module parses or the mapped-file scan."""
-        return bool(self._parses or self._scan or (self._unresolved and self._scan_enabled))
+        return bool(self._parses or self._queue or self._scan or
+                    (self._unresolved and self._scan_enabled))
 
     def close(self) -> None:
         """Detach the probes (after a last drain by the caller) and free what the session holds."""
@@ -394,7 +498,7 @@ class Tracer:
             self._settle(wait=True)   # module rows still being parsed, layouts still missing
         for p in getattr(self, "_probes", []):
             p.close()
-        if getattr(self, "_pool", None) is not None:
+        if hasattr(self, "_pool"):
             self._pool.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "_mem", None) is not None:
             os.close(self._mem)

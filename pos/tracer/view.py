@@ -53,11 +53,14 @@ class LiveView:
     def summary(self, stats: Stats, db: str, status: Optional[str] = None) -> str:
         e = stats.events
         known = f"{100 * stats.layout_known / e['launches']:.1f}%" if e["launches"] else "n/a"
+        known += " with layout"
         if stats.completed:
             known += f", {stats.completed:,} completed when their layout came"
+        if stats.captures_dropped:
+            known += f"; {stats.captures_dropped:,} lost their capture to the credit"
         return (f"traced {self.pid} for {time.monotonic() - self.started:.1f} s"
                 f"{' (' + status + ')' if status else ''}: {e['launches']:,} launches "
-                f"({known} with layout), {e['allocations']:,} allocation events, "
+                f"({known}), {e['allocations']:,} allocation events, "
                 f"{e['copies']:,} copies/sets, {e['syncs']:,} syncs, {e['functions']:,} "
                 f"functions, {stats.lost:,} lost"
                 f"{'; layout maps ran full' if stats.layouts_full else ''} -> {db}")

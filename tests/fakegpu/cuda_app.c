@@ -397,7 +397,8 @@ static void phase_launch(void) {
     }
     /* pair_copy(Pair{a, b, n}, scale): a struct holding two device pointers, across a page
      * boundary and near where its memory ends, as a main thread's stack may end a few KiB above
-     * the frame of a launch */
+     * the frame of a launch; the parameter array right at that end, so that the probe cannot
+     * read the memory around it in one go */
     {
         struct Pair *pair = (struct Pair *)(memory_edge() - 8);
         memset(pair, 0, sizeof(*pair)); /* padding bytes are part of the ground truth */
@@ -406,7 +407,9 @@ static void phase_launch(void) {
         pair->n = 64;
         float *scale = (float *)(memory_edge() + 64);
         *scale = 0.5f;
-        void *params[] = {pair, scale};
+        void **params = (void **)(memory_edge() + sysconf(_SC_PAGESIZE) - 2 * sizeof(void *));
+        params[0] = pair;
+        params[1] = scale;
         size_t sizes[] = {sizeof(*pair), sizeof(*scale)};
         launch(LAUNCH_PTSZ, K_PAIR_COPY, (struct dims){{1, 1, 1}, {64, 1, 1}, 0, stream}, params,
                sizes, 2, NULL, 0);

@@ -118,6 +118,26 @@ def test_concatenated_fatbins_are_merged(built: dict[str, Path]) -> None:
     assert _plain(fatbin.parse_image(data)) == EXPECTED
 
 
+def test_shares_split_the_containers_and_read_only_their_own(built: dict[str, Path]) -> None:
+    """Parsers in parallel take one share each of a large image (pos/tracer/session.py): the
+    shares together are the whole image, and a share reads only headers of the others."""
+    first = built["zstd.fatbin"].read_bytes()
+    second = built["lz4.fatbin"].read_bytes()
+    data = first + b"\0" * (-len(first) % 8) + second
+    taken: list[tuple[int, int]] = []
+
+    def read(at: int, n: int) -> bytes:
+        taken.append((at, n))
+        return data[at:at + n]
+
+    shares = [fatbin.parse_share(read, len(data), "all", i, 2) for i in range(2)]
+    assert shares[0] == fatbin.parse_image(first) and shares[1] == fatbin.parse_image(second)
+    assert _plain({**shares[0], **shares[1]}) == EXPECTED
+    taken.clear()
+    fatbin.parse_share(read, len(data), "all", 1, 2)
+    assert all(at + n <= 16 for at, n in taken if at < len(first))   # its header alone
+
+
 # ---- image_extent ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["kernels.cubin", "two.fatbin", "zstd.fatbin", "lz4.fatbin"])

@@ -6,8 +6,9 @@ from pos.tracer.late import PACKED, rebuild
 
 
 def capture(base: int, addresses: list[int], memory: bytes) -> bytes:
-    """What the probe keeps after its slots: base, the parameters' addresses, memory from base."""
-    return struct.pack(f"<{len(addresses) + 1}Q", base, *addresses) + memory
+    """What the probe keeps after its slots: base, count and the parameters' addresses, memory
+    from base."""
+    return struct.pack(f"<{len(addresses) + 2}Q", base, len(addresses), *addresses) + memory
 
 
 def test_parameters_are_taken_from_the_captured_memory_at_their_addresses() -> None:
@@ -19,8 +20,8 @@ def test_parameters_are_taken_from_the_captured_memory_at_their_addresses() -> N
     assert out == memory[0x10:0x14] + bytes(4) + memory[0x100:0x118] + memory[0x8:0x10]
 
 
-def test_slots_beyond_the_layout_are_ignored() -> None:
-    # the probe reads up to 16 addresses: those past the kernel's parameters are not its own
+def test_addresses_beyond_the_layout_are_ignored() -> None:
+    # the probe reads 64 addresses: those past the kernel's parameters are not its own
     memory = bytes(range(64))
     cap = capture(0x1000, [0x1000, 0x1008, 0xdead0000], memory)
     assert rebuild(bytes(24), cap, [[0, 8], [8, 8]]) == memory[:16]
@@ -33,6 +34,14 @@ def test_a_parameter_outside_the_capture_leaves_the_launch_unknown() -> None:
     assert rebuild(bytes(8), capture(0x1000, [0xff0], memory), [[0, 8]]) is None  # below base
     assert rebuild(bytes(8), capture(0x1000, [0x1000], memory), [[0, 8], [8, 8]]) is None
     assert rebuild(bytes(16), b"short", [[0, 8]]) is None
+    assert rebuild(bytes(8), capture(0x1000, [0x1000] * 3, b"")[:24], [[0, 8]]) is None  # cut
+
+
+def test_a_kernel_with_more_parameters_than_slots_is_completed() -> None:
+    # 20 parameters, 8 bytes each, back to back: only 16 fit the slots, all 20 the capture
+    memory = bytes(range(160))
+    cap = capture(0x2000, [0x2000 + 8 * i for i in range(20)] + [0] * 44, memory)
+    assert rebuild(bytes(128), cap, [[8 * i, 8] for i in range(20)]) == memory
 
 
 def test_the_extra_form_needs_only_its_layout() -> None:

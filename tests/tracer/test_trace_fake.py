@@ -7,6 +7,7 @@ the trace with it. The fake driver proves the plumbing, not GPU behaviour (tests
 
 import re
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,34 @@ def test_no_event_lost_in_a_launch_storm(fakegpu: dict[str, Path], bpf_ready: No
     assert spin["launches"] == 200000
 
 
+def test_a_storm_of_launches_whose_layout_comes_late_loses_captures_not_launches(
+        fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
+    """The module was loaded before pos attached, so the kernel's layout comes only from the scan
+    of the mapped files, while the job already launches it as fast as it can (about 700k a second
+    here). Every such launch would carry a 6 KiB capture: that lost most launches (the H100 run of
+    issue 13, 240k launches/s). The capture credit bounds them: every launch is recorded; each
+    either has its layout (known at the launch, or completed from its capture) or is counted as
+    having lost its capture."""
+    db = tmp_path / "t.db"
+    job = Job([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])])
+    job.run("load")
+    tr = PosTrace(job.pid, str(db))
+    try:
+        job.run("lookup")
+        spin = job.run("spin 200000")
+        wait_for_layouts(db, KERNELS)   # the scan reads the job's files: it must still run
+        job.close()
+    finally:
+        log = tr.stop()
+    with sqlite3.connect(db) as c:
+        n, known = c.execute("select count(*), sum(layout_known) from launches").fetchone()
+        lost, dropped = c.execute("select lost_events, captures_dropped from traces").fetchone()
+    assert spin["launches"] == n == 200000 and lost == 0, log
+    assert dropped > 0 and f"{dropped:,} lost their capture" in log, log
+    assert re.search(r"[1-9][\d,]* completed when their layout came", log), log
+    assert known + dropped == n, log
+
+
 @pytest.mark.parametrize("mode", ["cubin", "library"])
 def test_a_launch_right_after_its_lookup_has_the_layout(
         mode: str, fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
@@ -149,11 +178,14 @@ def test_a_launch_right_after_its_lookup_has_the_layout(
     check_launches(truth["launch"]["launches"], launches)
 
 
-class _Discard:
-    """A sink for a test about the probes' maps, not the events."""
+class _Rows:
+    """A sink for tests about the probes' maps: keeps the rows the tracer builds itself."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, dict[str, Any]]] = []
 
     def add(self, table: str, row: dict[str, Any]) -> None:
-        pass
+        self.rows.append((table, row))
 
     def raw(self, data: Any, offsets: Any) -> None:
         pass
@@ -173,7 +205,7 @@ def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
     job = Job([str(fakegpu["cuda_app"]), "wrapped", str(fakegpu["dir"])])
     try:
         job.run("load")
-        tracer = Tracer(job.pid, find_libraries(job.pid), _Discard(),  # type: ignore[arg-type]
+        tracer = Tracer(job.pid, find_libraries(job.pid), _Rows(),  # type: ignore[arg-type]
                         scan_libraries=False)
         try:
             awaiting = tracer._probes[0].bpf["awaiting"]
@@ -185,3 +217,35 @@ def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
             tracer.close()
     finally:
         job.close()
+
+
+def test_a_large_image_is_parsed_in_shares_by_the_workers_and_its_layouts_reach_the_probes(
+        fakegpu: dict[str, Path], bpf_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Images above INLINE_PARSE_BYTES are parsed in worker processes, above SHARED_PARSE_BYTES
+    in one share per worker (here: every image): the module's row is stored once every share of
+    both parts is in, and a lookup made after that gets its layout in the kernel, by name."""
+    from pos.tracer import session
+    from pos.tracer.target import find_libraries
+
+    monkeypatch.setattr(session, "INLINE_PARSE_BYTES", 0)
+    monkeypatch.setattr(session, "SHARED_PARSE_BYTES", 0)
+    sink = _Rows()
+    job = Job([str(fakegpu["cuda_app"]), "library", str(fakegpu["dir"])])
+    try:
+        tracer = session.Tracer(job.pid, find_libraries(job.pid), sink)  # type: ignore[arg-type]
+        try:
+            job.run("load")
+            deadline = time.monotonic() + 20
+            while not [r for t, r in sink.rows if t == "modules"] and time.monotonic() < deadline:
+                tracer.poll()
+                time.sleep(0.02)
+            modules = [r for t, r in sink.rows if t == "modules"]
+            assert len(modules) == 1 and modules[0]["kernels"] == KERNELS, modules
+            functions = job.run("lookup")["functions"]
+            layouts = tracer._probes[0].layouts
+            assert {k.value for k in layouts.keys()} >= {int(h, 16) for h in functions.values()}
+        finally:
+            tracer.close()
+    finally:
+        job.close()
+
