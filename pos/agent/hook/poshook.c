@@ -8,8 +8,8 @@
  *  2. the cut: hold every call that may enqueue GPU work, drain the calls already inside the
  *     driver, synchronise the contexts;
  *  3. the checkpoint gate: while pos copies, a call that may write a buffer not yet saved waits
- *     for it (a kernel launch waits for the whole copy unless its kernel is validated, see
- *     speculate());
+ *     for it (a kernel launch, whose accesses the agent does not speculate, waits while any
+ *     buffer is unsaved: pos's device-to-device shadow at the cut usually saves them all);
  *  4. the on-demand restore gate: a call that may read or write a buffer not back yet waits.
  *
  * Calls reach the driver three ways, all interposed: direct linking (this library's exported
@@ -287,15 +287,10 @@ static void gate_exit(void) {
         atomic_fetch_sub(&inflight, 1);
 }
 
-/* ---- speculation: which owned buffers a kernel may touch ---------------------------------- *
- * The analyzer's rule (pos/analyzer/access.py) without the const distinction: every 8-byte
- * word of every parameter that points into an owned allocation is a buffer the kernel may read
- * and write. Used only for kernels named in POS_VALIDATED (the validator's table); the others
- * wait for everything. Not yet wired: every launch waits for everything (see launch_touch). */
-
 /* ---- the wrappers ------------------------------------------------------------------------- */
-/* HOOKS(X): X(name, params, args, touch). Each becomes an exported wrapper that enters the
- * gate with `touch`, calls the driver's own function and leaves the gate. */
+/* HOOKS(X): X(name, params, args, touch, after). Each becomes an exported wrapper that enters
+ * the gate with `touch`, calls the driver's own function, runs `after` (with its result r)
+ * and leaves the gate. */
 #define HOOKS(X)                                                                                   \
     X(cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)                   \
     X(cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)              \
