@@ -38,6 +38,7 @@ from pos.scheduler.criu import Options
 Echo = Callable[[str], None]
 DEFAULT_STREAMS = 8
 SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
+SHADOW_MAX_ENV = "POS_SHADOW_MAX_BYTES"   # at most this much device memory for the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 
 
@@ -93,6 +94,7 @@ class _Saver:
         self.owned_bytes = want
         self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, want))
         room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
+        room = min(room, int(os.environ.get(SHADOW_MAX_ENV, room)))
         self.shadow = self._timed("shadow_alloc", lambda: gpucopy.Shadow(self.drv, min(room, want)))
         return st.foreign_bytes
 
@@ -111,25 +113,29 @@ class _Saver:
         return cut
 
     def snapshot(self) -> list[int]:
-        """Shadow the buffers that fit, in table order; the source of each buffer's copy."""
+        """Shadow the buffers that fit, in table order; the source of each buffer's copy (its
+        shadow, or the job's memory for a buffer that did not fit)."""
         assert self.mem is not None and self.shadow is not None
+        sources = list(self.mem.local)
         src, dst, sizes, at = [], [], [], 0
-        for b, va in zip(self.table, self.mem.local):
+        self.shadowed: set[int] = set()
+        for i, b in enumerate(self.table):
             if at + b.size <= self.shadow.size:
-                dst.append(self.shadow.ptr + at)
-                src.append(va)
+                sources[i] = self.shadow.ptr + at
+                src.append(self.mem.local[i])
+                dst.append(sources[i])
                 sizes.append(b.size)
+                self.shadowed.add(i)
                 at += b.size
-        self.shadowed = len(sizes)
         self.shadow_bytes = at
         self._timed("shadow", lambda: gpucopy.device_to_device(self.drv, dst, src, sizes))
-        return dst + self.mem.local[len(dst):]
+        return sources
 
     def release(self) -> None:
         """The job goes on: the shadowed buffers are saved as far as it is concerned."""
         assert self.agent is not None
         self.agent.copy()
-        self.agent.done([b.va for b in self.table[:self.shadowed]])
+        self.agent.done([self.table[i].va for i in sorted(self.shadowed)])
 
     def to_host(self, sources: list[int]) -> gpucopy.Copy:
         assert self.host is not None
@@ -145,7 +151,7 @@ class _Saver:
                           gpucopy.U64(sources[i] + off), gpucopy.SZ(n), stream)
 
         def saved(i: int) -> None:
-            if i >= self.shadowed and self.agent is not None:
+            if i not in self.shadowed and self.agent is not None:
                 self.agent.done([self.table[i].va])
 
         sizes = [b.size for b in self.table]

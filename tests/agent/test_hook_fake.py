@@ -50,6 +50,19 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
     assert job.alive()
 
 
+def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
+        fill_job, tmp_path: Path, monkeypatch) -> None:
+    """With room for 3 of 12 buffers in the shadow, the other 9 are copied from the job's own
+    memory while its writes to them wait for each: the image is exact all the same."""
+    monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
+    job = fill_job()
+    for i in range(3):
+        time.sleep(0.2)
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
+        assert r.shadow_bytes == 3 << 20 and r.bytes == 12 << 20
+        assert not torn(image_values(Path(r.path)))
+
+
 def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
     job = fill_job()
     a = Agent(job.pid)
