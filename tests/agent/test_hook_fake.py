@@ -3,6 +3,7 @@ with real CRIU: the plumbing of ownership, the gates, the hoist and both kinds o
 killed at every step. The fake's "device memory" is shared memory, so pos really reads the
 job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu does)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -190,3 +191,19 @@ def test_pos_killed_during_a_stop_the_world_dump_gives_the_descriptors_back(
     r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c2"), "--concurrent",
             "--leave-running", env=gpu_env)        # re-exported through the kept descriptors
     assert r.returncode == 0, r.stderr
+
+
+def test_a_corrupt_chunk_ends_the_job_it_was_being_restored_into(fill_job, tmp_path: Path,
+                                                                 gpu_env) -> None:
+    """The chunk's checksum fails after the job was let go on demand: it must not compute on a
+    mix of restored and stale buffers, so the agent ends it; pos says why in one sentence."""
+    job = fill_job()
+    img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
+    data = sorted(img.glob("gpu-data-*.bin"))[-1]
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    os.chmod(data, 0o600)
+    data.write_bytes(bytes(blob))
+    r = pos("restore", "--gpu-only", str(job.pid), "-D", str(img), env=gpu_env)
+    one_sentence(r, 2, "does not match its checksum")
+    wait_for(lambda: not job.alive(), what="the half-restored job's end")
