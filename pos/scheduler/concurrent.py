@@ -65,10 +65,10 @@ class Report:
 class _Saver:
     """Steps 1-3 and 5-6 of a checkpoint, shared by the GPU-only and the whole-process ones."""
 
-    def __init__(self, agent: Agent, streams: int, chunk: int, echo: Echo) -> None:
+    def __init__(self, agent: Agent, streams: int, chunk: int) -> None:
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
         self.pid = agent.pid
-        self.streams, self.chunk, self.echo = streams, chunk, echo
+        self.streams, self.chunk = streams, chunk
         self.drv = gpucopy.context(0)
         self.timings: dict[str, float] = {}
         self.host: Optional[gpucopy.Pinned] = None
@@ -206,21 +206,23 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
     """The GPU state of `pid` at one instant, taken while it runs (rolls back only into a live
     job: `restore_gpu`)."""
     with Agent(pid) as agent:
-        s = _Saver(agent, streams, chunk_mb << 20, echo)
+        s = _Saver(agent, streams, chunk_mb << 20)
         try:
             foreign = s.prepare()
             partial = image.prepare(Path(directory), agent.status().owned_bytes)
-            t0 = time.monotonic()
-            cut = s.cut_and_import()
-            sources = s.snapshot()
-            s.release()
-            release_s = time.monotonic() - t0
-            copy = s.to_host(sources)
-            gate = agent.end()
-            s.drop_device()
-            manifest = engine.new_manifest(pid, [pid], [pid], "", Options(), True,
-                                           nvml.gpus_of([pid]))
+            echo(f"checkpointing the GPU state of PID {pid} concurrently: "
+                 f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
             try:
+                t0 = time.monotonic()
+                cut = s.cut_and_import()
+                sources = s.snapshot()
+                s.release()
+                release_s = time.monotonic() - t0
+                copy = s.to_host(sources)
+                gate = agent.end()
+                s.drop_device()
+                manifest = engine.new_manifest(pid, [pid], [pid], "", Options(), True,
+                                               nvml.gpus_of([pid]))
                 s.write(partial, compress)
                 manifest.timings = s.timings
                 manifest.stall_s = gate.held_max_s
@@ -247,6 +249,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
     """Put a GPU image back into the live job `pid`, on demand."""
     directory = Path(directory)
     _verify(directory)
+    echo(f"restoring the GPU state of PID {pid} from {directory}")
     saved = gpuimage.resolve(directory)
     with Agent(pid) as agent:
         drv = gpucopy.context(0)
@@ -342,7 +345,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: the "
                        "concurrent engine takes trees whose one CUDA process is the `pos run` job",
                        "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
-    s = _Saver(agent, streams, chunk_mb << 20, echo)
+    s = _Saver(agent, streams, chunk_mb << 20)
     try:
         foreign = s.prepare()
         partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
