@@ -34,6 +34,16 @@ def _criu() -> Optional[PosError]:
     return None
 
 
+def _hook() -> Optional[PosError]:
+    from pos.agent.hook import build
+
+    try:
+        build()
+    except PosError as e:
+        return e
+    return None
+
+
 CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("privileges (root or CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON)", host.check_privileges),
     ("Linux >= 5.8", _kernel),
@@ -42,6 +52,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("tracefs", host.check_tracefs),
     ("NVIDIA driver library", _nvidia_driver),
     ("CRIU >= 4.0 (checkpoint/restore)", _criu),
+    ("pos run's preload library (libposhook.so, built with gcc)", _hook),
 )
 
 
