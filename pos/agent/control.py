@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -120,6 +121,7 @@ class Agent:
             raise BadInput(f"cannot reach the agent of process {pid}",
                            "run pos as root (sudo)") from None
         self.sock.settimeout(timeout)
+        self._sending = threading.Lock()    # `done` comes from the copier's threads too
         self._buf = b""
         self._fds: list[int] = []
 
@@ -142,10 +144,11 @@ class Agent:
 
     def _send(self, data: bytes, fds: list[int] = []) -> None:
         try:
-            if fds:
-                socket.send_fds(self.sock, [data], fds)
-            else:
-                self.sock.sendall(data)
+            with self._sending:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.sendall(data)
         except OSError as e:
             raise self._gone(e) from None
 
@@ -216,9 +219,10 @@ class Agent:
         """The job gives its physical memory up (pos must hold it); bytes released."""
         return int(self._ask("hoist")["bytes"])
 
-    def remap(self, fds: list[int]) -> int:
-        """The job maps these descriptors (table order) at its addresses again."""
-        self._send(f"remap {len(fds)}\n".encode())
+    def remap(self, fds: list[int], restore: bool = False) -> int:
+        """The job maps these descriptors (table order) at its addresses again; `restore`: and
+        its calls go through the restore gate from then on (the memory is being filled)."""
+        self._send(f"remap {len(fds)}{' restore' if restore else ''}\n".encode())
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
         return int(self._line()["mapped"])

@@ -271,7 +271,8 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
         try:
             agent.restore()
             release_s = time.monotonic() - t0
-            copy = _fill(drv, agent, table, mem.local, saved, streams, chunk_mb << 20)
+            copy = _fill(drv, table, mem.local, saved, streams, chunk_mb << 20,
+                         lambda i: agent.done([table[i].va]))
         except BaseException:
             mem.close()
             raise      # the agent ends a half-restored job when the connection closes
@@ -281,11 +282,11 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
                   copy.gbps, 0, {"h2d": copy.seconds})
 
 
-def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
-          saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int
-          ) -> gpucopy.Copy:
-    """Read every buffer's chunks (checksums checked) into pinned staging and copy them to the
-    job's memory, telling the agent each buffer that is back."""
+def _fill(drv: Any, table: list[Buffer], dest: list[int],
+          saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int,
+          back: Callable[[int], None]) -> gpucopy.Copy:
+    """Read every buffer's chunks (checksums checked) into pinned staging and copy them to
+    device memory at `dest`; `back(i)` once buffer i is there."""
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted((i, off, c["raw"]) for (i, off), c in chunk_of.items())
     biggest = max((n for _i, _o, n in work), default=1)
@@ -312,8 +313,7 @@ def _fill(drv: Any, agent: Agent, table: list[Buffer], dest: list[int],
                  gpucopy.SZ(n), stream)
 
     try:
-        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one,
-                                     lambda i: agent.done([table[i].va]))
+        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, back)
     finally:
         for st in staging:
             st.close()
@@ -417,42 +417,102 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     t0 = time.monotonic()
     manifest = _verify(directory)
     verify_s = time.monotonic() - t0
-    saved = gpuimage.resolve(directory)
+    pre = _Prefetch(directory, streams, chunk_mb << 20)
     out: dict[str, Any] = {}
 
     def fill(g: Any, root: int) -> None:
-        drv = gpucopy.context(0)
         g.step("remap", hoisted=True)
+        pre.ready.wait()
+        if pre.error is not None:
+            raise pre.error
         with Agent(root) as agent:
             table = agent.table()
-            if sorted((b.va, b.size) for b in table) != sorted((va, v[1]) for va, v in
-                                                                saved.items()):
+            if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                 raise PosError(f"the restored job's allocations do not match {directory}'s GPU "
                                "index", "take a new checkpoint")
-            t = time.monotonic()
-            mem, fds = gpucopy.Imported.create(drv, table)
-            try:
-                agent.remap(fds)
-                agent.restore()
-                out["release_s"] = time.monotonic() - t0
-                out["map_s"] = time.monotonic() - t
-                g.step("fill")
-                out["copy"] = _fill(drv, agent, table, mem.local, saved, streams, chunk_mb << 20)
-                out["gate"] = agent.end()
-                g.step("done", hoisted=False)
-            finally:
-                mem.close()
-                for fd in fds:
-                    os.close(fd)
-        out["table"] = table
+            agent.remap(pre.fds, restore=True)
+            out["release_s"] = time.monotonic() - t0
+            pre.attach(agent)
+            g.step("fill")
+            out["copy"] = pre.join()
+            out["gate"] = agent.end()
+            g.step("done", hoisted=False)
 
-    result = engine.restore(directory, inherit_fds, echo, verified=manifest, finish=fill)
+    try:
+        result = engine.restore(directory, inherit_fds, echo, verified=manifest, finish=fill)
+    finally:
+        pre.close()
     copy = out["copy"]
-    timings = {"verify": verify_s, **result.timings, "map": out["map_s"], "h2d": copy.seconds,
+    timings = {"verify": verify_s, **result.timings, "h2d": copy.seconds,
                "read_threads": copy.read_thread_s}
-    return result.restored_pid or 0, Report(str(directory), len(out["table"]), copy.bytes, None,
+    return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
                                             timings)
+
+
+class _Prefetch:
+    """New device memory for an image's buffers, filled from the image on a thread of its own
+    while CRIU and the driver bring the process back (they need no GPU copy): by the time the
+    job maps the memory much of it is back. `attach(agent)` then lets the job's calls through
+    for each buffer back so far, and for the rest as they come."""
+
+    def __init__(self, directory: Path, streams: int, chunk: int) -> None:
+        index = gpuimage.read_index(directory)
+        self.saved = gpuimage.resolve(directory)
+        self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
+                             for b in index["buffers"]), key=lambda b: b.va)
+        self.streams, self.chunk = streams, chunk
+        self.lock = threading.Lock()
+        self.back: set[int] = set()
+        self.agent: Optional[Agent] = None
+        self.mem: Optional[gpucopy.Imported] = None
+        self.fds: list[int] = []
+        self.copy: Optional[gpucopy.Copy] = None
+        self.error: Optional[BaseException] = None
+        self.ready = threading.Event()        # the memory exists (or creating it failed)
+        self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            drv = gpucopy.context(0)
+            self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
+            self.ready.set()
+            self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
+                              self.chunk, self._back)
+        except BaseException as e:      # raised in the caller's thread by join()
+            self.error = e
+        finally:
+            self.ready.set()
+
+    def _back(self, i: int) -> None:
+        with self.lock:
+            self.back.add(i)
+            if self.agent is not None:
+                self.agent.done([self.table[i].va])
+
+    def attach(self, agent: Agent) -> None:
+        """The job (in its restore gate since the remap) may use the buffers back so far."""
+        with self.lock:
+            self.agent = agent
+            agent.done([self.table[i].va for i in sorted(self.back)])
+
+    def join(self) -> gpucopy.Copy:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.copy is not None
+        return self.copy
+
+    def close(self) -> None:
+        """Wait for the fill, then let go of pos's mapping and descriptors (the job holds its
+        own); after a failure the memory is freed."""
+        self.thread.join()
+        if self.mem is not None:
+            self.mem.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def is_full_image(directory: Path) -> bool:

@@ -942,8 +942,10 @@ static void do_hoist(struct conn *c) {
         reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu}", released, bytes);
 }
 
-/* Map the descriptors that came with the request at the table's addresses: phase hold. */
-static void do_remap(struct conn *c, size_t want) {
+/* Map the descriptors that came with the request at the table's addresses: phase hold, or
+ * with `restore` straight into the restore gate (memory that pos is still filling: should pos
+ * go away at any moment after this, the job must not run on it). */
+static void do_remap(struct conn *c, size_t want, int then_restore) {
     while (c->nfds < want) {
         int r = rx(c, 30000);
         if (r <= 0) {
@@ -970,8 +972,16 @@ static void do_remap(struct conn *c, size_t want) {
     int all = 1;
     for (size_t i = 0; i < ntab; i++)
         all &= tab[i].h != 0;
-    if (all && atomic_load(&phase) == P_HOISTED)
+    if (all && atomic_load(&phase) == P_HOISTED && then_restore) {
+        memset(&st, 0, sizeof(st));
+        st.started_ns = now_ns();
+        for (size_t i = 0; i < ntab; i++)
+            tab[i].status = ST_PENDING;
+        npending = ntab;
+        set_phase(P_RESTORE);
+    } else if (all && atomic_load(&phase) == P_HOISTED) {
         set_phase(P_HOLD);
+    }
     pthread_mutex_unlock(&mu);
     for (size_t i = 0; i < c->nfds; i++)
         if (c->fds[i] >= 0)
@@ -1155,7 +1165,7 @@ static void serve(int fd) {
         else if (!strcmp(cmd, "hoist"))
             do_hoist(c);
         else if (!strcmp(cmd, "remap"))
-            do_remap(c, args ? strtoul(args, NULL, 10) : 0);
+            do_remap(c, args ? strtoul(args, NULL, 10) : 0, args && strstr(args, "restore"));
         else if (!strcmp(cmd, "copy"))
             do_move(c, P_HOLD, P_COPY);
         else if (!strcmp(cmd, "restore"))
