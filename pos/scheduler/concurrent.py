@@ -172,9 +172,9 @@ class _Saver:
             os.close(fd)
         self.fds = []
 
-    def write(self, folder: Path, compress: bool) -> None:
+    def write(self, folder: Path) -> None:
         assert self.host is not None
-        writer = gpuimage.Writer(folder, compress)
+        writer = gpuimage.Writer(folder, compress=False)
         work = self.work
 
         def put(item: tuple[int, int, int]) -> None:
@@ -201,8 +201,7 @@ class _Saver:
 
 
 def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
-                   chunk_mb: int = 64, compress: bool = False, echo: Echo = lambda _: None
-                   ) -> Report:
+                   chunk_mb: int = 64, echo: Echo = lambda _: None) -> Report:
     """The GPU state of `pid` at one instant, taken while it runs (rolls back only into a live
     job: `restore_gpu`)."""
     with Agent(pid) as agent:
@@ -223,7 +222,7 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
                 s.drop_device()
                 manifest = engine.new_manifest(pid, [pid], [pid], "", Options(), True,
                                                nvml.gpus_of([pid]))
-                s.write(partial, compress)
+                s.write(partial)
                 manifest.timings = s.timings
                 manifest.stall_s = gate.held_max_s
                 final = image.seal(partial, manifest)
@@ -394,7 +393,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 gate = s.agent.end()
             s.drop_device()
             g.step("seal")
-            s.write(partial, compress=False)
+            s.write(partial)
             manifest.timings = {**s.timings, **g.timings}
             manifest.stall_s = release_s if leave_running else None
             final = g.timed("checksum", lambda: image.seal(partial, manifest))

@@ -45,14 +45,19 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef int CUdevice;
 typedef void *CUcontext, *CUstream, *CUfunction, *CUgraphExec, *CUevent;
-typedef struct { int type, id; } CUmemLocation;
+typedef struct {
+    int type, id;
+} CUmemLocation;
 typedef struct {
     int type, requestedHandleTypes;
     CUmemLocation location;
     void *win32HandleMetaData;
     unsigned long long allocFlags;
 } CUmemAllocationProp;
-typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+typedef struct {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
 typedef struct {
     unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
     CUstream hStream;
@@ -60,8 +65,12 @@ typedef struct {
     unsigned int numAttrs;
 } CUlaunchConfig;
 
-enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_NOT_INITIALIZED = 3,
-       CUDA_ERROR_NOT_FOUND = 500 };
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_NOT_FOUND = 500
+};
 enum { MEM_PINNED = 1, HANDLE_POSIX_FD = 1, LOCATION_DEVICE = 1, ACCESS_RW = 3 };
 #define LAUNCH_PARAM_END ((void *)0x00)
 #define LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
@@ -117,14 +126,14 @@ static void note(const char *fmt, ...) {
 }
 
 /* ---- the table of owned allocations ------------------------------------------------------- */
-enum { ST_NONE = 0, ST_PENDING = 1, ST_DONE = 2 };   /* per buffer, during one operation */
+enum { ST_NONE = 0, ST_PENDING = 1, ST_DONE = 2 }; /* per buffer, during one operation */
 struct owned {
     CUdeviceptr va;
-    size_t size;                     /* what the job asked for */
-    size_t mapped;                   /* rounded to the granularity: reserved, created, mapped */
-    CUmemGenericAllocationHandle h;  /* 0 while hoisted */
-    int fd;                          /* the descriptor it was mapped from, or -1: the driver
-                                        exports only handles it created, not imported ones */
+    size_t size;                    /* what the job asked for */
+    size_t mapped;                  /* rounded to the granularity: reserved, created, mapped */
+    CUmemGenericAllocationHandle h; /* 0 while hoisted */
+    int fd;                         /* the descriptor it was mapped from, or -1: the driver
+                                       exports only handles it created, not imported ones */
     int device;
     int status;
 };
@@ -132,16 +141,16 @@ struct owned {
 enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };
 static const char *phase_name[] = {"idle", "hold", "copy", "restore", "hoisted"};
 
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;   /* table, phase changes, stats */
-static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;     /* phase or a status changed */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER; /* table, phase changes, stats */
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;   /* phase or a status changed */
 static struct owned *tab;
 static size_t ntab, captab;
 static size_t owned_bytes;
-static uint64_t foreign_allocs, foreign_bytes;   /* allocations pos could not own (cumulative) */
+static uint64_t foreign_allocs, foreign_bytes; /* allocations pos could not own (cumulative) */
 static _Atomic int phase = P_IDLE;
-static _Atomic long inflight;                            /* calls past the gate, not yet out */
-static long waiting;                                     /* calls waiting in the gate (mu) */
-static size_t npending;                                  /* buffers ST_PENDING (mu) */
+static _Atomic long inflight; /* calls past the gate, not yet out */
+static long waiting;          /* calls waiting in the gate (mu) */
+static size_t npending;       /* buffers ST_PENDING (mu) */
 static CUcontext ctxs[16];
 static int nctx;
 static size_t granularity[16];
@@ -223,14 +232,14 @@ static int must_wait(const struct touch *t) {
     switch (atomic_load(&phase)) {
     case P_IDLE:
         return 0;
-    case P_COPY:     /* writes wait for their buffer to be saved; reads pass */
+    case P_COPY: /* writes wait for their buffer to be saved; reads pass */
         if (t->all)
             return npending > 0;
         for (int i = 0; i < t->nw; i++)
             if (pending(t->w[i]))
                 return 1;
         return 0;
-    case P_RESTORE:  /* reads and writes wait for their buffer to be back */
+    case P_RESTORE: /* reads and writes wait for their buffer to be back */
         if (t->all)
             return npending > 0;
         for (int i = 0; i < t->nw; i++)
@@ -240,12 +249,12 @@ static int must_wait(const struct touch *t) {
             if (pending(t->r[i]))
                 return 1;
         return 0;
-    default:         /* the cut and the hoist hold everything */
+    default: /* the cut and the hoist hold everything */
         return 1;
     }
 }
 
-static __thread int in_agent;    /* the control thread's own driver calls pass untouched */
+static __thread int in_agent; /* the control thread's own driver calls pass untouched */
 
 /* Enter the driver for a call touching `t`: at once when idle (one atomic add), else after
  * waiting for what the phase requires. The add and the phase read are sequentially
@@ -292,120 +301,128 @@ static void gate_exit(void) {
  * the gate with `touch`, calls the driver's own function, runs `after` (with its result r)
  * and leaves the gate. */
 #define HOOKS(X)                                                                                   \
-    X(cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)                   \
-    X(cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)              \
+    X(cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)          \
+    X(cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)     \
     X(cuMemcpyAsync, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st),         \
-      T_WR(d, s), NOAFTER)                                                                                  \
+      T_WR(d, s), NOAFTER)                                                                         \
     X(cuMemcpyAsync_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st),    \
-      T_WR(d, s), NOAFTER)                                                                                  \
-    X(cuMemcpyHtoD_v2, (CUdeviceptr d, const void *h, size_t n), (d, h, n), T_W(d), NOAFTER)                \
-    X(cuMemcpyHtoD_v2_ptds, (CUdeviceptr d, const void *h, size_t n), (d, h, n), T_W(d), NOAFTER)           \
+      T_WR(d, s), NOAFTER)                                                                         \
+    X(cuMemcpyHtoD_v2, (CUdeviceptr d, const void *h, size_t n), (d, h, n), T_W(d), NOAFTER)       \
+    X(cuMemcpyHtoD_v2_ptds, (CUdeviceptr d, const void *h, size_t n), (d, h, n), T_W(d), NOAFTER)  \
     X(cuMemcpyHtoDAsync_v2, (CUdeviceptr d, const void *h, size_t n, CUstream s), (d, h, n, s),    \
-      T_W(d), NOAFTER)                                                                                      \
+      T_W(d), NOAFTER)                                                                             \
     X(cuMemcpyHtoDAsync_v2_ptsz, (CUdeviceptr d, const void *h, size_t n, CUstream s),             \
-      (d, h, n, s), T_W(d), NOAFTER)                                                                        \
-    X(cuMemcpyDtoH_v2, (void *h, CUdeviceptr s, size_t n), (h, s, n), T_R(s), NOAFTER)                      \
-    X(cuMemcpyDtoH_v2_ptds, (void *h, CUdeviceptr s, size_t n), (h, s, n), T_R(s), NOAFTER)                 \
+      (d, h, n, s), T_W(d), NOAFTER)                                                               \
+    X(cuMemcpyDtoH_v2, (void *h, CUdeviceptr s, size_t n), (h, s, n), T_R(s), NOAFTER)             \
+    X(cuMemcpyDtoH_v2_ptds, (void *h, CUdeviceptr s, size_t n), (h, s, n), T_R(s), NOAFTER)        \
     X(cuMemcpyDtoHAsync_v2, (void *h, CUdeviceptr s, size_t n, CUstream st), (h, s, n, st),        \
-      T_R(s), NOAFTER)                                                                                      \
+      T_R(s), NOAFTER)                                                                             \
     X(cuMemcpyDtoHAsync_v2_ptsz, (void *h, CUdeviceptr s, size_t n, CUstream st), (h, s, n, st),   \
-      T_R(s), NOAFTER)                                                                                      \
-    X(cuMemcpyDtoD_v2, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)            \
-    X(cuMemcpyDtoD_v2_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)       \
+      T_R(s), NOAFTER)                                                                             \
+    X(cuMemcpyDtoD_v2, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)   \
+    X(cuMemcpyDtoD_v2_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s),       \
+      NOAFTER)                                                                                     \
     X(cuMemcpyDtoDAsync_v2, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st),  \
-      T_WR(d, s), NOAFTER)                                                                                  \
+      T_WR(d, s), NOAFTER)                                                                         \
     X(cuMemcpyDtoDAsync_v2_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st),            \
-      (d, s, n, st), T_WR(d, s), NOAFTER)                                                                   \
+      (d, s, n, st), T_WR(d, s), NOAFTER)                                                          \
     X(cuMemcpyPeer, (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n),          \
-      (d, dc, s, sc, n), T_WR(d, s), NOAFTER)                                                               \
+      (d, dc, s, sc, n), T_WR(d, s), NOAFTER)                                                      \
     X(cuMemcpyPeerAsync,                                                                           \
       (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st),           \
-      (d, dc, s, sc, n, st), T_WR(d, s), NOAFTER)                                                           \
-    X(cuMemcpy2D_v2, (const void *p), (p), T_ALL, NOAFTER)                                                  \
-    X(cuMemcpy2DUnaligned_v2, (const void *p), (p), T_ALL, NOAFTER)                                         \
-    X(cuMemcpy2DAsync_v2, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                              \
-    X(cuMemcpy2DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                         \
-    X(cuMemcpy3D_v2, (const void *p), (p), T_ALL, NOAFTER)                                                  \
-    X(cuMemcpy3DAsync_v2, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                              \
-    X(cuMemcpy3DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                         \
-    X(cuMemcpy3DPeer, (const void *p), (p), T_ALL, NOAFTER)                                                 \
-    X(cuMemcpy3DPeerAsync, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                             \
+      (d, dc, s, sc, n, st), T_WR(d, s), NOAFTER)                                                  \
+    X(cuMemcpy2D_v2, (const void *p), (p), T_ALL, NOAFTER)                                         \
+    X(cuMemcpy2DUnaligned_v2, (const void *p), (p), T_ALL, NOAFTER)                                \
+    X(cuMemcpy2DAsync_v2, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                     \
+    X(cuMemcpy2DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                \
+    X(cuMemcpy3D_v2, (const void *p), (p), T_ALL, NOAFTER)                                         \
+    X(cuMemcpy3DAsync_v2, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                     \
+    X(cuMemcpy3DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                \
+    X(cuMemcpy3DPeer, (const void *p), (p), T_ALL, NOAFTER)                                        \
+    X(cuMemcpy3DPeerAsync, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                    \
     X(cuMemcpyBatchAsync,                                                                          \
       (void *d, void *s, void *n, size_t c, void *a, void *ai, size_t na, size_t *f, CUstream st), \
-      (d, s, n, c, a, ai, na, f, st), T_ALL, NOAFTER)                                                       \
-    X(cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)                \
-    X(cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d), NOAFTER)              \
-    X(cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)                \
-    X(cuMemsetD8_v2_ptds, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)           \
-    X(cuMemsetD16_v2_ptds, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d), NOAFTER)         \
-    X(cuMemsetD32_v2_ptds, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)           \
+      (d, s, n, c, a, ai, na, f, st), T_ALL, NOAFTER)                                              \
+    X(cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)       \
+    X(cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d), NOAFTER)     \
+    X(cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)       \
+    X(cuMemsetD8_v2_ptds, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)  \
+    X(cuMemsetD16_v2_ptds, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d),         \
+      NOAFTER)                                                                                     \
+    X(cuMemsetD32_v2_ptds, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)  \
     X(cuMemsetD8Async, (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s),       \
-      T_W(d), NOAFTER)                                                                                      \
+      T_W(d), NOAFTER)                                                                             \
     X(cuMemsetD16Async, (CUdeviceptr d, unsigned short v, size_t n, CUstream s), (d, v, n, s),     \
-      T_W(d), NOAFTER)                                                                                      \
+      T_W(d), NOAFTER)                                                                             \
     X(cuMemsetD32Async, (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s),       \
-      T_W(d), NOAFTER)                                                                                      \
+      T_W(d), NOAFTER)                                                                             \
     X(cuMemsetD8Async_ptsz, (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s),  \
-      T_W(d), NOAFTER)                                                                                      \
+      T_W(d), NOAFTER)                                                                             \
     X(cuMemsetD16Async_ptsz, (CUdeviceptr d, unsigned short v, size_t n, CUstream s),              \
-      (d, v, n, s), T_W(d), NOAFTER)                                                                        \
+      (d, v, n, s), T_W(d), NOAFTER)                                                               \
     X(cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s),  \
-      T_W(d), NOAFTER)                                                                                      \
+      T_W(d), NOAFTER)                                                                             \
     X(cuMemsetD2D8_v2, (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h),             \
-      (d, p, v, w, h), T_W(d), NOAFTER)                                                                     \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                            \
     X(cuMemsetD2D16_v2, (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h),           \
-      (d, p, v, w, h), T_W(d), NOAFTER)                                                                     \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                            \
     X(cuMemsetD2D32_v2, (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h),             \
-      (d, p, v, w, h), T_W(d), NOAFTER)                                                                     \
-    X(cuMemsetD2D8Async, (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h, CUstream s), \
-      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                                  \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                            \
+    X(cuMemsetD2D8Async,                                                                           \
+      (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h, CUstream s),                  \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
     X(cuMemsetD2D16Async,                                                                          \
       (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h, CUstream s),                 \
-      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                                  \
-    X(cuMemsetD2D32Async, (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h, CUstream s), \
-      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                                  \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
+    X(cuMemsetD2D32Async,                                                                          \
+      (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h, CUstream s),                   \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
     X(cuLaunchKernel,                                                                              \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp, void **ex),                                             \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                           \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                  \
     X(cuLaunchKernel_ptsz,                                                                         \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp, void **ex),                                             \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                           \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                  \
     X(cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **kp, void **ex),             \
-      (c, f, kp, ex), T_ALL, NOAFTER)                                                                       \
+      (c, f, kp, ex), T_ALL, NOAFTER)                                                              \
     X(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **kp, void **ex),        \
-      (c, f, kp, ex), T_ALL, NOAFTER)                                                                       \
+      (c, f, kp, ex), T_ALL, NOAFTER)                                                              \
     X(cuLaunchCooperativeKernel,                                                                   \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp),                                                        \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                               \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                      \
     X(cuLaunchCooperativeKernel_ptsz,                                                              \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp),                                                        \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                               \
-    X(cuGraphLaunch, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                                   \
-    X(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                              \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                      \
+    X(cuGraphLaunch, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                          \
+    X(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                     \
     X(cuStreamWriteValue32_v2, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),  \
-      T_W(a), NOAFTER)                                                                                      \
+      T_W(a), NOAFTER)                                                                             \
     X(cuStreamWriteValue64_v2, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),      \
-      (s, a, v, f), T_W(a), NOAFTER)                                                                        \
-    X(cuStreamBatchMemOp_v2, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL, NOAFTER)   \
-    X(cuMemAllocAsync, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE, FOREIGN(p, n))                 \
-    X(cuMemAllocAsync_ptsz, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE, FOREIGN(p, n))            \
+      (s, a, v, f), T_W(a), NOAFTER)                                                               \
+    X(cuStreamBatchMemOp_v2, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL,   \
+      NOAFTER)                                                                                     \
+    X(cuMemAllocAsync, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE, FOREIGN(p, n))  \
+    X(cuMemAllocAsync_ptsz, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE,            \
+      FOREIGN(p, n))                                                                               \
     X(cuMemAllocFromPoolAsync, (CUdeviceptr * p, size_t n, void *pool, CUstream s),                \
-      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                                     \
+      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                      \
     X(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr * p, size_t n, void *pool, CUstream s),           \
-      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                                     \
-    X(cuMemAllocManaged, (CUdeviceptr * p, size_t n, unsigned f), (p, n, f), T_NONE, FOREIGN(p, n))              \
-    X(cuMemAllocPitch_v2, (CUdeviceptr * p, size_t *pitch, size_t w, size_t h, unsigned e),        \
-      (p, pitch, w, h, e), T_NONE, FOREIGN(p, pitch ? *pitch * h : 0))                                                                 \
-    X(cuMemCreate, (CUmemGenericAllocationHandle * h, size_t n, const void *prop,                  \
-      unsigned long long f), (h, n, prop, f), T_NONE, NOAFTER)                                              \
-    X(cuMemMap, (CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h,                \
-      unsigned long long f), (p, n, o, h, f), T_NONE, FOREIGN(&p, n))                                              \
+      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                      \
+    X(cuMemAllocManaged, (CUdeviceptr * p, size_t n, unsigned f), (p, n, f), T_NONE,               \
+      FOREIGN(p, n))                                                                               \
+    X(cuMemAllocPitch_v2, (CUdeviceptr * p, size_t * pitch, size_t w, size_t h, unsigned e),       \
+      (p, pitch, w, h, e), T_NONE, FOREIGN(p, pitch ? *pitch *h : 0))                              \
+    X(cuMemCreate,                                                                                 \
+      (CUmemGenericAllocationHandle * h, size_t n, const void *prop, unsigned long long f),        \
+      (h, n, prop, f), T_NONE, NOAFTER)                                                            \
+    X(cuMemMap,                                                                                    \
+      (CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h, unsigned long long f),   \
+      (p, n, o, h, f), T_NONE, FOREIGN(&p, n))                                                     \
     X(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), T_W(p), NOAFTER)
-
 
 #define NOAFTER ((void)0)
 #define FOREIGN(p, n)                                                                              \
@@ -423,11 +440,13 @@ HOOKS(DECLARE)
 
 /* The driver functions with wrappers of their own below, or that the control thread calls. */
 #define OWN(X)                                                                                     \
-    X(cuInit) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)            \
-    X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent)               \
-    X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)  \
-    X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess) X(cuMemExportToShareableHandle)          \
-    X(cuMemImportFromShareableHandle) X(cuStreamSynchronize)
+    X(cuInit)                                                                                      \
+    X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuGetProcAddress)  \
+        X(cuGetProcAddress_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice)             \
+            X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)            \
+                X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess)                              \
+                    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)              \
+                        X(cuStreamSynchronize)
 #define DECLARE_OWN(name) static void *volatile real_##name;
 OWN(DECLARE_OWN)
 
@@ -457,7 +476,7 @@ CUresult cuStreamSynchronize(CUstream s);
  * the library's own uses call the driver's through these. */
 #define DRV(name) ((__typeof__(&name))real_of(&real_##name, #name))
 
-#define WRAP(name, params, args, tch, after)                                                    \
+#define WRAP(name, params, args, tch, after)                                                       \
     EXPORT CUresult name params {                                                                  \
         CUresult(*fn) params = (CUresult(*) params)real_of(&real_##name, #name);                   \
         if (!fn)                                                                                   \
@@ -473,16 +492,17 @@ HOOKS(WRAP)
 
 /* ---- owned memory ------------------------------------------------------------------------- */
 static CUmemAllocationProp prop_for(int device) {
-    CUmemAllocationProp p = {.type = MEM_PINNED, .requestedHandleTypes = HANDLE_POSIX_FD,
+    CUmemAllocationProp p = {.type = MEM_PINNED,
+                             .requestedHandleTypes = HANDLE_POSIX_FD,
                              .location = {LOCATION_DEVICE, device}};
     return p;
 }
 
 static int map_rw(CUdeviceptr va, size_t n, CUmemGenericAllocationHandle h, int device) {
     CUmemAccessDesc acc = {.location = {LOCATION_DEVICE, device}, .flags = ACCESS_RW};
-    CUresult r = ((CUresult(*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                               unsigned long long))real_of(&real_cuMemMap, "cuMemMap"))(va, n, 0, h,
-                                                                                          0);
+    CUresult r =
+        ((CUresult(*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                      unsigned long long))real_of(&real_cuMemMap, "cuMemMap"))(va, n, 0, h, 0);
     if (r == CUDA_SUCCESS && (r = DRV(cuMemSetAccess)(va, n, &acc, 1)) != CUDA_SUCCESS)
         ((CUresult(*)(CUdeviceptr, size_t))real_of(&real_cuMemUnmap, "cuMemUnmap"))(va, n);
     return r;
@@ -492,7 +512,7 @@ static CUresult unmap(CUdeviceptr va, size_t n) {
     return ((CUresult(*)(CUdeviceptr, size_t))real_of(&real_cuMemUnmap, "cuMemUnmap"))(va, n);
 }
 
-static int owning = -1;    /* POS_OWN=0 turns ownership off (a measurement baseline) */
+static int owning = -1; /* POS_OWN=0 turns ownership off (a measurement baseline) */
 
 /* Allocate `size` bytes as exportable VMM memory at addresses of our own; CUDA_ERROR_* else. */
 static CUresult own_alloc(CUdeviceptr *out, size_t size) {
@@ -584,8 +604,8 @@ static int is_owned(CUdeviceptr p) {
     return yes;
 }
 
-static CUresult free_via(CUdeviceptr p, CUstream s, CUresult (*driver_free)(CUdeviceptr,
-                                                                            CUstream)) {
+static CUresult free_via(CUdeviceptr p, CUstream s,
+                         CUresult (*driver_free)(CUdeviceptr, CUstream)) {
     struct touch t = T_W(p);
     gate_enter(&t);
     CUresult r;
@@ -601,7 +621,10 @@ static CUresult free_via(CUdeviceptr p, CUstream s, CUresult (*driver_free)(CUde
     gate_exit();
     return r;
 }
-static CUresult sync_free(CUdeviceptr p, CUstream s) { (void)s; return DRV(cuMemFree_v2)(p); }
+static CUresult sync_free(CUdeviceptr p, CUstream s) {
+    (void)s;
+    return DRV(cuMemFree_v2)(p);
+}
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return free_via(p, 0, sync_free); }
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     return free_via(p, s, DRV(cuMemFreeAsync));
@@ -611,20 +634,23 @@ EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) {
 }
 
 /* ---- interposing the lookups -------------------------------------------------------------- */
-struct entry { const char *name; void *wrapper; void *volatile *real; };
+struct entry {
+    const char *name;
+    void *wrapper;
+    void *volatile *real;
+};
 #define ENTRY(name, params, args, tch, after) {#name, (void *)name, &real_##name},
 #define ENTRY_OWN(name) {#name, (void *)name, &real_##name},
 static const struct entry entries[] = {
-    HOOKS(ENTRY)
-    ENTRY_OWN(cuInit) ENTRY_OWN(cuMemAlloc_v2) ENTRY_OWN(cuMemFree_v2) ENTRY_OWN(cuMemFreeAsync)
-    ENTRY_OWN(cuMemFreeAsync_ptsz) ENTRY_OWN(cuGetProcAddress) ENTRY_OWN(cuGetProcAddress_v2)
-};
+    HOOKS(ENTRY) ENTRY_OWN(cuInit) ENTRY_OWN(cuMemAlloc_v2) ENTRY_OWN(cuMemFree_v2)
+        ENTRY_OWN(cuMemFreeAsync) ENTRY_OWN(cuMemFreeAsync_ptsz) ENTRY_OWN(cuGetProcAddress)
+            ENTRY_OWN(cuGetProcAddress_v2)};
 
 /* `p`, a function of the driver, or our wrapper of it (whose real slot is filled). */
 static void *swap(void *p) {
     Dl_info info;
-    if (!p || !dladdr(p, &info) || !info.dli_sname || info.dli_saddr != p ||
-        !info.dli_fname || !strstr(info.dli_fname, "libcuda"))
+    if (!p || !dladdr(p, &info) || !info.dli_sname || info.dli_saddr != p || !info.dli_fname ||
+        !strstr(info.dli_fname, "libcuda"))
         return p;
     for (size_t i = 0; i < sizeof(entries) / sizeof(*entries); i++)
         if (!strcmp(entries[i].name, info.dli_sname)) {
@@ -659,13 +685,13 @@ EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned 
 }
 
 /* ---- the control thread -------------------------------------------------------------------- */
-enum { MAX_FDS = 250 };           /* file descriptors per message (SCM_MAX_FD is 253) */
+enum { MAX_FDS = 250 }; /* file descriptors per message (SCM_MAX_FD is 253) */
 
 struct conn {
     int fd;
     char buf[65536];
     size_t len;
-    int fds[4096];                /* received descriptors not yet consumed, in order */
+    int fds[4096]; /* received descriptors not yet consumed, in order */
     size_t nfds;
 };
 
@@ -679,8 +705,8 @@ static int rx(struct conn *c, int timeout_ms) {
         return n == 0 ? -2 : -1;
     char cbuf[CMSG_SPACE(MAX_FDS * sizeof(int))];
     struct iovec iov = {.iov_base = c->buf + c->len, .iov_len = sizeof(c->buf) - c->len - 1};
-    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
-                       .msg_controllen = sizeof(cbuf)};
+    struct msghdr m = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof(cbuf)};
     ssize_t got = recvmsg(c->fd, &m, MSG_CMSG_CLOEXEC);
     if (got <= 0)
         return got == 0 ? 0 : -1;
@@ -760,7 +786,9 @@ static int send_fds(struct conn *c, const int *fds, size_t n) {
         memset(cbuf, 0, sizeof(cbuf));
         char byte = '+';
         struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-        struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+        struct msghdr m = {.msg_iov = &iov,
+                           .msg_iovlen = 1,
+                           .msg_control = cbuf,
                            .msg_controllen = CMSG_SPACE(k * sizeof(int))};
         struct cmsghdr *h = CMSG_FIRSTHDR(&m);
         h->cmsg_level = SOL_SOCKET, h->cmsg_type = SCM_RIGHTS;
@@ -772,7 +800,7 @@ static int send_fds(struct conn *c, const int *fds, size_t n) {
     return 0;
 }
 
-static void set_phase(int p) {   /* caller holds mu */
+static void set_phase(int p) { /* caller holds mu */
     if (p == P_IDLE) {
         for (size_t i = 0; i < ntab; i++)
             tab[i].status = ST_NONE;
@@ -782,9 +810,7 @@ static void set_phase(int p) {   /* caller holds mu */
     pthread_cond_broadcast(&cv);
 }
 
-static int use_context(void) {
-    return nctx ? DRV(cuCtxSetCurrent)(ctxs[0]) : CUDA_SUCCESS;
-}
+static int use_context(void) { return nctx ? DRV(cuCtxSetCurrent)(ctxs[0]) : CUDA_SUCCESS; }
 
 static int stats_json(char *out, size_t cap) {
     return snprintf(out, cap,
@@ -868,8 +894,8 @@ static void do_table(struct conn *c) {
     pthread_mutex_lock(&mu);
     fprintf(f, "{\"ok\":true,\"phase\":\"%s\",\"buffers\":[", phase_name[atomic_load(&phase)]);
     for (size_t i = 0; i < ntab; i++)
-        fprintf(f, "%s[%llu,%zu,%zu,%d,%d]", i ? "," : "", tab[i].va, tab[i].size,
-                tab[i].mapped, tab[i].device, tab[i].h != 0);
+        fprintf(f, "%s[%llu,%zu,%zu,%d,%d]", i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped,
+                tab[i].device, tab[i].h != 0);
     pthread_mutex_unlock(&mu);
     fputs("]}\n", f);
     fclose(f);
@@ -900,8 +926,10 @@ static void do_export(struct conn *c) {
         if (ph != P_HOLD)
             fail(c, "export needs the cut first");
         else
-            reply(c, "{\"ok\":false,\"error\":\"cuMemExportToShareableHandle failed with "
-                     "CUresult %d\"}", r);
+            reply(c,
+                  "{\"ok\":false,\"error\":\"cuMemExportToShareableHandle failed with "
+                  "CUresult %d\"}",
+                  r);
         free(fds);
         return;
     }
@@ -929,15 +957,17 @@ static void do_hoist(struct conn *c) {
         if ((r = unmap(tab[i].va, tab[i].mapped)) == CUDA_SUCCESS &&
             (r = DRV(cuMemRelease)(tab[i].h)) == CUDA_SUCCESS) {
             tab[i].h = 0;
-            if (tab[i].fd >= 0)   /* CRIU cannot dump it; pos holds its own */
+            if (tab[i].fd >= 0) /* CRIU cannot dump it; pos holds its own */
                 close(tab[i].fd), tab[i].fd = -1;
             released++, bytes += tab[i].mapped;
         }
     }
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS)
-        reply(c, "{\"ok\":false,\"error\":\"giving the memory up failed with CUresult %d after "
-                 "%zu buffers\"}", r, released);
+        reply(c,
+              "{\"ok\":false,\"error\":\"giving the memory up failed with CUresult %d after "
+              "%zu buffers\"}",
+              r, released);
     else
         reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu}", released, bytes);
 }
@@ -958,15 +988,14 @@ static void do_remap(struct conn *c, size_t want, int then_restore) {
     size_t mapped = 0;
     for (size_t i = 0; i < ntab && r == CUDA_SUCCESS; i++) {
         if (tab[i].h)
-            continue;   /* never given up */
+            continue; /* never given up */
         CUmemGenericAllocationHandle h = 0;
-        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)c->fds[i],
-                                                HANDLE_POSIX_FD);
+        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)c->fds[i], HANDLE_POSIX_FD);
         if (r == CUDA_SUCCESS && (r = map_rw(tab[i].va, tab[i].mapped, h, tab[i].device)))
             DRV(cuMemRelease)(h);
         if (r == CUDA_SUCCESS) {
             tab[i].h = h, mapped++;
-            tab[i].fd = c->fds[i], c->fds[i] = -1;   /* kept for the next export */
+            tab[i].fd = c->fds[i], c->fds[i] = -1; /* kept for the next export */
         }
     }
     int all = 1;
@@ -988,8 +1017,10 @@ static void do_remap(struct conn *c, size_t want, int then_restore) {
             close(c->fds[i]);
     c->nfds = 0;
     if (r != CUDA_SUCCESS)
-        reply(c, "{\"ok\":false,\"error\":\"remap failed with CUresult %d (%zu of %zu buffers "
-                 "announced, %zu in the table)\"}", r, want, want, ntab);
+        reply(c,
+              "{\"ok\":false,\"error\":\"remap failed with CUresult %d (%zu of %zu buffers "
+              "announced, %zu in the table)\"}",
+              r, want, want, ntab);
     else
         reply(c, "{\"ok\":true,\"mapped\":%zu}", mapped);
 }
@@ -1073,7 +1104,7 @@ static void mark_done(char *args) {
 static void do_move(struct conn *c, int from, int to) {
     pthread_mutex_lock(&mu);
     int ok = atomic_load(&phase) == from;
-    if (ok && to == P_RESTORE) {   /* the restore's own account: its calls from here */
+    if (ok && to == P_RESTORE) { /* the restore's own account: its calls from here */
         memset(&st, 0, sizeof(st));
         st.started_ns = now_ns();
     }
@@ -1120,13 +1151,17 @@ static void abandon(const char *why) {
         set_phase(P_IDLE);
     pthread_mutex_unlock(&mu);
     if (ph == P_RESTORE) {
-        fprintf(stderr, "pos: the restore of this process was abandonned (%s) with buffers not "
-                        "back; ending the process\n", why);
+        fprintf(stderr,
+                "pos: the restore of this process was abandonned (%s) with buffers not "
+                "back; ending the process\n",
+                why);
         kill(getpid(), SIGKILL);
     }
     if (ph == P_HOISTED)
-        fprintf(stderr, "pos: %s while the job's GPU memory is held by pos; its calls wait for "
-                        "pos to give the memory back\n", why);
+        fprintf(stderr,
+                "pos: %s while the job's GPU memory is held by pos; its calls wait for "
+                "pos to give the memory back\n",
+                why);
 }
 
 static int stall_ms(void) {
@@ -1150,7 +1185,7 @@ static void serve(int fd) {
             abandon(r == 0 ? "pos closed the connection" : "pos stopped answering");
             break;
         }
-        char *cmd = line + strspn(line, "+");   /* the bytes that carried descriptors */
+        char *cmd = line + strspn(line, "+"); /* the bytes that carried descriptors */
         char *args = strchr(cmd, ' ');
         if (args)
             *args++ = 0;
@@ -1195,7 +1230,7 @@ static void *control(void *arg) {
     in_agent = 1;
     sigset_t all;
     sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL);   /* the job's signals go to its own threads */
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* the job's signals go to its own threads */
     for (;;) {
         int fd = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) {
@@ -1225,11 +1260,14 @@ static void control_start_once(void) {
     int ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     int n = snprintf(a.sun_path + 1, sizeof(a.sun_path) - 1, "pos-agent-%d", getpid());
-    if (ls < 0 || bind(ls, (struct sockaddr *)&a, (socklen_t)(offsetof(struct sockaddr_un,
-                                                                       sun_path) + 1 + n)) ||
+    if (ls < 0 ||
+        bind(ls, (struct sockaddr *)&a,
+             (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) ||
         listen(ls, 4)) {
-        fprintf(stderr, "pos: the agent's control socket could not be opened (%s); this job "
-                        "cannot be checkpointed by pos\n", strerror(errno));
+        fprintf(stderr,
+                "pos: the agent's control socket could not be opened (%s); this job "
+                "cannot be checkpointed by pos\n",
+                strerror(errno));
         if (ls >= 0)
             close(ls);
         return;
