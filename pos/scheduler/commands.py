@@ -73,8 +73,9 @@ def _report_concurrent(r: Any, as_json: bool = False) -> None:
                f"{r.release_s:.3f} s, {held}; copy {rate or 0:.1f} GB/s "
                f"(PCIe limit ~55); " + ", ".join(f"{k} {v:.3f} s" for k, v in r.timings.items()))
     if r.foreign_bytes:
-        click.echo(f"not in the image: {r.foreign_bytes / 2**20:.1f} MiB the agent could not own "
-                   "(stream-ordered pools, managed or pitched memory)")
+        click.echo(f"{r.foreign_bytes / 2**20:.1f} MiB the agent could not own (stream-ordered "
+                   "pools, managed or pitched memory, the job's own VMM mappings) went through "
+                   "the driver's checkpoint, inside the frozen part")
 
 
 @click.command(epilog=EPILOG_CHECKPOINT)

@@ -55,7 +55,8 @@ class Report:
     release_s: float = 0.0         # from the cut to the job's release
     d2h_gbps: Optional[float] = None
     h2d_gbps: Optional[float] = None
-    foreign_bytes: int = 0         # device memory the agent could not own (not in the image)
+    foreign_bytes: int = 0         # device memory the agent could not own: the driver's
+                                   # checkpoint saves it in a whole-process image
     timings: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -84,12 +85,19 @@ class _Saver:
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
 
-    def prepare(self) -> int:
+    def prepare(self, gpu_only: bool) -> int:
         assert self.agent is not None
         st = self.agent.status()
         if not st.owning:
             raise BadInput(f"the agent of process {self.pid} does not own its memory "
                            "(POS_OWN=0)", "run the job under `pos run` without POS_OWN=0")
+        if gpu_only and st.foreign_bytes:
+            raise BadInput(f"process {self.pid} holds {st.foreign_bytes} bytes of device memory "
+                           f"in {st.foreign_allocs} allocations pos does not own (stream-ordered "
+                           "pools, managed or pitched memory, its own VMM mappings such as "
+                           "PyTorch's expandable segments): a GPU-only image would lack them",
+                           "take a whole-process image (--concurrent without --gpu-only: the "
+                           "driver saves them), or run the job without those allocators")
         want = st.owned_bytes
         self.owned_bytes = want
         self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, want))
@@ -207,7 +215,7 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
     with Agent(pid) as agent:
         s = _Saver(agent, streams, chunk_mb << 20)
         try:
-            foreign = s.prepare()
+            foreign = s.prepare(gpu_only=True)
             partial = image.prepare(Path(directory), agent.status().owned_bytes)
             echo(f"checkpointing the GPU state of PID {pid} concurrently: "
                  f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
@@ -346,7 +354,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                        "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
     s = _Saver(agent, streams, chunk_mb << 20)
     try:
-        foreign = s.prepare()
+        foreign = s.prepare(gpu_only=False)
         partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
         manifest = engine.new_manifest(pid, pids, cuda, criu.version_text, options,
                                        leave_running, nvml.gpus_of(cuda))

@@ -21,6 +21,7 @@ class FillJob:
 
     def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str],
                  buffers: int, size: int, name: Optional[str] = None) -> None:
+        """`env` may hold FILL_JOB_POOL_BYTES (memory from the stream-ordered pool)."""
         self.out = folder / "job.out"
         self.pause = folder / "pause"
         with open(self.out, "w") as out:
@@ -70,10 +71,12 @@ def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
              ) -> Iterator[Callable[..., FillJob]]:
     started: list[FillJob] = []
 
-    def start(buffers: int = 12, size: int = 1 << 20, name: Optional[str] = None) -> FillJob:
+    def start(buffers: int = 12, size: int = 1 << 20, name: Optional[str] = None,
+              pool_bytes: int = 0) -> FillJob:
         d = tmp_path / f"job{len(started)}"
         d.mkdir(exist_ok=True)
-        job = FillJob(fakegpu, d, gpu_env, buffers, size, name)
+        env = {**gpu_env, **({"FILL_JOB_POOL_BYTES": str(pool_bytes)} if pool_bytes else {})}
+        job = FillJob(fakegpu, d, env, buffers, size, name)
         started.append(job)
         return job
     yield start

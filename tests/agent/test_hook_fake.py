@@ -29,6 +29,23 @@ def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
     assert {b.size for b in table} == {3 << 20} and all(b.mapped % (2 << 20) == 0 for b in table)
 
 
+def test_memory_pos_cannot_own_is_counted_and_refused_for_gpu_only_images(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    job = fill_job(pool_bytes=3 << 20)
+    with Agent(job.pid) as a:
+        st = a.status()
+    assert st.foreign_allocs == 1 and st.foreign_bytes == 3 << 20 and st.buffers == 12
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "g"), "--concurrent", "--gpu-only",
+            env=gpu_env)
+    one_sentence(r, 2, f"holds {3 << 20} bytes of device memory in 1 allocations pos does not "
+                 "own", "whole-process image")
+    assert not (tmp_path / "g").exists() and not (tmp_path / "g.partial").exists()
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "w"), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert "3.0 MiB the agent could not own" in r.stdout and "driver's checkpoint" in r.stdout
+
+
 def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Path) -> None:
     job = fill_job()
     ops = []

@@ -3,7 +3,8 @@
  * and launches a kernel, so that the state after exactly K operations is known (fill_job.torn).
  * It reaches the driver the three ways a real job does: cuMemAlloc through cuGetProcAddress
  * (as a runtime), cuMemsetD32 through dlsym on libcuda, and cuLaunchKernel linked directly.
- * While PAUSE_FILE exists it makes no CUDA call.
+ * While PAUSE_FILE exists it makes no CUDA call. FILL_JOB_POOL_BYTES=N also takes N bytes from the
+ * stream-ordered pool (cuMemAllocAsync), which pos cannot own.
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -26,6 +27,7 @@ CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         unsigned, CUstream, void **, void **);
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 
 #define CHECK(x)                                                                                  \
     do {                                                                                           \
@@ -78,6 +80,11 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) {
         CHECK(alloc(&buf[i], bytes));
         CHECK(memset32(buf[i], 0, bytes / 4));
+    }
+    const char *pool = getenv("FILL_JOB_POOL_BYTES");
+    if (pool) {
+        CUdeviceptr p;
+        CHECK(cuMemAllocAsync(&p, strtoull(pool, NULL, 0), NULL));
     }
     printf("READY %d\n", getpid());
     fflush(stdout);

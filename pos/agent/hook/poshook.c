@@ -146,7 +146,7 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;   /* phase or a status chan
 static struct owned *tab;
 static size_t ntab, captab;
 static size_t owned_bytes;
-static uint64_t foreign_allocs, foreign_bytes; /* allocations pos could not own (cumulative) */
+static uint64_t foreign_allocs, foreign_bytes; /* live allocations pos could not own */
 static _Atomic int phase = P_IDLE;
 static _Atomic long inflight; /* calls past the gate, not yet out */
 static long waiting;          /* calls waiting in the gate (mu) */
@@ -208,6 +208,60 @@ static void remember_ctx(CUcontext c) {
             return;
     if (nctx < 16)
         ctxs[nctx++] = c;
+}
+
+/* Live allocations pos does not own (pools, managed, pitched, the job's own VMM mappings),
+ * by address: their bytes are not in a GPU-only image, so pos must know whether there are
+ * any. Open addressing; a freed slot keeps its place (tombstone) until the table grows. */
+struct foreign {
+    CUdeviceptr p; /* 0: empty, 1: freed */
+    size_t n;
+};
+static struct foreign *ftab;
+static size_t fcap, fused;
+
+static struct foreign *foreign_slot(CUdeviceptr p, int for_insert) {
+    for (size_t i = (size_t)(p >> 12) * 0x9E3779B97F4A7C15ull & (fcap - 1);;
+         i = (i + 1) & (fcap - 1)) {
+        if (ftab[i].p == p || (for_insert && ftab[i].p <= 1))
+            return &ftab[i];
+        if (ftab[i].p == 0)
+            return NULL;
+    }
+}
+
+static void foreign_add(CUdeviceptr p, size_t n) { /* caller holds mu */
+    if (!p)
+        return;
+    if (2 * (fused + 1) > fcap) {
+        size_t cap = fcap ? 2 * fcap : 256;
+        struct foreign *old = ftab, *t = calloc(cap, sizeof(*t));
+        if (!t)
+            return;
+        size_t oldcap = fcap;
+        ftab = t, fcap = cap, fused = 0;
+        for (size_t i = 0; i < oldcap; i++)
+            if (old[i].p > 1) {
+                *foreign_slot(old[i].p, 1) = old[i];
+                fused++;
+            }
+        free(old);
+    }
+    struct foreign *f = foreign_slot(p, 1);
+    if (f->p <= 1)
+        fused += f->p == 0;
+    *f = (struct foreign){p, n};
+    foreign_allocs++;
+    foreign_bytes += n;
+}
+
+static void foreign_remove(CUdeviceptr p) { /* caller holds mu */
+    struct foreign *f = fcap && p > 1 ? foreign_slot(p, 0) : NULL;
+    if (f) {
+        foreign_allocs--;
+        foreign_bytes -= f->n;
+        f->p = 1;
+    }
 }
 
 /* ---- the gate ---------------------------------------------------------------------------- */
@@ -422,15 +476,22 @@ static void gate_exit(void) {
     X(cuMemMap,                                                                                    \
       (CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h, unsigned long long f),   \
       (p, n, o, h, f), T_NONE, FOREIGN(&p, n))                                                     \
-    X(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), T_W(p), NOAFTER)
+    X(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), T_W(p), FOREIGN_GONE(p))
 
 #define NOAFTER ((void)0)
 #define FOREIGN(p, n)                                                                              \
     do {                                                                                           \
         if (r == CUDA_SUCCESS) {                                                                   \
             pthread_mutex_lock(&mu);                                                               \
-            foreign_allocs++;                                                                      \
-            foreign_bytes += (n);                                                                  \
+            foreign_add(*(p), (n));                                                                \
+            pthread_mutex_unlock(&mu);                                                             \
+        }                                                                                          \
+    } while (0)
+#define FOREIGN_GONE(p)                                                                            \
+    do {                                                                                           \
+        if (r == CUDA_SUCCESS) {                                                                   \
+            pthread_mutex_lock(&mu);                                                               \
+            foreign_remove(p);                                                                     \
             pthread_mutex_unlock(&mu);                                                             \
         }                                                                                          \
     } while (0)
@@ -441,7 +502,8 @@ HOOKS(DECLARE)
 /* The driver functions with wrappers of their own below, or that the control thread calls. */
 #define OWN(X)                                                                                     \
     X(cuInit)                                                                                      \
-    X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuGetProcAddress)  \
+    X(cuMemAlloc_v2)                                                                               \
+    X(cuMemFree_v2) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuGetProcAddress)                   \
         X(cuGetProcAddress_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice)             \
             X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)            \
                 X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess)                              \
@@ -617,6 +679,7 @@ static CUresult free_via(CUdeviceptr p, CUstream s,
             r = driver_free(p, s);
     } else {
         r = driver_free(p, s);
+        FOREIGN_GONE(p);
     }
     gate_exit();
     return r;
