@@ -6,6 +6,8 @@ from typing import Any, Callable, Optional
 
 import click
 
+from pos.errors import BadInput
+
 from pos.options import criu_options, criu_options_from, db_option, json_option
 
 EPILOG_CHECKPOINT = """\b
@@ -184,6 +186,10 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         return
     if streams or chunk_mb:
         raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
+    if conc.is_gpu_only_image(Path(directory)):
+        raise BadInput(f"{directory} is a GPU-only image (no process in it)",
+                       "roll a live `pos run` job back to it with `pos restore --gpu-only PID -D "
+                       "DIR`")
     if conc.is_full_image(Path(directory)):
         open_store(db)
         pid, r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json))

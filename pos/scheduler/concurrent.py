@@ -522,6 +522,12 @@ class _Prefetch:
         self.fds = []
 
 
+def is_gpu_only_image(directory: Path) -> bool:
+    """A GPU-only concurrent image: a GPU index and no CRIU inventory."""
+    d = Path(directory)
+    return (d / gpuimage.INDEX).is_file() and not (d / "inventory.img").is_file()
+
+
 def is_full_image(directory: Path) -> bool:
     """A whole-process concurrent image: CRIU's files and a GPU index side by side."""
     d = Path(directory)

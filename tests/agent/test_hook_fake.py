@@ -81,6 +81,14 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         assert not torn(image_values(Path(r.path)))
 
 
+def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,
+                                                      gpu_env) -> None:
+    job = fill_job()
+    img = concurrent.checkpoint_gpu(job.pid, tmp_path / "g").path
+    one_sentence(pos("restore", "-D", img, env=gpu_env), 2, "is a GPU-only image",
+                 "pos restore --gpu-only PID")
+
+
 def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
     job = fill_job()
     a = Agent(job.pid)
