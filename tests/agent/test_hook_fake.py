@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pos.agent.control import Agent
+from pos.image import gpu as gpuimage
 from pos.scheduler import concurrent
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for
@@ -232,3 +234,31 @@ def test_a_corrupt_chunk_ends_the_job_it_was_being_restored_into(fill_job, tmp_p
     r = pos("restore", "--gpu-only", str(job.pid), "-D", str(img), env=gpu_env)
     one_sentence(r, 2, "does not match its checksum")
     wait_for(lambda: not job.alive(), what="the half-restored job's end")
+
+
+def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
+    """64 allocations of 4 KiB take one 2 MiB slab, not 64 granules; images and restores handle
+    the slab as one buffer, and every allocation in it is still exact."""
+    job = fill_job(buffers=64, size=4096)
+    with Agent(job.pid) as a:
+        st = a.status()
+    assert st.buffers == 1 and st.owned_bytes == 2 << 20
+    time.sleep(0.3)
+    img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
+    (_base, (where, size, chunks)), = gpuimage.resolve(img).items()
+    words = np.concatenate([_chunk(where, c) for c in sorted(chunks, key=lambda c: c["offset"])])
+    held = sorted(set(words.tolist()) - {0})
+    assert size == 2 << 20 and len(held) == 64 and not torn(held)
+    job.pause.touch()
+    time.sleep(0.1)
+    concurrent.restore_gpu(job.pid, img)
+    back = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "back").path)
+    (_b, (where2, _s, chunks2)), = gpuimage.resolve(back).items()
+    assert [c["hash"] for c in sorted(chunks2, key=lambda c: c["offset"])] == \
+        [c["hash"] for c in sorted(chunks, key=lambda c: c["offset"])]
+
+
+def _chunk(where: Path, c: dict) -> np.ndarray:
+    buf = np.empty(c["raw"], np.uint8)
+    gpuimage.read_chunk(where, c, buf)
+    return buf.view(np.uint32)
