@@ -22,7 +22,6 @@ from pos.driver import Driver, DriverError, driver
 C = ctypes
 U64, SZ = C.c_uint64, C.c_size_t
 HANDLE_POSIX_FD = 1
-CHUNK = 64 << 20
 
 
 class _Loc(C.Structure):
