@@ -98,6 +98,24 @@ def kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def wait_lines(log: Path, n: int = 20) -> None:
+    """Until the job's log has n lines (train_det writes one per step)."""
+    while not log.exists() or len(log.read_text().splitlines()) < n:
+        time.sleep(0.05)
+
+
+def compare_when_done(ref_log: Path, log: Path, res: dict[str, Any], timeout: float) -> None:
+    """Once the restored job has finished (its last line names the ballast), its lines against
+    the uninterrupted run's, into res."""
+    t = time.monotonic()
+    while time.monotonic() - t < timeout and "ballast" not in log.read_text():
+        time.sleep(0.2)
+    ref, got = ref_log.read_text().splitlines(), log.read_text().splitlines()
+    res["lines"] = [len(ref), len(got)]
+    res["bit_exact"] = ref == got
+    res["first_diff"] = next(([a, b] for a, b in zip(ref, got) if a != b), None)
+
+
 # -- parts ---------------------------------------------------------------------------------
 def overhead(out: Path, rounds: int) -> dict[str, Any]:
     modes = {"plain": (False, {}), "agent_not_owning": (True, {"POS_OWN": "0"}),
@@ -201,27 +219,13 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=open(out / "stw-job.log", "ab"), start_new_session=True)
     try:
-        while not log.exists() or len(log.read_text().splitlines()) < 20:
-            time.sleep(0.1)
+        wait_lines(log)
         time.sleep(random.uniform(0, 0.5))
         d = images / "stw-img"
-        t = time.monotonic()
-        c = subprocess.run([*POS, "checkpoint", str(p.pid), "-D", str(d)], cwd=ROOT,
-                           capture_output=True, text=True)
-        res["checkpoint"] = {"rc": c.returncode, "s": time.monotonic() - t, "out": c.stdout[-800:],
-                             "err": c.stderr[-800:]}
+        res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d))
         p.wait(timeout=60)
-        t = time.monotonic()
-        rs = subprocess.run([*POS, "restore", "-D", str(d)], cwd=ROOT, capture_output=True,
-                            text=True)
-        res["restore"] = {"rc": rs.returncode, "s": time.monotonic() - t, "out": rs.stdout[-800:],
-                          "err": rs.stderr[-800:]}
-        t = time.monotonic()
-        while time.monotonic() - t < 120 and "ballast" not in log.read_text():
-            time.sleep(0.2)
-        ref, got = ref_log.read_text().splitlines(), log.read_text().splitlines()
-        res["lines"] = [len(ref), len(got)]
-        res["bit_exact"] = ref == got
+        res["restore"] = pos_cmd("restore", "-D", str(d))
+        compare_when_done(ref_log, log, res, 120)
     finally:
         kill(p)
     return res
@@ -284,21 +288,14 @@ def fullexact(out: Path, images: Path, gib: float, steps: int = 300) -> dict[str
                          stderr=open(out / "fullexact-job.log", "ab"), start_new_session=True)
     res: dict[str, Any] = {"gib": gib}
     try:
-        while not log.exists() or len(log.read_text().splitlines()) < 20:
-            time.sleep(0.05)
+        wait_lines(log)
         time.sleep(random.uniform(0, 0.7))
         d = images / "full-img"
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent")
         res["steps_at_checkpoint"] = len(log.read_text().splitlines())
         p.wait(timeout=60)
         res["restore"] = pos_cmd("restore", "-D", str(d))
-        t = time.monotonic()
-        while time.monotonic() - t < 180 and "ballast" not in log.read_text():
-            time.sleep(0.2)
-        ref, got = ref_log.read_text().splitlines(), log.read_text().splitlines()
-        res["lines"] = [len(ref), len(got)]
-        res["bit_exact"] = ref == got
-        res["first_diff"] = next(([a, b] for a, b in zip(ref, got) if a != b), None)
+        compare_when_done(ref_log, log, res, 180)
     finally:
         kill(p)
         subprocess.run(["pkill", "-9", "-f", str(log)])
@@ -314,8 +311,7 @@ def fullstall(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
                              stderr=open(out / "fullstall-job.log", "ab"), start_new_session=True)
         row: dict[str, Any] = {"gib": gib}
         try:
-            while not log.exists() or len(log.read_text().splitlines()) < 20:
-                time.sleep(0.05)
+            wait_lines(log)
             row["stop_the_world"] = pos_cmd("checkpoint", str(p.pid), "-D",
                                             str(images / "stw"), "--leave-running")
             subprocess.run(["rm", "-rf", str(images / "stw")])
@@ -382,8 +378,7 @@ def predump(out: Path, images: Path) -> dict[str, Any]:
                          stderr=subprocess.DEVNULL, start_new_session=True)
     res: dict[str, Any] = {}
     try:
-        while not log.exists() or len(log.read_text().splitlines()) < 20:
-            time.sleep(0.05)
+        wait_lines(log)
         criu = criu_mod.find().path
         d = images / "pre"
         d.mkdir()
