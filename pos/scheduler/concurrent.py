@@ -79,11 +79,7 @@ class _Saver:
         self.table: list[Buffer] = []
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
-        t = time.monotonic()
-        try:
-            return fn()
-        finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
+        return engine.timed(self.timings, name, fn)
 
     def prepare(self, gpu_only: bool) -> int:
         assert self.agent is not None
@@ -368,7 +364,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             t0 = time.monotonic()
             g.step("cut")
             cut = s.cut_and_import()
-            sources = g.timed("shadow", s.snapshot)
+            sources = s.snapshot()
             g.hold(s.fds)
             g.step("hoist", hoisted=True)
             g.timed("hoist", agent.hoist)
@@ -532,8 +528,3 @@ def is_full_image(directory: Path) -> bool:
     """A whole-process concurrent image: CRIU's files and a GPU index side by side."""
     d = Path(directory)
     return (d / gpuimage.INDEX).is_file() and (d / "inventory.img").is_file()
-
-
-def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool) -> Report:
-    """The scheduler's entry (pos/scheduler/snapshot.py): the whole process."""
-    return checkpoint_full(pid, directory, options, leave_running)

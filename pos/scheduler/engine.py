@@ -38,6 +38,15 @@ DEFAULT_LOCK_TIMEOUT_MS = 10_000
 FAULT_ENV = "POS_FAULT_AT"
 
 
+def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
+    """fn(), its duration added to timings[name] (whether or not it raised)."""
+    t = time.monotonic()
+    try:
+        return fn()
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.monotonic() - t
+
+
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
@@ -75,11 +84,7 @@ class Guard:
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one step and add its duration to timings[name]."""
-        t = time.monotonic()
-        try:
-            return fn()
-        finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
+        return timed(self.timings, name, fn)
 
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
                  pass_fds: tuple[int, ...] = (), terminal: bool = False) -> None:

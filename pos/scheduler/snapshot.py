@@ -64,7 +64,7 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
     if engine == "concurrent":
         from pos.scheduler import concurrent
 
-        report = concurrent.checkpoint(pid, directory, options, leave_running)
+        report = concurrent.checkpoint_full(pid, directory, options, leave_running)
         path = Path(report.path)
         manifest = image.load(path)
         # The concurrent engine holds the job only at the cut and, for a whole-process image,

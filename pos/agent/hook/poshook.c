@@ -505,8 +505,9 @@ HOOKS(DECLARE)
     X(cuMemAlloc_v2)                                                                               \
     X(cuMemFree_v2)                                                                                \
     X(cuMemFreeAsync)                                                                              \
-    X(cuMemFreeAsync_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuCtxGetCurrent)           \
-        X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity)  \
+    X(cuMemFreeAsync_ptsz)                                                                         \
+    X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent)               \
+        X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity)                     \
             X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess)           \
                 X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                  \
                     X(cuStreamSynchronize)
@@ -1447,8 +1448,6 @@ static void *control(void *arg) {
 static pthread_once_t control_once = PTHREAD_ONCE_INIT;
 
 static void control_start_once(void) {
-    const char *own = getenv("POS_OWN");
-    owning = !(own && !strcmp(own, "0"));
     int ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     int n = snprintf(a.sun_path + 1, sizeof(a.sun_path) - 1, "pos-agent-%d", getpid());
