@@ -18,10 +18,14 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
   hoistfd      the agent gives its memory up and maps it back from descriptors that no CUDA
                context of pos holds: whether the exported descriptor alone keeps the memory
   fullexact    `pos checkpoint --concurrent` (whole process, hoisted; the job ended by the
-               dump) at a moment the job does not choose, then `pos restore` into a new
-               process: every loss against an uninterrupted run's, bit for bit; restore times
-  fullstall    the same job with --leave-running: the driver's stop-the-world `pos checkpoint`
-               first, then the concurrent one, on the same job, at each --full-sizes GiB
+               dump) of --exact-job (gpt: workloads/train_gpt.py) at a moment the job does not
+               choose, then `pos restore` into a new process: every loss against an
+               uninterrupted run's, bit for bit; restore times, the first step after it; then
+               the fill probe: the image read back by 8 and 16 threads, read only / hashed
+               whole / hashed in pieces
+  fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
+               concurrent one, on the same job, for each of --full-jobs (GiB of train_det
+               ballast, or gpt)
   predump      whether CRIU can pre-dump a running `pos run` job (nvidia mappings still in it):
                the way to shorten the frozen part of the dump (a probe, not yet used by pos)
   faults       pos killed (SIGKILL) at each step of a whole-process concurrent checkpoint: the
@@ -37,6 +41,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -105,15 +110,104 @@ def wait_lines(log: Path, n: int = 20) -> None:
 
 
 def compare_when_done(ref_log: Path, log: Path, res: dict[str, Any], timeout: float) -> None:
-    """Once the restored job has finished (its last line names the ballast), its lines against
-    the uninterrupted run's, into res."""
+    """Once the restored job has written as many lines as the uninterrupted run, its lines
+    against that run's, into res."""
+    ref = ref_log.read_text().splitlines()
     t = time.monotonic()
-    while time.monotonic() - t < timeout and "ballast" not in log.read_text():
+    while time.monotonic() - t < timeout and len(log.read_text().splitlines()) < len(ref):
         time.sleep(0.2)
-    ref, got = ref_log.read_text().splitlines(), log.read_text().splitlines()
+    got = log.read_text().splitlines()
     res["lines"] = [len(ref), len(got)]
     res["bit_exact"] = ref == got
     res["first_diff"] = next(([a, b] for a, b in zip(ref, got) if a != b), None)
+
+
+def job_argv(job: str, log: Path, steps: int, sleep: float) -> list[str]:
+    """`gpt`: workloads/train_gpt.py (GPT-2 medium's shape, ~27 GB); a number G: train_det.py
+    with G GiB of ballast."""
+    if job == "gpt":
+        return [PY, "workloads/train_gpt.py", str(log), "--steps", str(steps), "--sleep",
+                str(sleep)]
+    return det_argv(log, steps, float(job), sleep)
+
+
+class FirstLine:
+    """When a log grows past the lines it has now: the restored job's first step done."""
+
+    def __init__(self, log: Path) -> None:
+        self.n, self.t0, self.at = len(log.read_text().splitlines()), time.monotonic(), None
+        self.log, self.stop = log, False
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stop and time.monotonic() - self.t0 < 300:
+            if len(self.log.read_text().splitlines()) > self.n:
+                self.at = time.monotonic() - self.t0
+                return
+            time.sleep(0.002)
+
+    def seconds(self, timeout: float = 120) -> Any:
+        self.thread.join(timeout)
+        self.stop = True
+        return self.at
+
+
+def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
+    """Why a restore fills at what it does: the image's GPU chunks (page cache) read into host
+    memory by N threads, (a) read only, (b) read then hash the whole chunk (before this commit),
+    (c) read and hash in 1 MiB pieces as the restore now does; GB/s each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from pos.image import gpu as gpuimage
+    from pos.image.checksum import checksum
+
+    saved = gpuimage.resolve(image_dir)
+    chunks = [(folder, c) for folder, _size, cs in saved.values() for c in cs]
+    total = sum(c["raw"] for _f, c in chunks)
+    biggest = max(c["raw"] for _f, c in chunks)
+    res: dict[str, Any] = {"bytes": total, "chunks": len(chunks)}
+
+    def read(folder: Path, c: dict[str, Any], out: Any, fds: dict[str, int], mode: str) -> None:
+        if mode == "pieces":
+            gpuimage.read_chunk_into(folder, c, out, fds)
+            return
+        path = str(folder / c["file"])
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        fd = fds[path]
+        view, done = memoryview(out[:c["raw"]]).cast("B"), 0
+        while done < c["raw"]:
+            done += os.preadv(fd, [view[done:]], c["at"] + done)
+        if mode == "whole":
+            checksum(out[:c["raw"]])
+
+    for n in threads:
+        bufs = [np.ones(biggest, np.uint8) for _ in range(n)]   # touched: no first faults
+        for mode in ("read", "whole", "pieces"):
+            free = list(range(n))
+            lock = threading.Lock()
+            fds: list[dict[str, int]] = [{} for _ in range(n)]
+
+            def one(item: tuple[Path, dict[str, Any]]) -> None:
+                with lock:
+                    k = free.pop()
+                try:
+                    read(item[0], item[1], bufs[k], fds[k], mode)
+                finally:
+                    with lock:
+                        free.append(k)
+
+            t = time.monotonic()
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(one, chunks))
+            res[f"{mode}_{n}_gbps"] = round(total / (time.monotonic() - t) / 1e9, 2)
+            for d in fds:
+                for fd in d.values():
+                    os.close(fd)
+    return res
 
 
 # -- parts ---------------------------------------------------------------------------------
@@ -279,39 +373,43 @@ def pos_cmd(*args: str) -> dict[str, Any]:
             "err": r.stderr[-1500:]}
 
 
-def fullexact(out: Path, images: Path, gib: float, steps: int = 300) -> dict[str, Any]:
+def fullexact(out: Path, images: Path, job: str, steps: int = 60) -> dict[str, Any]:
     ref_log, log = images / "ref.log", images / "full.log"
-    subprocess.run([*POS, "run", "--", *det_argv(ref_log, steps, gib)], cwd=ROOT, timeout=600,
-                   capture_output=True)
-    p = subprocess.Popen([*POS, "run", "--", *det_argv(log, steps, gib)], cwd=ROOT,
+    subprocess.run([*POS, "run", "--", *job_argv(job, ref_log, steps, 0.05)], cwd=ROOT,
+                   timeout=600, capture_output=True)
+    p = subprocess.Popen([*POS, "run", "--", *job_argv(job, log, steps, 0.05)], cwd=ROOT,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=open(out / "fullexact-job.log", "ab"), start_new_session=True)
-    res: dict[str, Any] = {"gib": gib}
+    res: dict[str, Any] = {"job": job, "steps": steps}
     try:
-        wait_lines(log)
+        wait_lines(log, steps // 3)
         time.sleep(random.uniform(0, 0.7))
         d = images / "full-img"
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent")
         res["steps_at_checkpoint"] = len(log.read_text().splitlines())
         p.wait(timeout=60)
+        first = FirstLine(log)
         res["restore"] = pos_cmd("restore", "-D", str(d))
-        compare_when_done(ref_log, log, res, 180)
+        res["first_step_after_restore_s"] = first.seconds()
+        compare_when_done(ref_log, log, res, 300)
+        subprocess.run(["pkill", "-9", "-f", str(log)])
+        res["fill_probe"] = fill_probe(d, [8, 16])
     finally:
         kill(p)
         subprocess.run(["pkill", "-9", "-f", str(log)])
     return res
 
 
-def fullstall(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
+def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
     rows = []
-    for gib in sizes:
-        log = images / f"stall-{gib}.log"
-        p = subprocess.Popen([*POS, "run", "--", *det_argv(log, 0, gib, 0.01)], cwd=ROOT,
+    for job in jobs:
+        log = images / f"stall-{job}.log"
+        p = subprocess.Popen([*POS, "run", "--", *job_argv(job, log, 0, 0.01)], cwd=ROOT,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=open(out / "fullstall-job.log", "ab"), start_new_session=True)
-        row: dict[str, Any] = {"gib": gib}
+        row: dict[str, Any] = {"job": job}
         try:
-            wait_lines(log)
+            wait_lines(log, 10 if job == "gpt" else 20)
             row["stop_the_world"] = pos_cmd("checkpoint", str(p.pid), "-D",
                                             str(images / "stw"), "--leave-running")
             subprocess.run(["rm", "-rf", str(images / "stw")])
@@ -324,7 +422,7 @@ def fullstall(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
                 row["manifest"].pop("files", None)
             subprocess.run(["rm", "-rf", str(images / "conc")])
             n = len(log.read_text().splitlines())
-            time.sleep(1)
+            time.sleep(2)
             row["alive_after"] = p.poll() is None and len(log.read_text().splitlines()) > n
         finally:
             kill(p)
@@ -402,8 +500,8 @@ def main() -> None:
     ap.add_argument("--only", default="overhead,consistency,big,stw,hoistfd")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sizes", default="8,16")
-    ap.add_argument("--exact-gib", type=float, default=16)
-    ap.add_argument("--full-sizes", default="16,25")
+    ap.add_argument("--exact-job", default="gpt", help="gpt, or GiB of train_det ballast")
+    ap.add_argument("--full-jobs", default="16,gpt", help="gpt, or GiB of train_det ballast")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)
@@ -414,8 +512,8 @@ def main() -> None:
         "big": lambda: big(out, images, [float(s) for s in a.sizes.split(",")]),
         "stw": lambda: stw(out, images),
         "hoistfd": lambda: hoistfd(out, images),
-        "fullexact": lambda: fullexact(out, images, a.exact_gib),
-        "fullstall": lambda: fullstall(out, images, [float(x) for x in a.full_sizes.split(",")]),
+        "fullexact": lambda: fullexact(out, images, a.exact_job),
+        "fullstall": lambda: fullstall(out, images, a.full_jobs.split(",")),
         "faults": lambda: faults(out, images),
         "predump": lambda: predump(out, images),
     }

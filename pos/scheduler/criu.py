@@ -372,18 +372,37 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
             return value, i
 
 
-def frozen_seconds(images: Path) -> Optional[float]:
-    """CRIU's freezing + frozen time of the last dump (stats-dump), None when unreadable.
+@dataclass(frozen=True)
+class DumpStats:
+    """What CRIU's stats-dump says of the last dump: where its frozen time went."""
+    freezing_s: float
+    frozen_s: float
+    memdump_s: float      # pages drained from the frozen tree (parasite, vmsplice)
+    memwrite_s: float     # pages written to the image
+    pages_scanned: int
+    pages_written: int
+
+    def timings(self) -> dict[str, float]:
+        """The manifest's timings: `frozen` (freezing + frozen) and the page work within it."""
+        return {"frozen": self.freezing_s + self.frozen_s, "criu_memdump": self.memdump_s,
+                "criu_memwrite": self.memwrite_s,
+                "criu_written_mib": self.pages_written * 4096 / 2**20}
+
+
+def dump_stats(images: Path) -> Optional[DumpStats]:
+    """The stats-dump of the dump in `images`, None when unreadable.
 
     stats-dump is a CRIU service image: two magics, a u32 length, a StatsEntry whose field 1 is
-    dump_stats_entry (1 freezing_time, 2 frozen_time, in microseconds)."""
+    dump_stats_entry (1 freezing_time, 2 frozen_time, 3 memdump_time, 4 memwrite_time in
+    microseconds; 5 pages_scanned, 7 pages_written)."""
     try:
         raw = (images / "stats-dump").read_bytes()
         magic, kind, size = struct.unpack_from("<III", raw)
         if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
             return None
-        dump = _varints(_varints(raw[12:12 + size])[1])
-        return (dump[1] + dump[2]) / 1e6
+        d = _varints(_varints(raw[12:12 + size])[1])
+        return DumpStats(d[1] / 1e6, d[2] / 1e6, d.get(3, 0) / 1e6, d.get(4, 0) / 1e6,
+                         d.get(5, 0), d.get(7, 0))
     except (OSError, struct.error, KeyError, IndexError, ValueError, TypeError):
         return None
 

@@ -218,9 +218,9 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
         g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
-        frozen = criu_mod.frozen_seconds(partial)
-        if frozen is not None:
-            g.timings["frozen"] = frozen
+        stats = criu_mod.dump_stats(partial)
+        if stats is not None:
+            g.timings.update(stats.timings())
         if leave_running:
             for p in cuda:
                 g.step("restore")
@@ -233,7 +233,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                     _give_lent(p, pairs)    # again by the undo if pos dies here: harmless
             if plan.lent:
                 g.step("unlock", lent={})
-            manifest.stall_s = time.monotonic() - start if cuda else frozen
+            manifest.stall_s = time.monotonic() - start if cuda else g.timings.get("frozen")
         g.step("seal")
         manifest.timings = g.timings
         progress.phase("checksum", total=folder_bytes(partial))

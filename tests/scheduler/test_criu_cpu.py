@@ -107,7 +107,9 @@ def test_image_is_root_only_listed_and_inspected(tmp_path, counters, env) -> Non
     manifest = json.loads((img / "pos-manifest.json").read_text())
     assert manifest["pid"] == c.pid and manifest["gpu_pids"] == []
     assert set(manifest["files"]) == {f.name for f in img.iterdir()} - {"pos-manifest.json"}
-    assert {"dump", "checksum"} <= set(manifest["timings"])
+    timings = manifest["timings"]
+    assert {"dump", "checksum", "frozen", "criu_memdump", "criu_memwrite"} <= set(timings)
+    assert 0 < timings["frozen"] <= timings["dump"] and timings["criu_written_mib"] > 0
     r = pos("images", env=env)
     assert r.returncode == 0 and str(img) in r.stdout and str(c.pid) in r.stdout
     r = pos("inspect", str(img), "--verify")

@@ -1,0 +1,60 @@
+"""The chunk checksum (pos/image/checksum.py): the numba hash against a plain-Python statement
+of it, and Stream (pieces hashed as read) against checksum() of the whole chunk."""
+
+import numpy as np
+import pytest
+
+from pos.image.checksum import GROUP, Stream, checksum
+
+M = (1 << 64) - 1
+P1, P2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
+
+
+def words_hash(words: list[int], h: int) -> int:
+    lanes = [h ^ (P2 * (j + 1) & M) for j in range(4)]
+    n = len(words) // 4 * 4
+    for i in range(0, n, 4):
+        for j in range(4):
+            x = (lanes[j] ^ words[i + j]) * P1 & M
+            lanes[j] = x ^ (x >> 29)
+    out = len(words) * P2 & M
+    for lane in lanes:
+        out = (out ^ lane) * P1 & M
+    for w in words[n:]:
+        out = (out ^ w) * P2 & M
+        out ^= out >> 31
+    return out
+
+
+def reference(data: bytes) -> int:
+    """The checksum as specified: the words hashed from the length, then the zero-padded tail."""
+    n = len(data) // 8 * 8
+    out = words_hash([int.from_bytes(data[i:i + 8], "little") for i in range(0, n, 8)], len(data))
+    if len(data) % 8:
+        out = words_hash([int.from_bytes(data[n:].ljust(8, b"\0"), "little")], out)
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 100, 257, 4096 + 13])
+def test_checksum_is_the_specified_hash(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert checksum(data) == reference(data.tobytes())
+
+
+@pytest.mark.parametrize("n,piece", [(0, 64), (5, 64), (64, 64), (1000, 64), (4096 + 13, 96),
+                                     (10_000, 4096), (10_007, 32)])
+def test_a_stream_of_pieces_equals_the_whole(n: int, piece: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    s = Stream(n)
+    for off in range(0, n, piece):
+        s.update(data[off:off + piece])
+    assert s.digest() == checksum(data)
+
+
+def test_a_stream_refuses_a_short_piece_before_the_last_and_a_wrong_length() -> None:
+    s = Stream(3 * GROUP)
+    s.update(np.zeros(GROUP + 1, np.uint8))
+    with pytest.raises(ValueError, match="last piece"):
+        s.update(np.zeros(GROUP, np.uint8))
+    with pytest.raises(ValueError, match="was given"):
+        Stream(GROUP).digest()
