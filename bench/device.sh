@@ -64,7 +64,8 @@ concurrent)
     step hook python3 -m pos.agent.hook
     step concurrent-bench python3 bench/concurrent_gpu.py --out "$out" \
         --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}"
-    step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py ;;
+    [ "${POS_BENCH_TEST:-1}" = 0 ] ||   # POS_BENCH_TEST=0: the bench parts alone
+        step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
