@@ -22,7 +22,7 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                choose, then `pos restore` into a new process: every loss against an
                uninterrupted run's, bit for bit; restore times, the first step after it; then
                the fill probe: the image read back by 8 and 16 threads, read only / hashed
-               whole / hashed in pieces
+               whole / hashed in pieces (compiled, without the GIL)
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
                concurrent one, on the same job, for each of --full-jobs (GiB of train_det
                ballast, or gpt)
@@ -49,8 +49,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
-from pos.agent.control import Agent  # noqa: E402
-from pos.scheduler import concurrent, cudackpt  # noqa: E402
+from pos.agent.control import Agent, Buffer  # noqa: E402
+from pos.scheduler import concurrent, cudackpt, gpucopy  # noqa: E402
 from workloads.fill_job import image_values, torn  # noqa: E402
 
 PY = sys.executable
@@ -131,32 +131,62 @@ def job_argv(job: str, log: Path, steps: int, sleep: float) -> list[str]:
     return det_argv(log, steps, float(job), sleep)
 
 
-class FirstLine:
-    """When a log grows past the lines it has now: the restored job's first step done."""
+class LineTimes:
+    """When each new line of a job's log appeared, watched from outside (2 ms polls): the
+    job's step times, with no change to the job."""
 
     def __init__(self, log: Path) -> None:
-        self.n, self.t0, self.at = len(log.read_text().splitlines()), time.monotonic(), None
         self.log, self.stop = log, False
+        self.n0 = len(log.read_text().splitlines()) if log.exists() else 0
+        self.t0 = time.monotonic()
+        self.times: list[float] = []
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
     def _watch(self) -> None:
-        while not self.stop and time.monotonic() - self.t0 < 300:
-            if len(self.log.read_text().splitlines()) > self.n:
-                self.at = time.monotonic() - self.t0
-                return
+        n = self.n0
+        while not self.stop and time.monotonic() - self.t0 < 600:
+            m = len(self.log.read_text().splitlines()) if self.log.exists() else 0
+            self.times.extend([time.monotonic()] * (m - n))
+            n = m
             time.sleep(0.002)
 
-    def seconds(self, timeout: float = 120) -> Any:
-        self.thread.join(timeout)
+    def first(self, timeout: float = 300) -> Any:
+        """Seconds from the start until the first new line (None if none came)."""
+        t = time.monotonic()
+        while not self.times and time.monotonic() - t < timeout:
+            time.sleep(0.01)
+        return self.times[0] - self.t0 if self.times else None
+
+    def excess(self, start: float, end: float) -> dict[str, Any]:
+        """The stall as the job saw it: the longest step overlapping [start, end] against the
+        median step before start, and the steps' summed excess over that median there."""
         self.stop = True
-        return self.at
+        self.thread.join()
+        gaps = [(a, b - a) for a, b in zip(self.times, self.times[1:])]
+        before = [g for a, g in gaps if a + g < start]
+        during = [g for a, g in gaps if a + g >= start and a <= end]
+        if not before or not during:
+            return {"steps_before": len(before), "steps_during": len(during)}
+        median = statistics.median(before)
+        return {"median_step_s": median, "worst_step_s": max(during),
+                "excess_s": sum(g - median for g in during), "steps_during": len(during)}
+
+
+def anon_mib(pid: int) -> float:
+    """The process's anonymous memory (what CRIU dumps of it), from smaps_rollup."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
     """Why a restore fills at what it does: the image's GPU chunks (page cache) read into host
     memory by N threads, (a) read only, (b) read then hash the whole chunk (before this commit),
-    (c) read and hash in 1 MiB pieces as the restore now does; GB/s each."""
+    (c) read and hash in 1 MiB pieces without the GIL, as the restore now does; and (fill) the
+    restore's whole fill into device memory (pinned staging, one stream a thread), with no
+    CRIU or job beside it; GB/s each."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -184,7 +214,17 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
         if mode == "whole":
             checksum(out[:c["raw"]])
 
+    drv = gpucopy.context(0)
+    table = [Buffer(base, size, size, 0, True) for base, (_f, size, _c) in saved.items()]
+    dest = []
+    for b in table:
+        ptr = gpucopy.U64()
+        drv.call("cuMemAlloc_v2", gpucopy.C.byref(ptr), gpucopy.SZ(b.size))
+        dest.append(ptr.value)
     for n in threads:
+        copy = concurrent._fill(drv, table, dest, {b.va: saved[b.va] for b in table}, n,
+                                biggest, lambda _i: None)
+        res[f"fill_{n}_gbps"] = round(copy.gbps, 2)
         bufs = [np.ones(biggest, np.uint8) for _ in range(n)]   # touched: no first faults
         for mode in ("read", "whole", "pieces"):
             free = list(range(n))
@@ -207,6 +247,8 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
             for d in fds:
                 for fd in d.values():
                     os.close(fd)
+    for ptr in dest:
+        drv.call("cuMemFree_v2", gpucopy.U64(ptr))
     return res
 
 
@@ -388,9 +430,10 @@ def fullexact(out: Path, images: Path, job: str, steps: int = 60) -> dict[str, A
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent")
         res["steps_at_checkpoint"] = len(log.read_text().splitlines())
         p.wait(timeout=60)
-        first = FirstLine(log)
+        lines = LineTimes(log)
         res["restore"] = pos_cmd("restore", "-D", str(d))
-        res["first_step_after_restore_s"] = first.seconds()
+        res["first_step_after_restore_s"] = lines.first()
+        lines.stop = True
         compare_when_done(ref_log, log, res, 300)
         subprocess.run(["pkill", "-9", "-f", str(log)])
         res["fill_probe"] = fill_probe(d, [8, 16])
@@ -400,7 +443,12 @@ def fullexact(out: Path, images: Path, job: str, steps: int = 60) -> dict[str, A
     return res
 
 
+HUGE = Path("/tmp/pos-huge")   # a tmpfs on huge pages: is CRIU's page writing faster there?
+
+
 def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
+    HUGE.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=64g", "tmpfs", str(HUGE)])
     rows = []
     for job in jobs:
         log = images / f"stall-{job}.log"
@@ -414,13 +462,20 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
                                             str(images / "stw"), "--leave-running")
             subprocess.run(["rm", "-rf", str(images / "stw")])
             time.sleep(random.uniform(0.5, 1.0))
-            row["concurrent"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "conc"),
-                                        "--concurrent", "--leave-running")
-            row["manifest"] = json.loads((images / "conc" / "pos-manifest.json").read_text()
-                                         ) if (images / "conc").exists() else None
-            if row["manifest"]:
-                row["manifest"].pop("files", None)
-            subprocess.run(["rm", "-rf", str(images / "conc")])
+            row["anon_mib_before"] = anon_mib(p.pid)
+            for name, folder in (("concurrent", images / "conc"), ("concurrent_huge_tmpfs", HUGE)):
+                time.sleep(random.uniform(0.5, 1.0))
+                lines = LineTimes(log)
+                time.sleep(1.0)
+                t = time.monotonic()
+                row[name] = pos_cmd("checkpoint", str(p.pid), "-D", str(folder / "img"),
+                                    "--concurrent", "--leave-running")
+                time.sleep(1.0)
+                row[name]["job_saw"] = lines.excess(t, time.monotonic() - 1.0)
+                manifest = folder / "img" / "pos-manifest.json"
+                if manifest.exists():
+                    row[name]["timings"] = json.loads(manifest.read_text())["timings"]
+                subprocess.run(["rm", "-rf", str(folder / "img")])
             n = len(log.read_text().splitlines())
             time.sleep(2)
             row["alive_after"] = p.poll() is None and len(log.read_text().splitlines()) > n

@@ -23,8 +23,8 @@ def _start(h: np.uint64) -> np.ndarray:
 
 
 @nb.njit(nogil=True, cache=True)
-def _absorb(words: np.ndarray, lanes: np.ndarray) -> None:
-    """Run the lanes over words[: len // 4 * 4]."""
+def absorb(words: np.ndarray, lanes: np.ndarray) -> None:
+    """Run the lanes over words[: len // 4 * 4] (a Stream's `lanes`)."""
     n = words.shape[0] // 4 * 4
     i = 0
     while i < n:
@@ -50,7 +50,7 @@ def _finish(lanes: np.ndarray, n_words: np.uint64, rest: np.ndarray) -> np.uint6
 def hash_words(words: np.ndarray, h: np.uint64) -> np.uint64:
     """A 64-bit hash of `words` continuing from h (four independent lanes, then folded)."""
     lanes = _start(h)
-    _absorb(words, lanes)
+    absorb(words, lanes)
     n = words.shape[0]
     return _finish(lanes, np.uint64(n), words[n // 4 * 4:])
 
@@ -85,12 +85,20 @@ class Stream:
         self.rest = np.zeros(0, np.uint8)
 
     def update(self, piece: np.ndarray) -> None:
+        self._open()
+        absorb(piece[: piece.shape[0] // GROUP * GROUP].view(np.uint64), self.lanes)
+        self.took(piece)
+
+    def took(self, piece: np.ndarray) -> None:
+        """Count a piece whose whole groups a compiled reader ran the lanes over itself
+        (pos/image/gpu.py: reading and hashing with the GIL released); keep its tail."""
+        self._open()
+        self.rest = piece[piece.shape[0] // GROUP * GROUP:]
+        self.seen += piece.shape[0]
+
+    def _open(self) -> None:
         if self.rest.shape[0]:
             raise ValueError("only the last piece of a Stream may be short of a group")
-        whole = piece.shape[0] // GROUP * GROUP
-        _absorb(piece[:whole].view(np.uint64), self.lanes)
-        self.rest = piece[whole:]
-        self.seen += piece.shape[0]
 
     def digest(self) -> int:
         if self.seen != self.n:

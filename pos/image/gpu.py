@@ -13,12 +13,13 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
+import numba as nb
 import numpy as np
 
 from pos.errors import BadInput
-from pos.image.checksum import Stream, checksum
+from pos.image.checksum import GROUP, Stream, absorb, checksum
 
 INDEX = "gpu-index.json"
 FORMAT = 1
@@ -115,18 +116,43 @@ def resolve(folder: Path) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
     return out
 
 
+# pread(2), called from compiled code: the whole read of a chunk runs without the GIL (16 reader
+# threads taking the GIL for every piece filled at 6 GB/s on the H100 host)
+_pread = nb.types.ExternalFunction(
+    "pread", nb.types.int64(nb.types.int32, nb.types.uint64, nb.types.uint64, nb.types.int64))
+
+
+@nb.njit(nogil=True, cache=True)
+def _read_absorb(fd: int, out: np.ndarray, n: int, at: int, piece: int,
+                 lanes: np.ndarray) -> int:
+    """Read n bytes at file position `at` into out, piece by piece, running the checksum's lanes
+    over each piece's whole groups while it is in the CPU's cache; the bytes read (fewer: the
+    file ended or the read failed)."""
+    whole = n // GROUP * GROUP
+    base = out.ctypes.data
+    done = 0
+    while done < n:
+        end = min(done + piece, n)
+        got = done
+        while got < end:
+            r = _pread(fd, base + got, end - got, at + got)
+            if r <= 0:
+                return got
+            got += r
+        if min(end, whole) > done:
+            absorb(out[done:min(end, whole)].view(np.uint64), lanes)
+        done = end
+    return n
+
+
 def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
-                    fds: dict[str, int], piece: Callable[[int, int], None] = lambda _o, _n: None
-                    ) -> None:
+                    fds: dict[str, int]) -> None:
     """Read one chunk into out[:raw] and check its checksum, with no intermediate copy for an
-    uncompressed chunk: preadv straight into `out` (e.g. pinned staging) in pieces of PIECE
-    bytes, each hashed while still in the CPU's cache and then given to `piece(offset, length)`
-    (to start its copy to the device; nothing read may be used before this returns without
-    raising). The GIL is released by the reads and the hash. `fds` caches the open data files
-    of the calling thread."""
+    uncompressed chunk (pread straight into `out`, e.g. pinned staging, in pieces of PIECE
+    bytes, each hashed while still in the CPU's cache; without the GIL). `fds` caches the open
+    data files of the calling thread."""
     if chunk["zstd"]:
         read_chunk(folder, chunk, out)
-        piece(0, chunk["raw"])
         return
     path = str(Path(folder) / chunk["file"])
     fd = fds.get(path)
@@ -136,18 +162,10 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     if chunk["stored"] != n or out.shape[0] < n:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
                        "the image is corrupt: take a new checkpoint")
-    view = memoryview(out[:n]).cast("B")
     h = Stream(n)
-    for at in range(0, n, PIECE):
-        end = min(at + PIECE, n)
-        done = at
-        while done < end:
-            got = os.preadv(fd, [view[done:end]], chunk["at"] + done)
-            if got <= 0:
-                raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
-            done += got
-        h.update(out[at:end])
-        piece(at, end - at)
+    if _read_absorb(fd, out, n, chunk["at"], PIECE, h.lanes) < n:
+        raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
+    h.took(out[:n])
     if f"{h.digest():016x}" != chunk["hash"]:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")

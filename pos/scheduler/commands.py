@@ -46,8 +46,10 @@ def _lines(as_json: bool) -> Callable[[str], None]:
 
 
 def _report(result: Any) -> None:
+    from pos.scheduler import engine
+
     m = result.manifest
-    steps = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
+    steps = engine.describe(result.timings)
     click.echo(steps)
     if result.restored_pid is None:
         stall = "n/a (stopped)" if m.stall_s is None else f"{m.stall_s:.3f} s"
@@ -66,6 +68,8 @@ def image_manifest_json(path: str) -> str:
 def _report_concurrent(r: Any, as_json: bool = False) -> None:
     """One line for a concurrent checkpoint or restore: what the job saw, then the copy (or,
     with --json, the whole report as one JSON object)."""
+    from pos.scheduler import engine
+
     if as_json:
         click.echo(json.dumps(r.to_json()))
         return
@@ -73,7 +77,7 @@ def _report_concurrent(r: Any, as_json: bool = False) -> None:
     rate = r.d2h_gbps or r.h2d_gbps
     click.echo(f"{r.path}: {r.buffers} buffers, {r.bytes / 2**30:.2f} GiB; job released after "
                f"{r.release_s:.3f} s, {held}; copy {rate or 0:.1f} GB/s "
-               f"(PCIe limit ~55); " + ", ".join(f"{k} {v:.3f} s" for k, v in r.timings.items()))
+               f"(PCIe limit ~55); " + engine.describe(r.timings))
     if r.foreign_bytes:
         click.echo(f"{r.foreign_bytes / 2**20:.1f} MiB the agent could not own (stream-ordered "
                    "pools, managed or pitched memory, the job's own VMM mappings) went through "
@@ -219,6 +223,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
     from pathlib import Path
 
     from pos import image
+    from pos.scheduler import engine
 
     m = (image.verify if verify else image.load)(Path(directory))
     if as_json:
@@ -234,7 +239,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
             ("GPUs", gpus),
             ("options", ", ".join(k for k, v in m.criu_options.items() if v) or "none"),
             ("size", f"{m.size_bytes} bytes in {len(m.files)} files"),
-            ("steps", ", ".join(f"{k} {v:.3f} s" for k, v in m.timings.items())),
+            ("steps", engine.describe(m.timings)),
             ("stall", stall)):
         click.echo(f"{key:8} {value}")
     if verify:

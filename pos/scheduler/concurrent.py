@@ -289,9 +289,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int,
           back: Callable[[int], None]) -> gpucopy.Copy:
     """Read every buffer's chunks (checksums checked) into pinned staging and copy them to
-    device memory at `dest`, piece by piece as they are read; `back(i)` once buffer i is there
-    (a chunk whose checksum fails raises before its buffer is called back: the job never sees
-    it)."""
+    device memory at `dest`; `back(i)` once buffer i is there."""
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted((i, off, c["raw"]) for (i, off), c in chunk_of.items())
     biggest = max((n for _i, _o, n in work), default=1)
@@ -310,16 +308,12 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
                 staging.append(st)
                 open_files.append(local.fds)
         b = table[i]
-
-        def to_device(at: int, length: int) -> None:   # each piece as soon as it is read
-            drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off + at),
-                     gpucopy.C.c_void_p(st.ptr + at), gpucopy.SZ(length), stream)
-
         t = time.monotonic()
-        gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)], st.view(0, n), local.fds,
-                                 to_device)
+        gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)], st.view(0, n), local.fds)
         with lock:
             read_s[0] += time.monotonic() - t
+        drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off), gpucopy.C.c_void_p(st.ptr),
+                 gpucopy.SZ(n), stream)
 
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, back)

@@ -47,6 +47,12 @@ def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
         timings[name] = timings.get(name, 0.0) + time.monotonic() - t
 
 
+def describe(timings: dict[str, float]) -> str:
+    """Timings for a person: seconds, and MiB for the keys that count memory (`*_mib`)."""
+    return ", ".join(f"{k} {v:.0f} MiB" if k.endswith("_mib") else f"{k} {v:.3f} s"
+                     for k, v in timings.items())
+
+
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 

@@ -62,7 +62,7 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
             for p in cuda:
                 g.step(step)
                 g.timed(step, lambda p=p, fn=fn: fn(p))
-    echo(", ".join(f"{k} {v:.3f} s" for k, v in g.timings.items()))
+    echo(engine.describe(g.timings))
     echo(f"PID {pid} now runs on GPU {index} ({gpus[index].name} {gpus[index].uuid})")
     return g.timings
 

@@ -1,6 +1,7 @@
 """The image's chunk writer and reader on the CPU alone: chunks that complete out of order, on
 several writer threads, land where they belong; a corrupt chunk is refused."""
 
+import os
 import random
 import threading
 from pathlib import Path
@@ -62,20 +63,20 @@ def test_chunks_written_out_of_order_by_several_threads_read_back_in_place(
             gpuimage.read_chunk_into(tmp_path, c, np.empty(CHUNK, np.uint8), {})
 
 
-def test_a_chunk_is_read_hashed_and_handed_on_in_pieces(tmp_path: Path, monkeypatch) -> None:
-    """Each piece is given on (to start its copy to the device) as soon as it is read, in
-    order, covering the chunk once; the pieces' hash is the chunk's checksum."""
+def test_a_chunk_read_in_pieces_by_compiled_code_is_exact_and_checked(
+        tmp_path: Path, monkeypatch) -> None:
+    """Pieces smaller than the chunk, a tail short of a hash group: the bytes and the checksum
+    come out as when read whole; a file cut short is refused in one sentence."""
     monkeypatch.setattr(gpuimage, "PIECE", 4096)
     data = np.random.default_rng(9).integers(0, 256, 3 * 4096 + 77, np.uint8)
     w = gpuimage.Writer(tmp_path, False)
     w.put(0x7000_0000, 0, data)
     w.close()
+    chunk = w.chunks[0x7000_0000][0]
     out = np.zeros(len(data), np.uint8)
-    pieces: list[tuple[int, int]] = []
-
-    def piece(at: int, n: int) -> None:
-        assert (out[at:at + n] == data[at:at + n]).all()   # read before it is handed on
-        pieces.append((at, n))
-
-    gpuimage.read_chunk_into(tmp_path, w.chunks[0x7000_0000][0], out, {}, piece)
-    assert pieces == [(0, 4096), (4096, 4096), (8192, 4096), (12288, 77)]
+    gpuimage.read_chunk_into(tmp_path, chunk, out, {})
+    assert (out == data).all()
+    path = tmp_path / chunk["file"]
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(BadInput, match="is truncated"):
+        gpuimage.read_chunk_into(tmp_path, chunk, out, {})
