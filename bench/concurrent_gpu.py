@@ -24,8 +24,9 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                the fill probe: the image read back by 8 and 16 threads, read only / hashed
                whole / hashed in pieces (compiled, without the GIL)
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
-               concurrent one, on the same job, for each of --full-jobs (GiB of train_det
-               ballast, or gpt)
+               concurrent one (CRIU writing into pos's huge-page tmpfs, then in place), on the
+               same job, for each of --full-jobs (GiB of train_det ballast, or gpt); the stall
+               as the job saw it, from its log's step times
   predump      whether CRIU can pre-dump a running `pos run` job (nvidia mappings still in it):
                the way to shorten the frozen part of the dump (a probe, not yet used by pos)
   faults       pos killed (SIGKILL) at each step of a whole-process concurrent checkpoint: the
@@ -408,9 +409,10 @@ def det_argv(log: Path, steps: int, gib: float, sleep: float = 0.05) -> list[str
             "--ballast-gib", str(gib)]
 
 
-def pos_cmd(*args: str) -> dict[str, Any]:
+def pos_cmd(*args: str, env: dict[str, str] = {}) -> dict[str, Any]:
     t = time.monotonic()
-    r = subprocess.run([*POS, *args], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([*POS, *args], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, **env})
     return {"rc": r.returncode, "s": time.monotonic() - t, "out": r.stdout[-1500:],
             "err": r.stderr[-1500:]}
 
@@ -443,12 +445,7 @@ def fullexact(out: Path, images: Path, job: str, steps: int = 60) -> dict[str, A
     return res
 
 
-HUGE = Path("/tmp/pos-huge")   # a tmpfs on huge pages: is CRIU's page writing faster there?
-
-
 def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
-    HUGE.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=64g", "tmpfs", str(HUGE)])
     rows = []
     for job in jobs:
         log = images / f"stall-{job}.log"
@@ -463,19 +460,20 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
             subprocess.run(["rm", "-rf", str(images / "stw")])
             time.sleep(random.uniform(0.5, 1.0))
             row["anon_mib_before"] = anon_mib(p.pid)
-            for name, folder in (("concurrent", images / "conc"), ("concurrent_huge_tmpfs", HUGE)):
+            for name, env in (("concurrent", {}),
+                              ("concurrent_dump_in_place", {"POS_DUMP_STAGING": "0"})):
                 time.sleep(random.uniform(0.5, 1.0))
                 lines = LineTimes(log)
                 time.sleep(1.0)
                 t = time.monotonic()
-                row[name] = pos_cmd("checkpoint", str(p.pid), "-D", str(folder / "img"),
-                                    "--concurrent", "--leave-running")
+                row[name] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "conc"),
+                                    "--concurrent", "--leave-running", env=env)
                 time.sleep(1.0)
                 row[name]["job_saw"] = lines.excess(t, time.monotonic() - 1.0)
-                manifest = folder / "img" / "pos-manifest.json"
+                manifest = images / "conc" / "pos-manifest.json"
                 if manifest.exists():
                     row[name]["timings"] = json.loads(manifest.read_text())["timings"]
-                subprocess.run(["rm", "-rf", str(folder / "img")])
+                subprocess.run(["rm", "-rf", str(images / "conc")])
             n = len(log.read_text().splitlines())
             time.sleep(2)
             row["alive_after"] = p.poll() is None and len(log.read_text().splitlines()) > n

@@ -62,8 +62,9 @@ checkpoint32)
         --out "$out/checkpoint-h100-32.json" --images /tmp ;;
 concurrent)
     step hook python3 -m pos.agent.hook
+    # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
     step concurrent-bench python3 bench/concurrent_gpu.py --out "$out" \
-        --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}"
+        --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}" ${POS_BENCH_ARGS:-}
     [ "${POS_BENCH_TEST:-1}" = 0 ] ||   # POS_BENCH_TEST=0: the bench parts alone
         step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py ;;
 schedule)

@@ -335,7 +335,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     memory hoisted out of the driver's checkpoint and copied by pos): restorable into a new
     process by `restore_full`. See the module docstring for the steps."""
     from pos.scheduler import criu as criu_mod
-    from pos.scheduler import cudackpt, procs
+    from pos.scheduler import cudackpt, procs, staging
     from pos.scheduler.watchdog import Plan
 
     procs.require_checkpointable(pid)
@@ -352,6 +352,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     try:
         foreign = s.prepare(gpu_only=False)
         partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
+        final_name = Path(directory).name
         manifest = engine.new_manifest(pid, pids, cuda, criu.version_text, options,
                                        leave_running, nvml.gpus_of(cuda))
         plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
@@ -373,10 +374,13 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
             g.step("checkpoint")
             g.timed("checkpoint", lambda: cudackpt.checkpoint(pid))
-            g.step("dump")
-            argv = criu.dump_argv(pid, partial, options, leave_running)
-            g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
-            stats = criu_mod.dump_stats(partial)
+            stage = staging.directory(final_name, partial, procs.resident_bytes(pids))
+            dumped = stage or partial
+            g.step("dump", staging=str(stage or ""))
+            argv = criu.dump_argv(pid, dumped, options, leave_running,
+                                  leave_stopped=not leave_running)
+            g.timed("dump", lambda: g.run_criu(criu, argv, "dump", dumped / criu_mod.DUMP_LOG))
+            stats = criu_mod.dump_stats(dumped)
             if stats is not None:
                 g.timings.update(stats.timings())
             if leave_running:
@@ -389,9 +393,14 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 g.step("copy", hoisted=False)
                 s.release()
             else:
-                s.agent = None             # CRIU ended the job: nothing is waiting for it
-                g.step("copy", hoisted=False)
+                # CRIU left the job stopped, its memory pos's: should anything fail before the
+                # image is sealed the undo lets it run on; after, it ends
+                s.agent = None
+                g.step("copy")
             release_s = time.monotonic() - t0
+            if stage is not None:
+                g.timed("move", lambda: staging.move_into(stage, partial))
+                g.step(g.plan.step, staging="")
             copy = s.to_host(sources)
             if s.agent is not None:
                 gate = s.agent.end()
@@ -401,6 +410,9 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             manifest.timings = {**s.timings, **g.timings}
             manifest.stall_s = release_s if leave_running else None
             final = g.timed("checksum", lambda: image.seal(partial, manifest))
+            if not leave_running:
+                g.step("end", hoisted=False)
+                procs.kill_tree(pids)      # the image holds the job now
         manifest.timings = {**s.timings, **g.timings}
         image.write_manifest(final, manifest)
     finally:

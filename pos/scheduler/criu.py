@@ -165,10 +165,15 @@ class Criu:
         return argv
 
     def dump_argv(self, pid: int, images: Path, opts: Options, leave_running: bool,
-                  page_server: Optional[PageServer] = None) -> list[str]:
+                  page_server: Optional[PageServer] = None, leave_stopped: bool = False
+                  ) -> list[str]:
+        """`leave_stopped`: the tree stays, stopped, for the caller to end once the image is
+        safe (neither flag: CRIU ends it)."""
         argv = self._base("dump", images, DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
         if leave_running:
             argv.append("--leave-running")
+        elif leave_stopped:
+            argv.append("--leave-stopped")
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
                      "--port", str(page_server.port)]

@@ -29,7 +29,7 @@ from pos import image
 from pos.scheduler import procs
 from pos.scheduler.criu import Options, PageServer
 from pos.image import Manifest
-from pos.scheduler.watchdog import Plan, Watchdog, recover
+from pos.scheduler.watchdog import Plan, Watchdog, discard_partial, recover
 
 Echo = Callable[[str], None]
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -116,6 +116,7 @@ class Guard:
             finally:
                 if self.partial is not None:
                     image.discard(self.partial)
+                    discard_partial(self.plan)
                 self.watchdog.done()
         finally:
             for s, h in held.items():

@@ -55,6 +55,8 @@ class Plan:
     criu_pid: Optional[int] = None            # a running CRIU (its own process group)
     criu_path: str = ""
     images: str = ""                          # checkpoint: DIR.partial; restore: DIR
+    staging: str = ""                         # checkpoint: where CRIU writes, when not into
+                                              # DIR.partial (pos/scheduler/staging.py)
     criu_options: dict[str, Any] = field(default_factory=dict)
     gpu_pairs: list[list[str]] = field(default_factory=list)   # restore onto these GPUs
     hoisted: bool = False                     # the job's device memory is pos's (hoist..remap)
@@ -67,6 +69,15 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Plan":
         return cls(**d)
+
+
+def discard_partial(plan: Plan) -> None:
+    """After an undone checkpoint: its unfinished image, and CRIU's files where they were
+    staged."""
+    from pos.image import discard
+
+    for d in {plan.images, plan.staging} - {""}:
+        discard(Path(d))
 
 
 def _wait_criu(plan: Plan, log: Callable[[str], None]) -> None:
@@ -89,7 +100,7 @@ def _resurrect(plan: Plan, log: Callable[[str], None]) -> None:
     """A dump that completed killed the tree: bring it back from the partial image."""
     from pos.scheduler.criu import Criu, Options, RESTORE_LOG, failure
 
-    images = Path(plan.images)
+    images = Path(plan.staging or plan.images)      # where CRIU wrote
     if not (images / "inventory.img").is_file():
         raise PosError(f"PID {plan.pids[0]} is gone and {images} holds no complete CRIU image",
                        "nothing can bring it back; check the CRIU log there")
@@ -256,10 +267,8 @@ def main() -> int:
     except PosError as e:
         log(f"undo failed: {e.message}")
         return 1
-    if plan.op == "checkpoint" and plan.images:
-        from pos.image import discard
-
-        discard(Path(plan.images))
+    if plan.op == "checkpoint":
+        discard_partial(plan)
     log("undo done: the processes run")
     return 0
 

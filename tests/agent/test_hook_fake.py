@@ -3,6 +3,7 @@ with real CRIU: the plumbing of ownership, the gates, the hoist and both kinds o
 killed at every step. The fake's "device memory" is shared memory, so pos really reads the
 job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu does)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from pos.agent.control import Agent
 from pos.image import gpu as gpuimage
-from pos.scheduler import concurrent
+from pos.scheduler import concurrent, staging
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for
 from workloads.fill_job import image_values, torn
@@ -129,6 +130,11 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
             "--leave-running", env=gpu_env)
     assert r.returncode == 0, r.stderr
     assert not torn(image_values(tmp_path / "img"))
+    # CRIU wrote into the huge-page tmpfs while the job was frozen; its files moved into the
+    # image afterwards, and nothing is left there
+    assert "move" in json.loads((tmp_path / "img" / "pos-manifest.json").read_text())["timings"]
+    assert (tmp_path / "img" / "inventory.img").is_file()
+    assert not list(staging.ROOT.glob("*.partial"))
     with Agent(job.pid) as a:
         assert a.status().phase == "idle"
     first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
@@ -156,6 +162,28 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
         == "running"
+    assert not (tmp_path / "img.partial").exists() and not list(staging.ROOT.glob("*.partial"))
+
+
+@pytest.mark.parametrize("step", ["copy", "seal"])
+def test_pos_killed_after_a_dump_that_ends_the_job_lets_the_job_run_on(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
+    """Without --leave-running the job ends only once its image is sealed: until then CRIU
+    leaves it stopped and its memory is pos's, so pos dying gives it back and it runs on."""
+    job = fill_job()
+    time.sleep(0.2)
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
+            env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog's undo")
+    with Agent(job.pid) as a:
+        wait_for(lambda: a.status().phase == "idle", what="the job's release")
+    after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert job.alive() and not torn(after) and max(after) > max(before)
+    assert not (tmp_path / "img.partial").exists() and not list(staging.ROOT.glob("*.partial"))
 
 
 def test_pos_killed_while_filling_a_restore_ends_the_half_restored_job(
