@@ -23,9 +23,9 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
-from sqlalchemy import Engine, bindparam, func, select, update
+from sqlalchemy import Engine, bindparam, case, func, select, update
 
-from pos.store.models import Function, Launch, Trace
+from pos.store.models import Function, Launch, Trace, to_signed
 
 PACKED = bytes(8)   # the capture of an `extra`-form launch: its buffer is laid out already
 WINDOWS = 2         # POS_CAPTURE_WINDOWS of pos/bpf/events.h
@@ -143,26 +143,27 @@ def complete(engine: Engine, trace_id: int) -> Completion:
                 return None
             return Miss(AMBIGUOUS if handle in texts else NO_LAYOUT)
 
-        # launches without a capture: one reason per kernel, set through the kernel index
-        marks = []
-        for handle, n in c.execute(
-                select(Launch.function, func.count()).where(
-                    Launch.trace_id == trace_id, Launch.layout_known.is_(False),
-                    Launch.capture.is_(None)).group_by(Launch.function)):
+        # launches without a capture: one reason per kernel. Every statement here walks the
+        # trace in time order (`ts_ns >= 0` has SQLite take that index): in kernel order (the
+        # other index) they read the table at random, 5-10 times slower for a million launches.
+        in_time = (Launch.trace_id == trace_id, Launch.ts_ns >= 0)
+        uncaptured = (*in_time, Launch.layout_known.is_(False), Launch.capture.is_(None))
+        by_reason: dict[str, list[int]] = {}
+        for handle, n in c.execute(select(Launch.function, func.count()).where(*uncaptured)
+                                   .group_by(Launch.function)):
             miss = unknown(handle) or Miss(NO_CAPTURE)
             result.count(miss, n)
-            marks.append({"handle": handle, "reason": miss.reason})
-        if marks:
-            c.execute(update(Launch).where(
-                Launch.trace_id == trace_id, Launch.function == bindparam("handle"),
-                Launch.layout_known.is_(False), Launch.capture.is_(None))
-                .values(missing=bindparam("reason")),
-                marks, execution_options={"synchronize_session": False})
+            by_reason.setdefault(miss.reason, []).append(to_signed(handle))
+        if by_reason:
+            c.execute(update(Launch).where(*uncaptured).values(missing=case(
+                *((Launch.function.in_(select(func.json_each(json.dumps(handles))
+                                              .table_valued("value").c.value)), reason)
+                  for reason, handles in by_reason.items()))))
 
         done, missed = [], []
         for id_, handle, params, capture in c.execute(
                 select(Launch.id, Launch.function, Launch.params, Launch.capture).where(
-                    Launch.trace_id == trace_id, Launch.capture.is_not(None))):
+                    *in_time, Launch.capture.is_not(None))):
             rebuilt = unknown(handle) or rebuild(params, capture, layouts[handle])
             if isinstance(rebuilt, Miss):
                 result.count(rebuilt)

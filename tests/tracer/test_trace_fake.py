@@ -151,8 +151,10 @@ def test_a_storm_of_launches_whose_layout_comes_late_loses_captures_not_launches
         log = tr.stop()
     with sqlite3.connect(db) as c:
         n, known = c.execute("select count(*), sum(layout_known) from launches").fetchone()
-        lost, dropped = c.execute("select lost_events, captures_dropped from traces").fetchone()
+        lost, dropped, no_capture = c.execute(
+            "select lost_events, captures_dropped, missing_no_capture from traces").fetchone()
     assert spin["launches"] == n == 200000 and lost == 0, log
+    assert no_capture == dropped and f"{dropped:,} no capture" in log, log   # the reason told
     assert dropped > 0 and f"{dropped:,} lost their capture" in log, log
     assert re.search(r"[1-9][\d,]* completed when their layout came", log), log
     assert known + dropped == n, log
