@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import IO, Callable, Optional
 
+from pos.tracer.late import REASONS
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "workloads" / "torch_job.py"
 MARK_BEGIN, MARK_END = 0x05EB0001, 0x05EB0002   # the markers torch_job.py memsets
@@ -101,7 +103,8 @@ def q(db: str, sql: str, *args: object) -> list:
 def count_run(db: str, steps: int) -> dict:
     """Trace a fresh torch_job from before CUDA starts; between two marker memsets, compare the
     launches pos recorded with the kernels torch.profiler (CUPTI) saw, and report the share of
-    launches with a kernel name and a known parameter layout."""
+    launches with a kernel name and a known parameter layout; for the launches without one, why
+    (pos/tracer/late.py's reasons): over the whole trace, and in the window by kernel."""
     job = Job([sys.executable, str(JOB)])
     tr = PosTrace(job.pid, db)
     init = job.run("init")
@@ -119,19 +122,24 @@ def count_run(db: str, steps: int) -> dict:
     n, known, named = launches[0], launches[1] or 0, launches[2] or 0
     apis = dict(q(db, "select api, count(*) from launches where trace_id=? and ts_ns > ? and "
                       "ts_ns < ? group by api", tid, lo, hi))
-    lost, dropped = q(db, "select lost_events, captures_dropped from traces where id=?", tid)[0]
+    missing = [f"missing_{r}" for r in REASONS] + ["missing_outside_bytes"]
+    lost, dropped, completed, *why = q(db, f"select lost_events, captures_dropped, completed, "
+                                           f"{', '.join(missing)} from traces where id=?", tid)[0]
     # where layouts came from, and which kernels went without one
     modules = q(db, "select api, count(*), sum(kernels), group_concat(distinct note) from modules "
                     "where trace_id=? group by api", tid)
     unresolved = q(db, "select api, count(*) from functions where trace_id=? and layout is null "
                        "group by api", tid)
-    unknown = q(db, "select f.name, count(*) from launches l left join (select handle, max(name) "
+    # [name, reason, launches, least and most bytes outside (negative: below the capture)]
+    unknown = q(db, "select f.name, l.missing, count(*), min(l.missing_bytes), "
+                    "max(l.missing_bytes) from launches l left join (select handle, max(name) "
                     "name from functions where trace_id=? group by handle) f on f.handle = "
                     "l.function where l.trace_id=? and l.ts_ns > ? and l.ts_ns < ? and "
-                    "not l.layout_known group by 1 order by 2 desc limit 10", tid, tid, lo, hi)
+                    "not l.layout_known group by 1, 2 order by 3 desc limit 12", tid, tid, lo, hi)
     return {"modules_by_api": modules, "functions_without_layout_by_api": unresolved,
             "top_kernels_without_layout": unknown, "init": init, "steps": steps, "profiler_kernels": prof["profiler_kernels"],
             "traced_launches": n, "launch_apis": apis, "equal": n == prof["profiler_kernels"],
             "named_share": named / n if n else 0, "layout_known_share": known / n if n else 0,
-            "lost_events": lost, "captures_dropped": dropped,
+            "lost_events": lost, "captures_dropped": dropped, "completed": completed,
+            "missing": dict(zip(missing, why)),
             "trace_log": log.strip().splitlines()[-1:]}

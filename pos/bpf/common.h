@@ -13,9 +13,9 @@ BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 /* Captures (see `capture`) are paid from a credit of bytes that user space sets after each drain
  * (pos/tracer/session.py: CAPTURE_CREDIT): a storm of launches whose layout is late can never
- * hold more of the ring than about one credit (plus one capture per CPU taking it at once), nor
- * send user space more than one credit per drain. A launch that finds the credit spent is still
- * recorded, as slots, and counted in `captures_dropped`. */
+ * hold more of the ring than about one credit (plus one largest capture per CPU taking it at
+ * once), nor send user space more than one credit per drain. A launch that finds the credit
+ * spent is still recorded, as slots, and counted in `captures_dropped`. */
 BPF_ARRAY(capture_credit, s64, 1);
 BPF_PERCPU_ARRAY(captures_dropped, u64, 1);
 /* Layouts are not preallocated: PyTorch with cuDNN names well over 65536 kernels, and each
@@ -53,8 +53,11 @@ BPF_PERCPU_ARRAY(launch_scratch, struct pos_launch_scratch, 1);
  * probe marks a handle at its lookup, before the launch that follows; only user space, having
  * read that lookup, unmarks it (once it has the layout, or once nothing can bring one). A flag
  * for all handles, turned off by user space, raced: a lookup made between user space's drain
- * and its turning captures off had its launches go without one. */
-BPF_F_TABLE("lru_hash", u64, u8, awaiting, 65536, 0);
+ * and its turning captures off had its launches go without one. The value is the hash of the
+ * kernel's name (0: unknown), so that a launch, or cuKernelGetFunction's lookup, finds the
+ * layout in `named_layouts` as soon as its module is parsed, before user space has read the
+ * lookup and pushed the layout by handle. */
+BPF_F_TABLE("lru_hash", u64, u64, awaiting, 65536, 0);
 BPF_PERCPU_ARRAY(function_scratch, struct pos_function, 1);
 
 #define ARG1 PT_REGS_PARM1(ctx)
@@ -162,21 +165,39 @@ static __always_inline u64 name_hash(const char *name) {
     return h;
 }
 
+/* The layout of an awaited handle by its kernel's name hash (`awaiting`), once the name's
+ * module is parsed; 0 before, or when the name is unknown. `*awaited` says whether the handle
+ * is awaited, and `*hash` (when given) receives the hash. */
+static __always_inline struct pos_layout *named_layout_of(u64 handle, int *awaited, u64 *hash) {
+    u64 *h = awaiting.lookup(&handle);
+    *awaited = h != 0;
+    if (!h || !*h)
+        return 0;
+    u64 key = *h;
+    if (hash)
+        *hash = key;
+    return named_layouts.lookup(&key);
+}
+
 /* The new handle's layout, known in the kernel: by its name when the lookup has one, else the
- * layout of the handle it was made from (cuKernelGetFunction: the CUkernel). */
+ * layout of the handle it was made from (cuKernelGetFunction: the CUkernel), by handle or, while
+ * that one is awaited, by its name. Without one, the handle is awaited under the name's hash. */
 static __always_inline void inherit_layout(struct pos_function *f) {
     struct pos_layout *lay;
+    u64 h = 0;
     if (f->name[0]) {
-        u64 h = name_hash(f->name);
+        h = name_hash(f->name);
         lay = named_layouts.lookup(&h);
     } else {
         lay = layouts.lookup(&f->module);
+        int awaited;
+        if (!lay)
+            lay = named_layout_of(f->module, &awaited, &h);
     }
-    u8 one = 1;
     if (lay)
         layouts.update(&f->handle, lay);
     else
-        awaiting.update(&f->handle, &one);
+        awaiting.update(&f->handle, &h);
 }
 
 /* Return of a module/function lookup that names its result: the name is read now. */
@@ -207,12 +228,8 @@ static __always_inline int function_ret(struct pt_regs *ctx, u16 api) {
     return 0;
 }
 
-static __always_inline int is_awaited(u64 func) {
-    return awaiting.lookup(&func) != 0;
-}
-
 /* The capture of a launch whose recorded bytes already lie as its layout will say (the packed
- * buffer of the `extra` form, or no parameters): base 0 alone, after those bytes. */
+ * buffer of the `extra` form, or no parameters): 8 zero bytes alone, after those bytes. */
 static __always_inline u32 laid_out(struct pos_launch *e, u32 at) {
     if (at > POS_PARAM_BYTES)
         return 0;
@@ -220,67 +237,108 @@ static __always_inline u32 laid_out(struct pos_launch *e, u32 at) {
     return 8;
 }
 
-/* What a capture costs at most: base, count, addresses, memory. */
-#define POS_CAPTURE_COST (16 + 8 * POS_CAPTURE_ADDRS + POS_CAPTURE_BYTES)
+/* What a capture costs at most: count, addresses, windows' starts and lengths, memory. */
+#define POS_CAPTURE_COST (8 + 8 * POS_CAPTURE_ADDRS + 16 * POS_CAPTURE_WINDOWS + \
+                          POS_CAPTURE_WINDOWS * POS_CAPTURE_SPAN)
 
-/* Takes a capture's cost from the credit; 0 when it is spent. Check and subtraction are not one
- * step: CPUs racing past the check overdraw by at most one capture each. */
-static __always_inline int take_credit(void) {
+/* The credit when it holds a capture of the largest size, else 0; the capture then pays what it
+ * cost. Check and subtraction are not one step: CPUs racing past the check overdraw by at most
+ * one capture each. */
+static __always_inline s64 *capture_credit_left(void) {
     int zero = 0;
     s64 *credit = capture_credit.lookup(&zero);
-    if (!credit || *credit < POS_CAPTURE_COST)
+    return credit && *credit >= POS_CAPTURE_COST ? credit : 0;
+}
+
+/* A stretch of memory a capture keeps: from its lowest parameter's address to POS_CAPTURE_TAIL
+ * bytes past its highest one's. */
+struct pos_window {
+    u64 lo;
+    u64 hi;   /* 0: unused */
+};
+
+/* Widens the window to the parameter at p, unless it would span more than POS_CAPTURE_SPAN;
+ * whether it did. */
+static __always_inline int widen(struct pos_window *w, u64 p) {
+    u64 lo = p < w->lo ? p : w->lo;
+    u64 hi = p + POS_CAPTURE_TAIL > w->hi ? p + POS_CAPTURE_TAIL : w->hi;
+    if (hi - lo > POS_CAPTURE_SPAN)
         return 0;
-    __sync_fetch_and_add(credit, -POS_CAPTURE_COST);
+    w->lo = lo;
+    w->hi = hi;
     return 1;
+}
+
+/* Reads a window's memory to out; returns the bytes read: all of it or, where the memory ends
+ * within it (a thread's stack ends a few KiB above its first frames), up to the end of the page
+ * of its start or of the next one; 0 when none of it is readable. */
+static __always_inline u32 read_window(u8 *out, struct pos_window *w) {
+    /* 1 to POS_CAPTURE_SPAN, as `widen` keeps it, in a form the verifier sees bounded */
+    u32 size = ((w->hi - w->lo - 1) & (POS_CAPTURE_SPAN - 1)) + 1;
+    if (bpf_probe_read_user(out, size, (void *)w->lo) == 0)
+        return size;
+    u32 first_page = ((4095 - (w->lo & 4095)) & 4095) + 1;
+    u32 two_pages = first_page + 4096;
+    if (two_pages < size && bpf_probe_read_user(out, two_pages, (void *)w->lo) == 0)
+        return two_pages;
+    if (first_page < size && bpf_probe_read_user(out, first_page, (void *)w->lo) == 0)
+        return first_page;
+    return 0;
 }
 
 /* While its layout may still come (`awaiting`), a launch without one also keeps, after its n
  * slots, the capture that user space completes it from once the layout is known
- * (pos/tracer/late.py): the base address, the count k and the first k entries of the kernel's
- * parameter array (POS_CAPTURE_ADDRS when readable, else the n slots' addresses: a kernel may
- * have more parameters than slots), and POS_CAPTURE_BYTES of memory from the base (the lowest
- * slot address near the first parameter's). Read in the same instant as the slots, the bytes are
- * what a known layout would have copied. Returns its size. */
+ * (pos/tracer/late.py): the count k and the first k entries of the kernel's parameter array
+ * (POS_CAPTURE_ADDRS when readable, else the n slots' addresses: a kernel may have more
+ * parameters than slots), the start and length of each window (length 0: unused), and the
+ * windows' memory. The first window holds the first parameter, and every other one that keeps
+ * it within POS_CAPTURE_SPAN; the next parameter that does not (a by-value struct on the heap,
+ * or in a frame far above) opens the second. A window reaches POS_CAPTURE_TAIL past its highest
+ * parameter, so that a large by-value struct lying above the others (ATen's 3 KiB
+ * TensorListMetadata in its caller's frame) is kept whole. Read in the same instant as the
+ * slots, the bytes are what a known layout would have copied. Returns its size. */
 static __always_inline u32 capture(struct pos_launch_scratch *s, int n, u64 params) {
     if (n < 1)
         return laid_out(&s->ev, 0);
-    u64 first = s->ptrs[0], base = first;
+    struct pos_window w0 = {s->ptrs[0], s->ptrs[0] + POS_CAPTURE_TAIL}, w1 = {};
 #pragma clang loop unroll(disable)
     for (int i = 1; i < POS_SLOTS; i++) {
         if (i >= n)
             break;
         u64 p = s->ptrs[i];
-        if (p < base && first - p < POS_CAPTURE_NEAR)
-            base = p;
+        if (widen(&w0, p))
+            continue;
+        if (w1.hi) {
+            widen(&w1, p);   /* else it lies outside the capture (late.py says how far) */
+        } else {
+            w1.lo = p;
+            w1.hi = p + POS_CAPTURE_TAIL;
+        }
     }
     u8 *out = s->ev.params;
     u32 at = 8 * n;   /* after the slots: at most 8 * POS_SLOTS */
     u32 k = POS_CAPTURE_ADDRS;
-    if (bpf_probe_read_user(&out[(at + 16) & (POS_PARAM_BYTES - 1)], 8 * POS_CAPTURE_ADDRS,
+    if (bpf_probe_read_user(&out[(at + 8) & (POS_PARAM_BYTES - 1)], 8 * POS_CAPTURE_ADDRS,
                             (void *)params) < 0) {
         k = n;   /* the array ends within the window (a stack's end): the slots' addresses */
 #pragma clang loop unroll(disable)
         for (int i = 0; i < POS_SLOTS; i++) {
             if (i >= n)
                 break;
-            *(u64 *)&out[(at + 16 + 8 * i) & (POS_PARAM_BYTES - 1)] = s->ptrs[i];
+            *(u64 *)&out[(at + 8 + 8 * i) & (POS_PARAM_BYTES - 1)] = s->ptrs[i];
         }
     }
-    *(u64 *)&out[at & (POS_PARAM_BYTES - 1)] = base;
-    *(u64 *)&out[(at + 8) & (POS_PARAM_BYTES - 1)] = k;
-    u32 head = 16 + 8 * k;
-    at = (at + head) & (POS_PARAM_BYTES / 4 - 1);
-    if (bpf_probe_read_user(&out[at], POS_CAPTURE_BYTES, (void *)base) == 0)
-        return head + POS_CAPTURE_BYTES;
-    /* The memory ends within the window (a thread's stack ends a few KiB above its first frames),
-     * at a page boundary: at the end of base's page, or of the next one. */
-    u32 first_page = ((4095 - (base & 4095)) & 4095) + 1;
-    u32 size = first_page + 4096;
-    if (size < POS_CAPTURE_BYTES && bpf_probe_read_user(&out[at], size, (void *)base) == 0)
-        return head + size;
-    if (bpf_probe_read_user(&out[at], first_page, (void *)base) < 0)
-        return 0;
-    return head + first_page;
+    *(u64 *)&out[at & (POS_PARAM_BYTES - 1)] = k;
+    u32 windows = (at + 8 + 8 * k) & (POS_PARAM_BYTES - 1);
+    u32 head = 8 + 8 * k + 16 * POS_CAPTURE_WINDOWS;
+    u32 m = (at + head) & (POS_PARAM_BYTES / 4 - 1);   /* at most 128 + 552 */
+    u32 len0 = read_window(&out[m], &w0);
+    u32 len1 = w1.hi ? read_window(&out[(m + len0) & (2 * POS_CAPTURE_SPAN - 1)], &w1) : 0;
+    *(u64 *)&out[windows] = w0.lo;
+    *(u64 *)&out[windows + 8] = len0;
+    *(u64 *)&out[windows + 16] = w1.lo;
+    *(u64 *)&out[windows + 24] = len1;
+    return head + len0 + len1;
 }
 
 /* The parameter array and the values it points to usually lie together (the launch stub's
@@ -328,6 +386,12 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
     u64 lo = params - POS_SPAN_BYTES / 2;
     int span = params && bpf_probe_read_user(s->span, POS_SPAN_BYTES, (void *)lo) == 0;
     struct pos_layout *lay = layouts.lookup(&func);
+    int awaited = 0;
+    if (!lay) {   /* its name's layout may have come since the lookup: taken over by handle */
+        struct pos_layout *named = named_layout_of(func, &awaited, 0);
+        if (named && layouts.update(&func, named) == 0)
+            lay = layouts.lookup(&func);
+    }
     e->layout_known = lay != 0;
     if (params && lay) {
         u32 n = lay->count;
@@ -372,11 +436,14 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
             n = i + 1;
         }
         nbytes = 8 * n;
-        if (is_awaited(func)) {
-            if (take_credit())
+        if (awaited) {
+            s64 *credit = capture_credit_left();
+            if (credit) {
                 capture_len = capture(s, n, params);
-            else
+                __sync_fetch_and_add(credit, -(s64)capture_len);
+            } else {
                 bump(captures_dropped.lookup(&zero));
+            }
         }
     } else if (extra) {
         u64 x[6] = {};
@@ -398,7 +465,7 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
             nbytes = size;
         }
     }
-    if (!params && !lay && is_awaited(func))
+    if (!params && !lay && awaited)
         capture_len = laid_out(e, nbytes);
     if (nbytes > POS_PARAM_BYTES) {
         nbytes = POS_PARAM_BYTES;
@@ -407,7 +474,7 @@ static __always_inline int launch(struct pt_regs *ctx, u16 api, u64 func, u64 st
     e->nbytes = nbytes;
     /* slots and capture: at most 8 * POS_SLOTS + POS_CAPTURE_COST, within params */
     u32 len = offsetof(struct pos_launch, params) +
-              ((nbytes + capture_len) & (2 * POS_PARAM_BYTES - 1));
+              ((nbytes + capture_len) & (4 * POS_CAPTURE_SPAN - 1));
     if (len > sizeof(*e))
         len = sizeof(*e);
     fill_hdr(&e->h, POS_LAUNCH, api, len);

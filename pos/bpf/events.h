@@ -7,9 +7,11 @@
 #define POS_MAX_PARAMS 64      /* parameters a layout in the `layouts` map can describe */
 #define POS_PARAM_BYTES 4096   /* parameter bytes copied per launch; more sets `truncated` */
 #define POS_SLOTS 16           /* 8-byte slots captured when a launch's layout is unknown */
-#define POS_CAPTURE_BYTES 6144 /* bytes around the parameters kept while a layout may still come */
 #define POS_CAPTURE_ADDRS 64   /* parameter addresses a capture keeps (kernels up to 64 params) */
-#define POS_CAPTURE_NEAR 4096  /* parameters this far from the first one count for the capture */
+#define POS_CAPTURE_WINDOWS 2  /* stretches of memory around the parameters a capture keeps */
+#define POS_CAPTURE_TAIL 4096  /* bytes a window keeps from a parameter's address on: a parameter
+                                * passed by value may be that large (CUDA's limit before 12.1) */
+#define POS_CAPTURE_SPAN 8192  /* bytes of one window at most */
 #define POS_NAME_LEN 1024      /* bytes of a kernel's mangled name */
 
 enum pos_kind {
@@ -51,11 +53,14 @@ struct pos_launch {
     u32 block[3];
     u32 shared_mem;
     u16 nbytes;       /* bytes of params that follow; then, to the event's end (h.len), the capture:
-                       * u64 base, u64 k, k parameter addresses, the memory from base on
-                       * (pos/tracer/late.py); or 8 zero bytes when params are laid out already */
+                       * u64 k, k parameter addresses, POS_CAPTURE_WINDOWS times u64 start and
+                       * u64 length, the windows' bytes (pos/tracer/late.py); or 8 zero bytes
+                       * when params are laid out already */
     u8 layout_known;  /* params laid out at the layout's offsets; else 8-byte slots */
     u8 truncated;     /* some parameter lay beyond POS_PARAM_BYTES */
-    u8 params[2 * POS_PARAM_BYTES];  /* room so that offset + size always fits for the verifier */
+    /* room so that offset + size always fits for the verifier: a parameter at offset < 4096,
+     * of size < 4096; a capture's second window at offset < 2 spans, of size <= 1 span */
+    u8 params[3 * POS_CAPTURE_SPAN];
 };
 
 struct pos_function {

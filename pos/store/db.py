@@ -22,6 +22,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: ("ALTER TABLE schedules ADD COLUMN criu_options TEXT NOT NULL DEFAULT '{}'",),
     4: ("ALTER TABLE launches ADD COLUMN capture BLOB",),
     5: ("ALTER TABLE traces ADD COLUMN captures_dropped INTEGER NOT NULL DEFAULT 0",),
+    6: ("ALTER TABLE launches ADD COLUMN missing VARCHAR(16)",
+        "ALTER TABLE launches ADD COLUMN missing_bytes BIGINT",
+        *(f"ALTER TABLE traces ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0" for c in (
+            "completed", "missing_no_layout", "missing_ambiguous", "missing_no_capture",
+            "missing_outside", "missing_outside_bytes", "missing_few_addresses"))),
 }
 
 

@@ -13,8 +13,9 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 6   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
-                     # 5: launches.capture; 6: traces.captures_dropped
+SCHEMA_VERSION = 7   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
+                     # 5: launches.capture; 6: traces.captures_dropped;
+                     # 7: launches.missing(_bytes), traces.completed and missing_*
 
 
 def to_signed(value: Any) -> Any:
@@ -62,6 +63,15 @@ class Trace(Base):
     status: Mapped[str] = mapped_column(String(32))    # running, done, interrupted, target-exited, failed
     lost_events: Mapped[int] = mapped_column(default=0)
     captures_dropped: Mapped[int] = mapped_column(default=0)   # launches that lost their capture
+    # launches recorded before their layout, completed when the trace ended (pos/tracer/late.py);
+    # then the launches left without a layout, by reason (launches.missing)
+    completed: Mapped[int] = mapped_column(default=0)
+    missing_no_layout: Mapped[int] = mapped_column(default=0)
+    missing_ambiguous: Mapped[int] = mapped_column(default=0)
+    missing_no_capture: Mapped[int] = mapped_column(default=0)
+    missing_outside: Mapped[int] = mapped_column(default=0)
+    missing_outside_bytes: Mapped[int] = mapped_column(default=0)   # the farthest, either way
+    missing_few_addresses: Mapped[int] = mapped_column(default=0)
 
 
 class _Event:
@@ -110,6 +120,10 @@ class Launch(_Event, Base):
     truncated: Mapped[bool]
     # a launch recorded before its layout was known: what pos/tracer/late.py completes it from
     capture: Mapped[Optional[bytes]] = mapped_column(LargeBinary)
+    # why the launch ended the trace without its layout (late.py's reasons), and for a parameter
+    # outside the capture how far outside, in bytes (negative: below the captured memory)
+    missing: Mapped[Optional[str]] = mapped_column(String(16))
+    missing_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
 
 
 class Copy(_Event, Base):

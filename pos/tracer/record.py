@@ -86,8 +86,8 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
                           captures_dropped=tracer.stats.captures_dropped if tracer else 0)
         sink.close()
     if tracer is not None:
-        tracer.stats.completed = late.complete(engine, trace_id)
-        tracer.stats.layout_known += tracer.stats.completed
+        tracer.stats.completion = late.complete(engine, trace_id)
+        tracer.stats.layout_known += tracer.stats.completion.completed
     print(view.summary(tracer.stats, str(Path(db)), status)
           if tracer else "", file=sys.stderr)
     return trace_id

@@ -28,6 +28,7 @@ from pos.errors import PosError
 from pos.tracer import fatbin
 from pos.tracer.events import (ALLOC, FREE, FUNCTION_KIND, LAUNCH_KIND, MEMCPY, MEMORY_KINDS,
                                MEMSET, MODULE, SYNC, Row, decode)
+from pos.tracer.late import Completion
 from pos.tracer.probes import RETURNS, Family, bpf_include_dir, bpf_text
 from pos.tracer.ring import LAUNCH_KNOWN_AT, MAX_RECORDS, Batch, RingReader
 from pos.tracer.sink import Sink
@@ -42,9 +43,10 @@ INLINE_PARSE_BYTES = 1 << 18
 # those of many small ones.
 SHARED_PARSE_BYTES = 16 << 20
 # Bytes of captures the probes may write between two drains (pos/bpf/common.h: capture_credit):
-# about 150 launches' captures, 7,500 a second at the default 20 ms interval -- the start of a
-# job, where a few kernels wait for their layout, not a storm -- and never more than 1/16 of the
-# ring, which stays for the launch events themselves.
+# about 200 launches' captures of the usual size (one window of 4-5 KiB), 60 of the largest
+# (17 KiB), at the default 20 ms interval 3,000 to 10,000 a second -- the start of a job, where
+# a few kernels wait for their layout, not a storm -- and never more than 1/16 of the ring,
+# which stays for the launch events themselves.
 CAPTURE_CREDIT = 1 << 20
 CAPTURE_RING_SHARE = 16
 NAME_LEN = 1024                  # POS_NAME_LEN of pos/bpf/events.h
@@ -69,7 +71,8 @@ class Stats:
     captures_dropped: int = 0     # launches that lost their capture: the credit was spent
     layout_known: int = 0
     layouts_full: bool = False    # a probes' layout map ran full (later kernels: 8-byte slots)
-    completed: int = 0            # launches completed after the trace (pos/tracer/late.py)
+    # launches completed after the trace, and why the others stay without a layout (late.py)
+    completion: Completion = field(default_factory=Completion)
     _sizes: dict[int, int] = field(default_factory=dict)
 
     def take(self, batch: Batch, names: dict[int, str]) -> None:

@@ -7,6 +7,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pos.tracer.late import OUTSIDE, REASONS
 from pos.tracer.session import Stats
 
 
@@ -54,10 +55,16 @@ class LiveView:
         e = stats.events
         known = f"{100 * stats.layout_known / e['launches']:.1f}%" if e["launches"] else "n/a"
         known += " with layout"
-        if stats.completed:
-            known += f", {stats.completed:,} completed when their layout came"
+        done = stats.completion
+        if done.completed:
+            known += f", {done.completed:,} completed when their layout came"
         if stats.captures_dropped:
             known += f"; {stats.captures_dropped:,} lost their capture to the credit"
+        if missing := done.reasons():
+            known += "; without: " + ", ".join(
+                f"{n:,} {REASONS[r]}" + (f" (by up to {done.missing_outside_bytes:,} B)"
+                                             if r == OUTSIDE else "")
+                for r, n in missing.items())
         return (f"traced {self.pid} for {time.monotonic() - self.started:.1f} s"
                 f"{' (' + status + ')' if status else ''}: {e['launches']:,} launches "
                 f"({known}), {e['allocations']:,} allocation events, "

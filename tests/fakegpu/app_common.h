@@ -14,7 +14,10 @@
 #include <unistd.h>
 
 /* Mangled names of kernels.cu (nm on the cubin), in the order the apps use them. */
-enum { K_AXPY, K_PAIR_COPY, K_MIXED, K_SCALARS, K_FILL_F, K_FILL_I, K_NO_PARAMS, N_KERNELS };
+enum {
+    K_AXPY, K_PAIR_COPY, K_MIXED, K_SCALARS, K_FILL_F, K_FILL_I, K_NO_PARAMS, K_TENSOR_LIST,
+    N_KERNELS
+};
 static const char *const kernel_names[N_KERNELS] = {
     "_Z4axpyfPKfPfi",     /* axpy(float, const float *, float *, int) */
     "_Z9pair_copy4Pairf", /* pair_copy(Pair, float) */
@@ -23,6 +26,7 @@ static const char *const kernel_names[N_KERNELS] = {
     "_Z4fillIfEvPT_S0_i", /* fill<float>(float *, float, int) */
     "_Z4fillIiEvPT_S0_i", /* fill<int>(int *, int, int) */
     "no_params",          /* extern "C" no_params() */
+    "_Z11tensor_list10TensorListf", /* tensor_list(TensorList, float) */
 };
 
 /* kernels.cu's by-value structs, with device pointers as 64-bit integers (same layout). */
@@ -36,7 +40,15 @@ struct Mixed {
     uint64_t p;
     uint32_t count;
 };
+struct TensorList {
+    uint64_t addresses[110];
+    int64_t numel[110];
+    unsigned char block_to_tensor[320];
+    int block_to_chunk[320];
+    int start;
+};
 _Static_assert(sizeof(struct Pair) == 24, "Pair layout");
+_Static_assert(sizeof(struct TensorList) == 3368, "TensorList layout");
 _Static_assert(sizeof(struct Mixed) == 24 && __builtin_offsetof(struct Mixed, p) == 8,
                "Mixed layout");
 
@@ -204,6 +216,7 @@ static void phase_alloc(void);
 static void phase_launch(void);
 static void phase_free(void);
 static void phase_spin(long n);
+static void phase_structs(void);
 
 static int serve(void) {
     printf("READY %d\n", (int)getpid());
@@ -220,6 +233,8 @@ static int serve(void) {
             phase_launch();
         else if (strcmp(cmd, "free") == 0)
             phase_free();
+        else if (strcmp(cmd, "structs") == 0)
+            phase_structs();
         else if (strncmp(cmd, "spin ", 5) == 0)
             phase_spin(atol(cmd + 5));
         else

@@ -3,8 +3,8 @@
  *
  * Linked against the fake libcuda.so.1 (or, on a GPU machine, the real one: every call is a
  * valid driver call), it speaks workloads/harness.py's protocol: `READY <pid>`, then one JSON
- * line per command read from stdin (load, lookup, alloc, launch, free, spin N) until `exit`
- * or EOF. Each JSON line reports the exact handles, pointers, sizes and parameter bytes it
+ * line per command read from stdin (load, lookup, alloc, launch, structs, free, spin N) until
+ * `exit` or EOF. Each JSON line reports the exact handles, pointers, sizes and parameter bytes it
  * passed to the driver.
  *
  * Usage: cuda_app MODE DIR, MODE being how the kernels' image is loaded:
@@ -572,6 +572,77 @@ static void phase_free(void) {
               "\"size\":%zu}", V, 2 * granularity);
     put(&out, "]}");
     allocated = 0;
+    emit(&out);
+}
+
+/* ---- structs: parameters far from each other ------------------------------------------- */
+static void list_of(struct TensorList *l, unsigned char seed) {
+    memset(l, 0, sizeof(*l));
+    for (int i = 0; i < 110; i++) {
+        l->addresses[i] = i < 3 ? C + 4096 * (uint64_t)i : 0;
+        l->numel[i] = i < 3 ? 1024 : 0;
+    }
+    for (int i = 0; i < 320; i++) {
+        l->block_to_tensor[i] = (unsigned char)(i % 3 + seed);
+        l->block_to_chunk[i] = i / 3;
+    }
+    l->start = seed;
+}
+
+/* Launches whose parameters lie apart, as large by-value structs lie: the first two are kept
+ * whole by a capture, the third not (its four parameters lie in four places). */
+static void phase_structs(void) {
+    if (!looked_up || !allocated) {
+        phase_error("structs", "lookup and alloc first");
+        return;
+    }
+    reset(&launches);
+    put(&launches, "[");
+    seq = 0;
+    /* a caller's frame, as an inlined ATen multi_tensor_apply lays it out: the 3 KiB list 3.5 KiB
+     * above the scale, its end 6.8 KiB above it */
+    static _Alignas(4096) unsigned char frame[4 * 4096];
+    size_t sizes[] = {sizeof(struct TensorList), sizeof(float)};
+    {
+        struct TensorList *l = (struct TensorList *)(frame + 4096 + 3584);
+        list_of(l, 0);
+        float *scale = (float *)(frame + 4096);
+        *scale = 0.5f;
+        void *params[] = {l, scale};
+        launch(LAUNCH, K_TENSOR_LIST, (struct dims){{320, 1, 1}, {1024, 1, 1}, 0, stream}, params,
+               sizes, 2, NULL, 0);
+    }
+    /* the list on the heap, the scale on the stack */
+    {
+        static struct TensorList *l;
+        if (!l)
+            l = malloc(sizeof(*l));
+        list_of(l, 1);
+        float scale = 0.25f;
+        void *params[] = {l, &scale};
+        launch(LAUNCH_EX, K_TENSOR_LIST, (struct dims){{320, 1, 1}, {1024, 1, 1}, 0, stream},
+               params, sizes, 2, NULL, 0);
+    }
+    /* axpy's four parameters in four places: on the stack, the heap, and two of the frame's
+     * pages 8 KiB apart */
+    {
+        float alpha = 3.0f;
+        static CUdeviceptr *x;
+        if (!x)
+            x = malloc(sizeof(*x));
+        *x = A;
+        CUdeviceptr *y = (CUdeviceptr *)frame;
+        *y = B;
+        int *n = (int *)(frame + 3 * 4096);
+        *n = 512;
+        void *params[] = {&alpha, x, y, n};
+        size_t axpy_sizes[] = {sizeof(alpha), sizeof(*x), sizeof(*y), sizeof(*n)};
+        launch(LAUNCH, K_AXPY, (struct dims){{2, 1, 1}, {256, 1, 1}, 0, NULL}, params, axpy_sizes,
+               4, NULL, 0);
+    }
+    put(&launches, "]");
+    reset(&out);
+    put(&out, "{\"phase\":\"structs\",\"launches\":%s}", launches.s);
     emit(&out);
 }
 

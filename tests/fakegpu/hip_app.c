@@ -397,6 +397,8 @@ static void phase_spin(long n) {
     emit(&out);
 }
 
+static void phase_structs(void) { phase_error("structs", "cuda_app only"); }
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s DIR\n", argv[0]);

@@ -22,8 +22,8 @@ from pos.tracer.probes import CUDA, HIP, Family
 from workloads.harness import Job
 
 KERNELS = ("_Z4axpyfPKfPfi", "_Z9pair_copy4Pairf", "_Z5mixed5MixedPKd", "_Z7scalarscsixdPf",
-           "_Z4fillIfEvPT_S0_i", "_Z4fillIiEvPT_S0_i", "no_params")
-AXPY, PAIR_COPY, MIXED, SCALARS, FILL_F, FILL_I, NO_PARAMS = KERNELS
+           "_Z4fillIfEvPT_S0_i", "_Z4fillIiEvPT_S0_i", "no_params", "_Z11tensor_list10TensorListf")
+AXPY, PAIR_COPY, MIXED, SCALARS, FILL_F, FILL_I, NO_PARAMS, TENSOR_LIST = KERNELS
 CHECKPOINT_API = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                   "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
                   "cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId")
@@ -253,6 +253,13 @@ def test_cuda_app(cuda_job: Job, fakegpu: dict[str, Path]) -> None:
                   for x in launch[key])
     assert seqs == list(range(len(seqs)))
     assert {x["api"] for x in launch["syncs"]} >= {"cuStreamSynchronize", "cuCtxSynchronize"}
+
+    structs = cuda_job.run("structs")["launches"]
+    assert [x["name"] for x in structs] == [TENSOR_LIST, TENSOR_LIST, AXPY]
+    for x, scale in zip(structs, (0.5, 0.25)):
+        assert len(x["params"][0]) == 2 * 3368 and x["params"][1] == le("f", scale)
+        assert x["params"][0][:2 * 24] == le("QQQ", c, c + 4096, c + 8192)
+    assert structs[2]["params"] == [le("f", 3.0), le("Q", a), le("Q", b), le("i", 512)]
 
     free = cuda_job.run("free")
     assert [x["api"] for x in free["frees"]] == ["cuMemFree_v2"] * 5 + [

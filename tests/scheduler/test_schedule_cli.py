@@ -141,8 +141,9 @@ def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> N
 
 
 def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None:
-    """A store written before schedules had CRIU options (and launches their capture, traces
-    their dropped captures) opens as the current schema, its rows kept."""
+    """A store written before schedules had CRIU options (and launches their capture and why
+    they lack a layout, traces their dropped captures and completions) opens as the current
+    schema, its rows kept."""
     import sqlite3
 
     from pos.store import schedules
@@ -154,7 +155,12 @@ def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None
     with sqlite3.connect(db) as c:
         c.execute("ALTER TABLE schedules DROP COLUMN criu_options")
         c.execute("ALTER TABLE launches DROP COLUMN capture")
-        c.execute("ALTER TABLE traces DROP COLUMN captures_dropped")
+        for column in ("captures_dropped", "completed", "missing_no_layout", "missing_ambiguous",
+                       "missing_no_capture", "missing_outside", "missing_outside_bytes",
+                       "missing_few_addresses"):
+            c.execute(f"ALTER TABLE traces DROP COLUMN {column}")
+        c.execute("ALTER TABLE launches DROP COLUMN missing")
+        c.execute("ALTER TABLE launches DROP COLUMN missing_bytes")
         c.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
         c.execute("INSERT INTO schedules (cron, target_kind, target, root, engine, leave_running,"
                   " created_at, next_run_at) VALUES ('* * * * *', 'pid', '1', '/r', 'auto', 1,"

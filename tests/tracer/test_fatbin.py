@@ -32,6 +32,7 @@ EXPECTED = {
     "_Z4fillIfEvPT_S0_i": [(0, 8), (8, 4), (12, 4)],           # fill<float>(float*, float, int)
     "_Z4fillIiEvPT_S0_i": [(0, 8), (8, 4), (12, 4)],           # fill<int>(int*, int, int)
     "no_params": [],
+    "_Z11tensor_list10TensorListf": [(0, 3368), (3368, 4)],   # a 3 KiB struct, float
 }
 WITH_EXTRA = {**EXPECTED, "_Z5extradPi": [(0, 8), (8, 8)]}     # the app also links cudart's
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
