@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 REQUIRED = os.environ.get("POS_REQUIRE_PREREQS") == "1"
-KERNELS = 8   # kernels.cu: axpy, pair_copy, mixed, scalars, fill<float>, fill<int>, no_params,
-              # tensor_list
+KERNELS = 9   # kernels.cu: axpy, pair_copy, mixed, scalars, fill<float>, fill<int>, no_params,
+              # tensor_list, many
 
 
 def need(condition: bool, why: str) -> None:

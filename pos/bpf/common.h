@@ -272,6 +272,19 @@ static __always_inline int widen(struct pos_window *w, u64 p) {
 /* Reads a window's memory to out; returns the bytes read: all of it or, where the memory ends
  * within it (a thread's stack ends a few KiB above its first frames), up to the end of the page
  * of its start or of the next one; 0 when none of it is readable. */
+/* A kernel may have more parameters than the slots that placed the windows (cuBLASLt's
+ * splitKreduce has 21: on the H100 its last ones lay 40 bytes below the window): each window
+ * starts up to POS_CAPTURE_HEAD bytes lower, within the page of its lowest parameter (the page
+ * below may not be mapped) and within the span. */
+static __always_inline void lower(struct pos_window *w) {
+    u64 lo = w->lo - POS_CAPTURE_HEAD;
+    u64 page = w->lo & ~4095ull;
+    if (lo < page)
+        lo = page;
+    if (w->hi - lo <= POS_CAPTURE_SPAN)
+        w->lo = lo;
+}
+
 static __always_inline u32 read_window(u8 *out, struct pos_window *w) {
     /* 1 to POS_CAPTURE_SPAN, as `widen` keeps it, in a form the verifier sees bounded */
     u32 size = ((w->hi - w->lo - 1) & (POS_CAPTURE_SPAN - 1)) + 1;
@@ -315,6 +328,9 @@ static __always_inline u32 capture(struct pos_launch_scratch *s, int n, u64 para
             w1.hi = p + POS_CAPTURE_TAIL;
         }
     }
+    lower(&w0);
+    if (w1.hi)
+        lower(&w1);
     u8 *out = s->ev.params;
     u32 at = 8 * n;   /* after the slots: at most 8 * POS_SLOTS */
     u32 k = POS_CAPTURE_ADDRS;

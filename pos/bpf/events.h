@@ -12,6 +12,7 @@
 #define POS_CAPTURE_TAIL 4096  /* bytes a window keeps from a parameter's address on: a parameter
                                 * passed by value may be that large (CUDA's limit before 12.1) */
 #define POS_CAPTURE_SPAN 8192  /* bytes of one window at most */
+#define POS_CAPTURE_HEAD 512   /* bytes a window keeps below its lowest parameter (see `lower`) */
 #define POS_NAME_LEN 1024      /* bytes of a kernel's mangled name */
 
 enum pos_kind {

@@ -16,7 +16,7 @@
 /* Mangled names of kernels.cu (nm on the cubin), in the order the apps use them. */
 enum {
     K_AXPY, K_PAIR_COPY, K_MIXED, K_SCALARS, K_FILL_F, K_FILL_I, K_NO_PARAMS, K_TENSOR_LIST,
-    N_KERNELS
+    K_MANY, N_KERNELS
 };
 static const char *const kernel_names[N_KERNELS] = {
     "_Z4axpyfPKfPfi",     /* axpy(float, const float *, float *, int) */
@@ -27,6 +27,7 @@ static const char *const kernel_names[N_KERNELS] = {
     "_Z4fillIiEvPT_S0_i", /* fill<int>(int *, int, int) */
     "no_params",          /* extern "C" no_params() */
     "_Z11tensor_list10TensorListf", /* tensor_list(TensorList, float) */
+    "_Z4manyPfiiiiiiiiiiiiiiiiiii", /* many(float *, int x 19) */
 };
 
 /* kernels.cu's by-value structs, with device pointers as 64-bit integers (same layout). */

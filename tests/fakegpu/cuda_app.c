@@ -589,8 +589,8 @@ static void list_of(struct TensorList *l, unsigned char seed) {
     l->start = seed;
 }
 
-/* Launches whose parameters lie apart, as large by-value structs lie: the first two are kept
- * whole by a capture, the third not (its four parameters lie in four places). */
+/* Launches whose parameters lie apart, as large by-value structs lie: the first three are kept
+ * whole by a capture, the fourth not (its four parameters lie in four places). */
 static void phase_structs(void) {
     if (!looked_up || !allocated) {
         phase_error("structs", "lookup and alloc first");
@@ -622,6 +622,25 @@ static void phase_structs(void) {
         void *params[] = {l, &scale};
         launch(LAUNCH_EX, K_TENSOR_LIST, (struct dims){{320, 1, 1}, {1024, 1, 1}, 0, stream},
                params, sizes, 2, NULL, 0);
+    }
+    /* 20 parameters, the last four (past the tracer's 16 slots) 40 bytes below the others, as
+     * cuBLASLt's splitKreduce's lay on the H100 */
+    {
+        static CUdeviceptr o;
+        o = C;
+        unsigned char *at = frame + 2 * 4096 + 1024;
+        void *params[20];
+        size_t many_sizes[20];
+        params[0] = &o;
+        many_sizes[0] = sizeof(o);
+        for (int i = 1; i < 20; i++) {
+            int *v = (int *)(i < 16 ? at + 8 * i : at - 40 + 4 * (i - 16));
+            *v = 100 + i;
+            params[i] = v;
+            many_sizes[i] = sizeof(int);
+        }
+        launch(LAUNCH, K_MANY, (struct dims){{1, 1, 1}, {1, 1, 1}, 0, stream}, params,
+               many_sizes, 20, NULL, 0);
     }
     /* axpy's four parameters in four places: on the stack, the heap, and two of the frame's
      * pages 8 KiB apart */

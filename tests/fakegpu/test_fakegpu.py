@@ -22,8 +22,9 @@ from pos.tracer.probes import CUDA, HIP, Family
 from workloads.harness import Job
 
 KERNELS = ("_Z4axpyfPKfPfi", "_Z9pair_copy4Pairf", "_Z5mixed5MixedPKd", "_Z7scalarscsixdPf",
-           "_Z4fillIfEvPT_S0_i", "_Z4fillIiEvPT_S0_i", "no_params", "_Z11tensor_list10TensorListf")
-AXPY, PAIR_COPY, MIXED, SCALARS, FILL_F, FILL_I, NO_PARAMS, TENSOR_LIST = KERNELS
+           "_Z4fillIfEvPT_S0_i", "_Z4fillIiEvPT_S0_i", "no_params", "_Z11tensor_list10TensorListf",
+           "_Z4manyPfiiiiiiiiiiiiiiiiiii")
+AXPY, PAIR_COPY, MIXED, SCALARS, FILL_F, FILL_I, NO_PARAMS, TENSOR_LIST, MANY = KERNELS
 CHECKPOINT_API = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                   "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
                   "cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId")
@@ -255,11 +256,12 @@ def test_cuda_app(cuda_job: Job, fakegpu: dict[str, Path]) -> None:
     assert {x["api"] for x in launch["syncs"]} >= {"cuStreamSynchronize", "cuCtxSynchronize"}
 
     structs = cuda_job.run("structs")["launches"]
-    assert [x["name"] for x in structs] == [TENSOR_LIST, TENSOR_LIST, AXPY]
+    assert [x["name"] for x in structs] == [TENSOR_LIST, TENSOR_LIST, MANY, AXPY]
     for x, scale in zip(structs, (0.5, 0.25)):
         assert len(x["params"][0]) == 2 * 3368 and x["params"][1] == le("f", scale)
         assert x["params"][0][:2 * 24] == le("QQQ", c, c + 4096, c + 8192)
-    assert structs[2]["params"] == [le("f", 3.0), le("Q", a), le("Q", b), le("i", 512)]
+    assert structs[2]["params"] == [le("Q", c)] + [le("i", 100 + i) for i in range(1, 20)]
+    assert structs[3]["params"] == [le("f", 3.0), le("Q", a), le("Q", b), le("i", 512)]
 
     free = cuda_job.run("free")
     assert [x["api"] for x in free["frees"]] == ["cuMemFree_v2"] * 5 + [

@@ -33,6 +33,7 @@ EXPECTED = {
     "_Z4fillIiEvPT_S0_i": [(0, 8), (8, 4), (12, 4)],           # fill<int>(int*, int, int)
     "no_params": [],
     "_Z11tensor_list10TensorListf": [(0, 3368), (3368, 4)],   # a 3 KiB struct, float
+    "_Z4manyPf" + "i" * 19: [(0, 8)] + [(8 + 4 * i, 4) for i in range(19)],   # 20 parameters
 }
 WITH_EXTRA = {**EXPECTED, "_Z5extradPi": [(0, 8), (8, 8)]}     # the app also links cudart's
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
