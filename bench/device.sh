@@ -4,7 +4,8 @@
 # log under $OUT (copy them to bench/results/ and describe them in its README afterwards).
 #
 #   bench/device.sh trace        # pos trace: its GPU test; counts and layouts, launch cost
-#                                # (9 rounds, pinned), storms of 8 threads (layout known, late)  (~8 min)
+#                                # (9 rounds, pinned) and the bare uprobe's, storms of 8 threads
+#                                # (layout known, late)  (~8 min)
 #   bench/device.sh analyze      # the validator on PyTorch and the kernel suite; its test (~6 min)
 #   bench/device.sh checkpoint   # stop-the-world C/R: bit-exact tests, 1-16 GiB table  (~8 min)
 #   bench/device.sh checkpoint32 # the 32 GiB row of that table, restore included       (~5 min)
@@ -46,10 +47,12 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, go on whatever it r
 
 case $group in
 trace)
-    step trace-test python3 -m pytest -ra -s tests/gpu/test_trace_gpu.py
-    step trace-bench python3 bench/trace_gpu.py --out "$out/trace-h100.json" --only count \
-        --only launch --only storm --launches 200000 --rounds 9 --storm-threads 8 \
-        --storm-seconds 2 ;;
+    [ "${POS_BENCH_TEST:-1}" = 0 ] ||   # POS_BENCH_TEST=0: the bench alone
+        step trace-test python3 -m pytest -ra -s tests/gpu/test_trace_gpu.py
+    # shellcheck disable=SC2086  # POS_TRACE_ONLY: a subset, as "--only count --only floor"
+    step trace-bench python3 bench/trace_gpu.py --out "$out/trace-h100.json" \
+        ${POS_TRACE_ONLY:---only count --only launch --only floor --only storm} \
+        --launches 200000 --rounds 9 --storm-threads 8 --storm-seconds 2 ;;
 analyze)
     step analyze-test python3 -m pytest -ra tests/gpu/test_analyzer_gpu.py
     step validate python3 bench/validate_gpu.py --out "$out/validate-gpu-h100.json" ;;

@@ -14,6 +14,8 @@ Runs, each on fresh processes:
             path is measured only where that is 1.0); then, in one more traced phase, the probe
             program's own mean run time (the kernel's bpf_stats: without the uprobe trap and the
             phases' noise);
+  floor:    the same alternation with an empty BPF program on cuLaunchKernel instead of pos:
+            what the kernel's uprobe alone costs a launch, the floor under pos's cost;
   train:    torch_job.py training steps, untraced -> traced -> untraced in one process (the
             tracer attaches to a running job, so its kernels' layouts come from mapped files);
             also its ATen launch-bound loop (`add_` on a small tensor) the same way;
@@ -112,6 +114,45 @@ def alternate(job: Job, db: str, cmd: str, key: str, rounds: int, pos_cpus: Opti
             n, k = q(db, "select count(*), sum(layout_known) from launches where trace_id = "
                          "(select max(id) from traces)")[0]
             known.append((k or 0) / n if n else 0.0)
+    return {**added_cost(cmd, seq), "layout_known_share": known, "trace_logs": logs}
+
+
+class EmptyProbe:
+    """A BPF program that does nothing, on the job's cuLaunchKernel: what the kernel's uprobe
+    costs a launch before any work of pos's (the floor under pos trace's cost)."""
+
+    def __init__(self, pid: int) -> None:
+        from bcc import BPF
+
+        from pos.tracer.target import find_libraries
+
+        library = next(lib.host_path for lib in find_libraries(pid) if "libcuda" in lib.path)
+        self.bpf = BPF(text="int empty(void *ctx) { return 0; }")
+        self.bpf.attach_uprobe(name=library, sym="cuLaunchKernel", fn_name="empty", pid=pid)
+
+    def stop(self) -> None:
+        self.bpf.cleanup()
+
+
+def floor_run(storm: list[str], launches: int, rounds: int, pin: Pin) -> dict:
+    """untraced, empty uprobe, untraced ...: the uprobe's own cost a launch."""
+    job = Job(storm, pin[0])
+    job.run("init")
+    seq = []
+    for i in range(2 * rounds + 1):
+        probe = EmptyProbe(job.pid) if i % 2 else None
+        seq.append(job.run(f"loop {launches}")["s_per_launch"])
+        if probe:
+            probe.stop()
+    job.close()
+    r = added_cost(f"loop {launches}", seq)
+    r["added_us_per_launch_median"] = r["added_s_median"] * 1e6
+    r["added_us_per_launch_range"] = [x * 1e6 for x in r["added_s_range"]]
+    return r
+
+
+def added_cost(cmd: str, seq: list[float]) -> dict:
+    """Each odd phase's cost against the mean of its two neighbours, over the rounds."""
     added = [seq[i] - (seq[i - 1] + seq[i + 1]) / 2 for i in range(1, len(seq), 2)]
     base = statistics.mean(seq[0::2])
     q1, _, q3 = (statistics.quantiles(added, n=4, method="inclusive") if len(added) > 1
@@ -119,8 +160,7 @@ def alternate(job: Job, db: str, cmd: str, key: str, rounds: int, pos_cpus: Opti
     return {"command": cmd, "phases_s": seq, "untraced_s": base,
             "added_s_median": statistics.median(added), "added_s_quartiles": [q1, q3],
             "added_s_range": [min(added), max(added)], "added_s": added,
-            "added_pct_median": statistics.median(added) / base * 100,
-            "layout_known_share": known, "trace_logs": logs}
+            "added_pct_median": statistics.median(added) / base * 100}
 
 
 def launch_run(db: str, storm: list[str], launches: int, rounds: int, pin: Pin) -> dict:
@@ -182,7 +222,8 @@ def main() -> None:
     ap.add_argument("--storm-threads", type=int, nargs="+", default=[4, 8],
                     help="storm runs per thread count (each with the layout known and late)")
     ap.add_argument("--storm-seconds", type=float, default=5.0)
-    ap.add_argument("--only", choices=["count", "launch", "train", "storm"], action="append")
+    ap.add_argument("--only", choices=["count", "launch", "floor", "train", "storm"],
+                    action="append")
     ap.add_argument("--dbdir", help="keep the runs' stores here [default: a temporary folder]")
     ap.add_argument("--no-pin", action="store_true",
                     help="let the workload and pos share cores in the cost runs")
@@ -204,6 +245,8 @@ def main() -> None:
                     result[name] = count_run(db, args.steps)
                 elif name == "launch":
                     result[name] = launch_run(db, storm, args.launches, args.rounds, pin)
+                elif name == "floor":
+                    result[name] = floor_run(storm, args.launches, args.rounds, pin)
                 elif name == "train":
                     result[name] = train_run(db, args.launches, 10, args.rounds, pin)
                 else:

@@ -437,7 +437,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
 
     def fill(g: Any, root: int) -> None:
         g.step("remap", hoisted=True)
-        pre.ready.wait()
+        g.timed("memory", pre.ready.wait)     # pos's new device memory (made during CRIU's part)
         if pre.error is not None:
             raise pre.error
         with Agent(root) as agent:
@@ -445,7 +445,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                 raise PosError(f"the restored job's allocations do not match {directory}'s GPU "
                                "index", "take a new checkpoint")
-            agent.remap(pre.fds, restore=True)
+            g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
             out["release_s"] = time.monotonic() - t0
             pre.attach(agent)
             g.step("fill")

@@ -331,6 +331,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     try:
         with Guard(plan, echo, progress=progress) as g:
             g.timings["verify"] = verify_s
+            g.timings["prepare"] = time.monotonic() - t - verify_s   # to CRIU's start
             g.step("criu-restore")
             argv = criu.restore_argv(directory, options, work, work / "pidfile",
                                      inherit_fds + tuple(logs.values()))
