@@ -13,8 +13,9 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                checkpoint from outside (release time, longest held call, device-to-host GB/s
                against the 55 GB/s limit, time to disk) beside the driver's stop-the-world
                lock/checkpoint/restore/unlock of the same job
-  stw          `pos checkpoint` (driver + CRIU, the job killed) then `pos restore` of a `pos run`
-               training job: its losses against an uninterrupted run's, bit for bit
+  stw          a whole-process concurrent image of a `pos run` training job, then `pos checkpoint`
+               (driver + CRIU, the job killed; the agent lends its kept descriptors around the
+               dump) and `pos restore`: its losses against an uninterrupted run's, bit for bit
   hoistfd      the agent gives its memory up and maps it back from descriptors that no CUDA
                context of pos holds: whether the exported descriptor alone keeps the memory
   fullexact    `pos checkpoint --concurrent` (whole process, hoisted; the job ended by the
@@ -357,6 +358,10 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
                          stderr=open(out / "stw-job.log", "ab"), start_new_session=True)
     try:
         wait_lines(log)
+        # a whole-process concurrent image first: the agent then keeps descriptors CRIU cannot
+        # dump, which it lends to pos around the stop-the-world dump
+        res["concurrent_first"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "c"),
+                                          "--concurrent", "--leave-running")
         time.sleep(random.uniform(0, 0.5))
         d = images / "stw-img"
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d))
