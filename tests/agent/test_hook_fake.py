@@ -143,15 +143,20 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
 
 
-@pytest.mark.parametrize("step", ["cut", "hoist", "lock", "checkpoint", "dump", "restore",
-                                  "unlock", "copy", "seal"])
+@pytest.mark.parametrize("step,leave_running", [
+    *((step, True) for step in ("cut", "hoist", "lock", "checkpoint", "dump", "restore", "unlock",
+                                "copy", "seal")),
+    ("copy", False), ("seal", False)])
 def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
-        fill_job, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
+        fill_job, tmp_path: Path, criu_ready, gpu_env, step: str, leave_running: bool) -> None:
+    """Also without --leave-running: the job ends only once its image is sealed; until then
+    CRIU leaves it stopped and its memory is pos's, so pos dying gives it back and it runs on."""
     job = fill_job()
     time.sleep(0.2)
     before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
-            "--leave-running", env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
+            *(["--leave-running"] if leave_running else []),
+            env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
     assert r.returncode == -9, (r.returncode, r.stderr)
     log = Path(gpu_env["POS_WATCHDOG_LOG"])
     wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
@@ -162,27 +167,6 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
         == "running"
-    assert not (tmp_path / "img.partial").exists() and not list(staging.ROOT.glob("*.partial"))
-
-
-@pytest.mark.parametrize("step", ["copy", "seal"])
-def test_pos_killed_after_a_dump_that_ends_the_job_lets_the_job_run_on(
-        fill_job, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
-    """Without --leave-running the job ends only once its image is sealed: until then CRIU
-    leaves it stopped and its memory is pos's, so pos dying gives it back and it runs on."""
-    job = fill_job()
-    time.sleep(0.2)
-    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
-    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "img"), "--concurrent",
-            env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
-    assert r.returncode == -9, (r.returncode, r.stderr)
-    log = Path(gpu_env["POS_WATCHDOG_LOG"])
-    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
-             what="the watchdog's undo")
-    with Agent(job.pid) as a:
-        wait_for(lambda: a.status().phase == "idle", what="the job's release")
-    after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
-    assert job.alive() and not torn(after) and max(after) > max(before)
     assert not (tmp_path / "img.partial").exists() and not list(staging.ROOT.glob("*.partial"))
 
 
