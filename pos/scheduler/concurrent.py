@@ -290,6 +290,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
           back: Callable[[int], None]) -> gpucopy.Copy:
     """Read every buffer's chunks (checksums checked) into pinned staging and copy them to
     device memory at `dest`; `back(i)` once buffer i is there."""
+    gpuimage.warm()
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted((i, off, c["raw"]) for (i, off), c in chunk_of.items())
     biggest = max((n for _i, _o, n in work), default=1)

@@ -80,3 +80,13 @@ def test_a_chunk_read_in_pieces_by_compiled_code_is_exact_and_checked(
     os.truncate(path, path.stat().st_size - 100)
     with pytest.raises(BadInput, match="is truncated"):
         gpuimage.read_chunk_into(tmp_path, chunk, out, {})
+
+
+def test_warm_makes_the_first_calls_of_every_compiled_function() -> None:
+    """Before many reader threads start, one call each has loaded the compiled code (threads
+    loading it at once waited about 1 s for each other)."""
+    from pos.image import checksum as ck
+
+    gpuimage.warm()
+    for fn in (gpuimage._read_absorb, ck._start, ck.absorb, ck._finish, ck.hash_words):
+        assert fn.signatures, fn
