@@ -6,8 +6,10 @@ Checkpoint (GPU state only, `gpu_only=True`, or the whole process):
  3. the agent exports its allocations; pos imports them and copies them device-to-device into
     its shadow (what fits; milliseconds at HBM speed);
  4. whole process: the job gives its physical memory up (pos holds it), the driver checkpoints
-    the now small CUDA context, CRIU dumps the process, the driver restores and unlocks it, and
-    the job maps its memory again at the same addresses;
+    the now small CUDA context, CRIU dumps the process (into pos's huge-page tmpfs,
+    pos/scheduler/staging.py), the driver restores and unlocks it, and the job maps its memory
+    again at the same addresses; without --leave-running CRIU leaves the job stopped instead,
+    and pos ends it once the image is sealed (until then a failure lets it run on);
  5. the job is released: a call that may write a buffer that is neither shadowed nor saved
     waits for it (launches, whose accesses the agent does not speculate, wait for all of them);
  6. pos copies to host memory (shadow first, the rest from the job's memory, telling the agent
