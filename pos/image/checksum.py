@@ -2,16 +2,16 @@
 compiled with numba and run without the GIL (3.35 GB/s a core on the H100 host, 13.2 on four
 threads; zlib's crc32 1.48, sha256 0.98).
 
-`Stream` computes the same checksum over a chunk given in pieces, so that a reader can hash each
-piece just after reading it, while it is still in the CPU's cache, instead of reading the whole
-chunk back from memory once more."""
+`start`, `absorb` and `finish` compute it over a chunk taken in pieces, so that a reader can hash
+each piece just after reading it, while it is still in the CPU's cache, instead of reading the
+whole chunk back from memory once more."""
 
 import numba as nb
 import numpy as np
 
 P1 = np.uint64(0x9E3779B97F4A7C15)
 P2 = np.uint64(0xC2B2AE3D27D4EB4F)
-GROUP = 32   # bytes the four lanes take per round: pieces of a Stream are multiples of it
+GROUP = 32   # bytes the four lanes take per round: pieces hashed apart are multiples of it
 
 
 @nb.njit(nogil=True, cache=True)
@@ -24,7 +24,7 @@ def _start(h: np.uint64) -> np.ndarray:
 
 @nb.njit(nogil=True, cache=True)
 def absorb(words: np.ndarray, lanes: np.ndarray) -> None:
-    """Run the lanes over words[: len // 4 * 4] (a Stream's `lanes`)."""
+    """Run the lanes over words[: len // 4 * 4] (from `start`)."""
     n = words.shape[0] // 4 * 4
     i = 0
     while i < n:
@@ -72,37 +72,20 @@ def fold(buf: np.ndarray, h: int) -> int:
 
 def checksum(buf: np.ndarray) -> int:
     """A chunk's checksum: its bytes hashed from its length."""
-    return fold(buf, buf.shape[0])
+    lanes = start(buf.shape[0])
+    absorb(buf[: buf.shape[0] // GROUP * GROUP].view(np.uint64), lanes)
+    return finish(lanes, buf)
 
 
-class Stream:
-    """checksum() of an n-byte chunk fed in order as pieces (uint8 arrays): every piece but the
-    last a multiple of GROUP bytes."""
+def start(n: int) -> np.ndarray:
+    """The lanes of an n-byte chunk's checksum, for `absorb` to run over its whole groups."""
+    return _start(np.uint64(n))
 
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-        self.lanes = _start(np.uint64(n))
-        self.rest = np.zeros(0, np.uint8)
 
-    def update(self, piece: np.ndarray) -> None:
-        self._open()
-        absorb(piece[: piece.shape[0] // GROUP * GROUP].view(np.uint64), self.lanes)
-        self.took(piece)
-
-    def took(self, piece: np.ndarray) -> None:
-        """Count a piece whose whole groups a compiled reader ran the lanes over itself
-        (pos/image/gpu.py: reading and hashing with the GIL released); keep its tail."""
-        self._open()
-        self.rest = piece[piece.shape[0] // GROUP * GROUP:]
-        self.seen += piece.shape[0]
-
-    def _open(self) -> None:
-        if self.rest.shape[0]:
-            raise ValueError("only the last piece of a Stream may be short of a group")
-
-    def digest(self) -> int:
-        if self.seen != self.n:
-            raise ValueError(f"a Stream of {self.n} bytes was given {self.seen}")
-        rest = self.rest[: self.rest.shape[0] // 8 * 8]
-        out = int(_finish(self.lanes, np.uint64(self.n // 8), rest.view(np.uint64)))
-        return _tail(out, self.rest[rest.shape[0]:]) if self.n % 8 else out
+def finish(lanes: np.ndarray, buf: np.ndarray) -> int:
+    """checksum(buf) from lanes that have taken buf's whole groups already (a reader hashes
+    each piece as it reads it, while the piece is in the CPU's cache)."""
+    n = buf.shape[0]
+    rest = buf[n // GROUP * GROUP: n // 8 * 8]
+    out = int(_finish(lanes, np.uint64(n // 8), rest.view(np.uint64)))
+    return _tail(out, buf[n // 8 * 8:]) if n % 8 else out

@@ -19,7 +19,7 @@ import numba as nb
 import numpy as np
 
 from pos.errors import BadInput
-from pos.image.checksum import GROUP, Stream, absorb, checksum
+from pos.image.checksum import GROUP, absorb, checksum, finish, start
 
 INDEX = "gpu-index.json"
 FORMAT = 1
@@ -152,14 +152,13 @@ def warm() -> None:
     (numba's dispatcher) at the start of every fill, against 0.1 s for one thread."""
     buf = np.zeros(GROUP + 9, np.uint8)      # groups, words and a tail: every path
     checksum(buf)
-    h = Stream(buf.shape[0])
+    lanes = start(buf.shape[0])
     fd = os.open("/dev/zero", os.O_RDONLY)
     try:
-        _read_absorb(fd, buf, buf.shape[0], 0, PIECE, h.lanes)
+        _read_absorb(fd, buf, buf.shape[0], 0, PIECE, lanes)
     finally:
         os.close(fd)
-    h.took(buf)
-    h.digest()
+    finish(lanes, buf)
 
 
 def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
@@ -179,11 +178,10 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     if chunk["stored"] != n or out.shape[0] < n:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
                        "the image is corrupt: take a new checkpoint")
-    h = Stream(n)
-    if _read_absorb(fd, out, n, chunk["at"], PIECE, h.lanes) < n:
+    lanes = start(n)
+    if _read_absorb(fd, out, n, chunk["at"], PIECE, lanes) < n:
         raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
-    h.took(out[:n])
-    if f"{h.digest():016x}" != chunk["hash"]:
+    if f"{finish(lanes, out[:n]):016x}" != chunk["hash"]:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")
 

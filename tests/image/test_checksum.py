@@ -1,10 +1,10 @@
 """The chunk checksum (pos/image/checksum.py): the numba hash against a plain-Python statement
-of it, and Stream (pieces hashed as read) against checksum() of the whole chunk."""
+of it, and the hash of pieces taken as read against checksum() of the whole chunk."""
 
 import numpy as np
 import pytest
 
-from pos.image.checksum import GROUP, Stream, checksum
+from pos.image.checksum import GROUP, absorb, checksum, finish, start
 
 M = (1 << 64) - 1
 P1, P2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
@@ -43,18 +43,11 @@ def test_checksum_is_the_specified_hash(n: int) -> None:
 
 @pytest.mark.parametrize("n,piece", [(0, 64), (5, 64), (64, 64), (1000, 64), (4096 + 13, 96),
                                      (10_000, 4096), (10_007, 32)])
-def test_a_stream_of_pieces_equals_the_whole(n: int, piece: int) -> None:
+def test_lanes_run_over_pieces_then_finished_equal_the_whole(n: int, piece: int) -> None:
+    """What a reader does: the lanes over each piece's whole groups as it comes, then finish."""
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    s = Stream(n)
-    for off in range(0, n, piece):
-        s.update(data[off:off + piece])
-    assert s.digest() == checksum(data)
-
-
-def test_a_stream_refuses_a_short_piece_before_the_last_and_a_wrong_length() -> None:
-    s = Stream(3 * GROUP)
-    s.update(np.zeros(GROUP + 1, np.uint8))
-    with pytest.raises(ValueError, match="last piece"):
-        s.update(np.zeros(GROUP, np.uint8))
-    with pytest.raises(ValueError, match="was given"):
-        Stream(GROUP).digest()
+    lanes = start(n)
+    whole = n // GROUP * GROUP
+    for off in range(0, whole, piece):
+        absorb(data[off:min(off + piece, whole)].view(np.uint64), lanes)
+    assert finish(lanes, data) == checksum(data)
