@@ -355,7 +355,6 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     try:
         foreign = s.prepare(gpu_only=False)
         partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
-        final_name = Path(directory).name
         manifest = engine.new_manifest(pid, pids, cuda, criu.version_text, options,
                                        leave_running, nvml.gpus_of(cuda))
         plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
@@ -365,8 +364,10 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
              f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
         gate: Optional[Gate] = None
         with engine.Guard(plan, echo, partial) as g:
+            stage = staging.directory(Path(directory).name, partial, procs.resident_bytes(pids))
+            dumped = stage or partial      # where CRIU writes
             t0 = time.monotonic()
-            g.step("cut")
+            g.step("cut", staging=str(stage or ""))
             cut = s.cut_and_import()
             sources = s.snapshot()
             g.hold(s.fds)
@@ -377,9 +378,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
             g.step("checkpoint")
             g.timed("checkpoint", lambda: cudackpt.checkpoint(pid))
-            stage = staging.directory(final_name, partial, procs.resident_bytes(pids))
-            dumped = stage or partial
-            g.step("dump", staging=str(stage or ""))
+            g.step("dump")
             argv = criu.dump_argv(pid, dumped, options, leave_running,
                                   leave_stopped=not leave_running)
             g.timed("dump", lambda: g.run_criu(criu, argv, "dump", dumped / criu_mod.DUMP_LOG))
