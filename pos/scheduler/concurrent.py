@@ -354,7 +354,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     s = _Saver(agent, streams, chunk_mb << 20)
     try:
         foreign = s.prepare(gpu_only=False)
-        partial = image.prepare(Path(directory), procs.resident_bytes(pids) + s.owned_bytes)
+        resident = procs.resident_bytes(pids)          # what CRIU will write, about
+        partial = image.prepare(Path(directory), resident + s.owned_bytes)
         manifest = engine.new_manifest(pid, pids, cuda, criu.version_text, options,
                                        leave_running, nvml.gpus_of(cuda))
         plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
@@ -363,8 +364,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         echo(f"checkpointing PID {pid} ({manifest.comm}) concurrently: "
              f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
         gate: Optional[Gate] = None
-        with engine.Guard(plan, echo, partial) as g:
-            stage = staging.directory(Path(directory).name, partial, procs.resident_bytes(pids))
+        with engine.Guard(plan, echo) as g:
+            stage = staging.directory(Path(directory).name, partial, resident)
             dumped = stage or partial      # where CRIU writes
             t0 = time.monotonic()
             g.step("cut", staging=str(stage or ""))
@@ -381,10 +382,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             g.step("dump")
             argv = criu.dump_argv(pid, dumped, options, leave_running,
                                   leave_stopped=not leave_running)
-            g.timed("dump", lambda: g.run_criu(criu, argv, "dump", dumped / criu_mod.DUMP_LOG))
-            stats = criu_mod.dump_stats(dumped)
-            if stats is not None:
-                g.timings.update(stats.timings())
+            g.dump(criu, argv, dumped)
             if leave_running:
                 g.step("restore")
                 g.timed("restore", lambda: cudackpt.restore(pid))

@@ -56,9 +56,8 @@ def describe(timings: dict[str, float]) -> str:
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
-    def __init__(self, plan: Plan, echo: Echo, partial: Optional[Path] = None,
-                 progress: Progress = QUIET) -> None:
-        self.plan, self.echo, self.partial, self.progress = plan, echo, partial, progress
+    def __init__(self, plan: Plan, echo: Echo, progress: Progress = QUIET) -> None:
+        self.plan, self.echo, self.progress = plan, echo, progress
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
         self.memory: list[int] = []          # descriptors of a job's hoisted device memory
@@ -92,6 +91,13 @@ class Guard:
         """Run one step and add its duration to timings[name]."""
         return timed(self.timings, name, fn)
 
+    def dump(self, criu: criu_mod.Criu, argv: list[str], images: Path) -> None:
+        """CRIU's dump into `images`, timed, and how its stats-dump splits the frozen time."""
+        self.timed("dump", lambda: self.run_criu(criu, argv, "dump", images / criu_mod.DUMP_LOG))
+        stats = criu_mod.dump_stats(images)
+        if stats is not None:
+            self.timings.update(stats.timings())
+
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
                  pass_fds: tuple[int, ...] = (), terminal: bool = False) -> None:
         proc = criu.start(argv, pass_fds, terminal)
@@ -114,8 +120,7 @@ class Guard:
                 raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
                                undo.fix or "check the process by hand") from None
             finally:
-                if self.partial is not None:
-                    image.discard(self.partial)
+                if self.plan.op == "checkpoint":
                     discard_partial(self.plan)
                 self.watchdog.done()
         finally:
@@ -207,7 +212,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                 criu_options=options.to_json())
     echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with CUDA "
          f"state")
-    with Guard(plan, echo, partial, progress) as g:
+    with Guard(plan, echo, progress) as g:
         start = time.monotonic()
         lent = {p: _lend(p) for p in cuda}
         for p, pairs in lent.items():
@@ -224,10 +229,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         g.step("dump")
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
-        g.timed("dump", lambda: g.run_criu(criu, argv, "dump", partial / criu_mod.DUMP_LOG))
-        stats = criu_mod.dump_stats(partial)
-        if stats is not None:
-            g.timings.update(stats.timings())
+        g.dump(criu, argv, partial)
         if leave_running:
             for p in cuda:
                 g.step("restore")
