@@ -206,14 +206,17 @@ class Agent:
         return [Buffer(va, size, mapped, dev, bool(present))
                 for va, size, mapped, dev, present in r["buffers"]]
 
-    def export(self) -> list[int]:
-        """Every owned allocation as a descriptor (table order); the caller owns them."""
-        n = self._ask("export")["fds"]
+    def _take_fds(self, n: int) -> list[int]:
+        """The next n descriptors the agent sent after its reply; the caller owns them."""
         while len(self._fds) < n:
             self._recv()
         fds, self._fds = self._fds[:n], self._fds[n:]
         self._buf = self._buf.lstrip(b"+")
         return fds
+
+    def export(self) -> list[int]:
+        """Every owned allocation as a descriptor (table order); the caller owns them."""
+        return self._take_fds(self._ask("export")["fds"])
 
     def hoist(self) -> int:
         """The job gives its physical memory up (pos must hold it); bytes released."""
@@ -231,10 +234,7 @@ class Agent:
         """(va, descriptor) of each allocation whose descriptor the agent kept: pos holds them
         while CRIU dumps the job (CRIU cannot dump them), and gives them back with `keep`."""
         r = self._ask("lend")
-        while len(self._fds) < r["fds"]:
-            self._recv()
-        fds, self._fds = self._fds[:r["fds"]], self._fds[r["fds"]:]
-        return list(zip(r["vas"], fds))
+        return list(zip(r["vas"], self._take_fds(r["fds"])))
 
     def keep(self, lent: list[tuple[int, int]]) -> int:
         """Give lent descriptors back to the agent; how many it took."""

@@ -10,7 +10,6 @@ older versions are refused rather than allowed to fail half-way.
 import os
 import re
 import shutil
-import signal
 import stat
 import struct
 import subprocess
@@ -410,12 +409,3 @@ def dump_stats(images: Path) -> Optional[DumpStats]:
                          d.get(5, 0), d.get(7, 0))
     except (OSError, struct.error, KeyError, IndexError, ValueError, TypeError):
         return None
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Kill a CRIU started by `Criu.start` (its own process group) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()

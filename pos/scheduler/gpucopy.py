@@ -282,15 +282,13 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
 
 
 def device_to_device(drv: Driver, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int]
-                     ) -> float:
+                     ) -> None:
     """Copy src[i] -> dst[i] on one stream and wait: the shadow taken while the job is held."""
     s = C.c_void_p()
     drv.call("cuStreamCreate", C.byref(s), C.c_uint(1))
-    t = time.monotonic()
     try:
         for d, a, n in zip(dst, src, sizes):
             drv.call("cuMemcpyDtoDAsync_v2", U64(d), U64(a), SZ(n), s)
         drv.call("cuStreamSynchronize", s)
     finally:
         drv.function("cuStreamDestroy_v2")(s)
-    return time.monotonic() - t
