@@ -154,17 +154,12 @@ class Agent:
 
     def _recv(self) -> None:
         try:
-            data, anc, _flags, _addr = self.sock.recvmsg(
-                1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, MAX_FDS)
         except socket.timeout:
             raise
         except OSError as e:
             raise self._gone(e) from None
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                n = len(payload) // 4
-                self._fds.extend(int.from_bytes(payload[4 * i:4 * i + 4], "little", signed=True)
-                                 for i in range(n))
+        self._fds.extend(fds)
         if not data:
             raise PosError(f"the agent of process {self.pid} closed the connection",
                            "check that the job is still running; its standard error says why")

@@ -41,6 +41,7 @@ LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
 CRIU_WAIT_ENV = "POS_CRIU_WAIT_S"     # how long recovery waits for a running CRIU
 DEFAULT_CRIU_WAIT_S = 3600.0
+FDS_PER_MESSAGE = 250   # descriptors sent with one message (the kernel takes up to 253)
 
 
 @dataclass
@@ -196,8 +197,8 @@ class Watchdog:
     def hold(self, fds: list[int]) -> None:
         """The watchdog keeps its own copies of these descriptors (the hoisted memory)."""
         self.sock.sendall(json.dumps({"hold": len(fds)}).encode() + b"\n")
-        for at in range(0, len(fds), 250):
-            socket.send_fds(self.sock, [b" "], fds[at:at + 250])
+        for at in range(0, len(fds), FDS_PER_MESSAGE):
+            socket.send_fds(self.sock, [b" "], fds[at:at + FDS_PER_MESSAGE])
 
     def done(self) -> None:
         try:
@@ -231,13 +232,10 @@ def _messages(sock: socket.socket, fds: list[int]):  # type: ignore[no-untyped-d
     buf = b""
     while True:
         try:
-            data, anc, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(250 * 4))
+            data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, FDS_PER_MESSAGE)
         except OSError:
             return
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(int.from_bytes(payload[i:i + 4], "little", signed=True)
-                           for i in range(0, len(payload) - len(payload) % 4, 4))
+        fds.extend(got)
         if not data:
             return
         buf += data
