@@ -77,6 +77,14 @@ def start(argv: list[str], pos_run: bool = True, env: dict[str, str] = {},
                             start_new_session=True, cwd=ROOT)
 
 
+def pos_job(argv: list[str], log: Path = Path(os.devnull)) -> subprocess.Popen:
+    """`pos run` ARGV in a session of its own, its standard error appended to `log`, its
+    standard output discarded (the jobs here write their steps to a file)."""
+    return subprocess.Popen([*POS, "run", "--", *argv], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "ab"),
+                            start_new_session=True)
+
+
 def wait_ready(p: subprocess.Popen) -> int:
     line = p.stdout.readline()
     if not line.startswith("READY"):
@@ -353,9 +361,7 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
     r = subprocess.run([*POS, "run", "--", argv[0], argv[1], str(ref_log), *argv[2:]], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     res: dict[str, Any] = {"reference_rc": r.returncode}
-    p = subprocess.Popen([*POS, "run", "--", argv[0], argv[1], str(log), *argv[2:]], cwd=ROOT,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=open(out / "stw-job.log", "ab"), start_new_session=True)
+    p = pos_job([argv[0], argv[1], str(log), *argv[2:]], out / "stw-job.log")
     try:
         wait_lines(log)
         # a whole-process concurrent image first: the agent then keeps descriptors CRIU cannot
@@ -427,9 +433,7 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
     ref_log, log = images / "ref.log", images / "full.log"
     subprocess.run([*POS, "run", "--", *job_argv(job, ref_log, steps, 0.05)], cwd=ROOT,
                    timeout=600, capture_output=True)
-    p = subprocess.Popen([*POS, "run", "--", *job_argv(job, log, steps, 0.05)], cwd=ROOT,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=open(out / "fullexact-job.log", "ab"), start_new_session=True)
+    p = pos_job(job_argv(job, log, steps, 0.05), out / "fullexact-job.log")
     res: dict[str, Any] = {"job": job, "steps": steps}
     try:
         wait_lines(log, steps // 3)
@@ -458,9 +462,7 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
     rows = []
     for job in jobs:
         log = images / f"stall-{job}.log"
-        p = subprocess.Popen([*POS, "run", "--", *job_argv(job, log, 0, 0.01)], cwd=ROOT,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=open(out / "fullstall-job.log", "ab"), start_new_session=True)
+        p = pos_job(job_argv(job, log, 0, 0.01), out / "fullstall-job.log")
         row: dict[str, Any] = {"job": job}
         try:
             wait_lines(log, 10 if job == "gpt" else 20)
@@ -533,9 +535,7 @@ def predump(out: Path, images: Path) -> dict[str, Any]:
     from pos.scheduler import criu as criu_mod
 
     log = images / "pre.log"
-    p = subprocess.Popen([*POS, "run", "--", *det_argv(log, 0, 2, 0.01)], cwd=ROOT,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = pos_job(det_argv(log, 0, 2, 0.01))
     res: dict[str, Any] = {}
     try:
         wait_lines(log)
