@@ -241,12 +241,15 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
                   copy.gbps, None, foreign, s.timings)
 
 
+def _checked_by_restore(directory: Path) -> list[str]:
+    """The files whose checksums a restore verifies: all but the GPU data, each of whose chunks
+    is checked as it is read (a restore does not wait for a sha256 of gigabytes first)."""
+    return [n for n in image.load(directory).files if not n.startswith("gpu-data-")]
+
+
 def _verify(directory: Path) -> image.Manifest:
-    """Every file of the image checked against its manifest, except the GPU data's contents:
-    each chunk's own checksum is checked as it is read (a restore does not wait for a sha256 of
-    gigabytes first)."""
-    files = [n for n in image.load(directory).files if not n.startswith("gpu-data-")]
-    return image.verify(directory, files)
+    """Every file of the image checked against its manifest, except the GPU data's contents."""
+    return image.verify(directory, _checked_by_restore(directory))
 
 
 def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk_mb: int = 64,
@@ -430,13 +433,12 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     from the image while the job runs (its calls wait only for the buffers not back yet)."""
     directory = Path(directory).absolute()
     t0 = time.monotonic()
-    manifest = _verify(directory)
-    verify_s = time.monotonic() - t0
+    check = _checked_by_restore(directory)
     pre = _Prefetch(directory, streams, chunk_mb << 20)
     out: dict[str, Any] = {}
 
     def fill(g: Any, root: int) -> None:
-        g.step("remap", hoisted=True)
+        g.step("remap")
         g.timed("memory", pre.ready.wait)     # pos's new device memory (made during CRIU's part)
         if pre.error is not None:
             raise pre.error
@@ -454,12 +456,12 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             g.step("done", hoisted=False)
 
     try:
-        result = engine.restore(directory, inherit_fds, echo, verified=manifest, finish=fill)
+        result = engine.restore(directory, inherit_fds, echo, check=check, hoisted=True,
+                                finish=fill)
     finally:
         pre.close()
     copy = out["copy"]
-    # the engine's own "verify" is 0 (given the verified manifest): this one is the check's
-    timings = {**result.timings, "verify": verify_s, "h2d": copy.seconds,
+    timings = {**result.timings, "h2d": copy.seconds,
                "read_threads": copy.read_thread_s}
     return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,

@@ -179,9 +179,12 @@ class Criu:
         return argv
 
     def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
-                     inherit_fds: tuple[str, ...] = ()) -> list[str]:
+                     inherit_fds: tuple[str, ...] = (), leave_stopped: bool = False) -> list[str]:
+        """`leave_stopped`: the restored tree stays stopped (SIGSTOP) for the caller to resume."""
         argv = self._base("restore", images, RESTORE_LOG, workdir) + [
             "-d", "--pidfile", str(pidfile), *opts.argv()]
+        if leave_stopped:
+            argv.append("--leave-stopped")
         for spec in inherit_fds:
             argv += ["--inherit-fd", spec]
         return argv

@@ -2,7 +2,8 @@
 
 checkpoint: lock (with a timeout) -> driver checkpoint -> criu dump -> [--leave-running: driver
 restore -> unlock] -> seal the image (checksums, manifest, DIR.partial -> DIR).
-restore: verify -> criu restore -> driver restore (onto other GPUs if asked) -> unlock.
+restore: criu restore (the tree left stopped) beside the checksums' verify -> resume -> driver
+restore (onto other GPUs if asked) -> unlock.
 
 Every step runs inside a `Guard`: on any failure, Ctrl-C or SIGTERM it runs
 `watchdog.recover` (the one undo), and a watchdog process runs the same undo if pos dies.
@@ -15,6 +16,7 @@ import signal
 import socket
 import platform
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -300,19 +302,48 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
                        "the same driver (driver checkpoints are tied to the driver)")
 
 
+class _Check:
+    """The image's checksums verified on a thread of its own, beside CRIU's restore."""
+
+    def __init__(self, directory: Path, names: Optional[list[str]]) -> None:
+        self.seconds = 0.0
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(directory, names),
+                                       name="pos-verify", daemon=True)
+        self.thread.start()
+
+    def _run(self, directory: Path, names: Optional[list[str]]) -> None:
+        t0 = time.monotonic()
+        try:
+            image.verify(directory, names)
+        except BaseException as e:       # raised in the caller's thread by result()
+            self.error = e
+        self.seconds = time.monotonic() - t0
+
+    def result(self) -> None:
+        """Wait for the check; raise what it found."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.thread.join()
+
+
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
-            gpu_pairs: list[tuple[str, str]] = (), verified: Optional[Manifest] = None,
-            progress: Progress = QUIET,
+            gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
+            progress: Progress = QUIET, hoisted: bool = False,
             finish: Optional[Callable[[Guard, int], None]] = None) -> Result:
-    """Restore the image in `directory` (verified first) and resume its processes; `finish(g,
-    root)` runs last under the same guard (the concurrent engine puts the job's device memory
-    back there: a failure then ends the restored tree, never leaves it half-restored)."""
+    """Restore the image in `directory` and resume its processes; `check`: the files whose
+    checksums are verified (all when None; the rest is checked by whoever reads it). The check
+    runs while CRIU restores, which leaves the tree stopped: it runs only once the image is
+    known good. `hoisted`: the job's device memory comes back only in `finish` (until then
+    the undo ends a restored job rather than run it). `finish(g, root)` runs last under the same guard (the concurrent engine puts
+    the job's device memory back there: a failure then ends the restored tree, never leaves it
+    half-restored)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
-    if verified is None and progress.enabled:
-        progress.phase("verify", total=image.load(directory).size_bytes)
-    manifest = verified or image.verify(directory, hashed=progress.advance)
-    verify_s = time.monotonic() - t
+    manifest = image.load(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
     check_restorable(directory, manifest)
@@ -324,24 +355,32 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
                  "process appends to it")
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
-                gpu_pairs=[list(p) for p in gpu_pairs])
+                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     from pos.scheduler import cudackpt
 
     logs = criu_mod.reopen_logs(manifest.logs)
+    checking = _Check(directory, check)
     try:
         with Guard(plan, echo, progress=progress) as g:
-            g.timings["verify"] = verify_s
-            g.timings["prepare"] = time.monotonic() - t - verify_s   # to CRIU's start
+            g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
             g.step("criu-restore")
             argv = criu.restore_argv(directory, options, work, work / "pidfile",
-                                     inherit_fds + tuple(logs.values()))
+                                     inherit_fds + tuple(logs.values()), leave_stopped=True)
             terminal = options.shell_job and os.isatty(0)
-            g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
-                                                       work / criu_mod.RESTORE_LOG,
-                                                       fds + tuple(logs), terminal))
+            try:
+                g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
+                                                           work / criu_mod.RESTORE_LOG,
+                                                           fds + tuple(logs), terminal))
+            except PosError:
+                checking.result()       # a corrupt image explains CRIU's failure best
+                raise
             root = int((work / "pidfile").read_text())
+            g.step("verify")             # the tree is stopped until its image is known good
+            g.timed("verify_wait", checking.result)
+            g.timings["verify"] = checking.seconds
+            procs.thaw(procs.tree(root))
             for p in manifest.gpu_pids:
                 g.step("restore")
                 g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
@@ -351,6 +390,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             if finish is not None:
                 finish(g, root)
     finally:
+        checking.close()
         for fd in logs:
             os.close(fd)
     shutil.rmtree(work, ignore_errors=True)

@@ -17,7 +17,8 @@ twice (pos died during its own undo) without harm:
   - checkpoint: a target killed by a dump that completed is restored from the partial image;
     then every CUDA process that is CHECKPOINTED gets the driver's restore, every LOCKED one
     its unlock;
-  - restore: forward, a restored tree is finished (driver restore onto the planned GPUs,
+  - restore: a tree that CRIU restored stopped beside the image's check runs on only if the
+    image is good (killed otherwise); forward, a restored tree is finished (driver restore onto the planned GPUs,
     unlock); a tree that cannot be finished is killed, never left half-restored;
   - hoisted memory (`Plan.hoisted`) is mapped back into the job, which then runs on.
 """
@@ -61,6 +62,9 @@ class Plan:
     criu_options: dict[str, Any] = field(default_factory=dict)
     gpu_pairs: list[list[str]] = field(default_factory=list)   # restore onto these GPUs
     hoisted: bool = False                     # the job's device memory is pos's (hoist..remap)
+                                              # or not back yet (a concurrent image's restore)
+    verify: Optional[list[str]] = None        # restore: the files checked before the restored
+                                              # tree may run (None: all)
     lent: dict[str, list[int]] = field(default_factory=dict)   # PID -> addresses whose kept
                                               # descriptors pos holds around a dump
 
@@ -155,6 +159,22 @@ def _give_back(plan: Plan, memory: list[int], log: Callable[[str], None]) -> Non
                 agent.keep(list(zip(vas, fds)))
 
 
+def _verified(plan: Plan, log: Callable[[str], None]) -> bool:
+    """A tree that CRIU restored stopped beside its image's check: resumed once the image is
+    known good, killed (never run) when it is not."""
+    from pos import image
+
+    tree = procs.tree(plan.pids[0])
+    try:
+        image.verify(Path(plan.images), plan.verify)
+    except PosError as e:
+        log(f"the image is not good ({e.message}): killing the restored tree, which never ran")
+        procs.kill_tree(tree)
+        return False
+    procs.thaw(tree)
+    return True
+
+
 def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> None:
     """Bring the plan's processes back to running (see the module docstring); `memory`: the
     descriptors of the hoisted memory, in the agent's table order."""
@@ -162,6 +182,8 @@ def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> N
     if plan.op == "restore":
         if not plan.pids or not procs.alive(plan.pids[0]):
             return                      # CRIU failed and cleaned up: nothing was restored
+        if plan.step in ("criu-restore", "verify") and not _verified(plan, log):
+            return
         try:
             _finish_gpu(plan, [tuple(p) for p in plan.gpu_pairs], log)
         except PosError as e:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.scheduler.conftest import Counter, lines, one_sentence, pos, wait_for
+from pos.scheduler import procs
+
+from tests.scheduler.conftest import Counter, lines, one_sentence, pos, reap, wait_for
 
 
 @pytest.fixture
@@ -130,9 +132,13 @@ def test_corrupt_or_incomplete_image_is_refused(tmp_path, counters, env) -> None
     data = bytearray(pages.read_bytes())
     data[len(data) // 2] ^= 0xFF
     pages.write_bytes(bytes(data))
+    counted = c.path.read_text()
     one_sentence(pos("restore", "-D", str(img), env=env), 2,
                  f"of {pages.name} do not match their checksum in the manifest")
-    assert not Path(f"/proc/{c.pid}").exists()
+    # CRIU restored it stopped beside the check, which then failed: killed, it never ran
+    assert procs.wait_gone(c.pid, 5)
+    reap(c.pid)
+    assert c.path.read_text() == counted
     pages.unlink()
     one_sentence(pos("restore", "-D", str(img), env=env), 2, f"{pages.name} is missing")
     (img / "pos-manifest.json").unlink()

@@ -161,7 +161,8 @@ def test_pos_killed_at_each_step_the_watchdog_undoes(tmp_path, gpu, target, poin
     assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
 
 
-@pytest.mark.parametrize("point", ["criu-restore:criu=KILL", "restore=KILL", "unlock=KILL"])
+@pytest.mark.parametrize("point", ["criu-restore:criu=KILL", "verify=KILL", "restore=KILL",
+                                   "unlock=KILL"])
 def test_pos_killed_during_restore_the_watchdog_finishes_it(tmp_path, gpu, target,
                                                             point) -> None:
     img = tmp_path / "img"
@@ -173,6 +174,26 @@ def test_pos_killed_during_restore_the_watchdog_finishes_it(tmp_path, gpu, targe
     wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
              what="the watchdog")
     runs_unlocked(target, gpu)
+
+
+def test_pos_killed_while_a_corrupt_image_is_checked_the_tree_never_runs(tmp_path, gpu,
+                                                                          target) -> None:
+    img = tmp_path / "img"
+    assert pos("checkpoint", str(target.pid), "-D", str(img), env=gpu).returncode == 0
+    target.reap_original()
+    counted = target.path.read_text()
+    pages = next(img.glob("pages-*.img"))
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    r = pos("restore", "-D", str(img), env={**gpu, "POS_FAULT_AT": "verify=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(gpu["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog")
+    assert "killing the restored tree, which never ran" in log.read_text()
+    wait_for(lambda: not alive(target.pid), what="the restored tree to be gone")
+    assert target.path.read_text() == counted
 
 
 def test_restore_failure_leaves_nothing_half_restored(tmp_path, gpu, target) -> None:
