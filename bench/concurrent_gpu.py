@@ -357,7 +357,9 @@ def big(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
 
 def stw(out: Path, images: Path) -> dict[str, Any]:
     ref_log, log = images / "ref.log", images / "stw.log"
-    argv = [PY, "workloads/train_det.py", "--steps", "80", "--sleep", "0.05", "--ballast-gib", "4"]
+    # long enough to outlive the concurrent image (pinning its staging takes seconds) and the
+    # stop-the-world one after it: 80 steps ended during the first (2026-11-25, hoist6)
+    argv = [PY, "workloads/train_det.py", "--steps", "400", "--sleep", "0.05", "--ballast-gib", "4"]
     r = subprocess.run([*POS, "run", "--", argv[0], argv[1], str(ref_log), *argv[2:]], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     res: dict[str, Any] = {"reference_rc": r.returncode}

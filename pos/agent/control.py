@@ -38,6 +38,7 @@ class Status:
     foreign_allocs: int    # allocations the agent could not own (pools, managed, pitched)
     foreign_bytes: int     # their bytes, cumulative
     owning: bool
+    gate: "Gate"           # the calls of the operation running (or the last one) so far
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class Agent:
     def status(self) -> Status:
         r = self._ask("status")
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
-                      r["foreign_bytes"], r["owning"])
+                      r["foreign_bytes"], r["owning"], Gate.from_reply(r))
 
     def cut(self, timeout_s: float) -> Cut:
         r = self._ask(f"cut {int(timeout_s * 1000)}")

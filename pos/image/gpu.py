@@ -123,13 +123,44 @@ _pread = nb.types.ExternalFunction(
     "pread", nb.types.int64(nb.types.int32, nb.types.uint64, nb.types.uint64, nb.types.int64))
 
 
+class Targets:
+    """The address ranges of an image's buffers (sorted, disjoint): a reader marks which of
+    them the 8-byte words it reads point into. A buffer holding pointers to others (an array
+    of tensor addresses, a kernel's argument block) is usable only once those are back too."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        self.starts = np.array([a for a, _ in ranges], np.uint64)
+        self.ends = np.array([b for _, b in ranges], np.uint64)
+
+    def hits(self) -> np.ndarray:
+        return np.zeros(self.starts.shape[0], np.uint8)
+
+
+NO_TARGETS = Targets([])
+
+
 @nb.njit(nogil=True, cache=True)
-def _read_absorb(fd: int, out: np.ndarray, n: int, at: int, piece: int,
-                 lanes: np.ndarray) -> int:
+def _point(words: np.ndarray, starts: np.ndarray, ends: np.ndarray, hits: np.ndarray) -> None:
+    """hits[j] = 1 for each range j that one of `words` falls into."""
+    k = starts.shape[0]
+    if k == 0:
+        return
+    lo, hi = starts[0], ends[k - 1]
+    for w in words:
+        if w >= lo and w < hi:
+            j = np.searchsorted(starts, w, side="right") - 1
+            if w < ends[j]:
+                hits[j] = 1
+
+
+@nb.njit(nogil=True, cache=True)
+def _read_absorb(fd: int, out: np.ndarray, n: int, at: int, piece: int, lanes: np.ndarray,
+                 starts: np.ndarray, ends: np.ndarray, hits: np.ndarray) -> int:
     """Read n bytes at file position `at` into out, piece by piece, running the checksum's lanes
-    over each piece's whole groups while it is in the CPU's cache; the bytes read (fewer: the
-    file ended or the read failed)."""
+    over each piece's whole groups, and marking the target ranges its words point into, while
+    it is in the CPU's cache; the bytes read (fewer: the file ended or the read failed)."""
     whole = n // GROUP * GROUP
+    words = n // 8 * 8
     base = out.ctypes.data
     done = 0
     while done < n:
@@ -142,6 +173,8 @@ def _read_absorb(fd: int, out: np.ndarray, n: int, at: int, piece: int,
             got += r
         if min(end, whole) > done:
             absorb(out[done:min(end, whole)].view(np.uint64), lanes)
+        if min(end, words) > done:
+            _point(out[done:min(end, words)].view(np.uint64), starts, ends, hits)
         done = end
     return n
 
@@ -154,22 +187,27 @@ def warm() -> None:
     checksum(buf)
     lanes = start(buf.shape[0])
     fd = os.open("/dev/zero", os.O_RDONLY)
+    one = Targets([(0, 1)])
     try:
-        _read_absorb(fd, buf, buf.shape[0], 0, PIECE, lanes)
+        _read_absorb(fd, buf, buf.shape[0], 0, PIECE, lanes, one.starts, one.ends, one.hits())
     finally:
         os.close(fd)
     finish(lanes, buf)
 
 
 def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
-                    fds: dict[str, int]) -> None:
+                    fds: dict[str, int], targets: Targets = NO_TARGETS) -> np.ndarray:
     """Read one chunk into out[:raw] and check its checksum, with no intermediate copy for an
     uncompressed chunk (pread straight into `out`, e.g. pinned staging, in pieces of PIECE
     bytes, each hashed while still in the CPU's cache; without the GIL). `fds` caches the open
-    data files of the calling thread."""
+    data files of the calling thread. Returns the indices of the `targets` that the chunk's
+    8-byte words point into."""
+    hits = targets.hits()
     if chunk["zstd"]:
         read_chunk(folder, chunk, out)
-        return
+        n = chunk["raw"] // 8 * 8
+        _point(out[:n].view(np.uint64), targets.starts, targets.ends, hits)
+        return np.flatnonzero(hits)
     path = str(Path(folder) / chunk["file"])
     fd = fds.get(path)
     if fd is None:
@@ -179,11 +217,13 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
         raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
                        "the image is corrupt: take a new checkpoint")
     lanes = start(n)
-    if _read_absorb(fd, out, n, chunk["at"], PIECE, lanes) < n:
+    if _read_absorb(fd, out, n, chunk["at"], PIECE, lanes, targets.starts, targets.ends,
+                    hits) < n:
         raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
     if f"{finish(lanes, out[:n]):016x}" != chunk["hash"]:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")
+    return np.flatnonzero(hits)
 
 
 def read_chunk(folder: Path, chunk: dict[str, Any], out: np.ndarray) -> None:

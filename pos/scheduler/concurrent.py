@@ -279,8 +279,9 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
         try:
             agent.restore()
             release_s = time.monotonic() - t0
-            copy = _fill(drv, table, mem.local, saved, streams, chunk_mb << 20,
-                         lambda i: agent.done([table[i].va]))
+            handout = _Handout(table)
+            handout.attach(agent)
+            copy = _fill(drv, table, mem.local, saved, streams, chunk_mb << 20, handout)
         except BaseException:
             mem.close()
             raise      # the agent ends a half-restored job when the connection closes
@@ -292,12 +293,16 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int,
-          back: Callable[[int], None]) -> gpucopy.Copy:
+          handout: "_Handout") -> gpucopy.Copy:
     """Read every buffer's chunks (checksums checked) into pinned staging and copy them to
-    device memory at `dest`; `back(i)` once buffer i is there."""
+    device memory at `dest`, the smaller buffers first (most calls' buffers come back soon,
+    a big one alone does not hold them up); the handout learns which other buffers each
+    buffer's words point into, and then that it is back."""
     gpuimage.warm()
+    targets = gpuimage.Targets([(b.va, b.va + b.mapped) for b in table])   # table by address
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
-    work = sorted((i, off, c["raw"]) for (i, off), c in chunk_of.items())
+    work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
+                  key=lambda w: (table[w[0]].size, w[0], w[1]))
     biggest = max((n for _i, _o, n in work), default=1)
     local = threading.local()
     staging: list[gpucopy.Pinned] = []
@@ -315,14 +320,16 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
                 open_files.append(local.fds)
         b = table[i]
         t = time.monotonic()
-        gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)], st.view(0, n), local.fds)
+        hits = gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)], st.view(0, n),
+                                        local.fds, targets)
         with lock:
             read_s[0] += time.monotonic() - t
+            handout.refers.setdefault(i, set()).update(int(j) for j in hits if j != i)
         drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off), gpucopy.C.c_void_p(st.ptr),
                  gpucopy.SZ(n), stream)
 
     try:
-        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, back)
+        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
     finally:
         for st in staging:
             st.close()
@@ -461,18 +468,68 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     finally:
         pre.close()
     copy = out["copy"]
-    timings = {**result.timings, "h2d": copy.seconds,
-               "read_threads": copy.read_thread_s}
+    timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
+               # from the restore's start: the new memory made, all of it back
+               "memory_at": pre.memory_at - t0, "filled_at": pre.filled_at - t0}
     return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
                                             timings)
+
+
+def usable(back: set[int], refers: dict[int, set[int]], told: set[int]) -> set[int]:
+    """The buffers back but not yet `told` that the job may use now: every buffer reachable
+    from one through the pointers its bytes hold (`refers`) is back too. A kernel that reads
+    an array of addresses out of a buffer then finds what they point to in place."""
+    out = set()
+    for i in back - told:
+        seen, todo = {i}, [i]
+        while todo and todo[-1] in back:
+            for j in refers.get(todo.pop(), ()):
+                if j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        if not todo:
+            out.add(i)
+    return out
+
+
+class _Handout:
+    """Tells the job's agent which buffers its calls may use, as they come back."""
+
+    def __init__(self, table: list[Buffer]) -> None:
+        self.table = table
+        self.lock = threading.Lock()
+        self.back: set[int] = set()
+        self.refers: dict[int, set[int]] = {}     # buffer -> the others its words point into
+        self.told: set[int] = set()
+        self.agent: Optional[Agent] = None
+
+    def came_back(self, i: int) -> None:
+        with self.lock:
+            self.back.add(i)
+            self._tell()
+
+    def attach(self, agent: Agent) -> None:
+        """The job (in its restore gate) may use the buffers usable so far, and the rest as
+        they come."""
+        with self.lock:
+            self.agent = agent
+            self._tell()
+
+    def _tell(self) -> None:
+        if self.agent is None:
+            return
+        now = usable(self.back, self.refers, self.told)
+        self.told |= now
+        if now:
+            self.agent.done([self.table[i].va for i in sorted(now)])
 
 
 class _Prefetch:
     """New device memory for an image's buffers, filled from the image on a thread of its own
     while CRIU and the driver bring the process back (they need no GPU copy): by the time the
     job maps the memory much of it is back. `attach(agent)` then lets the job's calls through
-    for each buffer back so far, and for the rest as they come."""
+    for each buffer usable so far (see `usable`), and for the rest as they come."""
 
     def __init__(self, directory: Path, streams: int, chunk: int) -> None:
         index = gpuimage.read_index(directory)
@@ -480,14 +537,13 @@ class _Prefetch:
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
         self.streams, self.chunk = streams, chunk
-        self.lock = threading.Lock()
-        self.back: set[int] = set()
-        self.agent: Optional[Agent] = None
+        self.handout = _Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None
         self.fds: list[int] = []
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
+        self.memory_at = self.filled_at = 0.0  # when (time.monotonic) it existed, was all back
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
 
@@ -495,25 +551,18 @@ class _Prefetch:
         try:
             drv = gpucopy.context(0)
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
+            self.memory_at = time.monotonic()
             self.ready.set()
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
-                              self.chunk, self._back)
+                              self.chunk, self.handout)
+            self.filled_at = time.monotonic()
         except BaseException as e:      # raised in the caller's thread by join()
             self.error = e
         finally:
             self.ready.set()
 
-    def _back(self, i: int) -> None:
-        with self.lock:
-            self.back.add(i)
-            if self.agent is not None:
-                self.agent.done([self.table[i].va])
-
     def attach(self, agent: Agent) -> None:
-        """The job (in its restore gate since the remap) may use the buffers back so far."""
-        with self.lock:
-            self.agent = agent
-            agent.done([self.table[i].va for i in sorted(self.back)])
+        self.handout.attach(agent)
 
     def join(self) -> gpucopy.Copy:
         self.thread.join()

@@ -102,6 +102,39 @@ def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
         wait_for(lambda: b.status().phase == "idle", what="the release")
 
 
+@pytest.mark.parametrize("kernel, layout_known", [("_Z4axpyfPKfPfi", True),
+                                                   ("_Z6axpy_2fPKfPfi", False)])
+def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_name(
+        fill_job, kernel: str, layout_known: bool) -> None:
+    """The job launches axpy(x=y=its first buffer) over and over. While that buffer is not back
+    its launches wait; once it is they go through, the other buffers still pending. A kernel
+    whose parameters the driver cannot describe (the fake knows axpy's only) waits for all."""
+    job = fill_job(buffers=4, launches=kernel)
+    first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
+    with Agent(job.pid) as a:
+        a.cut(5)
+        fds = a.export()
+        a.hoist()
+        a.remap(fds, restore=True)              # every buffer pending
+        try:
+            others = [b.va for b in a.table() if b.va != first]
+            assert len(others) == 3
+            a.done(others[:2])
+            time.sleep(0.2)
+            assert a.status().gate.passed == 0   # its own buffer is still pending
+            a.done([first])                      # others[2] still pending
+            if not layout_known:
+                time.sleep(0.2)
+                assert a.status().gate.passed == 0
+                a.done(others[2:])
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+            assert a.status().phase == "restore"
+        finally:
+            a.end()
+        for fd in fds:
+            os.close(fd)
+
+
 def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,
                                                                 criu_ready, gpu_env) -> None:
     job = fill_job()

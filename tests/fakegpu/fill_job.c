@@ -4,7 +4,10 @@
  * It reaches the driver the three ways a real job does: cuMemAlloc through cuGetProcAddress
  * (as a runtime), cuMemsetD32 through dlsym on libcuda, and cuLaunchKernel linked directly.
  * While PAUSE_FILE exists it makes no CUDA call. FILL_JOB_POOL_BYTES=N also takes N bytes from the
- * stream-ordered pool (cuMemAllocAsync), which pos cannot own.
+ * stream-ordered pool (cuMemAllocAsync), which pos cannot own. FILL_JOB_AXPY=NAME makes every
+ * operation a launch of the kernel NAME with axpy's parameters on the first buffer instead
+ * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
+ * before READY.
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -76,6 +79,11 @@ int main(int argc, char **argv) {
     CHECK(cubin ? 0 : 1);
     CHECK(cuModuleLoadData(&mod, cubin));
     CHECK(cuModuleGetFunction(&fn, mod, "no_params"));
+    const char *axpy_name = getenv("FILL_JOB_AXPY");
+    int launches_only = axpy_name != NULL;
+    CUfunction axpy;
+    if (launches_only)
+        CHECK(cuModuleGetFunction(&axpy, mod, axpy_name));
     CUdeviceptr *buf = calloc((size_t)n, sizeof(*buf));
     for (int i = 0; i < n; i++) {
         CHECK(alloc(&buf[i], bytes));
@@ -86,12 +94,21 @@ int main(int argc, char **argv) {
         CUdeviceptr p;
         CHECK(cuMemAllocAsync(&p, strtoull(pool, NULL, 0), NULL));
     }
+    if (launches_only)
+        printf("BUFFER0 0x%llx\n", buf[0]);
     printf("READY %d\n", getpid());
     fflush(stdout);
     struct stat sb;
     for (uint32_t k = 1;; k++) {
         while (pause && stat(pause, &sb) == 0)
             usleep(1000);
+        if (launches_only) {
+            float alpha = 1.0f;
+            int count = (int)(bytes / 4);
+            void *params[] = {&alpha, &buf[0], &buf[0], &count};
+            CHECK(cuLaunchKernel(axpy, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
+            continue;
+        }
         CHECK(memset32(buf[(k - 1) % (uint32_t)n], k, bytes / 4));
         CHECK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
         if (k % 64 == 0)

@@ -869,6 +869,47 @@ API CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
     return CUDA_SUCCESS;
 }
 
+/* The parameter layout of a kernel, as cuFuncGetParamInfo answers it. The fake parses no
+ * image: it knows axpy's layout only, and says "not supported" for the rest (as a driver
+ * before 12.4 would), fill_job's no_params included. */
+static const struct {
+    const char *name;
+    int n;
+    size_t offset[4], size[4];
+} param_layouts[] = {
+    {"_Z4axpyfPKfPfi", 4, {0, 8, 16, 24}, {4, 8, 8, 4}}, /* axpy(float, const float*, float*, int) */
+};
+
+static CUresult param_info(CUfunction f, size_t i, size_t *offset, size_t *size) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!is_function(f, MAGIC_FUNCTION) && !is_function(f, MAGIC_KERNEL))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!offset)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t k = 0; k < sizeof(param_layouts) / sizeof(*param_layouts); k++) {
+        if (strcmp(param_layouts[k].name, f->name) != 0)
+            continue;
+        if (i >= (size_t)param_layouts[k].n)
+            return CUDA_ERROR_INVALID_VALUE;
+        *offset = param_layouts[k].offset[i];
+        if (size)
+            *size = param_layouts[k].size[i];
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+API CUresult cuFuncGetParamInfo(CUfunction func, size_t paramIndex, size_t *paramOffset,
+                                size_t *paramSize) {
+    return param_info(func, paramIndex, paramOffset, paramSize);
+}
+
+API CUresult cuKernelGetParamInfo(CUkernel kernel, size_t paramIndex, size_t *paramOffset,
+                                  size_t *paramSize) {
+    return param_info(kernel, paramIndex, paramOffset, paramSize);
+}
+
 /* ---- launches: checked like the driver checks them, then nothing runs ------------------- */
 #define LAUNCH_PARAM_END 0
 #define LAUNCH_PARAM_BUFFER_POINTER 1

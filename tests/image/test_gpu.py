@@ -82,11 +82,38 @@ def test_a_chunk_read_in_pieces_by_compiled_code_is_exact_and_checked(
         gpuimage.read_chunk_into(tmp_path, chunk, out, {})
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, monkeypatch,
+                                                              compress: bool) -> None:
+    """Addresses inside buffers 0 and 2 (their start, an interior one, in different pieces),
+    one just past the end of buffer 1, small numbers and floats: buffers 0 and 2 are named."""
+    monkeypatch.setattr(gpuimage, "PIECE", 4096)
+    targets = gpuimage.Targets([(0x7F00_0000_0000, 0x7F00_0020_0000),
+                                (0x7F00_0040_0000, 0x7F00_0060_0000),
+                                (0x7F00_0080_0000, 0x7F00_00A0_0000)])
+    words = np.random.default_rng(2).random(3 * 512 + 3).astype(np.float32).view(np.uint32)
+    data = np.zeros(3 * 4096 + 5, np.uint8)
+    data[:len(words) * 4] = words.view(np.uint8)
+    body = data[:3 * 4096].view(np.uint64)
+    body[10] = 0x7F00_0000_0000             # buffer 0, its start
+    body[700] = 0x7F00_0060_0000            # just past buffer 1
+    body[1100] = 0x7F00_0091_2345           # inside buffer 2, in the third piece
+    body[5] = 42
+    w = gpuimage.Writer(tmp_path, compress)
+    w.put(0x7000_0000, 0, data)
+    w.close()
+    chunk = w.chunks[0x7000_0000][0]
+    out = np.zeros(len(data), np.uint8)
+    assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {}, targets)) == [0, 2]
+    assert (out == data).all()
+    assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {})) == []   # no targets given
+
+
 def test_warm_makes_the_first_calls_of_every_compiled_function() -> None:
     """Before many reader threads start, one call each has loaded the compiled code (threads
     loading it at once waited about 1 s for each other)."""
     from pos.image import checksum as ck
 
     gpuimage.warm()
-    for fn in (gpuimage._read_absorb, ck._start, ck.absorb, ck._finish, ck.hash_words):
+    for fn in (gpuimage._read_absorb, gpuimage._point, ck._start, ck.absorb, ck._finish, ck.hash_words):
         assert fn.signatures, fn

@@ -8,9 +8,10 @@
  *  2. the cut: hold every call that may enqueue GPU work, drain the calls already inside the
  *     driver, synchronise the contexts;
  *  3. the checkpoint gate: while pos copies, a call that may write a buffer not yet saved waits
- *     for it (a kernel launch, whose accesses the agent does not speculate, waits while any
- *     buffer is unsaved: pos's device-to-device shadow at the cut usually saves them all);
- *  4. the on-demand restore gate: a call that may read or write a buffer not back yet waits.
+ *     for it (a kernel launch waits while any buffer is unsaved: pos's device-to-device shadow
+ *     at the cut usually saves them all);
+ *  4. the on-demand restore gate: a call that may read or write a buffer not back yet waits; a
+ *     kernel launch, for the buffers its parameters point into (launch_words).
  *
  * Calls reach the driver three ways, all interposed: direct linking (this library's exported
  * symbols come first), dlsym on libcuda (ours replaces the libc one) and cuGetProcAddress
@@ -265,13 +266,18 @@ static void foreign_remove(CUdeviceptr p) { /* caller holds mu */
 }
 
 /* ---- the gate ---------------------------------------------------------------------------- */
-/* What one call may touch: buffers it may write, buffers it may read, or everything. */
+/* What one call may touch: buffers it may write, buffers it may read, or everything; a kernel
+ * launch, whatever its parameters point into (see launch_words). */
 struct touch {
     CUdeviceptr w[2], r[2];
     int nw, nr, all;
+    CUfunction f; /* a launch: its kernel and parameters */
+    void **kp, **ex;
+    int launch;
 };
 #define T_NONE ((struct touch){.nw = 0})
 #define T_ALL ((struct touch){.all = 1})
+#define T_LAUNCH(fn, k, x) ((struct touch){.f = (fn), .kp = (k), .ex = (x), .launch = 1})
 #define T_W(a) ((struct touch){.w = {(a)}, .nw = 1})
 #define T_R(a) ((struct touch){.r = {(a)}, .nr = 1})
 #define T_WR(a, b) ((struct touch){.w = {(a)}, .nw = 1, .r = {(b)}, .nr = 1})
@@ -281,26 +287,80 @@ static int pending(CUdeviceptr p) {
     return i >= 0 && tab[i].status == ST_PENDING;
 }
 
-/* Whether a call touching `t` must wait in the current phase. Caller holds mu. */
-static int must_wait(const struct touch *t) {
+/* A launch's parameters as 8-byte words, the values its kernel may use as addresses: the
+ * restore gate lets it through once every buffer they point into is back (pos reports a buffer
+ * back only when the buffers its own bytes point into are back too, so that pointers kept in
+ * device memory count). The parameter sizes come from the driver (cuFuncGetParamInfo, or
+ * cuKernelGetParamInfo for a CUkernel handle), or from the `extra` buffer. -1 when they cannot
+ * be known, or are more than MAX_WORDS words: the launch then waits for every buffer. */
+#define MAX_WORDS 1024
+typedef CUresult (*param_info_fn)(void *, size_t, size_t *, size_t *);
+static void *volatile real_cuFuncGetParamInfo, *volatile real_cuKernelGetParamInfo;
+
+static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
+    for (size_t at = 0; at + sizeof(CUdeviceptr) <= size; at += sizeof(CUdeviceptr)) {
+        if (n == MAX_WORDS)
+            return -1;
+        memcpy(&words[n++], (const char *)p + at, sizeof(CUdeviceptr));
+    }
+    return n;
+}
+
+static int launch_words(const struct touch *t, CUdeviceptr *words) {
+    if (!t->kp) { /* CU_LAUNCH_PARAM_BUFFER_POINTER (1) and _SIZE (2) in `extra`, or none */
+        const void *buf = NULL;
+        size_t size = 0;
+        for (int i = 0; t->ex && i < 64 && t->ex[i]; i += 2) {
+            if (t->ex[i] == (void *)1)
+                buf = t->ex[i + 1];
+            else if (t->ex[i] == (void *)2 && t->ex[i + 1])
+                size = *(const size_t *)t->ex[i + 1];
+        }
+        return buf ? add_words(words, 0, buf, size) : t->ex ? -1 : 0;
+    }
+    param_info_fn info = (param_info_fn)real_of(&real_cuFuncGetParamInfo, "cuFuncGetParamInfo");
+    size_t off, size;
+    CUresult r = info ? info(t->f, 0, &off, &size) : CUDA_ERROR_NOT_FOUND;
+    if (r != CUDA_SUCCESS) {
+        param_info_fn k =
+            (param_info_fn)real_of(&real_cuKernelGetParamInfo, "cuKernelGetParamInfo");
+        CUresult rk = k ? k(t->f, 0, &off, &size) : CUDA_ERROR_NOT_FOUND;
+        if (rk == CUDA_SUCCESS)
+            info = k, r = rk;
+        else /* both say "no parameter 0": a kernel without parameters */
+            return r == CUDA_ERROR_INVALID_VALUE && rk == CUDA_ERROR_INVALID_VALUE ? 0 : -1;
+    }
+    int n = 0;
+    for (size_t i = 0; r == CUDA_SUCCESS && n >= 0; r = info(t->f, ++i, &off, &size))
+        n = add_words(words, n, t->kp[i], size);
+    return n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
+}
+
+/* Whether a call touching `t` must wait in the current phase; `words`: a launch's (nwords < 0:
+ * unknown). Caller holds mu. */
+static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords) {
     switch (atomic_load(&phase)) {
     case P_IDLE:
         return 0;
-    case P_COPY: /* writes wait for their buffer to be saved; reads pass */
-        if (t->all)
+    case P_COPY: /* writes wait for their buffer to be saved; reads pass; a launch may write
+                    anything it reaches */
+        if (t->all || t->launch)
             return npending > 0;
         for (int i = 0; i < t->nw; i++)
             if (pending(t->w[i]))
                 return 1;
         return 0;
     case P_RESTORE: /* reads and writes wait for their buffer to be back */
-        if (t->all)
+        if (t->all || (t->launch && nwords < 0))
             return npending > 0;
         for (int i = 0; i < t->nw; i++)
             if (pending(t->w[i]))
                 return 1;
         for (int i = 0; i < t->nr; i++)
             if (pending(t->r[i]))
+                return 1;
+        for (int i = 0; i < nwords; i++)
+            if (pending(words[i]))
                 return 1;
         return 0;
     default: /* the cut and the hoist hold everything */
@@ -321,13 +381,20 @@ static void gate_enter(const struct touch *t) {
     if (atomic_load(&phase) == P_IDLE)
         return;
     atomic_fetch_sub(&inflight, 1);
+    /* a launch's parameter words, asked of the driver once the restore gate is open (a call
+     * held since before, as in a job that CRIU restored, asks when it opens) */
+    CUdeviceptr words[MAX_WORDS];
+    int asked = t->launch && atomic_load(&phase) == P_RESTORE;
+    int nwords = asked ? launch_words(t, words) : -1;
     pthread_mutex_lock(&mu);
-    if (must_wait(t)) {
+    if (must_wait(t, words, nwords)) {
         uint64_t t0 = now_ns();
         waiting++;
-        do
+        do {
             pthread_cond_wait(&cv, &mu);
-        while (must_wait(t));
+            if (t->launch && !asked && atomic_load(&phase) == P_RESTORE)
+                asked = 1, nwords = launch_words(t, words);
+        } while (must_wait(t, words, nwords));
         waiting--;
         pthread_cond_broadcast(&cv);
         /* a wait begun before this operation (a job restored by CRIU while its calls were
@@ -434,23 +501,23 @@ static void gate_exit(void) {
     X(cuLaunchKernel,                                                                              \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp, void **ex),                                             \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                  \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_LAUNCH(f, kp, ex), NOAFTER)                     \
     X(cuLaunchKernel_ptsz,                                                                         \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp, void **ex),                                             \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_ALL, NOAFTER)                                  \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp, ex), T_LAUNCH(f, kp, ex), NOAFTER)                     \
     X(cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **kp, void **ex),             \
-      (c, f, kp, ex), T_ALL, NOAFTER)                                                              \
+      (c, f, kp, ex), T_LAUNCH(f, kp, ex), NOAFTER)                                                 \
     X(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **kp, void **ex),        \
-      (c, f, kp, ex), T_ALL, NOAFTER)                                                              \
+      (c, f, kp, ex), T_LAUNCH(f, kp, ex), NOAFTER)                                                 \
     X(cuLaunchCooperativeKernel,                                                                   \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp),                                                        \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                      \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_LAUNCH(f, kp, NULL), NOAFTER)                       \
     X(cuLaunchCooperativeKernel_ptsz,                                                              \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp),                                                        \
-      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_ALL, NOAFTER)                                      \
+      (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_LAUNCH(f, kp, NULL), NOAFTER)                       \
     X(cuGraphLaunch, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                          \
     X(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                     \
     X(cuStreamWriteValue32_v2, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),  \
