@@ -225,7 +225,8 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
             checksum(out[:c["raw"]])
 
     drv = gpucopy.context(0)
-    table = [Buffer(base, size, size, 0, True) for base, (_f, size, _c) in saved.items()]
+    table = sorted((Buffer(base, size, size, 0, True) for base, (_f, size, _c) in saved.items()),
+                   key=lambda b: b.va)
     dest = []
     for b in table:
         ptr = gpucopy.U64()
@@ -233,7 +234,7 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
         dest.append(ptr.value)
     for n in threads:
         copy = concurrent._fill(drv, table, dest, {b.va: saved[b.va] for b in table}, n,
-                                biggest, lambda _i: None)
+                                biggest, concurrent._Handout(table))   # no job to tell
         res[f"fill_{n}_gbps"] = round(copy.gbps, 2)
         bufs = [np.ones(biggest, np.uint8) for _ in range(n)]   # touched: no first faults
         for mode in ("read", "whole", "pieces"):
@@ -359,7 +360,7 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
     ref_log, log = images / "ref.log", images / "stw.log"
     # long enough to outlive the concurrent image (pinning its staging takes seconds) and the
     # stop-the-world one after it: 80 steps ended during the first (2026-11-25, hoist6)
-    argv = [PY, "workloads/train_det.py", "--steps", "400", "--sleep", "0.05", "--ballast-gib", "4"]
+    argv = [PY, "workloads/train_det.py", "--steps", "300", "--sleep", "0.05", "--ballast-gib", "2"]
     r = subprocess.run([*POS, "run", "--", argv[0], argv[1], str(ref_log), *argv[2:]], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     res: dict[str, Any] = {"reference_rc": r.returncode}
@@ -375,7 +376,8 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d))
         p.wait(timeout=60)
         res["restore"] = pos_cmd("restore", "-D", str(d))
-        compare_when_done(ref_log, log, res, 120)
+        if res["restore"]["rc"] == 0:
+            compare_when_done(ref_log, log, res, 120)
     finally:
         kill(p)
     return res
@@ -447,6 +449,10 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
         lines = LineTimes(log)
         res["restore"] = pos_cmd("restore", "-D", str(d))
         res["first_step_after_restore_s"] = lines.first()
+        time.sleep(2)
+        # the restored job's first steps, from the restore's start: a slow first step or a slow
+        # start of all of them
+        res["first_steps_after_restore_s"] = [round(t - lines.t0, 3) for t in lines.times[:8]]
         lines.stop = True
         compare_when_done(ref_log, log, res, 300)
         subprocess.run(["pkill", "-9", "-f", str(log)])

@@ -460,17 +460,22 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             g.step("fill")
             out["copy"] = pre.join()
             out["gate"] = agent.end()
+            out["ended_at"] = time.monotonic() - t0
             g.step("done", hoisted=False)
 
     try:
         result = engine.restore(directory, inherit_fds, echo, check=check, hoisted=True,
                                 finish=fill)
     finally:
+        t1 = time.monotonic()
         pre.close()
+        out["let_go"] = time.monotonic() - t1
     copy = out["copy"]
     timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
-               # from the restore's start: the new memory made, all of it back
-               "memory_at": pre.memory_at - t0, "filled_at": pre.filled_at - t0}
+               # from the restore's start: the new memory made, all of it back, the job's gate
+               # ended; and pos's own mapping of the memory let go of
+               "memory_at": pre.memory_at - t0, "filled_at": pre.filled_at - t0,
+               "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
                                             timings)
