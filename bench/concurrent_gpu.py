@@ -32,6 +32,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                the way to shorten the frozen part of the dump (a probe, not yet used by pos)
   faults       pos killed (SIGKILL) at each step of a whole-process concurrent checkpoint: the
                job must run on, its memory intact (fill_job's images before and after)
+  restorefirst the same job checkpointed by each engine and restored into a new process: when
+               its first steps came, from `pos restore`'s start (--first-gib of ballast)
 """
 
 import argparse
@@ -383,6 +385,35 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
     return res
 
 
+def restorefirst(out: Path, images: Path, gib: float) -> dict[str, Any]:
+    """The same train_det job (--first-gib of ballast) checkpointed from outside by each engine
+    (the job ended by the dump) and restored into a new process: when the restored job's first
+    steps came, from `pos restore`'s start. The stop-the-world restore has every byte back
+    before the job runs, so its gap between the restore's end and the first step is what the
+    driver's restored context costs the job by itself."""
+    res: dict[str, Any] = {"gib": gib}
+    for engine, flags in (("stw", ()), ("concurrent", ("--concurrent",))):
+        log = images / f"{engine}.log"
+        p = pos_job(det_argv(log, 300, gib), out / f"restorefirst-{engine}.log")
+        one: dict[str, Any] = {}
+        try:
+            wait_lines(log, 60)
+            time.sleep(random.uniform(0, 0.5))
+            d = images / f"{engine}-img"
+            one["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), *flags)
+            p.wait(timeout=60)
+            lines = LineTimes(log)
+            one["restore"] = pos_cmd("restore", "-D", str(d))
+            one["first_step_s"] = lines.first(60)
+            time.sleep(1)
+            one["first_steps_s"] = [round(t - lines.t0, 3) for t in lines.times[:6]]
+        finally:
+            kill(p)
+            subprocess.run(["pkill", "-9", "-f", str(log)])
+        res[engine] = one
+    return res
+
+
 def hoistfd(out: Path, images: Path) -> dict[str, Any]:
     """Give the memory up with no pos CUDA context holding it, map it back from the bare
     descriptors, and compare a checkpoint before and after."""
@@ -572,6 +603,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="8,16")
     ap.add_argument("--exact-job", default="gpt", help="gpt, or GiB of train_det ballast")
     ap.add_argument("--full-jobs", default="16,gpt", help="gpt, or GiB of train_det ballast")
+    ap.add_argument("--first-gib", type=float, default=2.0, help="restorefirst's ballast")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)
@@ -585,6 +617,7 @@ def main() -> None:
         "fullexact": lambda: fullexact(out, images, a.exact_job),
         "fullstall": lambda: fullstall(out, images, a.full_jobs.split(",")),
         "faults": lambda: faults(out, images),
+        "restorefirst": lambda: restorefirst(out, images, a.first_gib),
         "predump": lambda: predump(out, images),
     }
     for name in a.only.split(","):
