@@ -13,9 +13,10 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                checkpoint from outside (release time, longest held call, device-to-host GB/s
                against the 55 GB/s limit, time to disk) beside the driver's stop-the-world
                lock/checkpoint/restore/unlock of the same job
-  stw          a whole-process concurrent image of a `pos run` training job, then `pos checkpoint`
-               (driver + CRIU, the job killed; the agent lends its kept descriptors around the
-               dump) and `pos restore`: its losses against an uninterrupted run's, bit for bit
+  stw          `pos checkpoint` (driver + CRIU, the job killed) of a `pos run` training job and
+               `pos restore`: its losses against an uninterrupted run's, bit for bit; then, on
+               another, a whole-process concurrent image first: the stop-the-world checkpoint
+               after it must be refused (the driver cannot restore memory mapped back from pos)
   hoistfd      the agent gives its memory up and maps it back from descriptors that no CUDA
                context of pos holds: whether the exported descriptor alone keeps the memory
   fullexact    `pos checkpoint --concurrent` (whole process, hoisted; the job ended by the
@@ -360,19 +361,13 @@ def big(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
 
 def stw(out: Path, images: Path) -> dict[str, Any]:
     ref_log, log = images / "ref.log", images / "stw.log"
-    # long enough to outlive the concurrent image (pinning its staging takes seconds) and the
-    # stop-the-world one after it: 80 steps ended during the first (2026-11-25, hoist6)
-    argv = [PY, "workloads/train_det.py", "--steps", "300", "--sleep", "0.05", "--ballast-gib", "2"]
-    r = subprocess.run([*POS, "run", "--", argv[0], argv[1], str(ref_log), *argv[2:]], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    argv = det_argv(ref_log, 300, 2)
+    r = subprocess.run([*POS, "run", "--", *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     res: dict[str, Any] = {"reference_rc": r.returncode}
-    p = pos_job([argv[0], argv[1], str(log), *argv[2:]], out / "stw-job.log")
+    p = pos_job(det_argv(log, 300, 2), out / "stw-job.log")
     try:
         wait_lines(log)
-        # a whole-process concurrent image first: the agent then keeps descriptors CRIU cannot
-        # dump, which it lends to pos around the stop-the-world dump
-        res["concurrent_first"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "c"),
-                                          "--concurrent", "--leave-running")
         time.sleep(random.uniform(0, 0.5))
         d = images / "stw-img"
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d))
@@ -380,6 +375,19 @@ def stw(out: Path, images: Path) -> dict[str, Any]:
         res["restore"] = pos_cmd("restore", "-D", str(d))
         if res["restore"]["rc"] == 0:
             compare_when_done(ref_log, log, res, 120)
+    finally:
+        kill(p)
+    # after a whole-process concurrent image the job's memory is mapped back from pos's
+    # descriptors, which the driver restored as CUDA_ERROR_NOT_SUPPORTED (2026-11-25, hoist8):
+    # pos must refuse the stop-the-world checkpoint in one sentence, the job running on
+    log2 = images / "stw2.log"
+    p = pos_job(det_argv(log2, 300, 2), out / "stw-job2.log")
+    try:
+        wait_lines(log2)
+        res["concurrent_first"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "c"),
+                                          "--concurrent", "--leave-running")
+        res["after_concurrent"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "s2"))
+        res["runs_on"] = p.poll() is None
     finally:
         kill(p)
     return res

@@ -38,6 +38,9 @@ class Status:
     foreign_allocs: int    # allocations the agent could not own (pools, managed, pitched)
     foreign_bytes: int     # their bytes, cumulative
     owning: bool
+    imported: int          # allocations mapped back from pos's descriptors (a concurrent
+                           # whole-process checkpoint or restore): the driver cannot restore
+                           # them from a stop-the-world image
     gate: "Gate"           # the calls of the operation running (or the last one) so far
 
 
@@ -191,7 +194,7 @@ class Agent:
     def status(self) -> Status:
         r = self._ask("status")
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
-                      r["foreign_bytes"], r["owning"], Gate.from_reply(r))
+                      r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r))
 
     def cut(self, timeout_s: float) -> Cut:
         r = self._ask(f"cut {int(timeout_s * 1000)}")
@@ -225,22 +228,6 @@ class Agent:
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
         return int(self._line()["mapped"])
-
-    def lend(self) -> list[tuple[int, int]]:
-        """(va, descriptor) of each allocation whose descriptor the agent kept: pos holds them
-        while CRIU dumps the job (CRIU cannot dump them), and gives them back with `keep`."""
-        r = self._ask("lend")
-        return list(zip(r["vas"], self._take_fds(r["fds"])))
-
-    def keep(self, lent: list[tuple[int, int]]) -> int:
-        """Give lent descriptors back to the agent; how many it took."""
-        kept = 0
-        for at in range(0, len(lent), MAX_FDS):
-            part = lent[at:at + MAX_FDS]
-            self._send(("keep " + " ".join(hex(va) for va, _fd in part) + "\n").encode())
-            self._send(b"+", [fd for _va, fd in part])
-            kept += int(self._line()["kept"])
-        return kept
 
     def copy(self) -> None:
         self._ask("copy")

@@ -202,6 +202,8 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     cuda = gpu_pids(pids)
     from pos.scheduler import cudackpt
 
+    for p in cuda:
+        refuse_imported(p)
     gpu_use = nvml.gpus_of(cuda) if cuda else {}
     # pages at least as large as what is resident, plus the device memory the dump will hold;
     # a page server takes the pages elsewhere
@@ -216,11 +218,6 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
          f"state")
     with Guard(plan, echo, progress) as g:
         start = time.monotonic()
-        lent = {p: _lend(p) for p in cuda}
-        for p, pairs in lent.items():
-            if pairs:
-                g.hold([fd for _va, fd in pairs])
-                g.step("lend", lent={**plan.lent, str(p): [va for va, _fd in pairs]})
         for p in cuda:
             g.step("lock")
             g.timed("lock", lambda p=p: cudackpt.lock(p, lock_timeout_ms))
@@ -239,11 +236,6 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             for p in cuda:
                 g.step("unlock")
                 g.timed("unlock", lambda p=p: cudackpt.unlock(p))
-            for p, pairs in lent.items():
-                if pairs:
-                    _give_lent(p, pairs)    # again by the undo if pos dies here: harmless
-            if plan.lent:
-                g.step("unlock", lent={})
             manifest.stall_s = time.monotonic() - start if cuda else g.timings.get("frozen")
         g.step("seal")
         manifest.timings = g.timings
@@ -254,26 +246,25 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     return Result(final, manifest, timings=g.timings)
 
 
-def _lend(pid: int) -> list[tuple[int, int]]:
-    """The descriptors a `pos run` job's agent keeps of memory it mapped back after a
-    concurrent checkpoint (CRIU cannot dump them): pos holds them around the dump."""
+def refuse_imported(pid: int) -> None:
+    """Refuse a `pos run` job whose device memory was mapped back from pos's descriptors (after
+    a whole-process concurrent checkpoint or restore): the driver checkpoints it, but its
+    restore fails (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED on the H100, driver
+    580.159.04, 2026-11-25), so a stop-the-world image of it could never be restored."""
     from pos.agent.control import Agent
 
     try:
         agent = Agent(pid, timeout=10)
     except PosError:
-        return []                       # no agent: nothing kept
+        return                          # no agent: the job's memory is its own
     with agent:
-        return agent.lend()
-
-
-def _give_lent(pid: int, pairs: list[tuple[int, int]]) -> None:
-    from pos.agent.control import Agent
-
-    with Agent(pid, timeout=10) as agent:
-        agent.keep(pairs)
-    for _va, fd in pairs:
-        os.close(fd)
+        imported = agent.status().imported
+    if imported:
+        raise BadInput(f"{imported} of the device allocations of PID {pid} were mapped back "
+                       "from a whole-process concurrent checkpoint or restore, and the driver "
+                       "cannot restore such memory from a stop-the-world image",
+                       "checkpoint it with `pos checkpoint --concurrent` (to move it: copy that "
+                       "image and `pos restore -D` it on the other host)")
 
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:

@@ -65,8 +65,6 @@ class Plan:
                                               # or not back yet (a concurrent image's restore)
     verify: Optional[list[str]] = None        # restore: the files checked before the restored
                                               # tree may run (None: all)
-    lent: dict[str, list[int]] = field(default_factory=dict)   # PID -> addresses whose kept
-                                              # descriptors pos holds around a dump
 
     def to_json(self) -> str:
         return json.dumps({"plan": asdict(self)})
@@ -140,8 +138,8 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], N
 
 
 def _give_back(plan: Plan, memory: list[int], log: Callable[[str], None]) -> None:
-    """Map the hoisted memory back into the job (its calls wait for it) and release it; or
-    give lent descriptors back (`memory` holds them in the order of `plan.lent`)."""
+    """Map the hoisted memory back into the job (its calls wait for it) and release it
+    (`memory`: its descriptors, in the agent's table order)."""
     from pos.agent.control import Agent
 
     if plan.hoisted and plan.pids and procs.alive(plan.pids[0]):
@@ -149,14 +147,6 @@ def _give_back(plan: Plan, memory: list[int], log: Callable[[str], None]) -> Non
         with Agent(plan.pids[0]) as agent:
             agent.remap(memory)
             agent.end()
-        return
-    at = 0
-    for pid, vas in plan.lent.items():
-        fds, at = memory[at:at + len(vas)], at + len(vas)
-        if procs.alive(int(pid)):
-            log(f"PID {pid}: giving back {len(vas)} descriptors of its device memory")
-            with Agent(int(pid)) as agent:
-                agent.keep(list(zip(vas, fds)))
 
 
 def _verified(plan: Plan, log: Callable[[str], None]) -> bool:

@@ -1085,12 +1085,16 @@ static void do_status(struct conn *c) {
     char s[512];
     pthread_mutex_lock(&mu);
     stats_json(s, sizeof(s));
+    size_t imported = 0; /* mapped back from pos's descriptors (their fd kept: see do_remap) */
+    for (size_t i = 0; i < ntab; i++)
+        imported += tab[i].fd >= 0;
     reply(c,
           "{\"ok\":true,\"pid\":%d,\"phase\":\"%s\",\"buffers\":%zu,\"owned_bytes\":%zu,"
-          "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,%s}",
+          "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
+          "\"imported\":%zu,%s}",
           getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
           (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
-          atomic_load(&inflight), owning ? "true" : "false", s);
+          atomic_load(&inflight), owning ? "true" : "false", imported, s);
     pthread_mutex_unlock(&mu);
 }
 
@@ -1285,71 +1289,6 @@ static void do_remap(struct conn *c, size_t want, int then_restore) {
         reply(c, "{\"ok\":true,\"mapped\":%zu}", mapped);
 }
 
-/* Hand the descriptors the agent keeps (see do_remap) to pos: CRIU cannot dump them, so the
- * driver's stop-the-world engine takes them out of the job around its dump and gives them
- * back with `keep`. */
-static void do_lend(struct conn *c) {
-    pthread_mutex_lock(&mu);
-    size_t n = 0;
-    for (size_t i = 0; i < ntab; i++)
-        n += tab[i].fd >= 0;
-    int *fds = calloc(n ? n : 1, sizeof(int));
-    char *s = NULL;
-    size_t len = 0;
-    FILE *f = fds ? open_memstream(&s, &len) : NULL;
-    if (!f) {
-        pthread_mutex_unlock(&mu);
-        free(fds);
-        fail(c, "out of memory");
-        return;
-    }
-    fprintf(f, "{\"ok\":true,\"fds\":%zu,\"vas\":[", n);
-    size_t k = 0;
-    for (size_t i = 0; i < ntab; i++)
-        if (tab[i].fd >= 0) {
-            fprintf(f, "%s%llu", k ? "," : "", tab[i].va);
-            fds[k++] = tab[i].fd;
-            tab[i].fd = -1;
-        }
-    pthread_mutex_unlock(&mu);
-    fputs("]}\n", f);
-    fclose(f);
-    if (send_all(c->fd, s, len) == 0)
-        send_fds(c, fds, n);
-    for (size_t i = 0; i < n; i++)
-        close(fds[i]);
-    free(s);
-    free(fds);
-}
-
-/* `keep VA...` with as many descriptors: the lent ones back, each to its allocation. */
-static void do_keep(struct conn *c, char *args) {
-    size_t want = 0;
-    for (char *p = args; p && *p; p++)
-        want += *p == 'x';
-    while (c->nfds < want) {
-        if (rx(c, 30000) <= 0) {
-            fail(c, "keep: fewer descriptors came than addresses");
-            return;
-        }
-    }
-    size_t k = 0, kept = 0;
-    pthread_mutex_lock(&mu);
-    for (char *t = strtok(args, " "); t && k < c->nfds; t = strtok(NULL, " "), k++) {
-        long i = find(strtoull(t, NULL, 0));
-        if (i >= 0 && tab[i].fd < 0 && tab[i].va == strtoull(t, NULL, 0)) {
-            tab[i].fd = c->fds[k], c->fds[k] = -1;
-            kept++;
-        }
-    }
-    pthread_mutex_unlock(&mu);
-    for (size_t i = 0; i < c->nfds; i++)
-        if (c->fds[i] >= 0)
-            close(c->fds[i]);
-    c->nfds = 0;
-    reply(c, "{\"ok\":true,\"kept\":%zu}", kept);
-}
-
 static void mark_done(char *args) {
     pthread_mutex_lock(&mu);
     for (char *t = strtok(args, " "); t; t = strtok(NULL, " ")) {
@@ -1469,10 +1408,6 @@ static void serve(int fd) {
             mark_done(args ? args : cmd + 4);
         else if (!strcmp(cmd, "end"))
             do_end(c);
-        else if (!strcmp(cmd, "lend"))
-            do_lend(c);
-        else if (!strcmp(cmd, "keep"))
-            do_keep(c, args);
         else if (!strcmp(cmd, "bye")) {
             reply(c, "{\"ok\":true}");
             break;
