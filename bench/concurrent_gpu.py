@@ -237,7 +237,7 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
         dest.append(ptr.value)
     for n in threads:
         copy = concurrent._fill(drv, table, dest, {b.va: saved[b.va] for b in table}, n,
-                                biggest, concurrent._Handout(table))   # no job to tell
+                                biggest, concurrent.Handout(table))   # no job to tell
         res[f"fill_{n}_gbps"] = round(copy.gbps, 2)
         bufs = [np.ones(biggest, np.uint8) for _ in range(n)]   # touched: no first faults
         for mode in ("read", "whole", "pieces"):

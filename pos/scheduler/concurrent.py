@@ -279,7 +279,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
         try:
             agent.restore()
             release_s = time.monotonic() - t0
-            handout = _Handout(table)
+            handout = Handout(table)
             handout.attach(agent)
             copy = _fill(drv, table, mem.local, saved, streams, chunk_mb << 20, handout)
         except BaseException:
@@ -293,7 +293,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int,
-          handout: "_Handout") -> gpucopy.Copy:
+          handout: "Handout") -> gpucopy.Copy:
     """Read every buffer's chunks (checksums checked) into pinned staging and copy them to
     device memory at `dest`, the smaller buffers first (most calls' buffers come back soon,
     a big one alone does not hold them up); the handout learns which other buffers each
@@ -498,7 +498,7 @@ def usable(back: set[int], refers: dict[int, set[int]], told: set[int]) -> set[i
     return out
 
 
-class _Handout:
+class Handout:
     """Tells the job's agent which buffers its calls may use, as they come back."""
 
     def __init__(self, table: list[Buffer]) -> None:
@@ -542,7 +542,7 @@ class _Prefetch:
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
         self.streams, self.chunk = streams, chunk
-        self.handout = _Handout(self.table)
+        self.handout = Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None
         self.fds: list[int] = []
         self.copy: Optional[gpucopy.Copy] = None
