@@ -203,14 +203,18 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
     assert not (tmp_path / "img.partial").exists() and not list(staging.ROOT.glob("*.partial"))
 
 
-def test_pos_killed_while_filling_a_restore_ends_the_half_restored_job(
-        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+@pytest.mark.parametrize("point", ["criu-restore:criu=KILL", "verify=KILL", "remap=KILL",
+                                   "fill=KILL"])
+def test_pos_killed_during_a_whole_process_restore_ends_the_half_restored_job(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, point: str) -> None:
+    """Before its memory is all back the restored job must not run on: the watchdog (which
+    checks the image first when CRIU left the tree stopped beside the check) ends it."""
     job = fill_job()
     img = tmp_path / "full"
     assert pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
                env=gpu_env).returncode == 0
     job.proc.wait(timeout=30)
-    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FAULT_AT": "fill=KILL"})
+    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FAULT_AT": point})
     assert r.returncode == -9, (r.returncode, r.stderr)
     wait_for(lambda: not Path(f"/proc/{job.pid}").exists() or
              open(f"/proc/{job.pid}/stat").read().split()[2] == "Z", timeout=60,
