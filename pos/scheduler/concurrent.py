@@ -324,7 +324,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
                                         local.fds, targets)
         with lock:
             read_s[0] += time.monotonic() - t
-            handout.refers.setdefault(i, set()).update(int(j) for j in hits if j != i)
+        handout.points(i, hits)
         drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off), gpucopy.C.c_void_p(st.ptr),
                  gpucopy.SZ(n), stream)
 
@@ -456,7 +456,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                                "index", "take a new checkpoint")
             g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
             out["release_s"] = time.monotonic() - t0
-            pre.attach(agent)
+            pre.handout.attach(agent)
             g.step("fill")
             out["copy"] = pre.join()
             out["gate"] = agent.end()
@@ -509,6 +509,11 @@ class Handout:
         self.told: set[int] = set()
         self.agent: Optional[Agent] = None
 
+    def points(self, i: int, into: Any) -> None:
+        """Buffer i's words (one chunk's) point into these buffers (table indices)."""
+        with self.lock:
+            self.refers.setdefault(i, set()).update(int(j) for j in into if j != i)
+
     def came_back(self, i: int) -> None:
         with self.lock:
             self.back.add(i)
@@ -533,8 +538,8 @@ class Handout:
 class _Prefetch:
     """New device memory for an image's buffers, filled from the image on a thread of its own
     while CRIU and the driver bring the process back (they need no GPU copy): by the time the
-    job maps the memory much of it is back. `attach(agent)` then lets the job's calls through
-    for each buffer usable so far (see `usable`), and for the rest as they come."""
+    job maps the memory much of it is back. `handout.attach(agent)` then lets the job's calls
+    through for each buffer usable so far (see `usable`), and for the rest as they come."""
 
     def __init__(self, directory: Path, streams: int, chunk: int) -> None:
         index = gpuimage.read_index(directory)
@@ -565,9 +570,6 @@ class _Prefetch:
             self.error = e
         finally:
             self.ready.set()
-
-    def attach(self, agent: Agent) -> None:
-        self.handout.attach(agent)
 
     def join(self) -> gpucopy.Copy:
         self.thread.join()

@@ -16,8 +16,8 @@ import signal
 import socket
 import platform
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -293,32 +293,11 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
                        "the same driver (driver checkpoints are tied to the driver)")
 
 
-class _Check:
-    """The image's checksums verified on a thread of its own, beside CRIU's restore."""
-
-    def __init__(self, directory: Path, names: Optional[list[str]]) -> None:
-        self.seconds = 0.0
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._run, args=(directory, names),
-                                       name="pos-verify", daemon=True)
-        self.thread.start()
-
-    def _run(self, directory: Path, names: Optional[list[str]]) -> None:
-        t0 = time.monotonic()
-        try:
-            image.verify(directory, names)
-        except BaseException as e:       # raised in the caller's thread by result()
-            self.error = e
-        self.seconds = time.monotonic() - t0
-
-    def result(self) -> None:
-        """Wait for the check; raise what it found."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self.thread.join()
+def _verify_timed(directory: Path, names: Optional[list[str]]) -> float:
+    """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
+    t0 = time.monotonic()
+    image.verify(directory, names)
+    return time.monotonic() - t0
 
 
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
@@ -329,9 +308,9 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     checksums are verified (all when None; the rest is checked by whoever reads it). The check
     runs while CRIU restores, which leaves the tree stopped: it runs only once the image is
     known good. `hoisted`: the job's device memory comes back only in `finish` (until then
-    the undo ends a restored job rather than run it). `finish(g, root)` runs last under the same guard (the concurrent engine puts
-    the job's device memory back there: a failure then ends the restored tree, never leaves it
-    half-restored)."""
+    the undo ends a restored job rather than run it). `finish(g, root)` runs last under the
+    same guard (the concurrent engine puts the job's device memory back there: a failure then
+    ends the restored tree, never leaves it half-restored)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
     manifest = image.load(directory)
@@ -352,7 +331,8 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     from pos.scheduler import cudackpt
 
     logs = criu_mod.reopen_logs(manifest.logs)
-    checking = _Check(directory, check)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
+    checking = pool.submit(_verify_timed, directory, check)
     try:
         with Guard(plan, echo, progress=progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
@@ -369,8 +349,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
                 raise
             root = int((work / "pidfile").read_text())
             g.step("verify")             # the tree is stopped until its image is known good
-            g.timed("verify_wait", checking.result)
-            g.timings["verify"] = checking.seconds
+            g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.thaw(procs.tree(root))
             for p in manifest.gpu_pids:
                 g.step("restore")
@@ -381,7 +360,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             if finish is not None:
                 finish(g, root)
     finally:
-        checking.close()
+        pool.shutdown()
         for fd in logs:
             os.close(fd)
     shutil.rmtree(work, ignore_errors=True)

@@ -18,8 +18,9 @@ twice (pos died during its own undo) without harm:
     then every CUDA process that is CHECKPOINTED gets the driver's restore, every LOCKED one
     its unlock;
   - restore: a tree that CRIU restored stopped beside the image's check runs on only if the
-    image is good (killed otherwise); forward, a restored tree is finished (driver restore onto the planned GPUs,
-    unlock); a tree that cannot be finished is killed, never left half-restored;
+    image is good (killed otherwise); forward, a restored tree is finished (driver restore
+    onto the planned GPUs, unlock); a tree that cannot be finished is killed, never left
+    half-restored;
   - hoisted memory (`Plan.hoisted`) is mapped back into the job, which then runs on.
 """
 

@@ -115,5 +115,6 @@ def test_warm_makes_the_first_calls_of_every_compiled_function() -> None:
     from pos.image import checksum as ck
 
     gpuimage.warm()
-    for fn in (gpuimage._read_absorb, gpuimage._point, ck._start, ck.absorb, ck._finish, ck.hash_words):
+    for fn in (gpuimage._read_absorb, gpuimage._point, ck._start, ck.absorb, ck._finish,
+               ck.hash_words):
         assert fn.signatures, fn
