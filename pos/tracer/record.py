@@ -71,8 +71,9 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
         else:
             status = "interrupted"
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        # the handlers stay until the end: a Ctrl-C during this teardown (say, the stop of a
+        # trace whose target has just exited) must not break it half-way, leaving the sink and
+        # the parse workers unjoined and pos hanging at exit
         if live:
             live.stop()
         if tracer is not None:
@@ -85,6 +86,8 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
                           lost_events=tracer.stats.lost if tracer else 0,
                           captures_dropped=tracer.stats.captures_dropped if tracer else 0)
         sink.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if tracer is not None:
         tracer.stats.completion = late.complete(engine, trace_id)
         tracer.stats.layout_known += tracer.stats.completion.completed
