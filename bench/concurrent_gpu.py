@@ -26,7 +26,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                the fill probe: the image read back by 8 and 16 threads, read only / hashed
                whole / hashed in pieces (compiled, without the GIL)
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
-               concurrent one (CRIU writing into pos's huge-page tmpfs, then in place), on the
+               concurrent one (plain, then with the context's stack set to 1024 and to 256 bytes
+               while hoisted: POS_HOIST_STACK, less local memory to checkpoint), on the
                same job, for each of --full-jobs (GiB of train_det ballast, or gpt); the stall
                as the job saw it, from its log's step times
   predump      whether CRIU can pre-dump a running `pos run` job (nvidia mappings still in it):
@@ -440,7 +441,7 @@ def hoistfd(out: Path, images: Path) -> dict[str, Any]:
         with Agent(pid) as a:
             a.cut(10)
             fds = a.export()
-            res["released"] = a.hoist()
+            res["released"] = a.hoist().bytes
             res["remapped"] = a.remap(fds)
             res["end"] = a.end().__dict__
         for fd in fds:
@@ -518,8 +519,8 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
             subprocess.run(["rm", "-rf", str(images / "stw")])
             time.sleep(random.uniform(0.5, 1.0))
             row["anon_mib_before"] = anon_mib(p.pid)
-            for name, env in (("concurrent", {}),
-                              ("concurrent_dump_in_place", {"POS_DUMP_STAGING": "0"})):
+            for name, env in (("concurrent", {}), ("stack_1024", {"POS_HOIST_STACK": "1024"}),
+                              ("stack_256", {"POS_HOIST_STACK": "256"})):
                 time.sleep(random.uniform(0.5, 1.0))
                 lines = LineTimes(log)
                 time.sleep(3.0)            # steps before the checkpoint: the median

@@ -11,6 +11,8 @@
 #   bench/device.sh checkpoint32 # the 32 GiB row of that table, restore included       (~5 min)
 #   bench/device.sh concurrent   # the concurrent engine: overhead, images, stalls, tests (~8 min)
 #   bench/device.sh schedule     # a schedule every minute for 5 minutes, images restored (~8 min)
+#   bench/device.sh restart      # what a restored process costs beyond its memory: the
+#                                # context's memory, the first steps after a restore (~3 min)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
@@ -19,7 +21,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent schedule}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -70,9 +72,12 @@ concurrent)
         --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}" ${POS_BENCH_ARGS:-}
     [ "${POS_BENCH_TEST:-1}" = 0 ] ||   # POS_BENCH_TEST=0: the bench parts alone
         step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py ;;
+restart)
+    # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
+    step restart-bench python3 bench/restart_gpu.py --out "$out" ${POS_BENCH_ARGS:-} ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent schedule" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule" >&2
     exit 2 ;;
 esac

@@ -7,6 +7,8 @@ off): `STEP LOSS` with the loss as float.hex(), exact to the bit. Same seed, sam
 and cuDNN in deterministic mode: two runs give the same lines, so a checkpointed-and-restored
 run must too. --ballast-gib adds that much random device memory (GPU state to save).
 With --steps 0 it runs until killed, one small step per --sleep (a heartbeat for benchmarks).
+--clock FILE appends `STEP PHASE WALLTIME` as each part of a step ends (begin, forward,
+backward, step, item, slept): where a slow step spends its time, seen from inside.
 """
 
 import argparse
@@ -25,7 +27,14 @@ def main() -> None:
     a.add_argument("--steps", type=int, default=60)
     a.add_argument("--sleep", type=float, default=0.05)
     a.add_argument("--ballast-gib", type=float, default=0.0)
+    a.add_argument("--clock")
     args = a.parse_args()
+    clock = os.open(args.clock, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if args.clock else -1
+
+    def mark(step: int, phase: str) -> None:
+        if clock >= 0:
+            os.write(clock, f"{step} {phase} {time.time():.6f}\n".encode())
+
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
@@ -44,14 +53,20 @@ def main() -> None:
     step = 0
     while args.steps == 0 or step < args.steps:
         step += 1
+        mark(step, "begin")
         loss = nn.functional.cross_entropy(model(x), y)
+        mark(step, "forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        mark(step, "backward")
         opt.step()
+        mark(step, "step")
         os.write(fd, f"{step} {loss.item().hex()}\n".encode())
+        mark(step, "item")
         if args.sleep:
             torch.cuda.synchronize()
             time.sleep(args.sleep)
+        mark(step, "slept")
     if ballast is not None:
         os.write(fd, f"ballast {ballast.sum(dtype=torch.float64).item().hex()}\n".encode())
     os.close(fd)

@@ -45,6 +45,13 @@ class Status:
 
 
 @dataclass(frozen=True)
+class Hoist:
+    bytes: int         # released: held by pos alone until the remap
+    stack: int         # the context's per-thread stack before (when asked to set it)
+    stack_rc: int      # the driver's answer to setting it (-1: not asked)
+
+
+@dataclass(frozen=True)
 class Cut:
     drain_s: float     # waiting for the calls already inside the driver
     sync_s: float      # synchronising the job's contexts: the GPU work queued before the cut
@@ -217,9 +224,12 @@ class Agent:
         """Every owned allocation as a descriptor (table order); the caller owns them."""
         return self._take_fds(self._ask("export")["fds"])
 
-    def hoist(self) -> int:
-        """The job gives its physical memory up (pos must hold it); bytes released."""
-        return int(self._ask("hoist")["bytes"])
+    def hoist(self, stack: Optional[int] = None) -> Hoist:
+        """The job gives its physical memory up (pos must hold it); `stack`: and its context's
+        per-thread stack is set to that many bytes (less local memory for the driver's
+        checkpoint to copy)."""
+        r = self._ask("hoist" if stack is None else f"hoist {stack}")
+        return Hoist(int(r["bytes"]), int(r.get("stack", 0)), int(r.get("stack_rc", -1)))
 
     def remap(self, fds: list[int], restore: bool = False) -> int:
         """The job maps these descriptors (table order) at its addresses again; `restore`: and

@@ -577,7 +577,7 @@ HOOKS(DECLARE)
         X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity)                     \
             X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess)           \
                 X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                  \
-                    X(cuStreamSynchronize)
+                    X(cuStreamSynchronize) X(cuCtxGetLimit) X(cuCtxSetLimit)
 #define DECLARE_OWN(name) static void *volatile real_##name;
 OWN(DECLARE_OWN)
 
@@ -603,6 +603,8 @@ CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, 
                                       unsigned long long flags);
 CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *fd, int type);
 CUresult cuStreamSynchronize(CUstream s);
+CUresult cuCtxGetLimit(size_t *value, int limit);
+CUresult cuCtxSetLimit(int limit, size_t value);
 /* cuMemCreate and cuMemMap/cuMemUnmap are wrappers too (the gate holds them during a cut);
  * the library's own uses call the driver's through these. */
 #define DRV(name) ((__typeof__(&name))real_of(&real_##name, #name))
@@ -1205,7 +1207,7 @@ static void do_export(struct conn *c) {
 }
 
 /* Give up the physical memory (the helper holds it), keeping the addresses: phase hoisted. */
-static void do_hoist(struct conn *c) {
+static void do_hoist(struct conn *c, const char *stack_arg) {
     pthread_mutex_lock(&mu);
     if (atomic_load(&phase) != P_HOLD) {
         pthread_mutex_unlock(&mu);
@@ -1226,6 +1228,15 @@ static void do_hoist(struct conn *c) {
             released++, bytes += tab[i].mapped;
         }
     }
+    /* `hoist STACK` (a measurement): the per-thread stack the context keeps local memory for,
+     * set to STACK bytes while the memory is given up (the driver grows it again at a launch
+     * that needs more); the reply says what it was and the driver's answer */
+    size_t stack = 0;
+    int stack_rc = -1;
+    __typeof__(&cuCtxGetLimit) get = stack_arg ? DRV(cuCtxGetLimit) : NULL;
+    __typeof__(&cuCtxSetLimit) set = stack_arg ? DRV(cuCtxSetLimit) : NULL;
+    if (r == CUDA_SUCCESS && get && set && get(&stack, 0) == CUDA_SUCCESS)
+        stack_rc = set(0, strtoull(stack_arg, NULL, 0));
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS)
         reply(c,
@@ -1233,7 +1244,8 @@ static void do_hoist(struct conn *c) {
               "%zu buffers\"}",
               r, released);
     else
-        reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu}", released, bytes);
+        reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu,\"stack\":%zu,\"stack_rc\":%d}",
+              released, bytes, stack, stack_rc);
 }
 
 /* Map the descriptors that came with the request at the table's addresses: phase hold, or
@@ -1397,7 +1409,7 @@ static void serve(int fd) {
         else if (!strcmp(cmd, "export"))
             do_export(c);
         else if (!strcmp(cmd, "hoist"))
-            do_hoist(c);
+            do_hoist(c, args);
         else if (!strcmp(cmd, "remap"))
             do_remap(c, args ? strtoul(args, NULL, 10) : 0, args && strstr(args, "restore"));
         else if (!strcmp(cmd, "copy"))
