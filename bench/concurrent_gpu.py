@@ -26,8 +26,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                the fill probe: the image read back by 8 and 16 threads, read only / hashed
                whole / hashed in pieces (compiled, without the GIL)
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
-               concurrent one (plain, then with the context's stack set to 1024 and to 256 bytes
-               while hoisted: POS_HOIST_STACK, less local memory to checkpoint), on the
+               concurrent one (the context's stack made 0 bytes while hoisted, then 256, then
+               kept as it was: POS_HOIST_STACK, the local memory the driver checkpoints), on the
                same job, for each of --full-jobs (GiB of train_det ballast, or gpt); the stall
                as the job saw it, from its log's step times
   predump      whether CRIU can pre-dump a running `pos run` job (nvidia mappings still in it):
@@ -442,7 +442,7 @@ def hoistfd(out: Path, images: Path) -> dict[str, Any]:
             a.cut(10)
             fds = a.export()
             res["released"] = a.hoist().bytes
-            res["remapped"] = a.remap(fds)
+            res["remapped"] = a.remap(fds).mapped
             res["end"] = a.end().__dict__
         for fd in fds:
             os.close(fd)
@@ -519,8 +519,8 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
             subprocess.run(["rm", "-rf", str(images / "stw")])
             time.sleep(random.uniform(0.5, 1.0))
             row["anon_mib_before"] = anon_mib(p.pid)
-            for name, env in (("concurrent", {}), ("stack_1024", {"POS_HOIST_STACK": "1024"}),
-                              ("stack_256", {"POS_HOIST_STACK": "256"})):
+            for name, env in (("concurrent", {}), ("stack_256", {"POS_HOIST_STACK": "256"}),
+                              ("stack_kept", {"POS_HOIST_STACK": "off"})):
                 time.sleep(random.uniform(0.5, 1.0))
                 lines = LineTimes(log)
                 time.sleep(3.0)            # steps before the checkpoint: the median

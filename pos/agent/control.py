@@ -47,8 +47,15 @@ class Status:
 @dataclass(frozen=True)
 class Hoist:
     bytes: int         # released: held by pos alone until the remap
-    stack: int         # the context's per-thread stack before (when asked to set it)
-    stack_rc: int      # the driver's answer to setting it (-1: not asked)
+    stack: int         # the context's per-thread stack before, kept for the remap (0: unchanged)
+    stack_rc: int      # the driver's answer to setting it smaller (-1: not asked, or no need)
+
+
+@dataclass(frozen=True)
+class Remap:
+    mapped: int
+    stack_s: float     # setting the stack back (local memory allocated again)
+    stack_rc: int      # the driver's answer (not fatal: it grows the stack at a launch anyway)
 
 
 @dataclass(frozen=True)
@@ -231,13 +238,15 @@ class Agent:
         r = self._ask("hoist" if stack is None else f"hoist {stack}")
         return Hoist(int(r["bytes"]), int(r.get("stack", 0)), int(r.get("stack_rc", -1)))
 
-    def remap(self, fds: list[int], restore: bool = False) -> int:
-        """The job maps these descriptors (table order) at its addresses again; `restore`: and
-        its calls go through the restore gate from then on (the memory is being filled)."""
+    def remap(self, fds: list[int], restore: bool = False) -> "Remap":
+        """The job maps these descriptors (table order) at its addresses again, and its
+        context's stack goes back to what it was before the hoist; `restore`: and its calls go
+        through the restore gate from then on (the memory is being filled)."""
         self._send(f"remap {len(fds)}{' restore' if restore else ''}\n".encode())
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
-        return int(self._line()["mapped"])
+        r = self._line()
+        return Remap(int(r["mapped"]), float(r.get("stack_s", 0.0)), int(r.get("stack_rc", 0)))
 
     def copy(self) -> None:
         self._ask("copy")

@@ -42,6 +42,7 @@ DEFAULT_STREAMS = 8
 SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
 SHADOW_MAX_ENV = "POS_SHADOW_MAX_BYTES"   # at most this much device memory for the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
+HOIST_STACK = 0                # bytes of stack a hoisted context keeps (see hoist_stack)
 
 
 @dataclass
@@ -341,6 +342,14 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     return copy
 
 
+def hoist_stack() -> Optional[int]:
+    """The per-thread stack, in bytes, that the job's context keeps while its memory is hoisted
+    (POS_HOIST_STACK, default HOIST_STACK; `off`: as it is). The context's local memory is
+    that times every thread the GPU holds, and the driver's checkpoint copies it in the stall."""
+    v = os.environ.get("POS_HOIST_STACK", str(HOIST_STACK))
+    return None if v == "off" else int(v)
+
+
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
                     lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
                     chunk_mb: int = 64, echo: Echo = lambda _: None) -> Report:
@@ -383,10 +392,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             sources = s.snapshot()
             g.hold(s.fds)
             g.step("hoist", hoisted=True)
-            stack = os.environ.get("POS_HOIST_STACK")      # a measurement (bench/)
-            h = g.timed("hoist", lambda: agent.hoist(int(stack) if stack else None))
-            if stack:
-                g.timings["stack_before"], g.timings["stack_rc"] = h.stack, h.stack_rc
+            h = g.timed("hoist", lambda: agent.hoist(hoist_stack()))
+            g.timings["stack_was"], g.timings["stack_rc"] = h.stack, h.stack_rc
             agent.close()                  # CRIU dumps no socket connected to pos
             g.step("lock")
             g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
@@ -402,7 +409,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 g.step("unlock")
                 g.timed("unlock", lambda: cudackpt.unlock(pid))
                 s.agent = agent = Agent(pid)
-                g.timed("remap", lambda: agent.remap(s.fds))
+                g.timings["stack_back"] = g.timed("remap", lambda: agent.remap(s.fds)).stack_s
                 g.step("copy", hoisted=False)
                 s.release()
             else:
@@ -457,7 +464,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                 raise PosError(f"the restored job's allocations do not match {directory}'s GPU "
                                "index", "take a new checkpoint")
-            g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
+            back = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
+            g.timings["stack_back"] = back.stack_s
             out["release_s"] = time.monotonic() - t0
             pre.handout.attach(agent)
             g.step("fill")

@@ -92,6 +92,31 @@ def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,
                  "pos restore --gpu-only PID")
 
 
+def test_the_hoist_shrinks_the_context_stack_and_the_remap_puts_it_back(fill_job) -> None:
+    """Local memory is the stack times every GPU thread, copied by the driver's checkpoint:
+    the hoist makes the stack as small as pos asks, the remap gives the job its own back (a
+    second hoist finds 1 KiB again); a hoist not asked to leaves it."""
+    job = fill_job(buffers=2)
+    with Agent(job.pid) as a:
+        for _ in range(2):
+            a.cut(5)
+            fds = a.export()
+            h = a.hoist(stack=0)
+            assert (h.stack, h.stack_rc) == (1024, 0)
+            assert a.remap(fds).stack_rc == 0
+            a.end()
+            for fd in fds:
+                os.close(fd)
+        a.cut(5)
+        fds = a.export()
+        h = a.hoist()
+        assert (h.stack, h.stack_rc) == (0, -1)
+        a.remap(fds)
+        a.end()
+        for fd in fds:
+            os.close(fd)
+
+
 def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
     job = fill_job()
     a = Agent(job.pid)

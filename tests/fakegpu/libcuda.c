@@ -357,6 +357,25 @@ API CUresult cuCtxSynchronize(void) {
     return CUDA_SUCCESS;
 }
 
+/* The per-thread stack (CU_LIMIT_STACK_SIZE, 0) alone: 1 KiB, as the real driver starts. */
+static size_t stack_limit = 1024;
+
+API CUresult cuCtxGetLimit(size_t *value, int limit) {
+    NEED_CONTEXT();
+    if (!value || limit != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    *value = stack_limit;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSetLimit(int limit, size_t value) {
+    NEED_CONTEXT();
+    if (limit != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    stack_limit = value;
+    return CUDA_SUCCESS;
+}
+
 /* ---- streams and events ----------------------------------------------------------------- */
 /* A stream cuStreamCreate made (not NULL, CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2)). */
 static int own_stream(CUstream s) {

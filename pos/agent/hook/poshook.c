@@ -72,7 +72,7 @@ enum {
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_NOT_FOUND = 500
 };
-enum { MEM_PINNED = 1, HANDLE_POSIX_FD = 1, LOCATION_DEVICE = 1, ACCESS_RW = 3 };
+enum { MEM_PINNED = 1, HANDLE_POSIX_FD = 1, LOCATION_DEVICE = 1, ACCESS_RW = 3, LIMIT_STACK = 0 };
 #define LAUNCH_PARAM_END ((void *)0x00)
 #define LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
 #define LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
@@ -1206,6 +1206,34 @@ static void do_export(struct conn *c) {
     free(fds);
 }
 
+/* The context's local memory is its per-thread stack times every thread the GPU can hold
+ * (264 MiB for 1 KiB on the H100), and the driver's checkpoint copies it like any memory, in
+ * the job's stall. So while the memory is given up the stack is set to `bytes` (the driver
+ * grows it again at a launch that needs more), and the remap sets it back to what it was
+ * (stack_kept, which CRIU keeps for a restore in a new process). Caller holds mu, context
+ * current. The driver's answer, or -1 when it has no such call. */
+static size_t stack_kept;
+
+static int shrink_stack(size_t bytes) {
+    __typeof__(&cuCtxGetLimit) get = DRV(cuCtxGetLimit);
+    __typeof__(&cuCtxSetLimit) set = DRV(cuCtxSetLimit);
+    size_t was = 0;
+    if (!get || !set || get(&was, LIMIT_STACK) != CUDA_SUCCESS || was <= bytes)
+        return -1;
+    int r = set(LIMIT_STACK, bytes);
+    if (r == CUDA_SUCCESS)
+        stack_kept = was;
+    return r;
+}
+
+static int grow_stack_back(void) {
+    __typeof__(&cuCtxSetLimit) set = DRV(cuCtxSetLimit);
+    int r = stack_kept && set ? set(LIMIT_STACK, stack_kept) : CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS)
+        stack_kept = 0;
+    return r;
+}
+
 /* Give up the physical memory (the helper holds it), keeping the addresses: phase hoisted. */
 static void do_hoist(struct conn *c, const char *stack_arg) {
     pthread_mutex_lock(&mu);
@@ -1228,15 +1256,7 @@ static void do_hoist(struct conn *c, const char *stack_arg) {
             released++, bytes += tab[i].mapped;
         }
     }
-    /* `hoist STACK` (a measurement): the per-thread stack the context keeps local memory for,
-     * set to STACK bytes while the memory is given up (the driver grows it again at a launch
-     * that needs more); the reply says what it was and the driver's answer */
-    size_t stack = 0;
-    int stack_rc = -1;
-    __typeof__(&cuCtxGetLimit) get = stack_arg ? DRV(cuCtxGetLimit) : NULL;
-    __typeof__(&cuCtxSetLimit) set = stack_arg ? DRV(cuCtxSetLimit) : NULL;
-    if (r == CUDA_SUCCESS && get && set && get(&stack, 0) == CUDA_SUCCESS)
-        stack_rc = set(0, strtoull(stack_arg, NULL, 0));
+    int stack_rc = r == CUDA_SUCCESS && stack_arg ? shrink_stack(strtoull(stack_arg, NULL, 0)) : -1;
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS)
         reply(c,
@@ -1245,7 +1265,7 @@ static void do_hoist(struct conn *c, const char *stack_arg) {
               r, released);
     else
         reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu,\"stack\":%zu,\"stack_rc\":%d}",
-              released, bytes, stack, stack_rc);
+              released, bytes, stack_kept, stack_rc);
 }
 
 /* Map the descriptors that came with the request at the table's addresses: phase hold, or
@@ -1277,6 +1297,9 @@ static void do_remap(struct conn *c, size_t want, int then_restore) {
     int all = 1;
     for (size_t i = 0; i < ntab; i++)
         all &= tab[i].h != 0;
+    uint64_t t0 = now_ns(); /* not fatal: the driver grows the stack at a launch anyway */
+    int stack_rc = all && r == CUDA_SUCCESS ? grow_stack_back() : CUDA_SUCCESS;
+    double stack_s = secs(now_ns() - t0);
     if (all && atomic_load(&phase) == P_HOISTED && then_restore) {
         memset(&st, 0, sizeof(st));
         st.started_ns = now_ns();
@@ -1298,7 +1321,8 @@ static void do_remap(struct conn *c, size_t want, int then_restore) {
               "announced, %zu in the table)\"}",
               r, want, want, ntab);
     else
-        reply(c, "{\"ok\":true,\"mapped\":%zu}", mapped);
+        reply(c, "{\"ok\":true,\"mapped\":%zu,\"stack_s\":%.6f,\"stack_rc\":%d}", mapped,
+              stack_s, stack_rc);
 }
 
 static void mark_done(char *args) {
