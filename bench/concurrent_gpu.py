@@ -206,9 +206,10 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
     import numpy as np
 
     from pos.image import gpu as gpuimage
+    from pos.image import gpuindex
     from pos.image.checksum import checksum
 
-    saved = gpuimage.resolve(image_dir)
+    saved = gpuindex.resolve(image_dir)
     chunks = [(folder, c) for folder, _size, cs in saved.values() for c in cs]
     total = sum(c["raw"] for _f, c in chunks)
     biggest = max(c["raw"] for _f, c in chunks)

@@ -15,7 +15,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
              concurrent engine; the restore runs in this process, its steps' wall times
              recorded; the restored process's threads sampled from /proc every 5 ms (state,
              wchan, CPU time, page faults)
-  startup    how long `pos` takes to start: the CLI, and the restore's imports
+  startup    how long `pos` takes to start: the CLI, the restore's imports before CRIU, and
+             those of the fill (numba, numpy), which a restore makes beside CRIU
 """
 
 import argparse
@@ -243,14 +244,21 @@ def firststep(out: Path, images: Path, gib: float) -> dict[str, Any]:
 def startup() -> dict[str, Any]:
     res: dict[str, Any] = {}
     for name, argv in (("cli_help", [*POS, "--help"]),
-                       ("restore_imports", [PY, "-c", "import pos.scheduler.concurrent, "
-                                            "pos.scheduler.commands, pos.store.db"])):
+                       ("restore_imports", [PY, "-c", "import pos.cli, pos.scheduler.commands, "
+                                            "pos.scheduler.concurrent, pos.scheduler.engine, "
+                                            "pos.scheduler.cudackpt, pos.store.db"]),
+                       ("fill_imports", [PY, "-c", "import pos.image.gpu, pos.scheduler.gpucopy"])):
         times = []
         for _ in range(3):
             t = time.monotonic()
             subprocess.run(argv, cwd=ROOT, capture_output=True)
             times.append(time.monotonic() - t)
         res[name] = times
+    r = subprocess.run([PY, "-X", "importtime", *argv[1:]], cwd=ROOT, capture_output=True,
+                       text=True)
+    rows = [ln.split("|") for ln in r.stderr.splitlines()[1:] if ln.count("|") == 2]
+    res["fill_imports_slowest"] = sorted(((int(c), m.rstrip()) for _s, c, m in rows),
+                                         reverse=True)[:15]
     return res
 
 

@@ -6,23 +6,33 @@ The engines call `phase` where a step begins (pos.scheduler.engine.Guard.step) a
 as bytes get done; `QUIET` is the do-nothing instance they default to.
 """
 
+from __future__ import annotations
+
+import sys
 import threading
 from types import TracebackType
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, SpinnerColumn, Task,
-                           TaskID, TextColumn, TimeElapsedColumn)
-from rich.text import Text
+if TYPE_CHECKING:      # rich is imported only where a line is drawn: `pos restore` starts the
+    from rich.progress import Progress as Bar, TaskID      # job sooner without it
 
 POLL_S = 0.1
 
 
-class _Bytes(DownloadColumn):
-    """Bytes done (of the total where known); nothing for a phase that counts none."""
+def _bar() -> Bar:
+    """rich's progress line: spinner, phase, bar, bytes done (none for a phase that counts
+    none), time elapsed; on stderr, gone when done."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, SpinnerColumn, Task,
+                               TextColumn, TimeElapsedColumn)
+    from rich.text import Text
 
-    def render(self, task: Task) -> Text:
-        return Text("") if not task.total and not task.completed else super().render(task)
+    class Bytes(DownloadColumn):
+        def render(self, task: Task) -> Text:
+            return Text("") if not task.total and not task.completed else super().render(task)
+
+    return Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), Bytes(),
+               TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
 
 class Progress:
@@ -41,13 +51,15 @@ class Progress:
     @classmethod
     def on_terminal(cls, title: str, quiet: bool = False) -> "Progress":
         """Drawn when stderr is a terminal and the caller is not `quiet` (--json)."""
-        return cls(title, not quiet and Console(stderr=True).is_terminal)
+        if quiet or not sys.stderr.isatty():
+            return cls(title, False)
+        from rich.console import Console
+
+        return cls(title, Console(stderr=True).is_terminal)
 
     def __enter__(self) -> "Progress":
         if self.enabled:
-            self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            _Bytes(), TimeElapsedColumn(),
-                            console=Console(stderr=True), transient=True)
+            self._bar = _bar()
             self._bar.start()
             self._task = self._bar.add_task(self.title, total=None)
             self._poller = threading.Thread(target=self._polling, name="pos-progress",

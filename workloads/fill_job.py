@@ -30,10 +30,10 @@ def image_values(folder: Path) -> list[int]:
     so a buffer that is not uniform is torn too: AssertionError)."""
     import numpy as np
 
-    from pos.image import gpu
+    from pos.image import gpu, gpuindex
 
     out = []
-    for _base, (where, _size, chunks) in sorted(gpu.resolve(folder).items()):
+    for _base, (where, _size, chunks) in sorted(gpuindex.resolve(folder).items()):
         seen: set[int] = set()
         for c in chunks:
             buf = np.empty(c["raw"], np.uint8)

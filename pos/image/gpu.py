@@ -1,4 +1,6 @@
 """The GPU image of a `pos run` process: its device buffers in chunks, inside a pos image.
+Writing and reading the chunks (compiled: checksums, pointer scans); the index alone is
+pos/image/gpuindex.py, which a restore reads before these are imported.
 
 DIR/gpu-index.json lists every buffer saved at the cut (base, size) and its chunks (data file,
 position, stored and raw length, 64-bit checksum of the raw bytes, whether zstd-compressed);
@@ -9,11 +11,10 @@ An incremental image names its parent; a buffer not written since the parent is 
 `in_parent` and read from there (recursively).
 """
 
-import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numba as nb
 import numpy as np
@@ -21,8 +22,6 @@ import numpy as np
 from pos.errors import BadInput
 from pos.image.checksum import GROUP, absorb, checksum, finish, start
 
-INDEX = "gpu-index.json"
-FORMAT = 1
 # A reader hashes what it read in pieces this big (a multiple of checksum.GROUP), while they
 # are in the CPU's cache: hashing a whole 64 MiB chunk afterwards reads it from memory again.
 PIECE = 1 << 20
@@ -76,45 +75,6 @@ class Writer:
         for f in self._files:
             os.fsync(f.fileno())
             f.close()
-
-
-def write_index(folder: Path, index: dict[str, Any]) -> None:
-    fd = os.open(folder / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(index, f, indent=1)
-
-
-def read_index(folder: Path) -> dict[str, Any]:
-    try:
-        index = json.loads((Path(folder) / INDEX).read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{folder} is not a GPU image (no {INDEX})",
-                       "give the -D of a `pos checkpoint --concurrent`") from None
-    except ValueError:
-        raise BadInput(f"{folder}/{INDEX} is not valid JSON", "take a new checkpoint") from None
-    if index.get("format") != FORMAT:
-        raise BadInput(f"{folder} is a GPU image of format {index.get('format')}, this pos "
-                       f"reads {FORMAT}", "restore it with the pos version that wrote it")
-    return index
-
-
-def resolve(folder: Path) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
-    """base -> (image folder holding it, size, chunks), following parents for `in_parent`."""
-    index = read_index(folder)
-    parent: Optional[dict[int, tuple[Path, int, list[dict[str, Any]]]]] = None
-    out = {}
-    for b in index["buffers"]:
-        base = int(b["base"], 16)
-        if b.get("in_parent"):
-            if parent is None:
-                parent = resolve(Path(index["parent"]))
-            if base not in parent or parent[base][1] != b["size"]:
-                raise BadInput(f"the parent image {index['parent']} lacks buffer {b['base']}",
-                               "restore from a full image")
-            out[base] = parent[base]
-        else:
-            out[base] = (Path(folder), b["size"], b["chunks"])
-    return out
 
 
 # pread(2), called from compiled code: the whole read of a chunk runs without the GIL (16 reader

@@ -180,8 +180,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     from pos.progress import Progress
     from pos.scheduler import concurrent as conc
     from pos.scheduler import engine
-    from pos.store import images
-    from pos.store.db import open_store
+    from pos.store import db as store
 
     if gpu_only_pid is not None:
         r = conc.restore_gpu(gpu_only_pid, Path(directory), streams=streams or 16,
@@ -194,24 +193,31 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         raise BadInput(f"{directory} is a GPU-only image (no process in it)",
                        "roll a live `pos run` job back to it with `pos restore --gpu-only PID -D "
                        "DIR`")
+    # a bad --db is refused before anything is restored; the restore is recorded once the job
+    # runs (SQLAlchemy's import would hold it up)
+    store.check(db or store.default_db_path())
     if conc.is_full_image(Path(directory)):
-        open_store(db)
         pid, r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json))
-        images.mark_restored(db, str(Path(directory)))
+        _mark_restored(db, Path(directory))
         _report_concurrent(r, as_json)
         if not as_json:
             click.echo(f"restored PID {pid}")
         return
-    open_store(db)   # a bad --db is refused before anything is restored
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
         result = engine.restore(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
                                 progress=progress)
-    images.mark_restored(db, str(result.path))
+    _mark_restored(db, result.path)
     if as_json:
         click.echo(json.dumps(result.report()))
         return
     _report(result)
     click.echo(f"restored PID {result.restored_pid}")
+
+
+def _mark_restored(db: Optional[str], directory: Any) -> None:
+    from pos.store import images
+
+    images.mark_restored(db, str(directory))
 
 
 @click.command(epilog=EPILOG_INSPECT)

@@ -22,19 +22,24 @@ If pos dies, the agent releases a held job when its connection closes; while the
 is pos's (steps 4's hoist to remap) the watchdog holds it too and gives it back.
 """
 
+from __future__ import annotations
+
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos import image, nvml
 from pos.agent.control import Agent, Buffer, Cut, Gate
 from pos.errors import BadInput, PosError
-from pos.image import gpu as gpuimage
-from pos.scheduler import engine, gpucopy
+from pos.image import gpuindex
+from pos.scheduler import engine
+
+if TYPE_CHECKING:     # imported where used: numba and numpy take a second to import on the
+    from pos.scheduler import gpucopy    # H100 host, and a restore starts CRIU before them
 from pos.scheduler.criu import Options
 
 Echo = Callable[[str], None]
@@ -70,6 +75,8 @@ class _Saver:
     """Steps 1-3 and 5-6 of a checkpoint, shared by the GPU-only and the whole-process ones."""
 
     def __init__(self, agent: Agent, streams: int, chunk: int) -> None:
+        from pos.scheduler import gpucopy
+
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
         self.pid = agent.pid
         self.streams, self.chunk = streams, chunk
@@ -85,6 +92,8 @@ class _Saver:
         return engine.timed(self.timings, name, fn)
 
     def prepare(self, gpu_only: bool) -> int:
+        from pos.scheduler import gpucopy
+
         assert self.agent is not None
         st = self.agent.status()
         if not st.owning:
@@ -106,6 +115,8 @@ class _Saver:
         return st.foreign_bytes
 
     def cut_and_import(self) -> Cut:
+        from pos.scheduler import gpucopy
+
         assert self.agent is not None
         agent = self.agent
         cut = self._timed("cut", lambda: agent.cut(STALL_S))
@@ -122,6 +133,8 @@ class _Saver:
     def snapshot(self) -> list[int]:
         """Shadow the buffers that fit, in table order; the source of each buffer's copy (its
         shadow, or the job's memory for a buffer that did not fit)."""
+        from pos.scheduler import gpucopy
+
         assert self.mem is not None and self.shadow is not None
         sources = list(self.mem.local)
         src, dst, sizes, at = [], [], [], 0
@@ -145,6 +158,8 @@ class _Saver:
         self.agent.done([self.table[i].va for i in sorted(self.shadowed)])
 
     def to_host(self, sources: list[int]) -> gpucopy.Copy:
+        from pos.scheduler import gpucopy
+
         assert self.host is not None
         offsets, at = [], 0
         for b in self.table:
@@ -180,6 +195,8 @@ class _Saver:
         self.fds = []
 
     def write(self, folder: Path) -> None:
+        from pos.image import gpu as gpuimage
+
         assert self.host is not None
         writer = gpuimage.Writer(folder, compress=False)
         work = self.work
@@ -196,7 +213,7 @@ class _Saver:
                     "device": b.device, "chunks": sorted(writer.chunks.get(b.va, []),
                                                          key=lambda c: c["offset"])}
                    for b in self.table]
-        gpuimage.write_index(folder, {"format": gpuimage.FORMAT, "pid": self.pid,
+        gpuindex.write_index(folder, {"format": gpuindex.FORMAT, "pid": self.pid,
                                       "parent": None, "buffers": buffers})
         self.timings["disk"] = time.monotonic() - t
 
@@ -256,10 +273,12 @@ def _verify(directory: Path) -> image.Manifest:
 def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk_mb: int = 64,
                 echo: Echo = lambda _: None) -> Report:
     """Put a GPU image back into the live job `pid`, on demand."""
+    from pos.scheduler import gpucopy
+
     directory = Path(directory)
     _verify(directory)
     echo(f"restoring the GPU state of PID {pid} from {directory}")
-    saved = gpuimage.resolve(directory)
+    saved = gpuindex.resolve(directory)
     with Agent(pid) as agent:
         drv = gpucopy.context(0)
         t0 = time.monotonic()
@@ -299,6 +318,9 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     device memory at `dest`, the smaller buffers first (most calls' buffers come back soon,
     a big one alone does not hold them up); the handout learns which other buffers each
     buffer's words point into, and then that it is back."""
+    from pos.image import gpu as gpuimage
+    from pos.scheduler import gpucopy
+
     gpuimage.warm()
     targets = gpuimage.Targets([(b.va, b.va + b.mapped) for b in table])   # table by address
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
@@ -553,8 +575,8 @@ class _Prefetch:
     through for each buffer usable so far (see `usable`), and for the rest as they come."""
 
     def __init__(self, directory: Path, streams: int, chunk: int) -> None:
-        index = gpuimage.read_index(directory)
-        self.saved = gpuimage.resolve(directory)
+        index = gpuindex.read_index(directory)
+        self.saved = gpuindex.resolve(directory)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
         self.streams, self.chunk = streams, chunk
@@ -570,6 +592,8 @@ class _Prefetch:
 
     def _run(self) -> None:
         try:
+            from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
+
             drv = gpucopy.context(0)
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
             self.memory_at = time.monotonic()
@@ -603,10 +627,10 @@ class _Prefetch:
 def is_gpu_only_image(directory: Path) -> bool:
     """A GPU-only concurrent image: a GPU index and no CRIU inventory."""
     d = Path(directory)
-    return (d / gpuimage.INDEX).is_file() and not (d / "inventory.img").is_file()
+    return (d / gpuindex.INDEX).is_file() and not (d / "inventory.img").is_file()
 
 
 def is_full_image(directory: Path) -> bool:
     """A whole-process concurrent image: CRIU's files and a GPU index side by side."""
     d = Path(directory)
-    return (d / gpuimage.INDEX).is_file() and (d / "inventory.img").is_file()
+    return (d / gpuindex.INDEX).is_file() and (d / "inventory.img").is_file()

@@ -4,17 +4,19 @@ The path is `--db`, else `POS_DB`, else /var/lib/pos/pos.db. Pragmas are set on 
 connection (a connect-event listener), because SQLite forgets them between connections.
 """
 
+from __future__ import annotations
+
 import os
 import sqlite3
+from contextlib import closing
 from pathlib import Path
-from typing import Any, Optional
-
-from sqlalchemy import Engine, create_engine, event, inspect, select, text, update
-from sqlalchemy.exc import DatabaseError, OperationalError
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING, Any, Optional
 
 from pos.errors import BadInput
-from pos.store.models import SCHEMA_VERSION, Base, Meta
+
+if TYPE_CHECKING:      # imported by open_db: `check` alone needs none of SQLAlchemy
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session
 
 DEFAULT_DB = "/var/lib/pos/pos.db"
 # version -> the statements that bring a store of that version to the next one
@@ -48,8 +50,11 @@ def _pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur.close()
 
 
-def open_db(path: str, create: bool = True) -> Engine:
-    """An engine on the store at `path`, created (0600, in a 0700 folder) when `create`."""
+def check(path: str, create: bool = True) -> None:
+    """Refuse, in one sentence, a path that cannot be a pos store: missing (unless `create`,
+    which makes it, 0600 in a 0700 folder), not SQLite, or SQLite without pos's tables. With
+    sqlite3 alone, so that `pos restore` checks its --db before it starts a job, without
+    waiting for SQLAlchemy to import."""
     p = Path(path)
     if not create and not p.is_file():
         raise BadInput(f"{path} is not a pos store", "give the file that `pos trace --db` wrote")
@@ -60,14 +65,31 @@ def open_db(path: str, create: bool = True) -> Engine:
         except OSError as e:
             raise BadInput(f"cannot create the store {path} ({e.strerror})",
                            "give a writable path with --db or POS_DB") from None
-    engine = create_engine(f"sqlite:///{p}")
+    try:
+        with closing(sqlite3.connect(f"file:{p}?mode=ro", uri=True)) as c:
+            tables = {n for (n,) in c.execute("SELECT name FROM sqlite_master "
+                                                "WHERE type = 'table'")}
+    except sqlite3.Error as e:
+        raise BadInput(f"{path} is not a usable pos store ({e})",
+                       "give the file that `pos trace --db` wrote, or a new path") from None
+    if tables and "meta" not in tables:
+        raise BadInput(f"{path} is not a usable pos store (an SQLite file without pos's tables)",
+                       "give the file that `pos trace --db` wrote, or a new path")
+
+
+def open_db(path: str, create: bool = True) -> Engine:
+    """An engine on the store at `path` (see `check`), its tables made and its schema brought
+    up to this pos's."""
+    from sqlalchemy import create_engine, event, select
+    from sqlalchemy.exc import DatabaseError, OperationalError
+    from sqlalchemy.orm import Session
+
+    from pos.store.models import SCHEMA_VERSION, Base, Meta
+
+    check(path, create)
+    engine = create_engine(f"sqlite:///{Path(path)}")
     event.listen(engine, "connect", _pragmas)
     try:
-        tables = inspect(engine).get_table_names()
-        if tables and Meta.__tablename__ not in tables:
-            raise BadInput(f"{path} is not a usable pos store (an SQLite file without "
-                           "pos's tables)",
-                           "give the file that `pos trace --db` wrote, or a new path")
         if create:
             Base.metadata.create_all(engine)
         with Session(engine) as s:
@@ -90,6 +112,10 @@ def open_db(path: str, create: bool = True) -> Engine:
 def _migrate(s: Session, version: int) -> str:
     """Bring an older store up to SCHEMA_VERSION, one version per transaction (its rows are
     kept); the version it has afterwards (unchanged when no migration leads from it)."""
+    from sqlalchemy import text, update
+
+    from pos.store.models import SCHEMA_VERSION, Meta
+
     while version < SCHEMA_VERSION and version in MIGRATIONS:
         for statement in MIGRATIONS[version]:
             s.execute(text(statement))

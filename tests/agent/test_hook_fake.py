@@ -15,6 +15,7 @@ import pytest
 
 from pos.agent.control import Agent
 from pos.image import gpu as gpuimage
+from pos.image import gpuindex
 from pos.scheduler import concurrent, staging
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for
@@ -309,7 +310,7 @@ def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
     assert st.buffers == 1 and st.owned_bytes == 2 << 20
     time.sleep(0.3)
     img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
-    (_base, (where, size, chunks)), = gpuimage.resolve(img).items()
+    (_base, (where, size, chunks)), = gpuindex.resolve(img).items()
     words = np.concatenate([_chunk(where, c) for c in sorted(chunks, key=lambda c: c["offset"])])
     held = sorted(set(words.tolist()) - {0})
     assert size == 2 << 20 and len(held) == 64 and not torn(held)
@@ -317,7 +318,7 @@ def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
     time.sleep(0.1)
     concurrent.restore_gpu(job.pid, img)
     back = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "back").path)
-    (_b, (where2, _s, chunks2)), = gpuimage.resolve(back).items()
+    (_b, (where2, _s, chunks2)), = gpuindex.resolve(back).items()
     assert [c["hash"] for c in sorted(chunks2, key=lambda c: c["offset"])] == \
         [c["hash"] for c in sorted(chunks, key=lambda c: c["offset"])]
 

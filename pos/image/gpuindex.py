@@ -1,0 +1,52 @@
+"""The index of a GPU image (DIR/gpu-index.json: every buffer saved and its chunks; see
+pos/image/gpu.py), apart from the compiled readers so that a restore reads it, and starts CRIU,
+without waiting for numba to import."""
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from pos.errors import BadInput
+
+INDEX = "gpu-index.json"
+FORMAT = 1
+
+
+def write_index(folder: Path, index: dict[str, Any]) -> None:
+    fd = os.open(folder / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f, indent=1)
+
+
+def read_index(folder: Path) -> dict[str, Any]:
+    try:
+        index = json.loads((Path(folder) / INDEX).read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{folder} is not a GPU image (no {INDEX})",
+                       "give the -D of a `pos checkpoint --concurrent`") from None
+    except ValueError:
+        raise BadInput(f"{folder}/{INDEX} is not valid JSON", "take a new checkpoint") from None
+    if index.get("format") != FORMAT:
+        raise BadInput(f"{folder} is a GPU image of format {index.get('format')}, this pos "
+                       f"reads {FORMAT}", "restore it with the pos version that wrote it")
+    return index
+
+
+def resolve(folder: Path) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
+    """base -> (image folder holding it, size, chunks), following parents for `in_parent`."""
+    index = read_index(folder)
+    parent: Optional[dict[int, tuple[Path, int, list[dict[str, Any]]]]] = None
+    out = {}
+    for b in index["buffers"]:
+        base = int(b["base"], 16)
+        if b.get("in_parent"):
+            if parent is None:
+                parent = resolve(Path(index["parent"]))
+            if base not in parent or parent[base][1] != b["size"]:
+                raise BadInput(f"the parent image {index['parent']} lacks buffer {b['base']}",
+                               "restore from a full image")
+            out[base] = parent[base]
+        else:
+            out[base] = (Path(folder), b["size"], b["chunks"])
+    return out
