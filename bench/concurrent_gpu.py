@@ -26,8 +26,8 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                the fill probe: the image read back by 8 and 16 threads, read only / hashed
                whole / hashed in pieces (compiled, without the GIL)
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
-               concurrent one (the context's stack made 0 bytes while hoisted, then 256, then
-               kept as it was: POS_HOIST_STACK, the local memory the driver checkpoints), on the
+               concurrent one (the context's stack made 0 bytes while hoisted, then kept as it
+               was: POS_HOIST_STACK=off, the local memory the driver checkpoints), on the
                same job, for each of --full-jobs (GiB of train_det ballast, or gpt); the stall
                as the job saw it, from its log's step times
   predump      whether CRIU can pre-dump a running `pos run` job (nvidia mappings still in it):
@@ -520,8 +520,7 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
             subprocess.run(["rm", "-rf", str(images / "stw")])
             time.sleep(random.uniform(0.5, 1.0))
             row["anon_mib_before"] = anon_mib(p.pid)
-            for name, env in (("concurrent", {}), ("stack_256", {"POS_HOIST_STACK": "256"}),
-                              ("stack_kept", {"POS_HOIST_STACK": "off"})):
+            for name, env in (("concurrent", {}), ("stack_kept", {"POS_HOIST_STACK": "off"})):
                 time.sleep(random.uniform(0.5, 1.0))
                 lines = LineTimes(log)
                 time.sleep(3.0)            # steps before the checkpoint: the median

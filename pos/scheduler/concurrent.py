@@ -25,6 +25,7 @@ is pos's (steps 4's hoist to remap) the watchdog holds it too and gives it back.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing
 SHADOW_MAX_ENV = "POS_SHADOW_MAX_BYTES"   # at most this much device memory for the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 HOIST_STACK = 0                # bytes of stack a hoisted context keeps (see hoist_stack)
+SWITCH_S = 0.0005              # the GIL's switch interval until a restore releases the job
 
 
 @dataclass
@@ -473,6 +475,10 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
+    # the steps to the job's release wait for the GIL while the prefetch imports: each wait up
+    # to the switch interval (5 ms by default, 0.19 s before CRIU started on the H100 host)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_S)
     pre = _Prefetch(directory, streams, chunk_mb << 20)
     out: dict[str, Any] = {}
 
@@ -489,6 +495,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             back = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
             g.timings["stack_back"] = back.stack_s
             out["release_s"] = time.monotonic() - t0
+            sys.setswitchinterval(interval)
             pre.handout.attach(agent)
             g.step("fill")
             out["copy"] = pre.join()
@@ -500,6 +507,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
         result = engine.restore(directory, inherit_fds, echo, check=check, hoisted=True,
                                 finish=fill)
     finally:
+        sys.setswitchinterval(interval)
         t1 = time.monotonic()
         pre.close()
         out["let_go"] = time.monotonic() - t1
@@ -507,7 +515,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
-               "memory_at": pre.memory_at - t0, "filled_at": pre.filled_at - t0,
+               "memory_at": pre.memory_at - t0, "warm_at": pre.warm_at - t0,
+               "filled_at": pre.filled_at - t0,
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
@@ -586,9 +595,21 @@ class _Prefetch:
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
-        self.memory_at = self.filled_at = 0.0  # when (time.monotonic) it existed, was all back
+        # when (time.monotonic) the memory existed, the compiled readers were loaded, all was back
+        self.memory_at = self.warm_at = self.filled_at = 0.0
+        # numba's import and the readers' first calls (a second on the H100 host) on a thread
+        # of their own, while the other imports numpy and makes the memory (cuInit, without
+        # the GIL): both done beside CRIU and the driver, before the job's first call
+        self.warmer = ThreadPoolExecutor(1, thread_name_prefix="pos-warm")
+        self.warming = self.warmer.submit(self._warm)
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
+
+    def _warm(self) -> None:
+        from pos.image import gpu as gpuimage
+
+        gpuimage.warm()
+        self.warm_at = time.monotonic()
 
     def _run(self) -> None:
         try:
@@ -598,6 +619,7 @@ class _Prefetch:
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
             self.memory_at = time.monotonic()
             self.ready.set()
+            self.warming.result()
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
                               self.chunk, self.handout)
             self.filled_at = time.monotonic()
@@ -617,6 +639,7 @@ class _Prefetch:
         """Wait for the fill, then let go of pos's mapping and descriptors (the job holds its
         own); after a failure the memory is freed."""
         self.thread.join()
+        self.warmer.shutdown()
         if self.mem is not None:
             self.mem.close()
         for fd in self.fds:
