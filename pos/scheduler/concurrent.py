@@ -313,13 +313,21 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
                   copy.gbps, 0, {"h2d": copy.seconds})
 
 
+def _slot(saved: dict[int, tuple[Path, int, list[dict[str, Any]]]]) -> int:
+    """Bytes of staging a fill thread takes: its biggest chunk, up to a power of two, so that no
+    thread's part of one arena crosses the arena's pinned pieces (gpucopy.Pinned.PIECE)."""
+    biggest = max((c["raw"] for _f, _s, chunks in saved.values() for c in chunks), default=1)
+    return 1 << (biggest - 1).bit_length()
+
+
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int,
-          handout: "Handout") -> gpucopy.Copy:
-    """Read every buffer's chunks (checksums checked) into pinned staging and copy them to
-    device memory at `dest`, the smaller buffers first (most calls' buffers come back soon,
-    a big one alone does not hold them up); the handout learns which other buffers each
-    buffer's words point into, and then that it is back."""
+          handout: "Handout", staging: Optional[gpucopy.Pinned] = None) -> gpucopy.Copy:
+    """Read every buffer's chunks (checksums checked) into pinned staging (`staging`, at least
+    streams * _slot(saved) bytes, else made here) and copy them to device memory at `dest`,
+    the smaller buffers first (most calls' buffers come back soon, a big one alone does not
+    hold them up); the handout learns which other buffers each buffer's words point into, and
+    then that it is back."""
     from pos.image import gpu as gpuimage
     from pos.scheduler import gpucopy
 
@@ -328,36 +336,34 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
                   key=lambda w: (table[w[0]].size, w[0], w[1]))
-    biggest = max((n for _i, _o, n in work), default=1)
+    slot = _slot(saved)
+    arena = staging if staging is not None else gpucopy.Pinned(drv, streams * slot)
     local = threading.local()
-    staging: list[gpucopy.Pinned] = []
     lock = threading.Lock()
     read_s = [0.0]          # summed over the threads: reading and checking the chunks
     open_files: list[dict[str, int]] = []
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
-        st = getattr(local, "staging", None)
-        if st is None:
-            st = local.staging = gpucopy.Pinned(drv, biggest)
+        if not hasattr(local, "at"):
             local.fds = {}
             with lock:
-                staging.append(st)
+                local.at = len(open_files) * slot
                 open_files.append(local.fds)
         b = table[i]
         t = time.monotonic()
-        hits = gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)], st.view(0, n),
-                                        local.fds, targets)
+        hits = gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)],
+                                        arena.view(local.at, n), local.fds, targets)
         with lock:
             read_s[0] += time.monotonic() - t
         handout.points(i, hits)
-        drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off), gpucopy.C.c_void_p(st.ptr),
-                 gpucopy.SZ(n), stream)
+        drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off),
+                 gpucopy.C.c_void_p(arena.ptr + local.at), gpucopy.SZ(n), stream)
 
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
     finally:
-        for st in staging:
-            st.close()
+        if staging is None:
+            arena.close()
         for fds in open_files:
             for fd in fds.values():
                 os.close(fd)
@@ -591,6 +597,7 @@ class _Prefetch:
         self.streams, self.chunk = streams, chunk
         self.handout = Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None
+        self.staging: Optional[gpucopy.Pinned] = None
         self.fds: list[int] = []
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
@@ -619,9 +626,12 @@ class _Prefetch:
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
             self.memory_at = time.monotonic()
             self.ready.set()
+            # the fill's staging, pinned beside CRIU too (its threads pinning their own at
+            # their first chunk held the job's first buffers back)
+            self.staging = gpucopy.Pinned(drv, self.streams * _slot(self.saved))
             self.warming.result()
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
-                              self.chunk, self.handout)
+                              self.chunk, self.handout, self.staging)
             self.filled_at = time.monotonic()
         except BaseException as e:      # raised in the caller's thread by join()
             self.error = e
@@ -640,6 +650,8 @@ class _Prefetch:
         own); after a failure the memory is freed."""
         self.thread.join()
         self.warmer.shutdown()
+        if self.staging is not None:
+            self.staging.close()
         if self.mem is not None:
             self.mem.close()
         for fd in self.fds:
