@@ -522,7 +522,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
                "memory_at": pre.memory_at - t0, "warm_at": pre.warm_at - t0,
-               "filled_at": pre.filled_at - t0,
+               "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
+               "first_pass_at": out["release_s"] + max(0.0, out["gate"].first_pass_s or 0.0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
@@ -556,6 +557,9 @@ class Handout:
         self.refers: dict[int, set[int]] = {}     # buffer -> the others its words point into
         self.told: set[int] = set()
         self.agent: Optional[Agent] = None
+        # when (time.monotonic) each buffer came back, and was handed to the job
+        self.back_at: dict[int, float] = {}
+        self.told_at: dict[int, float] = {}
 
     def points(self, i: int, into: Any) -> None:
         """Buffer i's words (one chunk's) point into these buffers (table indices)."""
@@ -565,7 +569,15 @@ class Handout:
     def came_back(self, i: int) -> None:
         with self.lock:
             self.back.add(i)
+            self.back_at[i] = time.monotonic()
             self._tell()
+
+    def rest_at(self, t0: float) -> dict[str, float]:
+        """From t0: when every buffer but the biggest (the ones most calls wait for) was back,
+        and handed to the job."""
+        rest = sorted(range(len(self.table)), key=lambda i: self.table[i].size)[:-1]
+        return {"rest_back_at": max((self.back_at.get(i, t0) for i in rest), default=t0) - t0,
+                "rest_told_at": max((self.told_at.get(i, t0) for i in rest), default=t0) - t0}
 
     def attach(self, agent: Agent) -> None:
         """The job (in its restore gate) may use the buffers usable so far, and the rest as
@@ -579,6 +591,7 @@ class Handout:
             return
         now = usable(self.back, self.refers, self.told)
         self.told |= now
+        self.told_at.update((i, time.monotonic()) for i in now)
         if now:
             self.agent.done([self.table[i].va for i in sorted(now)])
 
