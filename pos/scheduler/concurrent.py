@@ -25,7 +25,6 @@ is pos's (steps 4's hoist to remap) the watchdog holds it too and gives it back.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +48,6 @@ SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing
 SHADOW_MAX_ENV = "POS_SHADOW_MAX_BYTES"   # at most this much device memory for the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 HOIST_STACK = 0                # bytes of stack a hoisted context keeps (see hoist_stack)
-SWITCH_S = 0.0005              # the GIL's switch interval until a restore releases the job
 
 
 @dataclass
@@ -481,10 +479,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
-    # the steps to the job's release wait for the GIL while the prefetch imports: each wait up
-    # to the switch interval (5 ms by default, 0.19 s before CRIU started on the H100 host)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_S)
     pre = _Prefetch(directory, streams, chunk_mb << 20)
     out: dict[str, Any] = {}
 
@@ -501,7 +495,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             back = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
             g.timings["stack_back"] = back.stack_s
             out["release_s"] = time.monotonic() - t0
-            sys.setswitchinterval(interval)
             pre.handout.attach(agent)
             g.step("fill")
             out["copy"] = pre.join()
@@ -513,7 +506,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
         result = engine.restore(directory, inherit_fds, echo, check=check, hoisted=True,
                                 finish=fill)
     finally:
-        sys.setswitchinterval(interval)
         t1 = time.monotonic()
         pre.close()
         out["let_go"] = time.monotonic() - t1
@@ -617,19 +609,8 @@ class _Prefetch:
         self.ready = threading.Event()        # the memory exists (or creating it failed)
         # when (time.monotonic) the memory existed, the compiled readers were loaded, all was back
         self.memory_at = self.warm_at = self.filled_at = 0.0
-        # numba's import and the readers' first calls (a second on the H100 host) on a thread
-        # of their own, while the other imports numpy and makes the memory (cuInit, without
-        # the GIL): both done beside CRIU and the driver, before the job's first call
-        self.warmer = ThreadPoolExecutor(1, thread_name_prefix="pos-warm")
-        self.warming = self.warmer.submit(self._warm)
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
-
-    def _warm(self) -> None:
-        from pos.image import gpu as gpuimage
-
-        gpuimage.warm()
-        self.warm_at = time.monotonic()
 
     def _run(self) -> None:
         try:
@@ -639,10 +620,16 @@ class _Prefetch:
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
             self.memory_at = time.monotonic()
             self.ready.set()
-            # the fill's staging, pinned beside CRIU too (its threads pinning their own at
-            # their first chunk held the job's first buffers back)
+            # the fill's staging: one arena pinned here, beside CRIU, rather than one per fill
+            # thread at its first chunk, after the job's release
             self.staging = gpucopy.Pinned(drv, self.streams * _slot(self.saved))
-            self.warming.result()
+            # numba's import (0.6 s on the H100 host) and the readers' first calls: here, on
+            # this one thread (a thread of their own beside this one, from the start, did not
+            # bring the job's first buffers back sooner on the H100, 0.71 against 0.74 s held)
+            from pos.image import gpu as gpuimage
+
+            gpuimage.warm()
+            self.warm_at = time.monotonic()
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
                               self.chunk, self.handout, self.staging)
             self.filled_at = time.monotonic()
@@ -662,7 +649,6 @@ class _Prefetch:
         """Wait for the fill, then let go of pos's mapping and descriptors (the job holds its
         own); after a failure the memory is freed."""
         self.thread.join()
-        self.warmer.shutdown()
         if self.staging is not None:
             self.staging.close()
         if self.mem is not None:
