@@ -629,7 +629,14 @@ def main() -> None:
         "restorefirst": lambda: restorefirst(out, images, a.first_gib),
         "predump": lambda: predump(out, images),
     }
-    for name in a.only.split(","):
+    run_parts(parts, a.only.split(","), out, images)
+
+
+def run_parts(parts: dict[str, Callable[[], dict[str, Any]]], names: list[str], out: Path,
+              images: Path) -> None:
+    """Each named part in turn, its result (or its error) with the machine's facts in
+    OUT/<part>.json and summed up on stdout; the images folder emptied after each."""
+    for name in names:
         t = time.monotonic()
         try:
             res = parts[name]()

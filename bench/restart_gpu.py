@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.concurrent_gpu import (POS, PY, anon_mib, det_argv, kill, machine, pos_cmd,  # noqa: E402
-                                  pos_job)
+from bench.concurrent_gpu import (POS, PY, anon_mib, det_argv, kill, pos_cmd,  # noqa: E402
+                                  pos_job, run_parts)
 from pos.scheduler import cudackpt  # noqa: E402
 
 
@@ -275,17 +275,7 @@ def main() -> None:
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "ctxmem": lambda: ctxmem(out), "firststep": lambda: firststep(out, images, a.gib),
         "startup": startup}
-    for name in a.only.split(","):
-        t = time.monotonic()
-        try:
-            res = parts[name]()
-        except BaseException as e:      # one part failing must not lose the others' results
-            res = {"error": repr(e)}
-        res = {"machine": machine(), "seconds": time.monotonic() - t, **res}
-        (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-        print(name, json.dumps(res, default=str)[:800], flush=True)
-        subprocess.run(["rm", "-rf", str(images)])
-        images.mkdir(parents=True, exist_ok=True)
+    run_parts(parts, a.only.split(","), out, images)
 
 
 if __name__ == "__main__":
