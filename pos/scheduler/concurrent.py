@@ -37,10 +37,10 @@ from pos.agent.control import Agent, Buffer, Cut, Gate
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex
 from pos.scheduler import engine
+from pos.scheduler.criu import Options
 
 if TYPE_CHECKING:     # imported where used: numba and numpy take a second to import on the
     from pos.scheduler import gpucopy    # H100 host, and a restore starts CRIU before them
-from pos.scheduler.criu import Options
 
 Echo = Callable[[str], None]
 DEFAULT_STREAMS = 8
