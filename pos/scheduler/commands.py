@@ -73,7 +73,8 @@ def _report_concurrent(r: Any, as_json: bool = False) -> None:
     if as_json:
         click.echo(json.dumps(r.to_json()))
         return
-    held = f"longest held call {r.gate.held_max_s:.3f} s" if r.gate else "job not running"
+    held = (f"longest held call {r.gate.held_max_s:.3f} s ({r.gate.held} held, "
+            f"{r.gate.held_s:.3f} s in all)" if r.gate else "job not running")
     rate = r.d2h_gbps or r.h2d_gbps
     click.echo(f"{r.path}: {r.buffers} buffers, {r.bytes / 2**30:.2f} GiB; job released after "
                f"{r.release_s:.3f} s, {held}; copy {rate or 0:.1f} GB/s "

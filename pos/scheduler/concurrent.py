@@ -515,7 +515,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                # ended; and pos's own mapping of the memory let go of
                "memory_at": pre.memory_at - t0, "warm_at": pre.warm_at - t0,
                "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
-               "first_pass_at": out["release_s"] + max(0.0, out["gate"].first_pass_s or 0.0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
                                             out["gate"], 0, out["release_s"], None, copy.gbps, 0,
