@@ -615,8 +615,6 @@ def main() -> None:
     ap.add_argument("--first-gib", type=float, default=2.0, help="restorefirst's ballast")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
-    out.mkdir(parents=True, exist_ok=True)
-    images.mkdir(parents=True, exist_ok=True)
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "overhead": lambda: overhead(out, a.rounds),
         "consistency": lambda: consistency(out, images, 4),
@@ -636,6 +634,8 @@ def run_parts(parts: dict[str, Callable[[], dict[str, Any]]], names: list[str], 
               images: Path) -> None:
     """Each named part in turn, its result (or its error) with the machine's facts in
     OUT/<part>.json and summed up on stdout; the images folder emptied after each."""
+    out.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
     for name in names:
         t = time.monotonic()
         try:

@@ -270,8 +270,6 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=2.0)
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
-    out.mkdir(parents=True, exist_ok=True)
-    images.mkdir(parents=True, exist_ok=True)
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "ctxmem": lambda: ctxmem(out), "firststep": lambda: firststep(out, images, a.gib),
         "startup": startup}

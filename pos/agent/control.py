@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from pos.errors import BadInput, PosError
 
-MAX_FDS = 250   # descriptors per message, as the agent sends them
+MAX_FDS = 250   # descriptors per message (the kernel takes up to 253): the agent's, the watchdog's
 
 
 @dataclass(frozen=True)

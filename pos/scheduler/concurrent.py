@@ -273,40 +273,44 @@ def _verify(directory: Path) -> image.Manifest:
 def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk_mb: int = 64,
                 echo: Echo = lambda _: None) -> Report:
     """Put a GPU image back into the live job `pid`, on demand."""
+    from pos.image import gpu as gpuimage
     from pos.scheduler import gpucopy
 
     directory = Path(directory)
     _verify(directory)
     echo(f"restoring the GPU state of PID {pid} from {directory}")
     saved = gpuindex.resolve(directory)
+    gpuimage.warm()
     with Agent(pid) as agent:
         drv = gpucopy.context(0)
-        t0 = time.monotonic()
-        cut = agent.cut(STALL_S)
-        table = agent.table()
-        missing = [b for b in table if b.va not in saved or saved[b.va][1] != b.size]
-        if missing or len(saved) != len(table):
-            agent.end()
-            raise BadInput(f"the image {directory} does not hold the buffers process {pid} has "
-                           f"now ({len(missing)} of {len(table)} differ)", "restore into the job "
-                           "the image was taken of, in the same phase of its work")
-        fds = agent.export()
+        staging = gpucopy.Pinned(drv, streams * _slot(saved))
         try:
-            mem = gpucopy.Imported(drv, table, fds)
+            t0 = time.monotonic()
+            cut = agent.cut(STALL_S)
+            table = agent.table()
+            missing = [b for b in table if b.va not in saved or saved[b.va][1] != b.size]
+            if missing or len(saved) != len(table):
+                agent.end()
+                raise BadInput(f"the image {directory} does not hold the buffers process {pid} "
+                               f"has now ({len(missing)} of {len(table)} differ)", "restore into "
+                               "the job the image was taken of, in the same phase of its work")
+            fds = agent.export()
+            try:
+                mem = gpucopy.Imported(drv, table, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            try:
+                agent.restore()
+                release_s = time.monotonic() - t0
+                handout = Handout(table)
+                handout.attach(agent)
+                copy = _fill(drv, table, mem.local, saved, streams, handout, staging)
+                gate = agent.end()
+            finally:
+                mem.close()   # on failure the agent ends a half-restored job as pos goes
         finally:
-            for fd in fds:
-                os.close(fd)
-        try:
-            agent.restore()
-            release_s = time.monotonic() - t0
-            handout = Handout(table)
-            handout.attach(agent)
-            copy = _fill(drv, table, mem.local, saved, streams, chunk_mb << 20, handout)
-        except BaseException:
-            mem.close()
-            raise      # the agent ends a half-restored job when the connection closes
-        gate = agent.end()
-        mem.close()
+            staging.close()
     return Report(str(directory), len(table), copy.bytes, cut, gate, 0, release_s, None,
                   copy.gbps, 0, {"h2d": copy.seconds})
 
@@ -319,23 +323,21 @@ def _slot(saved: dict[int, tuple[Path, int, list[dict[str, Any]]]]) -> int:
 
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
-          saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int, chunk: int,
-          handout: "Handout", staging: Optional[gpucopy.Pinned] = None) -> gpucopy.Copy:
-    """Read every buffer's chunks (checksums checked) into pinned staging (`staging`, at least
-    streams * _slot(saved) bytes, else made here) and copy them to device memory at `dest`,
-    the smaller buffers first (most calls' buffers come back soon, a big one alone does not
-    hold them up); the handout learns which other buffers each buffer's words point into, and
-    then that it is back."""
+          saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int,
+          handout: "Handout", staging: gpucopy.Pinned) -> gpucopy.Copy:
+    """Read every buffer's chunks (checksums checked) into pinned `staging` (streams *
+    _slot(saved) bytes) and copy them to device memory at `dest`, the smaller buffers first
+    (most calls' buffers come back soon, a big one alone does not hold them up); the handout
+    learns which other buffers each buffer's words point into, and then that it is back. The
+    caller has made the compiled readers' first calls (gpu.warm) on one thread."""
     from pos.image import gpu as gpuimage
     from pos.scheduler import gpucopy
 
-    gpuimage.warm()
     targets = gpuimage.Targets([(b.va, b.va + b.mapped) for b in table])   # table by address
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
                   key=lambda w: (table[w[0]].size, w[0], w[1]))
     slot = _slot(saved)
-    arena = staging if staging is not None else gpucopy.Pinned(drv, streams * slot)
     local = threading.local()
     lock = threading.Lock()
     read_s = [0.0]          # summed over the threads: reading and checking the chunks
@@ -350,18 +352,16 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
         b = table[i]
         t = time.monotonic()
         hits = gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)],
-                                        arena.view(local.at, n), local.fds, targets)
+                                        staging.view(local.at, n), local.fds, targets)
         with lock:
             read_s[0] += time.monotonic() - t
         handout.points(i, hits)
         drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off),
-                 gpucopy.C.c_void_p(arena.ptr + local.at), gpucopy.SZ(n), stream)
+                 gpucopy.C.c_void_p(staging.ptr + local.at), gpucopy.SZ(n), stream)
 
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
     finally:
-        if staging is None:
-            arena.close()
         for fds in open_files:
             for fd in fds.values():
                 os.close(fd)
@@ -472,14 +472,14 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
-                 chunk_mb: int = 64, echo: Echo = lambda _: None) -> tuple[int, Report]:
+                 echo: Echo = lambda _: None) -> tuple[int, Report]:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet)."""
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
-    pre = _Prefetch(directory, streams, chunk_mb << 20)
+    pre = _Prefetch(directory, streams)
     out: dict[str, Any] = {}
 
     def fill(g: Any, root: int) -> None:
@@ -593,12 +593,12 @@ class _Prefetch:
     job maps the memory much of it is back. `handout.attach(agent)` then lets the job's calls
     through for each buffer usable so far (see `usable`), and for the rest as they come."""
 
-    def __init__(self, directory: Path, streams: int, chunk: int) -> None:
+    def __init__(self, directory: Path, streams: int) -> None:
         index = gpuindex.read_index(directory)
         self.saved = gpuindex.resolve(directory)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
-        self.streams, self.chunk = streams, chunk
+        self.streams = streams
         self.handout = Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None
         self.staging: Optional[gpucopy.Pinned] = None
@@ -630,7 +630,7 @@ class _Prefetch:
             gpuimage.warm()
             self.warm_at = time.monotonic()
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
-                              self.chunk, self.handout, self.staging)
+                              self.handout, self.staging)
             self.filled_at = time.monotonic()
         except BaseException as e:      # raised in the caller's thread by join()
             self.error = e

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from pos.agent.control import MAX_FDS
 from pos.errors import PosError
 from pos.scheduler import procs
 
@@ -43,7 +44,6 @@ LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
 CRIU_WAIT_ENV = "POS_CRIU_WAIT_S"     # how long recovery waits for a running CRIU
 DEFAULT_CRIU_WAIT_S = 3600.0
-FDS_PER_MESSAGE = 250   # descriptors sent with one message (the kernel takes up to 253)
 
 
 @dataclass
@@ -210,8 +210,8 @@ class Watchdog:
     def hold(self, fds: list[int]) -> None:
         """The watchdog keeps its own copies of these descriptors (the hoisted memory)."""
         self.sock.sendall(json.dumps({"hold": len(fds)}).encode() + b"\n")
-        for at in range(0, len(fds), FDS_PER_MESSAGE):
-            socket.send_fds(self.sock, [b" "], fds[at:at + FDS_PER_MESSAGE])
+        for at in range(0, len(fds), MAX_FDS):
+            socket.send_fds(self.sock, [b" "], fds[at:at + MAX_FDS])
 
     def done(self) -> None:
         try:
@@ -245,7 +245,7 @@ def _messages(sock: socket.socket, fds: list[int]):  # type: ignore[no-untyped-d
     buf = b""
     while True:
         try:
-            data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, FDS_PER_MESSAGE)
+            data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, MAX_FDS)
         except OSError:
             return
         fds.extend(got)
