@@ -465,37 +465,85 @@ def det_argv(log: Path, steps: int, gib: float, sleep: float = 0.05) -> list[str
             "--ballast-gib", str(gib)]
 
 
-def pos_cmd(*args: str, env: dict[str, str] = {}) -> dict[str, Any]:
+def processes() -> str:
+    """Every process with its state and where the kernel has it waiting: what a hang leaves."""
+    return subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:28,etimes,args", "--sort=pid"],
+                          capture_output=True, text=True).stdout[-6000:]
+
+
+def agent_state(pid: int) -> Any:
+    """The phase and gate of a `pos run` job's agent, or why it did not answer."""
+    try:
+        with Agent(pid, timeout=5) as a:
+            return a.status()
+    except Exception as e:
+        return repr(e)
+
+
+def pos_cmd(*args: str, env: dict[str, str] = {}, timeout: float = 240) -> dict[str, Any]:
+    """Run pos; with --json its report is kept whole. Past `timeout` the processes are listed
+    and pos gets SIGABRT, which makes Python print every thread's stack (faulthandler)."""
     t = time.monotonic()
-    r = subprocess.run([*POS, *args], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, **env})
-    return {"rc": r.returncode, "s": time.monotonic() - t, "out": r.stdout[-1500:],
-            "err": r.stderr[-1500:]}
+    p = subprocess.Popen([*POS, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONFAULTHANDLER": "1", **env})
+    res: dict[str, Any] = {}
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        res["hung"] = processes()
+        p.send_signal(signal.SIGABRT)
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+    res.update({"rc": p.returncode, "s": time.monotonic() - t, "out": out[-1500:],
+                "err": err[-6000:] if "hung" in res else err[-1500:]})
+    if "--json" in args and p.returncode == 0 and out.strip():
+        res["report"] = json.loads(out.strip().splitlines()[-1])
+    return res
 
 
 def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
     steps = 60 if job == "gpt" else 300     # both run ~20 s: the checkpoint comes mid-run
     ref_log, log = images / "ref.log", images / "full.log"
     subprocess.run([*POS, "run", "--", *job_argv(job, ref_log, steps, 0.05)], cwd=ROOT,
-                   timeout=600, capture_output=True)
-    p = pos_job(job_argv(job, log, steps, 0.05), out / "fullexact-job.log")
+                   timeout=240, capture_output=True)
+    # train_det's own clock: where the restored job's first step spent its time
+    clock = images / "clock.txt"
+    p = pos_job(job_argv(job, log, steps, 0.05) + (["--clock", str(clock)] if job != "gpt"
+                                                    else []), out / "fullexact-job.log")
     res: dict[str, Any] = {"job": job, "steps": steps}
     try:
         wait_lines(log, steps // 3)
         time.sleep(random.uniform(0, 0.7))
         d = images / "full-img"
-        res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent")
+        res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent",
+                                    "--json")
         res["steps_at_checkpoint"] = len(log.read_text().splitlines())
         p.wait(timeout=60)
         lines = LineTimes(log)
-        res["restore"] = pos_cmd("restore", "-D", str(d))
-        res["first_step_after_restore_s"] = lines.first()
+        wall0 = time.time()
+        res["restore"] = pos_cmd("restore", "-D", str(d), "--json", timeout=120)
+        res["first_step_after_restore_s"] = lines.first(timeout=60)
+        if res["first_step_after_restore_s"] is None:      # a restored job that never computes
+            res["no_step"] = processes()
+            restored = (res["restore"].get("report") or {}).get("restored_pid")
+            if restored:
+                res["no_step_agent"] = agent_state(int(restored))
         time.sleep(2)
         # the restored job's first steps, from the restore's start: a slow first step or a slow
         # start of all of them
         res["first_steps_after_restore_s"] = [round(t - lines.t0, 3) for t in lines.times[:8]]
+        if clock.exists():     # the job's step parts around the restore, from its start
+            marks = [ln.split() for ln in clock.read_text().splitlines()]
+            after = [i for i, m in enumerate(marks) if float(m[2]) >= wall0]
+            if after:
+                res["clock_after_restore"] = [f"{m[0]} {m[1]} {float(m[2]) - wall0:+.4f}"
+                                              for m in marks[max(0, after[0] - 3):after[0] + 12]]
         lines.stop = True
-        compare_when_done(ref_log, log, res, 300)
+        compare_when_done(ref_log, log, res, 120)
         subprocess.run(["pkill", "-9", "-f", str(log)])
         try:
             res["fill_probe"] = fill_probe(d, [8, 16])

@@ -192,7 +192,7 @@ def restore_here(directory: Path, engine: str) -> tuple[float, dict[str, Any]]:
     with step_times() as marks:
         t = time.time()
         if engine == "concurrent":
-            _pid, r = concurrent.restore_full(directory)
+            r = concurrent.restore_full(directory)
             timings = r.timings
             released = dict(marks).get("fill", time.time())
         else:

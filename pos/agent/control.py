@@ -75,12 +75,16 @@ class Gate:
     held_max_s: float      # the longest wait: the job's worst stall
     passed: int            # calls that went through while the operation ran
     first_pass_s: Optional[float]   # from the cut to the first call let through
+    held_all: int = 0      # calls that waited for every buffer (what they touch not known)
+    held_max_end_s: float = 0.0    # when the longest wait ended, from the operation's start
+    held_max_on: Optional[int] = None   # the buffer it waited for last (None: every buffer)
 
     @classmethod
     def from_reply(cls, r: dict[str, Any]) -> "Gate":
         first = r.get("first_pass_s", -1.0)
         return cls(int(r["held"]), float(r["held_s"]), float(r["held_max_s"]), int(r["passed"]),
-                   None if first < 0 else float(first))
+                   None if first < 0 else float(first), int(r.get("held_all", 0)),
+                   float(r.get("held_max_end_s", 0.0)), int(r.get("held_max_on", 0)) or None)
 
 
 def agent_pid(pid: int) -> int:

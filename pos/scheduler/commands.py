@@ -198,11 +198,11 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     # runs (SQLAlchemy's import would hold it up)
     store.check(db or store.default_db_path())
     if conc.is_full_image(Path(directory)):
-        pid, r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json))
+        r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json))
         _mark_restored(db, Path(directory))
         _report_concurrent(r, as_json)
         if not as_json:
-            click.echo(f"restored PID {pid}")
+            click.echo(f"restored PID {r.restored_pid}")
         return
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
         result = engine.restore(Path(directory), tuple(inherit_fd), echo=_lines(as_json),

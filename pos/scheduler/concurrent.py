@@ -66,6 +66,7 @@ class Report:
     foreign_bytes: int = 0         # device memory the agent could not own: the driver's
                                    # checkpoint saves it in a whole-process image
     timings: dict[str, float] = field(default_factory=dict)
+    restored_pid: Optional[int] = None   # a restore into a new process: the job's PID there
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -472,7 +473,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
-                 echo: Echo = lambda _: None) -> tuple[int, Report]:
+                 echo: Echo = lambda _: None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet)."""
@@ -516,9 +517,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                "memory_at": pre.memory_at - t0, "warm_at": pre.warm_at - t0,
                "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
-    return result.restored_pid or 0, Report(str(directory), len(pre.table), copy.bytes, None,
-                                            out["gate"], 0, out["release_s"], None, copy.gbps, 0,
-                                            timings)
+    return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
+                  out["release_s"], None, copy.gbps, 0, timings, result.restored_pid)
 
 
 def usable(back: set[int], refers: dict[int, set[int]], told: set[int]) -> set[int]:

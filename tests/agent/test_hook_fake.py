@@ -156,9 +156,13 @@ def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_
             wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
             assert a.status().phase == "restore"
         finally:
-            a.end()
+            gate = a.end()
         for fd in fds:
             os.close(fd)
+    # what the longest wait waited for last: the launch's own buffer, or every buffer
+    assert gate.held >= 1 and gate.held_max_end_s >= 0.2
+    assert gate.held_max_on == (first if layout_known else None)
+    assert (gate.held_all >= 1) == (not layout_known)
 
 
 def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,

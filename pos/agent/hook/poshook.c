@@ -158,6 +158,10 @@ static size_t granularity[16];
 
 struct stats {
     uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
+    /* the calls that waited for every buffer (what they touch unknown); the longest wait's
+     * end (from the start) and the buffer it waited for last (0: every buffer) */
+    uint64_t held_all, held_max_end_ns;
+    CUdeviceptr held_max_on;
 };
 static struct stats st;
 
@@ -336,9 +340,20 @@ static int launch_words(const struct touch *t, CUdeviceptr *words) {
     return n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
 }
 
+/* A pending buffer among `p`, or 0. Caller holds mu. */
+static CUdeviceptr first_pending(const CUdeviceptr *p, int n) {
+    for (int i = 0; i < n; i++)
+        if (pending(p[i]))
+            return p[i];
+    return 0;
+}
+
 /* Whether a call touching `t` must wait in the current phase; `words`: a launch's (nwords < 0:
- * unknown). Caller holds mu. */
-static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords) {
+ * unknown). `*on`: the pending buffer it waits for (0: every buffer, or the phase holds all).
+ * Caller holds mu. */
+static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords,
+                     CUdeviceptr *on) {
+    *on = 0;
     switch (atomic_load(&phase)) {
     case P_IDLE:
         return 0;
@@ -346,23 +361,12 @@ static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords
                     anything it reaches */
         if (t->all || t->launch)
             return npending > 0;
-        for (int i = 0; i < t->nw; i++)
-            if (pending(t->w[i]))
-                return 1;
-        return 0;
+        return (*on = first_pending(t->w, t->nw)) != 0;
     case P_RESTORE: /* reads and writes wait for their buffer to be back */
         if (t->all || (t->launch && nwords < 0))
             return npending > 0;
-        for (int i = 0; i < t->nw; i++)
-            if (pending(t->w[i]))
-                return 1;
-        for (int i = 0; i < t->nr; i++)
-            if (pending(t->r[i]))
-                return 1;
-        for (int i = 0; i < nwords; i++)
-            if (pending(words[i]))
-                return 1;
-        return 0;
+        return (*on = first_pending(t->w, t->nw)) || (*on = first_pending(t->r, t->nr)) ||
+               (*on = first_pending(words, nwords));
     default: /* the cut and the hoist hold everything */
         return 1;
     }
@@ -386,15 +390,17 @@ static void gate_enter(const struct touch *t) {
     CUdeviceptr words[MAX_WORDS];
     int asked = t->launch && atomic_load(&phase) == P_RESTORE;
     int nwords = asked ? launch_words(t, words) : -1;
+    CUdeviceptr on, last = 0;
     pthread_mutex_lock(&mu);
-    if (must_wait(t, words, nwords)) {
+    if (must_wait(t, words, nwords, &on)) {
         uint64_t t0 = now_ns();
         waiting++;
         do {
+            last = on;
             pthread_cond_wait(&cv, &mu);
             if (t->launch && !asked && atomic_load(&phase) == P_RESTORE)
                 asked = 1, nwords = launch_words(t, words);
-        } while (must_wait(t, words, nwords));
+        } while (must_wait(t, words, nwords, &on));
         waiting--;
         pthread_cond_broadcast(&cv);
         /* a wait begun before this operation (a job restored by CRIU while its calls were
@@ -402,8 +408,10 @@ static void gate_enter(const struct touch *t) {
         uint64_t waited = now_ns() - (t0 > st.started_ns ? t0 : st.started_ns);
         st.held++;
         st.held_ns += waited;
+        st.held_all += last == 0;
         if (waited > st.held_max_ns)
-            st.held_max_ns = waited;
+            st.held_max_ns = waited, st.held_max_on = last,
+            st.held_max_end_ns = now_ns() - st.started_ns;
     }
     st.passed++;
     if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
@@ -1077,10 +1085,13 @@ static int use_context(void) { return nctx ? DRV(cuCtxSetCurrent)(ctxs[0]) : CUD
 static int stats_json(char *out, size_t cap) {
     return snprintf(out, cap,
                     "\"held\":%llu,\"held_s\":%.6f,\"held_max_s\":%.6f,\"passed\":%llu,"
-                    "\"first_pass_s\":%.6f",
+                    "\"first_pass_s\":%.6f,\"held_all\":%llu,\"held_max_end_s\":%.6f,"
+                    "\"held_max_on\":%llu",
                     (unsigned long long)st.held, secs(st.held_ns), secs(st.held_max_ns),
                     (unsigned long long)st.passed,
-                    st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0);
+                    st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0,
+                    (unsigned long long)st.held_all, secs(st.held_max_end_ns),
+                    (unsigned long long)st.held_max_on);
 }
 
 static void do_status(struct conn *c) {
