@@ -237,9 +237,15 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
         ptr = gpucopy.U64()
         drv.call("cuMemAlloc_v2", gpucopy.C.byref(ptr), gpucopy.SZ(b.size))
         dest.append(ptr.value)
+    gpuimage.warm()
     for n in threads:
-        copy = concurrent._fill(drv, table, dest, {b.va: saved[b.va] for b in table}, n,
-                                biggest, concurrent.Handout(table))   # no job to tell
+        mine = {b.va: saved[b.va] for b in table}
+        staging = gpucopy.Pinned(drv, n * concurrent._slot(mine))
+        try:
+            copy = concurrent._fill(drv, table, dest, mine, n, concurrent.Handout(table),
+                                    staging)    # a handout with no job to tell
+        finally:
+            staging.close()
         res[f"fill_{n}_gbps"] = round(copy.gbps, 2)
         bufs = [np.ones(biggest, np.uint8) for _ in range(n)]   # touched: no first faults
         for mode in ("read", "whole", "pieces"):
@@ -522,6 +528,10 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent",
                                     "--json")
         res["steps_at_checkpoint"] = len(log.read_text().splitlines())
+        # the image's buffers, biggest first: what the restore gate's waits were for
+        res["buffers"] = sorted(([b["base"], b["size"]] for b in
+                                 json.loads((d / "gpu-index.json").read_text())["buffers"]),
+                                key=lambda b: -b[1])
         p.wait(timeout=60)
         lines = LineTimes(log)
         wall0 = time.time()

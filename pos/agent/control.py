@@ -10,7 +10,7 @@ import json
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pos.errors import BadInput, PosError
@@ -67,6 +67,16 @@ class Cut:
 
 
 @dataclass(frozen=True)
+class Wait:
+    """One of the job's calls that waited in the gate."""
+
+    on: Optional[int]      # the address it waited for last (None: every buffer)
+    s: float               # how long
+    end_s: float           # when it went on, from the operation's start
+    what: str              # the kernel's name, or the driver function's
+
+
+@dataclass(frozen=True)
 class Gate:
     """What the job's calls went through during one operation."""
 
@@ -76,15 +86,14 @@ class Gate:
     passed: int            # calls that went through while the operation ran
     first_pass_s: Optional[float]   # from the cut to the first call let through
     held_all: int = 0      # calls that waited for every buffer (what they touch not known)
-    held_max_end_s: float = 0.0    # when the longest wait ended, from the operation's start
-    held_max_on: Optional[int] = None   # the buffer it waited for last (None: every buffer)
+    waits: list[Wait] = field(default_factory=list)   # the first 16 waits, in order
 
     @classmethod
     def from_reply(cls, r: dict[str, Any]) -> "Gate":
         first = r.get("first_pass_s", -1.0)
+        waits = [Wait(w["on"] or None, w["s"], w["end_s"], w["what"]) for w in r.get("waits", [])]
         return cls(int(r["held"]), float(r["held_s"]), float(r["held_max_s"]), int(r["passed"]),
-                   None if first < 0 else float(first), int(r.get("held_all", 0)),
-                   float(r.get("held_max_end_s", 0.0)), int(r.get("held_max_on", 0)) or None)
+                   None if first < 0 else float(first), int(r.get("held_all", 0)), waits)
 
 
 def agent_pid(pid: int) -> int:

@@ -25,6 +25,7 @@ is pos's (steps 4's hoist to remap) the watchdog holds it too and gives it back.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -514,7 +515,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
-               "memory_at": pre.memory_at - t0, "warm_at": pre.warm_at - t0,
+               "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
+               "warm_at": pre.warm_at - t0,
                "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
@@ -606,12 +608,23 @@ class _Prefetch:
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
-        # when (time.monotonic) the memory existed, the compiled readers were loaded, all was back
-        self.memory_at = self.warm_at = self.filled_at = 0.0
+        # when (time.monotonic) the memory existed, the staging was pinned, the compiled readers
+        # were loaded, all was back
+        self.memory_at = self.pinned_at = self.warm_at = self.filled_at = 0.0
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        # numba's import (0.5-1.4 s on the H100 host) and the compiled readers' first calls, on
+        # a thread of their own beside the memory and the staging: after them, the job's first
+        # wait in the restore gate ended 1.2 s after its release (H100, 2026-11-25)
+        warm = threading.Thread(target=self._warm, name="pos-warm", daemon=True)
+        # the import holds the GIL for long stretches: this thread's many short driver calls
+        # (five per buffer) would each wait up to the switch interval (5 ms) to get it back;
+        # the fill's threads too
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 0.0005))
+        warm.start()
         try:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
@@ -622,13 +635,10 @@ class _Prefetch:
             # the fill's staging: one arena pinned here, beside CRIU, rather than one per fill
             # thread at its first chunk, after the job's release
             self.staging = gpucopy.Pinned(drv, self.streams * _slot(self.saved))
-            # numba's import (0.6 s on the H100 host) and the readers' first calls: here, on
-            # this one thread (a thread of their own beside this one, from the start, did not
-            # bring the job's first buffers back sooner on the H100, 0.71 against 0.74 s held)
-            from pos.image import gpu as gpuimage
-
-            gpuimage.warm()
-            self.warm_at = time.monotonic()
+            self.pinned_at = time.monotonic()
+            warm.join()
+            if self.error is not None:
+                raise self.error
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
                               self.handout, self.staging)
             self.filled_at = time.monotonic()
@@ -636,6 +646,17 @@ class _Prefetch:
             self.error = e
         finally:
             self.ready.set()
+            warm.join()
+            sys.setswitchinterval(interval)
+
+    def _warm(self) -> None:
+        try:
+            from pos.image import gpu as gpuimage
+
+            gpuimage.warm()
+            self.warm_at = time.monotonic()
+        except BaseException as e:
+            self.error = e
 
     def join(self) -> gpucopy.Copy:
         self.thread.join()

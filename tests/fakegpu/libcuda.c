@@ -929,6 +929,22 @@ API CUresult cuKernelGetParamInfo(CUkernel kernel, size_t paramIndex, size_t *pa
     return param_info(kernel, paramIndex, paramOffset, paramSize);
 }
 
+/* A kernel's (mangled) name, as the driver (>= 12.3) answers it. */
+static CUresult name_of(const char **name, CUfunction f) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!is_function(f, MAGIC_FUNCTION) && !is_function(f, MAGIC_KERNEL))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *name = f->name;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuFuncGetName(const char **name, CUfunction func) { return name_of(name, func); }
+
+API CUresult cuKernelGetName(const char **name, CUkernel kernel) { return name_of(name, kernel); }
+
 /* ---- launches: checked like the driver checks them, then nothing runs ------------------- */
 #define LAUNCH_PARAM_END 0
 #define LAUNCH_PARAM_BUFFER_POINTER 1

@@ -22,6 +22,7 @@
  * protocol.md beside this file is the contract with pos/agent/control.py.
  */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -156,12 +157,20 @@ static CUcontext ctxs[16];
 static int nctx;
 static size_t granularity[16];
 
+/* One call that waited: the address it waited for last (a parameter word of a launch, or a
+ * copy's address; 0: every buffer), how long, when it went on (from the operation's start),
+ * and what it was (the kernel's name, or the driver function's). */
+#define MAX_WAITS 16
+struct wait {
+    CUdeviceptr on;
+    uint64_t ns, end_ns;
+    const char *what;
+};
 struct stats {
     uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
-    /* the calls that waited for every buffer (what they touch unknown); the longest wait's
-     * end (from the start) and the buffer it waited for last (0: every buffer) */
-    uint64_t held_all, held_max_end_ns;
-    CUdeviceptr held_max_on;
+    uint64_t held_all; /* calls that waited for every buffer (what they touch not known) */
+    int nwaits;        /* the operation's first MAX_WAITS waits */
+    struct wait waits[MAX_WAITS];
 };
 static struct stats st;
 
@@ -278,6 +287,7 @@ struct touch {
     CUfunction f; /* a launch: its kernel and parameters */
     void **kp, **ex;
     int launch;
+    const char *call; /* the driver function called */
 };
 #define T_NONE ((struct touch){.nw = 0})
 #define T_ALL ((struct touch){.all = 1})
@@ -374,6 +384,21 @@ static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords
 
 static __thread int in_agent; /* the control thread's own driver calls pass untouched */
 
+/* What a waiting call was, for the gate's account: a launch's kernel by name (cuFuncGetName,
+ * or cuKernelGetName for a CUkernel handle), else the driver function. */
+typedef CUresult (*name_fn)(const char **, void *);
+static void *volatile real_cuFuncGetName, *volatile real_cuKernelGetName;
+static const char *call_name(const struct touch *t) {
+    const char *n = NULL;
+    if (t->launch) {
+        name_fn f = (name_fn)real_of(&real_cuFuncGetName, "cuFuncGetName");
+        name_fn k = (name_fn)real_of(&real_cuKernelGetName, "cuKernelGetName");
+        if (!(f && f(&n, t->f) == CUDA_SUCCESS && n) && !(k && k(&n, t->f) == CUDA_SUCCESS && n))
+            n = NULL;
+    }
+    return n ? n : t->call ? t->call : "?";
+}
+
 /* Enter the driver for a call touching `t`: at once when idle (one atomic add), else after
  * waiting for what the phase requires. The add and the phase read are sequentially
  * consistent, as the cut's store and drain: either the cut sees this call in flight and
@@ -410,8 +435,10 @@ static void gate_enter(const struct touch *t) {
         st.held_ns += waited;
         st.held_all += last == 0;
         if (waited > st.held_max_ns)
-            st.held_max_ns = waited, st.held_max_on = last,
-            st.held_max_end_ns = now_ns() - st.started_ns;
+            st.held_max_ns = waited;
+        if (st.nwaits < MAX_WAITS)
+            st.waits[st.nwaits++] =
+                (struct wait){last, waited, now_ns() - st.started_ns, call_name(t)};
     }
     st.passed++;
     if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
@@ -623,6 +650,7 @@ CUresult cuCtxSetLimit(int limit, size_t value);
         if (!fn)                                                                                   \
             return CUDA_ERROR_NOT_FOUND;                                                           \
         struct touch t = tch;                                                                      \
+        t.call = #name;                                                                            \
         gate_enter(&t);                                                                            \
         CUresult r = fn args;                                                                      \
         after;                                                                                     \
@@ -855,6 +883,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (!p || !n)
         return DRV(cuMemAlloc_v2)(p, n);
     struct touch t = T_NONE;
+    t.call = "cuMemAlloc_v2";
     gate_enter(&t);
     CUresult r = !owning        ? DRV(cuMemAlloc_v2)(p, n)
                  : n < SLAB_MAX ? small_alloc(p, n)
@@ -874,6 +903,7 @@ static int is_owned(CUdeviceptr p) {
 static CUresult free_via(CUdeviceptr p, CUstream s,
                          CUresult (*driver_free)(CUdeviceptr, CUstream)) {
     struct touch t = T_W(p);
+    t.call = "cuMemFree";
     gate_enter(&t);
     CUresult r;
     int small = p && in_slab(p); /* a slab's base is owned too: small first */
@@ -1082,20 +1112,32 @@ static void set_phase(int p) { /* caller holds mu */
 
 static int use_context(void) { return nctx ? DRV(cuCtxSetCurrent)(ctxs[0]) : CUDA_SUCCESS; }
 
+#define STATS_CAP 8192
 static int stats_json(char *out, size_t cap) {
-    return snprintf(out, cap,
-                    "\"held\":%llu,\"held_s\":%.6f,\"held_max_s\":%.6f,\"passed\":%llu,"
-                    "\"first_pass_s\":%.6f,\"held_all\":%llu,\"held_max_end_s\":%.6f,"
-                    "\"held_max_on\":%llu",
-                    (unsigned long long)st.held, secs(st.held_ns), secs(st.held_max_ns),
-                    (unsigned long long)st.passed,
-                    st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0,
-                    (unsigned long long)st.held_all, secs(st.held_max_end_ns),
-                    (unsigned long long)st.held_max_on);
+    size_t n = snprintf(out, cap,
+                        "\"held\":%llu,\"held_s\":%.6f,\"held_max_s\":%.6f,\"passed\":%llu,"
+                        "\"first_pass_s\":%.6f,\"held_all\":%llu,\"waits\":[",
+                        (unsigned long long)st.held, secs(st.held_ns), secs(st.held_max_ns),
+                        (unsigned long long)st.passed,
+                        st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0,
+                        (unsigned long long)st.held_all);
+    for (int i = 0; i < st.nwaits && n < cap; i++) {
+        char what[121]; /* names are C identifiers, mangled: anything else becomes '?' */
+        size_t k = 0;
+        for (const char *c = st.waits[i].what; *c && k < sizeof(what) - 1; c++)
+            what[k++] = isalnum((unsigned char)*c) || *c == '_' ? *c : '?';
+        what[k] = 0;
+        n += snprintf(out + n, cap - n, "%s{\"on\":%llu,\"s\":%.6f,\"end_s\":%.6f,\"what\":\"%s\"}",
+                      i ? "," : "", (unsigned long long)st.waits[i].on, secs(st.waits[i].ns),
+                      secs(st.waits[i].end_ns), what);
+    }
+    if (n < cap)
+        n += snprintf(out + n, cap - n, "]");
+    return n;
 }
 
 static void do_status(struct conn *c) {
-    char s[512];
+    char s[STATS_CAP];
     pthread_mutex_lock(&mu);
     stats_json(s, sizeof(s));
     size_t imported = 0; /* mapped back from pos's descriptors (their fd kept: see do_remap) */
@@ -1365,7 +1407,7 @@ static void do_move(struct conn *c, int from, int to) {
 }
 
 static void do_end(struct conn *c) {
-    char s[512];
+    char s[STATS_CAP];
     pthread_mutex_lock(&mu);
     int ph = atomic_load(&phase);
     if (ph != P_HOISTED) {
