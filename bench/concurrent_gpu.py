@@ -237,7 +237,6 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
         ptr = gpucopy.U64()
         drv.call("cuMemAlloc_v2", gpucopy.C.byref(ptr), gpucopy.SZ(b.size))
         dest.append(ptr.value)
-    gpuimage.warm()
     for n in threads:
         mine = {b.va: saved[b.va] for b in table}
         staging = gpucopy.Pinned(drv, n * concurrent._slot(mine))
@@ -528,6 +527,9 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent",
                                     "--json")
         res["steps_at_checkpoint"] = len(log.read_text().splitlines())
+        if res["checkpoint"]["rc"] != 0:
+            res["no_image"] = processes()
+            return res
         # the image's buffers, biggest first: what the restore gate's waits were for
         res["buffers"] = sorted(([b["base"], b["size"]] for b in
                                  json.loads((d / "gpu-index.json").read_text())["buffers"]),

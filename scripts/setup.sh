@@ -92,6 +92,7 @@ mkdir -p .venv/distro
 ln -sfn "$bcc_dir/bcc" .venv/distro/bcc
 echo "$PWD/.venv/distro" > "$site/pos-distro-bcc.pth"
 .venv/bin/python -c 'import bcc' || { echo "setup: bcc is not importable from .venv" >&2; exit 1; }
-# the agent that `pos run` preloads into jobs, built with the distribution's compiler
-.venv/bin/python -m pos.agent.hook >/dev/null
+# the agent that `pos run` preloads into jobs, and the image chunk reader, built with the
+# distribution's compiler
+.venv/bin/python -m pos.native >/dev/null
 log "ready: .venv/bin/pos"

@@ -1,6 +1,6 @@
 """The GPU image of a `pos run` process: its device buffers in chunks, inside a pos image.
-Writing and reading the chunks (compiled: checksums, pointer scans); the index alone is
-pos/image/gpuindex.py, which a restore reads before these are imported.
+Writing and reading the chunks (checksums and pointer scans in pos/image/chunks.c, without the
+GIL); the index alone is pos/image/gpuindex.py.
 
 DIR/gpu-index.json lists every buffer saved at the cut (base, size) and its chunks (data file,
 position, stored and raw length, 64-bit checksum of the raw bytes, whether zstd-compressed);
@@ -11,20 +11,31 @@ An incremental image names its parent; a buffer not written since the parent is 
 `in_parent` and read from there (recursively).
 """
 
+import ctypes
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
-import numba as nb
 import numpy as np
 
+from pos import native
 from pos.errors import BadInput
-from pos.image.checksum import GROUP, absorb, checksum, finish, start
+from pos.image.checksum import checksum
 
-# A reader hashes what it read in pieces this big (a multiple of checksum.GROUP), while they
-# are in the CPU's cache: hashing a whole 64 MiB chunk afterwards reads it from memory again.
+# A reader hashes what it read in pieces this big (a multiple of the hash's 32-byte groups),
+# while they are in the CPU's cache: hashing a whole 64 MiB chunk afterwards reads it from
+# memory again.
 PIECE = 1 << 20
+
+_lib = native.load(native.CHUNKS)
+_P = ctypes.c_void_p
+_lib.pos_point.restype = None
+_lib.pos_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
+_lib.pos_read_chunk.restype = ctypes.c_int64
+_lib.pos_read_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_int64,
+                                ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P,
+                                ctypes.POINTER(ctypes.c_uint64)]
 
 
 class Writer:
@@ -38,7 +49,6 @@ class Writer:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._files: list[Any] = []
-        warm()
 
     def _file(self) -> tuple[Any, str]:
         f = getattr(self._local, "file", None)
@@ -77,12 +87,6 @@ class Writer:
             f.close()
 
 
-# pread(2), called from compiled code: the whole read of a chunk runs without the GIL (16 reader
-# threads taking the GIL for every piece filled at 6 GB/s on the H100 host)
-_pread = nb.types.ExternalFunction(
-    "pread", nb.types.int64(nb.types.int32, nb.types.uint64, nb.types.uint64, nb.types.int64))
-
-
 class Targets:
     """The address ranges of an image's buffers (sorted, disjoint): a reader marks which of
     them the 8-byte words it reads point into. A buffer holding pointers to others (an array
@@ -99,60 +103,10 @@ class Targets:
 NO_TARGETS = Targets([])
 
 
-@nb.njit(nogil=True, cache=True)
-def _point(words: np.ndarray, starts: np.ndarray, ends: np.ndarray, hits: np.ndarray) -> None:
-    """hits[j] = 1 for each range j that one of `words` falls into."""
-    k = starts.shape[0]
-    if k == 0:
-        return
-    lo, hi = starts[0], ends[k - 1]
-    for w in words:
-        if w >= lo and w < hi:
-            j = np.searchsorted(starts, w, side="right") - 1
-            if w < ends[j]:
-                hits[j] = 1
-
-
-@nb.njit(nogil=True, cache=True)
-def _read_absorb(fd: int, out: np.ndarray, n: int, at: int, piece: int, lanes: np.ndarray,
-                 starts: np.ndarray, ends: np.ndarray, hits: np.ndarray) -> int:
-    """Read n bytes at file position `at` into out, piece by piece, running the checksum's lanes
-    over each piece's whole groups, and marking the target ranges its words point into, while
-    it is in the CPU's cache; the bytes read (fewer: the file ended or the read failed)."""
-    whole = n // GROUP * GROUP
-    words = n // 8 * 8
-    base = out.ctypes.data
-    done = 0
-    while done < n:
-        end = min(done + piece, n)
-        got = done
-        while got < end:
-            r = _pread(fd, base + got, end - got, at + got)
-            if r <= 0:
-                return got
-            got += r
-        if min(end, whole) > done:
-            absorb(out[done:min(end, whole)].view(np.uint64), lanes)
-        if min(end, words) > done:
-            _point(out[done:min(end, words)].view(np.uint64), starts, ends, hits)
-        done = end
-    return n
-
-
-def warm() -> None:
-    """Make the first calls of the compiled reader and checksum on this thread, before many
-    threads make theirs: 8 to 16 threads loading them at once waited about 1 s for each other
-    (numba's dispatcher) at the start of every fill, against 0.1 s for one thread."""
-    buf = np.zeros(GROUP + 9, np.uint8)      # groups, words and a tail: every path
-    checksum(buf)
-    lanes = start(buf.shape[0])
-    fd = os.open("/dev/zero", os.O_RDONLY)
-    one = Targets([(0, 1)])
-    try:
-        _read_absorb(fd, buf, buf.shape[0], 0, PIECE, lanes, one.starts, one.ends, one.hits())
-    finally:
-        os.close(fd)
-    finish(lanes, buf)
+def _point(words: np.ndarray, targets: Targets, hits: np.ndarray) -> None:
+    """hits[j] = 1 for each of the targets' ranges j that one of `words` (uint64) falls into."""
+    _lib.pos_point(words.ctypes.data, words.shape[0], targets.starts.ctypes.data,
+                   targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data)
 
 
 def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
@@ -166,7 +120,7 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     if chunk["zstd"]:
         read_chunk(folder, chunk, out)
         n = chunk["raw"] // 8 * 8
-        _point(out[:n].view(np.uint64), targets.starts, targets.ends, hits)
+        _point(out[:n].view(np.uint64), targets, hits)
         return np.flatnonzero(hits)
     path = str(Path(folder) / chunk["file"])
     fd = fds.get(path)
@@ -176,11 +130,12 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     if chunk["stored"] != n or out.shape[0] < n:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
                        "the image is corrupt: take a new checkpoint")
-    lanes = start(n)
-    if _read_absorb(fd, out, n, chunk["at"], PIECE, lanes, targets.starts, targets.ends,
-                    hits) < n:
+    h = ctypes.c_uint64()
+    if _lib.pos_read_chunk(fd, out.ctypes.data, n, chunk["at"], PIECE, targets.starts.ctypes.data,
+                           targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data,
+                           ctypes.byref(h)) < n:
         raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
-    if f"{finish(lanes, out[:n]):016x}" != chunk["hash"]:
+    if f"{h.value:016x}" != chunk["hash"]:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")
     return np.flatnonzero(hits)

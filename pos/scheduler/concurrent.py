@@ -25,7 +25,6 @@ is pos's (steps 4's hoist to remap) the watchdog holds it too and gives it back.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +39,8 @@ from pos.image import gpuindex
 from pos.scheduler import engine
 from pos.scheduler.criu import Options
 
-if TYPE_CHECKING:     # imported where used: numba and numpy take a second to import on the
-    from pos.scheduler import gpucopy    # H100 host, and a restore starts CRIU before them
+if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
+    from pos.scheduler import gpucopy    # and a restore starts CRIU before it
 
 Echo = Callable[[str], None]
 DEFAULT_STREAMS = 8
@@ -275,14 +274,12 @@ def _verify(directory: Path) -> image.Manifest:
 def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk_mb: int = 64,
                 echo: Echo = lambda _: None) -> Report:
     """Put a GPU image back into the live job `pid`, on demand."""
-    from pos.image import gpu as gpuimage
     from pos.scheduler import gpucopy
 
     directory = Path(directory)
     _verify(directory)
     echo(f"restoring the GPU state of PID {pid} from {directory}")
     saved = gpuindex.resolve(directory)
-    gpuimage.warm()
     with Agent(pid) as agent:
         drv = gpucopy.context(0)
         staging = gpucopy.Pinned(drv, streams * _slot(saved))
@@ -330,8 +327,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     """Read every buffer's chunks (checksums checked) into pinned `staging` (streams *
     _slot(saved) bytes) and copy them to device memory at `dest`, the smaller buffers first
     (most calls' buffers come back soon, a big one alone does not hold them up); the handout
-    learns which other buffers each buffer's words point into, and then that it is back. The
-    caller has made the compiled readers' first calls (gpu.warm) on one thread."""
+    learns which other buffers each buffer's words point into, and then that it is back."""
     from pos.image import gpu as gpuimage
     from pos.scheduler import gpucopy
 
@@ -516,7 +512,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
                "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
-               "warm_at": pre.warm_at - t0,
                "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
@@ -608,23 +603,12 @@ class _Prefetch:
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
-        # when (time.monotonic) the memory existed, the staging was pinned, the compiled readers
-        # were loaded, all was back
-        self.memory_at = self.pinned_at = self.warm_at = self.filled_at = 0.0
+        # when (time.monotonic) the memory existed, the staging was pinned, all was back
+        self.memory_at = self.pinned_at = self.filled_at = 0.0
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        # numba's import (0.5-1.4 s on the H100 host) and the compiled readers' first calls, on
-        # a thread of their own beside the memory and the staging: after them, the job's first
-        # wait in the restore gate ended 1.2 s after its release (H100, 2026-11-25)
-        warm = threading.Thread(target=self._warm, name="pos-warm", daemon=True)
-        # the import holds the GIL for long stretches: this thread's many short driver calls
-        # (five per buffer) would each wait up to the switch interval (5 ms) to get it back;
-        # the fill's threads too
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, 0.0005))
-        warm.start()
         try:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
@@ -636,9 +620,6 @@ class _Prefetch:
             # thread at its first chunk, after the job's release
             self.staging = gpucopy.Pinned(drv, self.streams * _slot(self.saved))
             self.pinned_at = time.monotonic()
-            warm.join()
-            if self.error is not None:
-                raise self.error
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
                               self.handout, self.staging)
             self.filled_at = time.monotonic()
@@ -646,17 +627,6 @@ class _Prefetch:
             self.error = e
         finally:
             self.ready.set()
-            warm.join()
-            sys.setswitchinterval(interval)
-
-    def _warm(self) -> None:
-        try:
-            from pos.image import gpu as gpuimage
-
-            gpuimage.warm()
-            self.warm_at = time.monotonic()
-        except BaseException as e:
-            self.error = e
 
     def join(self) -> gpucopy.Copy:
         self.thread.join()

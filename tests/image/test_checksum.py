@@ -1,10 +1,11 @@
-"""The chunk checksum (pos/image/checksum.py): the numba hash against a plain-Python statement
-of it, and the hash of pieces taken as read against checksum() of the whole chunk."""
+"""The chunk checksum (pos/image/checksum.py over chunks.c) against a plain-Python statement of
+it, and the reader's hash of pieces taken as read against checksum() of the whole chunk."""
 
 import numpy as np
 import pytest
 
-from pos.image.checksum import GROUP, absorb, checksum, finish, start
+from pos.image import gpu as gpuimage
+from pos.image.checksum import checksum, fold
 
 M = (1 << 64) - 1
 P1, P2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
@@ -41,13 +42,23 @@ def test_checksum_is_the_specified_hash(n: int) -> None:
     assert checksum(data) == reference(data.tobytes())
 
 
-@pytest.mark.parametrize("n,piece", [(0, 64), (5, 64), (64, 64), (1000, 64), (4096 + 13, 96),
-                                     (10_000, 4096), (10_007, 32)])
-def test_lanes_run_over_pieces_then_finished_equal_the_whole(n: int, piece: int) -> None:
-    """What a reader does: the lanes over each piece's whole groups as it comes, then finish."""
+def test_fold_continues_from_a_hash() -> None:
+    data = np.random.default_rng(5).integers(0, 256, 1003, dtype=np.uint8)
+    assert fold(data, 12345) != fold(data, 12346)
+    assert fold(data, len(data)) == checksum(data) == reference(data.tobytes())
+
+
+@pytest.mark.parametrize("n", [0, 5, 64, 1000, 4096 + 13, (1 << 20) + 7, 3 * (1 << 20) + 40])
+def test_the_reader_hashing_piece_by_piece_equals_the_whole(tmp_path, monkeypatch,
+                                                             n: int) -> None:
+    """What a restore does: read a chunk in pieces, hashing each as it comes; the same hash as
+    checksum() of the whole (small pieces here, to cross many of them)."""
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    lanes = start(n)
-    whole = n // GROUP * GROUP
-    for off in range(0, whole, piece):
-        absorb(data[off:min(off + piece, whole)].view(np.uint64), lanes)
-    assert finish(lanes, data) == checksum(data)
+    (tmp_path / "d.bin").write_bytes(b"x" * 7 + data.tobytes())
+    chunk = {"file": "d.bin", "at": 7, "stored": n, "raw": n, "zstd": False,
+             "hash": f"{checksum(data):016x}"}
+    for piece in (32, 96, 1 << 20):
+        monkeypatch.setattr(gpuimage, "PIECE", piece)
+        out = np.zeros(n + 3, np.uint8)
+        gpuimage.read_chunk_into(tmp_path, chunk, out, {})
+        assert (out[:n] == data).all()

@@ -107,14 +107,3 @@ def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, mo
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {}, targets)) == [0, 2]
     assert (out == data).all()
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {})) == []   # no targets given
-
-
-def test_warm_makes_the_first_calls_of_every_compiled_function() -> None:
-    """Before many reader threads start, one call each has loaded the compiled code (threads
-    loading it at once waited about 1 s for each other)."""
-    from pos.image import checksum as ck
-
-    gpuimage.warm()
-    for fn in (gpuimage._read_absorb, gpuimage._point, ck._start, ck.absorb, ck._finish,
-               ck.hash_words):
-        assert fn.signatures, fn

@@ -1,4 +1,4 @@
-"""`python -m pos.agent.hook`: build the preload library now (scripts/setup.sh runs this)."""
+"""`python -m pos.agent.hook`: build the preload library now."""
 
 from pos.agent.hook import build
 
