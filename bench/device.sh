@@ -66,7 +66,7 @@ checkpoint32)
     step checkpoint-bench-32 python3 bench/checkpoint_gpu.py --sizes 32 \
         --out "$out/checkpoint-h100-32.json" --images /tmp ;;
 concurrent)
-    step hook python3 -m pos.agent.hook
+    step native python3 -m pos.native
     # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
     step concurrent-bench python3 bench/concurrent_gpu.py --out "$out" \
         --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}" ${POS_BENCH_ARGS:-}
