@@ -31,6 +31,10 @@ def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
     assert st.owning and st.phase == "idle" and st.buffers == 5
     assert st.owned_bytes == 5 * (3 << 20) and st.foreign_allocs == 0
     assert {b.size for b in table} == {3 << 20} and all(b.mapped % (2 << 20) == 0 for b in table)
+    # placed high, a granule apart: no pair of small integers, and no buffer's end address,
+    # reads as a pointer into one of them
+    assert all(b.va >= 0x7000_0000_0000 for b in table)
+    assert all(b.va + b.mapped < c.va for b, c in zip(table, table[1:]))
 
 
 def test_memory_pos_cannot_own_is_counted_and_refused_for_gpu_only_images(

@@ -685,6 +685,17 @@ static int owning = -1; /* POS_OWN=0 turns ownership off (a measurement baseline
 
 /* Allocate `size` bytes as exportable VMM memory at addresses of our own; CUDA_ERROR_* else. */
 /* `whole`: the allocation is all of its granules (a slab), not the `size` the job asked for. */
+/* Where the agent asks the driver to place its allocations: from 0x7000'0000'0000 up (16 TiB
+ * below the top of user space, above where the driver puts large ranges by itself), a granule
+ * apart. A value the gates must read as a pointer is one inside a buffer; a buffer at
+ * 0x3'0200'0000 (where the driver put a 16 GiB one on the H100) takes in every pair of 32-bit
+ * integers (n, 3..6), and a launch of PyTorch's optimizer waited for it at a restore. Up here
+ * only a 32-bit value of about 28,700 or more, or a denormal float, reads as one; and a
+ * buffer's one-past-the-end address lies in no other buffer. A hint the driver cannot take is
+ * ignored: it chooses itself. */
+#define VA_BASE 0x700000000000ull
+static _Atomic CUdeviceptr va_next = VA_BASE;
+
 static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     CUdevice dev;
     CUcontext ctx;
@@ -700,7 +711,8 @@ static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     size_t g = granularity[dev], n = (size + g - 1) / g * g;
     CUdeviceptr va = 0;
     CUmemGenericAllocationHandle h = 0;
-    if ((r = DRV(cuMemAddressReserve)(&va, n, 0, 0, 0)) != CUDA_SUCCESS)
+    CUdeviceptr hint = atomic_fetch_add(&va_next, n + g);
+    if ((r = DRV(cuMemAddressReserve)(&va, n, 0, hint, 0)) != CUDA_SUCCESS)
         return r;
     r = ((CUresult(*)(CUmemGenericAllocationHandle *, size_t, const void *,
                       unsigned long long))real_of(&real_cuMemCreate, "cuMemCreate"))(&h, n, &prop,
