@@ -22,9 +22,11 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
   fullexact    `pos checkpoint --concurrent` (whole process, hoisted; the job ended by the
                dump) of --exact-job (gpt: workloads/train_gpt.py) at a moment the job does not
                choose, then `pos restore` into a new process: every loss against an
-               uninterrupted run's, bit for bit; restore times, the first step after it; then
-               the fill probe: the image read back by 8 and 16 threads, read only / hashed
-               whole / hashed in pieces (compiled, without the GIL)
+               uninterrupted run's, bit for bit; restore times, the gate's waits (named), the
+               first step after it and train_det's own clock around it; then the fill probe:
+               the image read back by 8 and 16 threads, read only / hashed whole / hashed in
+               pieces (C, without the GIL), and the data files mapped, page-locked in place,
+               hashed there and copied to the device from the page cache
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
                concurrent one (the context's stack made 0 bytes while hoisted, then kept as it
                was: POS_HOIST_STACK=off, the local memory the driver checkpoints), on the

@@ -16,7 +16,7 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
              recorded; the restored process's threads sampled from /proc every 5 ms (state,
              wchan, CPU time, page faults)
   startup    how long `pos` takes to start: the CLI, the restore's imports before CRIU, and
-             those of the fill (numba, numpy), which a restore makes beside CRIU
+             those of the fill (numpy, the C chunk reader), which a restore makes beside CRIU
 """
 
 import argparse
