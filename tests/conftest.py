@@ -7,6 +7,7 @@ cannot run real eBPF never reports green.
 
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +20,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 REQUIRED = os.environ.get("POS_REQUIRE_PREREQS") == "1"
+# Tests interrupt pos with SIGINT as Ctrl-C would. A suite started in the background of a
+# non-interactive shell inherits SIGINT ignored, and would pass that on to every pos it runs.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 KERNELS = 9   # kernels.cu: axpy, pair_copy, mixed, scalars, fill<float>, fill<int>, no_params,
               # tensor_list, many
 

@@ -691,10 +691,22 @@ static int owning = -1; /* POS_OWN=0 turns ownership off (a measurement baseline
  * 0x3'0200'0000 (where the driver put a 16 GiB one on the H100) takes in every pair of 32-bit
  * integers (n, 3..6), and a launch of PyTorch's optimizer waited for it at a restore. Up here
  * only a 32-bit value of about 28,700 or more, or a denormal float, reads as one; and a
- * buffer's one-past-the-end address lies in no other buffer. A hint the driver cannot take is
- * ignored: it chooses itself. */
+ * buffer's one-past-the-end address lies in no other buffer. The driver takes a hint as a
+ * wish: where the range is in use it chooses itself (and where it refuses one, pos asks again
+ * without). Past VA_END the hints start again from VA_BASE, into the ranges freed since. */
 #define VA_BASE 0x700000000000ull
+#define VA_END 0x7e0000000000ull
 static _Atomic CUdeviceptr va_next = VA_BASE;
+
+static CUresult reserve(CUdeviceptr *va, size_t n, size_t g) {
+    CUdeviceptr hint = atomic_fetch_add(&va_next, n + g);
+    if (hint + n > VA_END) {
+        atomic_store(&va_next, VA_BASE);
+        hint = 0;
+    }
+    CUresult r = DRV(cuMemAddressReserve)(va, n, 0, hint, 0);
+    return r != CUDA_SUCCESS && hint ? DRV(cuMemAddressReserve)(va, n, 0, 0, 0) : r;
+}
 
 static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     CUdevice dev;
@@ -711,8 +723,7 @@ static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     size_t g = granularity[dev], n = (size + g - 1) / g * g;
     CUdeviceptr va = 0;
     CUmemGenericAllocationHandle h = 0;
-    CUdeviceptr hint = atomic_fetch_add(&va_next, n + g);
-    if ((r = DRV(cuMemAddressReserve)(&va, n, 0, hint, 0)) != CUDA_SUCCESS)
+    if ((r = reserve(&va, n, g)) != CUDA_SUCCESS)
         return r;
     r = ((CUresult(*)(CUmemGenericAllocationHandle *, size_t, const void *,
                       unsigned long long))real_of(&real_cuMemCreate, "cuMemCreate"))(&h, n, &prop,
