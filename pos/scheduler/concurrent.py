@@ -419,7 +419,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             g.hold(s.fds)
             g.step("hoist", hoisted=True)
             h = g.timed("hoist", lambda: agent.hoist(hoist_stack()))
-            g.timings["stack_was"], g.timings["stack_rc"] = h.stack, h.stack_rc
+            g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
             agent.close()                  # CRIU dumps no socket connected to pos
             g.step("lock")
             g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))

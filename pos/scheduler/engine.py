@@ -49,10 +49,17 @@ def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
         timings[name] = timings.get(name, 0.0) + time.monotonic() - t
 
 
+UNITS = {"_mib": "{:.0f} MiB", "_bytes": "{:.0f} bytes", "_rc": "{:.0f}"}
+
+
 def describe(timings: dict[str, float]) -> str:
-    """Timings for a person: seconds, and MiB for the keys that count memory (`*_mib`)."""
-    return ", ".join(f"{k} {v:.0f} MiB" if k.endswith("_mib") else f"{k} {v:.3f} s"
-                     for k, v in timings.items())
+    """Timings for a person: seconds, but for the keys that count memory (`*_mib`, `*_bytes`)
+    and the driver's answers (`*_rc`)."""
+    def one(k: str, v: float) -> str:
+        unit = next((u for end, u in UNITS.items() if k.endswith(end)), "{:.3f} s")
+        return f"{k} {unit.format(v)}"
+
+    return ", ".join(one(k, v) for k, v in timings.items())
 
 
 class Guard:
