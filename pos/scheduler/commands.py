@@ -37,6 +37,7 @@ Examples:
   pos migrate 4242 --to-gpu 1                 # move PID 4242's GPU state onto GPU 1
   pos migrate --listen -D /tmp/in --port 7070 # on the destination host: receive and restore
   pos migrate 4242 --to 10.0.0.2:7070         # on the source: stream PID 4242 there
+  pos migrate 4242 --to 10.0.0.2:7070 --concurrent   # a `pos run` job, frozen about a second
 """
 
 
@@ -269,10 +270,14 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
                    "of the image [default: a temporary folder].")
 @click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
               show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@click.option("--concurrent", is_flag=True,
+              help="With --to: a `pos run` job, frozen only for the driver's small checkpoint "
+                   "and CRIU's dump (its device memory copied by pos), then sent whole.")
 @criu_options
 @json_option
 def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], listen: bool,
             port: int, address: str, directory: Optional[str], lock_timeout: float,
+            concurrent: bool,
             shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
             external: tuple[str, ...], as_json: bool) -> None:
     """Move a process onto another GPU of this host, or to another host."""
@@ -295,6 +300,8 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
         return
     if pid is None:
         raise click.UsageError("Missing argument 'PID' (the process to migrate).")
+    if concurrent and to_host is None:
+        raise click.UsageError("--concurrent goes with --to HOST.")
     timeout_ms = int(lock_timeout * 1000)
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     with Progress.on_terminal(f"migrate PID {pid}", as_json) as progress:
@@ -304,6 +311,6 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
         else:
             report = {"pid": pid, "host": to_host, "restored_pid": mig.to_host(
                 pid, to_host or "", options, Path(directory) if directory else None,
-                timeout_ms, echo=_lines(as_json), progress=progress)}
+                timeout_ms, echo=_lines(as_json), progress=progress, concurrent=concurrent)}
     if as_json:
         click.echo(json.dumps(report))

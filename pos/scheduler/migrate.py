@@ -3,6 +3,7 @@ CRIU needed), or to another host (CRIU's page server streams the memory, a contr
 carries the rest of the image; the receiver verifies and restores it)."""
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -98,6 +99,28 @@ class _Reader:
         out, self.buf = self.buf[:n], self.buf[n:]
         return out
 
+    def into(self, path: Path, n: int) -> None:
+        """The next n bytes into a new file, a piece at a time (a GPU image's data files are
+        gigabytes)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            while n:
+                if not self.buf:
+                    self._fill()
+                piece, self.buf = self.buf[:n], self.buf[n:]
+                f.write(piece)
+                n -= len(piece)
+
+
+def _send_file(sock: socket.socket, path: Path) -> int:
+    """A file's header and its bytes (sendfile: no copy through pos); its size."""
+    size = path.stat().st_size
+    _send(sock, {"file": path.name, "size": size})
+    with open(path, "rb") as f:
+        if size:
+            sock.sendfile(f)
+    return size
+
 
 def _split(host: str) -> tuple[str, int]:
     name, _, port = host.rpartition(":") if ":" in host else (host, "", "7070")
@@ -109,9 +132,13 @@ def _split(host: str) -> tuple[str, int]:
 
 
 def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,
-            echo: Echo = lambda _: None, progress: Progress = QUIET) -> int:
-    """Checkpoint PID with its pages streamed to HOST's page server, send the rest of the image,
-    and wait until HOST has restored it; the PID it has there."""
+            echo: Echo = lambda _: None, progress: Progress = QUIET,
+            concurrent: bool = False) -> int:
+    """Checkpoint PID and send its image to HOST, then wait until HOST has restored it; the PID
+    it has there. Stop-the-world: the pages stream to HOST's page server during the dump.
+    `concurrent` (a `pos run` job): the whole-process concurrent image, taken here (the job
+    frozen only for the driver's small checkpoint and CRIU's dump, its device memory copied by
+    pos), then sent whole."""
     address, port = _split(host)
     procs.require_checkpointable(pid)
     try:
@@ -122,30 +149,36 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
     sock.settimeout(None)
     reader = _Reader(sock)
     with sock:
-        _send(sock, {"pids": procs.tree(pid)})
+        _send(sock, {"pids": procs.tree(pid), "concurrent": concurrent})
         reply = reader.message()
         if "error" in reply:
             raise BadInput(f"{address} refused the migration: {reply['error']}",
                            "fix that there, then migrate again")
         keep = local is not None
         local = local or Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
-        result = engine.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
-                                   page_server=PageServer(address, port + 1),
-                                   progress=progress)
-        progress.phase("send", total=result.manifest.size_bytes)
-        for name in sorted(result.manifest.files):
-            data = (result.path / name).read_bytes()
-            _send(sock, {"file": name, "size": len(data)}, data)
-            progress.advance(len(data))
+        if concurrent:
+            from pos.scheduler import concurrent as conc
+
+            path = Path(conc.checkpoint_full(pid, local, options, leave_running=False,
+                                             lock_timeout_ms=lock_timeout_ms, echo=echo).path)
+            manifest = image.load(path)
+        else:
+            result = engine.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
+                                       page_server=PageServer(address, port + 1),
+                                       progress=progress)
+            path, manifest = result.path, result.manifest
+        progress.phase("send", total=manifest.size_bytes)
+        for name in sorted(manifest.files):
+            progress.advance(_send_file(sock, path / name))
         progress.phase(f"restore on {address}")
-        manifest = result.manifest.to_json().encode()
-        _send(sock, {"manifest": len(manifest)}, manifest)
+        text = manifest.to_json().encode()
+        _send(sock, {"manifest": len(text)}, text)
         reply = reader.message()
     if "error" in reply:
         raise PosError(f"{address} could not restore PID {pid}: {reply['error']}",
                        f"its image stays there for `pos restore` ({reply.get('path', '?')})")
-    if not keep:     # the pages went to HOST: this part alone restores nothing
-        shutil.rmtree(result.path, ignore_errors=True)
+    if not keep:     # HOST has the image now
+        shutil.rmtree(path, ignore_errors=True)
     echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
     return int(reply["pid"])
 
@@ -185,29 +218,40 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
         try:
             # the PIDs are checked at the restore: the dump frees them when both "hosts"
             # share one PID namespace (as in the tests)
-            echo(f"PIDs {reader.message()['pids']} announced")
+            hello = reader.message()
+            echo(f"PIDs {hello['pids']} announced")
+            concurrent = bool(hello.get("concurrent"))
             work = partial.parent
-            ps = criu.start(criu.page_server_argv(partial, address, port + 1, work))
-            _wait_listening(port + 1, ps)
+            # a whole-process concurrent image comes whole; otherwise the pages stream to
+            # CRIU's page server during the dump
+            ps = None if concurrent else criu.start(
+                criu.page_server_argv(partial, address, port + 1, work))
+            if ps is not None:
+                _wait_listening(port + 1, ps)
             _send(conn, {"ready": True})
             progress.phase("receive", poll=lambda: engine.folder_bytes(partial))
             manifest_text = b""
             while not manifest_text:
                 msg = reader.message()
                 if "file" in msg:
-                    dest = partial / Path(msg["file"]).name
-                    dest.write_bytes(reader.exactly(msg["size"]))
+                    reader.into(partial / Path(msg["file"]).name, msg["size"])
                 else:
                     manifest_text = reader.exactly(msg["manifest"])
-            criu.finish(ps, "page-server", work / "criu-page-server.log")
+            if ps is not None:
+                criu.finish(ps, "page-server", work / "criu-page-server.log")
             manifest = image.Manifest.from_json(manifest_text.decode())
             progress.phase("checksum", total=engine.folder_bytes(partial))
             final = image.seal(partial, manifest, progress.advance)
             echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
-            result = engine.restore(final, echo=echo, progress=progress)
+            if concurrent:
+                from pos.scheduler import concurrent as conc
+
+                restored = conc.restore_full(final, echo=echo).restored_pid
+            else:
+                restored = engine.restore(final, echo=echo, progress=progress).restored_pid
         except PosError as e:
             image.discard(partial)
             _send(conn, {"error": e.message, "path": str(directory)})
             raise
-        _send(conn, {"pid": result.restored_pid})
-    return result.restored_pid or 0
+        _send(conn, {"pid": restored})
+    return restored or 0

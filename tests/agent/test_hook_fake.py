@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -191,6 +192,48 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     now = concurrent.checkpoint_gpu(job.pid, tmp_path / "after")
     later = image_values(Path(now.path))
     assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """`pos migrate --to HOST --concurrent`: the whole-process concurrent image taken here,
+    sent whole to `pos migrate --listen` (here the same machine, over TCP), restored there in
+    a new process that goes on from the image."""
+    job = fill_job()
+    time.sleep(0.3)
+    # "the other host" shares this PID namespace: the job's PID is free for its restore there
+    # once this test, its parent, has reaped the original
+    threading.Thread(target=job.proc.wait, daemon=True).start()
+    port = 7170 + os.getpid() % 500
+    rx = subprocess.Popen([sys.executable, "-m", "pos.cli", "migrate", "--listen", "-D",
+                           str(tmp_path / "in"), "--address", "127.0.0.1", "--port", str(port)],
+                          cwd=ROOT, env=gpu_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+    try:
+        wait_for(lambda: b"LISTEN" in subprocess.run(
+            ["ss", "-ltn", f"sport = :{port}"], capture_output=True).stdout or
+            rx.poll() is not None, what="the listener")
+        tx = pos("migrate", str(job.pid), "--to", f"127.0.0.1:{port}", "--concurrent", "--json",
+                 env=gpu_env)
+        out, err = rx.communicate(timeout=120)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+    assert tx.returncode == 0, (tx.stdout, tx.stderr, err)
+    assert rx.returncode == 0, err
+    assert json.loads(tx.stdout)["restored_pid"] == job.pid
+    assert f"restored PID {job.pid}" in out
+    assert concurrent.is_full_image(tmp_path / "in")
+    saved = image_values(tmp_path / "in")       # what was sent, as received and sealed there
+    assert not torn(saved)
+    wait_for(job.alive, what="the migrated job")
+    later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_migrate_concurrent_goes_with_to_host(gpu_env) -> None:
+    r = pos("migrate", "123", "--to-gpu", "1", "--concurrent", env=gpu_env)
+    assert r.returncode == 2 and "--concurrent goes with --to HOST" in r.stderr
 
 
 def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_ready,
