@@ -66,6 +66,16 @@ def image_manifest_json(path: str) -> str:
     return image.load(Path(path)).to_json()
 
 
+def _longest_wait(gate: Any) -> str:
+    """What the job's longest-held call was and what it waited for: why a job stalled."""
+    if not gate.waits:
+        return ""
+    w = max(gate.waits, key=lambda w: w.s)
+    on = f"{w.on:#x}" if w.on else "every buffer"
+    what = w.what if len(w.what) <= 60 else w.what[:57] + "..."
+    return f"; the longest, {what}, waited for {on}"
+
+
 def _report_concurrent(r: Any, as_json: bool = False) -> None:
     """One line for a concurrent checkpoint or restore: what the job saw, then the copy (or,
     with --json, the whole report as one JSON object)."""
@@ -75,7 +85,8 @@ def _report_concurrent(r: Any, as_json: bool = False) -> None:
         click.echo(json.dumps(r.to_json()))
         return
     held = (f"longest held call {r.gate.held_max_s:.3f} s ({r.gate.held} held, "
-            f"{r.gate.held_s:.3f} s in all)" if r.gate else "job not running")
+            f"{r.gate.held_s:.3f} s in all{_longest_wait(r.gate)})" if r.gate
+            else "job not running")
     rate = r.d2h_gbps or r.h2d_gbps
     click.echo(f"{r.path}: {r.buffers} buffers, {r.bytes / 2**30:.2f} GiB; job released after "
                f"{r.release_s:.3f} s, {held}; copy {rate or 0:.1f} GB/s "
