@@ -40,7 +40,8 @@ def build(name: str, force: bool = False) -> Path:
     r = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(source), *libs],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        raise PosError(f"building {out.name} failed: {r.stderr.strip().splitlines()[-1:]}",
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise PosError(f"building {out.name} failed: {last}",
                        "check the compiler (gcc) and pos's source tree")
     os.replace(tmp, out)
     return out

@@ -104,10 +104,12 @@ EXPORT void pos_point(const unsigned char *p, size_t n, const uint64_t *starts,
 /* Read n bytes at file position `at` of fd into out, `piece` bytes at a time (a multiple of
  * GROUP), hashing each piece and marking the ranges its words point into while it is in the
  * CPU's cache; *hash: the chunk's checksum. Returns the bytes read (fewer: the file ended or
- * the read failed). */
+ * the read failed; -1: a piece that is no whole number of groups). */
 EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, size_t piece,
                               const uint64_t *starts, const uint64_t *ends, size_t k,
                               unsigned char *hits, uint64_t *hash) {
+    if (piece == 0 || piece % GROUP)
+        return -1;
     uint64_t lanes[4];
     start(n, lanes);
     size_t whole = n / GROUP * GROUP, words = n / 8 * 8, done = 0;

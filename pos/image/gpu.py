@@ -127,7 +127,7 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     if fd is None:
         fd = fds[path] = os.open(path, os.O_RDONLY)
     n = chunk["raw"]
-    if chunk["stored"] != n or out.shape[0] < n:
+    if chunk["stored"] != n or n < 0 or out.shape[0] < n:
         raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
                        "the image is corrupt: take a new checkpoint")
     h = ctypes.c_uint64()

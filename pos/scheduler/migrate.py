@@ -99,9 +99,12 @@ class _Reader:
         out, self.buf = self.buf[:n], self.buf[n:]
         return out
 
-    def into(self, path: Path, n: int) -> None:
+    def into(self, path: Path, n: Any) -> None:
         """The next n bytes into a new file, a piece at a time (a GPU image's data files are
         gigabytes)."""
+        if not isinstance(n, int) or n < 0:
+            raise PosError(f"the other side of the migration announced {path.name} with size "
+                           f"{n!r}", "migrate again with the same version of pos on both hosts")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             while n:
@@ -117,8 +120,8 @@ def _send_file(sock: socket.socket, path: Path) -> int:
     size = path.stat().st_size
     _send(sock, {"file": path.name, "size": size})
     with open(path, "rb") as f:
-        if size:
-            sock.sendfile(f)
+        if size and sock.sendfile(f, count=size) != size:
+            raise PosError(f"{path} shrank while it was being sent", "migrate again")
     return size
 
 
@@ -234,7 +237,11 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
             while not manifest_text:
                 msg = reader.message()
                 if "file" in msg:
-                    reader.into(partial / Path(msg["file"]).name, msg["size"])
+                    name = Path(msg["file"]).name
+                    if name in ("", ".", ".."):
+                        raise PosError(f"the other side of the migration sent a file named "
+                                       f"{msg['file']!r}", "migrate again")
+                    reader.into(partial / name, msg["size"])
                 else:
                     manifest_text = reader.exactly(msg["manifest"])
             if ps is not None:
@@ -249,9 +256,10 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
                 restored = conc.restore_full(final, echo=echo).restored_pid
             else:
                 restored = engine.restore(final, echo=echo, progress=progress).restored_pid
-        except PosError as e:
+        except Exception as e:      # the sender learns why, whatever failed here
             image.discard(partial)
-            _send(conn, {"error": e.message, "path": str(directory)})
+            _send(conn, {"error": e.message if isinstance(e, PosError) else repr(e),
+                         "path": str(directory)})
             raise
         _send(conn, {"pid": restored})
     return restored or 0

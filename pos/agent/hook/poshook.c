@@ -164,7 +164,7 @@ static size_t granularity[16];
 struct wait {
     CUdeviceptr on;
     uint64_t ns, end_ns;
-    const char *what;
+    char what[121]; /* a copy: the driver's name goes with its module */
 };
 struct stats {
     uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
@@ -436,9 +436,11 @@ static void gate_enter(const struct touch *t) {
         st.held_all += last == 0;
         if (waited > st.held_max_ns)
             st.held_max_ns = waited;
-        if (st.nwaits < MAX_WAITS)
-            st.waits[st.nwaits++] =
-                (struct wait){last, waited, now_ns() - st.started_ns, call_name(t)};
+        if (st.nwaits < MAX_WAITS) {
+            struct wait *w = &st.waits[st.nwaits++];
+            *w = (struct wait){.on = last, .ns = waited, .end_ns = now_ns() - st.started_ns};
+            snprintf(w->what, sizeof(w->what), "%s", call_name(t));
+        }
     }
     st.passed++;
     if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
@@ -1145,7 +1147,7 @@ static int stats_json(char *out, size_t cap) {
                         st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0,
                         (unsigned long long)st.held_all);
     for (int i = 0; i < st.nwaits && n < cap; i++) {
-        char what[121]; /* names are C identifiers, mangled: anything else becomes '?' */
+        char what[sizeof(st.waits[i].what)]; /* C identifiers, mangled: the rest becomes '?' */
         size_t k = 0;
         for (const char *c = st.waits[i].what; *c && k < sizeof(what) - 1; c++)
             what[k++] = isalnum((unsigned char)*c) || *c == '_' ? *c : '?';
