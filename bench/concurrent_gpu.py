@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
 from pos.agent.control import Agent, Buffer  # noqa: E402
+from pos.image import gpuindex  # noqa: E402
 from pos.scheduler import concurrent, cudackpt, gpucopy  # noqa: E402
 from workloads.fill_job import image_values, torn  # noqa: E402
 
@@ -208,7 +209,6 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
     import numpy as np
 
     from pos.image import gpu as gpuimage
-    from pos.image import gpuindex
     from pos.image.checksum import checksum
 
     saved = gpuindex.resolve(image_dir)
@@ -605,8 +605,7 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
             return res
         # the image's buffers, biggest first: what the restore gate's waits were for
         res["buffers"] = sorted(([b["base"], b["size"]] for b in
-                                 json.loads((d / "gpu-index.json").read_text())["buffers"]),
-                                key=lambda b: -b[1])
+                                 gpuindex.read_index(d)["buffers"]), key=lambda b: -b[1])
         p.wait(timeout=60)
         lines = LineTimes(log)
         wall0 = time.time()

@@ -10,15 +10,15 @@ import numpy as np
 
 from pos import native
 
-_lib = native.load(native.CHUNKS)
-_lib.pos_fold.restype = ctypes.c_uint64
-_lib.pos_fold.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
+LIB = native.load(native.CHUNKS)     # pos/image/gpu.py declares the reader's functions
+LIB.pos_fold.restype = ctypes.c_uint64
+LIB.pos_fold.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
 
 
 def fold(buf: np.ndarray, h: int) -> int:
     """The hash of buf's bytes (contiguous uint8) continuing from h: its 8-byte words, then the
     tail zero-padded to a word."""
-    return int(_lib.pos_fold(buf.ctypes.data, buf.shape[0], h))
+    return int(LIB.pos_fold(buf.ctypes.data, buf.shape[0], h))
 
 
 def checksum(buf: np.ndarray) -> int:

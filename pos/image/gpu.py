@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pos import native
 from pos.errors import BadInput
+from pos.image.checksum import LIB as _lib
 from pos.image.checksum import checksum
 
 # A reader hashes what it read in pieces this big (a multiple of the hash's 32-byte groups),
@@ -28,7 +28,6 @@ from pos.image.checksum import checksum
 # memory again.
 PIECE = 1 << 20
 
-_lib = native.load(native.CHUNKS)
 _P = ctypes.c_void_p
 _lib.pos_point.restype = None
 _lib.pos_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]

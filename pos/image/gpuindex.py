@@ -1,6 +1,6 @@
 """The index of a GPU image (DIR/gpu-index.json: every buffer saved and its chunks; see
-pos/image/gpu.py), apart from the compiled readers so that a restore reads it, and starts CRIU,
-without waiting for numba to import."""
+pos/image/gpu.py), apart from the chunk reader so that a restore reads it, and starts CRIU,
+before numpy and the reader's library are loaded."""
 
 import json
 import os
@@ -33,9 +33,11 @@ def read_index(folder: Path) -> dict[str, Any]:
     return index
 
 
-def resolve(folder: Path) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
-    """base -> (image folder holding it, size, chunks), following parents for `in_parent`."""
-    index = read_index(folder)
+def resolve(folder: Path, index: Optional[dict[str, Any]] = None
+            ) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
+    """base -> (image folder holding it, size, chunks), following parents for `in_parent`;
+    `index`: folder's, when the caller has read it already."""
+    index = index if index is not None else read_index(folder)
     parent: Optional[dict[int, tuple[Path, int, list[dict[str, Any]]]]] = None
     out = {}
     for b in index["buffers"]:

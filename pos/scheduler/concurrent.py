@@ -592,7 +592,7 @@ class _Prefetch:
 
     def __init__(self, directory: Path, streams: int) -> None:
         index = gpuindex.read_index(directory)
-        self.saved = gpuindex.resolve(directory)
+        self.saved = gpuindex.resolve(directory, index)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
         self.streams = streams

@@ -164,7 +164,7 @@ static size_t granularity[16];
 struct wait {
     CUdeviceptr on;
     uint64_t ns, end_ns;
-    char what[121]; /* a copy: the driver's name goes with its module */
+    char what[121]; /* a copy (the driver's goes with its module), JSON-safe */
 };
 struct stats {
     uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
@@ -439,7 +439,10 @@ static void gate_enter(const struct touch *t) {
         if (st.nwaits < MAX_WAITS) {
             struct wait *w = &st.waits[st.nwaits++];
             *w = (struct wait){.on = last, .ns = waited, .end_ns = now_ns() - st.started_ns};
-            snprintf(w->what, sizeof(w->what), "%s", call_name(t));
+            /* names are C identifiers, mangled: anything else becomes '?' */
+            size_t k = 0;
+            for (const char *c = call_name(t); *c && k < sizeof(w->what) - 1; c++)
+                w->what[k++] = isalnum((unsigned char)*c) || *c == '_' ? *c : '?';
         }
     }
     st.passed++;
@@ -685,8 +688,6 @@ static CUresult unmap(CUdeviceptr va, size_t n) {
 
 static int owning = -1; /* POS_OWN=0 turns ownership off (a measurement baseline) */
 
-/* Allocate `size` bytes as exportable VMM memory at addresses of our own; CUDA_ERROR_* else. */
-/* `whole`: the allocation is all of its granules (a slab), not the `size` the job asked for. */
 /* Where the agent asks the driver to place its allocations: from 0x7000'0000'0000 up (16 TiB
  * below the top of user space, above where the driver puts large ranges by itself), a granule
  * apart. A value the gates must read as a pointer is one inside a buffer; a buffer at
@@ -710,6 +711,8 @@ static CUresult reserve(CUdeviceptr *va, size_t n, size_t g) {
     return r != CUDA_SUCCESS && hint ? DRV(cuMemAddressReserve)(va, n, 0, 0, 0) : r;
 }
 
+/* Allocate `size` bytes as exportable VMM memory at addresses of our own; CUDA_ERROR_* else. */
+/* `whole`: the allocation is all of its granules (a slab), not the `size` the job asked for. */
 static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     CUdevice dev;
     CUcontext ctx;
@@ -1146,16 +1149,10 @@ static int stats_json(char *out, size_t cap) {
                         (unsigned long long)st.passed,
                         st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0,
                         (unsigned long long)st.held_all);
-    for (int i = 0; i < st.nwaits && n < cap; i++) {
-        char what[sizeof(st.waits[i].what)]; /* C identifiers, mangled: the rest becomes '?' */
-        size_t k = 0;
-        for (const char *c = st.waits[i].what; *c && k < sizeof(what) - 1; c++)
-            what[k++] = isalnum((unsigned char)*c) || *c == '_' ? *c : '?';
-        what[k] = 0;
+    for (int i = 0; i < st.nwaits && n < cap; i++)
         n += snprintf(out + n, cap - n, "%s{\"on\":%llu,\"s\":%.6f,\"end_s\":%.6f,\"what\":\"%s\"}",
                       i ? "," : "", (unsigned long long)st.waits[i].on, secs(st.waits[i].ns),
-                      secs(st.waits[i].end_ns), what);
-    }
+                      secs(st.waits[i].end_ns), st.waits[i].what);
     if (n < cap)
         n += snprintf(out + n, cap - n, "]");
     return n;
