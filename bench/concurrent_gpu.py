@@ -23,10 +23,12 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                dump) of --exact-job (gpt: workloads/train_gpt.py) at a moment the job does not
                choose, then `pos restore` into a new process: every loss against an
                uninterrupted run's, bit for bit; restore times, the gate's waits (named), the
-               first step after it and train_det's own clock around it; then the fill probe:
-               the image read back by 8 and 16 threads, read only / hashed whole / hashed in
-               pieces (C, without the GIL), and the data files mapped, page-locked in place,
-               hashed there and copied to the device from the page cache
+               first step after it and train_det's own clock around it; then the fill probe
+               (fill_probe): the restore's ring fill in several shapes against the
+               whole-chunk staging fill before it, reading alone, and the data files mapped,
+               page-locked in place and copied to the device from the page cache
+  migratehost  `pos migrate --to 127.0.0.1 --concurrent` of --exact-job at a moment it does not
+               choose, to `pos migrate --listen` here: losses bit for bit, the downtime
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
                concurrent one (the context's stack made 0 bytes while hoisted, then kept as it
                was: POS_HOIST_STACK=off, the local memory the driver checkpoints), on the
@@ -198,38 +200,31 @@ def anon_mib(pid: int) -> float:
     return 0.0
 
 
-def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
-    """Why a restore fills at what it does: the image's GPU chunks (page cache) read into host
-    memory by N threads, (a) read only, (b) read then hash the whole chunk (before this commit),
-    (c) read and hash in 1 MiB pieces without the GIL, as the restore now does; and (fill) the
-    restore's whole fill into device memory (pinned staging, one stream a thread), with no
-    CRIU or job beside it; GB/s each."""
+# (threads, piece, depth) of the fill's rings that the probe compares; the restore's own first
+RING_VARIANTS = [(16, 2 << 20, 4), (16, 1 << 20, 4), (16, 4 << 20, 4), (16, 2 << 20, 2),
+                 (16, 8 << 20, 2), (8, 2 << 20, 4), (12, 2 << 20, 4)]
+
+
+def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
+    """Why a restore fills at what it does, on the image's GPU chunks (page cache) with no CRIU
+    or job beside it, GB/s each: the restore's fill (`ring_T_P_D`: T threads, each a ring of D
+    pinned pieces of P MiB, read, hashed and copied to the device piece by piece) against the
+    fill before the rings (`staging`: each thread reads a whole 64 MiB chunk into pinned
+    staging, hashing 1 MiB pieces as they come, then copies it); reading alone (`read`: into
+    64 MiB buffers; `read_hash`: and hashing as the restore does); and the page cache mapped,
+    page-locked in place and copied from there (`mapped`: registered by one thread, as
+    before, and by `threads`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
     from pos.image import gpu as gpuimage
-    from pos.image.checksum import checksum
 
     saved = gpuindex.resolve(image_dir)
     chunks = [(folder, c) for folder, _size, cs in saved.values() for c in cs]
     total = sum(c["raw"] for _f, c in chunks)
     biggest = max(c["raw"] for _f, c in chunks)
-    res: dict[str, Any] = {"bytes": total, "chunks": len(chunks)}
-
-    def read(folder: Path, c: dict[str, Any], out: Any, fds: dict[str, int], mode: str) -> None:
-        if mode == "pieces":
-            gpuimage.read_chunk_into(folder, c, out, fds)
-            return
-        path = str(folder / c["file"])
-        if path not in fds:
-            fds[path] = os.open(path, os.O_RDONLY)
-        fd = fds[path]
-        view, done = memoryview(out[:c["raw"]]).cast("B"), 0
-        while done < c["raw"]:
-            done += os.preadv(fd, [view[done:]], c["at"] + done)
-        if mode == "whole":
-            checksum(out[:c["raw"]])
+    res: dict[str, Any] = {"bytes": total, "chunks": len(chunks), "threads": threads}
 
     drv = gpucopy.context(0)
     table = sorted((Buffer(base, size, size, 0, True) for base, (_f, size, _c) in saved.items()),
@@ -239,52 +234,98 @@ def fill_probe(image_dir: Path, threads: list[int]) -> dict[str, Any]:
         ptr = gpucopy.U64()
         drv.call("cuMemAlloc_v2", gpucopy.C.byref(ptr), gpucopy.SZ(b.size))
         dest.append(ptr.value)
-    for n in threads:
-        mine = {b.va: saved[b.va] for b in table}
-        staging = gpucopy.Pinned(drv, n * concurrent._slot(mine))
+    mine = {b.va: saved[b.va] for b in table}
+    res["staging_gbps"] = staging_fill(drv, table, dest, mine, threads)
+    for n, piece, depth in RING_VARIANTS:
+        rings = gpucopy.Rings(drv, n, piece, depth)
         try:
-            copy = concurrent._fill(drv, table, dest, mine, n, concurrent.Handout(table),
-                                    staging)    # a handout with no job to tell
+            copy = concurrent._fill(drv, table, dest, mine, n, concurrent.Handout(table), rings)
         finally:
-            staging.close()
-        res[f"fill_{n}_gbps"] = round(copy.gbps, 2)
-        bufs = [np.ones(biggest, np.uint8) for _ in range(n)]   # touched: no first faults
-        for mode in ("read", "whole", "pieces"):
-            free = list(range(n))
-            lock = threading.Lock()
-            fds: list[dict[str, int]] = [{} for _ in range(n)]
+            rings.close()
+        res[f"ring_{n}_{piece >> 20}_{depth}_gbps"] = round(copy.gbps, 2)
+    res["staging_again_gbps"] = staging_fill(drv, table, dest, mine, threads)
+    bufs = [np.ones(biggest, np.uint8) for _ in range(threads)]   # touched: no first faults
+    for mode in ("read", "read_hash"):
+        free = list(range(threads))
+        lock = threading.Lock()
+        fds: list[dict[str, int]] = [{} for _ in range(threads)]
 
-            def one(item: tuple[Path, dict[str, Any]]) -> None:
+        def one(item: tuple[Path, dict[str, Any]]) -> None:
+            with lock:
+                k = free.pop()
+            try:
+                folder, c = item
+                if mode == "read_hash":
+                    gpuimage.read_chunk_into(folder, c, bufs[k], fds[k])
+                    return
+                path = str(folder / c["file"])
+                if path not in fds[k]:
+                    fds[k][path] = os.open(path, os.O_RDONLY)
+                view, done = memoryview(bufs[k][:c["raw"]]).cast("B"), 0
+                while done < c["raw"]:
+                    done += os.preadv(fds[k][path], [view[done:]], c["at"] + done)
+            finally:
                 with lock:
-                    k = free.pop()
-                try:
-                    read(item[0], item[1], bufs[k], fds[k], mode)
-                finally:
-                    with lock:
-                        free.append(k)
+                    free.append(k)
 
-            t = time.monotonic()
-            with ThreadPoolExecutor(n) as pool:
-                list(pool.map(one, chunks))
-            res[f"{mode}_{n}_gbps"] = round(total / (time.monotonic() - t) / 1e9, 2)
-            for d in fds:
-                for fd in d.values():
-                    os.close(fd)
-    try:
-        res["mapped"] = mapped_fill(drv, saved, dest, table, 16)
-    except Exception as e:
-        res["mapped"] = {"error": repr(e)}
+        t = time.monotonic()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, chunks))
+        res[f"{mode}_gbps"] = round(total / (time.monotonic() - t) / 1e9, 2)
+        for d in fds:
+            for fd in d.values():
+                os.close(fd)
+    for name, pinners in (("mapped_1", 1), (f"mapped_{threads}", threads)):
+        try:
+            res[name] = mapped_fill(drv, saved, dest, table, threads, pinners)
+        except Exception as e:
+            res[name] = {"error": repr(e)}
     for ptr in dest:
         drv.call("cuMemFree_v2", gpucopy.U64(ptr))
     return res
 
 
+def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int, Any],
+                 n: int) -> float:
+    """The fill before the rings, for comparison (GB/s): each of n threads reads a whole chunk
+    into its part of one pinned arena (1 MiB pieces hashed as they come), copies it to the
+    device, and waits for the copy before it reads the next."""
+    from pos.image import gpu as gpuimage
+
+    slot = 1 << (max(c["raw"] for _f, _s, cs in saved.values() for c in cs) - 1).bit_length()
+    chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
+    work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
+                  key=lambda w: (table[w[0]].size, w[0], w[1]))
+    staging = gpucopy.Pinned(drv, n * slot)
+    local, lock, taken, opened = threading.local(), threading.Lock(), [0], []
+
+    def one(stream: Any, i: int, off: int, k: int) -> None:
+        if not hasattr(local, "at"):
+            with lock:
+                local.at, local.fds = taken[0] * slot, {}
+                taken[0] += 1
+                opened.append(local.fds)
+        gpuimage.read_chunk_into(saved[table[i].va][0], chunk_of[(i, off)],
+                                 staging.view(local.at, k), local.fds)
+        drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off),
+                 gpucopy.C.c_void_p(staging.ptr + local.at), gpucopy.SZ(k), stream)
+
+    try:
+        seconds = gpucopy.run_chunks(drv, work, len(table), n, one)
+    finally:
+        staging.close()
+        for fds in opened:
+            for fd in fds.values():
+                os.close(fd)
+    return round(sum(k for _i, _o, k in work) / seconds / 1e9, 2)
+
+
 def mapped_fill(drv: Any, saved: dict[int, Any], dest: list[int], table: list[Buffer],
-                n: int) -> dict[str, Any]:
+                n: int, pinners: int) -> dict[str, Any]:
     """A probe of the fill without the copy into staging: the data files mapped (page cache,
-    read-only) and page-locked in place (cuMemHostRegister, READ_ONLY), each chunk hashed
-    there and copied to the device straight from the page cache by n threads. Register time
-    apart; GB/s of the rest."""
+    read-only) and page-locked in place (cuMemHostRegister, READ_ONLY, 1 GiB at a time by
+    `pinners` threads), each chunk hashed there and copied to the device straight from the
+    page cache by n threads. Register time apart; GB/s of the rest."""
     import ctypes as C
     import mmap
     from concurrent.futures import ThreadPoolExecutor
@@ -297,21 +338,30 @@ def mapped_fill(drv: Any, saved: dict[int, Any], dest: list[int], table: list[Bu
     work = [(folder / c["file"], c, dest[where[base]] + c["offset"])
             for base, (folder, _size, cs) in saved.items() for c in cs]
     maps, views, regs = {}, {}, []
+    ctx = C.c_void_p()
+    drv.call("cuCtxGetCurrent", C.byref(ctx))
+    lock = threading.Lock()
+
+    def register(part: tuple[int, int]) -> None:
+        drv.call("cuCtxSetCurrent", ctx)
+        drv.call("cuMemHostRegister_v2", C.c_void_p(part[0]), gpucopy.SZ(part[1]),
+                 C.c_uint(0x08))          # CU_MEMHOSTREGISTER_READ_ONLY
+        with lock:
+            regs.append(part[0])
+
     t = time.monotonic()
     try:
+        parts = []
         for f in sorted({w[0] for w in work}):
             with open(f, "rb") as fh:
                 maps[f] = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
             views[f] = np.frombuffer(maps[f], np.uint8)
             ptr = views[f].ctypes.data
-            for at in range(0, len(maps[f]), 1 << 30):
-                k = min(1 << 30, len(maps[f]) - at)
-                drv.call("cuMemHostRegister_v2", C.c_void_p(ptr + at), gpucopy.SZ(k),
-                         C.c_uint(0x08))          # CU_MEMHOSTREGISTER_READ_ONLY
-                regs.append(ptr + at)
+            parts += [(ptr + at, min(1 << 30, len(maps[f]) - at))
+                      for at in range(0, len(maps[f]), 1 << 30)]
+        with ThreadPoolExecutor(pinners) as pool:
+            list(pool.map(register, parts))
         register_s = time.monotonic() - t
-        ctx = C.c_void_p()
-        drv.call("cuCtxGetCurrent", C.byref(ctx))
         local = threading.local()
         bad = [0]
 
@@ -343,7 +393,8 @@ def mapped_fill(drv: Any, saved: dict[int, Any], dest: list[int], table: list[Bu
             except BufferError:      # a view still held (an error's traceback): keep that error
                 pass
     return {"register_s": round(register_s, 3), "fill_gbps": round(total / seconds / 1e9, 2),
-            "bad_checksums": bad[0], "threads": n}
+            "with_register_gbps": round(total / (seconds + register_s) / 1e9, 2),
+            "bad_checksums": bad[0], "threads": n, "pinners": pinners}
 
 
 # -- parts ---------------------------------------------------------------------------------
@@ -630,10 +681,56 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
         compare_when_done(ref_log, log, res, 120)
         subprocess.run(["pkill", "-9", "-f", str(log)])
         try:
-            res["fill_probe"] = fill_probe(d, [8, 16])
+            res["fill_probe"] = fill_probe(d)
         except Exception as e:     # keep the restore's results
             res["fill_probe"] = {"error": repr(e)}
     finally:
+        kill(p)
+        subprocess.run(["pkill", "-9", "-f", str(log)])
+    return res
+
+
+def migratehost(out: Path, images: Path, job: str) -> dict[str, Any]:
+    """`pos migrate PID --to 127.0.0.1:PORT --concurrent` of a `pos run` job at a moment it
+    does not choose, to `pos migrate --listen` on this machine (the other host's part: the
+    image received, sealed and restored in a new process): every loss against an uninterrupted
+    run's; the downtime as the job saw it (its longest step gap) and the sender's report."""
+    steps = 60 if job == "gpt" else 300
+    ref_log, log = images / "ref.log", images / "mig.log"
+    subprocess.run([*POS, "run", "--", *job_argv(job, ref_log, steps, 0.05)], cwd=ROOT,
+                   timeout=240, capture_output=True)
+    p = pos_job(job_argv(job, log, steps, 0.05), out / "migratehost-job.log")
+    # the job's PID is free for its restore "there" once this process has reaped it
+    threading.Thread(target=p.wait, daemon=True).start()
+    port = 7400 + os.getpid() % 400
+    rx = subprocess.Popen([*POS, "migrate", "--listen", "-D", str(images / "in"), "--address",
+                           "127.0.0.1", "--port", str(port), "--json"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    res: dict[str, Any] = {"job": job, "steps": steps}
+    try:
+        wait_lines(log, steps // 3)
+        time.sleep(random.uniform(0, 0.7))
+        lines = LineTimes(log)
+        t = time.monotonic()
+        res["send"] = pos_cmd("migrate", str(p.pid), "--to", f"127.0.0.1:{port}",
+                              "--concurrent", "--json", timeout=180)
+        try:
+            rx_out, rx_err = rx.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            res["listener_hung"] = processes()
+            rx.kill()
+            rx_out, rx_err = rx.communicate()
+        res["listen"] = {"rc": rx.returncode, "out": rx_out[-1500:], "err": rx_err[-3000:]}
+        res["send_s"] = time.monotonic() - t
+        compare_when_done(ref_log, log, res, 120)
+        lines.stop = True
+        gaps = [b - a for a, b in zip(lines.times, lines.times[1:])]
+        if gaps:
+            res["downtime_s"] = round(max(gaps), 3)   # the longest gap between two steps
+            res["median_step_s"] = round(statistics.median(gaps), 4)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
         kill(p)
         subprocess.run(["pkill", "-9", "-f", str(log)])
     return res
@@ -755,6 +852,7 @@ def main() -> None:
         "hoistfd": lambda: hoistfd(out, images),
         "fullexact": lambda: fullexact(out, images, a.exact_job),
         "fullstall": lambda: fullstall(out, images, a.full_jobs.split(",")),
+        "migratehost": lambda: migratehost(out, images, a.exact_job),
         "faults": lambda: faults(out, images),
         "restorefirst": lambda: restorefirst(out, images, a.first_gib),
         "predump": lambda: predump(out, images),

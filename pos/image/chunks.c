@@ -53,13 +53,14 @@ static uint64_t finish(const uint64_t lanes[4], uint64_t n_words, const unsigned
     return out;
 }
 
-/* The lanes finished over buf[0:n] (their whole groups absorbed already), then its tail. */
-static uint64_t close_hash(const uint64_t lanes[4], const unsigned char *buf, size_t n) {
+/* The lanes finished over a chunk of n bytes, their whole groups absorbed already; `rest`
+ * points at the chunk's byte n / GROUP * GROUP (the words that made no group, then the tail). */
+static uint64_t close_hash(const uint64_t lanes[4], const unsigned char *rest, size_t n) {
     size_t words = n / 8, whole = n / GROUP * GROUP;
-    uint64_t out = finish(lanes, words, buf + whole, words - whole / 8);
+    uint64_t out = finish(lanes, words, rest, words - whole / 8);
     if (n % 8) {
         unsigned char tail[8] = {0};
-        memcpy(tail, buf + words * 8, n % 8);
+        memcpy(tail, rest + (words * 8 - whole), n % 8);
         uint64_t t[4];
         start(out, t);
         out = finish(t, 1, tail, 1);
@@ -72,7 +73,7 @@ EXPORT uint64_t pos_fold(const unsigned char *buf, size_t n, uint64_t h) {
     uint64_t lanes[4];
     start(h, lanes);
     absorb(buf, n / GROUP, lanes);
-    return close_hash(lanes, buf, n);
+    return close_hash(lanes, buf + n / GROUP * GROUP, n);
 }
 
 /* Marks hits[j] = 1 for each of the k sorted, disjoint ranges [starts[j], ends[j]) that one of
@@ -101,33 +102,97 @@ EXPORT void pos_point(const unsigned char *p, size_t n, const uint64_t *starts,
     }
 }
 
-/* Read n bytes at file position `at` of fd into out, `piece` bytes at a time (a multiple of
- * GROUP), hashing each piece and marking the ranges its words point into while it is in the
- * CPU's cache; *hash: the chunk's checksum. Returns the bytes read (fewer: the file ended or
- * the read failed; -1: a piece that is no whole number of groups). */
-EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, size_t piece,
-                              const uint64_t *starts, const uint64_t *ends, size_t k,
-                              unsigned char *hits, uint64_t *hash) {
+/* The driver's calls a fill makes, handed over by pos/driver.py (the one place that loads
+ * libcuda): cuMemcpyHtoDAsync_v2, cuEventRecord, cuEventSynchronize. */
+typedef int (*copy_fn)(uint64_t dst, const void *src, size_t n, void *stream);
+typedef int (*record_fn)(void *event, void *stream);
+typedef int (*wait_fn)(void *event);
+
+/* A fill thread's ring of `depth` page-locked pieces: each piece is read, hashed and copied to
+ * the device while the next is read. The copy's source is still in the CPU's cache, so the
+ * host's memory carries the page cache's bytes once, not three times (read into staging,
+ * written back, read again by the copy engine). */
+struct pos_ring {
+    unsigned char *slots;   /* depth * piece bytes, page-locked */
+    size_t piece, depth;
+    void **events;          /* one per slot: its last copy */
+    unsigned char *pending; /* whether that event was recorded */
+    void *stream;
+    copy_fn copy;
+    record_fn record;
+    wait_fn wait;
+    size_t next;            /* the slot the next piece goes into */
+    int error;              /* the driver's code when a call failed */
+};
+
+static int read_all(int fd, unsigned char *out, size_t n, int64_t at) {
+    for (size_t got = 0; got < n;) {
+        ssize_t r = pread(fd, out + got, n - got, at + (int64_t)got);
+        if (r <= 0)
+            return -1;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+/* The chunk of n bytes at file position `at`, piece by piece: into out (ring NULL), or through
+ * the ring's slots to the device at dst. Each piece is hashed, and the ranges its words point
+ * into marked, while it is in the CPU's cache. Returns the bytes read (fewer: the file ended or
+ * a read failed), -1 for a piece that is no whole number of groups, -2 when the driver failed
+ * (ring->error). *hash: the chunk's checksum. */
+static int64_t pieces(int fd, unsigned char *out, struct pos_ring *ring, uint64_t dst,
+                      size_t n, int64_t at, size_t piece, const uint64_t *starts,
+                      const uint64_t *ends, size_t k, unsigned char *hits, uint64_t *hash) {
     if (piece == 0 || piece % GROUP)
         return -1;
     uint64_t lanes[4];
     start(n, lanes);
     size_t whole = n / GROUP * GROUP, words = n / 8 * 8, done = 0;
+    const unsigned char *rest = out;
     while (done < n) {
-        size_t end = done + piece < n ? done + piece : n;
-        for (size_t got = done; got < end;) {
-            ssize_t r = pread(fd, out + got, end - got, at + (int64_t)got);
-            if (r <= 0)
-                return (int64_t)got;
-            got += (size_t)r;
+        size_t end = done + piece < n ? done + piece : n, slot = 0;
+        unsigned char *p = out + done;
+        if (ring) {
+            slot = ring->next;
+            ring->next = (slot + 1) % ring->depth;
+            p = ring->slots + slot * ring->piece;
+            if (ring->pending[slot] && (ring->error = ring->wait(ring->events[slot])) != 0)
+                return -2;
+            ring->pending[slot] = 0;
         }
+        if (read_all(fd, p, end - done, at + (int64_t)done))
+            return (int64_t)done;
         if ((end < whole ? end : whole) > done)
-            absorb(out + done, ((end < whole ? end : whole) - done) / GROUP, lanes);
+            absorb(p, ((end < whole ? end : whole) - done) / GROUP, lanes);
         if ((end < words ? end : words) > done)
-            pos_point(out + done, ((end < words ? end : words) - done) / 8, starts, ends, k,
-                      hits);
+            pos_point(p, ((end < words ? end : words) - done) / 8, starts, ends, k, hits);
+        if (end == n)
+            rest = p + (whole - done);   /* the last piece starts at or below `whole` */
+        if (ring) {
+            if ((ring->error = ring->copy(dst + done, p, end - done, ring->stream)) != 0 ||
+                (ring->error = ring->record(ring->events[slot], ring->stream)) != 0)
+                return -2;
+            ring->pending[slot] = 1;
+        }
         done = end;
     }
-    *hash = close_hash(lanes, out, n);
+    *hash = close_hash(lanes, rest, n);
     return (int64_t)n;
+}
+
+/* Read n bytes at file position `at` of fd into out, `piece` bytes at a time (a multiple of
+ * GROUP); see `pieces`. */
+EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, size_t piece,
+                              const uint64_t *starts, const uint64_t *ends, size_t k,
+                              unsigned char *hits, uint64_t *hash) {
+    return pieces(fd, out, NULL, 0, n, at, piece, starts, ends, k, hits, hash);
+}
+
+/* Fill n bytes of device memory at dst from file position `at` of fd through the ring (its
+ * piece size a multiple of GROUP); see `pieces`. The caller waits for the ring's stream before
+ * it tells anyone the memory is back, and only if the checksum matched. */
+EXPORT int64_t pos_fill_chunk(struct pos_ring *ring, int fd, uint64_t dst, size_t n, int64_t at,
+                              const uint64_t *starts, const uint64_t *ends, size_t k,
+                              unsigned char *hits, uint64_t *hash) {
+    return pieces(fd, NULL, ring, dst, n, at, ring->piece, starts, ends, k, hits, hash);
 }

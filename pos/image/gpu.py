@@ -35,6 +35,10 @@ _lib.pos_read_chunk.restype = ctypes.c_int64
 _lib.pos_read_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_int64,
                                 ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P,
                                 ctypes.POINTER(ctypes.c_uint64)]
+_lib.pos_fill_chunk.restype = ctypes.c_int64
+_lib.pos_fill_chunk.argtypes = [_P, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t,
+                                ctypes.c_int64, _P, _P, ctypes.c_size_t, _P,
+                                ctypes.POINTER(ctypes.c_uint64)]
 
 
 class Writer:
@@ -108,35 +112,68 @@ def _point(words: np.ndarray, targets: Targets, hits: np.ndarray) -> None:
                    targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data)
 
 
+def _open(folder: Path, chunk: dict[str, Any], fds: dict[str, int]) -> int:
+    path = str(Path(folder) / chunk["file"])
+    fd = fds.get(path)
+    if fd is None:
+        fd = fds[path] = os.open(path, os.O_RDONLY)
+    if chunk["stored"] != chunk["raw"] or chunk["raw"] < 0:
+        raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
+                       "the image is corrupt: take a new checkpoint")
+    return fd
+
+
+def _checked(folder: Path, chunk: dict[str, Any], got: int, h: int) -> None:
+    if got < chunk["raw"]:
+        raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
+    if f"{h:016x}" != chunk["hash"]:
+        raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
+                       "the image is corrupt: take a new checkpoint")
+
+
 def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
                     fds: dict[str, int], targets: Targets = NO_TARGETS) -> np.ndarray:
     """Read one chunk into out[:raw] and check its checksum, with no intermediate copy for an
-    uncompressed chunk (pread straight into `out`, e.g. pinned staging, in pieces of PIECE
-    bytes, each hashed while still in the CPU's cache; without the GIL). `fds` caches the open
-    data files of the calling thread. Returns the indices of the `targets` that the chunk's
-    8-byte words point into."""
+    uncompressed chunk (pread straight into `out` in pieces of PIECE bytes, each hashed while
+    still in the CPU's cache; without the GIL). `fds` caches the open data files of the
+    calling thread. Returns the indices of the `targets` that the chunk's 8-byte words point
+    into."""
     hits = targets.hits()
     if chunk["zstd"]:
         read_chunk(folder, chunk, out)
         n = chunk["raw"] // 8 * 8
         _point(out[:n].view(np.uint64), targets, hits)
         return np.flatnonzero(hits)
-    path = str(Path(folder) / chunk["file"])
-    fd = fds.get(path)
-    if fd is None:
-        fd = fds[path] = os.open(path, os.O_RDONLY)
-    n = chunk["raw"]
-    if chunk["stored"] != n or n < 0 or out.shape[0] < n:
-        raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
-                       "the image is corrupt: take a new checkpoint")
+    fd = _open(folder, chunk, fds)
+    if out.shape[0] < chunk["raw"]:
+        raise ValueError("the output is smaller than the chunk")
     h = ctypes.c_uint64()
-    if _lib.pos_read_chunk(fd, out.ctypes.data, n, chunk["at"], PIECE, targets.starts.ctypes.data,
-                           targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data,
-                           ctypes.byref(h)) < n:
-        raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
-    if f"{h.value:016x}" != chunk["hash"]:
-        raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
-                       "the image is corrupt: take a new checkpoint")
+    got = _lib.pos_read_chunk(fd, out.ctypes.data, chunk["raw"], chunk["at"], PIECE,
+                              targets.starts.ctypes.data, targets.ends.ctypes.data,
+                              targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
+    _checked(folder, chunk, got, h.value)
+    return np.flatnonzero(hits)
+
+
+def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: dict[str, int],
+               targets: Targets = NO_TARGETS) -> np.ndarray:
+    """Copy one uncompressed chunk to device memory at dst through a fill thread's ring
+    (pos/scheduler/gpucopy.Ring) and check its checksum; like read_chunk_into otherwise. The
+    copies may still run when this returns: the caller waits for the ring's stream before it
+    counts the memory back, and a failed check raises first."""
+    from pos.driver import DriverError, driver
+
+    hits = targets.hits()
+    fd = _open(folder, chunk, fds)
+    h = ctypes.c_uint64()
+    got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, dst, chunk["raw"], chunk["at"],
+                              targets.starts.ctypes.data, targets.ends.ctypes.data,
+                              targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
+    if got == -2:
+        drv = driver()
+        raise DriverError("the fill's copy to the device", ring.error,
+                          drv.error_name(ring.error))
+    _checked(folder, chunk, got, h.value)
     return np.flatnonzero(hits)
 
 

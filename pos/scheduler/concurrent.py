@@ -282,7 +282,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
     saved = gpuindex.resolve(directory)
     with Agent(pid) as agent:
         drv = gpucopy.context(0)
-        staging = gpucopy.Pinned(drv, streams * _slot(saved))
+        rings = gpucopy.Rings(drv, streams, FILL_PIECE, FILL_DEPTH)
         try:
             t0 = time.monotonic()
             cut = agent.cut(STALL_S)
@@ -304,30 +304,29 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
                 release_s = time.monotonic() - t0
                 handout = Handout(table)
                 handout.attach(agent)
-                copy = _fill(drv, table, mem.local, saved, streams, handout, staging)
+                copy = _fill(drv, table, mem.local, saved, streams, handout, rings)
                 gate = agent.end()
             finally:
                 mem.close()   # on failure the agent ends a half-restored job as pos goes
         finally:
-            staging.close()
+            rings.close()
     return Report(str(directory), len(table), copy.bytes, cut, gate, 0, release_s, None,
                   copy.gbps, 0, {"h2d": copy.seconds})
 
 
-def _slot(saved: dict[int, tuple[Path, int, list[dict[str, Any]]]]) -> int:
-    """Bytes of staging a fill thread takes: its biggest chunk, up to a power of two, so that no
-    thread's part of one arena crosses the arena's pinned pieces (gpucopy.Pinned.PIECE)."""
-    biggest = max((c["raw"] for _f, _s, chunks in saved.values() for c in chunks), default=1)
-    return 1 << (biggest - 1).bit_length()
+FILL_PIECE = 2 << 20   # a fill thread reads, hashes and copies this much at a time
+FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
 
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int,
-          handout: "Handout", staging: gpucopy.Pinned) -> gpucopy.Copy:
-    """Read every buffer's chunks (checksums checked) into pinned `staging` (streams *
-    _slot(saved) bytes) and copy them to device memory at `dest`, the smaller buffers first
-    (most calls' buffers come back soon, a big one alone does not hold them up); the handout
-    learns which other buffers each buffer's words point into, and then that it is back."""
+          handout: "Handout", rings: gpucopy.Rings) -> gpucopy.Copy:
+    """Read every buffer's chunks (checksums checked) through the threads' `rings` of pinned
+    pieces and copy them to device memory at `dest`, the smaller buffers first (most calls'
+    buffers come back soon, a big one alone does not hold them up); the handout learns which
+    other buffers each buffer's words point into, and then that it is back."""
+    import numpy as np
+
     from pos.image import gpu as gpuimage
     from pos.scheduler import gpucopy
 
@@ -335,27 +334,29 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
                   key=lambda w: (table[w[0]].size, w[0], w[1]))
-    slot = _slot(saved)
     local = threading.local()
     lock = threading.Lock()
-    read_s = [0.0]          # summed over the threads: reading and checking the chunks
+    read_s = [0.0]          # summed over the threads: reading, checking and copying the chunks
     open_files: list[dict[str, int]] = []
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
-        if not hasattr(local, "at"):
+        if not hasattr(local, "fds"):
             local.fds = {}
             with lock:
-                local.at = len(open_files) * slot
                 open_files.append(local.fds)
-        b = table[i]
+        folder, chunk = saved[table[i].va][0], chunk_of[(i, off)]
         t = time.monotonic()
-        hits = gpuimage.read_chunk_into(saved[b.va][0], chunk_of[(i, off)],
-                                        staging.view(local.at, n), local.fds, targets)
+        if chunk["zstd"]:     # decompressed in host memory, then copied from there
+            data = np.empty(n, np.uint8)
+            hits = gpuimage.read_chunk_into(folder, chunk, data, local.fds, targets)
+            drv.call("cuMemcpyHtoD_v2", gpucopy.U64(dest[i] + off),
+                     gpucopy.C.c_void_p(data.ctypes.data), gpucopy.SZ(n))
+        else:
+            hits = gpuimage.fill_chunk(rings.mine(stream), folder, chunk, dest[i] + off,
+                                       local.fds, targets)
         with lock:
             read_s[0] += time.monotonic() - t
         handout.points(i, hits)
-        drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off),
-                 gpucopy.C.c_void_p(staging.ptr + local.at), gpucopy.SZ(n), stream)
 
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
@@ -511,7 +512,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
-               "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
+               "context_at": pre.context_at - t0, "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
                "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
@@ -598,13 +599,14 @@ class _Prefetch:
         self.streams = streams
         self.handout = Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None
-        self.staging: Optional[gpucopy.Pinned] = None
+        self.rings: Optional[gpucopy.Rings] = None
         self.fds: list[int] = []
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
-        # when (time.monotonic) the memory existed, the staging was pinned, all was back
-        self.memory_at = self.pinned_at = self.filled_at = 0.0
+        # when (time.monotonic) the driver's context was up, the memory existed, the staging
+        # was pinned, all was back
+        self.context_at = self.memory_at = self.pinned_at = self.filled_at = 0.0
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
 
@@ -613,15 +615,16 @@ class _Prefetch:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
             drv = gpucopy.context(0)
+            self.context_at = time.monotonic()
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
             self.memory_at = time.monotonic()
             self.ready.set()
             # the fill's staging: one arena pinned here, beside CRIU, rather than one per fill
             # thread at its first chunk, after the job's release
-            self.staging = gpucopy.Pinned(drv, self.streams * _slot(self.saved))
+            self.rings = gpucopy.Rings(drv, self.streams, FILL_PIECE, FILL_DEPTH)
             self.pinned_at = time.monotonic()
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
-                              self.handout, self.staging)
+                              self.handout, self.rings)
             self.filled_at = time.monotonic()
         except BaseException as e:      # raised in the caller's thread by join()
             self.error = e
@@ -639,8 +642,8 @@ class _Prefetch:
         """Wait for the fill, then let go of pos's mapping and descriptors (the job holds its
         own); after a failure the memory is freed."""
         self.thread.join()
-        if self.staging is not None:
-            self.staging.close()
+        if self.rings is not None:
+            self.rings.close()
         if self.mem is not None:
             self.mem.close()
         for fd in self.fds:

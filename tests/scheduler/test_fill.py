@@ -1,0 +1,103 @@
+"""The restore's fill through each thread's ring of pinned pieces, against the fake driver: every
+byte lands at its address whatever the chunk's length (tails of 1-7 bytes, words that make no
+group of four), the checksums are those the writer made, and a corrupt chunk is refused before
+its buffer is counted back."""
+
+import ctypes as C
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pos.agent.control import Buffer
+from pos.errors import BadInput
+from pos.image import gpu as gpuimage
+
+CHUNK = 1 << 16
+SIZES = [5 * CHUNK + 123, 3 * CHUNK + 40, 77, CHUNK]   # tails: 123, 40, 77 bytes
+
+
+@pytest.fixture
+def drv(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from pos.scheduler import gpucopy
+
+    return gpucopy.context(0)
+
+
+def image(folder: Path) -> tuple[list[Buffer], dict, list[np.ndarray]]:
+    rng = np.random.default_rng(11)
+    datas = [rng.integers(0, 256, n, np.uint8) for n in SIZES]
+    bases = [0x7000_0000_0000 + i * (1 << 24) for i in range(len(SIZES))]
+    # one buffer's words point into another's: the handout must learn it
+    datas[1][:8] = np.frombuffer(np.uint64(bases[2] + 5).tobytes(), np.uint8)
+    w = gpuimage.Writer(folder, compress=False)
+    for base, data in zip(bases, datas):
+        for off in range(0, len(data), CHUNK):
+            w.put(base, off, data[off:off + CHUNK].copy())
+    w.close()
+    saved = {base: (folder, len(data), sorted(w.chunks[base], key=lambda c: c["offset"]))
+             for base, data in zip(bases, datas)}
+    table = [Buffer(base, len(data), len(data), 0, True) for base, data in zip(bases, datas)]
+    return table, saved, datas
+
+
+def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int):
+    from pos.scheduler import concurrent, gpucopy
+
+    dest = []
+    for b in table:
+        p = gpucopy.U64()
+        drv.call("cuMemAlloc_v2", C.byref(p), gpucopy.SZ(b.size))
+        dest.append(p.value)
+    handout = concurrent.Handout(table)
+    rings = gpucopy.Rings(drv, 3, piece, depth)
+    try:
+        error = None
+        try:
+            concurrent._fill(drv, table, dest, saved, 3, handout, rings)
+        except BadInput as e:
+            error = e
+    finally:
+        rings.close()
+    back = []
+    for b, d in zip(table, dest):
+        out = np.empty(b.size, np.uint8)
+        drv.call("cuMemcpyDtoH_v2", C.c_void_p(out.ctypes.data), gpucopy.U64(d),
+                 gpucopy.SZ(b.size))
+        back.append(out)
+        drv.call("cuMemFree_v2", gpucopy.U64(d))
+    return back, handout, error
+
+
+@pytest.mark.parametrize("piece,depth", [(4096, 2), (1 << 16, 4), (32, 8)])
+def test_the_ring_fill_puts_every_byte_back(drv, tmp_path: Path, piece: int, depth: int
+                                            ) -> None:
+    table, saved, datas = image(tmp_path)
+    back, handout, error = fill(drv, table, saved, piece, depth)
+    assert error is None
+    for data, got in zip(datas, back):
+        assert (got == data).all()
+    assert handout.back == set(range(len(table)))
+    assert handout.refers[1] == {2}
+
+
+def test_a_piece_that_does_not_divide_the_arena_is_refused(drv) -> None:
+    from pos.scheduler import gpucopy
+
+    with pytest.raises(ValueError):
+        gpucopy.Rings(drv, 2, 96, 1)
+
+
+def test_a_corrupt_chunk_is_refused_and_its_buffer_never_counted_back(drv, tmp_path: Path
+                                                                      ) -> None:
+    table, saved, _datas = image(tmp_path)
+    bad = saved[table[0].va][2][2]
+    path = tmp_path / bad["file"]
+    raw = bytearray(path.read_bytes())
+    raw[bad["at"] + 1000] ^= 0x5A
+    path.write_bytes(bytes(raw))
+    _back, handout, error = fill(drv, table, saved, 4096, 2)
+    assert error is not None and "does not match its checksum" in error.message
+    assert 0 not in handout.back
