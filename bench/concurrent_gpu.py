@@ -200,25 +200,31 @@ def anon_mib(pid: int) -> float:
     return 0.0
 
 
-# (threads, piece, depth) of the fill's rings that the probe compares; the restore's own first
-RING_VARIANTS = [(16, 2 << 20, 4), (16, 1 << 20, 4), (16, 4 << 20, 4), (16, 2 << 20, 2),
-                 (16, 8 << 20, 2), (8, 2 << 20, 4), (12, 2 << 20, 4)]
+# (threads, piece, depth, mapped) of the fill's rings that the probe compares; the restore's
+# own first
+RING_VARIANTS = [(16, 2 << 20, 4, False), (16, 1 << 20, 4, False), (16, 512 << 10, 4, False),
+                 (16, 256 << 10, 4, False), (16, 2 << 20, 4, True), (16, 1 << 20, 4, True),
+                 (16, 512 << 10, 4, True), (16, 256 << 10, 8, True), (12, 1 << 20, 4, True),
+                 (16, 4 << 20, 2, True)]
 
 
 def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     """Why a restore fills at what it does, on the image's GPU chunks (page cache) with no CRIU
-    or job beside it, GB/s each: the restore's fill (`ring_T_P_D`: T threads, each a ring of D
-    pinned pieces of P MiB, read, hashed and copied to the device piece by piece) against the
-    fill before the rings (`staging`: each thread reads a whole 64 MiB chunk into pinned
-    staging, hashing 1 MiB pieces as they come, then copies it); reading alone (`read`: into
-    64 MiB buffers; `read_hash`: and hashing as the restore does); and the page cache mapped,
-    page-locked in place and copied from there (`mapped`: registered by one thread, as
-    before, and by `threads`)."""
+    or job beside it, GB/s each: the restore's fill (`ring_T_P_D_read|mapped`: T threads,
+    each a ring of D pinned pieces of P KiB, read with pread or copied out of the data files
+    mapped, hashed and copied to the device piece by piece) against the fill before the
+    rings (`staging`: each thread reads a whole 64 MiB chunk into pinned staging, hashing
+    1 MiB pieces as they come, then copies it); and the floors: `read` (pread into 64 MiB
+    buffers), `read_hash` (and hashing as the restore does), `map_hash` (hashing the mapped
+    files in place, no copy at all). Page-locking the mapped files to copy from them directly
+    was measured in session 7's first call (bench/results/2026-11-25-hoist21): 1.2-1.9 s for
+    16 GiB, from 1 or 16 threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
     from pos.image import gpu as gpuimage
+    from pos.image.checksum import checksum
 
     saved = gpuindex.resolve(image_dir)
     chunks = [(folder, c) for folder, _size, cs in saved.values() for c in cs]
@@ -236,16 +242,21 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
         dest.append(ptr.value)
     mine = {b.va: saved[b.va] for b in table}
     res["staging_gbps"] = staging_fill(drv, table, dest, mine, threads)
-    for n, piece, depth in RING_VARIANTS:
+    for n, piece, depth, mapped in RING_VARIANTS:
         rings = gpucopy.Rings(drv, n, piece, depth)
         try:
-            copy = concurrent._fill(drv, table, dest, mine, n, concurrent.Handout(table), rings)
+            copy = concurrent._fill(drv, table, dest, mine, n, concurrent.Handout(table), rings,
+                                    mapped)
         finally:
             rings.close()
-        res[f"ring_{n}_{piece >> 20}_{depth}_gbps"] = round(copy.gbps, 2)
+        how = "mapped" if mapped else "read"
+        res[f"ring_{n}_{piece >> 10}_{depth}_{how}_gbps"] = round(copy.gbps, 2)
     res["staging_again_gbps"] = staging_fill(drv, table, dest, mine, threads)
+    for ptr in dest:
+        drv.call("cuMemFree_v2", gpucopy.U64(ptr))
     bufs = [np.ones(biggest, np.uint8) for _ in range(threads)]   # touched: no first faults
-    for mode in ("read", "read_hash"):
+    maps = gpuimage.Maps()
+    for mode in ("read", "read_hash", "map_hash"):
         free = list(range(threads))
         lock = threading.Lock()
         fds: list[dict[str, int]] = [{} for _ in range(threads)]
@@ -257,6 +268,11 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
                 folder, c = item
                 if mode == "read_hash":
                     gpuimage.read_chunk_into(folder, c, bufs[k], fds[k])
+                    return
+                if mode == "map_hash":
+                    at = maps.address(folder, c) + c["at"]
+                    checksum(np.ctypeslib.as_array((gpucopy.C.c_uint8 * c["raw"])
+                                                   .from_address(at)))
                     return
                 path = str(folder / c["file"])
                 if path not in fds[k]:
@@ -275,13 +291,7 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
         for d in fds:
             for fd in d.values():
                 os.close(fd)
-    for name, pinners in (("mapped_1", 1), (f"mapped_{threads}", threads)):
-        try:
-            res[name] = mapped_fill(drv, saved, dest, table, threads, pinners)
-        except Exception as e:
-            res[name] = {"error": repr(e)}
-    for ptr in dest:
-        drv.call("cuMemFree_v2", gpucopy.U64(ptr))
+    maps.close()
     return res
 
 
@@ -318,83 +328,6 @@ def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int
             for fd in fds.values():
                 os.close(fd)
     return round(sum(k for _i, _o, k in work) / seconds / 1e9, 2)
-
-
-def mapped_fill(drv: Any, saved: dict[int, Any], dest: list[int], table: list[Buffer],
-                n: int, pinners: int) -> dict[str, Any]:
-    """A probe of the fill without the copy into staging: the data files mapped (page cache,
-    read-only) and page-locked in place (cuMemHostRegister, READ_ONLY, 1 GiB at a time by
-    `pinners` threads), each chunk hashed there and copied to the device straight from the
-    page cache by n threads. Register time apart; GB/s of the rest."""
-    import ctypes as C
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
-    from pos.image.checksum import fold
-
-    where = {b.va: i for i, b in enumerate(table)}
-    work = [(folder / c["file"], c, dest[where[base]] + c["offset"])
-            for base, (folder, _size, cs) in saved.items() for c in cs]
-    maps, views, regs = {}, {}, []
-    ctx = C.c_void_p()
-    drv.call("cuCtxGetCurrent", C.byref(ctx))
-    lock = threading.Lock()
-
-    def register(part: tuple[int, int]) -> None:
-        drv.call("cuCtxSetCurrent", ctx)
-        drv.call("cuMemHostRegister_v2", C.c_void_p(part[0]), gpucopy.SZ(part[1]),
-                 C.c_uint(0x08))          # CU_MEMHOSTREGISTER_READ_ONLY
-        with lock:
-            regs.append(part[0])
-
-    t = time.monotonic()
-    try:
-        parts = []
-        for f in sorted({w[0] for w in work}):
-            with open(f, "rb") as fh:
-                maps[f] = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
-            views[f] = np.frombuffer(maps[f], np.uint8)
-            ptr = views[f].ctypes.data
-            parts += [(ptr + at, min(1 << 30, len(maps[f]) - at))
-                      for at in range(0, len(maps[f]), 1 << 30)]
-        with ThreadPoolExecutor(pinners) as pool:
-            list(pool.map(register, parts))
-        register_s = time.monotonic() - t
-        local = threading.local()
-        bad = [0]
-
-        def one(item: tuple[Path, dict[str, Any], int]) -> None:
-            f, c, to = item
-            if not hasattr(local, "s"):
-                drv.call("cuCtxSetCurrent", ctx)
-                local.s = C.c_void_p()
-                drv.call("cuStreamCreate", C.byref(local.s), C.c_uint(1))
-            src = views[f][c["at"]:c["at"] + c["raw"]]
-            drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(to), C.c_void_p(src.ctypes.data),
-                     gpucopy.SZ(c["raw"]), local.s)
-            if f"{fold(src, c['raw']):016x}" != c["hash"]:
-                bad[0] += 1
-            drv.call("cuStreamSynchronize", local.s)
-
-        total = sum(c["raw"] for _f, c, _t in work)
-        t = time.monotonic()
-        with ThreadPoolExecutor(n) as pool:
-            list(pool.map(one, work))
-        seconds = time.monotonic() - t
-    finally:
-        for p in regs:
-            drv.function("cuMemHostUnregister")(C.c_void_p(p))
-        views.clear()
-        for m in maps.values():
-            try:
-                m.close()
-            except BufferError:      # a view still held (an error's traceback): keep that error
-                pass
-    return {"register_s": round(register_s, 3), "fill_gbps": round(total / seconds / 1e9, 2),
-            "with_register_gbps": round(total / (seconds + register_s) / 1e9, 2),
-            "bad_checksums": bad[0], "threads": n, "pinners": pinners}
 
 
 # -- parts ---------------------------------------------------------------------------------
@@ -634,7 +567,7 @@ def pos_cmd(*args: str, env: dict[str, str] = {}, timeout: float = 240) -> dict[
     return res
 
 
-def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
+def fullexact(out: Path, images: Path, job: str, probe: bool = True) -> dict[str, Any]:
     steps = 60 if job == "gpt" else 300     # both run ~20 s: the checkpoint comes mid-run
     ref_log, log = images / "ref.log", images / "full.log"
     subprocess.run([*POS, "run", "--", *job_argv(job, ref_log, steps, 0.05)], cwd=ROOT,
@@ -681,7 +614,8 @@ def fullexact(out: Path, images: Path, job: str) -> dict[str, Any]:
         compare_when_done(ref_log, log, res, 120)
         subprocess.run(["pkill", "-9", "-f", str(log)])
         try:
-            res["fill_probe"] = fill_probe(d)
+            if probe:
+                res["fill_probe"] = fill_probe(d)
         except Exception as e:     # keep the restore's results
             res["fill_probe"] = {"error": repr(e)}
     finally:
@@ -842,6 +776,7 @@ def main() -> None:
     ap.add_argument("--exact-job", default="gpt", help="gpt, or GiB of train_det ballast")
     ap.add_argument("--full-jobs", default="16,gpt", help="gpt, or GiB of train_det ballast")
     ap.add_argument("--first-gib", type=float, default=2.0, help="restorefirst's ballast")
+    ap.add_argument("--no-probe", action="store_true", help="fullexact without the fill probe")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     parts: dict[str, Callable[[], dict[str, Any]]] = {
@@ -850,7 +785,7 @@ def main() -> None:
         "big": lambda: big(out, images, [float(s) for s in a.sizes.split(",")]),
         "stw": lambda: stw(out, images),
         "hoistfd": lambda: hoistfd(out, images),
-        "fullexact": lambda: fullexact(out, images, a.exact_job),
+        "fullexact": lambda: fullexact(out, images, a.exact_job, not a.no_probe),
         "fullstall": lambda: fullstall(out, images, a.full_jobs.split(",")),
         "migratehost": lambda: migratehost(out, images, a.exact_job),
         "faults": lambda: faults(out, images),

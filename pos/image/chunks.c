@@ -135,14 +135,16 @@ static int read_all(int fd, unsigned char *out, size_t n, int64_t at) {
     return 0;
 }
 
-/* The chunk of n bytes at file position `at`, piece by piece: into out (ring NULL), or through
- * the ring's slots to the device at dst. Each piece is hashed, and the ranges its words point
+/* The chunk of n bytes at file position `at` (read from fd, or copied from src, the file
+ * mapped), piece by piece: into out (ring NULL), or through the ring's slots to the device at
+ * dst. Each piece is hashed, and the ranges its words point
  * into marked, while it is in the CPU's cache. Returns the bytes read (fewer: the file ended or
  * a read failed), -1 for a piece that is no whole number of groups, -2 when the driver failed
  * (ring->error). *hash: the chunk's checksum. */
-static int64_t pieces(int fd, unsigned char *out, struct pos_ring *ring, uint64_t dst,
-                      size_t n, int64_t at, size_t piece, const uint64_t *starts,
-                      const uint64_t *ends, size_t k, unsigned char *hits, uint64_t *hash) {
+static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
+                      struct pos_ring *ring, uint64_t dst, size_t n, int64_t at, size_t piece,
+                      const uint64_t *starts, const uint64_t *ends, size_t k,
+                      unsigned char *hits, uint64_t *hash) {
     if (piece == 0 || piece % GROUP)
         return -1;
     uint64_t lanes[4];
@@ -160,7 +162,9 @@ static int64_t pieces(int fd, unsigned char *out, struct pos_ring *ring, uint64_
                 return -2;
             ring->pending[slot] = 0;
         }
-        if (read_all(fd, p, end - done, at + (int64_t)done))
+        if (src)
+            memcpy(p, src + at + done, end - done);
+        else if (read_all(fd, p, end - done, at + (int64_t)done))
             return (int64_t)done;
         if ((end < whole ? end : whole) > done)
             absorb(p, ((end < whole ? end : whole) - done) / GROUP, lanes);
@@ -185,14 +189,16 @@ static int64_t pieces(int fd, unsigned char *out, struct pos_ring *ring, uint64_
 EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, size_t piece,
                               const uint64_t *starts, const uint64_t *ends, size_t k,
                               unsigned char *hits, uint64_t *hash) {
-    return pieces(fd, out, NULL, 0, n, at, piece, starts, ends, k, hits, hash);
+    return pieces(fd, NULL, out, NULL, 0, n, at, piece, starts, ends, k, hits, hash);
 }
 
-/* Fill n bytes of device memory at dst from file position `at` of fd through the ring (its
- * piece size a multiple of GROUP); see `pieces`. The caller waits for the ring's stream before
- * it tells anyone the memory is back, and only if the checksum matched. */
-EXPORT int64_t pos_fill_chunk(struct pos_ring *ring, int fd, uint64_t dst, size_t n, int64_t at,
-                              const uint64_t *starts, const uint64_t *ends, size_t k,
-                              unsigned char *hits, uint64_t *hash) {
-    return pieces(fd, NULL, ring, dst, n, at, ring->piece, starts, ends, k, hits, hash);
+/* Fill n bytes of device memory at dst from position `at` of a data file through the ring (its
+ * piece size a multiple of GROUP): read from fd, or copied from `mapped` (the whole file mapped
+ * read-only, at least at + n bytes long; NULL: read); see `pieces`. The caller waits for the
+ * ring's stream before it tells anyone the memory is back, and only if the checksum matched. */
+EXPORT int64_t pos_fill_chunk(struct pos_ring *ring, int fd, const unsigned char *mapped,
+                              uint64_t dst, size_t n, int64_t at, const uint64_t *starts,
+                              const uint64_t *ends, size_t k, unsigned char *hits,
+                              uint64_t *hash) {
+    return pieces(fd, mapped, NULL, ring, dst, n, at, ring->piece, starts, ends, k, hits, hash);
 }

@@ -15,7 +15,7 @@ import ctypes
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -36,9 +36,15 @@ _lib.pos_read_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_int6
                                 ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P,
                                 ctypes.POINTER(ctypes.c_uint64)]
 _lib.pos_fill_chunk.restype = ctypes.c_int64
-_lib.pos_fill_chunk.argtypes = [_P, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t,
+_lib.pos_fill_chunk.argtypes = [_P, ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_size_t,
                                 ctypes.c_int64, _P, _P, ctypes.c_size_t, _P,
                                 ctypes.POINTER(ctypes.c_uint64)]
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = _P
+_libc.mmap.argtypes = [_P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [_P, ctypes.c_size_t]
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class Writer:
@@ -155,18 +161,56 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     return np.flatnonzero(hits)
 
 
+class Maps:
+    """An image's data files, each mapped read-only once for all the fill's threads: a chunk
+    is then copied out of the page cache by the CPU, without a read call per piece (the kernel
+    copies 4 KiB pages one by one there). A chunk that reaches past its file's end is refused
+    before it is touched, so a short file is a clear error, never a SIGBUS."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, tuple[int, int]] = {}      # path -> (address, size)
+
+    def address(self, folder: Path, chunk: dict[str, Any]) -> int:
+        """Where the chunk's data file is mapped (its byte 0)."""
+        path = str(Path(folder) / chunk["file"])
+        with self._lock:
+            if path not in self._maps:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    at = _libc.mmap(None, max(size, 1), 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                finally:
+                    os.close(fd)
+                if at in (None, MAP_FAILED):
+                    raise OSError(ctypes.get_errno(), f"mapping {path} failed")
+                self._maps[path] = (at, size)
+            at, size = self._maps[path]
+        if chunk["at"] < 0 or chunk["at"] + chunk["raw"] > size:
+            raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
+        return at
+
+    def close(self) -> None:
+        with self._lock:
+            for at, size in self._maps.values():
+                _libc.munmap(at, max(size, 1))
+            self._maps = {}
+
+
 def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: dict[str, int],
-               targets: Targets = NO_TARGETS) -> np.ndarray:
+               targets: Targets = NO_TARGETS, maps: Optional[Maps] = None) -> np.ndarray:
     """Copy one uncompressed chunk to device memory at dst through a fill thread's ring
-    (pos/scheduler/gpucopy.Ring) and check its checksum; like read_chunk_into otherwise. The
-    copies may still run when this returns: the caller waits for the ring's stream before it
-    counts the memory back, and a failed check raises first."""
+    (pos/scheduler/gpucopy.Ring) and check its checksum; like read_chunk_into otherwise, but
+    copied out of `maps` when given. The copies may still run when this returns: the caller
+    waits for the ring's stream before it counts the memory back, and a failed check raises
+    first."""
     from pos.driver import DriverError, driver
 
     hits = targets.hits()
     fd = _open(folder, chunk, fds)
     h = ctypes.c_uint64()
-    got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, dst, chunk["raw"], chunk["at"],
+    src = maps.address(folder, chunk) if maps is not None else None
+    got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, src, dst, chunk["raw"], chunk["at"],
                               targets.starts.ctypes.data, targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     if got == -2:

@@ -316,11 +316,14 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
 
 FILL_PIECE = 2 << 20   # a fill thread reads, hashes and copies this much at a time
 FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
+# copy out of the data files mapped (the default), or read them (POS_FILL_MAPPED=0)
+FILL_MAPPED = os.environ.get("POS_FILL_MAPPED", "1") != "0"
 
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int,
-          handout: "Handout", rings: gpucopy.Rings) -> gpucopy.Copy:
+          handout: "Handout", rings: gpucopy.Rings, mapped: bool = FILL_MAPPED
+          ) -> gpucopy.Copy:
     """Read every buffer's chunks (checksums checked) through the threads' `rings` of pinned
     pieces and copy them to device memory at `dest`, the smaller buffers first (most calls'
     buffers come back soon, a big one alone does not hold them up); the handout learns which
@@ -338,6 +341,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     lock = threading.Lock()
     read_s = [0.0]          # summed over the threads: reading, checking and copying the chunks
     open_files: list[dict[str, int]] = []
+    maps = gpuimage.Maps() if mapped else None
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
         if not hasattr(local, "fds"):
@@ -353,7 +357,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
                      gpucopy.C.c_void_p(data.ctypes.data), gpucopy.SZ(n))
         else:
             hits = gpuimage.fill_chunk(rings.mine(stream), folder, chunk, dest[i] + off,
-                                       local.fds, targets)
+                                       local.fds, targets, maps)
         with lock:
             read_s[0] += time.monotonic() - t
         handout.points(i, hits)
@@ -364,6 +368,8 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
         for fds in open_files:
             for fd in fds.values():
                 os.close(fd)
+        if maps is not None:
+            maps.close()
     copy = gpucopy.Copy(sum(n for _i, _o, n in work), seconds)
     copy.read_thread_s = read_s[0]
     return copy
@@ -512,7 +518,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
-               "context_at": pre.context_at - t0, "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
+               "imported_at": pre.imported_at - t0, "context_at": pre.context_at - t0,
+               "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
                "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
@@ -604,9 +611,10 @@ class _Prefetch:
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
-        # when (time.monotonic) the driver's context was up, the memory existed, the staging
-        # was pinned, all was back
-        self.context_at = self.memory_at = self.pinned_at = self.filled_at = 0.0
+        # when (time.monotonic) the copier's modules were imported, the driver's context was
+        # up, the memory existed, the staging was pinned, all was back
+        self.imported_at = self.context_at = self.memory_at = self.pinned_at = 0.0
+        self.filled_at = 0.0
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
 
@@ -614,6 +622,7 @@ class _Prefetch:
         try:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
+            self.imported_at = time.monotonic()
             drv = gpucopy.context(0)
             self.context_at = time.monotonic()
             self.mem, self.fds = gpucopy.Imported.create(drv, self.table)

@@ -323,7 +323,9 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     manifest = image.load(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
+    checked = time.monotonic()
     check_restorable(directory, manifest)
+    checked = time.monotonic() - checked
     options = Options.from_json(manifest.criu_options)
     for path, size in manifest.logs.items():
         now = os.stat(path).st_size if os.path.exists(path) else size
@@ -343,6 +345,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     try:
         with Guard(plan, echo, progress=progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
+            g.timings["prepare_check"] = checked               # of which the driver's checks
             g.step("criu-restore")
             argv = criu.restore_argv(directory, options, work, work / "pidfile",
                                      inherit_fds + tuple(logs.values()), leave_stopped=True)

@@ -4,6 +4,7 @@ group of four), the checksums are those the writer made, and a corrupt chunk is 
 its buffer is counted back."""
 
 import ctypes as C
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ def image(folder: Path) -> tuple[list[Buffer], dict, list[np.ndarray]]:
     return table, saved, datas
 
 
-def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int):
+def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False):
     from pos.scheduler import concurrent, gpucopy
 
     dest = []
@@ -56,7 +57,7 @@ def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int):
     try:
         error = None
         try:
-            concurrent._fill(drv, table, dest, saved, 3, handout, rings)
+            concurrent._fill(drv, table, dest, saved, 3, handout, rings, mapped)
         except BadInput as e:
             error = e
     finally:
@@ -71,11 +72,12 @@ def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int):
     return back, handout, error
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
 @pytest.mark.parametrize("piece,depth", [(4096, 2), (1 << 16, 4), (32, 8)])
-def test_the_ring_fill_puts_every_byte_back(drv, tmp_path: Path, piece: int, depth: int
-                                            ) -> None:
+def test_the_ring_fill_puts_every_byte_back(drv, tmp_path: Path, piece: int, depth: int,
+                                            mapped: bool) -> None:
     table, saved, datas = image(tmp_path)
-    back, handout, error = fill(drv, table, saved, piece, depth)
+    back, handout, error = fill(drv, table, saved, piece, depth, mapped)
     assert error is None
     for data, got in zip(datas, back):
         assert (got == data).all()
@@ -90,14 +92,24 @@ def test_a_piece_that_does_not_divide_the_arena_is_refused(drv) -> None:
         gpucopy.Rings(drv, 2, 96, 1)
 
 
-def test_a_corrupt_chunk_is_refused_and_its_buffer_never_counted_back(drv, tmp_path: Path
-                                                                      ) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_corrupt_chunk_is_refused_and_its_buffer_never_counted_back(drv, tmp_path: Path,
+                                                                      mapped: bool) -> None:
     table, saved, _datas = image(tmp_path)
     bad = saved[table[0].va][2][2]
     path = tmp_path / bad["file"]
     raw = bytearray(path.read_bytes())
     raw[bad["at"] + 1000] ^= 0x5A
     path.write_bytes(bytes(raw))
-    _back, handout, error = fill(drv, table, saved, 4096, 2)
+    _back, handout, error = fill(drv, table, saved, 4096, 2, mapped)
     assert error is not None and "does not match its checksum" in error.message
     assert 0 not in handout.back
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_short_data_file_is_refused_as_truncated(drv, tmp_path: Path, mapped: bool) -> None:
+    table, saved, _datas = image(tmp_path)
+    last = max((c for _f, _s, cs in saved.values() for c in cs), key=lambda c: c["at"])
+    os.truncate(tmp_path / last["file"], last["at"] + 10)
+    _back, handout, error = fill(drv, table, saved, 4096, 2, mapped)
+    assert error is not None and "is truncated" in error.message
