@@ -8,6 +8,7 @@ not supported, so that callers write "n/a" rather than handle exceptions.
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 T = TypeVar("T")
@@ -47,9 +48,17 @@ def available() -> bool:
     return _nvml() is not None
 
 
+MODULE_VERSION = "/sys/module/nvidia/version"   # the loaded kernel module's, NVML's too
+
+
 def driver_version() -> Optional[str]:
-    """The NVIDIA driver version, e.g. '580.159.04'."""
-    return _query(lambda nv: _text(nv.nvmlSystemGetDriverVersion()))
+    """The NVIDIA driver version, e.g. '580.159.04': the kernel module's, read from sysfs (a
+    restore checks it before CRIU starts, and NVML's first use took 0.08-0.14 s there), else
+    NVML's."""
+    try:
+        return Path(MODULE_VERSION).read_text().strip() or None
+    except OSError:
+        return _query(lambda nv: _text(nv.nvmlSystemGetDriverVersion()))
 
 
 @dataclass(frozen=True)

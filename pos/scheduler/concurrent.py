@@ -314,10 +314,14 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
                   copy.gbps, 0, {"h2d": copy.seconds})
 
 
-FILL_PIECE = 2 << 20   # a fill thread reads, hashes and copies this much at a time
+FILL_PIECE = 1 << 20   # a fill thread reads, hashes and copies this much at a time
 FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
 # copy out of the data files mapped (the default), or read them (POS_FILL_MAPPED=0)
 FILL_MAPPED = os.environ.get("POS_FILL_MAPPED", "1") != "0"
+# a restore's fill starts once pos's new memory exists, beside CRIU and the driver's restore
+# (the default), or only when the job is released (POS_FILL_FROM=release: CRIU and the driver
+# then have the host's memory and the copy engines to themselves)
+FILL_FROM_RELEASE = os.environ.get("POS_FILL_FROM", "start") == "release"
 
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
@@ -501,6 +505,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             g.timings["stack_back"] = back.stack_s
             out["release_s"] = time.monotonic() - t0
             pre.handout.attach(agent)
+            pre.go.set()
             g.step("fill")
             out["copy"] = pre.join()
             out["gate"] = agent.end()
@@ -611,6 +616,10 @@ class _Prefetch:
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()        # the memory exists (or creating it failed)
+        self.go = threading.Event()           # the fill may start
+        self.cancelled = False                # the restore failed before the fill began
+        if not FILL_FROM_RELEASE:
+            self.go.set()
         # when (time.monotonic) the copier's modules were imported, the driver's context was
         # up, the memory existed, the staging was pinned, all was back
         self.imported_at = self.context_at = self.memory_at = self.pinned_at = 0.0
@@ -632,6 +641,9 @@ class _Prefetch:
             # thread at its first chunk, after the job's release
             self.rings = gpucopy.Rings(drv, self.streams, FILL_PIECE, FILL_DEPTH)
             self.pinned_at = time.monotonic()
+            self.go.wait()
+            if self.cancelled:
+                raise PosError("the restore failed before its fill began", "see its error")
             self.copy = _fill(drv, self.table, self.mem.local, self.saved, self.streams,
                               self.handout, self.rings)
             self.filled_at = time.monotonic()
@@ -650,6 +662,9 @@ class _Prefetch:
     def close(self) -> None:
         """Wait for the fill, then let go of pos's mapping and descriptors (the job holds its
         own); after a failure the memory is freed."""
+        if not self.go.is_set():     # a restore that failed before the release: no fill
+            self.cancelled = True
+            self.go.set()
         self.thread.join()
         if self.rings is not None:
             self.rings.close()
