@@ -310,14 +310,16 @@ def _verify_timed(directory: Path, names: Optional[list[str]]) -> float:
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
             gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
             progress: Progress = QUIET, hoisted: bool = False,
-            finish: Optional[Callable[[Guard, int], None]] = None) -> Result:
+            finish: Optional[Callable[[Guard, int], None]] = None,
+            before_driver: Callable[[], None] = lambda: None) -> Result:
     """Restore the image in `directory` and resume its processes; `check`: the files whose
     checksums are verified (all when None; the rest is checked by whoever reads it). The check
     runs while CRIU restores, which leaves the tree stopped: it runs only once the image is
     known good. `hoisted`: the job's device memory comes back only in `finish` (until then
     the undo ends a restored job rather than run it). `finish(g, root)` runs last under the
     same guard (the concurrent engine puts the job's device memory back there: a failure then
-    ends the restored tree, never leaves it half-restored)."""
+    ends the restored tree, never leaves it half-restored); `before_driver()` just before the
+    driver's restore (the concurrent engine pauses its fill there)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
     manifest = image.load(directory)
@@ -361,6 +363,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             g.step("verify")             # the tree is stopped until its image is known good
             g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.thaw(procs.tree(root))
+            before_driver()
             for p in manifest.gpu_pids:
                 g.step("restore")
                 g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
