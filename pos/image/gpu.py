@@ -12,6 +12,7 @@ An incremental image names its parent; a buffer not written since the parent is 
 """
 
 import ctypes
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -179,7 +180,7 @@ class Maps:
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     size = os.fstat(fd).st_size
-                    at = _libc.mmap(None, max(size, 1), 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                    at = _libc.mmap(None, max(size, 1), mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
                 finally:
                     os.close(fd)
                 if at in (None, MAP_FAILED):
@@ -215,8 +216,8 @@ def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: di
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     if got == -2:
         drv = driver()
-        raise DriverError("the fill's copy to the device", ring.error,
-                          drv.error_name(ring.error))
+        raise DriverError("the fill's copy to the device (cuMemcpyHtoDAsync_v2, cuEventRecord "
+                          "or cuEventSynchronize)", ring.error, drv.error_name(ring.error))
     _checked(folder, chunk, got, h.value)
     return np.flatnonzero(hits)
 

@@ -173,8 +173,13 @@ def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_
     assert (gate.held_all >= 1) == (not layout_known)
 
 
+# the restore's fill: beside CRIU and paused for the driver's restore (the default), never
+# paused (read with pread, not mapped), or only from the job's release
+@pytest.mark.parametrize("fill_from,mapped", [("pause", "1"), ("start", "0"), ("release", "1")])
 def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,
-                                                                criu_ready, gpu_env) -> None:
+                                                                criu_ready, gpu_env,
+                                                                fill_from: str, mapped: str
+                                                                ) -> None:
     job = fill_job()
     time.sleep(0.3)
     img = tmp_path / "full"
@@ -184,7 +189,8 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     job.proc.wait(timeout=30)                   # CRIU ended it after the dump
     saved = image_values(img)
     assert not torn(saved)
-    r = pos("restore", "-D", str(img), env=gpu_env)
+    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FILL_FROM": fill_from,
+                                            "POS_FILL_MAPPED": mapped})
     assert r.returncode == 0, r.stderr
     assert f"restored PID {job.pid}" in r.stdout
     time.sleep(0.3)

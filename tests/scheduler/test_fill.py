@@ -44,14 +44,21 @@ def image(folder: Path) -> tuple[list[Buffer], dict, list[np.ndarray]]:
     return table, saved, datas
 
 
-def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False):
-    from pos.scheduler import concurrent, gpucopy
+def device_memory(drv, table: list[Buffer]) -> list[int]:
+    from pos.scheduler import gpucopy
 
     dest = []
     for b in table:
         p = gpucopy.U64()
         drv.call("cuMemAlloc_v2", C.byref(p), gpucopy.SZ(b.size))
         dest.append(p.value)
+    return dest
+
+
+def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False):
+    from pos.scheduler import concurrent, gpucopy
+
+    dest = device_memory(drv, table)
     handout = concurrent.Handout(table)
     rings = gpucopy.Rings(drv, 3, piece, depth)
     try:
@@ -113,3 +120,29 @@ def test_a_short_data_file_is_refused_as_truncated(drv, tmp_path: Path, mapped: 
     os.truncate(tmp_path / last["file"], last["at"] + 10)
     _back, handout, error = fill(drv, table, saved, 4096, 2, mapped)
     assert error is not None and "is truncated" in error.message
+
+
+def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
+    """The restore's gate raises once the restore has failed: no more chunks are copied."""
+    from pos.errors import PosError
+    from pos.scheduler import concurrent, gpucopy
+
+    table, saved, _datas = image(tmp_path)
+    calls = []
+
+    def gate() -> None:
+        calls.append(1)
+        if len(calls) > 2:
+            raise PosError("the restore failed before its fill ended", "see its error")
+
+    dest = device_memory(drv, table)
+    handout = concurrent.Handout(table)
+    rings = gpucopy.Rings(drv, 1, 4096, 2)
+    try:
+        with pytest.raises(PosError):
+            concurrent._fill(drv, table, dest, saved, 1, handout, rings, gate=gate)
+    finally:
+        rings.close()
+        for d in dest:
+            drv.call("cuMemFree_v2", gpucopy.U64(d))
+    assert handout.back != set(range(len(table)))
