@@ -29,6 +29,9 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
                page-locked in place and copied to the device from the page cache
   migratehost  `pos migrate --to 127.0.0.1 --concurrent` of --exact-job at a moment it does not
                choose, to `pos migrate --listen` here: losses bit for bit, the downtime
+  togpu        (two GPUs) a job on GPU 0 moved to GPU 1 by `pos migrate --to-gpu`, and by
+               `pos restore --to-gpu` of a stop-the-world and of a concurrent image: losses bit
+               for bit, where NVML sees it, how long it stood still
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
                concurrent one (the context's stack made 0 bytes while hoisted, then kept as it
                was: POS_HOIST_STACK=off, the local memory the driver checkpoints), on the
@@ -670,6 +673,52 @@ def migratehost(out: Path, images: Path, job: str) -> dict[str, Any]:
     return res
 
 
+def togpu(out: Path, images: Path, gib: float) -> dict[str, Any]:
+    """On a machine with two GPUs, a train_det job (--first-gib of ballast) started on GPU 0,
+    moved to GPU 1 three ways, each against an uninterrupted run, bit for bit: `pos migrate
+    PID --to-gpu 1` (the driver alone; the job runs on), `pos checkpoint` then `pos restore
+    --to-gpu 1`, and `pos checkpoint --concurrent` then `pos restore --to-gpu 1`; where NVML
+    sees the job afterwards, and the time the job stood still (its longest step gap)."""
+    gpus = nvml.gpus()
+    if len(gpus) < 2:
+        return {"skipped": f"{len(gpus)} GPU(s) here; this part needs two"}
+    ref_log = images / "ref.log"
+    subprocess.run([*POS, "run", "--", *det_argv(ref_log, 300, gib)], cwd=ROOT, timeout=300,
+                   capture_output=True)
+    res: dict[str, Any] = {"gpus": [g.uuid for g in gpus]}
+    for way in ("migrate", "stw", "concurrent"):
+        log, d = images / f"{way}.log", images / f"{way}-img"
+        p = pos_job(det_argv(log, 300, gib), out / f"togpu-{way}-job.log")
+        row: dict[str, Any] = {}
+        try:
+            wait_lines(log, 60)
+            time.sleep(random.uniform(0, 0.5))
+            row["before"] = list(nvml.gpus_of([p.pid]))
+            lines = LineTimes(log)
+            if way == "migrate":
+                row["move"] = pos_cmd("migrate", str(p.pid), "--to-gpu", "1", "--json")
+                pid = p.pid
+            else:
+                row["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d),
+                                            *(["--concurrent"] if way == "concurrent" else []),
+                                            "--json")
+                p.wait(timeout=60)
+                row["move"] = pos_cmd("restore", "-D", str(d), "--to-gpu", "1", "--json")
+                pid = (row["move"].get("report") or {}).get("restored_pid") or p.pid
+            time.sleep(1)
+            row["after"] = list(nvml.gpus_of([pid]))
+            compare_when_done(ref_log, log, row, 120)
+            lines.stop = True
+            gaps = [b - a for a, b in zip(lines.times, lines.times[1:])]
+            row["stood_still_s"] = round(max(gaps), 3) if gaps else None
+        finally:
+            kill(p)
+            subprocess.run(["pkill", "-9", "-f", str(log)])
+            subprocess.run(["rm", "-rf", str(d)])
+        res[way] = row
+    return res
+
+
 def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
     rows = []
     for job in jobs:
@@ -788,6 +837,7 @@ def main() -> None:
         "fullexact": lambda: fullexact(out, images, a.exact_job, not a.no_probe),
         "fullstall": lambda: fullstall(out, images, a.full_jobs.split(",")),
         "migratehost": lambda: migratehost(out, images, a.exact_job),
+        "togpu": lambda: togpu(out, images, a.first_gib),
         "faults": lambda: faults(out, images),
         "restorefirst": lambda: restorefirst(out, images, a.first_gib),
         "predump": lambda: predump(out, images),

@@ -23,6 +23,7 @@ EPILOG_RESTORE = """\b
 Examples:
   pos restore -D /var/lib/pos/images/job1       # verify the checksums, restore, resume
   pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
+  pos restore -D /tmp/job1 --to-gpu 1           # onto GPU 1 of this host (nvidia-smi's index)
 """
 
 EPILOG_INSPECT = """\b
@@ -182,11 +183,13 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
               help="With --gpu-only: restorer streams (threads) [default: 8].")
 @click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
               help="With --gpu-only: staging chunk size in MiB [default: 64].")
+@click.option("--to-gpu", type=click.IntRange(min=0), help="Restore onto this GPU (NVML index) "
+              "of this host instead of the one the image was taken on (driver >= 580).")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            streams: Optional[int], chunk_mb: Optional[int], db: Optional[str],
-            as_json: bool) -> None:
+            streams: Optional[int], chunk_mb: Optional[int], to_gpu: Optional[int],
+            db: Optional[str], as_json: bool) -> None:
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
@@ -196,6 +199,8 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     from pos.store import db as store
 
     if gpu_only_pid is not None:
+        if to_gpu is not None:
+            raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
         r = conc.restore_gpu(gpu_only_pid, Path(directory), streams=streams or 16,
                              chunk_mb=chunk_mb or 64, echo=_lines(as_json))
         _report_concurrent(r, as_json)
@@ -210,15 +215,21 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     # runs (SQLAlchemy's import would hold it up)
     store.check(db or store.default_db_path())
     if conc.is_full_image(Path(directory)):
-        r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json))
+        r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
+                              to_gpu=to_gpu)
         _mark_restored(db, Path(directory))
         _report_concurrent(r, as_json)
         if not as_json:
             click.echo(f"restored PID {r.restored_pid}")
         return
+    pairs = []
+    if to_gpu is not None:
+        from pos.scheduler import migrate
+
+        pairs = migrate.onto(Path(directory), to_gpu)[0]
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
         result = engine.restore(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
-                                progress=progress)
+                                gpu_pairs=pairs, progress=progress)
     _mark_restored(db, result.path)
     if as_json:
         click.echo(json.dumps(result.report()))

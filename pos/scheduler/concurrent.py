@@ -484,14 +484,21 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
-                 echo: Echo = lambda _: None) -> Report:
+                 echo: Echo = lambda _: None, to_gpu: Optional[int] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
-    from the image while the job runs (its calls wait only for the buffers not back yet)."""
+    from the image while the job runs (its calls wait only for the buffers not back yet).
+    `to_gpu`: onto that GPU of this host (NVML's index) rather than the one it was taken on."""
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
-    pre = _Prefetch(directory, streams)
+    pairs: list[tuple[str, str]] = []
+    onto = None                   # the GPU's UUID, when it moves
+    if to_gpu is not None:
+        from pos.scheduler import migrate
+
+        pairs, onto = migrate.onto(directory, to_gpu)
+    pre = _Prefetch(directory, streams, onto)
     out: dict[str, Any] = {}
 
     def fill(g: Any, root: int) -> None:
@@ -516,8 +523,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             g.step("done", hoisted=False)
 
     try:
-        result = engine.restore(directory, inherit_fds, echo, check=check, hoisted=True,
-                                finish=fill, before_driver=pre.pause)
+        result = engine.restore(directory, inherit_fds, echo, gpu_pairs=pairs, check=check,
+                                hoisted=True, finish=fill, before_driver=pre.pause)
     finally:
         t1 = time.monotonic()
         pre.close()
@@ -609,8 +616,9 @@ class _Prefetch:
     job maps the memory much of it is back. `handout.attach(agent)` then lets the job's calls
     through for each buffer usable so far (see `usable`), and for the rest as they come."""
 
-    def __init__(self, directory: Path, streams: int) -> None:
+    def __init__(self, directory: Path, streams: int, onto: Optional[str] = None) -> None:
         index = gpuindex.read_index(directory)
+        self.onto = onto        # the UUID of the GPU the job moves to (None: where it was)
         self.saved = gpuindex.resolve(directory, index)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
@@ -639,9 +647,12 @@ class _Prefetch:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
             self.imported_at = time.monotonic()
-            drv = gpucopy.context(0)
+            device = gpucopy.ordinal(self.onto) if self.onto else 0
+            drv = gpucopy.context(device)
             self.context_at = time.monotonic()
-            self.mem, self.fds = gpucopy.Imported.create(drv, self.table)
+            mine = self.table if self.onto is None else [replace(b, device=device)
+                                                         for b in self.table]
+            self.mem, self.fds = gpucopy.Imported.create(drv, mine)
             self.memory_at = time.monotonic()
             self.ready.set()
             # the fill's staging: one arena pinned here, beside CRIU, rather than one per fill

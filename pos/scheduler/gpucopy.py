@@ -18,6 +18,7 @@ import numpy as np
 
 from pos.agent.control import Buffer
 from pos.driver import Driver, DriverError, driver
+from pos.errors import PosError
 
 C = ctypes
 U64, SZ = C.c_uint64, C.c_size_t
@@ -45,6 +46,23 @@ def context(device: int = 0) -> Driver:
     drv.call("cuDevicePrimaryCtxRetain", C.byref(ctx), C.c_int(device))
     drv.call("cuCtxSetCurrent", ctx)
     return drv
+
+
+def ordinal(uuid: str) -> int:
+    """This process's CUDA device number of the GPU named `uuid` (NVML's form, GPU-...): CUDA
+    and NVML may number the GPUs of one host differently."""
+    drv = driver()
+    drv.init()
+    count = C.c_int()
+    drv.call("cuDeviceGetCount", C.byref(count))
+    for i in range(count.value):
+        dev, raw = C.c_int(), (C.c_ubyte * 16)()
+        drv.call("cuDeviceGet", C.byref(dev), C.c_int(i))
+        drv.call("cuDeviceGetUuid_v2", raw, dev)
+        h = bytes(raw).hex()
+        if f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" == uuid:
+            return i
+    raise PosError(f"the CUDA driver does not see {uuid}", "check CUDA_VISIBLE_DEVICES")
 
 
 def _map(drv: Driver, size: int, handle: int, device: int) -> int:

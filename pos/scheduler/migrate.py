@@ -23,7 +23,8 @@ from pos.scheduler.watchdog import Plan
 
 def gpu_pairs(used: list[str], target: str, all_uuids: list[str]) -> list[tuple[str, str]]:
     """The GPU mapping for the driver's restore: the process's GPU and the target swap places,
-    every other GPU maps to itself, so that the mapping covers every device once."""
+    every other GPU maps to itself, so that the mapping covers every device once. A GPU not on
+    this host (an image taken elsewhere) maps to the target, the others to themselves."""
     if len(used) != 1:
         seen = ", ".join(used) or "none seen by NVML"
         raise BadInput(f"the process uses {len(used)} GPUs ({seen})",
@@ -31,8 +32,30 @@ def gpu_pairs(used: list[str], target: str, all_uuids: list[str]) -> list[tuple[
     src = used[0]
     if src == target:
         raise BadInput(f"the process already runs on {target}", "give another GPU index")
+    if src not in all_uuids:
+        return [(src, target)] + [(u, u) for u in all_uuids if u != target]
     swap = {src: target, target: src}
     return [(u, swap.get(u, u)) for u in all_uuids]
+
+
+def target(index: int) -> tuple[nvml.Gpu, list[nvml.Gpu]]:
+    """GPU `index` of this host (NVML's numbering, as nvidia-smi shows it), and all of them."""
+    if not nvml.available():
+        raise BadInput("NVML is not available (it names the GPUs for the driver's restore)",
+                       "install the NVIDIA driver with libnvidia-ml.so.1")
+    gpus = nvml.gpus()
+    if index >= len(gpus):
+        raise BadInput(f"this host has {len(gpus)} GPU(s), no GPU {index}",
+                       f"give an index from 0 to {len(gpus) - 1}")
+    return gpus[index], gpus
+
+
+def onto(directory: Path, index: int) -> tuple[list[tuple[str, str]], str]:
+    """The driver's mapping that restores the image in `directory` (taken on one GPU) onto GPU
+    `index` of this host, and that GPU's UUID."""
+    gpu, gpus = target(index)
+    used = [g["uuid"] for g in image.load(directory).gpus]
+    return gpu_pairs(used, gpu.uuid, [g.uuid for g in gpus]), gpu.uuid
 
 
 def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None,
@@ -44,14 +67,8 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
     cuda = engine.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
-    if not nvml.available():
-        raise BadInput("NVML is not available (it names the GPUs for the driver's restore)",
-                       "install the NVIDIA driver with libnvidia-ml.so.1")
-    gpus = nvml.gpus()
-    if index >= len(gpus):
-        raise BadInput(f"this host has {len(gpus)} GPU(s), no GPU {index}",
-                       f"give an index from 0 to {len(gpus) - 1}")
-    pairs = gpu_pairs(list(nvml.gpus_of(cuda)), gpus[index].uuid, [g.uuid for g in gpus])
+    gpu, gpus = target(index)
+    pairs = gpu_pairs(list(nvml.gpus_of(cuda)), gpu.uuid, [g.uuid for g in gpus])
     from pos.scheduler import cudackpt
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
@@ -64,7 +81,7 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
                 g.step(step)
                 g.timed(step, lambda p=p, fn=fn: fn(p))
     echo(engine.describe(g.timings))
-    echo(f"PID {pid} now runs on GPU {index} ({gpus[index].name} {gpus[index].uuid})")
+    echo(f"PID {pid} now runs on GPU {index} ({gpu.name} {gpu.uuid})")
     return g.timings
 
 

@@ -229,6 +229,19 @@ API CUresult cuDeviceGetCount(int *count) {
     return CUDA_SUCCESS;
 }
 
+/* The one fake GPU's UUID: bytes 0x10..0x1f (NVML's form: GPU-10111213-1415-...). */
+API CUresult cuDeviceGetUuid_v2(unsigned char uuid[16], CUdevice dev) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    for (int i = 0; i < 16; i++)
+        uuid[i] = (unsigned char)(0x10 + i);
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     if (!initialized)
         return CUDA_ERROR_NOT_INITIALIZED;

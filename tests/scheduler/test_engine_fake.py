@@ -4,6 +4,7 @@ the target must end up running, its CUDA state unlocked."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -236,6 +237,46 @@ def test_gpu_pairs_swap_the_two_gpus_and_keep_the_rest() -> None:
         gpu_pairs(["GPU-a"], "GPU-a", uuids)
     with pytest.raises(BadInput, match="uses 2 GPUs"):
         gpu_pairs(["GPU-a", "GPU-b"], "GPU-c", uuids)
+    # an image taken on another host: its GPU becomes the target, every GPU here maps once
+    assert gpu_pairs(["GPU-x"], "GPU-b", uuids) == [("GPU-x", "GPU-b"), ("GPU-a", "GPU-a"),
+                                                    ("GPU-c", "GPU-c")]
+
+
+def test_restore_onto_another_gpu_maps_the_image_gpu_there(tmp_path: Path, monkeypatch) -> None:
+    from pos import image, nvml
+    from pos.errors import BadInput
+    from pos.scheduler import migrate
+
+    here = [nvml.Gpu(0, "GPU-a", "H100", 80 << 30), nvml.Gpu(1, "GPU-b", "H100", 80 << 30)]
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "gpus", lambda: here)
+    taken_on = [{"uuid": "GPU-a"}]
+    monkeypatch.setattr(image, "load", lambda _d: SimpleNamespace(gpus=taken_on))
+    assert migrate.onto(tmp_path, 1) == ([("GPU-a", "GPU-b"), ("GPU-b", "GPU-a")], "GPU-b")
+    with pytest.raises(BadInput, match="this host has 2 GPU"):
+        migrate.onto(tmp_path, 2)
+    taken_on.append({"uuid": "GPU-b"})
+    with pytest.raises(BadInput, match="uses 2 GPUs"):
+        migrate.onto(tmp_path, 1)
+
+
+def test_restore_to_gpu_needs_nvml_and_a_whole_process_image(gpu, tmp_path: Path) -> None:
+    # the fake driver has no NVML beside it: the GPUs cannot be named, nothing is restored
+    one_sentence(pos("restore", "-D", str(tmp_path), "--to-gpu", "1", env=gpu), 2,
+                 "NVML is not available")
+    r = pos("restore", "-D", str(tmp_path), "--to-gpu", "1", "--gpu-only", "123", env=gpu)
+    assert r.returncode == 2 and "--to-gpu goes with whole-process images" in r.stderr
+
+
+def test_the_driver_numbers_a_gpu_named_by_nvml(gpu, monkeypatch) -> None:
+    from pos.errors import PosError
+    from pos.scheduler import gpucopy
+
+    monkeypatch.setenv("POS_LIBCUDA", gpu["POS_LIBCUDA"])
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", gpu["POS_FAKECUDA_STATE_DIR"])
+    assert gpucopy.ordinal("GPU-10111213-1415-1617-1819-1a1b1c1d1e1f") == 0
+    with pytest.raises(PosError, match="does not see GPU-00"):
+        gpucopy.ordinal("GPU-00000000-0000-0000-0000-000000000000")
 
 
 def test_migrate_usage_errors(criu_ready) -> None:
