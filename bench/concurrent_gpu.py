@@ -203,8 +203,8 @@ def anon_mib(pid: int) -> float:
     return 0.0
 
 
-# (threads, piece, depth, mapped) of the fill's rings that the probe compares; the restore's
-# own first
+# (threads, piece, depth, mapped) of the fill's rings that the probe compares (the restore's
+# own: 16 threads, 1 MiB x 4, mapped)
 RING_VARIANTS = [(16, 2 << 20, 4, False), (16, 1 << 20, 4, False), (16, 512 << 10, 4, False),
                  (16, 256 << 10, 4, False), (16, 2 << 20, 4, True), (16, 1 << 20, 4, True),
                  (16, 512 << 10, 4, True), (16, 256 << 10, 8, True), (12, 1 << 20, 4, True),
@@ -222,12 +222,7 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     files in place, no copy at all). Page-locking the mapped files to copy from them directly
     was measured in session 7's first call (bench/results/2026-11-25-hoist21): 1.2-1.9 s for
     16 GiB, from 1 or 16 threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
     from pos.image import gpu as gpuimage
-    from pos.image.checksum import checksum
 
     saved = gpuindex.resolve(image_dir)
     chunks = [(folder, c) for folder, _size, cs in saved.values() for c in cs]
@@ -257,8 +252,26 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     res["staging_again_gbps"] = staging_fill(drv, table, dest, mine, threads)
     for ptr in dest:
         drv.call("cuMemFree_v2", gpucopy.U64(ptr))
-    bufs = [np.ones(biggest, np.uint8) for _ in range(threads)]   # touched: no first faults
     maps = gpuimage.Maps()
+    try:
+        floors(chunks, threads, biggest, maps, res)
+    finally:
+        maps.close()
+    return res
+
+
+def floors(chunks: list[tuple[Path, dict[str, Any]]], threads: int, biggest: int,
+           maps: Any, res: dict[str, Any]) -> None:
+    """fill_probe's floors: `read`, `read_hash` and `map_hash`, GB/s into res."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from pos.image import gpu as gpuimage
+    from pos.image.checksum import checksum
+
+    total = sum(c["raw"] for _f, c in chunks)
+    bufs = [np.ones(biggest, np.uint8) for _ in range(threads)]   # touched: no first faults
     for mode in ("read", "read_hash", "map_hash"):
         free = list(range(threads))
         lock = threading.Lock()
@@ -294,8 +307,6 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
         for d in fds:
             for fd in d.values():
                 os.close(fd)
-    maps.close()
-    return res
 
 
 def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int, Any],

@@ -56,9 +56,10 @@ def driver_version() -> Optional[str]:
     restore checks it before CRIU starts, and NVML's first use took 0.08-0.14 s there), else
     NVML's."""
     try:
-        return Path(MODULE_VERSION).read_text().strip() or None
+        version = Path(MODULE_VERSION).read_text().strip()
     except OSError:
-        return _query(lambda nv: _text(nv.nvmlSystemGetDriverVersion()))
+        version = ""
+    return version or _query(lambda nv: _text(nv.nvmlSystemGetDriverVersion()))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class Manifest:
     criu_version: str
     criu_options: dict[str, Any]
     leave_running: bool
-    driver_version: Optional[str] = None      # NVML's, e.g. 580.159.04
+    driver_version: Optional[str] = None      # the kernel module's, e.g. 580.159.04
     cuda_version: Optional[int] = None        # cuDriverGetVersion, e.g. 13000
     gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used
     logs: dict[str, int] = field(default_factory=dict)   # path -> size at the dump (procs.logs)

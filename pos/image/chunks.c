@@ -10,6 +10,7 @@
  * tail of 1-7 bytes hashed as one more word. A chunk's checksum starts from its length. */
 #include <stddef.h>
 #include <stdint.h>
+#include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -140,11 +141,12 @@ static int read_all(int fd, unsigned char *out, size_t n, int64_t at) {
 #define MADV_POPULATE_READ 22
 #endif
 
-/* Map the pages of [p, p + n) of a file mapping (Linux >= 5.14; elsewhere the copy faults
- * them in as before). */
-static void populate(const unsigned char *p, size_t n) {
+/* Map the pages of [p, p + n) of a file mapping in one call rather than a fault per 16 of
+ * them. Non-zero when the kernel could not (an I/O error, a file shorter than its mapping);
+ * a kernel older than 5.14 (EINVAL) leaves them to fault in as the copy touches them. */
+static int populate(const unsigned char *p, size_t n) {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p / page * page;
-    madvise((void *)a, (uintptr_t)p + n - a, MADV_POPULATE_READ);
+    return madvise((void *)a, (uintptr_t)p + n - a, MADV_POPULATE_READ) != 0 && errno != EINVAL;
 }
 
 /* The chunk of n bytes at file position `at` (read from fd, or copied from src, the file
@@ -163,8 +165,8 @@ static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
     start(n, lanes);
     size_t whole = n / GROUP * GROUP, words = n / 8 * 8, done = 0;
     const unsigned char *rest = out;
-    if (src && n)   /* its pages mapped in one call, not a fault per 16 of them */
-        populate(src + at, n);
+    if (src && n && populate(src + at, n))
+        src = NULL;   /* pages the kernel could not map (an I/O error): read them, no SIGBUS */
     while (done < n) {
         size_t end = done + piece < n ? done + piece : n, slot = 0;
         unsigned char *p = out + done;
@@ -186,7 +188,7 @@ static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
             pos_point(p, ((end < words ? end : words) - done) / 8, starts, ends, k, hits);
         if (end == n)
             rest = p + (whole - done);   /* the last piece starts at or below `whole` */
-        if (ring) {
+        if (ring) {   /* on failure the caller waits for the ring's stream before anything */
             if ((ring->error = ring->copy(dst + done, p, end - done, ring->stream)) != 0 ||
                 (ring->error = ring->record(ring->events[slot], ring->stream)) != 0)
                 return -2;

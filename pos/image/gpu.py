@@ -131,6 +131,8 @@ def _open(folder: Path, chunk: dict[str, Any], fds: dict[str, int]) -> int:
 
 
 def _checked(folder: Path, chunk: dict[str, Any], got: int, h: int) -> None:
+    if got == -1:
+        raise ValueError("a fill piece must be a whole number of the hash's 32-byte groups")
     if got < chunk["raw"]:
         raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
     if f"{h:016x}" != chunk["hash"]:
@@ -166,7 +168,9 @@ class Maps:
     """An image's data files, each mapped read-only once for all the fill's threads: a chunk
     is then copied out of the page cache by the CPU, without a read call per piece (the kernel
     copies 4 KiB pages one by one there). A chunk that reaches past its file's end is refused
-    before it is touched, so a short file is a clear error, never a SIGBUS."""
+    before it is touched, and one whose pages the kernel cannot map (an I/O error) is read
+    with pread instead, so that a bad file is a clear error rather than a SIGBUS (short of a
+    file that shrinks while it is being copied: images are sealed and root-only)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -202,9 +206,9 @@ def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: di
                targets: Targets = NO_TARGETS, maps: Optional[Maps] = None) -> np.ndarray:
     """Copy one uncompressed chunk to device memory at dst through a fill thread's ring
     (pos/scheduler/gpucopy.Ring) and check its checksum; like read_chunk_into otherwise, but
-    copied out of `maps` when given. The copies may still run when this returns: the caller
-    waits for the ring's stream before it counts the memory back, and a failed check raises
-    first."""
+    copied out of `maps` when given (read from `fds`' file where its pages cannot be mapped).
+    The copies may still run when this returns, or raises: the caller waits for the ring's
+    stream before it counts the memory back or frees anything."""
     from pos.driver import DriverError, driver
 
     hits = targets.hits()

@@ -323,6 +323,7 @@ FILL_MAPPED = os.environ.get("POS_FILL_MAPPED", "1") != "0"
 # against 0.18 s at 16 GiB on the H100); POS_FILL_FROM=start: no pause; =release: the fill
 # starts only when the job is released
 FILL_FROM = os.environ.get("POS_FILL_FROM", "pause")
+FILL_FROMS = ("pause", "start", "release")
 
 
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
@@ -343,13 +344,27 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
                   key=lambda w: (table[w[0]].size, w[0], w[1]))
+    for i, off, n in work:
+        if off < 0 or off + n > table[i].mapped:
+            raise BadInput(f"a chunk of buffer {table[i].va:#x} lies outside it",
+                           "the image is corrupt: take a new checkpoint")
     local = threading.local()
     lock = threading.Lock()
     read_s = [0.0]          # summed over the threads: reading, checking and copying the chunks
     open_files: list[dict[str, int]] = []
     maps = gpuimage.Maps() if mapped else None
+    failed = threading.Event()      # a chunk failed: the rest are not copied
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
+        if failed.is_set():
+            raise PosError("the fill stopped at an earlier chunk's failure", "see that error")
+        try:
+            copy_chunk(stream, i, off, n)
+        except BaseException:
+            failed.set()
+            raise
+
+    def copy_chunk(stream: Any, i: int, off: int, n: int) -> None:
         gate()
         if not hasattr(local, "fds"):
             local.fds = {}
@@ -489,6 +504,9 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet).
     `to_gpu`: onto that GPU of this host (NVML's index) rather than the one it was taken on."""
+    if FILL_FROM not in FILL_FROMS:
+        raise BadInput(f"POS_FILL_FROM={FILL_FROM} is not one of {', '.join(FILL_FROMS)}",
+                       "unset it (the fill then pauses for the driver's restore)")
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
@@ -638,7 +656,9 @@ class _Prefetch:
         # when (time.monotonic) the copier's modules were imported, the driver's context was
         # up, the memory existed, the staging was pinned, all was back
         self.imported_at = self.context_at = self.memory_at = self.pinned_at = 0.0
-        self.started_at = self.filled_at = self.paused_at = self.resumed_at = 0.0
+        self.started_at = self.filled_at = self.resumed_at = 0.0
+        self.blocked_at = 0.0     # when the last fill thread stopped at the pause
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
         self.thread.start()
 
@@ -672,7 +692,6 @@ class _Prefetch:
     def pause(self) -> None:
         """Hold the fill after the chunks it is copying, until `resume`."""
         if FILL_FROM == "pause":
-            self.paused_at = time.monotonic()
             self.go.clear()
 
     def resume(self) -> None:
@@ -683,16 +702,21 @@ class _Prefetch:
             self.go.set()
 
     def _wait(self) -> None:
+        if not self.go.is_set():
+            now = time.monotonic()
+            with self.lock:
+                self.blocked_at = max(self.blocked_at, now)
         self.go.wait()
         if self.cancelled:
             raise PosError("the restore failed before its fill ended", "see its error")
 
     def paused_s(self) -> float:
-        """How long a pause held the fill while it had chunks left."""
-        if not self.paused_at or not self.filled_at:
+        """How long the pause held the whole fill: from when its last busy thread stopped at
+        the pause (the chunks under way go on) until the release, if chunks were left."""
+        if not self.blocked_at or not self.filled_at:
             return 0.0
-        return max(0.0, min(self.resumed_at or self.filled_at, self.filled_at) -
-                   max(self.paused_at, self.started_at))
+        end = min(self.resumed_at or self.filled_at, self.filled_at)
+        return max(0.0, end - max(self.blocked_at, self.started_at))
 
     def join(self) -> gpucopy.Copy:
         self.thread.join()

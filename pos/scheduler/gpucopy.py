@@ -195,11 +195,12 @@ class Ring(C.Structure):
 
 class Rings:
     """The fill threads' rings, `depth` pieces of `piece` bytes each, in one pinned arena
-    (streams * depth * piece bytes: 128 MiB for 16 threads, where whole-chunk staging took
-    1 GiB and 0.2 s to pin). A thread's ring comes with the stream it copies on."""
+    (threads * depth * piece bytes: 64 MiB for 16 threads of 4 x 1 MiB, where whole-chunk
+    staging took 1 GiB and 0.2 s to pin). A thread's ring comes with the stream it copies on;
+    at most `threads` threads get one."""
 
     def __init__(self, drv: Driver, threads: int, piece: int, depth: int) -> None:
-        if piece % 32 or Pinned.PIECE % (piece * depth):
+        if piece <= 0 or depth <= 0 or piece % 32 or Pinned.PIECE % (piece * depth):
             raise ValueError("a ring's piece is a multiple of 32 bytes, and its pieces divide "
                              "the arena's pinned parts")
         self.drv, self.piece, self.depth = drv, piece, depth
@@ -216,7 +217,11 @@ class Rings:
         """This thread's ring, copying on `stream` (the thread's own, from run_chunks)."""
         ring = getattr(self.local, "ring", None)
         if ring is not None:
+            ring.stream = stream      # the ring's earlier copies were waited for on the old one
             return ring
+        with self.lock:
+            if self.taken * self.depth * self.piece >= self.arena.size:
+                raise ValueError("more fill threads than the rings were made for")
         events = (C.c_void_p * self.depth)()
         pending = (C.c_uint8 * self.depth)()
         for k in range(self.depth):
@@ -337,7 +342,12 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
     def task(item: tuple[int, int, int]) -> None:
         i, off, n = item
         s = streams.mine()
-        one(s, i, off, n)
+        try:
+            one(s, i, off, n)
+        except BaseException:
+            # copies it queued before failing must end before their memory can be freed
+            drv.function("cuStreamSynchronize")(s)
+            raise
         drv.call("cuStreamSynchronize", s)
         with lock:
             left[i] -= 1

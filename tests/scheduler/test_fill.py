@@ -55,16 +55,17 @@ def device_memory(drv, table: list[Buffer]) -> list[int]:
     return dest
 
 
-def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False):
+def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False,
+         threads: int = 3):
     from pos.scheduler import concurrent, gpucopy
 
     dest = device_memory(drv, table)
     handout = concurrent.Handout(table)
-    rings = gpucopy.Rings(drv, 3, piece, depth)
+    rings = gpucopy.Rings(drv, threads, piece, depth)
     try:
         error = None
         try:
-            concurrent._fill(drv, table, dest, saved, 3, handout, rings, mapped)
+            concurrent._fill(drv, table, dest, saved, threads, handout, rings, mapped)
         except BadInput as e:
             error = e
     finally:
@@ -146,3 +147,52 @@ def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
         for d in dest:
             drv.call("cuMemFree_v2", gpucopy.U64(d))
     assert handout.back != set(range(len(table)))
+
+
+def test_the_first_failure_stops_the_fill(drv, tmp_path: Path) -> None:
+    """One thread, the smallest buffer (filled first) corrupt: no other chunk is copied."""
+    table, saved, _datas = image(tmp_path)
+    first = min(range(len(table)), key=lambda i: table[i].size)
+    bad = saved[table[first].va][2][0]
+    path = tmp_path / bad["file"]
+    raw = bytearray(path.read_bytes())
+    raw[bad["at"] + 3] ^= 0x5A
+    path.write_bytes(bytes(raw))
+    _back, handout, error = fill(drv, table, saved, 4096, 2, threads=1)
+    assert error is not None and "does not match its checksum" in error.message
+    assert handout.back == set()
+
+
+def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
+    import threading
+
+    from pos.scheduler import gpucopy
+
+    rings = gpucopy.Rings(drv, 1, 4096, 2)
+    errors: list[BaseException] = []
+    ctx = C.c_void_p()
+    drv.call("cuCtxGetCurrent", C.byref(ctx))
+
+    def take() -> None:
+        drv.call("cuCtxSetCurrent", ctx)
+        try:
+            rings.mine(C.c_void_p(0))
+        except ValueError as e:
+            errors.append(e)
+
+    try:
+        for _ in range(2):
+            t = threading.Thread(target=take)
+            t.start()
+            t.join()
+    finally:
+        rings.close()
+    assert len(errors) == 1
+
+
+def test_an_unknown_fill_start_is_one_sentence(tmp_path: Path, monkeypatch) -> None:
+    from pos.scheduler import concurrent
+
+    monkeypatch.setattr(concurrent, "FILL_FROM", "later")
+    with pytest.raises(BadInput, match="POS_FILL_FROM=later is not one of pause, start"):
+        concurrent.restore_full(tmp_path)
