@@ -317,9 +317,7 @@ def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int
     from pos.image import gpu as gpuimage
 
     slot = 1 << (max(c["raw"] for _f, _s, cs in saved.values() for c in cs) - 1).bit_length()
-    chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
-    work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
-                  key=lambda w: (table[w[0]].size, w[0], w[1]))
+    chunk_of, work = concurrent.fill_order(table, saved)
     staging = gpucopy.Pinned(drv, n * slot)
     local, lock, taken, opened = threading.local(), threading.Lock(), [0], []
 

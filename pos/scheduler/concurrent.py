@@ -326,6 +326,20 @@ FILL_FROM = os.environ.get("POS_FILL_FROM", "pause")
 FILL_FROMS = ("pause", "start", "release")
 
 
+def fill_order(table: list[Buffer], saved: dict[int, tuple[Path, int, list[dict[str, Any]]]]
+               ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[tuple[int, int, int]]]:
+    """Every chunk by (buffer index, offset), and the fill's work as (buffer index, offset,
+    length), the smaller buffers first; a chunk outside its buffer is refused."""
+    chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
+    work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
+                  key=lambda w: (table[w[0]].size, w[0], w[1]))
+    for i, off, n in work:
+        if off < 0 or off + n > table[i].mapped:
+            raise BadInput(f"a chunk of buffer {table[i].va:#x} lies outside it",
+                           "the image is corrupt: take a new checkpoint")
+    return chunk_of, work
+
+
 def _fill(drv: Any, table: list[Buffer], dest: list[int],
           saved: dict[int, tuple[Path, int, list[dict[str, Any]]]], streams: int,
           handout: "Handout", rings: gpucopy.Rings, mapped: bool = FILL_MAPPED,
@@ -341,13 +355,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     from pos.scheduler import gpucopy
 
     targets = gpuimage.Targets([(b.va, b.va + b.mapped) for b in table])   # table by address
-    chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
-    work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
-                  key=lambda w: (table[w[0]].size, w[0], w[1]))
-    for i, off, n in work:
-        if off < 0 or off + n > table[i].mapped:
-            raise BadInput(f"a chunk of buffer {table[i].va:#x} lies outside it",
-                           "the image is corrupt: take a new checkpoint")
+    chunk_of, work = fill_order(table, saved)
     local = threading.local()
     lock = threading.Lock()
     read_s = [0.0]          # summed over the threads: reading, checking and copying the chunks

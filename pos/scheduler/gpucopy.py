@@ -219,20 +219,20 @@ class Rings:
         if ring is not None:
             ring.stream = stream      # the ring's earlier copies were waited for on the old one
             return ring
-        with self.lock:
-            if self.taken * self.depth * self.piece >= self.arena.size:
+        with self.lock:      # this thread's part of the arena, taken in the same breath
+            at = self.taken * self.depth * self.piece
+            if at >= self.arena.size:
                 raise ValueError("more fill threads than the rings were made for")
+            self.taken += 1
         events = (C.c_void_p * self.depth)()
         pending = (C.c_uint8 * self.depth)()
+        with self.lock:
+            self.keep += [events, pending]
         for k in range(self.depth):
             self.drv.call("cuEventCreate", C.byref(events, k * C.sizeof(C.c_void_p)),
                           C.c_uint(2))          # CU_EVENT_DISABLE_TIMING
             with self.lock:
                 self.events.append(C.c_void_p(events[k]))
-        with self.lock:
-            at = self.taken * self.depth * self.piece
-            self.taken += 1
-            self.keep += [events, pending]
         ring = Ring(self.arena.ptr + at, self.piece, self.depth, C.addressof(events),
                     C.addressof(pending), stream, *self.entry, 0, 0)
         self.local.ring = ring
