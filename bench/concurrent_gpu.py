@@ -515,7 +515,7 @@ def hoistfd(out: Path, images: Path) -> dict[str, Any]:
         before = image_values(Path(concurrent.checkpoint_gpu(pid, images / "hfd-0").path))
         with Agent(pid) as a:
             a.cut(10)
-            fds = a.export()
+            fds = a.export().fds
             res["released"] = a.hoist().bytes
             res["remapped"] = a.remap(fds).mapped
             res["end"] = a.end().__dict__

@@ -45,6 +45,25 @@ class Status:
 
 
 @dataclass(frozen=True)
+class Exported:
+    """The job's allocations as descriptors (table order; the caller owns them)."""
+
+    fds: list[int]
+    reseated: int          # buffers the driver would not export, moved into new exportable
+    reseated_bytes: int    # memory at the same addresses first (see poshook.c: reseat)
+    reseat_s: float
+    leaked: int            # /dev/nvidiactl descriptors the driver's refusals left, closed
+
+
+class Refused(PosError):
+    """The agent said no; `need`: the device memory it lacked for a reseat (0: not that)."""
+
+    def __init__(self, pid: int, reply: dict[str, Any]) -> None:
+        super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
+        self.need = int(reply.get("need", 0))
+
+
+@dataclass(frozen=True)
 class Hoist:
     bytes: int         # released: held by pos alone until the remap
     stack: int         # the context's per-thread stack before, kept for the remap (0: unchanged)
@@ -206,7 +225,7 @@ class Agent:
         line, _, self._buf = self._buf.partition(b"\n")
         reply = json.loads(line.lstrip(b"+"))
         if not reply.get("ok"):
-            raise PosError(f"the agent of process {self.pid} refused: {reply.get('error')}")
+            raise Refused(self.pid, reply)
         return reply
 
     def _ask(self, line: str) -> dict[str, Any]:
@@ -240,9 +259,12 @@ class Agent:
         self._buf = self._buf.lstrip(b"+")
         return fds
 
-    def export(self) -> list[int]:
+    def export(self) -> Exported:
         """Every owned allocation as a descriptor (table order); the caller owns them."""
-        return self._take_fds(self._ask("export")["fds"])
+        r = self._ask("export")
+        return Exported(self._take_fds(r["fds"]), int(r.get("reseated", 0)),
+                        int(r.get("reseated_bytes", 0)), float(r.get("reseat_s", 0.0)),
+                        int(r.get("leaked", 0)))
 
     def hoist(self, stack: Optional[int] = None) -> Hoist:
         """The job gives its physical memory up (pos must hold it); `stack`: and its context's

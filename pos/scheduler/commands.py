@@ -39,6 +39,7 @@ Examples:
   pos migrate --listen -D /tmp/in --port 7070 # on the destination host: receive and restore
   pos migrate 4242 --to 10.0.0.2:7070         # on the source: stream PID 4242 there
   pos migrate 4242 --to 10.0.0.2:7070 --concurrent   # a `pos run` job, frozen about a second
+  pos migrate 4242 --to-gpu 1 --concurrent    # a `pos run` job: its image restored on GPU 1
 """
 
 
@@ -293,8 +294,9 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
 @click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
               show_default=True, help="Seconds the driver may take to lock the CUDA process.")
 @click.option("--concurrent", is_flag=True,
-              help="With --to: a `pos run` job, frozen only for the driver's small checkpoint "
-                   "and CRIU's dump (its device memory copied by pos), then sent whole.")
+              help="A `pos run` job, frozen only for the driver's small checkpoint and CRIU's "
+                   "dump (its device memory copied by pos): with --to, its image is sent "
+                   "whole; with --to-gpu, restored onto that GPU in a new process.")
 @criu_options
 @json_option
 def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], listen: bool,
@@ -311,6 +313,8 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
     modes = sum((to_gpu is not None, to_host is not None, listen))
     if modes != 1:
         raise click.UsageError("give exactly one of --to-gpu N, --to HOST or --listen.")
+    if concurrent and listen:
+        raise click.UsageError("--concurrent goes with --to HOST or --to-gpu N.")
     if listen:
         if directory is None:
             raise click.UsageError("--listen needs -D DIR (where the image goes).")
@@ -322,13 +326,16 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
         return
     if pid is None:
         raise click.UsageError("Missing argument 'PID' (the process to migrate).")
-    if concurrent and to_host is None:
-        raise click.UsageError("--concurrent goes with --to HOST.")
     timeout_ms = int(lock_timeout * 1000)
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     with Progress.on_terminal(f"migrate PID {pid}", as_json) as progress:
-        if to_gpu is not None:
-            report: dict[str, Any] = {"pid": pid, "gpu": to_gpu, "timings": mig.to_gpu(
+        if to_gpu is not None and concurrent:
+            moved, timings = mig.to_gpu_concurrent(pid, to_gpu, options, timeout_ms,
+                                                   echo=_lines(as_json))
+            report: dict[str, Any] = {"pid": pid, "gpu": to_gpu, "restored_pid": moved,
+                                      "timings": timings}
+        elif to_gpu is not None:
+            report = {"pid": pid, "gpu": to_gpu, "timings": mig.to_gpu(
                 pid, to_gpu, timeout_ms, echo=_lines(as_json), progress=progress)}
         else:
             report = {"pid": pid, "host": to_host, "restored_pid": mig.to_host(

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos import image, nvml
-from pos.agent.control import Agent, Buffer, Cut, Gate
+from pos.agent.control import Agent, Buffer, Cut, Gate, Refused
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex
 from pos.scheduler import engine
@@ -122,7 +122,7 @@ class _Saver:
         agent = self.agent
         cut = self._timed("cut", lambda: agent.cut(STALL_S))
         self.table = agent.table()
-        self.fds = self._timed("export", agent.export)
+        self.fds = self._timed("export", self._export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))
         total = sum(b.size for b in self.table)
         assert self.host is not None
@@ -130,6 +130,28 @@ class _Saver:
             self.host.close()
             self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, total))
         return cut
+
+    def _export(self) -> list[int]:
+        """The job's descriptors. A buffer the driver would not export is moved into new memory
+        first (poshook.c: reseat); where the device has no room for that, pos gives its shadow
+        back and asks once more (the buffers are then copied from the running job, the gate
+        holding their writers)."""
+        from pos.scheduler import gpucopy
+
+        assert self.agent is not None and self.shadow is not None
+        try:
+            x = self.agent.export()
+        except Refused as e:
+            if not e.need or not self.shadow.size:
+                raise
+            self.shadow.close()
+            self.shadow = gpucopy.Shadow(self.drv, 0)
+            self.timings["shadow_given_back_bytes"] = e.need
+            x = self.agent.export()
+        if x.reseated or x.leaked:
+            self.timings.update(reseat=x.reseat_s, reseated_bytes=x.reseated_bytes,
+                                leaked_closed_n=x.leaked)
+        return x.fds
 
     def snapshot(self) -> list[int]:
         """Shadow the buffers that fit, in table order; the source of each buffer's copy (its
@@ -282,7 +304,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
     saved = gpuindex.resolve(directory)
     with Agent(pid) as agent:
         drv = gpucopy.context(0)
-        rings = gpucopy.Rings(drv, streams, FILL_PIECE, FILL_DEPTH)
+        rings = gpucopy.Rings(drv, streams, fill_piece(), FILL_DEPTH)
         try:
             t0 = time.monotonic()
             cut = agent.cut(STALL_S)
@@ -293,7 +315,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
                 raise BadInput(f"the image {directory} does not hold the buffers process {pid} "
                                f"has now ({len(missing)} of {len(table)} differ)", "restore into "
                                "the job the image was taken of, in the same phase of its work")
-            fds = agent.export()
+            fds = agent.export().fds
             try:
                 mem = gpucopy.Imported(drv, table, fds)
             finally:
@@ -314,7 +336,9 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk
                   copy.gbps, 0, {"h2d": copy.seconds})
 
 
-FILL_PIECE = 1 << 20   # a fill thread reads, hashes and copies this much at a time
+# a fill thread reads, hashes and copies this many KiB at a time: 2 MiB beat 1 MiB on the H100
+# and the H200 once each piece was made in one pass (pos/image/chunks.c: pass)
+FILL_PIECE_KIB = os.environ.get("POS_FILL_PIECE_KIB", "2048")
 FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
 # copy out of the data files mapped (the default), or read them (POS_FILL_MAPPED=0)
 FILL_MAPPED = os.environ.get("POS_FILL_MAPPED", "1") != "0"
@@ -324,6 +348,16 @@ FILL_MAPPED = os.environ.get("POS_FILL_MAPPED", "1") != "0"
 # starts only when the job is released
 FILL_FROM = os.environ.get("POS_FILL_FROM", "pause")
 FILL_FROMS = ("pause", "start", "release")
+
+
+def fill_piece() -> int:
+    """The fill's piece in bytes, from POS_FILL_PIECE_KIB: a power of two from 256 to 4096 KiB,
+    so that a thread's ring divides the pinned arena's parts."""
+    kib = int(FILL_PIECE_KIB) if FILL_PIECE_KIB.isdigit() else 0
+    if not 256 <= kib <= 4096 or kib & (kib - 1):
+        raise BadInput(f"POS_FILL_PIECE_KIB={FILL_PIECE_KIB} is not a power of two from 256 to "
+                       "4096", "unset it (pieces are then 2048 KiB)")
+    return kib << 10
 
 
 def fill_order(table: list[Buffer], saved: dict[int, tuple[Path, int, list[dict[str, Any]]]]
@@ -515,6 +549,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     if FILL_FROM not in FILL_FROMS:
         raise BadInput(f"POS_FILL_FROM={FILL_FROM} is not one of {', '.join(FILL_FROMS)}",
                        "unset it (the fill then pauses for the driver's restore)")
+    fill_piece()   # checked before anything is touched
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
@@ -685,7 +720,7 @@ class _Prefetch:
             self.ready.set()
             # the fill's staging: one arena pinned here, beside CRIU, rather than one per fill
             # thread at its first chunk, after the job's release
-            self.rings = gpucopy.Rings(drv, self.streams, FILL_PIECE, FILL_DEPTH)
+            self.rings = gpucopy.Rings(drv, self.streams, fill_piece(), FILL_DEPTH)
             self.pinned_at = time.monotonic()
             self._wait()
             self.started_at = time.monotonic()

@@ -49,12 +49,12 @@ def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
         timings[name] = timings.get(name, 0.0) + time.monotonic() - t
 
 
-UNITS = {"_mib": "{:.0f} MiB", "_bytes": "{:.0f} bytes", "_rc": "{:.0f}"}
+UNITS = {"_mib": "{:.0f} MiB", "_bytes": "{:.0f} bytes", "_rc": "{:.0f}", "_n": "{:.0f}"}
 
 
 def describe(timings: dict[str, float]) -> str:
-    """Timings for a person: seconds, but for the keys that count memory (`*_mib`, `*_bytes`)
-    and the driver's answers (`*_rc`)."""
+    """Timings for a person: seconds, but for the keys that count memory (`*_mib`, `*_bytes`),
+    the driver's answers (`*_rc`) and things (`*_n`)."""
     def one(k: str, v: float) -> str:
         unit = next((u for end, u in UNITS.items() if k.endswith(end)), "{:.3f} s")
         return f"{k} {unit.format(v)}"
@@ -253,11 +253,13 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     return Result(final, manifest, timings=g.timings)
 
 
-def refuse_imported(pid: int) -> None:
+def refuse_imported(pid: int, fix: str = "checkpoint it with `pos checkpoint --concurrent` (to "
+                    "move it: copy that image and `pos restore -D` it on the other host)") -> None:
     """Refuse a `pos run` job whose device memory was mapped back from pos's descriptors (after
     a whole-process concurrent checkpoint or restore): the driver checkpoints it, but its
     restore fails (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED on the H100, driver
-    580.159.04, 2026-11-25), so a stop-the-world image of it could never be restored."""
+    580.159.04, 2026-11-25), so a stop-the-world image of it could never be restored, nor the
+    driver move it to another GPU. `fix`: what to do instead."""
     from pos.agent.control import Agent
 
     try:
@@ -269,9 +271,7 @@ def refuse_imported(pid: int) -> None:
     if imported:
         raise BadInput(f"{imported} of the device allocations of PID {pid} were mapped back "
                        "from a whole-process concurrent checkpoint or restore, and the driver "
-                       "cannot restore such memory from a stop-the-world image",
-                       "checkpoint it with `pos checkpoint --concurrent` (to move it: copy that "
-                       "image and `pos restore -D` it on the other host)")
+                       "cannot restore such memory from a stop-the-world image", fix)
 
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:

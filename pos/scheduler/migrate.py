@@ -50,12 +50,18 @@ def target(index: int) -> tuple[nvml.Gpu, list[nvml.Gpu]]:
     return gpus[index], gpus
 
 
+def move(index: int, used: list[str]) -> tuple[list[tuple[str, str]], nvml.Gpu]:
+    """The driver's mapping that moves a process (or an image) on the GPUs `used` onto GPU
+    `index` of this host, and that GPU; the GPU is checked first, before anything else."""
+    gpu, gpus = target(index)
+    return gpu_pairs(used, gpu.uuid, [g.uuid for g in gpus]), gpu
+
+
 def onto(directory: Path, index: int) -> tuple[list[tuple[str, str]], str]:
     """The driver's mapping that restores the image in `directory` (taken on one GPU) onto GPU
     `index` of this host, and that GPU's UUID."""
-    gpu, gpus = target(index)
-    used = [g["uuid"] for g in image.load(directory).gpus]
-    return gpu_pairs(used, gpu.uuid, [g.uuid for g in gpus]), gpu.uuid
+    pairs, gpu = move(index, [g["uuid"] for g in image.load(directory).gpus])
+    return pairs, gpu.uuid
 
 
 def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None,
@@ -67,8 +73,10 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
     cuda = engine.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
-    gpu, gpus = target(index)
-    pairs = gpu_pairs(list(nvml.gpus_of(cuda)), gpu.uuid, [g.uuid for g in gpus])
+    pairs, gpu = move(index, list(nvml.gpus_of(cuda)))
+    for p in cuda:
+        engine.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {index} "
+                                  "--concurrent`")
     from pos.scheduler import cudackpt
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
@@ -83,6 +91,41 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
     echo(engine.describe(g.timings))
     echo(f"PID {pid} now runs on GPU {index} ({gpu.name} {gpu.uuid})")
     return g.timings
+
+
+def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: int,
+                      echo: Echo = lambda _: None) -> tuple[int, dict[str, float]]:
+    """A `pos run` job onto GPU `index`: its whole-process concurrent image (the job frozen
+    only for the driver's small checkpoint and CRIU's dump), then that image restored onto the
+    GPU in a new process, its memory filled there while it runs. This works where the driver's
+    own move cannot: its restore fails for memory that pos mapped back into the job. The image
+    goes to a temporary folder, removed once the job runs on GPU `index`, kept (and named)
+    when the restore fails. The job's PID there, and the seconds of each part."""
+    from pos.scheduler import concurrent
+
+    procs.require_checkpointable(pid)
+    move(index, list(nvml.gpus_of([pid])))           # before the job is touched
+    t0 = time.monotonic()
+    saved = concurrent.checkpoint_full(pid, _image_dir(pid), options, leave_running=False,
+                                       lock_timeout_ms=lock_timeout_ms, echo=echo)
+    t1 = time.monotonic()
+    try:
+        back = concurrent.restore_full(Path(saved.path), echo=echo, to_gpu=index)
+    except PosError as e:
+        raise PosError(f"PID {pid} was saved but not restored onto GPU {index}: {e.cause}",
+                       f"its image stays in {saved.path}: fix that, then `pos restore -D "
+                       f"{saved.path} --to-gpu {index}`") from None
+    shutil.rmtree(saved.path, ignore_errors=True)
+    timings = {"checkpoint": t1 - t0, "restore": time.monotonic() - t1,
+               "restore_release": back.release_s}
+    echo(engine.describe(timings))
+    echo(f"PID {pid} now runs on GPU {index} as PID {back.restored_pid}")
+    return back.restored_pid or pid, timings
+
+
+def _image_dir(pid: int) -> Path:
+    """A migration's temporary image."""
+    return Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
 
 
 # ---- to another host ---------------------------------------------------------------------
@@ -175,7 +218,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
             raise BadInput(f"{address} refused the migration: {reply['error']}",
                            "fix that there, then migrate again")
         keep = local is not None
-        local = local or Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
+        local = local or _image_dir(pid)
         if concurrent:
             from pos.scheduler import concurrent as conc
 

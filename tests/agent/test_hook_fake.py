@@ -5,6 +5,7 @@ job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu d
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from pos.agent.control import Agent
+from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 from pos.image import gpuindex
 from pos.scheduler import concurrent, staging
@@ -106,7 +108,7 @@ def test_the_hoist_shrinks_the_context_stack_and_the_remap_puts_it_back(fill_job
     with Agent(job.pid) as a:
         for _ in range(2):
             a.cut(5)
-            fds = a.export()
+            fds = a.export().fds
             h = a.hoist(stack=0)
             assert (h.stack, h.stack_rc) == (1024, 0)
             assert a.remap(fds).stack_rc == 0
@@ -114,7 +116,7 @@ def test_the_hoist_shrinks_the_context_stack_and_the_remap_puts_it_back(fill_job
             for fd in fds:
                 os.close(fd)
         a.cut(5)
-        fds = a.export()
+        fds = a.export().fds
         h = a.hoist()
         assert (h.stack, h.stack_rc) == (0, -1)
         a.remap(fds)
@@ -144,7 +146,7 @@ def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_
     first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
     with Agent(job.pid) as a:
         a.cut(5)
-        fds = a.export()
+        fds = a.export().fds
         a.hoist()
         a.remap(fds, restore=True)              # every buffer pending
         try:
@@ -174,12 +176,13 @@ def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_
 
 
 # the restore's fill: beside CRIU and paused for the driver's restore (the default), never
-# paused (read with pread, not mapped), or only from the job's release
-@pytest.mark.parametrize("fill_from,mapped", [("pause", "1"), ("start", "0"), ("release", "1")])
+# paused (read with pread, not mapped), or only from the job's release; pieces of several sizes
+@pytest.mark.parametrize("fill_from,mapped,piece", [("pause", "1", "2048"), ("start", "0", "256"),
+                                                    ("release", "1", "1024")])
 def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,
                                                                 criu_ready, gpu_env,
-                                                                fill_from: str, mapped: str
-                                                                ) -> None:
+                                                                fill_from: str, mapped: str,
+                                                                piece: str) -> None:
     job = fill_job()
     time.sleep(0.3)
     img = tmp_path / "full"
@@ -190,7 +193,8 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     saved = image_values(img)
     assert not torn(saved)
     r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FILL_FROM": fill_from,
-                                            "POS_FILL_MAPPED": mapped})
+                                            "POS_FILL_MAPPED": mapped,
+                                            "POS_FILL_PIECE_KIB": piece})
     assert r.returncode == 0, r.stderr
     assert f"restored PID {job.pid}" in r.stdout
     time.sleep(0.3)
@@ -237,9 +241,80 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
     assert not torn(later) and max(later) > max(saved)   # it went on from the image
 
 
-def test_migrate_concurrent_goes_with_to_host(gpu_env) -> None:
-    r = pos("migrate", "123", "--to-gpu", "1", "--concurrent", env=gpu_env)
-    assert r.returncode == 2 and "--concurrent goes with --to HOST" in r.stderr
+def test_migrate_concurrent_goes_with_to_host_or_to_gpu(gpu_env, tmp_path: Path) -> None:
+    r = pos("migrate", "--listen", "-D", str(tmp_path), "--concurrent", env=gpu_env)
+    assert r.returncode == 2 and "--concurrent goes with --to HOST or --to-gpu N" in r.stderr
+
+
+FAKE_GPU = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f"     # the fake driver's one device
+JOB_GPU = "GPU-00000000-0000-0000-0000-0000000000aa"      # where the fake NVML sees the job
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML (in this process) naming two GPUs: GPU 0, where it sees the job, and as GPU 1 the
+    fake driver's own device, so that a restore "onto GPU 1" reaches it."""
+    from pos import nvml
+
+    here = [nvml.Gpu(0, JOB_GPU, "fake", 16 << 30), nvml.Gpu(1, FAKE_GPU, "fake", 16 << 30)]
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "gpus", lambda: here)
+    monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
+
+
+def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_process(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, two_gpus) -> None:
+    """The chain a user gets from `pos migrate PID --to-gpu 1 --concurrent`: the whole-process
+    concurrent image, the job ended, the image restored with the GPUs swapped (the driver's
+    restore is given the pair), its memory made on GPU 1; the temporary image is removed."""
+    from pos.scheduler import migrate
+    from pos.scheduler.criu import Options
+
+    job = fill_job()
+    time.sleep(0.2)
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    reaper = threading.Thread(target=job.proc.wait)   # pos's CLI is not the job's parent
+    reaper.start()
+    moved, timings = migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000)
+    reaper.join(timeout=30)
+    assert moved == job.pid and timings["restore"] > 0 and timings["checkpoint"] > 0
+    time.sleep(0.3)
+    after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert job.alive() and not torn(after) and max(after) > max(before)
+    assert not list(Path("/tmp").glob(f"pos-migrate-{job.pid}-*"))
+
+
+def test_migrate_to_gpu_concurrent_checks_the_gpu_before_the_job_is_touched(
+        fill_job, gpu_env, two_gpus) -> None:
+    from pos.scheduler import migrate
+    from pos.scheduler.criu import Options
+
+    job = fill_job()
+    one_sentence(pos("migrate", str(job.pid), "--to-gpu", "1", "--concurrent", env=gpu_env), 2,
+                 "NVML is not available")           # none beside the fake driver out there
+    for index, says in ((2, "this host has 2 GPU(s), no GPU 2"),
+                        (0, f"the process already runs on {JOB_GPU}")):
+        with pytest.raises(BadInput, match=re.escape(says)):
+            migrate.to_gpu_concurrent(job.pid, index, Options(), 10_000)
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle" and job.alive()
+
+
+def test_plain_migrate_to_gpu_refuses_memory_pos_mapped_back(fill_job, tmp_path: Path,
+                                                             criu_ready, gpu_env,
+                                                             two_gpus) -> None:
+    """The driver cannot restore memory that pos mapped back into the job (after a concurrent
+    checkpoint): its own move would fail half way, so pos names the --concurrent form."""
+    from pos.scheduler import migrate
+
+    job = fill_job()
+    assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c"), "--concurrent",
+               "--leave-running", env=gpu_env).returncode == 0
+    with pytest.raises(BadInput, match=f"pos migrate {job.pid} --to-gpu 1 --concurrent"):
+        migrate.to_gpu(job.pid, 1, 10_000)
+    assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
+        == "running"
+    assert job.alive()
 
 
 def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_ready,
@@ -343,6 +418,39 @@ def test_stop_the_world_after_a_concurrent_checkpoint_is_refused(fill_job, tmp_p
             "--leave-running", env=gpu_env)
     assert r.returncode == 0, r.stderr
     assert not torn(image_values(tmp_path / "c2")) and job.alive()
+
+
+def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """Two H200s would not export the memory that the driver's own restore brought back (two
+    stop-the-world cycles that left the job running); the agent moves every buffer into new
+    exportable memory at the same address, bytes included: the concurrent image goes on from
+    where the job was, and the job restored from it in a new process goes on from there."""
+    gpu_env["POS_FAKECUDA_STALE_EXPORT"] = "1"          # the job's driver refuses such exports
+    job = fill_job()
+    time.sleep(0.2)
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    for i in range(2):
+        r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / f"stw{i}"), "--leave-running",
+                env=gpu_env)
+        assert r.returncode == 0, r.stderr
+    with Agent(job.pid) as a:
+        owned = sum(b.mapped for b in a.table())
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    job.proc.wait(timeout=30)                   # CRIU ended it after the dump
+    timings = json.loads((img / "pos-manifest.json").read_text())["timings"]
+    assert timings["reseated_bytes"] == owned and timings["leaked_closed_n"] == 0
+    saved = image_values(img)
+    assert not torn(saved) and max(saved) > max(before)     # the bytes moved with the buffers
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    time.sleep(0.3)
+    later = concurrent.checkpoint_gpu(job.pid, tmp_path / "later")
+    assert "reseated_bytes" not in later.timings
+    values = image_values(Path(later.path))
+    assert job.alive() and not torn(values) and max(values) > max(saved)
 
 
 def test_a_corrupt_chunk_ends_the_job_it_was_being_restored_into(fill_job, tmp_path: Path,

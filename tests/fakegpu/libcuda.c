@@ -554,7 +554,17 @@ struct vmm_handle {
     uint32_t magic;
     int fd; /* memfd holding the "physical" memory, so that mappings share it */
     size_t size;
+    long restores; /* the driver's restores of this process before the handle was made */
 };
+
+/* POS_FAKECUDA_STALE_EXPORT=1: memory made before the driver's last restore of this process is
+ * not exported (CUDA_ERROR_INVALID_VALUE), as two H200s (driver 580.159.04) did after a
+ * stop-the-world cycle that left the job running; the H100 exported it. */
+static long restores_of_self(void);
+static int stale_exports(void) {
+    const char *v = getenv("POS_FAKECUDA_STALE_EXPORT");
+    return v && strcmp(v, "1") == 0;
+}
 
 static int granular(size_t n) { return n && n % VMM_GRANULARITY == 0; }
 
@@ -623,6 +633,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     }
     h->magic = MAGIC_VMM;
     h->size = size;
+    h->restores = stale_exports() ? restores_of_self() : 0;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
@@ -736,7 +747,7 @@ API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocatio
     struct vmm_handle *h = vmm_handle(handle);
     if (!h)
         return CUDA_ERROR_INVALID_HANDLE;
-    if (!shareable || type != 1 || flags)
+    if (!shareable || type != 1 || flags || (stale_exports() && h->restores < restores_of_self()))
         return CUDA_ERROR_INVALID_VALUE;
     int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0)
@@ -762,6 +773,7 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
     }
     h->magic = MAGIC_VMM;
     h->size = (size_t)sb.st_size;
+    h->restores = stale_exports() ? restores_of_self() : 0;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
@@ -1213,10 +1225,11 @@ static void checkpoint_log(const char *name, int pid) {
     close(fd);
 }
 
-/* Calls of `name` made so far (this one included), counted in the state directory. */
-static long count_call(const char *name) {
+/* A count kept in the state directory's file `name` (shared by every process), raised by
+ * `by` first; 1 where the file cannot be kept. */
+static long counter(const char *name, long by) {
     char path[4096];
-    snprintf(path, sizeof(path), "%s/fail-count-%s", state_dir(), name);
+    snprintf(path, sizeof(path), "%s/%s", state_dir(), name);
     if (mkdir(state_dir(), 0777) == 0)
         chmod(state_dir(), 01777);
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
@@ -1225,12 +1238,25 @@ static long count_call(const char *name) {
     flock(fd, LOCK_EX);
     char buf[32] = {0};
     ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
-    long calls = (n > 0 ? strtol(buf, NULL, 10) : 0) + 1;
-    int len = snprintf(buf, sizeof(buf), "%ld\n", calls);
-    if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)len, 0) != len)
-        calls = 1;
+    long count = (n > 0 ? strtol(buf, NULL, 10) : 0) + by;
+    int len = snprintf(buf, sizeof(buf), "%ld\n", count);
+    if (by && (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)len, 0) != len))
+        count = 1;
     close(fd); /* releases the lock */
-    return calls;
+    return count;
+}
+
+/* Calls of `name` made so far (this one included). */
+static long count_call(const char *name) {
+    char file[300];
+    snprintf(file, sizeof(file), "fail-count-%s", name);
+    return counter(file, 1);
+}
+
+static long restores_of_self(void) {
+    char file[64];
+    snprintf(file, sizeof(file), "restores-%d", (int)getpid());
+    return counter(file, 0);
 }
 
 static int injected_failure(const char *name) {
@@ -1297,8 +1323,14 @@ API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *
 API CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
     int valid = !args || ((args->gpuPairs || !args->gpuPairsCount) &&
                           all_zero(args->reserved, sizeof(args->reserved)) && !args->reserved1);
-    return transition(__func__, pid, valid, CU_PROCESS_STATE_CHECKPOINTED,
-                      CU_PROCESS_STATE_LOCKED);
+    CUresult r = transition(__func__, pid, valid, CU_PROCESS_STATE_CHECKPOINTED,
+                            CU_PROCESS_STATE_LOCKED);
+    if (r == CUDA_SUCCESS) {
+        char file[64];
+        snprintf(file, sizeof(file), "restores-%d", pid);
+        counter(file, 1);
+    }
+    return r;
 }
 
 API CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {

@@ -1,6 +1,7 @@
 """The image's chunk writer and reader on the CPU alone: chunks that complete out of order, on
 several writer threads, land where they belong; a corrupt chunk is refused."""
 
+import ctypes as C
 import os
 import random
 import threading
@@ -107,3 +108,58 @@ def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, mo
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {}, targets)) == [0, 2]
     assert (out == data).all()
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {})) == []   # no targets given
+
+
+# a ring whose "device" is host memory: the C loop's copy is a memmove, its events are no-ops
+_COPY = C.CFUNCTYPE(C.c_int, C.c_uint64, C.c_void_p, C.c_size_t, C.c_void_p)(
+    lambda dst, src, n, _stream: C.memmove(dst, src, n) and 0)
+_RECORD = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p)(lambda _event, _stream: 0)
+_WAIT = C.CFUNCTYPE(C.c_int, C.c_void_p)(lambda _event: 0)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+@pytest.mark.parametrize("n", [8, 100, 4096 * 3 + 40, (1 << 16) + 13])
+def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Path,
+                                                                   mapped: bool, n: int) -> None:
+    """The restore's fill loop (chunks.c: pass) on the CPU: every byte arrives, the checksum
+    holds, and exactly the buffers that some 8-byte word points into are named, pointers at a
+    buffer's first and last byte included, one just past the end excluded."""
+    from pos.scheduler.gpucopy import Ring
+
+    rng = np.random.default_rng(n)
+    ranges = [(0x7F00_0000_0000 + i * 0x10_0000, 0x7F00_0000_0000 + i * 0x10_0000 + 0x8000)
+              for i in range(40)]
+    targets = gpuimage.Targets(ranges)
+    data = rng.integers(0, 256, n, np.uint8)
+    words = data[:n // 8 * 8].view(np.uint64)
+    picks = rng.choice(len(ranges), min(len(words), 6), replace=False)
+    planted = zip(picks, ["start", "last", "past", "mid", "start", "last"])
+    for slot, (i, where) in enumerate(planted):
+        a, b = ranges[i]
+        words[slot * len(words) // len(picks)] = {"start": a, "last": b - 1, "past": b,
+                                                  "mid": (a + b) // 2}[where]
+    inside = {int(i) for i, where in zip(picks, ["start", "last", "past", "mid", "start",
+                                                 "last"]) if where != "past"}
+    truth = [i for i, (a, b) in enumerate(ranges) if ((words >= a) & (words < b)).any()]
+    w = gpuimage.Writer(tmp_path, False)
+    w.put(0x7000_0000, 0, data)
+    w.close()
+    chunk = w.chunks[0x7000_0000][0]
+    piece, depth = 4096, 3
+    slots = np.zeros(piece * depth, np.uint8)
+    events, pending = (C.c_void_p * depth)(), (C.c_ubyte * depth)()
+    ring = Ring(slots.ctypes.data, piece, depth, C.addressof(events), C.addressof(pending), None,
+                C.cast(_COPY, C.c_void_p), C.cast(_RECORD, C.c_void_p),
+                C.cast(_WAIT, C.c_void_p), 0, 0)
+    out = np.zeros(n + 8, np.uint8)
+    maps, fds = gpuimage.Maps() if mapped else None, {}
+    try:
+        hits = gpuimage.fill_chunk(ring, tmp_path, chunk, out.ctypes.data, fds, targets, maps)
+    finally:
+        if maps is not None:
+            maps.close()
+        for fd in fds.values():
+            os.close(fd)
+    assert (out[:n] == data).all() and not out[n:].any()
+    assert list(hits) == truth and inside <= set(truth)
+    assert len(picks) < 3 or picks[2] not in truth       # just past its end

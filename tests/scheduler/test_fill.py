@@ -196,3 +196,20 @@ def test_an_unknown_fill_start_is_one_sentence(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setattr(concurrent, "FILL_FROM", "later")
     with pytest.raises(BadInput, match="POS_FILL_FROM=later is not one of pause, start"):
         concurrent.restore_full(tmp_path)
+
+
+@pytest.mark.parametrize("kib", ["100", "3000", "8192", "2m", ""])
+def test_a_bad_fill_piece_is_one_sentence(tmp_path: Path, monkeypatch, kib: str) -> None:
+    from pos.scheduler import concurrent
+
+    monkeypatch.setattr(concurrent, "FILL_PIECE_KIB", kib)
+    with pytest.raises(BadInput, match=f"POS_FILL_PIECE_KIB={kib} is not a power of two"):
+        concurrent.restore_full(tmp_path)
+
+
+@pytest.mark.parametrize("kib, piece", [("2048", 2 << 20), ("256", 256 << 10), ("4096", 4 << 20)])
+def test_the_fill_piece_from_the_environment(monkeypatch, kib: str, piece: int) -> None:
+    from pos.scheduler import concurrent
+
+    monkeypatch.setattr(concurrent, "FILL_PIECE_KIB", kib)
+    assert concurrent.fill_piece() == piece

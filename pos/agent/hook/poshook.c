@@ -23,6 +23,7 @@
  */
 #define _GNU_SOURCE
 #include <ctype.h>
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -37,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -70,6 +73,7 @@ typedef struct {
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_NOT_FOUND = 500
 };
@@ -730,9 +734,7 @@ static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     CUmemGenericAllocationHandle h = 0;
     if ((r = reserve(&va, n, g)) != CUDA_SUCCESS)
         return r;
-    r = ((CUresult(*)(CUmemGenericAllocationHandle *, size_t, const void *,
-                      unsigned long long))real_of(&real_cuMemCreate, "cuMemCreate"))(&h, n, &prop,
-                                                                                     0);
+    r = DRV(cuMemCreate)(&h, n, &prop, 0);
     if (r == CUDA_SUCCESS && (r = map_rw(va, n, h, dev)) != CUDA_SUCCESS)
         DRV(cuMemRelease)(h);
     if (r != CUDA_SUCCESS) {
@@ -749,7 +751,7 @@ static CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
         unmap(va, n);
         DRV(cuMemRelease)(h);
         DRV(cuMemAddressFree)(va, n);
-        return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *out = va;
     return CUDA_SUCCESS;
@@ -1244,37 +1246,170 @@ static void do_table(struct conn *c) {
     free(s);
 }
 
-/* Export every owned allocation as a file descriptor, in table order (phase hold only). */
+/* ---- memory the driver will not export ----------------------------------------------------
+ * After the driver's own checkpoint and restore of the job (a stop-the-world cycle that left it
+ * running), the memory the driver brought back was not exportable on two H200s (driver
+ * 580.159.04; the H100 exported it): cuMemExportToShareableHandle answered
+ * CUDA_ERROR_INVALID_VALUE, and each refusal left a /dev/nvidiactl descriptor open that CRIU
+ * then would not dump ("Can't dump file ... chr 195:255"). */
+
+/* The descriptors open now, as a bitmap by number; ok = 0 when /proc/self/fd was unreadable. */
+struct fdset {
+    int ok;
+    size_t n;
+    unsigned char *has;
+};
+
+static struct fdset fds_open(void) {
+    struct fdset s = {0};
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return s;
+    s.ok = 1;
+    for (struct dirent *e; (e = readdir(d));) {
+        char *end;
+        long fd = strtol(e->d_name, &end, 10);
+        if (end == e->d_name || *end || fd < 0 || fd == dirfd(d))
+            continue;
+        if ((size_t)fd >= s.n) {
+            size_t n = (size_t)fd * 2 + 64;
+            unsigned char *has = realloc(s.has, n);
+            if (!has) {
+                s.ok = 0;
+                break;
+            }
+            memset(has + s.n, 0, n - s.n);
+            s.has = has, s.n = n;
+        }
+        s.has[fd] = 1;
+    }
+    closedir(d);
+    return s;
+}
+
+static int is_nvidiactl(int fd) {
+    struct stat sb;
+    return fstat(fd, &sb) == 0 && S_ISCHR(sb.st_mode) && major(sb.st_rdev) == 195 &&
+           minor(sb.st_rdev) == 255;
+}
+
+/* Close the /dev/nvidiactl descriptors open now that were not open in `before` and are none of
+ * the n in `keep` (the exports so far); how many. None when either listing failed. */
+static size_t close_leaked(const struct fdset *before, const int *keep, size_t n) {
+    struct fdset now = fds_open();
+    size_t closed = 0;
+    for (size_t fd = 0; before->ok && now.ok && fd < now.n; fd++) {
+        int kept = (fd < before->n && before->has[fd]) || !now.has[fd];
+        for (size_t i = 0; i < n && !kept; i++)
+            kept = keep[i] == (int)fd;
+        if (!kept && is_nvidiactl((int)fd))
+            closed += close((int)fd) == 0;
+    }
+    free(now.has);
+    return closed;
+}
+
+/* Move buffer o into new exportable memory at the same address: the new memory mapped at a
+ * range of its own, the bytes copied device to device (16 GiB took 24 ms on an H200), then
+ * mapped at o's address in place of the old. Caller holds mu, the context current, the job's
+ * calls held. *lost: a failed swap could not map the old memory back either (the buffer has no
+ * memory now). */
+static CUresult reseat(struct owned *o, int *lost) {
+    CUmemAllocationProp prop = prop_for(o->device);
+    CUmemGenericAllocationHandle h = 0;
+    CUdeviceptr tmp = 0;
+    CUresult r = DRV(cuMemCreate)(&h, o->mapped, &prop, 0);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if ((r = DRV(cuMemAddressReserve)(&tmp, o->mapped, 0, 0, 0)) == CUDA_SUCCESS) {
+        if ((r = map_rw(tmp, o->mapped, h, o->device)) == CUDA_SUCCESS) {
+            if ((r = DRV(cuMemcpyDtoD_v2)(tmp, o->va, o->mapped)) == CUDA_SUCCESS)
+                r = DRV(cuCtxSynchronize)(); /* device-to-device copies return at once */
+            unmap(tmp, o->mapped);
+        }
+        DRV(cuMemAddressFree)(tmp, o->mapped);
+    }
+    if (r == CUDA_SUCCESS && (r = unmap(o->va, o->mapped)) == CUDA_SUCCESS &&
+        (r = map_rw(o->va, o->mapped, h, o->device)) != CUDA_SUCCESS)
+        *lost = map_rw(o->va, o->mapped, o->h, o->device) != CUDA_SUCCESS;
+    if (r != CUDA_SUCCESS) {
+        DRV(cuMemRelease)(h);
+        return r;
+    }
+    DRV(cuMemRelease)(o->h);
+    o->h = h;
+    return CUDA_SUCCESS;
+}
+
+/* One buffer's descriptor: a copy of the one it was mapped from, else the driver's export; a
+ * buffer the driver will not export is reseated and exported again. Caller holds mu. */
+struct export_run {
+    struct fdset before; /* the descriptors open before the first export */
+    size_t reseated, reseated_bytes, leaked;
+    uint64_t reseat_ns;
+    int lost;
+};
+
+static CUresult export_one(struct owned *o, int *fd, const int *done, size_t ndone,
+                           struct export_run *x) {
+    if (o->fd >= 0)
+        return (*fd = fcntl(o->fd, F_DUPFD_CLOEXEC, 0)) < 0 ? CUDA_ERROR_OUT_OF_MEMORY
+                                                            : CUDA_SUCCESS;
+    CUresult r = DRV(cuMemExportToShareableHandle)(fd, o->h, HANDLE_POSIX_FD, 0);
+    if (r != CUDA_ERROR_INVALID_VALUE)
+        return r;
+    x->leaked += close_leaked(&x->before, done, ndone);
+    uint64_t t0 = now_ns();
+    if ((r = reseat(o, &x->lost)) == CUDA_SUCCESS) {
+        x->reseated++, x->reseated_bytes += o->mapped;
+        r = DRV(cuMemExportToShareableHandle)(fd, o->h, HANDLE_POSIX_FD, 0);
+    }
+    x->reseat_ns += now_ns() - t0;
+    return r;
+}
+
+/* Export every owned allocation as a file descriptor, in table order (phase hold only). When
+ * the device has no room to reseat a buffer the answer says how much it lacks (`need`): pos
+ * frees its shadow and asks again. */
 static void do_export(struct conn *c) {
     pthread_mutex_lock(&mu);
     int ph = atomic_load(&phase);
-    size_t n = ntab;
+    size_t n = ntab, done = 0;
     int *fds = calloc(n ? n : 1, sizeof(int));
-    size_t done = 0;
+    struct export_run x = {0};
     CUresult r = ph == P_HOLD ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
     if (r == CUDA_SUCCESS && n)
         r = use_context();
-    for (; fds && r == CUDA_SUCCESS && done < n; done++) {
-        if (tab[done].fd >= 0)
-            r = (fds[done] = fcntl(tab[done].fd, F_DUPFD_CLOEXEC, 0)) < 0 ? 2 : CUDA_SUCCESS;
-        else
-            r = DRV(cuMemExportToShareableHandle)(&fds[done], tab[done].h, HANDLE_POSIX_FD, 0);
-    }
+    if (r == CUDA_SUCCESS && n)
+        x.before = fds_open();
+    for (; fds && r == CUDA_SUCCESS && done < n; done++)
+        r = export_one(&tab[done], &fds[done], fds, done, &x);
+    size_t need = r == CUDA_ERROR_OUT_OF_MEMORY && done ? tab[done - 1].mapped : 0;
+    CUdeviceptr at = done ? tab[done - 1].va : 0;
     pthread_mutex_unlock(&mu);
+    free(x.before.has);
     if (!fds || r != CUDA_SUCCESS) {
         for (size_t i = 0; fds && i + 1 < done; i++)
             close(fds[i]);
         if (ph != P_HOLD)
             fail(c, "export needs the cut first");
+        else if (x.lost)
+            reply(c,
+                  "{\"ok\":false,\"error\":\"moving the buffer at 0x%llx into exportable memory "
+                  "failed with CUresult %d, and its old memory could not be mapped back\"}",
+                  at, r);
         else
             reply(c,
-                  "{\"ok\":false,\"error\":\"cuMemExportToShareableHandle failed with "
-                  "CUresult %d\"}",
-                  r);
+                  "{\"ok\":false,\"error\":\"exporting the buffer at 0x%llx failed with "
+                  "CUresult %d\",\"need\":%zu}",
+                  at, r, need);
         free(fds);
         return;
     }
-    if (reply(c, "{\"ok\":true,\"fds\":%zu}", n) == 0)
+    if (reply(c,
+              "{\"ok\":true,\"fds\":%zu,\"reseated\":%zu,\"reseated_bytes\":%zu,"
+              "\"reseat_s\":%.6f,\"leaked\":%zu}",
+              n, x.reseated, x.reseated_bytes, secs(x.reseat_ns), x.leaked) == 0)
         send_fds(c, fds, n);
     for (size_t i = 0; i < n; i++)
         close(fds[i]);
