@@ -684,10 +684,11 @@ def migratehost(out: Path, images: Path, job: str) -> dict[str, Any]:
 
 def togpu(out: Path, images: Path, gib: float) -> dict[str, Any]:
     """On a machine with two GPUs, a train_det job (--first-gib of ballast) started on GPU 0,
-    moved to GPU 1 three ways, each against an uninterrupted run, bit for bit: `pos migrate
+    moved to GPU 1 four ways, each against an uninterrupted run, bit for bit: `pos migrate
     PID --to-gpu 1` (the driver alone; the job runs on), `pos checkpoint` then `pos restore
-    --to-gpu 1`, and `pos checkpoint --concurrent` then `pos restore --to-gpu 1`; where NVML
-    sees the job afterwards, and the time the job stood still (its longest step gap)."""
+    --to-gpu 1`, `pos checkpoint --concurrent` then `pos restore --to-gpu 1`, and the last two
+    chained by `pos migrate PID --to-gpu 1 --concurrent`; where NVML sees the job afterwards,
+    and the time the job stood still (its longest step gap)."""
     gpus = nvml.gpus()
     if len(gpus) < 2:
         return {"skipped": f"{len(gpus)} GPU(s) here; this part needs two"}
@@ -695,7 +696,7 @@ def togpu(out: Path, images: Path, gib: float) -> dict[str, Any]:
     subprocess.run([*POS, "run", "--", *det_argv(ref_log, 300, gib)], cwd=ROOT, timeout=300,
                    capture_output=True)
     res: dict[str, Any] = {"gpus": [g.uuid for g in gpus]}
-    for way in ("migrate", "stw", "concurrent"):
+    for way in ("migrate", "stw", "concurrent", "migrate-concurrent"):
         log, d = images / f"{way}.log", images / f"{way}-img"
         p = pos_job(det_argv(log, 300, gib), out / f"togpu-{way}-job.log")
         row: dict[str, Any] = {}
@@ -704,9 +705,12 @@ def togpu(out: Path, images: Path, gib: float) -> dict[str, Any]:
             time.sleep(random.uniform(0, 0.5))
             row["before"] = list(nvml.gpus_of([p.pid]))
             lines = LineTimes(log)
-            if way == "migrate":
-                row["move"] = pos_cmd("migrate", str(p.pid), "--to-gpu", "1", "--json")
-                pid = p.pid
+            if way == "migrate-concurrent":   # the job ends and comes back with its PID, which
+                threading.Thread(target=p.wait, daemon=True).start()   # its zombie would hold
+            if way.startswith("migrate"):
+                row["move"] = pos_cmd("migrate", str(p.pid), "--to-gpu", "1", "--json",
+                                      *(["--concurrent"] if way.endswith("concurrent") else []))
+                pid = (row["move"].get("report") or {}).get("restored_pid") or p.pid
             else:
                 row["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d),
                                             *(["--concurrent"] if way == "concurrent" else []),

@@ -8,7 +8,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pos import nvml
 from pos.errors import BadInput, PosError
@@ -50,17 +50,17 @@ def target(index: int) -> tuple[nvml.Gpu, list[nvml.Gpu]]:
     return gpus[index], gpus
 
 
-def move(index: int, used: list[str]) -> tuple[list[tuple[str, str]], nvml.Gpu]:
-    """The driver's mapping that moves a process (or an image) on the GPUs `used` onto GPU
-    `index` of this host, and that GPU; the GPU is checked first, before anything else."""
+def move(index: int, used: Callable[[], list[str]]) -> tuple[list[tuple[str, str]], nvml.Gpu]:
+    """The driver's mapping that moves a process (or an image) on the GPUs `used()` onto GPU
+    `index` of this host, and that GPU; the GPU is checked first, before anything is read."""
     gpu, gpus = target(index)
-    return gpu_pairs(used, gpu.uuid, [g.uuid for g in gpus]), gpu
+    return gpu_pairs(used(), gpu.uuid, [g.uuid for g in gpus]), gpu
 
 
 def onto(directory: Path, index: int) -> tuple[list[tuple[str, str]], str]:
     """The driver's mapping that restores the image in `directory` (taken on one GPU) onto GPU
     `index` of this host, and that GPU's UUID."""
-    pairs, gpu = move(index, [g["uuid"] for g in image.load(directory).gpus])
+    pairs, gpu = move(index, lambda: [g["uuid"] for g in image.load(directory).gpus])
     return pairs, gpu.uuid
 
 
@@ -73,7 +73,7 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
     cuda = engine.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
-    pairs, gpu = move(index, list(nvml.gpus_of(cuda)))
+    pairs, gpu = move(index, lambda: list(nvml.gpus_of(cuda)))
     for p in cuda:
         engine.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {index} "
                                   "--concurrent`")
@@ -104,7 +104,7 @@ def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: i
     from pos.scheduler import concurrent
 
     procs.require_checkpointable(pid)
-    move(index, list(nvml.gpus_of([pid])))           # before the job is touched
+    move(index, lambda: list(nvml.gpus_of([pid])))   # before the job is touched
     t0 = time.monotonic()
     saved = concurrent.checkpoint_full(pid, _image_dir(pid), options, leave_running=False,
                                        lock_timeout_ms=lock_timeout_ms, echo=echo)
