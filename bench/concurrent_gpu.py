@@ -32,6 +32,9 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
   togpu        (two GPUs) a job on GPU 0 moved to GPU 1 by `pos migrate --to-gpu`, and by
                `pos restore --to-gpu` of a stop-the-world and of a concurrent image: losses bit
                for bit, where NVML sees it, how long it stood still
+  reseat       two stop-the-world --leave-running cycles, then a concurrent image and a restore
+               into a new process: memory the driver restored moved where it will not export
+               it (two H200s), losses bit for bit
   fullstall    --leave-running: the driver's stop-the-world `pos checkpoint` first, then the
                concurrent one (the context's stack made 0 bytes while hoisted, then kept as it
                was: POS_HOIST_STACK=off, the local memory the driver checkpoints), on the
@@ -732,6 +735,39 @@ def togpu(out: Path, images: Path, gib: float) -> dict[str, Any]:
     return res
 
 
+def reseat(out: Path, images: Path, gib: float) -> dict[str, Any]:
+    """Memory the driver's own restore brought back: a train_det job (--first-gib of ballast)
+    through two stop-the-world `--leave-running` cycles, then `pos checkpoint --concurrent`
+    (on two H200s the driver would not export that memory and the agent moved it: the image's
+    `reseated_bytes`, `reseat`, `leaked_closed_n`), then `pos restore` into a new process:
+    losses bit for bit against an uninterrupted run."""
+    ref_log, log, d = images / "ref.log", images / "reseat.log", images / "reseat-img"
+    subprocess.run([*POS, "run", "--", *det_argv(ref_log, 300, gib)], cwd=ROOT, timeout=300,
+                   capture_output=True)
+    p = pos_job(det_argv(log, 300, gib), out / "reseat-job.log")
+    res: dict[str, Any] = {"gib": gib}
+    try:
+        wait_lines(log, 40)
+        res["stop_the_world"] = [pos_cmd("checkpoint", str(p.pid), "-D", str(images / f"stw{i}"),
+                                         "--leave-running", "--json") for i in range(2)]
+        subprocess.run(["rm", "-rf", str(images / "stw0"), str(images / "stw1")])
+        time.sleep(random.uniform(0, 0.5))
+        res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--concurrent",
+                                    "--json")
+        timings = (res["checkpoint"].get("report") or {}).get("timings") or {}
+        res["reseat"] = {k: timings.get(k) for k in ("reseat", "reseated_bytes",
+                                                      "leaked_closed_n", "export")}
+        if res["checkpoint"]["rc"] != 0:
+            return res
+        p.wait(timeout=60)
+        res["restore"] = pos_cmd("restore", "-D", str(d), "--json", timeout=120)
+        compare_when_done(ref_log, log, res, 120)
+    finally:
+        kill(p)
+        subprocess.run(["pkill", "-9", "-f", str(log)])
+    return res
+
+
 def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
     rows = []
     for job in jobs:
@@ -851,6 +887,7 @@ def main() -> None:
         "fullstall": lambda: fullstall(out, images, a.full_jobs.split(",")),
         "migratehost": lambda: migratehost(out, images, a.exact_job),
         "togpu": lambda: togpu(out, images, a.first_gib),
+        "reseat": lambda: reseat(out, images, a.first_gib),
         "faults": lambda: faults(out, images),
         "restorefirst": lambda: restorefirst(out, images, a.first_gib),
         "predump": lambda: predump(out, images),
