@@ -290,7 +290,8 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
               help="With --listen: the address to listen on.")
 @click.option("-D", "--dir", "directory", type=click.Path(file_okay=False),
               help="With --listen: where the received image goes; with --to: the local part "
-                   "of the image [default: a temporary folder].")
+                   "of the image; with --to-gpu --concurrent: the image, kept [default: a "
+                   "temporary folder, removed once the job runs again].")
 @click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
               show_default=True, help="Seconds the driver may take to lock the CUDA process.")
 @click.option("--concurrent", is_flag=True,
@@ -330,8 +331,9 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     with Progress.on_terminal(f"migrate PID {pid}", as_json) as progress:
         if to_gpu is not None and concurrent:
-            moved, timings = mig.to_gpu_concurrent(pid, to_gpu, options, timeout_ms,
-                                                   echo=_lines(as_json))
+            moved, timings = mig.to_gpu_concurrent(
+                pid, to_gpu, options, timeout_ms, Path(directory) if directory else None,
+                echo=_lines(as_json))
             report: dict[str, Any] = {"pid": pid, "gpu": to_gpu, "restored_pid": moved,
                                       "timings": timings}
         elif to_gpu is not None:

@@ -94,20 +94,23 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
 
 
 def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: int,
-                      echo: Echo = lambda _: None) -> tuple[int, dict[str, float]]:
+                      local: Optional[Path] = None, echo: Echo = lambda _: None
+                      ) -> tuple[int, dict[str, float]]:
     """A `pos run` job onto GPU `index`: its whole-process concurrent image (the job frozen
     only for the driver's small checkpoint and CRIU's dump), then that image restored onto the
     GPU in a new process, its memory filled there while it runs. This works where the driver's
     own move cannot: its restore fails for memory that pos mapped back into the job. The image
-    goes to a temporary folder, removed once the job runs on GPU `index`, kept (and named)
-    when the restore fails. The job's PID there, and the seconds of each part."""
+    goes to `local`, kept; without it to a temporary folder, removed once the job runs on GPU
+    `index` and kept (and named) when the restore fails. The job's PID there, and the seconds
+    of each part."""
     from pos.scheduler import concurrent
 
     procs.require_checkpointable(pid)
     move(index, lambda: list(nvml.gpus_of([pid])))   # before the job is touched
     t0 = time.monotonic()
-    saved = concurrent.checkpoint_full(pid, _image_dir(pid), options, leave_running=False,
-                                       lock_timeout_ms=lock_timeout_ms, echo=echo)
+    saved = concurrent.checkpoint_full(pid, local or _image_dir(pid), options,
+                                       leave_running=False, lock_timeout_ms=lock_timeout_ms,
+                                       echo=echo)
     t1 = time.monotonic()
     try:
         back = concurrent.restore_full(Path(saved.path), echo=echo, to_gpu=index)
@@ -115,7 +118,8 @@ def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: i
         raise PosError(f"PID {pid} was saved but not restored onto GPU {index}: {e.cause}",
                        f"its image stays in {saved.path}: fix that, then `pos restore -D "
                        f"{saved.path} --to-gpu {index}`") from None
-    shutil.rmtree(saved.path, ignore_errors=True)
+    if local is None:
+        shutil.rmtree(saved.path, ignore_errors=True)
     timings = {"checkpoint": t1 - t0, "restore": time.monotonic() - t1,
                "restore_release": back.release_s}
     echo(engine.describe(timings))

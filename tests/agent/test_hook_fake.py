@@ -6,6 +6,7 @@ job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu d
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -262,11 +263,23 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
 
 
+def reaped(pid: int) -> bool:
+    """Whether `pid` is gone: a job restored by pos in this process (not by its CLI) is this
+    process's child once CRIU exits, and its zombie would keep the PID taken."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.parametrize("keep", [False, True])
 def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_process(
-        fill_job, tmp_path: Path, criu_ready, gpu_env, two_gpus) -> None:
-    """The chain a user gets from `pos migrate PID --to-gpu 1 --concurrent`: the whole-process
-    concurrent image, the job ended, the image restored with the GPUs swapped (the driver's
-    restore is given the pair), its memory made on GPU 1; the temporary image is removed."""
+        fill_job, tmp_path: Path, criu_ready, gpu_env, two_gpus, keep: bool) -> None:
+    """The chain a user gets from `pos migrate PID --to-gpu 1 --concurrent [-D DIR]`: the
+    whole-process concurrent image, the job ended, the image restored with the GPUs swapped
+    (the driver's restore is given the pair), its memory made on GPU 1; a temporary image is
+    removed, one in -D kept."""
     from pos.scheduler import migrate
     from pos.scheduler.criu import Options
 
@@ -275,13 +288,48 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     reaper = threading.Thread(target=job.proc.wait)   # pos's CLI is not the job's parent
     reaper.start()
-    moved, timings = migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000)
+    local = tmp_path / "kept" if keep else None
+    moved, timings = migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000, local)
     reaper.join(timeout=30)
     assert moved == job.pid and timings["restore"] > 0 and timings["checkpoint"] > 0
     time.sleep(0.3)
     after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert not list(Path("/tmp").glob(f"pos-migrate-{job.pid}-*"))
+    assert (tmp_path / "kept" / "pos-manifest.json").is_file() == keep
+    job.kill()
+    wait_for(lambda: reaped(job.pid), what="the moved job's end")
+
+
+def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fails(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, two_gpus, monkeypatch) -> None:
+    """The job was saved and ended, then the driver's restore failed: the image is all there
+    is of it, so it stays, and the sentence names it and the command that restores it."""
+    from pos.errors import PosError
+    from pos.scheduler import migrate
+    from pos.scheduler.criu import Options
+
+    job = fill_job()
+    time.sleep(0.2)
+    reaper = threading.Thread(target=job.proc.wait)
+    reaper.start()
+    monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuCheckpointProcessRestore")
+    with pytest.raises(PosError, match=f"PID {job.pid} was saved but not restored onto GPU 1"
+                       ) as e:
+        migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000)
+    reaper.join(timeout=30)
+    kept = Path(re.search(r"its image stays in (\S+):", str(e.value)).group(1))
+    try:
+        assert f"pos restore -D {kept} --to-gpu 1" in str(e.value)
+        wait_for(lambda: reaped(job.pid), what="the half-restored job's end")
+        monkeypatch.delenv("POS_FAKECUDA_FAIL")
+        r = pos("restore", "-D", str(kept), env={**gpu_env, "POS_FAKECUDA_FAIL": ""})
+        assert r.returncode == 0, r.stderr
+        time.sleep(0.3)
+        assert job.alive() and not torn(image_values(Path(
+            concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path)))
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def test_migrate_to_gpu_concurrent_checks_the_gpu_before_the_job_is_touched(
