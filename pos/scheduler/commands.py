@@ -181,16 +181,14 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
               help="Put a `--concurrent` GPU image back into the running `pos run` process PID, "
                    "on demand: it runs on at once, calls wait only for buffers not back yet.")
 @click.option("--streams", type=click.IntRange(1, 64), default=None,
-              help="With --gpu-only: restorer streams (threads) [default: 8].")
-@click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
-              help="With --gpu-only: staging chunk size in MiB [default: 64].")
+              help="With --gpu-only: restorer streams (threads) [default: 16].")
 @click.option("--to-gpu", type=click.IntRange(min=0), help="Restore onto this GPU (NVML index) "
               "of this host instead of the one the image was taken on (driver >= 580).")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            streams: Optional[int], chunk_mb: Optional[int], to_gpu: Optional[int],
-            db: Optional[str], as_json: bool) -> None:
+            streams: Optional[int], to_gpu: Optional[int], db: Optional[str],
+            as_json: bool) -> None:
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
@@ -203,11 +201,11 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         if to_gpu is not None:
             raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
         r = conc.restore_gpu(gpu_only_pid, Path(directory), streams=streams or 16,
-                             chunk_mb=chunk_mb or 64, echo=_lines(as_json))
+                             echo=_lines(as_json))
         _report_concurrent(r, as_json)
         return
-    if streams or chunk_mb:
-        raise click.UsageError("--streams and --chunk-mb go with --gpu-only.")
+    if streams:
+        raise click.UsageError("--streams goes with --gpu-only.")
     if conc.is_gpu_only_image(Path(directory)):
         raise BadInput(f"{directory} is a GPU-only image (no process in it)",
                        "roll a live `pos run` job back to it with `pos restore --gpu-only PID -D "

@@ -293,9 +293,10 @@ def _verify(directory: Path) -> image.Manifest:
     return image.verify(directory, _checked_by_restore(directory))
 
 
-def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS, chunk_mb: int = 64,
+def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
                 echo: Echo = lambda _: None) -> Report:
-    """Put a GPU image back into the live job `pid`, on demand."""
+    """Put a GPU image back into the live job `pid`, on demand (the chunks as they were
+    saved, each through a fill thread's ring)."""
     from pos.scheduler import gpucopy
 
     directory = Path(directory)
