@@ -314,6 +314,9 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
         raise click.UsageError("give exactly one of --to-gpu N, --to HOST or --listen.")
     if concurrent and listen:
         raise click.UsageError("--concurrent goes with --to HOST or --to-gpu N.")
+    if directory is not None and to_gpu is not None and not concurrent:
+        raise click.UsageError("-D goes with --to-gpu only with --concurrent (the driver's own "
+                               "move writes no image).")
     if listen:
         if directory is None:
             raise click.UsageError("--listen needs -D DIR (where the image goes).")

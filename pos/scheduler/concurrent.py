@@ -351,6 +351,15 @@ FILL_FROM = os.environ.get("POS_FILL_FROM", "pause")
 FILL_FROMS = ("pause", "start", "release")
 
 
+def check_fill_settings() -> None:
+    """The fill's settings from the environment, checked before anything is touched (by a
+    migration, before the job is saved and ended)."""
+    if FILL_FROM not in FILL_FROMS:
+        raise BadInput(f"POS_FILL_FROM={FILL_FROM} is not one of {', '.join(FILL_FROMS)}",
+                       "unset it (the fill then pauses for the driver's restore)")
+    fill_piece()
+
+
 def fill_piece() -> int:
     """The fill's piece in bytes, from POS_FILL_PIECE_KIB: a power of two from 256 to 4096 KiB,
     so that a thread's ring divides the pinned arena's parts."""
@@ -547,10 +556,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet).
     `to_gpu`: onto that GPU of this host (NVML's index) rather than the one it was taken on."""
-    if FILL_FROM not in FILL_FROMS:
-        raise BadInput(f"POS_FILL_FROM={FILL_FROM} is not one of {', '.join(FILL_FROMS)}",
-                       "unset it (the fill then pauses for the driver's restore)")
-    fill_piece()   # checked before anything is touched
+    check_fill_settings()
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     check = _checked_by_restore(directory)

@@ -107,17 +107,21 @@ def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: i
 
     procs.require_checkpointable(pid)
     move(index, lambda: list(nvml.gpus_of([pid])))   # before the job is touched
+    concurrent.check_fill_settings()
     t0 = time.monotonic()
     saved = concurrent.checkpoint_full(pid, local or _image_dir(pid), options,
                                        leave_running=False, lock_timeout_ms=lock_timeout_ms,
                                        echo=echo)
     t1 = time.monotonic()
+    fix = f"its image stays in {saved.path} for `pos restore -D {saved.path} --to-gpu {index}`"
     try:
         back = concurrent.restore_full(Path(saved.path), echo=echo, to_gpu=index)
     except PosError as e:
-        raise PosError(f"PID {pid} was saved but not restored onto GPU {index}: {e.cause}",
-                       f"its image stays in {saved.path}: fix that, then `pos restore -D "
-                       f"{saved.path} --to-gpu {index}`") from None
+        raise type(e)(f"PID {pid} was saved but not restored onto GPU {index}: {e.cause}",
+                      f"{e.fix}; {fix}" if e.fix else fix) from None
+    except Exception as e:
+        raise PosError(f"PID {pid} was saved but not restored onto GPU {index} ({e!r})",
+                       fix) from e
     if local is None:
         shutil.rmtree(saved.path, ignore_errors=True)
     timings = {"checkpoint": t1 - t0, "restore": time.monotonic() - t1,

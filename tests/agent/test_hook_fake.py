@@ -6,7 +6,7 @@ job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu d
 import json
 import os
 import re
-import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -252,15 +252,18 @@ JOB_GPU = "GPU-00000000-0000-0000-0000-0000000000aa"      # where the fake NVML 
 
 
 @pytest.fixture
-def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """NVML (in this process) naming two GPUs: GPU 0, where it sees the job, and as GPU 1 the
-    fake driver's own device, so that a restore "onto GPU 1" reaches it."""
+    fake driver's own device, so that a restore "onto GPU 1" reaches it; a migration's
+    temporary image goes into tmp_path."""
     from pos import nvml
+    from pos.scheduler import migrate
 
     here = [nvml.Gpu(0, JOB_GPU, "fake", 16 << 30), nvml.Gpu(1, FAKE_GPU, "fake", 16 << 30)]
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: here)
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
+    monkeypatch.setattr(migrate, "_image_dir", lambda pid: tmp_path / f"pos-migrate-{pid}")
 
 
 def reaped(pid: int) -> bool:
@@ -295,7 +298,7 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     time.sleep(0.3)
     after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert job.alive() and not torn(after) and max(after) > max(before)
-    assert not list(Path("/tmp").glob(f"pos-migrate-{job.pid}-*"))
+    assert not (tmp_path / f"pos-migrate-{job.pid}").exists()
     assert (tmp_path / "kept" / "pos-manifest.json").is_file() == keep
     job.kill()
     wait_for(lambda: reaped(job.pid), what="the moved job's end")
@@ -318,18 +321,16 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
                        ) as e:
         migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000)
     reaper.join(timeout=30)
-    kept = Path(re.search(r"its image stays in (\S+):", str(e.value)).group(1))
-    try:
-        assert f"pos restore -D {kept} --to-gpu 1" in str(e.value)
-        wait_for(lambda: reaped(job.pid), what="the half-restored job's end")
-        monkeypatch.delenv("POS_FAKECUDA_FAIL")
-        r = pos("restore", "-D", str(kept), env={**gpu_env, "POS_FAKECUDA_FAIL": ""})
-        assert r.returncode == 0, r.stderr
-        time.sleep(0.3)
-        assert job.alive() and not torn(image_values(Path(
-            concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path)))
-    finally:
-        shutil.rmtree(kept, ignore_errors=True)
+    kept = Path(re.search(r"its image stays in (\S+) for", str(e.value)).group(1))
+    assert kept == tmp_path / f"pos-migrate-{job.pid}"
+    assert f"pos restore -D {kept} --to-gpu 1" in str(e.value)
+    wait_for(lambda: reaped(job.pid), what="the half-restored job's end")
+    monkeypatch.delenv("POS_FAKECUDA_FAIL")
+    r = pos("restore", "-D", str(kept), env={**gpu_env, "POS_FAKECUDA_FAIL": ""})
+    assert r.returncode == 0, r.stderr
+    time.sleep(0.3)
+    assert job.alive() and not torn(image_values(Path(
+        concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path)))
 
 
 def test_migrate_to_gpu_concurrent_checks_the_gpu_before_the_job_is_touched(
@@ -468,12 +469,35 @@ def test_stop_the_world_after_a_concurrent_checkpoint_is_refused(fill_job, tmp_p
     assert not torn(image_values(tmp_path / "c2")) and job.alive()
 
 
+def nvidiactl_nodes(folder: Path) -> bool:
+    """Whether a character device 195:255 can be made and opened (O_PATH) here, as the fake
+    driver does to leak one like the real driver's /dev/nvidiactl (root, no nodev mount)."""
+    node = folder / "probe-195-255"
+    try:
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(195, 255))
+        os.close(os.open(node, os.O_PATH))
+        return True
+    except OSError:
+        return False
+    finally:
+        node.unlink(missing_ok=True)
+
+
+def is_nvidiactl(pid: int, fd: str) -> bool:
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (195, 255)
+
+
 def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
         fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
     """Two H200s would not export the memory that the driver's own restore brought back (two
     stop-the-world cycles that left the job running); the agent moves every buffer into new
     exportable memory at the same address, bytes included: the concurrent image goes on from
-    where the job was, and the job restored from it in a new process goes on from there."""
+    where the job was; the nvidiactl descriptors the refusals leaked are retired, and the job
+    goes on, through a later image and a restore into a new process."""
     gpu_env["POS_FAKECUDA_STALE_EXPORT"] = "1"          # the job's driver refuses such exports
     job = fill_job()
     time.sleep(0.2)
@@ -483,21 +507,29 @@ def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
                 env=gpu_env)
         assert r.returncode == 0, r.stderr
     with Agent(job.pid) as a:
-        owned = sum(b.mapped for b in a.table())
+        table = a.table()
     img = tmp_path / "full"
-    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--leave-running",
+            env=gpu_env)
     assert r.returncode == 0, r.stderr
-    job.proc.wait(timeout=30)                   # CRIU ended it after the dump
     timings = json.loads((img / "pos-manifest.json").read_text())["timings"]
-    assert timings["reseated_bytes"] == owned and timings["leaked_closed_n"] == 0
+    assert timings["reseated_bytes"] == sum(b.mapped for b in table)
+    # each refusal left a descriptor of a 195:255 node (the fake's nvidiactl) open in the
+    # job: the agent put /dev/null in each one's place, and CRIU dumped the job
+    leaks = len(table) if nvidiactl_nodes(tmp_path) else 0
+    assert timings["leaked_closed_n"] == leaks
+    assert not [fd for fd in os.listdir(f"/proc/{job.pid}/fd") if is_nvidiactl(job.pid, fd)]
     saved = image_values(img)
     assert not torn(saved) and max(saved) > max(before)     # the bytes moved with the buffers
-    r = pos("restore", "-D", str(img), env=gpu_env)
+    last = tmp_path / "last"                    # the job ended by the dump this time
+    r = pos("checkpoint", str(job.pid), "-D", str(last), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert "reseated_bytes" not in json.loads((last / "pos-manifest.json").read_text())["timings"]
+    job.proc.wait(timeout=30)
+    r = pos("restore", "-D", str(last), env=gpu_env)
     assert r.returncode == 0, r.stderr
     time.sleep(0.3)
-    later = concurrent.checkpoint_gpu(job.pid, tmp_path / "later")
-    assert "reseated_bytes" not in later.timings
-    values = image_values(Path(later.path))
+    values = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "later").path))
     assert job.alive() and not torn(values) and max(values) > max(saved)
 
 

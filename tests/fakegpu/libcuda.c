@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include "fake_common.h"
 
@@ -561,6 +562,7 @@ struct vmm_handle {
  * not exported (CUDA_ERROR_INVALID_VALUE), as two H200s (driver 580.159.04) did after a
  * stop-the-world cycle that left the job running; the H100 exported it. */
 static long restores_of_self(void);
+static const char *state_dir(void);
 static int stale_exports(void) {
     const char *v = getenv("POS_FAKECUDA_STALE_EXPORT");
     return v && strcmp(v, "1") == 0;
@@ -740,6 +742,18 @@ API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     return CUDA_SUCCESS;
 }
 
+/* Each such refusal leaves a descriptor of a character device 195:255 open, as the driver's left
+ * one of /dev/nvidiactl (where the state directory can hold the node: root, no nodev). */
+static void leak_nvidiactl(void) {
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/nvidiactl", state_dir());
+    mkdir(state_dir(), 0777);
+    if (mknod(path, S_IFCHR | 0600, makedev(195, 255)) != 0 && errno != EEXIST)
+        return;
+    if (open(path, O_PATH | O_CLOEXEC) < 0) /* left open on purpose */
+        return;
+}
+
 /* Shareable handles: the memfd itself, as the driver's POSIX file descriptor handle is. */
 API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
                                           int type, unsigned long long flags) {
@@ -747,8 +761,12 @@ API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocatio
     struct vmm_handle *h = vmm_handle(handle);
     if (!h)
         return CUDA_ERROR_INVALID_HANDLE;
-    if (!shareable || type != 1 || flags || (stale_exports() && h->restores < restores_of_self()))
+    if (!shareable || type != 1 || flags)
         return CUDA_ERROR_INVALID_VALUE;
+    if (stale_exports() && h->restores < restores_of_self()) {
+        leak_nvidiactl();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0)
         return CUDA_ERROR_OUT_OF_MEMORY;

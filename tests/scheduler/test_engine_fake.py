@@ -284,3 +284,5 @@ def test_migrate_usage_errors(criu_ready) -> None:
     assert r.returncode == 2 and "exactly one of --to-gpu N, --to HOST or --listen" in r.stderr
     r = pos("migrate", "--listen")
     assert r.returncode == 2 and "--listen needs -D DIR" in r.stderr
+    r = pos("migrate", "123", "--to-gpu", "1", "-D", "/tmp/nowhere")
+    assert r.returncode == 2 and "-D goes with --to-gpu only with --concurrent" in r.stderr

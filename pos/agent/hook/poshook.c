@@ -75,6 +75,7 @@ enum {
     CUDA_ERROR_INVALID_VALUE = 1,
     CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_OPERATING_SYSTEM = 304,
     CUDA_ERROR_NOT_FOUND = 500
 };
 enum { MEM_PINNED = 1, HANDLE_POSIX_FD = 1, LOCATION_DEVICE = 1, ACCESS_RW = 3, LIMIT_STACK = 0 };
@@ -1293,27 +1294,43 @@ static int is_nvidiactl(int fd) {
            minor(sb.st_rdev) == 255;
 }
 
-/* Close the /dev/nvidiactl descriptors open now that were not open in `before` and are none of
- * the n in `keep` (the exports so far); how many. None when either listing failed. */
-static size_t close_leaked(const struct fdset *before, const int *keep, size_t n) {
+/* Retire the /dev/nvidiactl descriptors open now that were not open in `before` and are none
+ * of the n in `keep` (the exports so far); how many. Each gets /dev/null in its place rather
+ * than closed: CRIU dumps that, and the number stays taken, so that should the driver close
+ * the number it leaked some day, it closes nothing of the job's. None when a listing failed. */
+static size_t retire_leaked(const struct fdset *before, const int *keep, size_t n) {
     struct fdset now = fds_open();
-    size_t closed = 0;
-    for (size_t fd = 0; before->ok && now.ok && fd < now.n; fd++) {
-        int kept = (fd < before->n && before->has[fd]) || !now.has[fd];
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    size_t retired = 0;
+    for (size_t fd = 0; before->ok && now.ok && null >= 0 && fd < now.n; fd++) {
+        int kept = (fd < before->n && before->has[fd]) || !now.has[fd] || (int)fd == null;
         for (size_t i = 0; i < n && !kept; i++)
             kept = keep[i] == (int)fd;
         if (!kept && is_nvidiactl((int)fd))
-            closed += close((int)fd) == 0;
+            retired += dup3(null, (int)fd, O_CLOEXEC) == (int)fd;
     }
+    if (null >= 0)
+        close(null);
     free(now.has);
-    return closed;
+    return retired;
+}
+
+/* Make a context of `device` current: the memory pos made there is accessible from it. */
+static CUresult use_device(int device) {
+    for (int i = 0; i < nctx; i++) {
+        CUdevice d;
+        if (DRV(cuCtxSetCurrent)(ctxs[i]) == CUDA_SUCCESS &&
+            DRV(cuCtxGetDevice)(&d) == CUDA_SUCCESS && d == device)
+            return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_INVALID_VALUE;
 }
 
 /* Move buffer o into new exportable memory at the same address: the new memory mapped at a
  * range of its own, the bytes copied device to device (16 GiB took 24 ms on an H200), then
- * mapped at o's address in place of the old. Caller holds mu, the context current, the job's
- * calls held. *lost: a failed swap could not map the old memory back either (the buffer has no
- * memory now). */
+ * mapped at o's address in place of the old. Caller holds mu, a context of o's device current,
+ * the job's calls held. *lost: a failed swap could not map the old memory back either (the
+ * buffer has no memory now). */
 static CUresult reseat(struct owned *o, int *lost) {
     CUmemAllocationProp prop = prop_for(o->device);
     CUmemGenericAllocationHandle h = 0;
@@ -1325,7 +1342,8 @@ static CUresult reseat(struct owned *o, int *lost) {
         if ((r = map_rw(tmp, o->mapped, h, o->device)) == CUDA_SUCCESS) {
             if ((r = DRV(cuMemcpyDtoD_v2)(tmp, o->va, o->mapped)) == CUDA_SUCCESS)
                 r = DRV(cuCtxSynchronize)(); /* device-to-device copies return at once */
-            unmap(tmp, o->mapped);
+            CUresult u = unmap(tmp, o->mapped);
+            r = r == CUDA_SUCCESS ? u : r;
         }
         DRV(cuMemAddressFree)(tmp, o->mapped);
     }
@@ -1341,36 +1359,62 @@ static CUresult reseat(struct owned *o, int *lost) {
     return CUDA_SUCCESS;
 }
 
-/* One buffer's descriptor: a copy of the one it was mapped from, else the driver's export; a
- * buffer the driver will not export is reseated and exported again. Caller holds mu. */
+/* One export's account: the descriptors open before the export that may leak one (all of the
+ * loop's until the first refusal, then each export's own), what was moved and retired. */
 struct export_run {
-    struct fdset before; /* the descriptors open before the first export */
-    size_t reseated, reseated_bytes, leaked;
+    struct fdset before;
+    int refused;     /* a refusal came: from then on a fresh listing before each export */
+    size_t reseated, reseated_bytes, leaked, need;
     uint64_t reseat_ns;
     int lost;
 };
 
+static void relist(struct export_run *x) {
+    free(x->before.has);
+    x->before = fds_open();
+}
+
+/* The driver's export of o's handle; a refusal's leaked descriptor retired. */
+static CUresult export_handle(struct owned *o, int *fd, const int *done, size_t ndone,
+                              struct export_run *x) {
+    if (x->refused)
+        relist(x);
+    CUresult r = DRV(cuMemExportToShareableHandle)(fd, o->h, HANDLE_POSIX_FD, 0);
+    if (r != CUDA_SUCCESS) {
+        x->leaked += retire_leaked(&x->before, done, ndone);
+        x->refused = 1;
+    }
+    return r;
+}
+
+/* One buffer's descriptor: a copy of the one it was mapped from, else the driver's export; a
+ * buffer the driver will not export is reseated (on its own device) and exported again.
+ * Caller holds mu. */
 static CUresult export_one(struct owned *o, int *fd, const int *done, size_t ndone,
                            struct export_run *x) {
     if (o->fd >= 0)
-        return (*fd = fcntl(o->fd, F_DUPFD_CLOEXEC, 0)) < 0 ? CUDA_ERROR_OUT_OF_MEMORY
+        return (*fd = fcntl(o->fd, F_DUPFD_CLOEXEC, 0)) < 0 ? CUDA_ERROR_OPERATING_SYSTEM
                                                             : CUDA_SUCCESS;
-    CUresult r = DRV(cuMemExportToShareableHandle)(fd, o->h, HANDLE_POSIX_FD, 0);
+    CUresult r = export_handle(o, fd, done, ndone, x);
     if (r != CUDA_ERROR_INVALID_VALUE)
         return r;
-    x->leaked += close_leaked(&x->before, done, ndone);
     uint64_t t0 = now_ns();
-    if ((r = reseat(o, &x->lost)) == CUDA_SUCCESS) {
-        x->reseated++, x->reseated_bytes += o->mapped;
-        r = DRV(cuMemExportToShareableHandle)(fd, o->h, HANDLE_POSIX_FD, 0);
-    }
+    if ((r = use_device(o->device)) == CUDA_SUCCESS)
+        r = reseat(o, &x->lost);
+    use_context();
     x->reseat_ns += now_ns() - t0;
-    return r;
+    if (r == CUDA_ERROR_OUT_OF_MEMORY)
+        x->need = o->mapped;
+    if (r != CUDA_SUCCESS)
+        return r;
+    x->reseated++, x->reseated_bytes += o->mapped;
+    return export_handle(o, fd, done, ndone, x);
 }
 
 /* Export every owned allocation as a file descriptor, in table order (phase hold only). When
  * the device has no room to reseat a buffer the answer says how much it lacks (`need`): pos
- * frees its shadow and asks again. */
+ * frees its shadow and asks again. A buffer left with no memory at all ends the process: it
+ * must not compute without it. */
 static void do_export(struct conn *c) {
     pthread_mutex_lock(&mu);
     int ph = atomic_load(&phase);
@@ -1384,7 +1428,6 @@ static void do_export(struct conn *c) {
         x.before = fds_open();
     for (; fds && r == CUDA_SUCCESS && done < n; done++)
         r = export_one(&tab[done], &fds[done], fds, done, &x);
-    size_t need = r == CUDA_ERROR_OUT_OF_MEMORY && done ? tab[done - 1].mapped : 0;
     CUdeviceptr at = done ? tab[done - 1].va : 0;
     pthread_mutex_unlock(&mu);
     free(x.before.has);
@@ -1393,16 +1436,19 @@ static void do_export(struct conn *c) {
             close(fds[i]);
         if (ph != P_HOLD)
             fail(c, "export needs the cut first");
-        else if (x.lost)
+        else if (x.lost) {
             reply(c,
                   "{\"ok\":false,\"error\":\"moving the buffer at 0x%llx into exportable memory "
-                  "failed with CUresult %d, and its old memory could not be mapped back\"}",
+                  "failed with CUresult %d, and its old memory could not be mapped back: the "
+                  "process ends\"}",
                   at, r);
-        else
+            fprintf(stderr, "pos: the buffer at 0x%llx lost its memory; ending the process\n", at);
+            kill(getpid(), SIGKILL);
+        } else
             reply(c,
                   "{\"ok\":false,\"error\":\"exporting the buffer at 0x%llx failed with "
                   "CUresult %d\",\"need\":%zu}",
-                  at, r, need);
+                  at, r, x.need);
         free(fds);
         return;
     }
