@@ -205,6 +205,22 @@ def seal(partial: Path, manifest: Manifest, hashed: Hashed = _nothing) -> Path:
     manifest.files = checksums(partial, names, manifest.chunk_bytes, hashed)
     manifest.size_bytes = sum(f["size"] for f in manifest.files.values())
     write_manifest(partial, manifest)
+    return _publish(partial)
+
+
+def adopt(partial: Path, manifest: Manifest) -> Path:
+    """Seal an image that came whole from another host with its manifest: the sender's manifest
+    written as it is (hashing gigabytes again here would only delay the restore, which checks
+    the checksums as a local restore does; `pos inspect --verify` checks them all), the files
+    checked against it for names and sizes, made root-only, then DIR.partial renamed DIR."""
+    _same_files(partial, manifest)
+    write_manifest(partial, manifest)
+    for n in manifest.files:
+        os.chmod(partial / n, 0o600)
+    return _publish(partial)
+
+
+def _publish(partial: Path) -> Path:
     final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
     os.rename(partial, final)
     _fsync_dir(final.parent)
@@ -281,21 +297,7 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
     `hashed` is told the bytes of each chunk checked."""
     folder = Path(folder)
     manifest = load(folder)
-    if not manifest.files:
-        raise BadInput(f"{folder} lists no files in its manifest", "take a new checkpoint")
-    for name, want in manifest.files.items():
-        path = folder / name
-        if not path.is_file():
-            raise BadInput(f"image {folder} is incomplete: {name} is missing",
-                           "take a new checkpoint")
-        if path.stat().st_size != want["size"]:
-            raise BadInput(f"image {folder} is corrupt: {name} has {path.stat().st_size} bytes, "
-                           f"the manifest says {want['size']}", "take a new checkpoint")
-    extra = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST
-                   and p.name not in manifest.files)
-    if extra:
-        raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "
-                       "list", "remove what was added, or take a new checkpoint")
+    _same_files(folder, manifest)
     names = list(manifest.files) if digests is None else digests
     missing = [n for n in names if n not in manifest.files]
     if missing:
@@ -316,3 +318,22 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
             raise BadInput(f"image {folder} is corrupt: the checksum of {name} does not match "
                            "its manifest", "take a new checkpoint")
     return manifest
+
+
+def _same_files(folder: Path, manifest: Manifest) -> None:
+    """The folder holds exactly the manifest's files, each of its recorded size."""
+    if not manifest.files:
+        raise BadInput(f"{folder} lists no files in its manifest", "take a new checkpoint")
+    for name, want in manifest.files.items():
+        path = folder / name
+        if not path.is_file():
+            raise BadInput(f"image {folder} is incomplete: {name} is missing",
+                           "take a new checkpoint")
+        if path.stat().st_size != want["size"]:
+            raise BadInput(f"image {folder} is corrupt: {name} has {path.stat().st_size} bytes, "
+                           f"the manifest says {want['size']}", "take a new checkpoint")
+    extra = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST
+                   and p.name not in manifest.files)
+    if extra:
+        raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "
+                       "list", "remove what was added, or take a new checkpoint")

@@ -147,6 +147,7 @@ def _send(sock: socket.socket, msg: dict[str, Any], payload: bytes = b"") -> Non
 class _Reader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buf = sock, b""
+        self.piece = bytearray(8 << 20)
 
     def _fill(self) -> None:
         chunk = self.sock.recv(1 << 20)
@@ -168,19 +169,32 @@ class _Reader:
         return out
 
     def into(self, path: Path, n: Any) -> None:
-        """The next n bytes into a new file, a piece at a time (a GPU image's data files are
-        gigabytes)."""
+        """The next n bytes into a new file: what the last read brought first, then straight
+        from the socket into one reused 8 MiB buffer and out, never joined or sliced as bytes
+        (a GPU image's data files are gigabytes; bench/migrate_recv.py measures both)."""
         if not isinstance(n, int) or n < 0:
             raise PosError(f"the other side of the migration announced {path.name} with size "
                            f"{n!r}", "migrate again with the same version of pos on both hosts")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        try:
+            head, self.buf = self.buf[:n], self.buf[n:]
+            _write_all(fd, memoryview(head))
+            n -= len(head)
+            view = memoryview(self.piece)
             while n:
-                if not self.buf:
-                    self._fill()
-                piece, self.buf = self.buf[:n], self.buf[n:]
-                f.write(piece)
-                n -= len(piece)
+                got = self.sock.recv_into(view[:min(n, len(view))])
+                if not got:
+                    raise PosError("the other side of the migration closed the connection",
+                                   "see its output for the reason")
+                _write_all(fd, view[:got])
+                n -= got
+        finally:
+            os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _send_file(sock: socket.socket, path: Path) -> int:
@@ -315,8 +329,11 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
             if ps is not None:
                 criu.finish(ps, "page-server", work / "criu-page-server.log")
             manifest = image.Manifest.from_json(manifest_text.decode())
-            progress.phase("checksum", total=engine.folder_bytes(partial))
-            final = image.seal(partial, manifest, progress.advance)
+            if concurrent:      # sent whole: its sender's checksums, checked by the restore
+                final = image.adopt(partial, manifest)
+            else:               # pages came through CRIU's page server: checksummed here
+                progress.phase("checksum", total=engine.folder_bytes(partial))
+                final = image.seal(partial, manifest, progress.advance)
             echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
             if concurrent:
                 from pos.scheduler import concurrent as conc

@@ -143,3 +143,44 @@ def test_hashing_uses_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> No
     assert image.workers() == 16
     monkeypatch.setattr(os, "cpu_count", lambda: None)
     assert image.workers() == 1
+
+
+def received(tmp_path: Path, small_chunks: int) -> tuple[Path, image.Manifest]:
+    """A sealed image's files copied into a new DIR.partial, as `pos migrate --listen` gets
+    them, and the sender's manifest."""
+    sent = make_image(tmp_path, {"pages-1.img": 3 * small_chunks + 5, "gpu-data-00.bin": 77})
+    partial = image.prepare(tmp_path / "in", 0)
+    for name in ("pages-1.img", "gpu-data-00.bin"):
+        (partial / name).write_bytes((sent / name).read_bytes())
+    return partial, image.load(sent)
+
+
+def test_an_image_received_whole_keeps_its_senders_checksums(tmp_path: Path,
+                                                             small_chunks: int) -> None:
+    """Sealed without hashing again: the sender's manifest as it was, files root-only, and
+    `verify` (what `pos inspect --verify` runs) holds over every byte."""
+    partial, sent = received(tmp_path, small_chunks)
+    final = image.adopt(partial, sent)
+    assert final == tmp_path / "in" and not partial.exists()
+    assert image.load(final).files == sent.files
+    assert all((final / n).stat().st_mode & 0o777 == 0o600 for n in sent.files)
+    image.verify(final)
+
+
+@pytest.mark.parametrize("damage, says", [("truncate", "has 70 bytes, the manifest says 77"),
+                                          ("remove", "gpu-data-00.bin is missing"),
+                                          ("add", "holds extra.bin, which its manifest")])
+def test_an_image_received_short_is_refused_before_it_is_sealed(tmp_path: Path,
+                                                                small_chunks: int, damage: str,
+                                                                says: str) -> None:
+    partial, sent = received(tmp_path, small_chunks)
+    data = partial / "gpu-data-00.bin"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:70])
+    elif damage == "remove":
+        data.unlink()
+    else:
+        (partial / "extra.bin").write_bytes(b"x")
+    with pytest.raises(BadInput, match=says):
+        image.adopt(partial, sent)
+    assert partial.exists() and not (tmp_path / "in").exists()
