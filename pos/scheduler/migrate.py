@@ -147,7 +147,6 @@ def _send(sock: socket.socket, msg: dict[str, Any], payload: bytes = b"") -> Non
 class _Reader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buf = sock, b""
-        self.piece = bytearray(8 << 20)
 
     def _fill(self) -> None:
         chunk = self.sock.recv(1 << 20)
@@ -169,32 +168,19 @@ class _Reader:
         return out
 
     def into(self, path: Path, n: Any) -> None:
-        """The next n bytes into a new file: what the last read brought first, then straight
-        from the socket into one reused 8 MiB buffer and out, never joined or sliced as bytes
-        (a GPU image's data files are gigabytes; bench/migrate_recv.py measures both)."""
+        """The next n bytes into a new file, a piece at a time (a GPU image's data files are
+        gigabytes)."""
         if not isinstance(n, int) or n < 0:
             raise PosError(f"the other side of the migration announced {path.name} with size "
                            f"{n!r}", "migrate again with the same version of pos on both hosts")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            head, self.buf = self.buf[:n], self.buf[n:]
-            _write_all(fd, memoryview(head))
-            n -= len(head)
-            view = memoryview(self.piece)
+        with os.fdopen(fd, "wb") as f:
             while n:
-                got = self.sock.recv_into(view[:min(n, len(view))])
-                if not got:
-                    raise PosError("the other side of the migration closed the connection",
-                                   "see its output for the reason")
-                _write_all(fd, view[:got])
-                n -= got
-        finally:
-            os.close(fd)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data):]
+                if not self.buf:
+                    self._fill()
+                piece, self.buf = self.buf[:n], self.buf[n:]
+                f.write(piece)
+                n -= len(piece)
 
 
 def _send_file(sock: socket.socket, path: Path) -> int:
