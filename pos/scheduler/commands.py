@@ -341,8 +341,9 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
             report = {"pid": pid, "gpu": to_gpu, "timings": mig.to_gpu(
                 pid, to_gpu, timeout_ms, echo=_lines(as_json), progress=progress)}
         else:
-            report = {"pid": pid, "host": to_host, "restored_pid": mig.to_host(
+            moved, timings = mig.to_host(
                 pid, to_host or "", options, Path(directory) if directory else None,
-                timeout_ms, echo=_lines(as_json), progress=progress, concurrent=concurrent)}
+                timeout_ms, echo=_lines(as_json), progress=progress, concurrent=concurrent)
+            report = {"pid": pid, "host": to_host, "restored_pid": moved, "timings": timings}
     if as_json:
         click.echo(json.dumps(report))

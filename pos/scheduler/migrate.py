@@ -204,12 +204,13 @@ def _split(host: str) -> tuple[str, int]:
 
 def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,
             echo: Echo = lambda _: None, progress: Progress = QUIET,
-            concurrent: bool = False) -> int:
+            concurrent: bool = False) -> tuple[int, dict[str, float]]:
     """Checkpoint PID and send its image to HOST, then wait until HOST has restored it; the PID
-    it has there. Stop-the-world: the pages stream to HOST's page server during the dump.
-    `concurrent` (a `pos run` job): the whole-process concurrent image, taken here (the job
-    frozen only for the driver's small checkpoint and CRIU's dump, its device memory copied by
-    pos), then sent whole."""
+    it has there, and the seconds of each part (the checkpoint's own steps as `checkpoint.*`),
+    to say where a migration's downtime goes. Stop-the-world: the pages stream to HOST's page
+    server during the dump. `concurrent` (a `pos run` job): the whole-process concurrent image,
+    taken here (the job frozen only for the driver's small checkpoint and CRIU's dump, its
+    device memory copied by pos), then sent whole."""
     address, port = _split(host)
     procs.require_checkpointable(pid)
     try:
@@ -227,6 +228,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
                            "fix that there, then migrate again")
         keep = local is not None
         local = local or _image_dir(pid)
+        t0 = time.monotonic()
         if concurrent:
             from pos.scheduler import concurrent as conc
 
@@ -238,20 +240,26 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
                                        page_server=PageServer(address, port + 1),
                                        progress=progress)
             path, manifest = result.path, result.manifest
+        t1 = time.monotonic()
         progress.phase("send", total=manifest.size_bytes)
         for name in sorted(manifest.files):
             progress.advance(_send_file(sock, path / name))
         progress.phase(f"restore on {address}")
         text = manifest.to_json().encode()
         _send(sock, {"manifest": len(text)}, text)
+        t2 = time.monotonic()
         reply = reader.message()
+        timings = {"checkpoint": t1 - t0, "send": t2 - t1, "there": time.monotonic() - t2,
+                   "sent_bytes": float(manifest.size_bytes),
+                   **{f"checkpoint.{k}": v for k, v in manifest.timings.items()}}
     if "error" in reply:
         raise PosError(f"{address} could not restore PID {pid}: {reply['error']}",
                        f"its image stays there for `pos restore` ({reply.get('path', '?')})")
     if not keep:     # HOST has the image now
         shutil.rmtree(path, ignore_errors=True)
+    echo(engine.describe(timings))
     echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
-    return int(reply["pid"])
+    return int(reply["pid"]), timings
 
 
 def _wait_listening(port: int, proc: Any) -> None:

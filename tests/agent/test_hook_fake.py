@@ -232,7 +232,9 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
             rx.kill()
     assert tx.returncode == 0, (tx.stdout, tx.stderr, err)
     assert rx.returncode == 0, err
-    assert json.loads(tx.stdout)["restored_pid"] == job.pid
+    report = json.loads(tx.stdout)
+    assert report["restored_pid"] == job.pid
+    assert {"checkpoint", "send", "there", "checkpoint.d2h"} <= set(report["timings"])
     assert f"restored PID {job.pid}" in out
     assert concurrent.is_full_image(tmp_path / "in")
     saved = image_values(tmp_path / "in")       # what was sent, as received and sealed there

@@ -72,8 +72,12 @@ def test_migrate_to_another_host(tmp_path: Path, hosts, counters) -> None:
     assert rx.returncode == 0, (out, err)
     assert f"restored PID {c.pid}" in out
     # --json: the sender's report is one JSON object, its steps' lines went to stderr
-    assert json.loads(tx.stdout) == {"pid": c.pid, "host": "10.77.0.2:7070",
-                                     "restored_pid": c.pid}
+    report = json.loads(tx.stdout)
+    assert {k: report[k] for k in ("pid", "host", "restored_pid")} == {
+        "pid": c.pid, "host": "10.77.0.2:7070", "restored_pid": c.pid}
+    # where the time went: the checkpoint (its own steps too), the send, the restore there
+    assert report["timings"]["send"] >= 0 and report["timings"]["there"] > 0
+    assert "checkpoint.dump" in report["timings"]
     assert "migrated to 10.77.0.2" in tx.stderr
     at = len(lines(c.path))
     wait_for(lambda: len(lines(c.path)) > at + 20, what="the migrated counter")
