@@ -10,6 +10,7 @@
 #   bench/device.sh checkpoint   # stop-the-world C/R: bit-exact tests, 1-16 GiB table  (~8 min)
 #   bench/device.sh checkpoint32 # the 32 GiB row of that table, restore included       (~5 min)
 #   bench/device.sh concurrent   # the concurrent engine: overhead, images, stalls, tests (~8 min)
+#                                # (POS_BENCH_FILLCPU=1: bench/fill_cpu.py first, ~20 s)
 #   bench/device.sh schedule     # a schedule every minute for 5 minutes, images restored (~8 min)
 #   bench/device.sh restart      # what a restored process costs beyond its memory: the
 #                                # context's memory, the first steps after a restore (~3 min)
@@ -67,6 +68,8 @@ checkpoint32)
         --out "$out/checkpoint-h100-32.json" --images /tmp ;;
 concurrent)
     step native python3 -m pos.native
+    [ "${POS_BENCH_FILLCPU:-0}" = 0 ] ||   # the fill's CPU part alone, one pass against three
+        step fill-cpu python3 bench/fill_cpu.py --gib 4 --threads 1,8,16 --out "$out/fill-cpu.json"
     # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
     step concurrent-bench python3 bench/concurrent_gpu.py --out "$out" \
         --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}" ${POS_BENCH_ARGS:-}
