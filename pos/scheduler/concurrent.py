@@ -200,7 +200,10 @@ class _Saver:
                 self.agent.done([self.table[i].va])
 
         sizes = [b.size for b in self.table]
-        self.work = gpucopy.grid(sizes, self.chunk, offsets, gpucopy.Pinned.PIECE)
+        # the buffers the shadow could not hold first: the job's launches wait until every
+        # buffer is saved, and the shadowed ones are saved already as far as it is concerned
+        self.work = sorted(gpucopy.grid(sizes, self.chunk, offsets, gpucopy.Pinned.PIECE),
+                           key=lambda w: w[0] in self.shadowed)
         seconds = gpucopy.run_chunks(self.drv, self.work, len(sizes), self.streams, one, saved)
         self.timings["d2h"] = seconds
         return gpucopy.Copy(sum(sizes), seconds)

@@ -83,14 +83,27 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
 def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         fill_job, tmp_path: Path, monkeypatch) -> None:
     """With room for 3 of 12 buffers in the shadow, the other 9 are copied from the job's own
-    memory while its writes to them wait for each: the image is exact all the same."""
+    memory, first (its launches wait until they are), while its writes to them wait for each:
+    the image is exact all the same."""
+    from pos.scheduler import gpucopy
+
     monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
+    orders: list[list[int]] = []
+    run = gpucopy.run_chunks
+
+    def recorded(drv, work, *args, **kw):   # type: ignore[no-untyped-def]
+        orders.append([i for i, _off, _n in work])
+        return run(drv, work, *args, **kw)
+
+    monkeypatch.setattr(gpucopy, "run_chunks", recorded)
     job = fill_job()
     for i in range(3):
         time.sleep(0.2)
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
         assert r.shadow_bytes == 3 << 20 and r.bytes == 12 << 20
         assert not torn(image_values(Path(r.path)))
+        shadowed = [i in (0, 1, 2) for i in orders[-1]]      # the table's first three fit
+        assert shadowed == sorted(shadowed) and shadowed[-1] and not shadowed[0]
 
 
 def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,
