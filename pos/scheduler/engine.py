@@ -362,7 +362,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             root = int((work / "pidfile").read_text())
             g.step("verify")             # the tree is stopped until its image is known good
             g.timings["verify"] = g.timed("verify_wait", checking.result)
-            procs.thaw(procs.tree(root))
+            procs.resume(procs.tree(root))
             before_driver()
             for p in manifest.gpu_pids:
                 g.step("restore")

@@ -1,5 +1,6 @@
 """Processes as /proc shows them: trees, states, what they map. No signals sent here except by
-`kill_tree`, which is the one place that ends a process tree that pos must not leave behind."""
+`kill_tree`, which is the one place that ends a process tree that pos must not leave behind,
+and SIGCONT by `thaw` and `resume`, which continue the trees CRIU left stopped."""
 
 import os
 import signal
@@ -155,6 +156,24 @@ def kill_tree(pids: list[int]) -> None:
             pass
     for pid in pids:
         wait_gone(pid, 5)
+
+
+def resume(pids: list[int], settle_s: float = 5.0) -> None:
+    """Continue a tree that CRIU restored stopped (--leave-stopped). CRIU's stop takes effect
+    only once a task runs after CRIU let it go, so a task may still be running when CRIU has
+    exited and stop a moment later, after a SIGCONT that found it running: wait (up to
+    `settle_s`) until each task has stopped, continue them, and continue again any that a late
+    stop caught."""
+    deadline = time.monotonic() + settle_s
+    for pid in pids:
+        while state(pid) not in ("T", "t", "Z", "X", None) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+    for _ in range(50):
+        stopped = [p for p in pids if state(p) in ("T", "t")]
+        if not stopped:
+            return
+        thaw(stopped)
+        time.sleep(0.001)
 
 
 def thaw(pids: list[int]) -> None:

@@ -162,7 +162,7 @@ def _verified(plan: Plan, log: Callable[[str], None]) -> bool:
         log(f"the image is not good ({e.message}): killing the restored tree, which never ran")
         procs.kill_tree(tree)
         return False
-    procs.thaw(tree)
+    procs.resume(tree, settle_s=0.5)   # pos may have continued it already before it died
     return True
 
 
