@@ -410,13 +410,17 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     open_files: list[dict[str, int]] = []
     maps = gpuimage.Maps() if mapped else None
     failed = threading.Event()      # a chunk failed: the rest are not copied
+    first: list[BaseException] = []   # that failure: what the user is told, whichever chunk
+                                      # the caller's wait comes to first
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
         if failed.is_set():
-            raise PosError("the fill stopped at an earlier chunk's failure", "see that error")
+            raise _Stopped()
         try:
             copy_chunk(stream, i, off, n)
-        except BaseException:
+        except BaseException as e:
+            with lock:
+                first.append(e)
             failed.set()
             raise
 
@@ -442,6 +446,8 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
 
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
+    except _Stopped:
+        raise first[0] from None
     finally:
         for fds in open_files:
             for fd in fds.values():
@@ -451,6 +457,10 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     copy = gpucopy.Copy(sum(n for _i, _o, n in work), seconds)
     copy.read_thread_s = read_s[0]
     return copy
+
+
+class _Stopped(Exception):
+    """A chunk not copied because another one failed first; the caller raises that failure."""
 
 
 def hoist_stack() -> Optional[int]:

@@ -163,6 +163,40 @@ def test_the_first_failure_stops_the_fill(drv, tmp_path: Path) -> None:
     assert handout.back == set()
 
 
+def test_the_failure_said_is_the_one_that_stopped_the_fill(drv, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """A fill thread may take a chunk, then find the fill stopped by a chunk submitted after
+    it; the caller waits for the chunks in submission order, so the first error it meets is
+    that "stopped". The chunks run here last to first (the corrupt one, last, fails first):
+    the user is told of the corrupt chunk, not of a stop."""
+    from pos.scheduler import gpucopy
+
+    table, saved, _datas = image(tmp_path)
+    last = max(range(len(table)), key=lambda i: table[i].size)    # filled last
+    bad = saved[table[last].va][2][-1]
+    path = tmp_path / bad["file"]
+    raw = bytearray(path.read_bytes())
+    raw[bad["at"] + 3] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+    def backwards(drv, work, buffers, workers, one, buffer_done=lambda _i: None):  # type: ignore
+        errors = {}
+        stream = gpucopy.C.c_void_p()
+        for k in reversed(range(len(work))):
+            try:
+                one(stream, *work[k])
+            except BaseException as e:      # noqa: BLE001 (kept, raised in submission order)
+                errors[k] = e
+        for k in range(len(work)):
+            if k in errors:
+                raise errors[k]
+        return 0.0
+
+    monkeypatch.setattr(gpucopy, "run_chunks", backwards)
+    _back, handout, error = fill(drv, table, saved, 4096, 2, threads=1)
+    assert error is not None and "does not match its checksum" in error.message
+
+
 def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
     import threading
 
