@@ -409,19 +409,18 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     read_s = [0.0]          # summed over the threads: reading, checking and copying the chunks
     open_files: list[dict[str, int]] = []
     maps = gpuimage.Maps() if mapped else None
-    failed = threading.Event()      # a chunk failed: the rest are not copied
-    first: list[BaseException] = []   # that failure: what the user is told, whichever chunk
-                                      # the caller's wait comes to first
+    # the chunk failures, the first of which stops the fill (the rest are not copied) and is
+    # what the user is told, whichever chunk the caller's wait comes to first
+    failures: list[BaseException] = []
 
     def one(stream: Any, i: int, off: int, n: int) -> None:
-        if failed.is_set():
+        if failures:
             raise _Stopped()
         try:
             copy_chunk(stream, i, off, n)
         except BaseException as e:
             with lock:
-                first.append(e)
-            failed.set()
+                failures.append(e)
             raise
 
     def copy_chunk(stream: Any, i: int, off: int, n: int) -> None:
@@ -447,7 +446,7 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
     except _Stopped:
-        raise first[0] from None
+        raise failures[0] from None
     finally:
         for fds in open_files:
             for fd in fds.values():
