@@ -14,6 +14,10 @@
 #   bench/device.sh schedule     # a schedule every minute for 5 minutes, images restored (~8 min)
 #   bench/device.sh restart      # what a restored process costs beyond its memory: the
 #                                # context's memory, the first steps after a restore (~3 min)
+#   bench/device.sh scale        # jobs that fill the GPU: bench/scale_gpu.py's rows
+#                                # (POS_SCALE_ROWS, default 0.3,0.6,0.6@0.92,0.9; POS_SCALE_STW=0
+#                                # without the stop-the-world baseline), memory and kernel log
+#                                # sampled beside it (~4 min a row)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
@@ -22,7 +26,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -78,9 +82,24 @@ concurrent)
 restart)
     # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
     step restart-bench python3 bench/restart_gpu.py --out "$out" ${POS_BENCH_ARGS:-} ;;
+scale)
+    step native python3 -m pos.native
+    (while sleep 2; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print $2, $3, $7}')"; done) \
+        > "$out/mem.log" 2>&1 &
+    sampler=$!
+    dmesg -w > "$out/dmesg.log" 2>&1 &
+    kmsg=$!
+    # shellcheck disable=SC2046
+    step scale python3 bench/scale_gpu.py --out "$out" --rows "${POS_SCALE_ROWS:-0.3,0.6,0.6@0.92,0.9}" \
+        $([ "${POS_SCALE_STW:-1}" = 0 ] && echo --no-stw)
+    kill "$sampler" "$kmsg" 2>/dev/null
+    grep '^row\|^machine' "$out/scale.log"
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null)
+    [ "${POS_BENCH_TEST:-0}" = 0 ] ||
+        step scale-test python3 -m pytest -ra -s tests/gpu/test_scale_gpu.py ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale" >&2
     exit 2 ;;
 esac

@@ -3,6 +3,7 @@ checkpoint/restore on the GPU (issue 12: bit-exact restore of "the GPT-2-class j
 stall of the ~27 GB training job).
 
   python workloads/train_gpt.py OUT [--steps 40] [--sleep 0] [--layers 24 --d 1024 ...]
+                                    [--fill-to GIB | --ballast-gib GIB] [--digest-every 20]
 
 By default GPT-2 medium's shape (24 layers, d=1024, 16 heads, vocabulary 50304, context 1024)
 at batch 8, trained with AdamW: about 27 GB of device memory on the H100. Writes one line per
@@ -10,6 +11,14 @@ step to OUT, opened O_APPEND so that a restored process appends where it left of
 the loss as float.hex(), exact to the bit. Batch i comes from a CPU generator seeded with i, and
 cuBLAS and cuDNN run deterministically: two runs give the same lines, so a checkpointed, killed
 and restored run must too. With --steps 0 it trains until killed.
+
+The jobs that fill a GPU: --ballast-gib adds that much device memory that training never
+touches, in 1 GiB tensors of seeded random values (as a model's frozen weights or a KV cache
+would be); --fill-to adds as much as brings the process to that many GiB of device memory
+after its first step (the context counted as 0.5 GiB). Every --digest-every steps a line
+`ballast STEP DIGEST` gives an exact sum of the ballast's bits: it must not change, through
+any checkpoint and restore. The ballast is made after the first step, so that the loss lines
+are those of the same job without it.
 """
 
 import argparse
@@ -43,6 +52,26 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+def make_ballast(gib: float) -> list[torch.Tensor]:
+    """`gib` GiB of seeded random int32 values in 1 GiB tensors (the last one smaller)."""
+    pieces, left = [], int(max(gib, 0) * 2**30) // 4
+    g = torch.Generator(device="cuda")
+    while left > 0:
+        n = min(left, 2**28)
+        g.manual_seed(7 + len(pieces))
+        pieces.append(torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device="cuda",
+                                    generator=g))
+        left -= n
+    return pieces
+
+
+def digest(pieces: list[torch.Tensor]) -> str:
+    """An exact sum of every piece's values, each weighted by its place (integer sums do not
+    depend on the order of the reduction)."""
+    total = sum((i + 1) * int(p.sum(dtype=torch.int64).item()) for i, p in enumerate(pieces))
+    return f"{total & (2**64 - 1):016x}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -54,6 +83,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ballast-gib", type=float, default=0.0)
+    ap.add_argument("--fill-to", type=float, default=0.0)
+    ap.add_argument("--digest-every", type=int, default=20)
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
@@ -61,6 +93,7 @@ def main() -> None:
     model = GPT(a.vocab, a.d, a.layers, a.heads, a.ctx).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     fd = os.open(a.out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    ballast: list[torch.Tensor] = []
     step = 0
     while a.steps == 0 or step < a.steps:
         step += 1
@@ -72,6 +105,13 @@ def main() -> None:
         loss.backward()
         opt.step()
         os.write(fd, f"{step} {loss.item().hex()}\n".encode())
+        if step == 1 and (a.ballast_gib or a.fill_to):
+            gib = a.ballast_gib or a.fill_to - 0.5 - torch.cuda.memory_reserved() / 2**30
+            ballast = make_ballast(gib)
+            print(f"ballast {len(ballast)} pieces, {gib:.2f} GiB; device memory "
+                  f"{torch.cuda.memory_reserved() / 2**30 + 0.5:.2f} GiB", file=sys.stderr)
+        if ballast and step % a.digest_every == 0:
+            os.write(fd, f"ballast {step} {digest(ballast)}\n".encode())
         if a.sleep:
             time.sleep(a.sleep)
     os.close(fd)

@@ -189,8 +189,12 @@ class Agent:
 
     # -- the wire ---------------------------------------------------------------------------
     def _gone(self, e: OSError) -> PosError:
-        return PosError(f"the agent of process {self.pid} went away ({e.strerror or e})",
-                        "check that the job is still running")
+        alive = os.path.exists(f"/proc/{self.pid}")
+        return PosError(f"the agent of process {self.pid} closed its connection "
+                        f"({e.strerror or e}); the process is "
+                        f"{'still running' if alive else 'gone'}",
+                        "the job's standard error has a line 'pos: the control connection "
+                        "ended ...' that says why" if alive else "check how the job ended")
 
     def _send(self, data: bytes, fds: list[int] = []) -> None:
         try:

@@ -110,6 +110,7 @@ class _Saver:
         want = st.owned_bytes
         self.owned_bytes = want
         self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, want))
+        self.timings["pinned_peak_bytes"] = self.host.size
         room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         room = min(room, int(os.environ.get(SHADOW_MAX_ENV, room)))
         self.shadow = self._timed("shadow_alloc", lambda: gpucopy.Shadow(self.drv, min(room, want)))
@@ -121,6 +122,7 @@ class _Saver:
         assert self.agent is not None
         agent = self.agent
         cut = self._timed("cut", lambda: agent.cut(STALL_S))
+        self.timings["free_at_cut_bytes"] = gpucopy.free_device_bytes(self.drv)
         self.table = agent.table()
         self.fds = self._timed("export", self._export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))
@@ -480,6 +482,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     from pos.scheduler import cudackpt, procs, staging
     from pos.scheduler.watchdog import Plan
 
+    started = time.monotonic()
     procs.require_checkpointable(pid)
     criu = criu_mod.find()
     agent = Agent(pid)                 # no agent: one sentence, before anything else
@@ -550,6 +553,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             manifest.timings = {**s.timings, **g.timings}
             manifest.stall_s = release_s if leave_running else None
             final = g.timed("checksum", lambda: image.seal(partial, manifest))
+            g.timings["sealed_s"] = time.monotonic() - started
             if not leave_running:
                 g.step("end", hoisted=False)
                 procs.kill_tree(pids)      # the image holds the job now

@@ -1070,8 +1070,10 @@ static int next_line(struct conn *c, char *line, size_t cap, int timeout_ms) {
             memmove(c->buf, nl + 1, c->len);
             return 1;
         }
-        if (c->len >= sizeof(c->buf) - 1)
+        if (c->len >= sizeof(c->buf) - 1) {
+            errno = EMSGSIZE;
             return -1;
+        }
         int r = rx(c, timeout_ms);
         if (r <= 0)
             return r;
@@ -1673,7 +1675,17 @@ static void serve(int fd) {
     for (;;) {
         int r = next_line(c, line, sizeof(line), stall);
         if (r <= 0) {
-            abandon(r == 0 ? "pos closed the connection" : "pos stopped answering");
+            char why[160];
+            if (r == 0)
+                snprintf(why, sizeof(why), "pos closed the connection");
+            else if (r == -2)
+                snprintf(why, sizeof(why), "pos sent nothing for %d s", stall / 1000);
+            else
+                snprintf(why, sizeof(why), "the connection failed (%s)", strerror(errno));
+            if (r != 0 || atomic_load(&phase) != P_IDLE) /* EOF when idle: pos is done */
+                fprintf(stderr, "pos: the control connection ended in phase %s: %s\n",
+                        phase_name[atomic_load(&phase)], why);
+            abandon(why);
             break;
         }
         char *cmd = line + strspn(line, "+"); /* the bytes that carried descriptors */

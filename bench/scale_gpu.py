@@ -1,0 +1,247 @@
+"""Concurrent checkpoint/restore of jobs that fill the GPU, beside the stop-the-world engine on
+the same job (issue 24's sweep). Root, on the lent GPU:
+
+    python3 bench/scale_gpu.py --out DIR [--rows 0.3,0.6,0.6@0.92,0.9] [--no-stw]
+
+Each row is a fraction of the GPU's memory: workloads/train_gpt.py (GPT-2 medium's shape,
+AdamW, batch 8x512, deterministic) under `pos run`, filled with seeded ballast in 1 GiB pieces
+to that fraction after its first step. `F@H`: another process (not under pos) holds device
+memory so that H of the GPU is in use at the cut. For each row:
+  1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
+     image the job's memory is pos's descriptors, which the driver's engine refuses), its
+     stall as the job saw it; the image removed;
+  2. at a random moment, `pos checkpoint PID -D DIR --concurrent --leave-running --json`, from
+     outside: the stall as the job saw it (its longest step gap minus its median step), the
+     device memory free at the cut, pinned memory (peak, time to pin), the time until the image
+     was sealed;
+  3. the job SIGKILLed a few steps later and `pos restore -D DIR` into a new process: the time
+     to its next step, then every loss line of the log (the killed process's and the restored
+     one's, which recomputes the steps after the cut) equal per step, the first ones equal to
+     an uninterrupted run's (no ballast: the loss does not depend on it), and the ballast's
+     digest the same throughout.
+Writes DIR/scale.json (a list of rows with the issue's keys, and the raw runs under `runs`),
+DIR/<row>-job.err (the jobs' standard error).
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from concurrent_gpu import (POS, PY, ROOT, LineTimes, kill, machine, pos_cmd,  # noqa: E402
+                            processes)
+
+from pos import nvml  # noqa: E402
+
+GIB = 2**30
+REF_STEPS = 30
+
+
+def job_argv(log: Path, fill_to: float) -> list[str]:
+    return [PY, "workloads/train_gpt.py", str(log), "--steps", "0", "--ctx", "512",
+            "--fill-to", f"{fill_to:.2f}", "--digest-every", "10"]
+
+
+def lines_of(log: Path) -> list[list[str]]:
+    return [ln.split() for ln in log.read_text().splitlines() if ln.strip()] if log.exists() else []
+
+
+def steps_in(log: Path) -> int:
+    return sum(1 for ln in lines_of(log) if ln[0].isdigit())
+
+
+def wait_steps(log: Path, n: int, p: Optional[subprocess.Popen] = None,
+               timeout: float = 600) -> None:
+    t = time.monotonic()
+    while steps_in(log) < n:
+        if p is not None and p.poll() is not None:
+            raise RuntimeError(f"the job ended ({p.returncode}) before step {n}")
+        if time.monotonic() - t > timeout:
+            raise RuntimeError(f"no step {n} within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def exact(log: Path, ref: dict[int, str]) -> dict[str, Any]:
+    """Every step's loss lines equal (the killed process's and the restored one's), those of the
+    uninterrupted run equal, and one ballast digest throughout."""
+    losses: dict[int, set[str]] = {}
+    digests: set[str] = set()
+    for ln in lines_of(log):
+        if ln[0] == "ballast":
+            digests.add(ln[2])
+        else:
+            losses.setdefault(int(ln[0]), set()).add(ln[1])
+    repeated = sum(1 for v in losses.values() if len(v) == 1) if losses else 0
+    differ = sorted(s for s, v in losses.items() if len(v) > 1 or (s in ref and ref[s] not in v))
+    return {"steps": max(losses, default=0), "digests": sorted(digests),
+            "differ": differ[:10], "steps_checked": len(losses), "equal_steps": repeated,
+            "bit_exact": bool(losses) and not differ and len(digests) == 1}
+
+
+def gpu_used_gib() -> float:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                          "-i", "0"], capture_output=True, text=True).stdout.split()
+    return float(out[0]) / 1024 if out else -1.0
+
+
+def hog(gib: float, log: Path) -> subprocess.Popen:
+    """A process outside pos holding `gib` GiB of device memory."""
+    code = ("import sys,time,torch;x=torch.empty(int(float(sys.argv[1])*2**30),dtype=torch.uint8,"
+            "device='cuda');torch.cuda.synchronize();print('READY',flush=True);time.sleep(3600)")
+    p = subprocess.Popen([PY, "-c", code, f"{gib:.2f}"], stdout=subprocess.PIPE,
+                         stderr=open(log, "ab"), text=True, start_new_session=True)
+    if not (p.stdout and p.stdout.readline().startswith("READY")):
+        raise RuntimeError(f"the hog of {gib:.1f} GiB did not start")
+    return p
+
+
+def disk_gbps(where: Path, gib: int = 4) -> float:
+    """The disk's own write bandwidth where the images go: `gib` GiB written direct."""
+    f = where / "dd.bin"
+    t = time.monotonic()
+    subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={gib * 16}",
+                    "oflag=direct", "status=none"], check=True)
+    s = time.monotonic() - t
+    f.unlink()
+    return gib * GIB / s / 1e9
+
+
+def one_row(spec: str, total_gib: float, images: Path, out: Path, ref: dict[int, str],
+            stw: bool) -> dict[str, Any]:
+    frac_s, _, hold_s = spec.partition("@")
+    frac = float(frac_s)
+    name = spec.replace("@", "-at-")
+    log, err = images / f"{name}.log", out / f"{name}-job.err"
+    run: dict[str, Any] = {"spec": spec}
+    p = subprocess.Popen([*POS, "run", "--", *job_argv(log, frac * total_gib)], cwd=ROOT,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(err, "ab"), start_new_session=True)
+    other = None
+    try:
+        wait_steps(log, 12, p)
+        run["gpu_used_gib"] = gpu_used_gib()
+        if stw:
+            lines = LineTimes(log)
+            time.sleep(3)
+            t = time.monotonic()
+            run["stw"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "stw"),
+                                 "--leave-running", "--json", timeout=1200)
+            time.sleep(2)
+            run["stw"]["job_saw"] = lines.excess(t, time.monotonic() - 2)
+            shutil.rmtree(images / "stw", ignore_errors=True)
+        if hold_s:
+            want = float(hold_s) * total_gib - gpu_used_gib() - 0.6
+            other = hog(want, out / f"{name}-hog.err")
+            run["hog_gib"] = round(want, 2)
+        time.sleep(random.uniform(0, 1.0))
+        lines = LineTimes(log)
+        time.sleep(3)
+        t = time.monotonic()
+        img = images / "img"
+        run["concurrent"] = pos_cmd("checkpoint", str(p.pid), "-D", str(img), "--concurrent",
+                                    "--leave-running", "--json", timeout=1200)
+        end = time.monotonic()
+        if run["concurrent"]["rc"] != 0:
+            run["failed"] = {"ps": processes(), "free": subprocess.run(
+                ["free", "-g"], capture_output=True, text=True).stdout,
+                "dmesg": subprocess.run(["dmesg"], capture_output=True, text=True).stdout[-3000:],
+                "job_alive": p.poll() is None}
+            time.sleep(2)
+            run["job_saw"] = lines.excess(t, end)
+            return run
+        at_kill = steps_in(log) + 8
+        wait_steps(log, at_kill, p)
+        run["job_saw"] = lines.excess(t, end)
+        kill(p)
+        run["steps_at_kill"] = steps_in(log)
+        lines = LineTimes(log)
+        run["restore"] = pos_cmd("restore", "-D", str(img), "--json", timeout=600)
+        run["first_step_s"] = lines.first(timeout=120)
+        if run["restore"]["rc"] == 0 and run["first_step_s"] is not None:
+            wait_steps(log, run["steps_at_kill"] + 12, timeout=300)
+        lines.stop = True
+        run["exact"] = exact(log, ref)
+        return run
+    except Exception as e:
+        run["error"] = repr(e)
+        return run
+    finally:
+        for q in (p, other):
+            if q is not None:
+                kill(q)
+        subprocess.run(["pkill", "-9", "-f", str(log)])
+        shutil.rmtree(images / "img", ignore_errors=True)
+        shutil.rmtree(images / "img.partial", ignore_errors=True)
+
+
+def row_of(run: dict[str, Any], gpu: str, total_gib: float, facts: dict[str, Any]
+           ) -> dict[str, Any]:
+    """The issue's keys, from one raw run (None where that step did not happen)."""
+    rep = (run.get("concurrent") or {}).get("report") or {}
+    tim = rep.get("timings") or {}
+    saw = run.get("job_saw") or {}
+    stw_saw = (run.get("stw") or {}).get("job_saw") or {}
+    job_gib = rep.get("bytes", 0) / GIB if rep else None
+
+    def stall(s: dict[str, Any]) -> Optional[float]:
+        return round(s["worst_step_s"] - s["median_step_s"], 3) if "worst_step_s" in s else None
+
+    return {"gpu": gpu, "gpu_mem_gib": round(total_gib, 1), "spec": run["spec"],
+            "job_gib": round(job_gib, 2) if job_gib else None,
+            "fraction": round(job_gib / total_gib, 3) if job_gib else None,
+            "free_gib_at_cut": round(tim["free_at_cut_bytes"] / GIB, 2)
+            if "free_at_cut_bytes" in tim else None,
+            "bit_exact": (run.get("exact") or {}).get("bit_exact", False),
+            "stall_s": stall(saw), "stw_stall_s": stall(stw_saw),
+            "first_step_s": round(run["first_step_s"], 3) if run.get("first_step_s") else None,
+            "pinned_peak_gib": round(tim["pinned_peak_bytes"] / GIB, 2)
+            if "pinned_peak_bytes" in tim else None,
+            "pin_s": round(tim["pin"], 3) if "pin" in tim else None,
+            "sealed_s": round(tim["sealed_s"], 2) if "sealed_s" in tim else None,
+            "disk_write_gbps": facts["disk_write_gbps"],
+            "error": run.get("error") or (run.get("concurrent") or {}).get("err", "")[-400:]
+            if not (run.get("exact") or {}).get("bit_exact") else None,
+            "date": facts["date"], "driver": facts["driver"], "commit": facts["commit"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--images", default="/var/tmp/pos-scale")
+    ap.add_argument("--rows", default="0.3,0.6,0.6@0.92,0.9")
+    ap.add_argument("--no-stw", action="store_true")
+    a = ap.parse_args()
+    out, images = Path(a.out), Path(a.images)
+    out.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
+    gpus = nvml.gpus()
+    total = gpus[0].memory_total / GIB if gpus else 0.0
+    facts = {**machine(), "disk_write_gbps": round(disk_gbps(images), 2),
+             "disk": shutil.disk_usage(images)._asdict(),
+             "ram_gib": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB}
+    print("machine", json.dumps(facts), flush=True)
+    ref_log = images / "ref.log"
+    subprocess.run([*POS, "run", "--", PY, "workloads/train_gpt.py", str(ref_log), "--steps",
+                    str(REF_STEPS), "--ctx", "512"], cwd=ROOT, timeout=600, capture_output=True)
+    ref = {int(ln[0]): ln[1] for ln in lines_of(ref_log)}
+    rows, runs = [], []
+    for spec in a.rows.split(","):
+        t = time.monotonic()
+        run = one_row(spec, total, images, out, ref, not a.no_stw)
+        run["seconds"] = round(time.monotonic() - t, 1)
+        runs.append(run)
+        rows.append(row_of(run, facts["gpu"], total, facts))
+        print("row", json.dumps(rows[-1]), flush=True)
+        (out / "scale.json").write_text(json.dumps({"machine": facts, "rows": rows,
+                                                    "runs": runs}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
