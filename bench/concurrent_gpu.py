@@ -77,8 +77,9 @@ LIMIT_GBPS = 55.0
 
 def machine() -> dict[str, Any]:
     gpus = nvml.gpus()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    # the device tool's copy of the tree keeps a stale HEAD: the caller names the commit
+    commit = os.environ.get("POS_BENCH_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": gpus[0].name if gpus else "n/a", "driver": nvml.driver_version(),
             "kernel": os.uname().release, "command": " ".join(sys.argv), "commit": commit}

@@ -1650,11 +1650,6 @@ static void abandon(const char *why) {
                 why);
         kill(getpid(), SIGKILL);
     }
-    if (ph == P_HOISTED)
-        fprintf(stderr,
-                "pos: %s while the job's GPU memory is held by pos; its calls wait for "
-                "pos to give the memory back\n",
-                why);
 }
 
 static int stall_ms(void) {
@@ -1682,9 +1677,10 @@ static void serve(int fd) {
                 snprintf(why, sizeof(why), "pos sent nothing for %d s", stall / 1000);
             else
                 snprintf(why, sizeof(why), "the connection failed (%s)", strerror(errno));
-            if (r != 0 || atomic_load(&phase) != P_IDLE) /* EOF when idle: pos is done */
+            int ph = atomic_load(&phase); /* EOF when idle or hoisted: pos's protocol */
+            if (r != 0 || (ph != P_IDLE && ph != P_HOISTED))
                 fprintf(stderr, "pos: the control connection ended in phase %s: %s\n",
-                        phase_name[atomic_load(&phase)], why);
+                        phase_name[ph], why);
             abandon(why);
             break;
         }
