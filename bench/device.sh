@@ -16,8 +16,9 @@
 #                                # context's memory, the first steps after a restore (~3 min)
 #   bench/device.sh scale        # jobs that fill the GPU: bench/scale_gpu.py's rows
 #                                # (POS_SCALE_ROWS, default 0.3,0.6,0.6@0.92,0.9; POS_SCALE_STW=0
-#                                # without the stop-the-world baseline), memory and kernel log
-#                                # sampled beside it (~4 min a row)
+#                                # without the stop-the-world baseline; POS_SCALE_FAULTS=SPEC:
+#                                # pos killed at each step; POS_BENCH_TEST=1: the 85% GPU test),
+#                                # memory and kernel log sampled beside it (~4 min a row)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
@@ -90,10 +91,11 @@ scale)
     dmesg -w > "$out/dmesg.log" 2>&1 &
     kmsg=$!
     # shellcheck disable=SC2046
-    step scale python3 bench/scale_gpu.py --out "$out" --rows "${POS_SCALE_ROWS:-0.3,0.6,0.6@0.92,0.9}" \
-        $([ "${POS_SCALE_STW:-1}" = 0 ] && echo --no-stw)
+    step scale python3 bench/scale_gpu.py --out "$out" --rows "${POS_SCALE_ROWS-0.3,0.6,0.6@0.92,0.9}" \
+        $([ "${POS_SCALE_STW:-1}" = 0 ] && echo --no-stw) \
+        $([ -n "${POS_SCALE_FAULTS:-}" ] && echo --faults "$POS_SCALE_FAULTS")
     kill "$sampler" "$kmsg" 2>/dev/null
-    grep '^row\|^machine' "$out/scale.log"
+    grep '^row\|^machine\|^fault' "$out/scale.log"
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null)
     [ "${POS_BENCH_TEST:-0}" = 0 ] ||
         step scale-test python3 -m pytest -ra -s tests/gpu/test_scale_gpu.py ;;

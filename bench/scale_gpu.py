@@ -1,12 +1,15 @@
 """Concurrent checkpoint/restore of jobs that fill the GPU, beside the stop-the-world engine on
 the same job (issue 24's sweep). Root, on the lent GPU:
 
-    python3 bench/scale_gpu.py --out DIR [--rows 0.3,0.6,0.6@0.92,0.9] [--no-stw]
+    python3 bench/scale_gpu.py --out DIR [--rows 0.3,0.6,0.6@0.92,0.9+shm+nostw] [--no-stw]
+                               [--faults 0.9+shm]
 
 Each row is a fraction of the GPU's memory: workloads/train_gpt.py (GPT-2 medium's shape,
 AdamW, batch 8x512, deterministic) under `pos run`, filled with seeded ballast in 1 GiB pieces
 to that fraction after its first step. `F@H`: another process (not under pos) holds device
-memory so that H of the GPU is in use at the cut. For each row:
+memory so that H of the GPU is in use at the cut. `+ring`: at most 8 GiB of page-locked host
+memory (POS_PIN_MAX_GIB=8: the copy streams to the image); `+shm`: the images in /dev/shm
+(a host whose disk cannot hold them); `+nostw`: no stop-the-world baseline. For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
      image the job's memory is pos's descriptors, which the driver's engine refuses), its
      stall as the job saw it; the image removed;
@@ -21,6 +24,11 @@ memory so that H of the GPU is in use at the cut. For each row:
      digest the same throughout.
 Writes DIR/scale.json (a list of rows with the issue's keys, and the raw runs under `runs`),
 DIR/<row>-job.err (the jobs' standard error).
+
+--faults SPEC: one job of that row, and pos SIGKILLed at each step of a whole-process
+concurrent checkpoint in turn (POS_FAULT_AT): after each, the job must run on with its agent
+idle, nothing of pos left running, and at the end its ballast digest unchanged and its losses
+those of an uninterrupted run. Writes DIR/faults.json.
 """
 
 import argparse
@@ -35,8 +43,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from concurrent_gpu import (POS, PY, ROOT, LineTimes, kill, machine, pos_cmd,  # noqa: E402
-                            processes)
+from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa: E402
+                            machine, pos_cmd, processes)
 
 from pos import nvml  # noqa: E402
 
@@ -113,21 +121,52 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
     return gib * GIB / s / 1e9
 
 
-def one_row(spec: str, total_gib: float, images: Path, out: Path, ref: dict[int, str],
-            stw: bool) -> dict[str, Any]:
-    frac_s, _, hold_s = spec.partition("@")
-    frac = float(frac_s)
-    name = spec.replace("@", "-at-")
-    log, err = images / f"{name}.log", out / f"{name}-job.err"
-    run: dict[str, Any] = {"spec": spec}
-    p = subprocess.Popen([*POS, "run", "--", *job_argv(log, frac * total_gib)], cwd=ROOT,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=open(err, "ab"), start_new_session=True)
+class Spec:
+    """One row: FRACTION[@HELD][+ring][+shm][+nostw] (see the module's docstring)."""
+
+    def __init__(self, text: str, images: Path, stw: bool) -> None:
+        head, *flags = text.split("+")
+        frac, _, held = head.partition("@")
+        self.text, self.fraction = text, float(frac)
+        self.held = float(held) if held else None
+        self.images = Path("/dev/shm/pos-scale") if "shm" in flags else images
+        self.stw = stw and "nostw" not in flags
+        self.env = {"POS_PIN_MAX_GIB": "8"} if "ring" in flags else {}
+        self.name = text.replace("@", "-at-").replace("+", "-")
+
+
+def start_job(spec: Spec, total_gib: float, out: Path) -> tuple[subprocess.Popen, Path]:
+    spec.images.mkdir(parents=True, exist_ok=True)
+    log = spec.images / f"{spec.name}.log"
+    p = subprocess.Popen([*POS, "run", "--", *job_argv(log, spec.fraction * total_gib)],
+                         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(out / f"{spec.name}-job.err", "ab"), start_new_session=True)
+    return p, log
+
+
+def anon_top(pid: int, n: int = 8) -> list[list[Any]]:
+    """The process's biggest anonymous mappings (MiB, start, what): what CRIU's dump writes."""
+    maps, cur = [], None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            cur = [0.0, head[0].split("-")[0], head[5] if len(head) > 5 else "[anon]"]
+            maps.append(cur)
+        elif head[0] == "Anonymous:" and cur is not None:
+            cur[0] = round(int(head[1]) / 1024, 1)
+    return sorted(maps, key=lambda m: -m[0])[:n]
+
+
+def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dict[str, Any]:
+    images = spec.images
+    run: dict[str, Any] = {"spec": spec.text}
+    p, log = start_job(spec, total_gib, out)
     other = None
     try:
         wait_steps(log, 12, p)
         run["gpu_used_gib"] = gpu_used_gib()
-        if stw:
+        run["anon_top_mib"] = anon_top(p.pid)
+        if spec.stw:
             lines = LineTimes(log)
             time.sleep(3)
             t = time.monotonic()
@@ -136,9 +175,9 @@ def one_row(spec: str, total_gib: float, images: Path, out: Path, ref: dict[int,
             time.sleep(2)
             run["stw"]["job_saw"] = lines.excess(t, time.monotonic() - 2)
             shutil.rmtree(images / "stw", ignore_errors=True)
-        if hold_s:
-            want = float(hold_s) * total_gib - gpu_used_gib() - 0.6
-            other = hog(want, out / f"{name}-hog.err")
+        if spec.held:
+            want = spec.held * total_gib - gpu_used_gib() - 0.6
+            other = hog(want, out / f"{spec.name}-hog.err")
             run["hog_gib"] = round(want, 2)
         time.sleep(random.uniform(0, 1.0))
         lines = LineTimes(log)
@@ -146,7 +185,7 @@ def one_row(spec: str, total_gib: float, images: Path, out: Path, ref: dict[int,
         t = time.monotonic()
         img = images / "img"
         run["concurrent"] = pos_cmd("checkpoint", str(p.pid), "-D", str(img), "--concurrent",
-                                    "--leave-running", "--json", timeout=1200)
+                                    "--leave-running", "--json", timeout=1200, env=spec.env)
         end = time.monotonic()
         if run["concurrent"]["rc"] != 0:
             run["failed"] = {"ps": processes(), "free": subprocess.run(
@@ -162,7 +201,7 @@ def one_row(spec: str, total_gib: float, images: Path, out: Path, ref: dict[int,
         kill(p)
         run["steps_at_kill"] = steps_in(log)
         lines = LineTimes(log)
-        run["restore"] = pos_cmd("restore", "-D", str(img), "--json", timeout=600)
+        run["restore"] = pos_cmd("restore", "-D", str(img), "--json", timeout=600, env=spec.env)
         run["first_step_s"] = lines.first(timeout=120)
         if run["restore"]["rc"] == 0 and run["first_step_s"] is not None:
             wait_steps(log, run["steps_at_kill"] + 12, timeout=300)
@@ -179,6 +218,57 @@ def one_row(spec: str, total_gib: float, images: Path, out: Path, ref: dict[int,
         subprocess.run(["pkill", "-9", "-f", str(log)])
         shutil.rmtree(images / "img", ignore_errors=True)
         shutil.rmtree(images / "img.partial", ignore_errors=True)
+
+
+FAULT_STEPS = ("cut", "hoist", "lock", "checkpoint", "dump", "restore", "unlock", "copy", "seal")
+
+
+def faults(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dict[str, Any]:
+    """pos SIGKILLed at each step of a whole-process concurrent checkpoint of one job."""
+    p, log = start_job(spec, total_gib, out)
+    rows: list[dict[str, Any]] = []
+    res: dict[str, Any] = {"spec": spec.text, "rows": rows}
+    try:
+        wait_steps(log, 12, p)
+        for step in FAULT_STEPS:
+            wd = out / f"wd-{step}.log"
+            before = steps_in(log)
+            r = pos_cmd("checkpoint", str(p.pid), "-D", str(spec.images / "fimg"),
+                        "--concurrent", "--leave-running", timeout=600,
+                        env={**spec.env, "POS_FAULT_AT": f"{step}=KILL",
+                             "POS_WATCHDOG_LOG": str(wd)})
+            t = time.monotonic()
+            while time.monotonic() - t < 120 and not (wd.exists() and "undo done" in
+                                                        wd.read_text()):
+                time.sleep(0.2)
+            time.sleep(1)
+            row: dict[str, Any] = {"step": step, "rc": r["rc"],
+                                   "watchdog": wd.read_text()[-800:] if wd.exists() else None}
+            try:
+                wait_steps(log, steps_in(log) + 3, p, timeout=60)
+                row["runs_on"] = True
+            except RuntimeError as e:
+                row["runs_on"] = False
+                row["why"] = str(e)
+            row["agent"] = repr(agent_state(p.pid))
+            row["left_running"] = subprocess.run(
+                ["pgrep", "-af", "pos.scheduler.watchdog|pos.cli checkpoint|criu"],
+                capture_output=True, text=True).stdout.strip()
+            row["ok"] = bool(row["runs_on"] and "phase='idle'" in row["agent"]
+                             and not row["left_running"] and steps_in(log) > before)
+            rows.append(row)
+            print("fault", json.dumps(row)[:600], flush=True)
+            shutil.rmtree(spec.images / "fimg", ignore_errors=True)
+            shutil.rmtree(spec.images / "fimg.partial", ignore_errors=True)
+        wait_steps(log, steps_in(log) + 12, p)
+        res["exact"] = exact(log, ref)
+        res["all_ok"] = all(r["ok"] for r in rows) and res["exact"]["bit_exact"]
+    except Exception as e:
+        res["error"] = repr(e)
+    finally:
+        kill(p)
+        subprocess.run(["pkill", "-9", "-f", str(log)])
+    return res
 
 
 def row_of(run: dict[str, Any], gpu: str, total_gib: float, facts: dict[str, Any]
@@ -217,6 +307,7 @@ def main() -> None:
     ap.add_argument("--images", default="/var/tmp/pos-scale")
     ap.add_argument("--rows", default="0.3,0.6,0.6@0.92,0.9")
     ap.add_argument("--no-stw", action="store_true")
+    ap.add_argument("--faults", help="a row's spec: pos killed at each step of its checkpoint")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,9 +323,13 @@ def main() -> None:
                     str(REF_STEPS), "--ctx", "512"], cwd=ROOT, timeout=600, capture_output=True)
     ref = {int(ln[0]): ln[1] for ln in lines_of(ref_log)}
     rows, runs = [], []
-    for spec in a.rows.split(","):
+    if a.faults:
+        res = {"machine": facts, **faults(Spec(a.faults, images, False), total, out, ref)}
+        (out / "faults.json").write_text(json.dumps(res, indent=1, default=str))
+        print("faults", res.get("all_ok"), res.get("exact"), res.get("error"), flush=True)
+    for spec in filter(None, a.rows.split(",")):
         t = time.monotonic()
-        run = one_row(spec, total, images, out, ref, not a.no_stw)
+        run = one_row(Spec(spec, images, not a.no_stw), total, out, ref)
         run["seconds"] = round(time.monotonic() - t, 1)
         runs.append(run)
         rows.append(row_of(run, facts["gpu"], total, facts))

@@ -131,6 +131,19 @@ EXPORT uint64_t pos_fold(const unsigned char *buf, size_t n, uint64_t h) {
     return close_hash(lanes, buf + n / GROUP * GROUP, n);
 }
 
+/* A chunk's checksum (pos_fold from n), marking hits[j] for each of the k sorted ranges its
+ * words point into, in the same pass: a checkpoint learns, as it saves each buffer, which
+ * others a kernel could reach through the addresses the buffer holds. */
+EXPORT uint64_t pos_fold_point(const unsigned char *buf, size_t n, const uint64_t *starts,
+                               const uint64_t *ends, size_t k, unsigned char *hits) {
+    uint64_t lanes[4];
+    size_t whole = n / GROUP * GROUP;
+    start(n, lanes);
+    pass((unsigned char *)buf, buf, n / GROUP, 0, lanes, starts, ends, k, hits);
+    pos_point(buf + whole, (n - whole) / 8, starts, ends, k, hits);
+    return close_hash(lanes, buf + whole, n);
+}
+
 /* The driver's calls a fill makes, handed over by pos/driver.py (the one place that loads
  * libcuda): cuMemcpyHtoDAsync_v2, cuEventRecord, cuEventSynchronize. */
 typedef int (*copy_fn)(uint64_t dst, const void *src, size_t n, void *stream);

@@ -32,6 +32,8 @@ PIECE = 1 << 20
 _P = ctypes.c_void_p
 _lib.pos_point.restype = None
 _lib.pos_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
+_lib.pos_fold_point.restype = ctypes.c_uint64
+_lib.pos_fold_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
 _lib.pos_read_chunk.restype = ctypes.c_int64
 _lib.pos_read_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_int64,
                                 ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P,
@@ -71,9 +73,10 @@ class Writer:
             self._local.file, self._local.name = f, name
         return f, self._local.name
 
-    def put(self, base: int, offset: int, data: np.ndarray) -> int:
-        """Checksum, maybe compress, and append one chunk of buffer `base`; bytes stored."""
-        h = checksum(data)
+    def put(self, base: int, offset: int, data: np.ndarray, h: Optional[int] = None) -> int:
+        """Checksum (unless the caller has: `h`), maybe compress, and append one chunk of
+        buffer `base`; bytes stored."""
+        h = checksum(data) if h is None else h
         payload: Any = data
         if self.compress:
             import zstandard
@@ -111,6 +114,15 @@ class Targets:
 
 
 NO_TARGETS = Targets([])
+
+
+def checksum_points(data: np.ndarray, targets: Targets) -> tuple[int, np.ndarray]:
+    """A chunk's checksum (as `checksum`), and which of the targets its words point into
+    (a hits array), in one pass."""
+    hits = targets.hits()
+    h = _lib.pos_fold_point(data.ctypes.data, data.shape[0], targets.starts.ctypes.data,
+                            targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data)
+    return int(h), hits
 
 
 def _point(words: np.ndarray, targets: Targets, hits: np.ndarray) -> None:

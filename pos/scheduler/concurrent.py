@@ -1,19 +1,23 @@
 """The concurrent engine: checkpoint and restore a `pos run` job while it runs, from outside it.
 
 Checkpoint (GPU state only, `gpu_only=True`, or the whole process):
- 1. before the cut: page-locked host memory and a device shadow are set aside;
+ 1. before the cut: page-locked host memory (as much as the job, where the host can spare it)
+    and a device shadow (what is free) are set aside;
  2. the cut (the agent holds the job's calls, drains those inside the driver, synchronises);
- 3. the agent exports its allocations; pos imports them and copies them device-to-device into
-    its shadow (what fits; milliseconds at HBM speed);
+ 3. the agent exports its allocations; pos imports them and copies what fits device-to-device
+    into its shadow (milliseconds at HBM speed), then starts copying everything to host memory
+    and the image's files (pos/scheduler/copier.py) on threads of its own;
  4. whole process: the job gives its physical memory up (pos holds it), the driver checkpoints
     the now small CUDA context, CRIU dumps the process (into pos's huge-page tmpfs,
     pos/scheduler/staging.py), the driver restores and unlocks it, and the job maps its memory
     again at the same addresses; without --leave-running CRIU leaves the job stopped instead,
-    and pos ends it once the image is sealed (until then a failure lets it run on);
- 5. the job is released: a call that may write a buffer that is neither shadowed nor saved
-    waits for it (launches, whose accesses the agent does not speculate, wait for all of them);
- 6. pos copies to host memory (shadow first, the rest from the job's memory, telling the agent
-    each buffer saved), then writes the image and seals it.
+    and pos ends it once the image is sealed (until then a failure lets it run on). The copy
+    goes on meanwhile: the job's memory cannot change while it is held;
+ 5. the job is released: a call waits only if it may write a buffer not saved yet, a launch
+    for the buffers its parameter words point into (pos/scheduler/handout.py says when each is
+    safe to write);
+ 6. once every buffer is in host memory pos lets go of the job's memory and its shadow, and
+    once every chunk is written it seals the image.
 Restore into the live job (`restore_gpu`) or into a new process (`restore_full`, after CRIU and
 the driver): the job runs as soon as its memory is mapped; a call waits only for the buffers it
 may touch that are not back yet, and pos fills them buffer by buffer.
@@ -36,7 +40,8 @@ from pos import image, nvml
 from pos.agent.control import Agent, Buffer, Cut, Gate, Refused
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex
-from pos.scheduler import engine
+from pos.scheduler import copier, engine
+from pos.scheduler.handout import Handout
 from pos.scheduler.criu import Options
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
@@ -86,13 +91,20 @@ class _Saver:
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.mem: Optional[gpucopy.Imported] = None
+        self.copier: Optional[copier.Copier] = None
+        self.handout: Optional[Handout] = None
         self.fds: list[int] = []
         self.table: list[Buffer] = []
+        self.shadowed: set[int] = set()
+        self.shadow_bytes = 0
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return engine.timed(self.timings, name, fn)
 
     def prepare(self, gpu_only: bool) -> int:
+        """Before the cut: the page-locked arena (see copier.arena_bytes) and the shadow (the
+        device memory free but 1 GiB, at most the job's). The device memory the agent does not
+        own is returned."""
         from pos.scheduler import gpucopy
 
         assert self.agent is not None
@@ -109,7 +121,8 @@ class _Saver:
                            "driver saves them), or run the job without those allocators")
         want = st.owned_bytes
         self.owned_bytes = want
-        self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, want))
+        arena = copier.arena_bytes(want, self.chunk)
+        self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, arena))
         self.timings["pinned_peak_bytes"] = self.host.size
         room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         room = min(room, int(os.environ.get(SHADOW_MAX_ENV, room)))
@@ -126,11 +139,6 @@ class _Saver:
         self.table = agent.table()
         self.fds = self._timed("export", self._export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))
-        total = sum(b.size for b in self.table)
-        assert self.host is not None
-        if total > self.host.size:       # allocations made between the status and the cut
-            self.host.close()
-            self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, total))
         return cut
 
     def _export(self) -> list[int]:
@@ -156,15 +164,17 @@ class _Saver:
         return x.fds
 
     def snapshot(self) -> list[int]:
-        """Shadow the buffers that fit, in table order; the source of each buffer's copy (its
-        shadow, or the job's memory for a buffer that did not fit)."""
+        """Shadow what fits, the smallest buffers first (most of a job's calls use its many
+        small buffers, and a call that may write a buffer not shadowed waits until pos has
+        copied it from the job); the source of each buffer's copy (its shadow, or the job's
+        memory for a buffer that did not fit)."""
         from pos.scheduler import gpucopy
 
         assert self.mem is not None and self.shadow is not None
         sources = list(self.mem.local)
         src, dst, sizes, at = [], [], [], 0
-        self.shadowed: set[int] = set()
-        for i, b in enumerate(self.table):
+        for i in sorted(range(len(self.table)), key=lambda i: (self.table[i].size, i)):
+            b = self.table[i]
             if at + b.size <= self.shadow.size:
                 sources[i] = self.shadow.ptr + at
                 src.append(self.mem.local[i])
@@ -176,42 +186,38 @@ class _Saver:
         self._timed("shadow", lambda: gpucopy.device_to_device(self.drv, dst, src, sizes))
         return sources
 
-    def release(self) -> None:
-        """The job goes on: the shadowed buffers are saved as far as it is concerned."""
-        assert self.agent is not None
-        self.agent.copy()
-        self.agent.done([self.table[i].va for i in sorted(self.shadowed)])
-
-    def to_host(self, sources: list[int]) -> gpucopy.Copy:
-        from pos.scheduler import gpucopy
+    def start_copy(self, folder: Path, sources: list[int]) -> None:
+        """The copy to host memory and into the image's data files, on threads of its own from
+        now on (the job may still be held)."""
+        from pos.image import gpu as gpuimage
 
         assert self.host is not None
-        offsets, at = [], 0
-        for b in self.table:
-            offsets.append(at)
-            at += b.size
-        self.offsets = offsets
-        host_ptr = self.host.ptr
+        self.handout = Handout(self.table, safe=self.shadowed)
+        self.writer = gpuimage.Writer(folder, compress=False)
+        self.copier = copier.Copier(self.drv, self.table, sources, self.shadowed, self.host,
+                                    self.chunk, self.streams, self.writer, self.handout,
+                                    image.workers())
+        self.copier.start()
 
-        def one(stream: Any, i: int, off: int, n: int) -> None:
-            self.drv.call("cuMemcpyDtoHAsync_v2", gpucopy.C.c_void_p(host_ptr + offsets[i] + off),
-                          gpucopy.U64(sources[i] + off), gpucopy.SZ(n), stream)
+    def release(self) -> None:
+        """The job goes on: its calls wait only for the buffers they may write that are not
+        saved yet (see pos/scheduler/handout.py)."""
+        assert self.agent is not None and self.handout is not None and self.copier is not None
+        self.timings["copied_at_release_bytes"] = self.copier.copied_bytes
+        self.agent.copy()
+        self.handout.attach(self.agent)
 
-        def saved(i: int) -> None:
-            if i not in self.shadowed and self.agent is not None:
-                self.agent.done([self.table[i].va])
-
-        sizes = [b.size for b in self.table]
-        # the buffers the shadow could not hold first: the job's launches wait until every
-        # buffer is saved, and the shadowed ones are saved already as far as it is concerned
-        self.work = sorted(gpucopy.grid(sizes, self.chunk, offsets, gpucopy.Pinned.PIECE),
-                           key=lambda w: w[0] in self.shadowed)
-        seconds = gpucopy.run_chunks(self.drv, self.work, len(sizes), self.streams, one, saved)
-        self.timings["d2h"] = seconds
-        return gpucopy.Copy(sum(sizes), seconds)
+    def wait_copied(self) -> None:
+        """Every buffer is in host memory: pos lets go of the job's memory and its shadow (the
+        job keeps its own mapping)."""
+        assert self.copier is not None
+        self.copier.wait_copied()
+        self.timings["d2h"] = self.copier.d2h_s
+        self.drop_device()
 
     def drop_device(self) -> None:
-        """pos lets go of the job's memory and its shadow (the job keeps its own mapping)."""
+        if self.copier is not None:
+            self.copier.stop_copying()       # nothing may copy from what is freed here
         if self.mem is not None:
             self.mem.close()
             self.mem = None
@@ -222,30 +228,23 @@ class _Saver:
             os.close(fd)
         self.fds = []
 
-    def write(self, folder: Path) -> None:
-        from pos.image import gpu as gpuimage
-
-        assert self.host is not None
-        writer = gpuimage.Writer(folder, compress=False)
-        work = self.work
-
-        def put(item: tuple[int, int, int]) -> None:
-            i, off, n = item
-            writer.put(self.table[i].va, off, self.host.view(self.offsets[i] + off, n))
-
-        t = time.monotonic()
-        with ThreadPoolExecutor(max_workers=image.workers()) as pool:
-            list(pool.map(put, work))
-        writer.close()
+    def write(self, folder: Path) -> copier.Copied:
+        """The rest of the data files, then the GPU index."""
+        assert self.copier is not None
+        done = self.copier.join()
+        self.writer.close()
+        self.timings["disk"] = done.disk_s
         buffers = [{"base": f"0x{b.va:x}", "size": b.size, "mapped": b.mapped,
-                    "device": b.device, "chunks": sorted(writer.chunks.get(b.va, []),
+                    "device": b.device, "chunks": sorted(self.writer.chunks.get(b.va, []),
                                                          key=lambda c: c["offset"])}
                    for b in self.table]
         gpuindex.write_index(folder, {"format": gpuindex.FORMAT, "pid": self.pid,
                                       "parent": None, "buffers": buffers})
-        self.timings["disk"] = time.monotonic() - t
+        return done
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()              # nor write from the arena
         self.drop_device()
         if self.host is not None:
             self.host.close()
@@ -266,25 +265,26 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
             try:
                 t0 = time.monotonic()
                 cut = s.cut_and_import()
-                sources = s.snapshot()
+                s.start_copy(partial, s.snapshot())
                 s.release()
                 release_s = time.monotonic() - t0
-                copy = s.to_host(sources)
+                s.wait_copied()
                 gate = agent.end()
-                s.drop_device()
                 manifest = engine.new_manifest(pid, [pid], [pid], "", Options(), True,
                                                nvml.gpus_of([pid]))
-                s.write(partial)
+                copy = s.write(partial)
                 manifest.timings = s.timings
                 manifest.stall_s = gate.held_max_s
                 final = image.seal(partial, manifest)
             except BaseException:
+                s.close()
                 image.discard(partial)
                 raise
         finally:
             s.close()
     return Report(str(final), len(s.table), copy.bytes, cut, gate, s.shadow_bytes, release_s,
-                  copy.gbps, None, foreign, s.timings)
+                  copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None, foreign,
+                  s.timings)
 
 
 def _checked_by_restore(directory: Path) -> list[str]:
@@ -512,7 +512,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             t0 = time.monotonic()
             g.step("cut", staging=str(stage or ""))
             cut = s.cut_and_import()
-            sources = s.snapshot()
+            s.start_copy(partial, s.snapshot())   # while the job is held, its memory still
             g.hold(s.fds)
             g.step("hoist", hoisted=True)
             h = g.timed("hoist", lambda: agent.hoist(hoist_stack()))
@@ -544,12 +544,11 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             if stage is not None:
                 g.timed("move", lambda: staging.move_into(stage, partial))
                 g.step(g.plan.step, staging="")
-            copy = s.to_host(sources)
+            s.wait_copied()
             if s.agent is not None:
                 gate = s.agent.end()
-            s.drop_device()
             g.step("seal")
-            s.write(partial)
+            copy = s.write(partial)
             manifest.timings = {**s.timings, **g.timings}
             manifest.stall_s = release_s if leave_running else None
             final = g.timed("checksum", lambda: image.seal(partial, manifest))
@@ -564,7 +563,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         if s.agent is not None:
             s.agent.close()
     return Report(str(final), len(s.table), copy.bytes, cut, gate, s.shadow_bytes, release_s,
-                  copy.gbps, None, foreign, manifest.timings)
+                  copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None, foreign,
+                  manifest.timings)
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
@@ -626,73 +626,6 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
     return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
                   out["release_s"], None, copy.gbps, 0, timings, result.restored_pid)
-
-
-def usable(back: set[int], refers: dict[int, set[int]], told: set[int]) -> set[int]:
-    """The buffers back but not yet `told` that the job may use now: every buffer reachable
-    from one through the pointers its bytes hold (`refers`) is back too. A kernel that reads
-    an array of addresses out of a buffer then finds what they point to in place."""
-    out = set()
-    for i in back - told:
-        seen, todo = {i}, [i]
-        while todo and todo[-1] in back:
-            for j in refers.get(todo.pop(), ()):
-                if j not in seen:
-                    seen.add(j)
-                    todo.append(j)
-        if not todo:
-            out.add(i)
-    return out
-
-
-class Handout:
-    """Tells the job's agent which buffers its calls may use, as they come back."""
-
-    def __init__(self, table: list[Buffer]) -> None:
-        self.table = table
-        self.lock = threading.Lock()
-        self.back: set[int] = set()
-        self.refers: dict[int, set[int]] = {}     # buffer -> the others its words point into
-        self.told: set[int] = set()
-        self.agent: Optional[Agent] = None
-        # when (time.monotonic) each buffer came back, and was handed to the job
-        self.back_at: dict[int, float] = {}
-        self.told_at: dict[int, float] = {}
-
-    def points(self, i: int, into: Any) -> None:
-        """Buffer i's words (one chunk's) point into these buffers (table indices)."""
-        with self.lock:
-            self.refers.setdefault(i, set()).update(int(j) for j in into if j != i)
-
-    def came_back(self, i: int) -> None:
-        with self.lock:
-            self.back.add(i)
-            self.back_at[i] = time.monotonic()
-            self._tell()
-
-    def rest_at(self, t0: float) -> dict[str, float]:
-        """From t0: when every buffer but the biggest (the ones most calls wait for) was back,
-        and handed to the job; and when all of them were back."""
-        rest = sorted(range(len(self.table)), key=lambda i: self.table[i].size)[:-1]
-        return {"rest_back_at": max((self.back_at.get(i, t0) for i in rest), default=t0) - t0,
-                "rest_told_at": max((self.told_at.get(i, t0) for i in rest), default=t0) - t0,
-                "all_back_at": max(self.back_at.values(), default=t0) - t0}
-
-    def attach(self, agent: Agent) -> None:
-        """The job (in its restore gate) may use the buffers usable so far, and the rest as
-        they come."""
-        with self.lock:
-            self.agent = agent
-            self._tell()
-
-    def _tell(self) -> None:
-        if self.agent is None:
-            return
-        now = usable(self.back, self.refers, self.told)
-        self.told |= now
-        self.told_at.update((i, time.monotonic()) for i in now)
-        if now:
-            self.agent.done([self.table[i].va for i in sorted(now)])
 
 
 class _Prefetch:

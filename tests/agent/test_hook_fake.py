@@ -149,20 +149,44 @@ def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
         wait_for(lambda: b.status().phase == "idle", what="the release")
 
 
+def test_an_arena_smaller_than_the_job_streams_an_exact_image(
+        fill_job, tmp_path: Path, monkeypatch) -> None:
+    """Two 1 MiB slots of page-locked memory for a job of 12 MiB (3 shadowed): the copy waits
+    for the disk to give slots back, and the image is the state after one exact operation all
+    the same."""
+    from pos.scheduler import copier
+
+    monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
+    monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
+    monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
+    job = fill_job()
+    for i in range(2):
+        time.sleep(0.2)
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", chunk_mb=1)
+        assert r.timings["pinned_peak_bytes"] == 2 << 20 and r.bytes == 12 << 20
+        assert not torn(image_values(Path(r.path)))
+
+
 @pytest.mark.parametrize("kernel, layout_known", [("_Z4axpyfPKfPfi", True),
                                                    ("_Z6axpy_2fPKfPfi", False)])
-def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_name(
-        fill_job, kernel: str, layout_known: bool) -> None:
+@pytest.mark.parametrize("gate", ["restore", "copy"])
+def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
+        fill_job, kernel: str, layout_known: bool, gate: str) -> None:
     """The job launches axpy(x=y=its first buffer) over and over. While that buffer is not back
-    its launches wait; once it is they go through, the other buffers still pending. A kernel
-    whose parameters the driver cannot describe (the fake knows axpy's only) waits for all."""
+    (a restore) or not saved (a checkpoint's copy) its launches wait; once it is they go
+    through, the other buffers still pending. A kernel whose parameters the driver cannot
+    describe (the fake knows axpy's only) waits for all."""
     job = fill_job(buffers=4, launches=kernel)
     first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
     with Agent(job.pid) as a:
         a.cut(5)
-        fds = a.export().fds
-        a.hoist()
-        a.remap(fds, restore=True)              # every buffer pending
+        fds = []
+        if gate == "restore":
+            fds = a.export().fds
+            a.hoist()
+            a.remap(fds, restore=True)          # every buffer pending
+        else:
+            a.copy()                            # every buffer pending
         try:
             others = [b.va for b in a.table() if b.va != first]
             assert len(others) == 3
@@ -175,7 +199,7 @@ def test_a_launch_in_the_restore_gate_waits_only_for_the_buffers_its_parameters_
                 assert a.status().gate.passed == 0
                 a.done(others[2:])
             wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
-            assert a.status().phase == "restore"
+            assert a.status().phase == gate
         finally:
             gate = a.end()
         for fd in fds:

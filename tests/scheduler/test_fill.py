@@ -58,9 +58,10 @@ def device_memory(drv, table: list[Buffer]) -> list[int]:
 def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False,
          threads: int = 3):
     from pos.scheduler import concurrent, gpucopy
+    from pos.scheduler.handout import Handout
 
     dest = device_memory(drv, table)
-    handout = concurrent.Handout(table)
+    handout = Handout(table)
     rings = gpucopy.Rings(drv, threads, piece, depth)
     try:
         error = None
@@ -127,6 +128,7 @@ def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
     """The restore's gate raises once the restore has failed: no more chunks are copied."""
     from pos.errors import PosError
     from pos.scheduler import concurrent, gpucopy
+    from pos.scheduler.handout import Handout
 
     table, saved, _datas = image(tmp_path)
     calls = []
@@ -137,7 +139,7 @@ def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
             raise PosError("the restore failed before its fill ended", "see its error")
 
     dest = device_memory(drv, table)
-    handout = concurrent.Handout(table)
+    handout = Handout(table)
     rings = gpucopy.Rings(drv, 1, 4096, 2)
     try:
         with pytest.raises(PosError):

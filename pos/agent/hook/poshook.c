@@ -373,10 +373,13 @@ static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords
     case P_IDLE:
         return 0;
     case P_COPY: /* writes wait for their buffer to be saved; reads pass; a launch may write
-                    anything it reaches */
-        if (t->all || t->launch)
+                    any buffer its parameter words point into (pos reports a buffer saved only
+                    once the buffers its own bytes point into are saved too), and one whose
+                    parameters cannot be known waits for every buffer */
+        if (t->all || (t->launch && nwords < 0))
             return npending > 0;
-        return (*on = first_pending(t->w, t->nw)) != 0;
+        return (*on = first_pending(t->w, t->nw)) ||
+               (t->launch && (*on = first_pending(words, nwords)));
     case P_RESTORE: /* reads and writes wait for their buffer to be back */
         if (t->all || (t->launch && nwords < 0))
             return npending > 0;
@@ -388,6 +391,10 @@ static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords
 }
 
 static __thread int in_agent; /* the control thread's own driver calls pass untouched */
+
+/* The phases whose gate reads a launch's parameter words (the checkpoint's and the
+ * restore's); the cut and the hoist hold every call. */
+static int gated(int ph) { return ph == P_COPY || ph == P_RESTORE; }
 
 /* What a waiting call was, for the gate's account: a launch's kernel by name (cuFuncGetName,
  * or cuKernelGetName for a CUkernel handle), else the driver function. */
@@ -415,10 +422,10 @@ static void gate_enter(const struct touch *t) {
     if (atomic_load(&phase) == P_IDLE)
         return;
     atomic_fetch_sub(&inflight, 1);
-    /* a launch's parameter words, asked of the driver once the restore gate is open (a call
-     * held since before, as in a job that CRIU restored, asks when it opens) */
+    /* a launch's parameter words, asked of the driver once a gate is open (a call held since
+     * before, as in a job that CRIU restored, asks when it opens) */
     CUdeviceptr words[MAX_WORDS];
-    int asked = t->launch && atomic_load(&phase) == P_RESTORE;
+    int asked = t->launch && gated(atomic_load(&phase));
     int nwords = asked ? launch_words(t, words) : -1;
     CUdeviceptr on, last = 0;
     pthread_mutex_lock(&mu);
@@ -428,7 +435,7 @@ static void gate_enter(const struct touch *t) {
         do {
             last = on;
             pthread_cond_wait(&cv, &mu);
-            if (t->launch && !asked && atomic_load(&phase) == P_RESTORE)
+            if (t->launch && !asked && gated(atomic_load(&phase)))
                 asked = 1, nwords = launch_words(t, words);
         } while (must_wait(t, words, nwords, &on));
         waiting--;

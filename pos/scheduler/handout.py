@@ -1,0 +1,89 @@
+"""Which of the job's buffers its agent may let calls use during a concurrent operation, told as
+pos learns it: one rule for the restore (a buffer is *back* once filled from the image) and for
+the checkpoint (a buffer is *back* once its bytes as of the cut are in host memory).
+
+A kernel reaches the buffers its parameter words point into (the agent's gate checks those),
+and through them the buffers whose addresses they hold: so a buffer is handed out only once
+every buffer reachable from it through the addresses in its bytes is back too. A checkpoint
+learns a buffer's addresses as it copies it; until then, what the buffer points to is unknown,
+and it waits. Once every buffer not yet back is one pos shadowed at the cut (`safe`: its bytes
+are kept, whatever the job does), no call can spoil the image, and everything is handed out.
+"""
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import Optional
+
+from pos.agent.control import Agent, Buffer
+
+
+def usable(back: set[int], refers: dict[int, set[int]], told: set[int]) -> set[int]:
+    """The buffers back but not yet `told` that the job may use now: every buffer reachable
+    from one through the pointers its bytes hold (`refers`) is back too. A kernel that reads
+    an array of addresses out of a buffer then finds what they point to in place."""
+    out = set()
+    for i in back - told:
+        seen, todo = {i}, [i]
+        while todo and todo[-1] in back:
+            for j in refers.get(todo.pop(), ()):
+                if j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        if not todo:
+            out.add(i)
+    return out
+
+
+class Handout:
+    """Tells the job's agent which buffers its calls may use, as they come back."""
+
+    def __init__(self, table: list[Buffer], safe: Iterable[int] = ()) -> None:
+        self.table = table
+        self.safe = set(safe)
+        self.lock = threading.Lock()
+        self.back: set[int] = set()
+        self.refers: dict[int, set[int]] = {}     # buffer -> the others its words point into
+        self.told: set[int] = set()
+        self.agent: Optional[Agent] = None
+        # when (time.monotonic) each buffer came back, and was handed to the job
+        self.back_at: dict[int, float] = {}
+        self.told_at: dict[int, float] = {}
+
+    def points(self, i: int, into: Iterable[int]) -> None:
+        """Buffer i's words (one chunk's) point into these buffers (table indices)."""
+        with self.lock:
+            self.refers.setdefault(i, set()).update(int(j) for j in into if j != i)
+
+    def came_back(self, i: int) -> None:
+        with self.lock:
+            self.back.add(i)
+            self.back_at[i] = time.monotonic()
+            self._tell()
+
+    def rest_at(self, t0: float) -> dict[str, float]:
+        """From t0: when every buffer but the biggest (the ones most calls wait for) was back,
+        and handed to the job; and when all of them were back."""
+        rest = sorted(range(len(self.table)), key=lambda i: self.table[i].size)[:-1]
+        return {"rest_back_at": max((self.back_at.get(i, t0) for i in rest), default=t0) - t0,
+                "rest_told_at": max((self.told_at.get(i, t0) for i in rest), default=t0) - t0,
+                "all_back_at": max(self.back_at.values(), default=t0) - t0}
+
+    def attach(self, agent: Agent) -> None:
+        """The job (in its gate) may use the buffers usable so far, and the rest as they
+        come."""
+        with self.lock:
+            self.agent = agent
+            self._tell()
+
+    def _tell(self) -> None:
+        if self.agent is None:
+            return
+        if set(range(len(self.table))) - self.back <= self.safe:
+            now = set(range(len(self.table))) - self.told
+        else:
+            now = usable(self.back, self.refers, self.told)
+        self.told |= now
+        self.told_at.update((i, time.monotonic()) for i in now)
+        if now:
+            self.agent.done([self.table[i].va for i in sorted(now)])
