@@ -255,6 +255,10 @@ class Agent:
         return [Buffer(va, size, mapped, dev, bool(present))
                 for va, size, mapped, dev, present in r["buffers"]]
 
+    def wanted(self) -> list[int]:
+        """The pending buffers the job's calls wait for now (pos copies them first)."""
+        return [int(v) for v in self._ask("wanted")["vas"]]
+
     def _take_fds(self, n: int) -> list[int]:
         """The next n descriptors the agent sent after its reply; the caller owns them."""
         while len(self._fds) < n:

@@ -135,7 +135,10 @@ class _Saver:
         assert self.agent is not None
         agent = self.agent
         cut = self._timed("cut", lambda: agent.cut(STALL_S))
-        self.timings["free_at_cut_bytes"] = gpucopy.free_device_bytes(self.drv)
+        # what the job and the rest leave free at the cut (pos's own shadow counted as free)
+        assert self.shadow is not None
+        self.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(self.drv)
+                                             + self.shadow.size)
         self.table = agent.table()
         self.fds = self._timed("export", self._export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))
@@ -206,6 +209,7 @@ class _Saver:
         self.timings["copied_at_release_bytes"] = self.copier.copied_bytes
         self.agent.copy()
         self.handout.attach(self.agent)
+        self.copier.watch(self.agent)
 
     def wait_copied(self) -> None:
         """Every buffer is in host memory: pos lets go of the job's memory and its shadow (the
@@ -249,6 +253,17 @@ class _Saver:
         if self.host is not None:
             self.host.close()
             self.host = None
+
+
+def paused(s: _Saver, call: Callable[[], Any]) -> Any:
+    """The driver's checkpoint or restore of the job, with pos's copy to host memory held: the
+    driver copies the job's context over the same bus, and it holds the job meanwhile."""
+    assert s.copier is not None
+    s.copier.pause()
+    try:
+        return call()
+    finally:
+        s.copier.resume()
 
 
 def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
@@ -521,14 +536,14 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             g.step("lock")
             g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
             g.step("checkpoint")
-            g.timed("checkpoint", lambda: cudackpt.checkpoint(pid))
+            g.timed("checkpoint", lambda: paused(s, lambda: cudackpt.checkpoint(pid)))
             g.step("dump")
             argv = criu.dump_argv(pid, dumped, options, leave_running,
                                   leave_stopped=not leave_running)
             g.dump(criu, argv, dumped)
             if leave_running:
                 g.step("restore")
-                g.timed("restore", lambda: cudackpt.restore(pid))
+                g.timed("restore", lambda: paused(s, lambda: cudackpt.restore(pid)))
                 g.step("unlock")
                 g.timed("unlock", lambda: cudackpt.unlock(pid))
                 s.agent = agent = Agent(pid)

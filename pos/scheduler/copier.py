@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -82,11 +83,42 @@ class _Stopped(Exception):
     """A chunk not copied because the copy failed elsewhere (that failure is raised)."""
 
 
+class _Order:
+    """The chunks left to copy: those of a buffer the job's calls wait for first, then the rest
+    in the copier's order."""
+
+    def __init__(self, work: list[tuple[int, int, int]]) -> None:
+        self.lock = threading.Lock()
+        self.left: dict[int, deque[tuple[int, int, int]]] = {}
+        for w in work:
+            self.left.setdefault(w[0], deque()).append(w)
+        self.order = deque(self.left)          # buffers in the order of their first chunk
+        self.wanted: deque[int] = deque()
+
+    def want(self, buffers: list[int]) -> None:
+        with self.lock:
+            self.wanted.extend(i for i in buffers if self.left.get(i))
+
+    def take(self) -> Optional[tuple[int, int, int]]:
+        with self.lock:
+            for q in (self.wanted, self.order):
+                while q and not self.left.get(q[0]):
+                    q.popleft()
+                if q:
+                    return self.left[q[0]].popleft()
+            return None
+
+
 class Copier:
     """Copies `table`'s buffers from `sources` (pos's shadow, or its mapping of the job's own
-    memory) through `arena` into `writer`, telling `handout` as each buffer is in host memory.
+    memory) through `arena` into `writer`. Three kinds of threads: one per stream copies chunks
+    to the arena (the handout learns as each buffer is all in host memory: `captured`), others
+    hash them and scan them for addresses (the handout learns what each buffer points into, and
+    when it is all known: `came_back`), others write them and give their slot back.
     start(), then wait_copied() (device memory no longer needed), then join() (all written);
-    close() in any case."""
+    close() in any case. pause()/resume() hold the copies to the arena (the driver's own copies
+    of the job's context go faster alone); watch(agent) asks the job's agent what its calls
+    wait for, and copies that first."""
 
     def __init__(self, drv: Any, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
@@ -97,37 +129,75 @@ class Copier:
         self.writer, self.handout, self.streams = writer, handout, streams
         self.ctx = gpucopy.C.c_void_p()        # the caller's context, for the copy's threads
         drv.call("cuCtxGetCurrent", gpucopy.C.byref(self.ctx))
-        order = sorted(range(len(table)), key=lambda i: (i in shadowed, table[i].size, i))
-        rank = {i: k for k, i in enumerate(order)}
+        rank = {i: k for k, i in enumerate(sorted(range(len(table)), key=lambda i: (
+            i in shadowed, table[i].size, i)))}
         self.work = sorted(gpucopy.grid([b.size for b in table], chunk),
                            key=lambda w: (rank[w[0]], w[1]))
+        self.order = _Order(self.work)
+        self.d2h_left = [0] * len(table)
+        for i, _off, _n in self.work:
+            self.d2h_left[i] += 1
+        self.scan_left = list(self.d2h_left)
         by_va = sorted(range(len(table)), key=lambda i: table[i].va)
         self.targets = gpuimage.Targets([(table[i].va, table[i].va + table[i].mapped)
                                          for i in by_va])
         self.index_of = np.array(by_va, np.int64)     # a target's buffer
+        self.by_va = {b.va: i for i, b in enumerate(table)}
         self.slots: queue.Queue[int] = queue.Queue()
         for at in range(0, arena.size // chunk * chunk, chunk):
             self.slots.put(at)
+        self.scans: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
         self.writes: queue.Queue[Optional[tuple[int, int, int, int, int]]] = queue.Queue()
         self.failures: list[BaseException] = []
+        self.go = threading.Event()
+        self.go.set()
         self.copied = threading.Event()
         self.copied_bytes = 0
         self.lock = threading.Lock()
         self.t0 = 0.0
         self.d2h_s = self.disk_s = 0.0
-        self.threads = [threading.Thread(target=self._write, name=f"pos-write-{k}", daemon=True)
+        self.scanners = [threading.Thread(target=self._scan, name=f"pos-scan-{k}", daemon=True)
+                         for k in range(max(1, writers))]
+        self.writers = [threading.Thread(target=self._write, name=f"pos-write-{k}", daemon=True)
                         for k in range(max(1, writers))]
         self.reader = threading.Thread(target=self._copy, name="pos-copy", daemon=True)
+        self.watcher: Optional[threading.Thread] = None
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        for t in self.threads:
+        for i, n in enumerate(self.d2h_left):
+            if n == 0:                  # an empty buffer: nothing to copy
+                self.handout.captured(i)
+                self.handout.came_back(i)
+        for t in self.scanners + self.writers:
             t.start()
         self.reader.start()
+
+    def pause(self) -> None:
+        self.go.clear()
+
+    def resume(self) -> None:
+        self.go.set()
+
+    def watch(self, agent: Any) -> None:
+        """Until every chunk is in host memory, ask the job's agent every 2 ms which buffers its
+        calls wait for, and copy those first."""
+        def run() -> None:
+            while not self.copied.wait(0.002):
+                try:
+                    vas = agent.wanted()
+                except Exception as e:      # the copy itself goes on; its end reports
+                    self._fail(e)
+                    return
+                self.order.want([self.by_va[v] for v in vas if v in self.by_va])
+
+        self.watcher = threading.Thread(target=run, name="pos-wanted", daemon=True)
+        self.watcher.start()
 
     def _fail(self, e: BaseException) -> None:
         with self.lock:
             self.failures.append(e)
+        self.go.set()
 
     def _slot(self) -> int:
         while True:
@@ -139,36 +209,74 @@ class Copier:
                 continue
 
     def _copy(self) -> None:
-        def one(stream: Any, i: int, off: int, n: int) -> None:
-            slot = self._slot()
+        """One thread per stream copies chunks to the arena, in order; then the scanners and
+        the writers are told there is no more."""
+        def run() -> None:
+            self.drv.call("cuCtxSetCurrent", self.ctx)
+            stream = gpucopy.C.c_void_p()
+            self.drv.call("cuStreamCreate", gpucopy.C.byref(stream), gpucopy.C.c_uint(1))
             try:
-                self.drv.call("cuMemcpyDtoHAsync_v2",
-                              gpucopy.C.c_void_p(self.arena.ptr + slot),
-                              gpucopy.U64(self.sources[i] + off), gpucopy.SZ(n), stream)
-                self.drv.call("cuStreamSynchronize", stream)
+                while self.go.wait() and not self.failures and (item := self.order.take()):
+                    i, off, n = item
+                    slot = self._slot()
+                    try:
+                        self.drv.call("cuMemcpyDtoHAsync_v2",
+                                      gpucopy.C.c_void_p(self.arena.ptr + slot),
+                                      gpucopy.U64(self.sources[i] + off), gpucopy.SZ(n), stream)
+                        self.drv.call("cuStreamSynchronize", stream)
+                    except BaseException:
+                        self.drv.function("cuStreamSynchronize")(stream)
+                        self.slots.put(slot)
+                        raise
+                    with self.lock:
+                        self.copied_bytes += n
+                        self.d2h_left[i] -= 1
+                        whole = self.d2h_left[i] == 0
+                    if whole:
+                        self.handout.captured(i)
+                    self.scans.put((i, off, n, slot))
+            except _Stopped:
+                pass
+            except BaseException as e:
+                self._fail(e)
+            finally:
+                self.drv.function("cuStreamDestroy_v2")(stream)
+
+        threads = [threading.Thread(target=run, name=f"pos-d2h-{k}", daemon=True)
+                   for k in range(max(1, self.streams))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not self.failures:
+            self.d2h_s = time.monotonic() - self.t0
+        self.copied.set()
+        for _ in self.scanners:
+            self.scans.put(None)
+        for t in self.scanners:
+            t.join()
+        for _ in self.writers:
+            self.writes.put(None)
+
+    def _scan(self) -> None:
+        while (item := self.scans.get()) is not None:
+            i, off, n, slot = item
+            if self.failures:
+                self.slots.put(slot)
+                continue
+            try:
                 h, hits = gpuimage.checksum_points(self.arena.view(slot, n), self.targets)
             except BaseException as e:
                 self.slots.put(slot)
-                if not isinstance(e, _Stopped):
-                    self._fail(e)
-                raise
+                self._fail(e)
+                continue
             self.handout.points(i, self.index_of[np.flatnonzero(hits)].tolist())
             with self.lock:
-                self.copied_bytes += n
+                self.scan_left[i] -= 1
+                whole = self.scan_left[i] == 0
+            if whole:
+                self.handout.came_back(i)
             self.writes.put((i, off, n, slot, h))
-
-        try:
-            self.drv.call("cuCtxSetCurrent", self.ctx)
-            gpucopy.run_chunks(self.drv, self.work, len(self.table), self.streams, one,
-                               self.handout.came_back)
-            self.d2h_s = time.monotonic() - self.t0
-        except BaseException as e:
-            if not isinstance(e, _Stopped):
-                self._fail(e)
-        finally:
-            self.copied.set()
-            for _ in self.threads:
-                self.writes.put(None)
 
     def _write(self) -> None:
         while (item := self.writes.get()) is not None:
@@ -186,14 +294,17 @@ class Copier:
             raise self.failures[0]
 
     def wait_copied(self) -> None:
-        """Every chunk is in host memory (or the copy failed: raised)."""
+        """Every chunk is in host memory (or the copy failed: raised); the agent is no longer
+        asked what its calls wait for."""
         self.copied.wait()
+        if self.watcher is not None:
+            self.watcher.join()
         self._raise()
 
     def join(self) -> Copied:
         """Every chunk is written (or the copy failed: raised)."""
         self.reader.join()
-        for t in self.threads:
+        for t in self.writers:
             t.join()
         self.disk_s = time.monotonic() - self.t0
         self._raise()
@@ -206,12 +317,16 @@ class Copier:
             return
         if not self.copied.is_set():
             self._fail(_Stopped())
-        self.reader.join()
+        self.copied.wait()
+        if self.watcher is not None:
+            self.watcher.join()
 
     def close(self) -> None:
         """Stop (after a failure elsewhere) and wait until nothing runs: the arena may be freed
         then."""
         self.stop_copying()
-        for t in self.threads:
+        if self.reader.ident is not None:
+            self.reader.join()
+        for t in self.writers:
             if t.ident is not None:
                 t.join()

@@ -5,9 +5,10 @@ the checkpoint (a buffer is *back* once its bytes as of the cut are in host memo
 A kernel reaches the buffers its parameter words point into (the agent's gate checks those),
 and through them the buffers whose addresses they hold: so a buffer is handed out only once
 every buffer reachable from it through the addresses in its bytes is back too. A checkpoint
-learns a buffer's addresses as it copies it; until then, what the buffer points to is unknown,
-and it waits. Once every buffer not yet back is one pos shadowed at the cut (`safe`: its bytes
-are kept, whatever the job does), no call can spoil the image, and everything is handed out.
+learns a buffer's addresses as it scans its copy; until then, what the buffer points to is
+unknown, and it waits. Once every buffer whose bytes are not yet in host memory (`captured`) is
+one pos shadowed at the cut (`safe`: its bytes are kept, whatever the job does), no call can
+spoil the image, and everything is handed out.
 """
 
 import threading
@@ -45,6 +46,7 @@ class Handout:
         self.back: set[int] = set()
         self.refers: dict[int, set[int]] = {}     # buffer -> the others its words point into
         self.told: set[int] = set()
+        self.kept: set[int] = set()               # a checkpoint's: bytes in host memory
         self.agent: Optional[Agent] = None
         # when (time.monotonic) each buffer came back, and was handed to the job
         self.back_at: dict[int, float] = {}
@@ -54,6 +56,13 @@ class Handout:
         """Buffer i's words (one chunk's) point into these buffers (table indices)."""
         with self.lock:
             self.refers.setdefault(i, set()).update(int(j) for j in into if j != i)
+
+    def captured(self, i: int) -> None:
+        """A checkpoint has buffer i's bytes as of the cut in host memory (its addresses may
+        not be known yet)."""
+        with self.lock:
+            self.kept.add(i)
+            self._tell()
 
     def came_back(self, i: int) -> None:
         with self.lock:
@@ -79,7 +88,7 @@ class Handout:
     def _tell(self) -> None:
         if self.agent is None:
             return
-        if set(range(len(self.table))) - self.back <= self.safe:
+        if set(range(len(self.table))) - self.back - self.kept <= self.safe:
             now = set(range(len(self.table))) - self.told
         else:
             now = usable(self.back, self.refers, self.told)

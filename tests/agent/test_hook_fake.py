@@ -83,27 +83,31 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
 def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         fill_job, tmp_path: Path, monkeypatch) -> None:
     """With room for 3 of 12 buffers in the shadow, the other 9 are copied from the job's own
-    memory, first (its launches wait until they are), while its writes to them wait for each:
-    the image is exact all the same."""
-    from pos.scheduler import gpucopy
+    memory, first (its writes to them wait for each; then what they wait for comes first): the
+    image is exact all the same."""
+    from pos.scheduler import copier
 
     monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
-    orders: list[list[int]] = []
-    run = gpucopy.run_chunks
+    taken: list[int] = []
+    take = copier._Order.take
 
-    def recorded(drv, work, *args, **kw):   # type: ignore[no-untyped-def]
-        orders.append([i for i, _off, _n in work])
-        return run(drv, work, *args, **kw)
+    def recorded(self):   # type: ignore[no-untyped-def]
+        item = take(self)
+        if item is not None:
+            taken.append(item[0])
+        return item
 
-    monkeypatch.setattr(gpucopy, "run_chunks", recorded)
+    monkeypatch.setattr(copier._Order, "take", recorded)
     job = fill_job()
     for i in range(3):
         time.sleep(0.2)
-        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
+        taken.clear()
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", streams=1)
         assert r.shadow_bytes == 3 << 20 and r.bytes == 12 << 20
         assert not torn(image_values(Path(r.path)))
-        shadowed = [i in (0, 1, 2) for i in orders[-1]]      # the table's first three fit
-        assert shadowed == sorted(shadowed) and shadowed[-1] and not shadowed[0]
+        # the table's first three fit; the copy begins (before the job's release) with the
+        # others, and then takes first what the job's calls wait for
+        assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2)
 
 
 def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,
@@ -193,6 +197,7 @@ def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
             a.done(others[:2])
             time.sleep(0.2)
             assert a.status().gate.passed == 0   # its own buffer is still pending
+            assert a.wanted() == ([first] if layout_known else [])   # pos copies it first
             a.done([first])                      # others[2] still pending
             if not layout_known:
                 time.sleep(0.2)

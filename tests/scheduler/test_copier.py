@@ -49,3 +49,11 @@ def test_too_little_is_refused_in_one_sentence(host, monkeypatch: pytest.MonkeyP
 def test_a_small_job_needs_only_itself(host) -> None:
     host(2.5)                           # half a GiB to spare: enough for 64 MiB
     assert copier.arena_bytes(10 << 20, CHUNK) == CHUNK
+
+
+def test_the_buffers_calls_wait_for_are_copied_first() -> None:
+    order = copier._Order([(0, 0, 1), (0, 1, 1), (1, 0, 1), (2, 0, 1), (2, 1, 1)])
+    assert order.take() == (0, 0, 1)
+    order.want([2, 0])
+    assert [order.take() for _ in range(4)] == [(2, 0, 1), (2, 1, 1), (0, 1, 1), (1, 0, 1)]
+    assert order.take() is None

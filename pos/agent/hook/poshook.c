@@ -143,6 +143,7 @@ struct owned {
                                        exports only handles it created, not imported ones */
     int device;
     int status;
+    int wanted; /* a call waits for it now (pos copies or fills it first) */
 };
 
 enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };
@@ -434,6 +435,9 @@ static void gate_enter(const struct touch *t) {
         waiting++;
         do {
             last = on;
+            long w = on ? find(on) : -1;
+            if (w >= 0)
+                tab[w].wanted = 1;
             pthread_cond_wait(&cv, &mu);
             if (t->launch && !asked && gated(atomic_load(&phase)))
                 asked = 1, nwords = launch_words(t, words);
@@ -1143,7 +1147,7 @@ static int send_fds(struct conn *c, const int *fds, size_t n) {
 static void set_phase(int p) { /* caller holds mu */
     if (p == P_IDLE) {
         for (size_t i = 0; i < ntab; i++)
-            tab[i].status = ST_NONE;
+            tab[i].status = ST_NONE, tab[i].wanted = 0;
         npending = 0;
     }
     atomic_store(&phase, p);
@@ -1234,6 +1238,28 @@ static void do_cut(struct conn *c, long timeout_ms) {
     reply(c, "{\"ok\":true,\"drain_s\":%.6f,\"sync_s\":%.6f,\"buffers\":%zu,\"bytes\":%zu}",
           secs(t1 - t0), secs(t2 - t1), ntab, owned_bytes);
     pthread_mutex_unlock(&mu);
+}
+
+/* The pending buffers that calls wait for now: pos copies (or fills) them first. */
+static void do_wanted(struct conn *c) {
+    char *s = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&s, &n);
+    if (!f) {
+        fail(c, "out of memory");
+        return;
+    }
+    fputs("{\"ok\":true,\"vas\":[", f);
+    pthread_mutex_lock(&mu);
+    int k = 0;
+    for (size_t i = 0; i < ntab; i++)
+        if (tab[i].wanted && tab[i].status == ST_PENDING)
+            fprintf(f, "%s%llu", k++ ? "," : "", tab[i].va);
+    pthread_mutex_unlock(&mu);
+    fputs("]}\n", f);
+    fclose(f);
+    send_all(c->fd, s, n);
+    free(s);
 }
 
 static void do_table(struct conn *c) {
@@ -1701,6 +1727,8 @@ static void serve(int fd) {
             do_cut(c, args ? atol(args) : stall);
         else if (!strcmp(cmd, "table"))
             do_table(c);
+        else if (!strcmp(cmd, "wanted"))
+            do_wanted(c);
         else if (!strcmp(cmd, "export"))
             do_export(c);
         else if (!strcmp(cmd, "hoist"))
