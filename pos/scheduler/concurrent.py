@@ -460,11 +460,18 @@ def _fill(drv: Any, table: list[Buffer], dest: list[int],
             read_s[0] += time.monotonic() - t
         handout.points(i, hits)
 
+    order = gpucopy.Order(work)        # what the job's calls wait for first, once it runs
+    filled = threading.Event()
+    watcher = order.follow(lambda: handout.agent, {b.va: i for i, b in enumerate(table)},
+                           filled)
     try:
-        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back)
+        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back,
+                                     order)
     except _Stopped:
         raise failures[0] from None
     finally:
+        filled.set()
+        watcher.join()
         for fds in open_files:
             for fd in fds.values():
                 os.close(fd)
@@ -533,6 +540,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             h = g.timed("hoist", lambda: agent.hoist(hoist_stack()))
             g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
             agent.close()                  # CRIU dumps no socket connected to pos
+            s.copier.hold_scans()          # the CPU is the dump's until the job is back
             g.step("lock")
             g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
             g.step("checkpoint")
@@ -556,6 +564,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 s.agent = None
                 g.step("copy")
             release_s = time.monotonic() - t0
+            s.copier.release_scans()
             if stage is not None:
                 g.timed("move", lambda: staging.move_into(stage, partial))
                 g.step(g.plan.step, staging="")

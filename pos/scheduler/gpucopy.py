@@ -10,9 +10,10 @@ import ctypes
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -324,44 +325,104 @@ class _Streams:
             self.drv.function("cuStreamDestroy_v2")(s)
 
 
+class Order:
+    """The chunks left to copy: those of a buffer the job's calls wait for first, then the rest
+    in the copier's order."""
+
+    def __init__(self, work: list[tuple[int, int, int]]) -> None:
+        self.lock = threading.Lock()
+        self.left: dict[int, deque[tuple[int, int, int]]] = {}
+        for w in work:
+            self.left.setdefault(w[0], deque()).append(w)
+        self.order = deque(self.left)          # buffers in the order of their first chunk
+        self.wanted: deque[int] = deque()
+
+    def want(self, buffers: list[int]) -> None:
+        with self.lock:
+            self.wanted.extend(i for i in buffers if self.left.get(i))
+
+    def follow(self, agent_of: Callable[[], Any], by_va: dict[int, int],
+               until: threading.Event) -> threading.Thread:
+        """Until `until` is set, ask the job's agent (once `agent_of()` gives one) every 2 ms
+        which buffers its calls wait for, and take those first. A failed question ends this:
+        the chunks go on in order."""
+        def run() -> None:
+            while not until.wait(0.002):
+                agent = agent_of()
+                if agent is None:
+                    continue
+                try:
+                    vas = agent.wanted()
+                except Exception:
+                    return
+                self.want([by_va[v] for v in vas if v in by_va])
+
+        t = threading.Thread(target=run, name="pos-wanted", daemon=True)
+        t.start()
+        return t
+
+    def take(self) -> Optional[tuple[int, int, int]]:
+        with self.lock:
+            for q in (self.wanted, self.order):
+                while q and not self.left.get(q[0]):
+                    q.popleft()
+                if q:
+                    return self.left[q[0]].popleft()
+            return None
+
+
 def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, workers: int,
                one: Callable[[C.c_void_p, int, int, int], None],
-               buffer_done: Callable[[int], None] = lambda _i: None) -> float:
+               buffer_done: Callable[[int], None] = lambda _i: None,
+               order: Optional[Order] = None) -> float:
     """Run `one(stream, buffer, offset, length)` over every chunk of `work` on `workers`
-    threads, each with its own stream, in order; `buffer_done(i)` once buffer i's chunks are
-    complete (at once for a buffer without chunks). Returns the seconds it took."""
+    threads, each with its own stream, in `order` (else as listed); `buffer_done(i)` once buffer
+    i's chunks are complete (at once for a buffer without chunks). The first failure stops the
+    threads taking more chunks and is raised. Returns the seconds it took."""
     left = [0] * buffers
     for i, _off, _n in work:
         left[i] += 1
     for i, n in enumerate(left):
         if n == 0:
             buffer_done(i)
+    order = order or Order(list(work))
     lock = threading.Lock()
+    failures: list[BaseException] = []
     streams = _Streams(drv)
 
-    def task(item: tuple[int, int, int]) -> None:
-        i, off, n = item
-        s = streams.mine()
+    def worker() -> None:
         try:
-            one(s, i, off, n)
-        except BaseException:
-            # copies it queued before failing must end before their memory can be freed
-            drv.function("cuStreamSynchronize")(s)
-            raise
-        drv.call("cuStreamSynchronize", s)
-        with lock:
-            left[i] -= 1
-            last = left[i] == 0
-        if last:
-            buffer_done(i)
+            s = streams.mine()
+            while not failures and (item := order.take()):
+                i, off, n = item
+                try:
+                    one(s, i, off, n)
+                except BaseException:
+                    # copies it queued before failing must end before their memory is freed
+                    drv.function("cuStreamSynchronize")(s)
+                    raise
+                drv.call("cuStreamSynchronize", s)
+                with lock:
+                    left[i] -= 1
+                    last = left[i] == 0
+                if last:
+                    buffer_done(i)
+        except BaseException as e:
+            with lock:
+                failures.append(e)
 
     t = time.monotonic()
+    threads = [threading.Thread(target=worker, name=f"pos-chunks-{k}", daemon=True)
+               for k in range(max(1, workers))]
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for f in [pool.submit(task, w) for w in work]:
-                f.result()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
     finally:
         streams.close()
+    if failures:
+        raise failures[0]
     return time.monotonic() - t
 
 

@@ -85,11 +85,11 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
     """With room for 3 of 12 buffers in the shadow, the other 9 are copied from the job's own
     memory, first (its writes to them wait for each; then what they wait for comes first): the
     image is exact all the same."""
-    from pos.scheduler import copier
+    from pos.scheduler import gpucopy
 
     monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
     taken: list[int] = []
-    take = copier._Order.take
+    take = gpucopy.Order.take
 
     def recorded(self):   # type: ignore[no-untyped-def]
         item = take(self)
@@ -97,7 +97,7 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
             taken.append(item[0])
         return item
 
-    monkeypatch.setattr(copier._Order, "take", recorded)
+    monkeypatch.setattr(gpucopy.Order, "take", recorded)
     job = fill_job()
     for i in range(3):
         time.sleep(0.2)
@@ -107,7 +107,7 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         assert not torn(image_values(Path(r.path)))
         # the table's first three fit; the copy begins (before the job's release) with the
         # others, and then takes first what the job's calls wait for
-        assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2)
+        assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2), taken
 
 
 def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,

@@ -3,7 +3,7 @@
 import pytest
 
 from pos.errors import BadInput
-from pos.scheduler import copier
+from pos.scheduler import copier, gpucopy
 
 GIB, CHUNK = 1 << 30, 64 << 20
 
@@ -52,7 +52,7 @@ def test_a_small_job_needs_only_itself(host) -> None:
 
 
 def test_the_buffers_calls_wait_for_are_copied_first() -> None:
-    order = copier._Order([(0, 0, 1), (0, 1, 1), (1, 0, 1), (2, 0, 1), (2, 1, 1)])
+    order = gpucopy.Order([(0, 0, 1), (0, 1, 1), (1, 0, 1), (2, 0, 1), (2, 1, 1)])
     assert order.take() == (0, 0, 1)
     order.want([2, 0])
     assert [order.take() for _ in range(4)] == [(2, 0, 1), (2, 1, 1), (0, 1, 1), (1, 0, 1)]

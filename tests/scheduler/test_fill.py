@@ -181,7 +181,8 @@ def test_the_failure_said_is_the_one_that_stopped_the_fill(drv, tmp_path: Path,
     raw[bad["at"] + 3] ^= 0x5A
     path.write_bytes(bytes(raw))
 
-    def backwards(drv, work, buffers, workers, one, buffer_done=lambda _i: None):  # type: ignore
+    def backwards(drv, work, buffers, workers, one, buffer_done=lambda _i: None,  # type: ignore
+                  order=None):
         errors = {}
         stream = gpucopy.C.c_void_p()
         for k in reversed(range(len(work))):
