@@ -1,7 +1,8 @@
 """The full-process engine: CUDA driver checkpoint + CRIU, as ordered steps with their undo.
 
 checkpoint: lock (with a timeout) -> driver checkpoint -> criu dump -> [--leave-running: driver
-restore -> unlock] -> seal the image (checksums, manifest, DIR.partial -> DIR).
+restore -> unlock] -> seal the image (checksums, manifest, DIR.partial -> DIR) -> [without
+--leave-running: end the tree, which CRIU left stopped: until the seal it can run on].
 restore: criu restore (the tree left stopped) beside the checksums' verify -> resume -> driver
 restore (onto other GPUs if asked) -> unlock.
 
@@ -16,8 +17,9 @@ import signal
 import socket
 import platform
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +33,7 @@ from pos import image
 from pos.scheduler import procs
 from pos.scheduler.criu import Options, PageServer
 from pos.image import Manifest
-from pos.scheduler.watchdog import Plan, Watchdog, discard_partial, recover
+from pos.scheduler.watchdog import Plan, Watchdog, discard_partial, end_tree, recover
 
 Echo = Callable[[str], None]
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -72,6 +74,10 @@ class Guard:
         self.memory: list[int] = []          # descriptors of a job's hoisted device memory
 
     def __enter__(self) -> "Guard":
+        if self.plan.op == "checkpoint":
+            parent = procs.parent(self.plan.pids[0]) or 0
+            if procs.state(parent) not in ("T", "t"):
+                self.plan.parent = parent
         self.watchdog = Watchdog()
         self.watchdog.send(self.plan)
         return self
@@ -108,11 +114,25 @@ class Guard:
             self.timings.update(stats.timings())
 
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
-                 pass_fds: tuple[int, ...] = (), terminal: bool = False) -> None:
+                 pass_fds: tuple[int, ...] = (), terminal: bool = False,
+                 stop: Callable[[], Optional[BaseException]] = lambda: None) -> None:
+        """CRIU, with the watchdog told of it (`stop`: see Criu.finish)."""
         proc = criu.start(argv, pass_fds, terminal)
-        self.step(self.plan.step, criu_pid=proc.pid)
-        criu.finish(proc, what, log)
+        self.step(self.plan.step, criu_pid=proc.pid, criu_log=str(log))
+        criu.finish(proc, what, log, stop)
         self.step(self.plan.step, criu_pid=None)
+
+    def end(self, **changes: Any) -> None:
+        """The image is sealed: end the tree that CRIU left stopped, as the checkpoint was to.
+        Not to be cut short by SIGINT/SIGTERM (the undo would find a tree half ended); a pos
+        that dies here leaves the watchdog to finish it."""
+        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.step("end", **changes)
+            end_tree(self.plan)
+        finally:
+            for s, h in held.items():
+                signal.signal(s, h)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> bool:
         assert self.watchdog is not None
@@ -124,7 +144,8 @@ class Guard:
             self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
                       f"(failed at step {self.plan.step})")
             try:
-                recover(self.plan, self.echo, self.memory)
+                recover(self.plan, self.echo, self.memory,
+                        stopped=isinstance(exc, KeyboardInterrupt))
             except PosError as undo:
                 raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
                                undo.fix or "check the process by hand") from None
@@ -135,6 +156,10 @@ class Guard:
         finally:
             for s, h in held.items():
                 signal.signal(s, h)
+        if isinstance(exc, KeyboardInterrupt) and self.plan.op == "restore":
+            raise PosError(f"the restore of PID {self.plan.pids[0]} from {self.plan.images} "
+                           "was stopped and undone", "nothing of it runs and the image is "
+                           "untouched: restore it again when you want") from None
         if isinstance(exc, KeyboardInterrupt):
             raise PosError(f"{self.plan.op} of PID {self.plan.pids[0]} interrupted and undone",
                            "the processes run as before") from None
@@ -235,7 +260,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         g.step("dump")
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
-        g.dump(criu, argv, partial)
+        g.dump(criu, argv, partial)     # without --leave-running: the tree stays, stopped
         if leave_running:
             for p in cuda:
                 g.step("restore")
@@ -248,6 +273,8 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         manifest.timings = g.timings
         progress.phase("checksum", total=folder_bytes(partial))
         final = g.timed("checksum", lambda: image.seal(partial, manifest, progress.advance))
+        if not leave_running:
+            g.end()
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
     return Result(final, manifest, timings=g.timings)
@@ -300,11 +327,16 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
                        "the same driver (driver checkpoints are tied to the driver)")
 
 
-def _verify_timed(directory: Path, names: Optional[list[str]]) -> float:
+def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
     """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
     t0 = time.monotonic()
-    image.verify(directory, names)
+    image.verify(directory, names, stop=stop)
     return time.monotonic() - t0
+
+
+def _failed(checking: "Future[float]") -> Optional[BaseException]:
+    """Why the image's check beside CRIU failed, None while it runs or when it passed."""
+    return checking.exception() if checking.done() else None
 
 
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
@@ -313,18 +345,22 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             finish: Optional[Callable[[Guard, int], None]] = None,
             before_driver: Callable[[], None] = lambda: None) -> Result:
     """Restore the image in `directory` and resume its processes; `check`: the files whose
-    checksums are verified (all when None; the rest is checked by whoever reads it). The check
-    runs while CRIU restores, which leaves the tree stopped: it runs only once the image is
-    known good. `hoisted`: the job's device memory comes back only in `finish` (until then
-    the undo ends a restored job rather than run it). `finish(g, root)` runs last under the
-    same guard (the concurrent engine puts the job's device memory back there: a failure then
-    ends the restored tree, never leaves it half-restored); `before_driver()` just before the
-    driver's restore (the concurrent engine pauses its fill there)."""
+    checksums are verified (all when None; the rest is checked by whoever reads it). Every
+    file's presence and size are checked before CRIU starts; the checksums while CRIU
+    restores, which leaves the tree stopped: it runs only once the image is known good, and a
+    check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
+    `finish` (until then the undo ends a restored job rather than run it). `finish(g, root)`
+    runs last under the same guard (the concurrent engine puts the job's device memory back
+    there: a failure then ends the restored tree, never leaves it half-restored);
+    `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
+    there). The work folder goes whatever happens (CRIU's log of a failure is kept in
+    criu.LOG_DIR, and the error names it)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
-    manifest = image.load(directory)
+    manifest = image.check_files(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
+    criu_mod.log_max_bytes()          # a bad bound is said before CRIU starts
     checked = time.monotonic()
     check_restorable(directory, manifest)
     checked = time.monotonic() - checked
@@ -337,13 +373,14 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
-    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     from pos.scheduler import cudackpt
 
     logs = criu_mod.reopen_logs(manifest.logs)
+    stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
-    checking = pool.submit(_verify_timed, directory, check)
+    checking = pool.submit(_verify_timed, directory, check, stop)
+    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     try:
         with Guard(plan, echo, progress=progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
@@ -355,7 +392,8 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             try:
                 g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
                                                            work / criu_mod.RESTORE_LOG,
-                                                           fds + tuple(logs), terminal))
+                                                           fds + tuple(logs), terminal,
+                                                           lambda: _failed(checking)))
             except PosError:
                 checking.result()       # a corrupt image explains CRIU's failure best
                 raise
@@ -373,8 +411,9 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             if finish is not None:
                 finish(g, root)
     finally:
+        stop.set()
         pool.shutdown()
         for fd in logs:
             os.close(fd)
-    shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)
