@@ -140,12 +140,12 @@ class Guard:
             self.watchdog.done()
             return False
         held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        stopped = isinstance(exc, KeyboardInterrupt)
         try:
             self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
-                      f"(failed at step {self.plan.step})")
+                      f"({'stopped' if stopped else 'failed'} at step {self.plan.step})")
             try:
-                recover(self.plan, self.echo, self.memory,
-                        stopped=isinstance(exc, KeyboardInterrupt))
+                recover(self.plan, self.echo, self.memory, stopped)
             except PosError as undo:
                 raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
                                undo.fix or "check the process by hand") from None
@@ -156,11 +156,11 @@ class Guard:
         finally:
             for s, h in held.items():
                 signal.signal(s, h)
-        if isinstance(exc, KeyboardInterrupt) and self.plan.op == "restore":
-            raise PosError(f"the restore of PID {self.plan.pids[0]} from {self.plan.images} "
-                           "was stopped and undone", "nothing of it runs and the image is "
-                           "untouched: restore it again when you want") from None
-        if isinstance(exc, KeyboardInterrupt):
+        if stopped and self.plan.op == "restore":
+            raise PosError(f"restore of PID {self.plan.pids[0]} from {self.plan.images} "
+                           "stopped, nothing of it left running", "the image is untouched; "
+                           "restore it again when you want") from None
+        if stopped:
             raise PosError(f"{self.plan.op} of PID {self.plan.pids[0]} interrupted and undone",
                            "the processes run as before") from None
         return False
