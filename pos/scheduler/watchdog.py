@@ -298,7 +298,8 @@ def main() -> int:
         return 1
     if plan.op == "checkpoint":
         discard_partial(plan)
-    log("undo done: the processes run")
+    ended = plan.op == "checkpoint" and plan.step == "end"
+    log("undo done: " + ("the tree ended, its image sealed" if ended else "the processes run"))
     return 0
 
 
