@@ -228,7 +228,7 @@ class Criu:
                 break
             except subprocess.TimeoutExpired:
                 reason = stop()
-                if reason is None and _size(log) > limit:
+                if reason is None and log_bytes(log) > limit:
                     reason = overflow(what, log, limit)
                 if reason is not None:
                     end_restore(proc.pid)
@@ -282,7 +282,8 @@ def overflow(what: str, log: Path, limit: int) -> PosError:
                     f"inspect DIR --verify`; CRIU's log: {kept} ({LOG_MAX_ENV} raises the bound)")
 
 
-def _size(path: Path) -> int:
+def log_bytes(path: Path) -> int:
+    """The size of a log CRIU writes (0 before it exists)."""
     try:
         return path.stat().st_size
     except OSError:

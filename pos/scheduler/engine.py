@@ -33,7 +33,7 @@ from pos import image
 from pos.scheduler import procs
 from pos.scheduler.criu import Options, PageServer
 from pos.image import Manifest
-from pos.scheduler.watchdog import Plan, Watchdog, discard_partial, end_tree, recover
+from pos.scheduler.watchdog import Plan, Watchdog, discard_leftovers, end_tree, recover
 
 Echo = Callable[[str], None]
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -150,8 +150,7 @@ class Guard:
                 raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
                                undo.fix or "check the process by hand") from None
             finally:
-                if self.plan.op == "checkpoint":
-                    discard_partial(self.plan)
+                discard_leftovers(self.plan)
                 self.watchdog.done()
         finally:
             for s, h in held.items():
@@ -381,6 +380,7 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
     checking = pool.submit(_verify_timed, directory, check, stop)
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
+    plan.work = str(work)
     try:
         with Guard(plan, echo, progress=progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start

@@ -28,6 +28,7 @@ twice (pos died during its own undo) without harm:
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +61,7 @@ class Plan:
                                               # came (see end_tree)
     criu_pid: Optional[int] = None            # a running CRIU (its own process group)
     criu_log: str = ""                        # and its log
+    work: str = ""                            # restore: pos's work folder (CRIU's log, pidfile)
     criu_path: str = ""
     images: str = ""                          # checkpoint: DIR.partial; restore: DIR
     staging: str = ""                         # checkpoint: where CRIU writes, when not into
@@ -79,40 +81,43 @@ class Plan:
         return cls(**d)
 
 
-def discard_partial(plan: Plan) -> None:
+def discard_leftovers(plan: Plan) -> None:
     """After an undone checkpoint: its unfinished image, and CRIU's files where they were
-    staged."""
+    staged; after a restore: its work folder."""
     from pos.image import discard
 
-    for d in {plan.images, plan.staging} - {""}:
-        discard(Path(d))
+    if plan.op == "checkpoint":
+        for d in {plan.images, plan.staging} - {""}:
+            discard(Path(d))
+    elif plan.work:
+        shutil.rmtree(plan.work, ignore_errors=True)
 
 
-def _wait_criu(plan: Plan, log: Callable[[str], None]) -> None:
+def _wait_criu(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
     """Wait for a running CRIU. A dump's is waited for (its parasite is inside the target), and
     one that never ends is killed and the tree thawed; a restore's holds nothing of a live
-    process and is ended (with what it restored) once its log passes its bound."""
+    process and is ended (with what it restored) at once when the user stopped the restore,
+    else once its log passes its bound or it never ends."""
     from pos.scheduler import criu
 
     pid = plan.criu_pid
     if not pid or not procs.alive(pid):
         return
-    limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
-    log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")
-    deadline = time.monotonic() + limit
     endable = plan.op == "restore"
     bound = criu.log_max_bytes() if endable else 0
-    while procs.alive(pid) and time.monotonic() < deadline:
-        if endable and os.path.exists(plan.criu_log) and \
-                os.stat(plan.criu_log).st_size > bound:
-            log(f"CRIU's log {plan.criu_log} passed {bound >> 20} MiB: ending the restore")
-            criu.end_restore(pid)
+    if not (endable and stopped):
+        limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
+        log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")
+        deadline = time.monotonic() + limit
+        while procs.alive(pid) and time.monotonic() < deadline:
+            if endable and criu.log_bytes(Path(plan.criu_log)) > bound:
+                log(f"CRIU's log {plan.criu_log} passed {bound >> 20} MiB")
+                break
+            time.sleep(criu.POLL_S)
+        if not procs.alive(pid):
             return
-        time.sleep(criu.POLL_S)
-    if not procs.alive(pid):
-        return
     if endable:
-        log(f"CRIU (PID {pid}) did not finish: ending the restore")
+        log(f"ending CRIU (PID {pid}) and the tasks it restored")
         criu.end_restore(pid)
         return
     log(f"CRIU (PID {pid}) did not finish: killing it and thawing the tree")
@@ -182,7 +187,7 @@ def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = [],
     """Bring the plan's processes back to running (see the module docstring); `memory`: the
     descriptors of the hoisted memory, in the agent's table order. `stopped`: the user stopped
     the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
-    _wait_criu(plan, log)
+    _wait_criu(plan, log, stopped)
     if plan.op == "restore":
         if not plan.pids or not procs.alive(plan.pids[0]):
             return                      # CRIU failed and cleaned up: nothing was restored
@@ -296,10 +301,13 @@ def main() -> int:
     except PosError as e:
         log(f"undo failed: {e.message}")
         return 1
-    if plan.op == "checkpoint":
-        discard_partial(plan)
-    ended = plan.op == "checkpoint" and plan.step == "end"
-    log("undo done: " + ("the tree ended, its image sealed" if ended else "the processes run"))
+    discard_leftovers(plan)
+    if plan.op == "restore":
+        log("undo done")
+    elif plan.step == "end":
+        log("undo done: the tree ended, its image sealed")
+    else:
+        log("undo done: the processes run")
     return 0
 
 

@@ -116,6 +116,21 @@ def test_a_criu_that_loops_is_ended_by_its_log_bound(tmp_path, counters, env) ->
     nothing_left(img, env, [c.pid])
 
 
+def test_pos_killed_while_criu_loops_the_watchdog_ends_it(tmp_path, counters, env) -> None:
+    """pos dies during a restore whose CRIU loops: the watchdog ends CRIU by its log bound and
+    removes pos's work folder."""
+    c, img = image_of(tmp_path, counters, env)
+    looping(img, sizes_only=False)
+    r = pos("restore", "-D", str(img), env={**env, "POS_CRIU_LOG_MAX_MB": "4",
+                                            "POS_FAULT_AT": "criu-restore:criu=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog")
+    assert "passed 4 MiB" in log.read_text() and "ending CRIU" in log.read_text()
+    nothing_left(img, env, [c.pid])
+
+
 def test_a_bad_log_bound_is_one_sentence(tmp_path, counters, env) -> None:
     c, img = image_of(tmp_path, counters, env)
     one_sentence(pos("restore", "-D", str(img), env={**env, "POS_CRIU_LOG_MAX_MB": "0"}), 2,
