@@ -78,8 +78,7 @@ class Guard:
             parent = procs.parent(self.plan.pids[0]) or 0
             if procs.state(parent) not in ("T", "t"):
                 self.plan.parent = parent
-        self.watchdog = Watchdog()
-        self.watchdog.send(self.plan)
+        self.watchdog = Watchdog(self.plan)
         return self
 
     def step(self, name: str, **changes: Any) -> None:
@@ -239,15 +238,16 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     # pages at least as large as what is resident, plus the device memory the dump will hold;
     # a page server takes the pages elsewhere
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
-    partial = image.prepare(directory, needed)
     manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
     comm = manifest.comm
-    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
+    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path,
+                images=str(image.partial_path(Path(directory).absolute())),
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                 criu_options=options.to_json())
-    echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with CUDA "
-         f"state")
+    partial = image.prepare(directory, needed)    # just before the watchdog, which knows it
     with Guard(plan, echo, progress) as g:
+        echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
+             "CUDA state")
         start = time.monotonic()
         for p in cuda:
             g.step("lock")
@@ -333,7 +333,7 @@ def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.E
     return time.monotonic() - t0
 
 
-def _failed(checking: "Future[float]") -> Optional[BaseException]:
+def _failed(checking: Future[float]) -> Optional[BaseException]:
     """Why the image's check beside CRIU failed, None while it runs or when it passed."""
     return checking.exception() if checking.done() else None
 

@@ -219,8 +219,11 @@ def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = [],
 class Watchdog:
     """pos's side of the watchdog process: start it, tell it each step, say done."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: Plan) -> None:
+        """The plan goes into the socket before the watchdog is started: from the moment it
+        exists it knows what to undo, however soon pos dies."""
         self.sock, theirs = socket.socketpair()
+        self.send(plan)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pos.scheduler.watchdog"], stdin=theirs,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

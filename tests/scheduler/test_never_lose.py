@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 import pytest
 
 from pos import image
-from tests.scheduler.conftest import COUNTER, alive, lines, one_sentence, pos, wait_for
 from pos.scheduler import procs
+from tests.scheduler.conftest import COUNTER, alive, lines, one_sentence, pos, wait_for
 
 # a supervisor busy elsewhere: it starts the job and never waits for it
 LAUNCHER = """import subprocess, sys, time
