@@ -20,10 +20,11 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pos import host, nvml
 from pos.errors import BadInput, PosError
@@ -64,6 +65,18 @@ def describe(timings: dict[str, float]) -> str:
     return ", ".join(one(k, v) for k, v in timings.items())
 
 
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored meanwhile: for an undo, or a last step, that must not be left
+    half done."""
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in held.items():
+            signal.signal(s, h)
+
+
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
@@ -74,7 +87,7 @@ class Guard:
         self.memory: list[int] = []          # descriptors of a job's hoisted device memory
 
     def __enter__(self) -> "Guard":
-        if self.plan.op == "checkpoint":
+        if self.plan.op == "checkpoint":    # a parent running now is continued with the tree
             parent = procs.parent(self.plan.pids[0]) or 0
             if procs.state(parent) not in ("T", "t"):
                 self.plan.parent = parent
@@ -125,22 +138,17 @@ class Guard:
         """The image is sealed: end the tree that CRIU left stopped, as the checkpoint was to.
         Not to be cut short by SIGINT/SIGTERM (the undo would find a tree half ended); a pos
         that dies here leaves the watchdog to finish it."""
-        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with uninterrupted():
             self.step("end", **changes)
             end_tree(self.plan)
-        finally:
-            for s, h in held.items():
-                signal.signal(s, h)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> bool:
         assert self.watchdog is not None
         if exc_type is None:
             self.watchdog.done()
             return False
-        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         stopped = isinstance(exc, KeyboardInterrupt)
-        try:
+        with uninterrupted():
             self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
                       f"({'stopped' if stopped else 'failed'} at step {self.plan.step})")
             try:
@@ -151,9 +159,6 @@ class Guard:
             finally:
                 discard_leftovers(self.plan)
                 self.watchdog.done()
-        finally:
-            for s, h in held.items():
-                signal.signal(s, h)
         if stopped and self.plan.op == "restore":
             raise PosError(f"restore of PID {self.plan.pids[0]} from {self.plan.images} "
                            "stopped, nothing of it left running", "the image is untouched; "
