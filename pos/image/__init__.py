@@ -145,13 +145,21 @@ def _hash_range(fd: int, offset: int, length: int) -> bytes:
     return h.digest()
 
 
+class Stopped(Exception):
+    """A check stopped before its end (its `stop` was set): it says nothing of the image."""
+
+
 def chunk_digests(folder: Path, sizes: dict[str, int], chunk_bytes: int,
-                  hashed: Hashed = _nothing) -> dict[str, list[bytes]]:
+                  hashed: Hashed = _nothing, stop: Optional[threading.Event] = None
+                  ) -> dict[str, list[bytes]]:
     """name -> the sha256 of each `chunk_bytes` chunk of the first `sizes[name]` bytes of the
     file, every chunk of every file hashed by a pool of `workers()` threads; `hashed` is told
-    the bytes of each chunk done (progress on a terminal)."""
+    the bytes of each chunk done (progress on a terminal). Once `stop` is set no chunk is
+    begun, and Stopped is raised (a restore that ends does not wait for gigabytes hashed)."""
 
     def one(task: tuple[str, int, int]) -> bytes:
+        if stop is not None and stop.is_set():
+            raise Stopped()
         digest = _hash_range(fds[task[0]], task[1], task[2])
         hashed(task[2])
         return digest
@@ -290,21 +298,30 @@ def _well_formed(m: Manifest) -> bool:
     return True
 
 
-def verify(folder: Path, digests: Optional[list[str]] = None,
-           hashed: Hashed = _nothing) -> Manifest:
-    """load + exactly the listed files, each with its recorded size and chunk checksums (only
-    the files named in `digests`, when given: the rest is checked by whoever reads it);
-    `hashed` is told the bytes of each chunk checked."""
+def check_files(folder: Path) -> Manifest:
+    """load + the folder holds exactly the manifest's files, each of its recorded size: what
+    can be checked at once, before anything runs (a file cut short sent CRIU's restorer into
+    an endless loop of short reads, issue 26)."""
     folder = Path(folder)
     manifest = load(folder)
     _same_files(folder, manifest)
+    return manifest
+
+
+def verify(folder: Path, digests: Optional[list[str]] = None,
+           hashed: Hashed = _nothing, stop: Optional[threading.Event] = None) -> Manifest:
+    """check_files + the chunk checksums of the listed files (only the files named in
+    `digests`, when given: the rest is checked by whoever reads it); `hashed` is told the
+    bytes of each chunk checked; `stop`: see chunk_digests."""
+    folder = Path(folder)
+    manifest = check_files(folder)
     names = list(manifest.files) if digests is None else digests
     missing = [n for n in names if n not in manifest.files]
     if missing:
         raise BadInput(f"image {folder} lacks {', '.join(missing)} in its manifest",
                        "take a new checkpoint")
     got = chunk_digests(folder, {n: manifest.files[n]["size"] for n in names},
-                        manifest.chunk_bytes, hashed)
+                        manifest.chunk_bytes, hashed, stop)
     for name in names:
         want = manifest.files[name]
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):

@@ -192,6 +192,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
+    from pos import image
     from pos.progress import Progress
     from pos.scheduler import concurrent as conc
     from pos.scheduler import engine
@@ -207,6 +208,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     if streams:
         raise click.UsageError("--streams goes with --gpu-only.")
     if conc.is_gpu_only_image(Path(directory)):
+        image.check_files(Path(directory))    # or a whole-process one missing its inventory
         raise BadInput(f"{directory} is a GPU-only image (no process in it)",
                        "roll a live `pos run` job back to it with `pos restore --gpu-only PID -D "
                        "DIR`")

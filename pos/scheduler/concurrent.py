@@ -546,8 +546,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             g.step("checkpoint")
             g.timed("checkpoint", lambda: paused(s, lambda: cudackpt.checkpoint(pid)))
             g.step("dump")
-            argv = criu.dump_argv(pid, dumped, options, leave_running,
-                                  leave_stopped=not leave_running)
+            argv = criu.dump_argv(pid, dumped, options, leave_running)
             g.dump(criu, argv, dumped)
             if leave_running:
                 g.step("restore")
@@ -578,8 +577,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             final = g.timed("checksum", lambda: image.seal(partial, manifest))
             g.timings["sealed_s"] = time.monotonic() - started
             if not leave_running:
-                g.step("end", hoisted=False)
-                procs.kill_tree(pids)      # the image holds the job now
+                g.end(hoisted=False)       # the image holds the job now
         manifest.timings = {**s.timings, **g.timings}
         image.write_manifest(final, manifest)
     finally:

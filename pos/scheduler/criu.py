@@ -10,6 +10,7 @@ older versions are refused rather than allowed to fail half-way.
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -17,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pos.errors import BadInput, PosError
+from pos.scheduler import procs
 
 ENV = "POS_CRIU"
 SETUP_COPY = "/opt/pos/criu/criu"
@@ -30,6 +32,12 @@ DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 
 # Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
 LOG_DIR = Path(os.environ.get("POS_LOG_DIR", "/var/log/pos"))
+KEEP_BYTES = 64 << 20          # at most this much of a log is kept there (its head and tail)
+TAIL_BYTES = 1 << 20           # where the error lines are looked for
+LOG_MAX_ENV = "POS_CRIU_LOG_MAX_MB"   # a restore's CRIU is ended when its log passes this
+DEFAULT_LOG_MAX_MB = 256
+POLL_S = 0.05                  # how often a restore's CRIU, its log and its stop are looked at
+END_S = 2.0                    # what ending a restore's CRIU may take
 
 @dataclass(frozen=True)
 class KnownFailure:
@@ -164,15 +172,12 @@ class Criu:
         return argv
 
     def dump_argv(self, pid: int, images: Path, opts: Options, leave_running: bool,
-                  page_server: Optional[PageServer] = None, leave_stopped: bool = False
-                  ) -> list[str]:
-        """`leave_stopped`: the tree stays, stopped, for the caller to end once the image is
-        safe (neither flag: CRIU ends it)."""
+                  page_server: Optional[PageServer] = None) -> list[str]:
+        """Without `leave_running` the tree stays, stopped, for the caller to end once the
+        image is sealed: a pos that dies before then leaves it to run on (CRIU never ends it
+        itself, or a pos that died between the dump and the seal would lose the job)."""
         argv = self._base("dump", images, DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
-        if leave_running:
-            argv.append("--leave-running")
-        elif leave_stopped:
-            argv.append("--leave-stopped")
+        argv.append("--leave-running" if leave_running else "--leave-stopped")
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
                      "--port", str(page_server.port)]
@@ -204,24 +209,90 @@ class Criu:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 preexec_fn=os.setpgrp, pass_fds=pass_fds)
 
-    def finish(self, proc: subprocess.Popen, what: str, log: Path) -> None:
-        """Wait for CRIU and raise PosError if it failed. A SIGINT/SIGTERM that pos gets
-        meanwhile is held back until CRIU is done (then raised): CRIU's parasite code runs
-        inside the target, and the undo must start from a finished step."""
+    def finish(self, proc: subprocess.Popen, what: str, log: Path,
+               stop: Callable[[], Optional[BaseException]] = lambda: None) -> None:
+        """Wait for CRIU and raise PosError if it failed.
+
+        A restore's CRIU holds nothing of a live process, so it is ended at once, with the
+        tasks it restored so far, on SIGINT/SIGTERM, when `stop()` gives a reason (raised: the
+        image's check beside it failed), or when its log passes `log_max_bytes()` (it loops:
+        a restorer re-reading a short file logged 36 MB/s, issue 26). Any other CRIU has its
+        parasite code inside the target: a SIGINT/SIGTERM is held back until it is done (then
+        raised), so that the undo starts from a finished step."""
+        endable = what == "restore"
+        limit = log_max_bytes() if endable else 0
         interrupted = False
         while True:
             try:
-                out = proc.communicate()[0] or b""
+                out = proc.communicate(timeout=POLL_S if endable else None)[0] or b""
                 break
+            except subprocess.TimeoutExpired:
+                reason = stop()
+                if reason is None and log_bytes(log) > limit:
+                    reason = overflow(what, log, limit)
+                if reason is not None:
+                    end_restore(proc.pid)
+                    proc.wait()
+                    raise reason from None
             except KeyboardInterrupt:
+                if endable:
+                    end_restore(proc.pid)
+                    proc.wait()
+                    raise
                 interrupted = True
         if interrupted:
             raise KeyboardInterrupt
         if proc.returncode != 0:
             raise failure(what, log, out.decode("utf-8", "replace"))
 
-    def run(self, argv: list[str], what: str, log: Path) -> None:
-        self.finish(self.start(argv), what, log)
+
+def end_restore(pid: int) -> None:
+    """End the running `criu restore` `pid` and every task it has restored so far. CRIU ignores
+    SIGTERM, and a task it is restoring outlives a SIGKILL of CRIU (it waits, or loops, in
+    CRIU's restorer code: seen with CRIU 4.2); a task killed first makes CRIU kill the others
+    and exit. So the tasks go first, then CRIU's process group, whatever is left of it."""
+    deadline = time.monotonic() + END_S
+    while procs.alive(pid) and time.monotonic() < deadline:
+        procs.kill_tree(procs.tree(pid)[1:])
+        procs.wait_gone(pid, POLL_S)
+    procs.kill_tree(procs.tree(pid)[1:])
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    procs.wait_gone(pid, END_S)
+
+
+def log_max_bytes() -> int:
+    """The bound on a restore's CRIU log ($POS_CRIU_LOG_MAX_MB, default 256 MiB: a good
+    restore logs well under 1 MiB at -v4, its dump about 1 KiB per MiB of memory)."""
+    value = os.environ.get(LOG_MAX_ENV, str(DEFAULT_LOG_MAX_MB))
+    if not value.isdigit() or int(value) < 1:
+        raise BadInput(f"{LOG_MAX_ENV}={value} is not a whole number of MiB >= 1",
+                       f"unset it (CRIU's log is then bounded at {DEFAULT_LOG_MAX_MB} MiB)")
+    return int(value) << 20
+
+
+def overflow(what: str, log: Path, limit: int) -> PosError:
+    """The failure of a CRIU ended because its log passed `limit` bytes: what it repeats."""
+    last = (log_tail(log, 1) or ["no log"])[-1]
+    kept = keep_log(log) or log
+    return PosError(f"criu {what} was ended after its log passed {limit >> 20} MiB, repeating "
+                    f"\"{_plain(last)}\"", f"the image may be damaged: check it with `pos "
+                    f"inspect DIR --verify`; CRIU's log: {kept} ({LOG_MAX_ENV} raises the bound)")
+
+
+def log_bytes(path: Path) -> int:
+    """The size of a log CRIU writes (0 before it exists)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _plain(line: str) -> str:
+    """A log line without CRIU's time stamp and PID."""
+    return re.sub(r"^\([\d.]+\)\s+(\d+: )?", "", line.strip())
 
 
 def inherited_fds(specs: tuple[str, ...]) -> tuple[int, ...]:
@@ -262,9 +333,12 @@ def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
 
 
 def log_tail(log: Path, lines: int = 6) -> list[str]:
-    """The last error lines of a CRIU log (or its last lines when it names no error)."""
+    """The last error lines of a CRIU log (or its last lines when it names no error), from
+    its last MiB (a log that ran away holds gigabytes)."""
     try:
-        text = log.read_text(errors="replace").splitlines()
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return []
     errors = [ln for ln in text if "Error" in ln or "error" in ln]
@@ -273,13 +347,23 @@ def log_tail(log: Path, lines: int = 6) -> list[str]:
 
 def keep_log(log: Path) -> Optional[Path]:
     """A copy of CRIU's log that outlives the failed image or work folder it was written in
-    (both are removed by the undo), root-only; None when there is none to keep."""
+    (both are removed by the undo), root-only, at most its first and last KEEP_BYTES / 2;
+    None when there is none to keep."""
     try:
         LOG_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
         kept = LOG_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log.name}"
         fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(log.read_bytes())
+        with os.fdopen(fd, "wb") as out, open(log, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            if size <= KEEP_BYTES:
+                out.write(f.read())
+            else:
+                out.write(f.read(KEEP_BYTES // 2))
+                out.write(f"\n[pos: {size - KEEP_BYTES} bytes of CRIU's log left out]\n"
+                          .encode())
+                f.seek(size - KEEP_BYTES // 2)
+                out.write(f.read())
         return kept
     except OSError:
         return None
@@ -297,7 +381,7 @@ def failure(what: str, log: Path, output: str = "") -> PosError:
             return BadInput(f"criu {what} failed: {known.cause.format(*groups)}",
                             f"{known.fix.format(*groups)} (CRIU's log: {log})")
     causes = [ln for ln in errors if not SUMMARY.search(ln)] or errors or ["no log"]
-    cause = re.sub(r"^\([\d.]+\)\s+(\d+: )?", "", causes[-1].strip())
+    cause = _plain(causes[-1])
     return PosError(f"criu {what} failed: {cause}", f"see CRIU's log {log}")
 
 

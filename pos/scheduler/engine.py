@@ -1,7 +1,8 @@
 """The full-process engine: CUDA driver checkpoint + CRIU, as ordered steps with their undo.
 
 checkpoint: lock (with a timeout) -> driver checkpoint -> criu dump -> [--leave-running: driver
-restore -> unlock] -> seal the image (checksums, manifest, DIR.partial -> DIR).
+restore -> unlock] -> seal the image (checksums, manifest, DIR.partial -> DIR) -> [without
+--leave-running: end the tree, which CRIU left stopped: until the seal it can run on].
 restore: criu restore (the tree left stopped) beside the checksums' verify -> resume -> driver
 restore (onto other GPUs if asked) -> unlock.
 
@@ -16,12 +17,14 @@ import signal
 import socket
 import platform
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pos import host, nvml
 from pos.errors import BadInput, PosError
@@ -31,7 +34,7 @@ from pos import image
 from pos.scheduler import procs
 from pos.scheduler.criu import Options, PageServer
 from pos.image import Manifest
-from pos.scheduler.watchdog import Plan, Watchdog, discard_partial, recover
+from pos.scheduler.watchdog import Plan, Watchdog, discard_leftovers, end_tree, recover
 
 Echo = Callable[[str], None]
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -62,6 +65,18 @@ def describe(timings: dict[str, float]) -> str:
     return ", ".join(one(k, v) for k, v in timings.items())
 
 
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored meanwhile: for an undo, or a last step, that must not be left
+    half done."""
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in held.items():
+            signal.signal(s, h)
+
+
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
@@ -72,8 +87,11 @@ class Guard:
         self.memory: list[int] = []          # descriptors of a job's hoisted device memory
 
     def __enter__(self) -> "Guard":
-        self.watchdog = Watchdog()
-        self.watchdog.send(self.plan)
+        if self.plan.op == "checkpoint":    # a parent running now is continued with the tree
+            parent = procs.parent(self.plan.pids[0]) or 0
+            if procs.state(parent) not in ("T", "t"):
+                self.plan.parent = parent
+        self.watchdog = Watchdog(self.plan)
         return self
 
     def step(self, name: str, **changes: Any) -> None:
@@ -108,34 +126,44 @@ class Guard:
             self.timings.update(stats.timings())
 
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
-                 pass_fds: tuple[int, ...] = (), terminal: bool = False) -> None:
+                 pass_fds: tuple[int, ...] = (), terminal: bool = False,
+                 stop: Callable[[], Optional[BaseException]] = lambda: None) -> None:
+        """CRIU, with the watchdog told of it (`stop`: see Criu.finish)."""
         proc = criu.start(argv, pass_fds, terminal)
-        self.step(self.plan.step, criu_pid=proc.pid)
-        criu.finish(proc, what, log)
+        self.step(self.plan.step, criu_pid=proc.pid, criu_log=str(log))
+        criu.finish(proc, what, log, stop)
         self.step(self.plan.step, criu_pid=None)
+
+    def end(self, **changes: Any) -> None:
+        """The image is sealed: end the tree that CRIU left stopped, as the checkpoint was to.
+        Not to be cut short by SIGINT/SIGTERM (the undo would find a tree half ended); a pos
+        that dies here leaves the watchdog to finish it."""
+        with uninterrupted():
+            self.step("end", **changes)
+            end_tree(self.plan)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> bool:
         assert self.watchdog is not None
         if exc_type is None:
             self.watchdog.done()
             return False
-        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        stopped = isinstance(exc, KeyboardInterrupt)
+        with uninterrupted():
             self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
-                      f"(failed at step {self.plan.step})")
+                      f"({'stopped' if stopped else 'failed'} at step {self.plan.step})")
             try:
-                recover(self.plan, self.echo, self.memory)
+                recover(self.plan, self.echo, self.memory, stopped)
             except PosError as undo:
                 raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
                                undo.fix or "check the process by hand") from None
             finally:
-                if self.plan.op == "checkpoint":
-                    discard_partial(self.plan)
+                discard_leftovers(self.plan)
                 self.watchdog.done()
-        finally:
-            for s, h in held.items():
-                signal.signal(s, h)
-        if isinstance(exc, KeyboardInterrupt):
+        if stopped and self.plan.op == "restore":
+            raise PosError(f"restore of PID {self.plan.pids[0]} from {self.plan.images} "
+                           "stopped, nothing of it left running", "the image is untouched; "
+                           "restore it again when you want") from None
+        if stopped:
             raise PosError(f"{self.plan.op} of PID {self.plan.pids[0]} interrupted and undone",
                            "the processes run as before") from None
         return False
@@ -215,15 +243,16 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     # pages at least as large as what is resident, plus the device memory the dump will hold;
     # a page server takes the pages elsewhere
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
-    partial = image.prepare(directory, needed)
     manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
     comm = manifest.comm
-    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
+    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path,
+                images=str(image.partial_path(Path(directory).absolute())),
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                 criu_options=options.to_json())
-    echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with CUDA "
-         f"state")
+    partial = image.prepare(directory, needed)    # just before the watchdog, which knows it
     with Guard(plan, echo, progress) as g:
+        echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
+             "CUDA state")
         start = time.monotonic()
         for p in cuda:
             g.step("lock")
@@ -235,7 +264,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         g.step("dump")
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
-        g.dump(criu, argv, partial)
+        g.dump(criu, argv, partial)     # without --leave-running: the tree stays, stopped
         if leave_running:
             for p in cuda:
                 g.step("restore")
@@ -248,6 +277,8 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         manifest.timings = g.timings
         progress.phase("checksum", total=folder_bytes(partial))
         final = g.timed("checksum", lambda: image.seal(partial, manifest, progress.advance))
+        if not leave_running:
+            g.end()
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
     return Result(final, manifest, timings=g.timings)
@@ -300,11 +331,16 @@ def check_restorable(directory: Path, manifest: Manifest) -> None:
                        "the same driver (driver checkpoints are tied to the driver)")
 
 
-def _verify_timed(directory: Path, names: Optional[list[str]]) -> float:
+def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
     """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
     t0 = time.monotonic()
-    image.verify(directory, names)
+    image.verify(directory, names, stop=stop)
     return time.monotonic() - t0
+
+
+def _failed(checking: Future[float]) -> Optional[BaseException]:
+    """Why the image's check beside CRIU failed, None while it runs or when it passed."""
+    return checking.exception() if checking.done() else None
 
 
 def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
@@ -313,18 +349,22 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             finish: Optional[Callable[[Guard, int], None]] = None,
             before_driver: Callable[[], None] = lambda: None) -> Result:
     """Restore the image in `directory` and resume its processes; `check`: the files whose
-    checksums are verified (all when None; the rest is checked by whoever reads it). The check
-    runs while CRIU restores, which leaves the tree stopped: it runs only once the image is
-    known good. `hoisted`: the job's device memory comes back only in `finish` (until then
-    the undo ends a restored job rather than run it). `finish(g, root)` runs last under the
-    same guard (the concurrent engine puts the job's device memory back there: a failure then
-    ends the restored tree, never leaves it half-restored); `before_driver()` just before the
-    driver's restore (the concurrent engine pauses its fill there)."""
+    checksums are verified (all when None; the rest is checked by whoever reads it). Every
+    file's presence and size are checked before CRIU starts; the checksums while CRIU
+    restores, which leaves the tree stopped: it runs only once the image is known good, and a
+    check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
+    `finish` (until then the undo ends a restored job rather than run it). `finish(g, root)`
+    runs last under the same guard (the concurrent engine puts the job's device memory back
+    there: a failure then ends the restored tree, never leaves it half-restored);
+    `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
+    there). The work folder goes whatever happens (CRIU's log of a failure is kept in
+    criu.LOG_DIR, and the error names it)."""
     directory = Path(directory).absolute()
     t = time.monotonic()
-    manifest = image.load(directory)
+    manifest = image.check_files(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find()
+    criu_mod.log_max_bytes()          # a bad bound is said before CRIU starts
     checked = time.monotonic()
     check_restorable(directory, manifest)
     checked = time.monotonic() - checked
@@ -337,13 +377,15 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
-    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     from pos.scheduler import cudackpt
 
     logs = criu_mod.reopen_logs(manifest.logs)
+    stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
-    checking = pool.submit(_verify_timed, directory, check)
+    checking = pool.submit(_verify_timed, directory, check, stop)
+    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
+    plan.work = str(work)
     try:
         with Guard(plan, echo, progress=progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
@@ -355,7 +397,8 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             try:
                 g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
                                                            work / criu_mod.RESTORE_LOG,
-                                                           fds + tuple(logs), terminal))
+                                                           fds + tuple(logs), terminal,
+                                                           lambda: _failed(checking)))
             except PosError:
                 checking.result()       # a corrupt image explains CRIU's failure best
                 raise
@@ -373,8 +416,9 @@ def restore(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lam
             if finish is not None:
                 finish(g, root)
     finally:
+        stop.set()
         pool.shutdown()
         for fd in logs:
             os.close(fd)
-    shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)

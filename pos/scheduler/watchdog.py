@@ -12,25 +12,27 @@ the memory outlives pos and goes back to the job.
 
 `recover` decides from what it observes, not from what it was told was done, so it may run
 twice (pos died during its own undo) without harm:
-  - a CRIU still running is waited for (its parasite is inside the target; killing it could
-    corrupt the target); one that never ends is killed and the tree thawed (SIGCONT);
-  - checkpoint: a target killed by a dump that completed is restored from the partial image;
-    then every CUDA process that is CHECKPOINTED gets the driver's restore, every LOCKED one
-    its unlock;
+  - a dump's CRIU still running is waited for (its parasite is inside the target; killing it
+    could corrupt the target); one that never ends is killed and the tree thawed (SIGCONT); a
+    restore's is ended, with the tasks it restored, if it never ends or its log runs away;
+  - checkpoint: CRIU leaves the tree running or stopped, never ends it; a stopped tree is
+    continued (SIGCONT) and every CUDA process that is CHECKPOINTED gets the driver's restore,
+    every LOCKED one its unlock; once the image is sealed (step "end") the tree is ended as
+    the checkpoint was to, never continued;
   - restore: a tree that CRIU restored stopped beside the image's check runs on only if the
     image is good (killed otherwise); forward, a restored tree is finished (driver restore
     onto the planned GPUs, unlock); a tree that cannot be finished is killed, never left
-    half-restored;
+    half-restored; a restore that the user stopped (SIGINT/SIGTERM) is ended, not finished;
   - hoisted memory (`Plan.hoisted`) is mapped back into the job, which then runs on.
 """
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,7 +57,11 @@ class Plan:
     gpu_pids: list[int] = field(default_factory=list)
     step: str = "start"                       # the step begun last (for the log)
     stopped: list[int] = field(default_factory=list)   # stopped before pos came: stay stopped
+    parent: int = 0                           # checkpoint: the tree's parent, running when pos
+                                              # came (see end_tree)
     criu_pid: Optional[int] = None            # a running CRIU (its own process group)
+    criu_log: str = ""                        # and its log
+    work: str = ""                            # restore: pos's work folder (CRIU's log, pidfile)
     criu_path: str = ""
     images: str = ""                          # checkpoint: DIR.partial; restore: DIR
     staging: str = ""                         # checkpoint: where CRIU writes, when not into
@@ -75,50 +81,52 @@ class Plan:
         return cls(**d)
 
 
-def discard_partial(plan: Plan) -> None:
+def discard_leftovers(plan: Plan) -> None:
     """After an undone checkpoint: its unfinished image, and CRIU's files where they were
-    staged."""
+    staged; after a restore: its work folder."""
     from pos.image import discard
 
-    for d in {plan.images, plan.staging} - {""}:
-        discard(Path(d))
+    if plan.op == "checkpoint":
+        for d in {plan.images, plan.staging} - {""}:
+            discard(Path(d))
+    elif plan.work:
+        shutil.rmtree(plan.work, ignore_errors=True)
 
 
-def _wait_criu(plan: Plan, log: Callable[[str], None]) -> None:
-    if not plan.criu_pid or not procs.alive(plan.criu_pid):
+def _wait_criu(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
+    """Wait for a running CRIU. A dump's is waited for (its parasite is inside the target), and
+    one that never ends is killed and the tree thawed; a restore's holds nothing of a live
+    process and is ended (with what it restored) at once when the user stopped the restore,
+    else once its log passes its bound or it never ends."""
+    from pos.scheduler import criu
+
+    pid = plan.criu_pid
+    if not pid or not procs.alive(pid):
         return
-    limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
-    log(f"waiting up to {limit:.0f} s for CRIU (PID {plan.criu_pid}) to finish")
-    if procs.wait_gone(plan.criu_pid, limit):
+    endable = plan.op == "restore"
+    bound = criu.log_max_bytes() if endable else 0
+    if not (endable and stopped):
+        limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
+        log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")
+        deadline = time.monotonic() + limit
+        while procs.alive(pid) and time.monotonic() < deadline:
+            if endable and criu.log_bytes(Path(plan.criu_log)) > bound:
+                log(f"CRIU's log {plan.criu_log} passed {bound >> 20} MiB")
+                break
+            time.sleep(criu.POLL_S)
+        if not procs.alive(pid):
+            return
+    if endable:
+        log(f"ending CRIU (PID {pid}) and the tasks it restored")
+        criu.end_restore(pid)
         return
-    log(f"CRIU (PID {plan.criu_pid}) did not finish: killing it and thawing the tree")
+    log(f"CRIU (PID {pid}) did not finish: killing it and thawing the tree")
     try:
-        os.killpg(plan.criu_pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    procs.wait_gone(plan.criu_pid, 10)
+    procs.wait_gone(pid, 10)
     procs.thaw([p for p in plan.pids if p not in plan.stopped])
-
-
-def _resurrect(plan: Plan, log: Callable[[str], None]) -> None:
-    """A dump that completed killed the tree: bring it back from the partial image."""
-    from pos.scheduler.criu import Criu, Options, RESTORE_LOG, failure
-
-    images = Path(plan.staging or plan.images)      # where CRIU wrote
-    if not (images / "inventory.img").is_file():
-        raise PosError(f"PID {plan.pids[0]} is gone and {images} holds no complete CRIU image",
-                       "nothing can bring it back; check the CRIU log there")
-    log(f"the dump completed and the tree is gone: restoring it from {images}")
-    deadline = time.monotonic() + 10     # the dead tree's parent must reap it: PIDs free
-    while any(Path(f"/proc/{p}").exists() for p in plan.pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    criu = Criu(plan.criu_path, ())
-    with tempfile.TemporaryDirectory(prefix="pos-undo-") as work:
-        argv = criu.restore_argv(images, Options.from_json(plan.criu_options), Path(work),
-                                 Path(work) / "pid")
-        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True)
-        if p.returncode != 0:
-            raise failure("restore", Path(work) / RESTORE_LOG, p.stdout.decode(errors="replace"))
 
 
 def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], None]) -> None:
@@ -166,13 +174,27 @@ def _verified(plan: Plan, log: Callable[[str], None]) -> bool:
     return True
 
 
-def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> None:
+def end_tree(plan: Plan) -> None:
+    """A checkpoint's last step: its tree, which CRIU left stopped, ended. A parent that stopped
+    itself when its child stopped is continued: script(1) and sudo do so, to pass the stop on
+    to their shell, and wait stopped until they are continued."""
+    procs.kill_tree(procs.tree(plan.pids[0]))
+    procs.thaw([plan.parent])
+
+
+def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = [],
+            stopped: bool = False) -> None:
     """Bring the plan's processes back to running (see the module docstring); `memory`: the
-    descriptors of the hoisted memory, in the agent's table order."""
-    _wait_criu(plan, log)
+    descriptors of the hoisted memory, in the agent's table order. `stopped`: the user stopped
+    the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
+    _wait_criu(plan, log, stopped)
     if plan.op == "restore":
         if not plan.pids or not procs.alive(plan.pids[0]):
             return                      # CRIU failed and cleaned up: nothing was restored
+        if stopped:
+            log(f"the restore was stopped: ending the tree of PID {plan.pids[0]}")
+            procs.kill_tree(procs.tree(plan.pids[0]))
+            return
         if plan.step in ("criu-restore", "verify") and not _verified(plan, log):
             return
         try:
@@ -185,10 +207,11 @@ def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> N
             log(f"the device memory of PID {plan.pids[0]} is not back: killing the tree")
             procs.kill_tree(procs.tree(plan.pids[0]))
         return
-    if plan.op == "checkpoint" and plan.step in ("dump", "seal") and plan.pids \
-            and not procs.alive(plan.pids[0]):
-        _resurrect(plan, log)
-    procs.thaw([p for p in plan.pids if p not in plan.stopped])
+    if plan.op == "checkpoint" and plan.step == "end":
+        log(f"the image is sealed: ending the tree of PID {plan.pids[0]}, as asked")
+        end_tree(plan)
+        return
+    procs.thaw([p for p in plan.pids if p not in plan.stopped] + [plan.parent])
     _finish_gpu(plan, [], log)
     _give_back(plan, memory, log)
 
@@ -196,8 +219,11 @@ def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = []) -> N
 class Watchdog:
     """pos's side of the watchdog process: start it, tell it each step, say done."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: Plan) -> None:
+        """The plan goes into the socket before the watchdog is started: from the moment it
+        exists it knows what to undo, however soon pos dies."""
         self.sock, theirs = socket.socketpair()
+        self.send(plan)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pos.scheduler.watchdog"], stdin=theirs,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -278,9 +304,13 @@ def main() -> int:
     except PosError as e:
         log(f"undo failed: {e.message}")
         return 1
-    if plan.op == "checkpoint":
-        discard_partial(plan)
-    log("undo done: the processes run")
+    discard_leftovers(plan)
+    if plan.op == "restore":
+        log("undo done")
+    elif plan.step == "end":
+        log("undo done: the tree ended, its image sealed")
+    else:
+        log("undo done: the processes run")
     return 0
 
 
