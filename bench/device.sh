@@ -14,6 +14,8 @@
 #   bench/device.sh schedule     # a schedule every minute for 5 minutes, images restored (~8 min)
 #   bench/device.sh restart      # what a restored process costs beyond its memory: the
 #                                # context's memory, the first steps after a restore (~3 min)
+#   bench/device.sh floor        # the stall's floor and the first step after a restore:
+#                                # bench/floor_gpu.py (POS_FLOOR_GIB, default 16,35) (~7 min)
 #   bench/device.sh scale        # jobs that fill the GPU: bench/scale_gpu.py's rows
 #                                # (POS_SCALE_ROWS, default 0.3,0.6,0.6@0.92,0.9; POS_SCALE_STW=0
 #                                # without the stop-the-world baseline; POS_SCALE_FAULTS=SPEC:
@@ -27,7 +29,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -99,9 +101,14 @@ scale)
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null)
     [ "${POS_BENCH_TEST:-0}" = 0 ] ||
         step scale-test python3 -m pytest -ra -s tests/gpu/test_scale_gpu.py ;;
+floor)
+    step native python3 -m pos.native
+    step floor python3 bench/floor_gpu.py --out "$out" --gib "${POS_FLOOR_GIB:-16,35}"
+    grep '^row' "$out/floor.log"
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null) ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor" >&2
     exit 2 ;;
 esac

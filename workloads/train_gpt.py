@@ -108,6 +108,7 @@ def main() -> None:
         if step == 1 and (a.ballast_gib or a.fill_to):
             gib = a.ballast_gib or a.fill_to - 0.5 - torch.cuda.memory_reserved() / 2**30
             ballast = make_ballast(gib)
+            torch.cuda.empty_cache()      # the generator's scratch: not the job's to keep
             print(f"ballast {len(ballast)} pieces, {gib:.2f} GiB; device memory "
                   f"{torch.cuda.memory_reserved() / 2**30 + 0.5:.2f} GiB", file=sys.stderr)
         if ballast and step % a.digest_every == 0:
