@@ -138,6 +138,7 @@ class Spec:
 def start_job(spec: Spec, total_gib: float, out: Path) -> tuple[subprocess.Popen, Path]:
     spec.images.mkdir(parents=True, exist_ok=True)
     log = spec.images / f"{spec.name}.log"
+    log.unlink(missing_ok=True)          # an earlier job's steps are not this one's
     p = subprocess.Popen([*POS, "run", "--", *job_argv(log, spec.fraction * total_gib)],
                          cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=open(out / f"{spec.name}-job.err", "ab"), start_new_session=True)

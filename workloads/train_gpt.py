@@ -15,7 +15,7 @@ and restored run must too. With --steps 0 it trains until killed.
 The jobs that fill a GPU: --ballast-gib adds that much device memory that training never
 touches, in 1 GiB tensors of seeded random values (as a model's frozen weights or a KV cache
 would be); --fill-to adds as much as brings the process to that many GiB of device memory
-after its first step (the context counted as 0.5 GiB). Every --digest-every steps a line
+after its first step (what the GPU has in use then, the job alone on it). Every --digest-every steps a line
 `ballast STEP DIGEST` gives an exact sum of the ballast's bits: it must not change, through
 any checkpoint and restore. The ballast is made after the first step, so that the loss lines
 are those of the same job without it.
@@ -106,11 +106,13 @@ def main() -> None:
         opt.step()
         os.write(fd, f"{step} {loss.item().hex()}\n".encode())
         if step == 1 and (a.ballast_gib or a.fill_to):
-            gib = a.ballast_gib or a.fill_to - 0.5 - torch.cuda.memory_reserved() / 2**30
+            free, total = torch.cuda.mem_get_info()     # the context and the allocator's cache
+            gib = a.ballast_gib or a.fill_to - (total - free) / 2**30
             ballast = make_ballast(gib)
             torch.cuda.empty_cache()      # the generator's scratch: not the job's to keep
-            print(f"ballast {len(ballast)} pieces, {gib:.2f} GiB; device memory "
-                  f"{torch.cuda.memory_reserved() / 2**30 + 0.5:.2f} GiB", file=sys.stderr)
+            free, total = torch.cuda.mem_get_info()
+            print(f"ballast {len(ballast)} pieces, {gib:.2f} GiB; device memory in use "
+                  f"{(total - free) / 2**30:.2f} GiB", file=sys.stderr)
         if ballast and step % a.digest_every == 0:
             os.write(fd, f"ballast {step} {digest(ballast)}\n".encode())
         if a.sleep:
