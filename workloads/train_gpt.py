@@ -15,7 +15,9 @@ and restored run must too. With --steps 0 it trains until killed.
 The jobs that fill a GPU: --ballast-gib adds that much device memory that training never
 touches, in 1 GiB tensors of seeded random values (as a model's frozen weights or a KV cache
 would be); --fill-to adds as much as brings the process to that many GiB of device memory
-after its first step (what the GPU has in use then, the job alone on it). Every --digest-every steps a line
+after its first step (what the GPU has in use then, the job alone on it; PyTorch's cache,
+given back once the ballast is made, grows again at the next step, so that the job ends up
+larger by what it caches: 6-9 GiB at the default shape on the H100). Every --digest-every steps a line
 `ballast STEP DIGEST` gives an exact sum of the ballast's bits: it must not change, through
 any checkpoint and restore. The ballast is made after the first step, so that the loss lines
 are those of the same job without it.
