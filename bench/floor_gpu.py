@@ -16,17 +16,15 @@ Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs un
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from concurrent_gpu import POS, PY, ROOT, kill, machine  # noqa: E402
-from scale_gpu import GIB, Spec, lines_of, one_row, start_job, wait_steps  # noqa: E402
+from concurrent_gpu import kill  # noqa: E402
+from scale_gpu import GIB, Spec, one_row, setting, start_job, wait_steps  # noqa: E402
 
-from pos import nvml  # noqa: E402
 from pos.agent.control import Agent  # noqa: E402
 from pos.scheduler import cudackpt  # noqa: E402
 
@@ -69,15 +67,8 @@ def main() -> None:
     ap.add_argument("--gib", default="16,35")
     ap.add_argument("--no-stw", action="store_true")
     a = ap.parse_args()
+    total, facts, ref = setting(Path(a.out), Path(a.images))
     out, images = Path(a.out), Path(a.images)
-    out.mkdir(parents=True, exist_ok=True)
-    images.mkdir(parents=True, exist_ok=True)
-    total = nvml.gpus()[0].memory_total / GIB
-    facts = machine()
-    ref_log = images / "ref.log"
-    subprocess.run([*POS, "run", "--", PY, "workloads/train_gpt.py", str(ref_log), "--steps",
-                    "30", "--ctx", "512"], cwd=ROOT, timeout=600, capture_output=True)
-    ref = {int(ln[0]): ln[1] for ln in lines_of(ref_log)}
     rows, runs = [], []
     for gib in (float(g) for g in a.gib.split(",")):
         spec = Spec(f"{gib / total:.4f}", images, not a.no_stw)

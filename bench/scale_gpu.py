@@ -302,15 +302,9 @@ def row_of(run: dict[str, Any], gpu: str, total_gib: float, facts: dict[str, Any
             "date": facts["date"], "driver": facts["driver"], "commit": facts["commit"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--images", default="/var/tmp/pos-scale")
-    ap.add_argument("--rows", default="0.3,0.6,0.6@0.92,0.9")
-    ap.add_argument("--no-stw", action="store_true")
-    ap.add_argument("--faults", help="a row's spec: pos killed at each step of its checkpoint")
-    a = ap.parse_args()
-    out, images = Path(a.out), Path(a.images)
+def setting(out: Path, images: Path) -> tuple[float, dict[str, Any], dict[int, str]]:
+    """The folders made; the GPU's memory in GiB, the machine's facts (the disk's write
+    bandwidth among them), and an uninterrupted run's first losses (no ballast)."""
     out.mkdir(parents=True, exist_ok=True)
     images.mkdir(parents=True, exist_ok=True)
     gpus = nvml.gpus()
@@ -322,7 +316,19 @@ def main() -> None:
     ref_log = images / "ref.log"
     subprocess.run([*POS, "run", "--", PY, "workloads/train_gpt.py", str(ref_log), "--steps",
                     str(REF_STEPS), "--ctx", "512"], cwd=ROOT, timeout=600, capture_output=True)
-    ref = {int(ln[0]): ln[1] for ln in lines_of(ref_log)}
+    return total, facts, {int(ln[0]): ln[1] for ln in lines_of(ref_log)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--images", default="/var/tmp/pos-scale")
+    ap.add_argument("--rows", default="0.3,0.6,0.6@0.92,0.9")
+    ap.add_argument("--no-stw", action="store_true")
+    ap.add_argument("--faults", help="a row's spec: pos killed at each step of its checkpoint")
+    a = ap.parse_args()
+    out, images = Path(a.out), Path(a.images)
+    total, facts, ref = setting(out, images)
     rows, runs = [], []
     if a.faults:
         res = {"machine": facts, **faults(Spec(a.faults, images, False), total, out, ref)}

@@ -1240,8 +1240,8 @@ static void do_cut(struct conn *c, long timeout_ms) {
     pthread_mutex_unlock(&mu);
 }
 
-/* The pending buffers that calls wait for now: pos copies (or fills) them first. */
-static void do_wanted(struct conn *c) {
+/* Send one answer line of any length, written by `build` under mu. */
+static void reply_built(struct conn *c, void (*build)(FILE *)) {
     char *s = NULL;
     size_t n = 0;
     FILE *f = open_memstream(&s, &n);
@@ -1249,37 +1249,31 @@ static void do_wanted(struct conn *c) {
         fail(c, "out of memory");
         return;
     }
-    fputs("{\"ok\":true,\"vas\":[", f);
     pthread_mutex_lock(&mu);
-    int k = 0;
-    for (size_t i = 0; i < ntab; i++)
-        if (tab[i].wanted && tab[i].status == ST_PENDING)
-            fprintf(f, "%s%llu", k++ ? "," : "", tab[i].va);
+    build(f);
     pthread_mutex_unlock(&mu);
-    fputs("]}\n", f);
+    fputc('\n', f);
     fclose(f);
     send_all(c->fd, s, n);
     free(s);
 }
 
-static void do_table(struct conn *c) {
-    char *s = NULL;
-    size_t n = 0;
-    FILE *f = open_memstream(&s, &n);
-    if (!f) {
-        fail(c, "out of memory");
-        return;
-    }
-    pthread_mutex_lock(&mu);
+/* The pending buffers that calls wait for now: pos copies (or fills) them first. */
+static void build_wanted(FILE *f) {
+    fputs("{\"ok\":true,\"vas\":[", f);
+    int k = 0;
+    for (size_t i = 0; i < ntab; i++)
+        if (tab[i].wanted && tab[i].status == ST_PENDING)
+            fprintf(f, "%s%llu", k++ ? "," : "", tab[i].va);
+    fputs("]}", f);
+}
+
+static void build_table(FILE *f) {
     fprintf(f, "{\"ok\":true,\"phase\":\"%s\",\"buffers\":[", phase_name[atomic_load(&phase)]);
     for (size_t i = 0; i < ntab; i++)
         fprintf(f, "%s[%llu,%zu,%zu,%d,%d]", i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped,
                 tab[i].device, tab[i].h != 0);
-    pthread_mutex_unlock(&mu);
-    fputs("]}\n", f);
-    fclose(f);
-    send_all(c->fd, s, n);
-    free(s);
+    fputs("]}", f);
 }
 
 /* ---- memory the driver will not export ----------------------------------------------------
@@ -1726,9 +1720,9 @@ static void serve(int fd) {
         else if (!strcmp(cmd, "cut"))
             do_cut(c, args ? atol(args) : stall);
         else if (!strcmp(cmd, "table"))
-            do_table(c);
+            reply_built(c, build_table);
         else if (!strcmp(cmd, "wanted"))
-            do_wanted(c);
+            reply_built(c, build_wanted);
         else if (!strcmp(cmd, "export"))
             do_export(c);
         else if (!strcmp(cmd, "hoist"))
