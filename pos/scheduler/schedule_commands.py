@@ -196,10 +196,10 @@ def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
 @click.option("--metrics-port", type=int, default=9464, show_default=True,
               help="Prometheus endpoint on --metrics-address (0: none).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True)
-@click.option("--grace", type=float, default=120.0, show_default=True,
+@click.option("--grace", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="On SIGTERM: seconds a running snapshot may take to finish before it is "
                    "abandoned (the target always runs on).")
-@click.option("--poll", type=float, default=1.0, show_default=True, hidden=True,
+@click.option("--poll", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, hidden=True,
               help="Seconds between ticks.")
 def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: float,
            poll: float) -> None:

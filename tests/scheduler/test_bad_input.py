@@ -71,6 +71,11 @@ def test_directory_exists_or_parent_missing(tmp_path, counter, env) -> None:
                  "already exists")
     one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "no" / "img"),
                      env=env), 2, "does not exist")
+    (tmp_path / "afile").write_text("")
+    r = pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "afile" / "sub" / "img"),
+            env=env)
+    assert one_sentence(r, 2) == (f"Error: {tmp_path / 'afile'} is a file, not a folder: give -D "
+                                  "a path under a folder.")
     assert counter.running()
 
 
