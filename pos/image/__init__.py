@@ -266,16 +266,16 @@ def load(folder: Path) -> Manifest:
     if folder.name.endswith(PARTIAL_SUFFIX):
         raise BadInput(f"{folder} is an incomplete image (an interrupted checkpoint)",
                        "restore from a complete image, or take a new checkpoint")
-    if not folder.is_dir():
-        raise BadInput(f"{folder} is not a directory", "give the -D of a `pos checkpoint`")
     path = folder / MANIFEST
     try:
+        if not folder.is_dir():
+            raise BadInput(f"{folder} is not a directory", "give the -D of a `pos checkpoint`")
         text = path.read_text()
     except FileNotFoundError:
         raise BadInput(f"{folder} is not a complete pos image (no {MANIFEST})",
                        "give the -D of a finished `pos checkpoint`") from None
-    except PermissionError:
-        raise BadInput(f"cannot read {path} (images are readable by root only)",
+    except PermissionError as e:
+        raise BadInput(f"cannot read {e.filename} (images are readable by root only)",
                        "run pos with sudo") from None
     try:
         manifest = Manifest.from_json(text)

@@ -192,11 +192,13 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     """Restore a process tree from an image and resume it (checksums verified first)."""
     from pathlib import Path
 
+    from pos import host
     from pos.progress import Progress
     from pos.scheduler import concurrent as conc
     from pos.scheduler import engine
     from pos.store import db as store
 
+    host.require_root("restoring an image")
     if gpu_only_pid is not None:
         if to_gpu is not None:
             raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
@@ -320,6 +322,9 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
     if listen:
         if directory is None:
             raise click.UsageError("--listen needs -D DIR (where the image goes).")
+        from pos import host
+
+        host.require_root("receiving a migration")
         with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
             pid_here = mig.listen(address, port, Path(directory), echo=_lines(as_json),
                                   progress=progress)

@@ -204,10 +204,13 @@ def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
 def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: float,
            poll: float) -> None:
     """Run the schedules of the store until SIGTERM (see `pos schedule`)."""
+    from pos import host
     from pos.scheduler.daemon import Daemon, lock
-    from pos.store.db import default_db_path
+    from pos.store.db import check, default_db_path
 
+    host.require_root("running the schedules")
     path = db or default_db_path()
+    check(path)     # made if missing, so that its lock can be made beside it
     held = lock(path)
     server = None
     try:

@@ -131,6 +131,18 @@ def test_open_db_rejects_what_is_not_a_store(tmp_path: Path) -> None:
         open_db(str(tmp_path / "missing.db"), create=False)
 
 
+def test_an_empty_file_is_not_a_store_to_read(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    for command in ("export", "analyze"):
+        r = CliRunner().invoke(cli, [command, str(empty)])
+        assert r.exit_code == 2
+        assert r.output == (f"Error: {empty} is not a pos store (an empty file): give the file "
+                            "that `pos trace --db` wrote.\n")
+    r = CliRunner().invoke(cli, ["images", "--db", str(empty)])     # a store to write: made
+    assert r.exit_code == 0 and r.output.split()[:2] == ["ID", "CREATED"]
+
+
 def test_cli_export_errors_are_one_sentence(tmp_path: Path) -> None:
     runner = CliRunner()
     r = runner.invoke(cli, ["export", str(tmp_path / "missing.db")])
