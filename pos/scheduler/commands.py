@@ -17,6 +17,9 @@ Examples:
   pos checkpoint 4242 -D /tmp/job1 --shell-job --tcp-established   # a job of a terminal, with
                                                                    # live TCP connections
   pos checkpoint 4242 -D /tmp/job1 --external 'file[2a:1234]'      # leave a file to the restore
+  pos checkpoint 4242 -D /tmp/job1 --concurrent --leave-running    # a `pos run` job, saved
+                                                                   # while it runs
+  pos checkpoint 4242 -D /tmp/g1 --concurrent --gpu-only           # its GPU state alone
 """
 
 EPILOG_RESTORE = """\b
@@ -24,6 +27,7 @@ Examples:
   pos restore -D /var/lib/pos/images/job1       # verify the checksums, restore, resume
   pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
   pos restore -D /tmp/job1 --to-gpu 1           # onto GPU 1 of this host (nvidia-smi's index)
+  pos restore -D /tmp/g1 --gpu-only 4242        # roll `pos run` job 4242 back to a GPU image
 """
 
 EPILOG_INSPECT = """\b
@@ -92,7 +96,7 @@ def _report_concurrent(r: Any, as_json: bool = False) -> None:
 @click.option("--streams", type=click.IntRange(1, 64), default=None,
               help="With --concurrent: copy streams (threads) [default: 8].")
 @click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
-              help="With --concurrent or --gpu-only: chunk size in MiB [default: 64].")
+              help="With --concurrent: chunk size in MiB [default: 64].")
 @criu_options
 @db_option
 @json_option
@@ -168,7 +172,7 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
             streams: Optional[int], to_gpu: Optional[int], db: Optional[str],
             as_json: bool) -> None:
-    """Restore a process tree from an image and resume it (checksums verified first)."""
+    """Restore a process tree from an image and resume it once the image's checksums match."""
     from pathlib import Path
 
     from pos import host
