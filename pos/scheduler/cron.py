@@ -37,7 +37,7 @@ class SystemClock:
         return datetime.now(timezone.utc)
 
 
-FIELDS = (5, 6)     # minute hour day month weekday [second]: what the README promises
+FIELDS = (5, 6)     # minute hour day month weekday [second]: what docs promise
 FIX = ("give five fields (minute hour day month weekday, UTC), or six with seconds last, "
        "e.g. '*/15 * * * *'")
 

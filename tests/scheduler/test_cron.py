@@ -87,7 +87,7 @@ def test_invalid_expression_is_one_sentence(expr: str) -> None:
 
 
 def test_seven_fields_name_the_count() -> None:
-    # croniter takes a seventh field (the year); the README promises five or six
+    # croniter takes a seventh field (the year); pos promises five or six
     with pytest.raises(BadInput) as e:
         cron.validate("* * * * * * *")
     assert e.value.message == ("invalid cron expression '* * * * * * *' (7 fields): give five "
