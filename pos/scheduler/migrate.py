@@ -194,12 +194,12 @@ def _send_file(sock: socket.socket, path: Path) -> int:
 
 
 def _split(host: str) -> tuple[str, int]:
+    """HOST[:PORT] of --to; PORT as --listen's --port takes it (CRIU's page server uses PORT+1)."""
     name, _, port = host.rpartition(":") if ":" in host else (host, "", "7070")
-    try:
+    if name and port.isdigit() and 1 <= int(port) <= 65534:
         return name, int(port)
-    except ValueError:
-        raise BadInput(f"--to {host} is not HOST or HOST:PORT", "e.g. --to 10.0.0.2:7070") \
-            from None
+    raise BadInput(f"--to {host!r} is not HOST or HOST:PORT (a port from 1 to 65534)",
+                   "e.g. --to 10.0.0.2:7070")
 
 
 def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,

@@ -192,7 +192,7 @@ def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
 
 @click.command(epilog=EPILOG_DAEMON)
 @db_option
-@click.option("--metrics-port", type=int, default=9464, show_default=True,
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9464, show_default=True,
               help="Prometheus endpoint on --metrics-address (0: none).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True)
 @click.option("--grace", type=click.FloatRange(min=0), default=120.0, show_default=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+import stat
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -58,18 +59,24 @@ def check(path: str, create: bool = True) -> None:
     that `pos restore` checks its --db before it starts a job, without waiting for SQLAlchemy
     to import."""
     p = Path(path)
-    try:        # opened as pos will use it: written where it may be made
-        os.close(os.open(p, os.O_RDWR if create else os.O_RDONLY))
+    # stat and access, never open: closing any descriptor of an SQLite file drops the locks
+    # that this process's connections hold on it (POSIX locks are per process and file)
+    try:
+        is_dir = stat.S_ISDIR(p.stat().st_mode)
     except FileNotFoundError:
         if not create:
             raise BadInput(f"{path} is not a pos store",
                            "give the file that `pos trace --db` wrote") from None
         _create(p)
-    except IsADirectoryError:
-        raise BadInput(f"{path} is a folder, not a pos store",
-                       "give the file that `pos trace --db` wrote, or a new path") from None
+        is_dir = False
     except OSError as e:
         raise _denied(path, e, create, "open") from None
+    if is_dir:
+        raise BadInput(f"{path} is a folder, not a pos store",
+                       "give the file that `pos trace --db` wrote, or a new path")
+    if not os.access(p, os.R_OK | (os.W_OK if create else 0)):   # used as pos will use it
+        denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        raise _denied(path, denied, create, "open")
     try:
         with closing(sqlite3.connect(f"file:{p}?mode=ro", uri=True)) as c:
             tables = {n for (n,) in c.execute("SELECT name FROM sqlite_master "
