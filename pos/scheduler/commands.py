@@ -337,3 +337,7 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
             report = {"pid": pid, "host": to_host, "restored_pid": moved, "timings": timings}
     if as_json:
         click.echo(json.dumps(report))
+        return
+    from pos.scheduler import summary
+
+    _summary(summary.migration(report))

@@ -88,3 +88,12 @@ def concurrent(r: Any) -> list[str]:
     out.append("every field: --json" if restoring else f"every field: pos inspect {r.path} "
                "(or --json)")
     return out
+
+
+def migration(report: dict[str, Any]) -> list[str]:
+    """`pos migrate PID --to-gpu N` or `--to HOST` (the command's report)."""
+    where = f"onto GPU {report['gpu']}" if "gpu" in report else f"to {report['host']}"
+    there = (f"; it runs there as PID {report['restored_pid']}"
+             if report.get("restored_pid") is not None else "")
+    return [f"moved PID {report['pid']} {where}{there}", longest_steps(report["timings"]),
+            "every field: --json"]

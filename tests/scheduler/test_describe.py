@@ -99,3 +99,12 @@ def test_a_concurrent_checkpoint_and_restore() -> None:
         "3.0 MiB the agent could not own (stream-ordered pools, managed or pitched memory, the "
         "job's own VMM mappings) went through the driver's checkpoint, inside the frozen part",
         "every field: --json"]
+
+
+def test_a_migration() -> None:
+    assert summary.migration({"pid": 4242, "gpu": 1, "timings": {"lock": 0.01, "restore": 2.5}}) \
+        == ["moved PID 4242 onto GPU 1", "longest steps: restore 2.500 s, lock 0.010 s",
+            "every field: --json"]
+    assert summary.migration({"pid": 4242, "host": "10.0.0.2:7070", "restored_pid": 4242,
+                              "timings": {"checkpoint.dump": 0.8, "send": 3.1}})[0] == \
+        "moved PID 4242 to 10.0.0.2:7070; it runs there as PID 4242"
