@@ -2,13 +2,16 @@
 checkpoint/restore. The engine, CRIU and the store are imported inside the commands."""
 
 import json
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
 
 from pos.errors import BadInput
 
 from pos.options import criu_options, criu_options_from, db_option, json_option
+
+if TYPE_CHECKING:      # imported by the commands that draw progress
+    from pos.progress import Progress
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -47,7 +50,7 @@ Examples:
 """
 
 
-def _lines(as_json: bool, progress: Any = None) -> Callable[[str], None]:
+def _lines(as_json: bool, progress: Optional["Progress"] = None) -> Callable[[str], None]:
     """Where the lines of the steps go: stdout, or stderr when stdout carries --json; above
     the progress line while one is drawn (pos.progress.Progress.echo)."""
     if progress is None:

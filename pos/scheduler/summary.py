@@ -6,9 +6,14 @@ Built from the engines' results (pos.scheduler.engine.Result for the stop-the-wo
 pos.scheduler.concurrent.Report for the concurrent one) and nothing else.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pos.scheduler.engine import UNITS
+
+if TYPE_CHECKING:
+    from pos.agent.control import Gate
+    from pos.scheduler.concurrent import Report
+    from pos.scheduler.engine import Result
 
 SHOWN_STEPS = 3
 # timings that are not a step's duration: a sum over threads, a moment since the start
@@ -29,7 +34,7 @@ def longest_steps(timings: dict[str, float], n: int = SHOWN_STEPS) -> str:
     return "longest steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in top)
 
 
-def longest_wait(gate: Any) -> str:
+def longest_wait(gate: "Gate") -> str:
     """What the job's longest-held call was and what it waited for: why a job stalled."""
     if not gate.waits:
         return ""
@@ -39,7 +44,7 @@ def longest_wait(gate: Any) -> str:
     return f"; the longest, {what}, waited for {on}"
 
 
-def checkpoint(result: Any) -> list[str]:
+def checkpoint(result: "Result") -> list[str]:
     """A stop-the-world checkpoint (engine.Result)."""
     m = result.manifest
     cuda = f", {len(m.gpu_pids)} with CUDA state" if m.gpu_pids else ""
@@ -51,7 +56,7 @@ def checkpoint(result: Any) -> list[str]:
             f"every field: pos inspect {result.path} (or --json)"]
 
 
-def restore(result: Any) -> list[str]:
+def restore(result: "Result") -> list[str]:
     """A stop-the-world restore (engine.Result)."""
     m = result.manifest
     return [f"restored PID {result.restored_pid} from {result.path}: "
@@ -59,7 +64,7 @@ def restore(result: Any) -> list[str]:
             longest_steps(result.timings), "every field: --json"]
 
 
-def concurrent(r: Any) -> list[str]:
+def concurrent(r: "Report") -> list[str]:
     """A concurrent checkpoint or restore (concurrent.Report): a whole-process restore has a
     `restored_pid`; a checkpoint copies device to host (`d2h_gbps`), a restore host to device."""
     restoring = r.h2d_gbps is not None
