@@ -80,14 +80,14 @@ def measure(size: float, images: Path, extra: list[str]) -> dict:
         job.send_signal(signal.SIGKILL)
         job.wait()
         before = heartbeat(beat)
-        rs_wall, rs_out = pos("restore", "-D", str(img), "--db", str(work / "pos.db"))
+        rs_wall, rs_out = pos("restore", "-D", str(img), "--db", str(work / "pos.db"), "--json")
         wait_growing(beat, before, 120, "the restored job does not run")
-        steps = dict(kv.rsplit(" ", 2)[:2] for kv in rs_out.splitlines()[-2].split(", "))
-        say(f"{size:g} GiB: restore {rs_wall:.1f} s ({rs_out.splitlines()[-2]})")
+        steps = json.loads(rs_out)["timings"]
+        say(f"{size:g} GiB: restore {rs_wall:.1f} s ({steps})")
         return {"gib": size, "gpu_bytes_used": sum(used.values()),
                 "stall_s": manifest["stall_s"], "checkpoint_wall_s": ck_wall,
                 "checkpoint_steps_s": manifest["timings"], "image_bytes": manifest["size_bytes"],
-                "restore_wall_s": rs_wall, "restore_steps_s": {k: float(v) for k, v in steps.items()}}
+                "restore_wall_s": rs_wall, "restore_steps_s": steps}
     finally:
         for pid in (job.pid,):
             try:

@@ -22,7 +22,7 @@ import click
 from pos import __version__
 from pos.agent.commands import run
 from pos.analyzer.commands import analyze
-from pos.errors import PosError
+from pos.errors import PosError, denied
 from pos.scheduler.commands import checkpoint, inspect, migrate, restore
 from pos.scheduler.schedule_commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
@@ -45,15 +45,22 @@ Examples:
 
 
 class PosGroup(click.Group):
-    """Turns PosError into click's error output and exit code."""
+    """Turns PosError (and a file this user may not use) into click's error output and exit
+    code."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except PermissionError as e:
+            raise _click_error(denied(e)) from None
         except PosError as e:
-            err = click.ClickException(e.message)
-            err.exit_code = e.exit_code
-            raise err from None
+            raise _click_error(e) from None
+
+
+def _click_error(e: PosError) -> click.ClickException:
+    err = click.ClickException(e.message)
+    err.exit_code = e.exit_code
+    return err
 
 
 @click.group(cls=PosGroup, epilog=EPILOG_POS,

@@ -57,14 +57,26 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
 
 
 def run_checks(echo: Callable[[str], None]) -> bool:
-    """Print one line per check; True when nothing that pos needs is missing."""
+    """Print one line per check; True when nothing that pos needs is missing, and every check
+    could read what it needed (a user other than root is denied some of the host's files: those
+    are listed, not raised)."""
     ok = True
+    unread: list[str] = []
     for label, check in CHECKS:
-        problem = check()
+        try:
+            problem = check()
+        except OSError as e:
+            unread.append(e.filename or label)
+            ok = False
+            echo(f"{'unknown':8} {label}: could not read {e.filename or 'it'} ({e.strerror})")
+            continue
         if problem is None:
             echo(f"ok       {label}")
         else:
             required = check is not _nvidia_driver
             ok = ok and not required
             echo(f"{'MISSING' if required else 'n/a':8} {label}: {problem.message}")
+    if unread:
+        echo(f"pos doctor could not read {', '.join(unread)} as this user: run it as root "
+             "(sudo) to check them.")
     return ok

@@ -4,6 +4,8 @@ Exit codes, in one place (click's conventions): 0 ok, 1 the operation failed, 2 
 missing prerequisite that the user must fix.
 """
 
+import os
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -28,3 +30,14 @@ class BadInput(PosError):
     """Wrong arguments or a missing prerequisite (exit 2)."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+def denied(e: PermissionError) -> BadInput:
+    """A file this user may not use, said in one sentence: the last guard of the `pos` group,
+    for the commands that did not expect it."""
+    what = e.filename or "a file it needs"
+    if os.geteuid() != 0:
+        return BadInput(f"pos may not use {what} as this user ({e.strerror})",
+                        "run pos as root (sudo)")
+    return BadInput(f"pos may not use {what}, even as root ({e.strerror})",
+                    "check the permissions of that file and of the file system it is on")

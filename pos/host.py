@@ -48,6 +48,14 @@ def check_privileges(needed: tuple[str, ...] = ("CAP_SYS_ADMIN", "CAP_BPF", "CAP
                     f"{', '.join(missing)}", "run it with sudo, or grant those capabilities")
 
 
+def require_root(what: str) -> None:
+    """Refuse `what` (a checkpoint, a restore) to a user other than root: CRIU and the driver's
+    checkpoint API need CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE, and the images are root's."""
+    if os.geteuid() != 0:
+        raise BadInput(f"{what} needs root (CRIU and the driver's checkpoint API need "
+                       "CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE)", "run pos with sudo")
+
+
 def check_bcc() -> Optional[BadInput]:
     try:
         importlib.import_module("bcc")   # the import is the check

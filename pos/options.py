@@ -27,7 +27,8 @@ def criu_options(f: Any) -> Any:
     """The CRIU options a dump may need (recorded in the image; restore reuses them)."""
     for opt in reversed((
         click.option("--shell-job", is_flag=True,
-                     help="The process belongs to a terminal session (a shell's job)."),
+                     help="The process does not lead its session: a job started by a shell "
+                          "or a script, with or without a terminal."),
         click.option("--tcp-established", is_flag=True, help="Save live TCP connections."),
         click.option("--ext-unix-sk", is_flag=True,
                      help="Allow UNIX sockets connected outside the process tree."),

@@ -13,6 +13,8 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional
 
+import click
+
 if TYPE_CHECKING:      # rich is imported only where a line is drawn: `pos restore` starts the
     from rich.progress import Progress as Bar, TaskID      # job sooner without it
 
@@ -87,6 +89,16 @@ class Progress:
             if self._bar is not None and self._task is not None:
                 self._bar.update(self._task, description=f"{self.title}: {name}", total=total,
                                  completed=0, refresh=True)   # every phase drawn, if briefly
+
+    def echo(self, text: str, err: bool = False) -> None:
+        """Print a line of the work's steps (on stdout, or stderr when `err`): above the
+        progress line, through its console, when both go to a terminal, so that the line is
+        never written into the one being drawn."""
+        stream = sys.stderr if err else sys.stdout
+        if self._bar is not None and stream.isatty():
+            self._bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            click.echo(text, err=err)
 
     def advance(self, done: int) -> None:
         """`done` more bytes of the phase are done (from any thread)."""

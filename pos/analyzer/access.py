@@ -1,4 +1,4 @@
-"""THE speculation rule (DESIGN.md, "The idea in one page"), compiled with numba.
+"""THE speculation rule (docs/tracing.md, "pos analyze"), compiled with numba.
 
 A launch may access every live allocation that one of its parameter values points into,
 interior pointers included: a pointer parameter is one 8-byte value; a by-value aggregate (or a

@@ -7,7 +7,7 @@ found on the sequence of kernel names (and copy kinds), and per buffer the write
 and *when* in the iteration the first write comes give the order in which a checkpoint should
 copy buffers (soonest written first: each one copied before the application overwrites it is a
 soft copy-on-write avoided) and the predicted costs of a stop-the-world and of a concurrent
-checkpoint, with the bandwidths measured on the H100 (DESIGN.md).
+checkpoint, with the bandwidths measured on the H100 (bench/results/README.md).
 """
 
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from pos.analyzer.load import Ops
 
 RAW, WAW, WAR = 0, 1, 2
 EDGE_NAMES = ("RAW", "WAW", "WAR")
-# Measured on the H100 (DESIGN.md): what the copies of a checkpoint run at.
+# Measured on the H100 (bench/results/README.md): what the copies of a checkpoint run at.
 D2H_PINNED_BPS = 53e9          # pos's copier, pinned device -> host
 DRIVER_CHECKPOINT_BPS = 1.8e9  # cuCheckpointProcessCheckpoint, stop-the-world
 D2D_BPS = 1.44e12              # a soft copy-on-write into a device shadow

@@ -4,7 +4,7 @@ Operations (allocations, frees, launches, copies, sets) in the store's time orde
 launch's captured bytes in one byte array and its parameter layout as a *signature*: one per
 distinct (kernel name, layout), holding each parameter's offset, size and kind (demangle.py).
 A launch without a known layout gets the signature of its byte count in 8-byte slots, every
-slot scanned (README: such launches are recorded as 8-byte slots).
+slot scanned (docs/tracing.md: such launches are recorded as 8-byte slots).
 """
 
 import heapq

@@ -56,7 +56,7 @@ def kernel_table(a: Analysis) -> list[dict[str, Any]]:
 
 
 def to_json(a: Analysis, trace_id: int, validation: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """The `--json` document (see the README's field table)."""
+    """The `--json` document (its fields: docs/tracing.md)."""
     ops, ev = a.ops, a.evidence
     base = [_hex(b) for b in ops.alloc_base]
     launches, copies = [], []

@@ -6,7 +6,8 @@
 API_DEFINES
 
 /* Events go out without waking the reader: it drains on a timer. A wake-up per event costs
- * about 5 us per call on the H100 machine (DESIGN.md); the timer costs nothing per event. */
+ * about 5 us per call on the H100 machine (bench/results/README.md); the timer costs nothing
+ * per event. */
 #define POS_RB_FLAGS BPF_RB_NO_WAKEUP
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);

@@ -83,6 +83,9 @@ def prepare(final: Path, needed_bytes: int) -> Path:
                        "remove it, or give another directory with -D")
     parent = final.parent
     if not parent.is_dir():
+        blocker = file_in_the_way(parent)
+        if blocker is not None:
+            raise BadInput(f"{blocker} is a file, not a folder", "give -D a path under a folder")
         raise BadInput(f"the folder {parent} does not exist", "create it, or give another -D")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BadInput(f"the folder {parent} is not writable", "give a writable directory with -D")
@@ -99,10 +102,23 @@ def prepare(final: Path, needed_bytes: int) -> Path:
     return partial
 
 
+def file_in_the_way(path: Path) -> Optional[Path]:
+    """The nearest of `path` and its parents that exists and is not a folder: why a folder at
+    `path` cannot be made (None when the nearest that exists is a folder)."""
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return None if p.is_dir() else p
+    return None
+
+
 def writable_root(root: str) -> str:
     """ROOT as an absolute path, created (0700) if missing, after a real write into it (root
     ignores permission bits, not read-only mounts): where a schedule's images go."""
     path = Path(root).absolute()
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise BadInput(f"-D {root} cannot be a directory: {blocker} is a file",
+                       "give a directory on a writable file system with free space")
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.close(tempfile.mkstemp(dir=path, prefix=".pos-probe-")[0])
@@ -258,16 +274,16 @@ def load(folder: Path) -> Manifest:
     if folder.name.endswith(PARTIAL_SUFFIX):
         raise BadInput(f"{folder} is an incomplete image (an interrupted checkpoint)",
                        "restore from a complete image, or take a new checkpoint")
-    if not folder.is_dir():
-        raise BadInput(f"{folder} is not a directory", "give the -D of a `pos checkpoint`")
     path = folder / MANIFEST
     try:
+        if not folder.is_dir():
+            raise BadInput(f"{folder} is not a directory", "give the -D of a `pos checkpoint`")
         text = path.read_text()
     except FileNotFoundError:
         raise BadInput(f"{folder} is not a complete pos image (no {MANIFEST})",
                        "give the -D of a finished `pos checkpoint`") from None
-    except PermissionError:
-        raise BadInput(f"cannot read {path} (images are readable by root only)",
+    except PermissionError as e:
+        raise BadInput(f"cannot read {e.filename} (images are readable by root only)",
                        "run pos with sudo") from None
     try:
         manifest = Manifest.from_json(text)

@@ -2,13 +2,16 @@
 checkpoint/restore. The engine, CRIU and the store are imported inside the commands."""
 
 import json
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
 
 from pos.errors import BadInput
 
 from pos.options import criu_options, criu_options_from, db_option, json_option
+
+if TYPE_CHECKING:      # imported by the commands that draw progress
+    from pos.progress import Progress
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -17,6 +20,9 @@ Examples:
   pos checkpoint 4242 -D /tmp/job1 --shell-job --tcp-established   # a job of a terminal, with
                                                                    # live TCP connections
   pos checkpoint 4242 -D /tmp/job1 --external 'file[2a:1234]'      # leave a file to the restore
+  pos checkpoint 4242 -D /tmp/job1 --concurrent --leave-running    # a `pos run` job, saved
+                                                                   # while it runs
+  pos checkpoint 4242 -D /tmp/g1 --concurrent --gpu-only           # its GPU state alone
 """
 
 EPILOG_RESTORE = """\b
@@ -24,6 +30,7 @@ Examples:
   pos restore -D /var/lib/pos/images/job1       # verify the checksums, restore, resume
   pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
   pos restore -D /tmp/job1 --to-gpu 1           # onto GPU 1 of this host (nvidia-smi's index)
+  pos restore -D /tmp/g1 --gpu-only 4242        # roll `pos run` job 4242 back to a GPU image
 """
 
 EPILOG_INSPECT = """\b
@@ -43,21 +50,18 @@ Examples:
 """
 
 
-def _lines(as_json: bool) -> Callable[[str], None]:
-    """Where the lines of the steps go: stdout, or stderr when stdout carries --json."""
-    return lambda text: click.echo(text, err=as_json)
+def _lines(as_json: bool, progress: Optional["Progress"] = None) -> Callable[[str], None]:
+    """Where the lines of the steps go: stdout, or stderr when stdout carries --json; above
+    the progress line while one is drawn (pos.progress.Progress.echo)."""
+    if progress is None:
+        return lambda text: click.echo(text, err=as_json)
+    return lambda text: progress.echo(text, err=as_json)
 
 
-def _report(result: Any) -> None:
-    from pos.scheduler import engine
-
-    m = result.manifest
-    steps = engine.describe(result.timings)
-    click.echo(steps)
-    if result.restored_pid is None:
-        stall = "n/a (stopped)" if m.stall_s is None else f"{m.stall_s:.3f} s"
-        click.echo(f"image {result.path}: {m.size_bytes / 2**20:.1f} MiB in {len(m.files)} "
-                   f"files; stall {stall}")
+def _summary(lines: list[str]) -> None:
+    """The few lines of pos.scheduler.summary, for a person (--json prints the report)."""
+    for line in lines:
+        click.echo(line)
 
 
 def image_manifest_json(path: str) -> str:
@@ -68,35 +72,15 @@ def image_manifest_json(path: str) -> str:
     return image.load(Path(path)).to_json()
 
 
-def _longest_wait(gate: Any) -> str:
-    """What the job's longest-held call was and what it waited for: why a job stalled."""
-    if not gate.waits:
-        return ""
-    w = max(gate.waits, key=lambda w: w.s)
-    on = f"{w.on:#x}" if w.on else "every buffer"
-    what = w.what if len(w.what) <= 60 else w.what[:57] + "..."
-    return f"; the longest, {what}, waited for {on}"
-
-
 def _report_concurrent(r: Any, as_json: bool = False) -> None:
-    """One line for a concurrent checkpoint or restore: what the job saw, then the copy (or,
-    with --json, the whole report as one JSON object)."""
-    from pos.scheduler import engine
+    """A concurrent checkpoint or restore: its summary, or with --json the whole report as one
+    JSON object."""
+    from pos.scheduler import summary
 
     if as_json:
         click.echo(json.dumps(r.to_json()))
         return
-    held = (f"longest held call {r.gate.held_max_s:.3f} s ({r.gate.held} held, "
-            f"{r.gate.held_s:.3f} s in all{_longest_wait(r.gate)})" if r.gate
-            else "job not running")
-    rate = r.d2h_gbps or r.h2d_gbps
-    click.echo(f"{r.path}: {r.buffers} buffers, {r.bytes / 2**30:.2f} GiB; job released after "
-               f"{r.release_s:.3f} s, {held}; copy {rate or 0:.1f} GB/s "
-               f"(PCIe limit ~55); " + engine.describe(r.timings))
-    if r.foreign_bytes:
-        click.echo(f"{r.foreign_bytes / 2**20:.1f} MiB the agent could not own (stream-ordered "
-                   "pools, managed or pitched memory, the job's own VMM mappings) went through "
-                   "the driver's checkpoint, inside the frozen part")
+    _summary(summary.concurrent(r))
 
 
 @click.command(epilog=EPILOG_CHECKPOINT)
@@ -115,7 +99,7 @@ def _report_concurrent(r: Any, as_json: bool = False) -> None:
 @click.option("--streams", type=click.IntRange(1, 64), default=None,
               help="With --concurrent: copy streams (threads) [default: 8].")
 @click.option("--chunk-mb", type=click.IntRange(1, 1024), default=None,
-              help="With --concurrent or --gpu-only: chunk size in MiB [default: 64].")
+              help="With --concurrent: chunk size in MiB [default: 64].")
 @criu_options
 @db_option
 @json_option
@@ -163,13 +147,15 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     open_store(db)                      # then a bad --db, before the process is touched
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
         result = engine.checkpoint(pid, Path(directory), options, leave_running,
-                                   int(lock_timeout * 1000), echo=_lines(as_json),
+                                   int(lock_timeout * 1000), echo=_lines(as_json, progress),
                                    progress=progress)
     images.record(db, str(result.path), result.manifest.to_json())
     if as_json:
         click.echo(json.dumps(result.report()))
         return
-    _report(result)
+    from pos.scheduler import summary
+
+    _summary(summary.checkpoint(result))
 
 
 @click.command(epilog=EPILOG_RESTORE)
@@ -189,15 +175,16 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
             streams: Optional[int], to_gpu: Optional[int], db: Optional[str],
             as_json: bool) -> None:
-    """Restore a process tree from an image and resume it (checksums verified first)."""
+    """Restore a process tree from an image and resume it once the image's checksums match."""
     from pathlib import Path
 
-    from pos import image
+    from pos import host, image
     from pos.progress import Progress
     from pos.scheduler import concurrent as conc
     from pos.scheduler import engine
     from pos.store import db as store
 
+    host.require_root("restoring an image")
     if gpu_only_pid is not None:
         if to_gpu is not None:
             raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
@@ -220,8 +207,6 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
                               to_gpu=to_gpu)
         _mark_restored(db, Path(directory))
         _report_concurrent(r, as_json)
-        if not as_json:
-            click.echo(f"restored PID {r.restored_pid}")
         return
     pairs = []
     if to_gpu is not None:
@@ -229,14 +214,16 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
         pairs = migrate.onto(Path(directory), to_gpu)[0]
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
-        result = engine.restore(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
+        result = engine.restore(Path(directory), tuple(inherit_fd),
+                                echo=_lines(as_json, progress),
                                 gpu_pairs=pairs, progress=progress)
     _mark_restored(db, result.path)
     if as_json:
         click.echo(json.dumps(result.report()))
         return
-    _report(result)
-    click.echo(f"restored PID {result.restored_pid}")
+    from pos.scheduler import summary
+
+    _summary(summary.restore(result))
 
 
 def _mark_restored(db: Optional[str], directory: Any) -> None:
@@ -322,8 +309,12 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
     if listen:
         if directory is None:
             raise click.UsageError("--listen needs -D DIR (where the image goes).")
+        from pos import host
+
+        host.require_root("receiving a migration")
         with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
-            pid_here = mig.listen(address, port, Path(directory), echo=_lines(as_json),
+            pid_here = mig.listen(address, port, Path(directory),
+                                  echo=_lines(as_json, progress),
                                   progress=progress)
         click.echo(json.dumps({"restored_pid": pid_here}) if as_json
                    else f"restored PID {pid_here}")
@@ -336,16 +327,21 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
         if to_gpu is not None and concurrent:
             moved, timings = mig.to_gpu_concurrent(
                 pid, to_gpu, options, timeout_ms, Path(directory) if directory else None,
-                echo=_lines(as_json))
+                echo=_lines(as_json, progress))
             report: dict[str, Any] = {"pid": pid, "gpu": to_gpu, "restored_pid": moved,
                                       "timings": timings}
         elif to_gpu is not None:
             report = {"pid": pid, "gpu": to_gpu, "timings": mig.to_gpu(
-                pid, to_gpu, timeout_ms, echo=_lines(as_json), progress=progress)}
+                pid, to_gpu, timeout_ms, echo=_lines(as_json, progress), progress=progress)}
         else:
             moved, timings = mig.to_host(
                 pid, to_host or "", options, Path(directory) if directory else None,
-                timeout_ms, echo=_lines(as_json), progress=progress, concurrent=concurrent)
+                timeout_ms, echo=_lines(as_json, progress), progress=progress,
+                concurrent=concurrent)
             report = {"pid": pid, "host": to_host, "restored_pid": moved, "timings": timings}
     if as_json:
         click.echo(json.dumps(report))
+        return
+    from pos.scheduler import summary
+
+    _summary(summary.migration(report))

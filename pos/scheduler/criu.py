@@ -84,7 +84,12 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
                  "its PID namespace (a container's first process that never called setsid), so "
                  "CRIU cannot recreate it, not even with --shell-job", "start the job in its own "
                  "session (setsid COMMAND, or your runtime's init option), then checkpoint it"),
-    KnownFailure(r"isn't dumped|is not a session leader|[Ss]ession leader .* outside|tty",
+    # a job started in the background (`&`) of a shell or a script, terminal or not
+    KnownFailure(r"The root process (\d+) is not a session leader", "PID {0} does not lead its "
+                 "session: the session's leader (the shell or script that started it) is not "
+                 "part of the dump", "add --shell-job, or start the job in a session of its own "
+                 "(setsid COMMAND)"),
+    KnownFailure(r"isn't dumped|[Ss]ession leader .* outside|tty",
                  "the process belongs to a terminal session that is not part of the dump",
                  "add --shell-job"),
     KnownFailure(r"Connected TCP socket|TCP connection", "the process has established TCP "

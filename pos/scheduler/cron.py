@@ -37,10 +37,19 @@ class SystemClock:
         return datetime.now(timezone.utc)
 
 
+FIELDS = (5, 6)     # minute hour day month weekday [second]: what docs promise
+FIX = ("give five fields (minute hour day month weekday, UTC), or six with seconds last, "
+       "e.g. '*/15 * * * *'")
+
+
 def validate(expr: str) -> str:
-    """The expression, stripped; BadInput with croniter's reason when it is not a cron line, or
-    when it names no time that occurs (`* * 31 2 *`)."""
+    """The expression, stripped; BadInput when it has other than five or six fields (croniter
+    also takes a seventh, the year, and `@hourly`: pos promises neither), with croniter's reason
+    when it is not a cron line, or when it names no time that occurs (`* * 31 2 *`)."""
     expr = " ".join(expr.split())
+    n = len(expr.split())
+    if n and n not in FIELDS:
+        raise BadInput(f"invalid cron expression '{expr}' ({n} field{'s' * (n > 1)})", FIX)
     try:
         croniter(expr, datetime(2000, 1, 1, tzinfo=timezone.utc)).get_next(datetime)
     except CroniterBadDateError:
@@ -49,9 +58,7 @@ def validate(expr: str) -> str:
     except (CroniterError, ValueError, KeyError) as e:
         reason = str(e).replace(f"[{expr}] ", "").rstrip(".") or "not understood"
         reason = reason[0].lower() + reason[1:]
-        raise BadInput(f"invalid cron expression '{expr}' ({reason})",
-                       "give five fields (minute hour day month weekday, UTC), or six with "
-                       "seconds last, e.g. '*/15 * * * *'") from None
+        raise BadInput(f"invalid cron expression '{expr}' ({reason})", FIX) from None
     return expr
 
 

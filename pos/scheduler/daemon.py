@@ -273,11 +273,10 @@ class Daemon:
     # ---- the loop ---------------------------------------------------------------------------
     def serve_metrics(self, port: int, address: str = "127.0.0.1") -> Any:
         """Start the Prometheus endpoint; the server (its .server_port, .shutdown())."""
-        try:
+        try:      # the port is 1-65535 (`pos daemon --metrics-port`)
             server, _thread = start_http_server(port, address, registry=self.metrics.registry)
-        except (OSError, OverflowError) as e:
-            why = e.strerror if isinstance(e, OSError) else "not a port number"
-            raise BadInput(f"cannot serve metrics on {address}:{port} ({why})",
+        except OSError as e:
+            raise BadInput(f"cannot serve metrics on {address}:{port} ({e.strerror})",
                            "give another --metrics-port, or 0 for none") from None
         return server
 

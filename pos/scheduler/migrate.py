@@ -88,7 +88,6 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
             for p in cuda:
                 g.step(step)
                 g.timed(step, lambda p=p, fn=fn: fn(p))
-    echo(engine.describe(g.timings))
     echo(f"PID {pid} now runs on GPU {index} ({gpu.name} {gpu.uuid})")
     return g.timings
 
@@ -126,7 +125,6 @@ def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: i
         shutil.rmtree(saved.path, ignore_errors=True)
     timings = {"checkpoint": t1 - t0, "restore": time.monotonic() - t1,
                "restore_release": back.release_s}
-    echo(engine.describe(timings))
     echo(f"PID {pid} now runs on GPU {index} as PID {back.restored_pid}")
     return back.restored_pid or pid, timings
 
@@ -194,12 +192,12 @@ def _send_file(sock: socket.socket, path: Path) -> int:
 
 
 def _split(host: str) -> tuple[str, int]:
+    """HOST[:PORT] of --to; PORT as --listen's --port takes it (CRIU's page server uses PORT+1)."""
     name, _, port = host.rpartition(":") if ":" in host else (host, "", "7070")
-    try:
+    if name and port.isdigit() and 1 <= int(port) <= 65534:
         return name, int(port)
-    except ValueError:
-        raise BadInput(f"--to {host} is not HOST or HOST:PORT", "e.g. --to 10.0.0.2:7070") \
-            from None
+    raise BadInput(f"--to {host!r} is not HOST or HOST:PORT (a port from 1 to 65534)",
+                   "e.g. --to 10.0.0.2:7070")
 
 
 def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,
@@ -257,7 +255,6 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
                        f"its image stays there for `pos restore` ({reply.get('path', '?')})")
     if not keep:     # HOST has the image now
         shutil.rmtree(path, ignore_errors=True)
-    echo(engine.describe(timings))
     echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
     return int(reply["pid"]), timings
 

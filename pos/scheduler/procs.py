@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pos import host
 from pos.errors import BadInput
 
 
@@ -131,10 +132,7 @@ def require_checkpointable(pid: int) -> None:
     if pid == me or pid in ancestors(me):
         raise BadInput(f"PID {pid} is pos itself or one of its parents",
                        "run pos from outside the process tree to checkpoint")
-    if os.geteuid() != 0:
-        raise BadInput(f"checkpointing PID {pid} needs root (CRIU and the driver's checkpoint "
-                       "API need CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE)",
-                       "run pos with sudo")
+    host.require_root(f"checkpointing PID {pid}")
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

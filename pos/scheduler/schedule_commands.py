@@ -15,9 +15,9 @@ Examples:
       --leave-running                 # hourly, the `pos run --name job1` job, by age and size
   pos schedule add --cron '* * * * * */10' --pid 4242 -D /tmp/snaps --keep 3 --leave-running
                                       # every 10 seconds (sixth field: seconds), PID 4242
-  pos schedule add --cron '*/5 * * * *' --name job1 --engine concurrent -D /data/gpu --keep 6
-                                      # GPU state of a `pos run` job while it runs (unproven
-                                      # on a GPU); restore: pos restore --gpu-only PID -D DIR
+  pos schedule add --cron '*/5 * * * *' --name job1 --engine concurrent -D /data/ckpt \
+      --keep 6 --leave-running        # a `pos run` job, the whole process saved while it runs
+                                      # (held about a second); restore: pos restore -D DIR
   pos schedule add --cron '0 * * * *' --match 'serve\\.py' --tcp-established --shell-job \\
       -D /data/ckpt --keep 2 --leave-running   # CRIU options, as for `pos checkpoint`
 """
@@ -88,13 +88,12 @@ def schedule() -> None:
 @click.option("--engine", type=click.Choice(["auto", "driver", "concurrent", "criu"]),
               default="auto", show_default=True,
               help="auto: concurrent for a `pos run` job (its agent answers), driver for other "
-                   "GPU processes, CRIU alone for the rest. concurrent: only the GPU state of a "
-                   "`pos run` job, taken while it runs (not yet proven on a GPU; restore with "
-                   "`pos restore --gpu-only PID -D DIR`).")
+                   "GPU processes, CRIU alone for the rest. concurrent: a whole-process image of "
+                   "a `pos run` job, taken while it runs (as `pos checkpoint --concurrent`; "
+                   "restore with `pos restore -D DIR`); a run without the agent fails.")
 @click.option("--leave-running", is_flag=True,
               help="Resume the target after each snapshot (without it the first snapshot "
-                   "ends the process, as `pos checkpoint` does; the concurrent engine never "
-                   "stops it).")
+                   "ends the process, as `pos checkpoint` does, whatever the engine).")
 @click.option("-D", "--dir", "root", required=True, metavar="ROOT",
               help="Images go to ROOT/<schedule id>/<UTC time>.")
 @criu_options
@@ -151,7 +150,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
     if found is None:
         click.echo(f"note: no process is {target} now; until one is, its runs are "
                    "recorded as no-target")
-    if not leave_running and engine != "concurrent":
+    if not leave_running:
         click.echo("note: without --leave-running each snapshot ends the target (restore it "
                    "with `pos restore`)")
 
@@ -193,21 +192,24 @@ def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
 
 @click.command(epilog=EPILOG_DAEMON)
 @db_option
-@click.option("--metrics-port", type=int, default=9464, show_default=True,
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9464, show_default=True,
               help="Prometheus endpoint on --metrics-address (0: none).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True)
-@click.option("--grace", type=float, default=120.0, show_default=True,
+@click.option("--grace", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="On SIGTERM: seconds a running snapshot may take to finish before it is "
                    "abandoned (the target always runs on).")
-@click.option("--poll", type=float, default=1.0, show_default=True, hidden=True,
+@click.option("--poll", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, hidden=True,
               help="Seconds between ticks.")
 def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: float,
            poll: float) -> None:
     """Run the schedules of the store until SIGTERM (see `pos schedule`)."""
+    from pos import host
     from pos.scheduler.daemon import Daemon, lock
-    from pos.store.db import default_db_path
+    from pos.store.db import check, default_db_path
 
+    host.require_root("running the schedules")
     path = db or default_db_path()
+    check(path)     # made if missing, so that its lock can be made beside it
     held = lock(path)
     server = None
     try:

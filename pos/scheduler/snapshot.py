@@ -4,11 +4,11 @@ the daemon as a child process in its own session.
 Why a child: the engine's Guard owns SIGINT/SIGTERM of its process while it undoes, and a
 failure deep in CRIU or the driver must not take the daemon (and every other schedule) along.
 SIGTERM here abandons the snapshot through the Guard: the target runs on, DIR.partial is
-removed. The concurrent engine runs in the target itself (its `pos run` agent), which never
-stops it; SIGTERM only stops waiting for the agent, which finishes (and seals) its image or
-discards its DIR.partial on its own (the daemon records such an image later: Daemon._adopt). The outcome is one JSON line on stdout: engine, path,
-bytes, stall_s (for the concurrent engine: the time the agent held application calls), or
-error.
+removed. The concurrent engine takes a whole-process image of a `pos run` job through its
+agent while the job runs (and ends the job only without --leave-running, once the image is
+sealed); an image sealed after the daemon stopped waiting is recorded later (Daemon._adopt).
+The outcome is one JSON line on stdout: engine, path, bytes, stall_s (for the concurrent
+engine: the longest time the agent held a call of the job), or error.
 """
 
 import argparse
@@ -27,8 +27,8 @@ ENGINES = ("auto", "driver", "concurrent", "criu")
 
 
 def choose(engine: str, pid: int) -> str:
-    """The engine that snapshots `pid`: concurrent (the agent of a `pos run` job takes its GPU
-    state while it runs), driver (CUDA driver + CRIU) or criu (CRIU alone).
+    """The engine that snapshots `pid`: concurrent (a whole-process image of a `pos run` job,
+    taken while it runs), driver (CUDA driver + CRIU) or criu (CRIU alone).
 
     auto: concurrent where the agent answers, else driver for a process with CUDA state and
     criu for the rest."""

@@ -6,8 +6,10 @@ connection (a connect-event listener), because SQLite forgets them between conne
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
+import stat
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -52,19 +54,29 @@ def _pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
 
 def check(path: str, create: bool = True) -> None:
     """Refuse, in one sentence, a path that cannot be a pos store: missing (unless `create`,
-    which makes it, 0600 in a 0700 folder), not SQLite, or SQLite without pos's tables. With
-    sqlite3 alone, so that `pos restore` checks its --db before it starts a job, without
-    waiting for SQLAlchemy to import."""
+    which makes it, 0600 in a 0700 folder), not open to this user, not SQLite, or SQLite without
+    pos's tables (an empty file too, unless `create`, which fills it). With sqlite3 alone, so
+    that `pos restore` checks its --db before it starts a job, without waiting for SQLAlchemy
+    to import."""
     p = Path(path)
-    if not create and not p.is_file():
-        raise BadInput(f"{path} is not a pos store", "give the file that `pos trace --db` wrote")
-    if create and not p.exists():
-        try:
-            p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))
-        except OSError as e:
-            raise BadInput(f"cannot create the store {path} ({e.strerror})",
-                           "give a writable path with --db or POS_DB") from None
+    # stat and access, never open: closing any descriptor of an SQLite file drops the locks
+    # that this process's connections hold on it (POSIX locks are per process and file)
+    try:
+        is_dir = stat.S_ISDIR(p.stat().st_mode)
+    except FileNotFoundError:
+        if not create:
+            raise BadInput(f"{path} is not a pos store",
+                           "give the file that `pos trace --db` wrote") from None
+        _create(p)
+        is_dir = False
+    except OSError as e:
+        raise _denied(path, e, create, "open") from None
+    if is_dir:
+        raise BadInput(f"{path} is a folder, not a pos store",
+                       "give the file that `pos trace --db` wrote, or a new path")
+    if not os.access(p, os.R_OK | (os.W_OK if create else 0)):   # used as pos will use it
+        denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        raise _denied(path, denied, create, "open")
     try:
         with closing(sqlite3.connect(f"file:{p}?mode=ro", uri=True)) as c:
             tables = {n for (n,) in c.execute("SELECT name FROM sqlite_master "
@@ -75,6 +87,29 @@ def check(path: str, create: bool = True) -> None:
     if tables and "meta" not in tables:
         raise BadInput(f"{path} is not a usable pos store (an SQLite file without pos's tables)",
                        "give the file that `pos trace --db` wrote, or a new path")
+    if not tables and not create:
+        raise BadInput(f"{path} is not a pos store (an empty file)",
+                       "give the file that `pos trace --db` wrote")
+
+
+def _create(p: Path) -> None:
+    try:
+        p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))
+    except OSError as e:
+        raise _denied(str(p), e, True, "create") from None
+
+
+def _denied(path: str, e: OSError, create: bool, doing: str) -> BadInput:
+    """The store at `path` cannot be opened or made (`doing`): for lack of privileges, or of a
+    writable place."""
+    if e.errno in (errno.EACCES, errno.EPERM) and os.geteuid() != 0:
+        return BadInput(f"cannot {doing} the store {path} as this user ({e.strerror})",
+                        "run pos as root (sudo)" + (", or give a store of your own with --db "
+                                                    "or POS_DB" if create else ""))
+    return BadInput(f"cannot {doing} the store {path} ({e.strerror})",
+                    "give a writable path with --db or POS_DB" if create
+                    else "give the file that `pos trace --db` wrote")
 
 
 def open_db(path: str, create: bool = True) -> Engine:

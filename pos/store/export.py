@@ -60,7 +60,8 @@ def split_params(params: bytes, layout: Optional[list[list[int]]]) -> list[bytes
 
 
 def json_events(engine: Engine, trace_id: int) -> Iterator[dict[str, Any]]:
-    """The events as the JSON objects `pos export --format jsonl` prints (see the README)."""
+    """The events as the JSON objects `pos export --format jsonl` prints (their fields:
+    docs/tracing.md)."""
     names: dict[int, str] = {}
     layouts: dict[int, list[list[int]]] = {}
     for table, r in events(engine, trace_id):

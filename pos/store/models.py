@@ -60,7 +60,7 @@ class Trace(Base):
     started_at: Mapped[datetime]
     ended_at: Mapped[Optional[datetime]]
     probes: Mapped[int]
-    status: Mapped[str] = mapped_column(String(32))    # running, done, interrupted, target-exited, failed
+    status: Mapped[str] = mapped_column(String(32))    # running, done, stopped, target-exited, failed
     lost_events: Mapped[int] = mapped_column(default=0)
     captures_dropped: Mapped[int] = mapped_column(default=0)   # launches that lost their capture
     # launches recorded before their layout, completed when the trace ended (pos/tracer/late.py);

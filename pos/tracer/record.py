@@ -69,7 +69,7 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
                 status = "done"
                 break
         else:
-            status = "interrupted"
+            status = "stopped"       # by the user (Ctrl-C) or SIGTERM: no error
     finally:
         # the handlers stay until the end: a Ctrl-C during this teardown (say, the stop of a
         # trace whose target has just exited) must not break it half-way, leaving the sink and

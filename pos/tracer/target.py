@@ -28,8 +28,12 @@ def mapped_files(pid: int) -> list[str]:
     except FileNotFoundError:
         raise BadInput(f"no process has PID {pid}", "give the PID of a running process") from None
     except PermissionError:
-        raise BadInput(f"cannot read the memory map of PID {pid}",
-                       "run pos as root (or with CAP_SYS_ADMIN)") from None
+        if os.geteuid() == 0:   # root is refused too where the host protects a process
+            raise BadInput(f"this host denies even root the memory map of PID {pid} "
+                           f"(/proc/{pid}/maps), so its driver library cannot be found",
+                           "trace another process (this one is protected here)") from None
+        raise BadInput(f"cannot read the memory map of PID {pid} as this user",
+                       "run pos as root (sudo)") from None
     seen: dict[str, None] = {}
     for line in text.splitlines():
         parts = line.split(None, 5)

@@ -31,7 +31,11 @@ def test_schedule_add_by_name_resolves_the_pos_run_job(fill_job, tmp_path: Path,
                                  "--engine", "concurrent", "-D", str(tmp_path / "s")])
     assert r.exit_code == 0, r.output
     assert r.output.startswith(f"schedule 1: the `pos run --name {name}` job at '0 * * * *'")
-    assert "note:" not in r.output                # found, with an agent, never stopped
+    # found, with an agent: only the note of every schedule without --leave-running (the
+    # concurrent engine too ends the job once its image is sealed)
+    assert [line for line in r.output.splitlines() if line.startswith("note:")] == [
+        "note: without --leave-running each snapshot ends the target (restore it with "
+        "`pos restore`)"]
     assert targets.resolve(targets.Target("name", name)) == job.pid
     assert snapshot.choose("auto", job.pid) == "concurrent"
 

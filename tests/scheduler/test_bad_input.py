@@ -65,12 +65,24 @@ def test_caller_without_privileges(tmp_path, counter, env) -> None:
     assert counter.running()
 
 
+@pytest.mark.parametrize("to", ["", ":7070", "host:0", "host:65535", "host:http"])
+def test_migrate_to_what_is_not_host_port(env, to: str) -> None:
+    r = pos("migrate", str(os.getpid()), "--to", to, env=env)
+    assert one_sentence(r, 2) == (f"Error: --to {to!r} is not HOST or HOST:PORT (a port from 1 "
+                                  "to 65534): e.g. --to 10.0.0.2:7070.")
+
+
 def test_directory_exists_or_parent_missing(tmp_path, counter, env) -> None:
     (tmp_path / "img").mkdir()
     one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "img"), env=env), 2,
                  "already exists")
     one_sentence(pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "no" / "img"),
                      env=env), 2, "does not exist")
+    (tmp_path / "afile").write_text("")
+    r = pos("checkpoint", str(counter.pid), "-D", str(tmp_path / "afile" / "sub" / "img"),
+            env=env)
+    assert one_sentence(r, 2) == (f"Error: {tmp_path / 'afile'} is a file, not a folder: give -D "
+                                  "a path under a folder.")
     assert counter.running()
 
 

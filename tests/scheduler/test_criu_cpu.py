@@ -82,7 +82,10 @@ def test_shell_job_needs_the_option(tmp_path, counters, env) -> None:
     c = Counter(tmp_path / "count", shell_job=True)
     counters.append(c)
     r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "img"), env=env)
-    one_sentence(r, 2, "terminal session", "add --shell-job")
+    # a background job of a shell, no terminal anywhere: not "a terminal session"
+    one_sentence(r, 2, f"PID {c.pid} does not lead its session: the session's leader (the shell "
+                 "or script that started it) is not part of the dump: add --shell-job, or start "
+                 "the job in a session of its own (setsid COMMAND) (CRIU's log: ")
     assert c.running()
     assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
     # the log the sentence names outlives the removed image folder, root-only

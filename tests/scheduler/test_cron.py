@@ -79,10 +79,20 @@ def test_crontab_semantics() -> None:
     assert cron.validate("  */5   * * * * ") == "*/5 * * * *"
 
 
-@pytest.mark.parametrize("expr", ["61 * * * *", "* * *", "every minute", ""])
+@pytest.mark.parametrize("expr", ["61 * * * *", "* * *", "every minute", "",
+                                  "* * * * * * *", "0 0 1 1 * 0 2030", "@hourly"])
 def test_invalid_expression_is_one_sentence(expr: str) -> None:
     with pytest.raises(BadInput, match="invalid cron expression .*give five fields"):
         cron.validate(expr)
+
+
+def test_seven_fields_name_the_count() -> None:
+    # croniter takes a seventh field (the year); pos promises five or six
+    with pytest.raises(BadInput) as e:
+        cron.validate("* * * * * * *")
+    assert e.value.message == ("invalid cron expression '* * * * * * *' (7 fields): give five "
+                               "fields (minute hour day month weekday, UTC), or six with seconds "
+                               "last, e.g. '*/15 * * * *'.")
 
 
 def test_due_run_starts_once_and_coalesces_missed_fires(rig, sleeper, tmp_path) -> None:

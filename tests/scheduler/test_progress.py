@@ -2,6 +2,7 @@
 nothing of it in pipes; `--json` gives the report as one JSON object (real CRIU, root)."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -52,4 +53,25 @@ def test_progress_on_a_terminal(tmp_path: Path, counters, env) -> None:
     # rich drew the operation and its phases, then took its line away; the report stays
     assert f"checkpoint PID {c.pid}: dump" in r.stdout, r.stdout
     assert f"checkpoint PID {c.pid}: checksum" in r.stdout, r.stdout
-    assert "\x1b[2K" in r.stdout and f"image {img}:" in r.stdout
+    assert "\x1b[2K" in r.stdout
+    shown = screen(r.stdout)
+    # the steps' lines went above the progress line, never into it
+    assert any(line.startswith(f"checkpointing PID {c.pid} (") for line in shown), shown
+    assert not any("checkpointing PID" in line and not line.startswith("checkpointing")
+                   for line in shown), shown
+    summary = shown[shown.index(next(x for x in shown if x.startswith("saved PID"))):]
+    assert summary[0].startswith(f"saved PID {c.pid} (python") and f"into {img}: " in summary[0]
+    assert summary[1] == "it was ended once saved (restore it with `pos restore -D DIR`)"
+    assert summary[2].startswith("longest steps: ")
+    assert summary[3] == f"every field: pos inspect {img} (or --json)"
+
+
+def screen(raw: str) -> list[str]:
+    """The lines a terminal shows of `raw`: escape sequences dropped, each line what follows
+    its last carriage return."""
+    out = []
+    for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw).split("\n"):
+        parts = [p for p in line.split("\r") if p]
+        if parts:
+            out.append(parts[-1])
+    return out

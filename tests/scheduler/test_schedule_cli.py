@@ -116,6 +116,14 @@ def test_read_only_root(run, sleeper, tmp_path: Path) -> None:
         subprocess.run(["umount", str(ro)], check=True)
 
 
+def test_root_under_a_file(run, sleeper, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    for root in (tmp_path / "afile", tmp_path / "afile" / "snaps"):
+        fails(run("schedule", "add", "--cron", "* * * * *", "--pid", str(sleeper),
+                  "-D", str(root)), 2, f"-D {root} cannot be a directory: {tmp_path}/afile is a "
+              "file: give a directory")
+
+
 def test_unknown_schedule_id(run) -> None:
     fails(run("schedule", "rm", "42"), 2, "no schedule has ID 42", "pos schedule ls")
     fails(run("images", "prune", "--schedule", "42"), 2, "no schedule has ID 42")
@@ -130,14 +138,24 @@ def test_images_alone_and_ls_list_the_same(run) -> None:
 def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> None:
     from pos.scheduler.daemon import lock
 
-    fails(run("daemon", "--metrics-port", "70000"), 2,
-          "cannot serve metrics on 127.0.0.1:70000 (not a port number)")
+    r = run("daemon", "--metrics-port", "70000")
+    assert r.exit_code == 2 and r.stderr.strip().endswith(
+        "Invalid value for '--metrics-port': 70000 is not in the range 0<=x<=65535."), r.output
     held = lock(str(tmp_path / "pos.db"))
     try:
         fails(run("daemon", "--metrics-port", "0"), 2,
               f"another pos daemon runs on {tmp_path / 'pos.db'} (PID {os.getpid()})")
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--grace", "-1"], "Invalid value for '--grace': -1.0 is not in the range x>=0."),
+    (["--poll", "0"], "Invalid value for '--poll': 0.0 is not in the range x>0."),
+])
+def test_daemon_refuses_a_negative_grace_or_poll(run, args, fragment) -> None:
+    r = run("daemon", "--metrics-port", "0", *args)
+    assert r.exit_code == 2 and r.stderr.strip().endswith(fragment), r.output
 
 
 def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None:

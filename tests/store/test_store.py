@@ -5,6 +5,8 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -129,6 +131,36 @@ def test_open_db_rejects_what_is_not_a_store(tmp_path: Path) -> None:
         open_db(str(junk), create=False)
     with pytest.raises(BadInput, match="is not a pos store"):
         open_db(str(tmp_path / "missing.db"), create=False)
+
+
+def test_checking_a_store_keeps_the_locks_of_this_process(tmp_path: Path) -> None:
+    """Closing any descriptor of a file drops the POSIX locks the process holds on it: a check
+    that opened the store itself would let another process write under a live transaction
+    (the daemon's test saw "disk I/O error")."""
+    from pos.store.db import check
+
+    db = tmp_path / "t.db"
+    mine = sqlite3.connect(db, isolation_level=None)
+    mine.execute("BEGIN IMMEDIATE")          # this process holds the write lock
+    check(str(db))
+    other = subprocess.run([sys.executable, "-c", "import sqlite3, sys; sqlite3.connect("
+                            "sys.argv[1], timeout=0).execute('BEGIN IMMEDIATE')", str(db)],
+                           capture_output=True, text=True)
+    mine.rollback()
+    mine.close()
+    assert other.returncode == 1 and "database is locked" in other.stderr, other.stderr
+
+
+def test_an_empty_file_is_not_a_store_to_read(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    for command in ("export", "analyze"):
+        r = CliRunner().invoke(cli, [command, str(empty)])
+        assert r.exit_code == 2
+        assert r.output == (f"Error: {empty} is not a pos store (an empty file): give the file "
+                            "that `pos trace --db` wrote.\n")
+    r = CliRunner().invoke(cli, ["images", "--db", str(empty)])     # a store to write: made
+    assert r.exit_code == 0 and r.output.split()[:2] == ["ID", "CREATED"]
 
 
 def test_cli_export_errors_are_one_sentence(tmp_path: Path) -> None:

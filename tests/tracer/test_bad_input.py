@@ -65,6 +65,41 @@ def test_caller_without_privileges(tmp_path: Path) -> None:
     _one_sentence(r, "pos needs root or CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON", "sudo")
 
 
+def test_memory_map_of_another_users_process(tmp_path: Path) -> None:
+    need(os.geteuid() == 0 and shutil.which("setpriv") is not None,
+         "dropping privileges needs root and setpriv")
+    p = subprocess.Popen(["sleep", "60"])      # root's, traced by nobody
+    try:
+        r = _pos("trace", str(p.pid), "--db", str(tmp_path / "t.db"),
+                 prefix=("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                         "--inh-caps=-all"))
+    finally:
+        p.kill()
+        p.wait()
+    _one_sentence(r, f"cannot read the memory map of PID {p.pid} as this user: run pos as root")
+
+
+def test_memory_map_denied_to_root(monkeypatch: pytest.MonkeyPatch,
+                                   sleeper: subprocess.Popen) -> None:
+    """Some hosts deny root the maps of a protected process (PID 1 of a Firecracker VM): pos
+    says that, not "run pos as root"."""
+    need(os.geteuid() == 0, "the case of root")
+    read_text = Path.read_text
+
+    def denied(self: Path, *args, **kwargs) -> str:
+        if self.name == "maps":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    r = CliRunner().invoke(cli, ["trace", str(sleeper.pid), "--db", "/tmp/unused.db"])
+    assert r.exit_code == 2
+    assert r.output.strip() == (
+        f"Error: this host denies even root the memory map of PID {sleeper.pid} "
+        f"(/proc/{sleeper.pid}/maps), so its driver library cannot be found: trace another "
+        "process (this one is protected here).")
+
+
 def test_missing_bcc(tmp_path: Path, sleeper: subprocess.Popen) -> None:
     fake = tmp_path / "bcc"
     fake.mkdir()

@@ -92,6 +92,23 @@ def test_launches_made_before_their_layout_came_are_completed(
         assert c.execute("select count(*) from launches where capture is not null").fetchone() == (0,)
 
 
+def test_a_trace_the_user_stops_says_stopped(fakegpu: dict[str, Path], bpf_ready: None,
+                                            tmp_path: Path) -> None:
+    """Ctrl-C is how a trace is meant to end: "stopped", not an error's "interrupted"."""
+    db = tmp_path / "t.db"
+    job = Job([str(fakegpu["cuda_app"]), "cubin", str(fakegpu["dir"])])
+    try:
+        tr = PosTrace(job.pid, str(db))
+        job.run("load")
+        log = tr.stop()             # SIGINT, as Ctrl-C, while the job runs on
+    finally:
+        job.close()
+    assert re.search(rf"^traced {job.pid} for [0-9.]+ s \(stopped\): ", log, re.M), log
+    assert "interrupted" not in log
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT status FROM traces").fetchall() == [("stopped",)]
+
+
 def test_hip_app_is_traced(fakegpu: dict[str, Path], bpf_ready: None, tmp_path: Path) -> None:
     truth, ev, log = trace_app([str(fakegpu["hip_app"]), str(fakegpu["dir"])], tmp_path / "t.db")
     assert "0 lost" in log
