@@ -117,21 +117,21 @@ class Sampler:
 
 @contextmanager
 def step_times() -> Iterator[list[tuple[str, float]]]:
-    """The wall time at which each step of pos's engine (engine.Guard.step) began."""
-    from pos.scheduler import engine
+    """The wall time at which each step of pos's engine (steps.Guard.step) began."""
+    from pos.scheduler import steps
 
     marks: list[tuple[str, float]] = []
-    plain = engine.Guard.step
+    plain = steps.Guard.step
 
     def step(self: Any, name: str, **changes: Any) -> None:
         marks.append((name, time.time()))
         plain(self, name, **changes)
 
-    engine.Guard.step = step     # type: ignore[method-assign]
+    steps.Guard.step = step     # type: ignore[method-assign]
     try:
         yield marks
     finally:
-        engine.Guard.step = plain     # type: ignore[method-assign]
+        steps.Guard.step = plain     # type: ignore[method-assign]
 
 
 def clock_lines(path: Path, since: float) -> list[list[Any]]:
@@ -187,7 +187,7 @@ def restore_here(directory: Path, engine: str) -> tuple[float, dict[str, Any]]:
     """The restore run in this process (pos's imports done beforehand): when the job's calls
     were let through, and the engine's steps' wall times and timings."""
     from pos.scheduler import concurrent
-    from pos.scheduler import engine as eng
+    from pos.scheduler import restore
 
     with step_times() as marks:
         t = time.time()
@@ -196,7 +196,7 @@ def restore_here(directory: Path, engine: str) -> tuple[float, dict[str, Any]]:
             timings = r.timings
             released = dict(marks).get("fill", time.time())
         else:
-            timings = eng.restore(directory).timings
+            timings = restore.restore_tree(directory).timings
             released = time.time()
     return released, {"start": t, "steps": [(n, round(w - t, 4)) for n, w in marks],
                       "timings": timings, "returned_s": time.time() - t}
@@ -245,7 +245,7 @@ def startup() -> dict[str, Any]:
     res: dict[str, Any] = {}
     for name, argv in (("cli_help", [*POS, "--help"]),
                        ("restore_imports", [PY, "-c", "import pos.cli, pos.scheduler.commands, "
-                                            "pos.scheduler.concurrent, pos.scheduler.engine, "
+                                            "pos.scheduler.concurrent, pos.scheduler.stopworld, "
                                             "pos.scheduler.cudackpt, pos.store.db"]),
                        ("fill_imports", [PY, "-c", "import pos.image.gpu, pos.scheduler.gpucopy"])):
         times = []

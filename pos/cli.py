@@ -4,7 +4,7 @@
     pos/analyzer/commands.py             analyze
     pos/agent/commands.py                run
     pos/scheduler/commands.py            checkpoint, restore, inspect, migrate
-    pos/scheduler/schedule_commands.py   schedule (add, ls, rm), daemon, images (ls, prune)
+    pos/cron/commands.py   schedule (add, ls, rm), daemon, images (ls, prune)
     pos/cli.py                           doctor (its checks: pos/doctor.py)
     pos/options.py                       options shared by several commands (--db, CRIU's)
 
@@ -24,7 +24,7 @@ from pos.agent.commands import run
 from pos.analyzer.commands import analyze
 from pos.errors import PosError, denied
 from pos.scheduler.commands import checkpoint, inspect, migrate, restore
-from pos.scheduler.schedule_commands import daemon, images, schedule
+from pos.cron.commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
 
 

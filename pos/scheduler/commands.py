@@ -118,7 +118,7 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     from pathlib import Path
 
     from pos.progress import Progress
-    from pos.scheduler import engine, procs
+    from pos.scheduler import procs, stopworld
     from pos.store import images
     from pos.store.db import open_store
 
@@ -146,7 +146,7 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     procs.require_checkpointable(pid)   # a bad PID or no privileges is said first,
     open_store(db)                      # then a bad --db, before the process is touched
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
-        result = engine.checkpoint(pid, Path(directory), options, leave_running,
+        result = stopworld.checkpoint(pid, Path(directory), options, leave_running,
                                    int(lock_timeout * 1000), echo=_lines(as_json, progress),
                                    progress=progress)
     images.record(db, str(result.path), result.manifest.to_json())
@@ -181,7 +181,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     from pos import host, image
     from pos.progress import Progress
     from pos.scheduler import concurrent as conc
-    from pos.scheduler import engine
+    from pos.scheduler.restore import restore_tree
     from pos.store import db as store
 
     host.require_root("restoring an image")
@@ -210,11 +210,11 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         return
     pairs = []
     if to_gpu is not None:
-        from pos.scheduler import migrate
+        from pos.scheduler import gpumap
 
-        pairs = migrate.onto(Path(directory), to_gpu)[0]
+        pairs = gpumap.onto(Path(directory), to_gpu)[0]
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
-        result = engine.restore(Path(directory), tuple(inherit_fd),
+        result = restore_tree(Path(directory), tuple(inherit_fd),
                                 echo=_lines(as_json, progress),
                                 gpu_pairs=pairs, progress=progress)
     _mark_restored(db, result.path)
@@ -241,7 +241,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
     from pathlib import Path
 
     from pos import image
-    from pos.scheduler import engine
+    from pos.scheduler import steps
 
     m = (image.verify if verify else image.load)(Path(directory))
     if as_json:
@@ -257,7 +257,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
             ("GPUs", gpus),
             ("options", ", ".join(k for k, v in m.criu_options.items() if v) or "none"),
             ("size", f"{m.size_bytes} bytes in {len(m.files)} files"),
-            ("steps", engine.describe(m.timings)),
+            ("steps", steps.describe(m.timings)),
             ("stall", stall)):
         click.echo(f"{key:8} {value}")
     if verify:

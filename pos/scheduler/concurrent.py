@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -40,12 +39,13 @@ from pos import image, nvml
 from pos.agent.control import Agent, Buffer, Cut, Gate, Refused
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex
-from pos.scheduler import copier, engine
-from pos.scheduler.handout import Handout
+from pos.scheduler import restore, steps
 from pos.scheduler.criu import Options
+from pos.scheduler.handout import Handout
+from pos.scheduler.manifest import new_manifest
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
-    from pos.scheduler import gpucopy    # and a restore starts CRIU before it
+    from pos.scheduler import copier, gpucopy    # and a restore starts CRIU before it
 
 Echo = Callable[[str], None]
 DEFAULT_STREAMS = 8
@@ -99,7 +99,7 @@ class _Saver:
         self.shadow_bytes = 0
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
-        return engine.timed(self.timings, name, fn)
+        return steps.timed(self.timings, name, fn)
 
     def prepare(self, gpu_only: bool) -> int:
         """Before the cut: the page-locked arena (see copier.arena_bytes) and the shadow (the
@@ -121,6 +121,8 @@ class _Saver:
                            "driver saves them), or run the job without those allocators")
         want = st.owned_bytes
         self.owned_bytes = want
+        from pos.scheduler import copier
+
         arena = copier.arena_bytes(want, self.chunk)
         self.host = self._timed("pin", lambda: gpucopy.Pinned(self.drv, arena))
         self.timings["pinned_peak_bytes"] = self.host.size
@@ -193,6 +195,7 @@ class _Saver:
         """The copy to host memory and into the image's data files, on threads of its own from
         now on (the job may still be held)."""
         from pos.image import gpu as gpuimage
+        from pos.scheduler import copier
 
         assert self.host is not None
         self.handout = Handout(self.table, safe=self.shadowed)
@@ -285,7 +288,7 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
                 release_s = time.monotonic() - t0
                 s.wait_copied()
                 gate = agent.end()
-                manifest = engine.new_manifest(pid, [pid], [pid], "", Options(), True,
+                manifest = new_manifest(pid, [pid], [pid], "", Options(), True,
                                                nvml.gpus_of([pid]))
                 copy = s.write(partial)
                 manifest.timings = s.timings
@@ -509,7 +512,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     criu = criu_mod.find()
     agent = Agent(pid)                 # no agent: one sentence, before anything else
     pids = procs.tree(pid)
-    cuda = engine.gpu_pids(pids)
+    cuda = cudackpt.gpu_pids(pids)
     if cuda != [pid]:
         agent.close()
         raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: the "
@@ -520,7 +523,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         foreign = s.prepare(gpu_only=False)
         resident = procs.resident_bytes(pids)          # what CRIU will write, about
         partial = image.prepare(Path(directory), resident + s.owned_bytes)
-        manifest = engine.new_manifest(pid, pids, cuda, criu.version_text, options,
+        manifest = new_manifest(pid, pids, cuda, criu.version_text, options,
                                        leave_running, nvml.gpus_of(cuda))
         plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
                     stopped=[p for p in pids if procs.state(p) in ("T", "t")],
@@ -528,7 +531,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         echo(f"checkpointing PID {pid} ({manifest.comm}) concurrently: "
              f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
         gate: Optional[Gate] = None
-        with engine.Guard(plan, echo) as g:
+        with steps.Guard(plan, echo) as g:
             stage = staging.directory(Path(directory).name, partial, resident)
             dumped = stage or partial      # where CRIU writes
             t0 = time.monotonic()
@@ -602,9 +605,9 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     pairs: list[tuple[str, str]] = []
     onto = None                   # the GPU's UUID, when it moves
     if to_gpu is not None:
-        from pos.scheduler import migrate
+        from pos.scheduler import gpumap
 
-        pairs, onto = migrate.onto(directory, to_gpu)
+        pairs, onto = gpumap.onto(directory, to_gpu)
     pre = _Prefetch(directory, streams, onto)
     out: dict[str, Any] = {}
 
@@ -630,7 +633,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
             g.step("done", hoisted=False)
 
     try:
-        result = engine.restore(directory, inherit_fds, echo, gpu_pairs=pairs, check=check,
+        result = restore.restore_tree(directory, inherit_fds, echo, gpu_pairs=pairs, check=check,
                                 hoisted=True, finish=fill, before_driver=pre.pause)
     finally:
         t1 = time.monotonic()

@@ -10,6 +10,7 @@ import ctypes
 from typing import Optional, Sequence
 
 from pos.driver import DriverError, driver
+from pos.scheduler import procs
 
 CUDA_ERROR_NOT_INITIALIZED = 3
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
@@ -115,3 +116,11 @@ def driver_version() -> Optional[int]:
         return driver().version()
     except Exception:  # noqa: BLE001  (no driver on this host: the manifest says n/a)
         return None
+
+
+def gpu_pids(pids: list[int]) -> list[int]:
+    """The processes of the tree that hold CUDA state (map libcuda and initialised CUDA)."""
+    candidates = [p for p in pids if procs.maps_libcuda(p)]
+    if not candidates:
+        return []
+    return [p for p in candidates if cuda_state(p) is not None]

@@ -1,5 +1,5 @@
-"""Moving a process: onto another GPU of this host (the driver's restore with GPU pairs, no
-CRIU needed), or to another host (CRIU's page server streams the memory, a control connection
+"""Moving a process: onto another GPU of this host (the driver's restore with the GPU pairs of
+pos/scheduler/gpumap.py, no CRIU needed), or to another host (CRIU's page server streams the memory, a control connection
 carries the rest of the image; the receiver verifies and restores it)."""
 
 import json
@@ -8,60 +8,18 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from pos import nvml
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos import image
-from pos.scheduler import engine, procs
+from pos.scheduler import cudackpt, procs, restore, stopworld
+from pos.scheduler.gpumap import move
 from pos.scheduler.criu import Options, PageServer
-from pos.scheduler.engine import Echo, Guard
+from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan
-
-
-def gpu_pairs(used: list[str], target: str, all_uuids: list[str]) -> list[tuple[str, str]]:
-    """The GPU mapping for the driver's restore: the process's GPU and the target swap places,
-    every other GPU maps to itself, so that the mapping covers every device once. A GPU not on
-    this host (an image taken elsewhere) maps to the target, the others to themselves."""
-    if len(used) != 1:
-        seen = ", ".join(used) or "none seen by NVML"
-        raise BadInput(f"the process uses {len(used)} GPUs ({seen})",
-                       "--to-gpu moves processes that use exactly one GPU")
-    src = used[0]
-    if src == target:
-        raise BadInput(f"the process already runs on {target}", "give another GPU index")
-    if src not in all_uuids:
-        return [(src, target)] + [(u, u) for u in all_uuids if u != target]
-    swap = {src: target, target: src}
-    return [(u, swap.get(u, u)) for u in all_uuids]
-
-
-def target(index: int) -> tuple[nvml.Gpu, list[nvml.Gpu]]:
-    """GPU `index` of this host (NVML's numbering, as nvidia-smi shows it), and all of them."""
-    if not nvml.available():
-        raise BadInput("NVML is not available (it names the GPUs for the driver's restore)",
-                       "install the NVIDIA driver with libnvidia-ml.so.1")
-    gpus = nvml.gpus()
-    if index >= len(gpus):
-        raise BadInput(f"this host has {len(gpus)} GPU(s), no GPU {index}",
-                       f"give an index from 0 to {len(gpus) - 1}")
-    return gpus[index], gpus
-
-
-def move(index: int, used: Callable[[], list[str]]) -> tuple[list[tuple[str, str]], nvml.Gpu]:
-    """The driver's mapping that moves a process (or an image) on the GPUs `used()` onto GPU
-    `index` of this host, and that GPU; the GPU is checked first, before anything is read."""
-    gpu, gpus = target(index)
-    return gpu_pairs(used(), gpu.uuid, [g.uuid for g in gpus]), gpu
-
-
-def onto(directory: Path, index: int) -> tuple[list[tuple[str, str]], str]:
-    """The driver's mapping that restores the image in `directory` (taken on one GPU) onto GPU
-    `index` of this host, and that GPU's UUID."""
-    pairs, gpu = move(index, lambda: [g["uuid"] for g in image.load(directory).gpus])
-    return pairs, gpu.uuid
 
 
 def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None,
@@ -70,14 +28,13 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
     tree; the undo restores onto the original GPU. The seconds of each step."""
     procs.require_checkpointable(pid)
     pids = procs.tree(pid)
-    cuda = engine.gpu_pids(pids)
+    cuda = cudackpt.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
     pairs, gpu = move(index, lambda: list(nvml.gpus_of(cuda)))
     for p in cuda:
-        engine.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {index} "
+        stopworld.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {index} "
                                   "--concurrent`")
-    from pos.scheduler import cudackpt
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
     with Guard(plan, echo, progress=progress) as g:
@@ -234,7 +191,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
                                              lock_timeout_ms=lock_timeout_ms, echo=echo).path)
             manifest = image.load(path)
         else:
-            result = engine.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
+            result = stopworld.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
                                        page_server=PageServer(address, port + 1),
                                        progress=progress)
             path, manifest = result.path, result.manifest
@@ -305,7 +262,7 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
             if ps is not None:
                 _wait_listening(port + 1, ps)
             _send(conn, {"ready": True})
-            progress.phase("receive", poll=lambda: engine.folder_bytes(partial))
+            progress.phase("receive", poll=lambda: folder_bytes(partial))
             manifest_text = b""
             while not manifest_text:
                 msg = reader.message()
@@ -323,7 +280,7 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
             if concurrent:      # sent whole: its sender's checksums, checked by the restore
                 final = image.adopt(partial, manifest)
             else:               # pages came through CRIU's page server: checksummed here
-                progress.phase("checksum", total=engine.folder_bytes(partial))
+                progress.phase("checksum", total=folder_bytes(partial))
                 final = image.seal(partial, manifest, progress.advance)
             echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
             if concurrent:
@@ -331,7 +288,7 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
 
                 restored = conc.restore_full(final, echo=echo).restored_pid
             else:
-                restored = engine.restore(final, echo=echo, progress=progress).restored_pid
+                restored = restore.restore_tree(final, echo=echo, progress=progress).restored_pid
         except Exception as e:      # the sender learns why, whatever failed here
             image.discard(partial)
             _send(conn, {"error": e.message if isinstance(e, PosError) else repr(e),

@@ -2,18 +2,18 @@
 was saved or restored and its size, how long the job stood still, where the time went). Every
 field stays in the command's `--json` report, and a checkpoint's in `pos inspect`.
 
-Built from the engines' results (pos.scheduler.engine.Result for the stop-the-world engine,
+Built from the engines' results (pos.scheduler.manifest.Result for the stop-the-world engine,
 pos.scheduler.concurrent.Report for the concurrent one) and nothing else.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from pos.scheduler.engine import UNITS
+from pos.scheduler.steps import UNITS
 
 if TYPE_CHECKING:
     from pos.agent.control import Gate
     from pos.scheduler.concurrent import Report
-    from pos.scheduler.engine import Result
+    from pos.scheduler.manifest import Result
 
 SHOWN_STEPS = 3
 # timings that are not a step's duration: a sum over threads, a moment since the start
@@ -45,7 +45,7 @@ def longest_wait(gate: "Gate") -> str:
 
 
 def checkpoint(result: "Result") -> list[str]:
-    """A stop-the-world checkpoint (engine.Result)."""
+    """A stop-the-world checkpoint (manifest.Result)."""
     m = result.manifest
     cuda = f", {len(m.gpu_pids)} with CUDA state" if m.gpu_pids else ""
     held = ("it was ended once saved (restore it with `pos restore -D DIR`)" if m.stall_s is None
@@ -57,7 +57,7 @@ def checkpoint(result: "Result") -> list[str]:
 
 
 def restore(result: "Result") -> list[str]:
-    """A stop-the-world restore (engine.Result)."""
+    """A stop-the-world restore (manifest.Result)."""
     m = result.manifest
     return [f"restored PID {result.restored_pid} from {result.path}: "
             f"{size_text(m.size_bytes)} in {len(m.files)} files",

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from pos.cli import cli
 from pos import image
-from pos.scheduler import snapshot, targets
+from pos.cron import snapshot, targets
 from pos.store import images, schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT
@@ -41,7 +41,7 @@ def test_schedule_add_by_name_resolves_the_pos_run_job(fill_job, tmp_path: Path,
 
 
 def test_snapshot_without_an_agent_is_one_recorded_sentence(sleeper, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "pos.scheduler.snapshot", "--pid", str(sleeper),
+    r = subprocess.run([sys.executable, "-m", "pos.cron.snapshot", "--pid", str(sleeper),
                         "--dir", str(tmp_path / "img"), "--engine", "concurrent",
                         "--db", str(tmp_path / "pos.db")], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)

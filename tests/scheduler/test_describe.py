@@ -7,7 +7,8 @@ from pos.agent.control import Gate, Wait
 from pos.image import Manifest
 from pos.scheduler import summary
 from pos.scheduler.concurrent import Report
-from pos.scheduler.engine import Result, describe
+from pos.scheduler.manifest import Result
+from pos.scheduler.steps import describe
 from pos.scheduler.summary import longest_wait
 
 

@@ -4,7 +4,6 @@ the target must end up running, its CUDA state unlocked."""
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -225,40 +224,6 @@ def test_migrate_to_gpu_needs_nvml(gpu, target) -> None:
                  "NVML is not available")
     assert calls(gpu, target.pid) == []
     runs_unlocked(target, gpu)
-
-
-def test_gpu_pairs_swap_the_two_gpus_and_keep_the_rest() -> None:
-    from pos.errors import BadInput
-    from pos.scheduler.migrate import gpu_pairs
-
-    uuids = ["GPU-a", "GPU-b", "GPU-c"]
-    assert gpu_pairs(["GPU-a"], "GPU-c", uuids) == [("GPU-a", "GPU-c"), ("GPU-b", "GPU-b"),
-                                                     ("GPU-c", "GPU-a")]
-    with pytest.raises(BadInput, match="already runs on"):
-        gpu_pairs(["GPU-a"], "GPU-a", uuids)
-    with pytest.raises(BadInput, match="uses 2 GPUs"):
-        gpu_pairs(["GPU-a", "GPU-b"], "GPU-c", uuids)
-    # an image taken on another host: its GPU becomes the target, every GPU here maps once
-    assert gpu_pairs(["GPU-x"], "GPU-b", uuids) == [("GPU-x", "GPU-b"), ("GPU-a", "GPU-a"),
-                                                    ("GPU-c", "GPU-c")]
-
-
-def test_restore_onto_another_gpu_maps_the_image_gpu_there(tmp_path: Path, monkeypatch) -> None:
-    from pos import image, nvml
-    from pos.errors import BadInput
-    from pos.scheduler import migrate
-
-    here = [nvml.Gpu(0, "GPU-a", "H100", 80 << 30), nvml.Gpu(1, "GPU-b", "H100", 80 << 30)]
-    monkeypatch.setattr(nvml, "available", lambda: True)
-    monkeypatch.setattr(nvml, "gpus", lambda: here)
-    taken_on = [{"uuid": "GPU-a"}]
-    monkeypatch.setattr(image, "load", lambda _d: SimpleNamespace(gpus=taken_on))
-    assert migrate.onto(tmp_path, 1) == ([("GPU-a", "GPU-b"), ("GPU-b", "GPU-a")], "GPU-b")
-    with pytest.raises(BadInput, match="this host has 2 GPU"):
-        migrate.onto(tmp_path, 2)
-    taken_on.append({"uuid": "GPU-b"})
-    with pytest.raises(BadInput, match="uses 2 GPUs"):
-        migrate.onto(tmp_path, 1)
 
 
 def test_restore_to_gpu_needs_nvml_and_a_whole_process_image(gpu, tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pos.scheduler import procs, retention
+from pos.cron import retention
+from pos.scheduler import procs
 from pos.store import schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT

@@ -3,8 +3,8 @@ serves Prometheus metrics on localhost.
 
 One thread, one loop: each tick reads the schedules (so that `pos schedule add/rm` take effect
 without a restart), reaps finished snapshots and starts the due ones. A snapshot runs in a child
-process (pos.scheduler.snapshot) with the engine's Guard and watchdog behind it; the daemon never
-touches the target itself. Rules (cron.py has the misfire policy):
+process (pos.cron.snapshot) with the engine's Guard and watchdog behind it; the daemon never
+touches the target itself. Rules (times.py has the misfire policy):
   - one run at a time per schedule, and never two snapshots of one process tree at once: a due
     schedule whose target is busy waits, and its fire times coalesce;
   - a run that finds no target, or a bad one, is recorded once per fire time, not retried;
@@ -31,8 +31,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from pos.errors import BadInput, PosError
 from pos import image
-from pos.scheduler import cron, procs, retention, targets
-from pos.scheduler.cron import Clock, SystemClock
+from pos.cron import retention, targets, times
+from pos.scheduler import procs
+from pos.cron.times import Clock, SystemClock
 from pos.scheduler.watchdog import _import_path
 from pos.store import images, schedules
 from pos.store.db import open_db
@@ -55,13 +56,13 @@ class Worker(Protocol):
 
 
 class ChildWorker:
-    """A `python -m pos.scheduler.snapshot` child; its output goes to files (no pipe to fill)."""
+    """A `python -m pos.cron.snapshot` child; its output goes to files (no pipe to fill)."""
 
     def __init__(self, argv: list[str]) -> None:
         self.out = tempfile.TemporaryFile()
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pos.scheduler.snapshot", *argv], stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "pos.cron.snapshot", *argv], stdin=subprocess.DEVNULL,
             stdout=self.out, stderr=self.err, start_new_session=True,
             env={**os.environ, "PYTHONPATH": _import_path()})
         self.pid = self.proc.pid
@@ -170,7 +171,7 @@ class Daemon:
         self._said[sid] = line
 
     def _advance(self, s: Schedule, after: datetime) -> None:
-        nxt = cron.next_fire(s.cron, after)
+        nxt = times.next_fire(s.cron, after)
         schedules.set_next(self.store, s.id, nxt)
         self.metrics.next_run.labels(str(s.id)).set(nxt.timestamp())
 
@@ -180,7 +181,7 @@ class Daemon:
         self.metrics.next_run.labels(str(s.id)).set(due.timestamp())
         if due > now:
             return
-        coalesced = 1 + cron.fires_between(s.cron, due, now)
+        coalesced = 1 + times.fires_between(s.cron, due, now)
         target = targets.Target(s.target_kind, s.target)
         try:
             pid = targets.resolve(target, frozenset(j.worker.pid for j in self.jobs.values()))
@@ -258,7 +259,7 @@ class Daemon:
     def _adopt(self, s: Schedule, folder: Path) -> None:
         """Record the sealed images of the schedule's folder that the store lacks: the agent
         of an abandoned concurrent snapshot finishes and seals its image after the daemon
-        stopped waiting for it (pos/scheduler/snapshot.py), so no run recorded it."""
+        stopped waiting for it (pos/cron/snapshot.py), so no run recorded it."""
         try:
             kept = [str(k.path) for k in retention.images_in(folder)]
             known = images.recorded(self.db, kept)

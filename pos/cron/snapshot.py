@@ -1,4 +1,4 @@
-"""One scheduled snapshot: `python -m pos.scheduler.snapshot --pid PID --dir DIR ...`, run by
+"""One scheduled snapshot: `python -m pos.cron.snapshot --pid PID --dir DIR ...`, run by
 the daemon as a child process in its own session.
 
 Why a child: the engine's Guard owns SIGINT/SIGTERM of its process while it undoes, and a
@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from pos.errors import BadInput, PosError
 from pos import image
-from pos.scheduler import procs, targets
+from pos.cron import targets
+from pos.scheduler import procs
 from pos.scheduler.criu import Options
 
 ENGINES = ("auto", "driver", "concurrent", "criu")
@@ -41,7 +42,7 @@ def choose(engine: str, pid: int) -> str:
         return engine
     if engine == "auto" and agent:
         return "concurrent"
-    from pos.scheduler.engine import gpu_pids
+    from pos.scheduler.cudackpt import gpu_pids
 
     cuda = gpu_pids(procs.tree(pid))
     if engine == "auto":
@@ -72,7 +73,7 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
         # buffers not yet saved. The longest wait of any call is the stall the job saw.
         stall_s = report.gate.held_max_s if report.gate else manifest.stall_s
     else:
-        from pos.scheduler import engine as full
+        from pos.scheduler import stopworld as full
 
         result = full.checkpoint(pid, directory, options, leave_running,
                                  echo=lambda s: print(s, file=sys.stderr, flush=True))
@@ -87,7 +88,7 @@ def _interrupt(_signum: int, _frame: Any) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
-    p = argparse.ArgumentParser(prog="python -m pos.scheduler.snapshot")
+    p = argparse.ArgumentParser(prog="python -m pos.cron.snapshot")
     p.add_argument("--pid", type=int, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--engine", choices=ENGINES, default="auto")

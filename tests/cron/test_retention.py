@@ -7,9 +7,9 @@ import pytest
 
 from pos.errors import BadInput
 from pos import image
-from pos.scheduler import retention
+from pos.cron import retention
 from pos.image import Manifest
-from pos.scheduler.retention import Policy
+from pos.cron.retention import Policy
 
 NOW = datetime(2025, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 

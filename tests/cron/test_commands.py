@@ -136,7 +136,7 @@ def test_images_alone_and_ls_list_the_same(run) -> None:
 
 
 def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> None:
-    from pos.scheduler.daemon import lock
+    from pos.cron.daemon import lock
 
     r = run("daemon", "--metrics-port", "70000")
     assert r.exit_code == 2 and r.stderr.strip().endswith(

@@ -108,11 +108,11 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
 
     from pos.errors import BadInput
     from pos import image
-    from pos.scheduler import cron, retention, targets
+    from pos.cron import retention, targets, times
     from pos.store import schedules
     from pos.store.db import open_store
 
-    expr = cron.validate(expr)
+    expr = times.validate(expr)
     target = targets.from_options(pid, match, name)
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     if keep is not None and keep < 1:
@@ -127,7 +127,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
             raise BadInput(e.cause, "give the PID of a running process") from None
         found = None
     if engine == "concurrent" and found is not None:
-        from pos.scheduler import snapshot
+        from pos.cron import snapshot
 
         try:
             snapshot.choose(engine, found)
@@ -135,7 +135,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
             if target.kind == "pid":
                 raise
             click.echo(f"note: {e.cause}; its runs fail until the job runs under `pos run`")
-    from pos.scheduler.cron import SystemClock
+    from pos.cron.times import SystemClock
 
     now = SystemClock().now()
     row = schedules.add(open_store(db), cron=expr, target_kind=target.kind,
@@ -144,7 +144,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
                         criu_options=json.dumps(options.to_json(), sort_keys=True),
                         keep=policy.keep,
                         max_age_s=policy.max_age_s, max_bytes=policy.max_bytes, created_at=now,
-                        next_run_at=cron.next_fire(expr, now))
+                        next_run_at=times.next_fire(expr, now))
     click.echo(f"schedule {row.id}: {target} at '{expr}' (UTC) into {root}/{row.id}, {policy}; "
                f"next run {row.next_run_at:%Y-%m-%d %H:%M:%S}Z")
     if found is None:
@@ -159,7 +159,7 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
 @db_option
 def schedule_ls(db: Optional[str]) -> None:
     """List the schedules with their last outcome and next run (UTC)."""
-    from pos.scheduler import retention, targets
+    from pos.cron import retention, targets
     from pos.store import schedules
     from pos.store.db import open_store
 
@@ -204,7 +204,7 @@ def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: fl
            poll: float) -> None:
     """Run the schedules of the store until SIGTERM (see `pos schedule`)."""
     from pos import host
-    from pos.scheduler.daemon import Daemon, lock
+    from pos.cron.daemon import Daemon, lock
     from pos.store.db import check, default_db_path
 
     host.require_root("running the schedules")
@@ -261,8 +261,8 @@ def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str]) -
     """Apply the schedules' retention now (the daemon does after each snapshot)."""
     from pathlib import Path
 
-    from pos.scheduler import retention
-    from pos.scheduler.cron import SystemClock
+    from pos.cron import retention
+    from pos.cron.times import SystemClock
     from pos.store import images as image_rows
     from pos.store import schedules
     from pos.store.db import open_store

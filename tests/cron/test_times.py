@@ -9,9 +9,9 @@ import pytest
 
 from pos.errors import BadInput
 from pos import image
-from pos.scheduler import cron
+from pos.cron import times
 from pos.image import Manifest
-from pos.scheduler.daemon import Daemon
+from pos.cron.daemon import Daemon
 from pos.store import images, schedules
 from pos.store.db import open_db
 
@@ -66,30 +66,30 @@ def add(db: str, expr: str, kind: str, target: str, root: Path) -> int:
     return schedules.add(open_db(db), cron=expr, target_kind=kind, target=target,
                          root=str(root), engine="auto", leave_running=True, keep=None,
                          max_age_s=None, max_bytes=None, created_at=T0,
-                         next_run_at=cron.next_fire(expr, T0)).id
+                         next_run_at=times.next_fire(expr, T0)).id
 
 
 def test_crontab_semantics() -> None:
-    assert cron.next_fire("*/15 * * * *", T0) == T0 + timedelta(minutes=15)
+    assert times.next_fire("*/15 * * * *", T0) == T0 + timedelta(minutes=15)
     # 0 is Sunday (crontab(5)); T0 is a Sunday noon, so the next is a week later
-    assert cron.next_fire("0 12 * * 0", T0) == T0 + timedelta(days=7)
-    assert cron.next_fire("0 12 * * 1", T0) == T0 + timedelta(days=1)
-    assert cron.next_fire("* * * * * */10", T0) == T0 + timedelta(seconds=10)
-    assert cron.fires_between("* * * * *", T0, T0 + timedelta(minutes=10)) == 10
-    assert cron.validate("  */5   * * * * ") == "*/5 * * * *"
+    assert times.next_fire("0 12 * * 0", T0) == T0 + timedelta(days=7)
+    assert times.next_fire("0 12 * * 1", T0) == T0 + timedelta(days=1)
+    assert times.next_fire("* * * * * */10", T0) == T0 + timedelta(seconds=10)
+    assert times.fires_between("* * * * *", T0, T0 + timedelta(minutes=10)) == 10
+    assert times.validate("  */5   * * * * ") == "*/5 * * * *"
 
 
 @pytest.mark.parametrize("expr", ["61 * * * *", "* * *", "every minute", "",
                                   "* * * * * * *", "0 0 1 1 * 0 2030", "@hourly"])
 def test_invalid_expression_is_one_sentence(expr: str) -> None:
     with pytest.raises(BadInput, match="invalid cron expression .*give five fields"):
-        cron.validate(expr)
+        times.validate(expr)
 
 
 def test_seven_fields_name_the_count() -> None:
     # croniter takes a seventh field (the year); pos promises five or six
     with pytest.raises(BadInput) as e:
-        cron.validate("* * * * * * *")
+        times.validate("* * * * * * *")
     assert e.value.message == ("invalid cron expression '* * * * * * *' (7 fields): give five "
                                "fields (minute hour day month weekday, UTC), or six with seconds "
                                "last, e.g. '*/15 * * * *'.")

@@ -1,0 +1,47 @@
+"""What an image records of the job and the host when it is taken, by either engine, and what
+an operation on an image gives back."""
+
+import platform
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from pos import host, nvml
+from pos.image import Manifest
+from pos.scheduler import cudackpt
+from pos.scheduler.criu import Options
+
+
+def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
+                 options: Options, leave_running: bool, gpu_use: dict[str, int]) -> Manifest:
+    """The manifest of an image about to be taken, by either engine (timings and files come
+    later; a GPU-only image has no CRIU version and no CRIU options)."""
+    names = {g.uuid: g.name for g in nvml.gpus()} if gpu_use else {}
+    comm, cmdline = host.describe(pid)
+    return Manifest(
+        pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(), kernel=platform.release(), criu_version=criu_version,
+        criu_options=options.to_json(), leave_running=leave_running,
+        driver_version=nvml.driver_version() if cuda else None,
+        cuda_version=cudackpt.driver_version() if cuda else None,
+        gpus=[{"uuid": u, "name": names.get(u, "n/a"), "memory_used": m}
+              for u, m in gpu_use.items()])
+
+
+@dataclass
+class Result:
+    path: Path
+    manifest: Manifest
+    restored_pid: Optional[int] = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        """The outcome for scripts (--json): one JSON object."""
+        m = self.manifest
+        return {"path": str(self.path), "pid": m.pid, "pids": m.pids, "gpu_pids": m.gpu_pids,
+                "restored_pid": self.restored_pid, "size_bytes": m.size_bytes,
+                "files": len(m.files), "timings": self.timings, "stall_s": m.stall_s,
+                "logs": m.logs}

@@ -1,0 +1,141 @@
+"""A process tree back from a whole-process image, by either engine: every file's presence and
+size checked first, CRIU's restore (the tree left stopped) beside the checksums' check, the tree
+resumed once the image is known good, the driver's restore (onto other GPUs if asked) and
+unlock; the concurrent engine puts the job's device memory back at the end (`finish`). All of
+it as steps with their undo (pos/scheduler/steps.py): a tree is never left half restored.
+"""
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+from pos import host, image, nvml
+from pos.errors import BadInput, PosError
+from pos.image import Manifest
+from pos.progress import QUIET, Progress
+from pos.scheduler import criu as criu_mod
+from pos.scheduler import cudackpt, procs
+from pos.scheduler.criu import Options
+from pos.scheduler.manifest import Result
+from pos.scheduler.steps import Echo, Guard
+from pos.scheduler.watchdog import Plan
+
+
+def check_restorable(directory: Path, manifest: Manifest) -> None:
+    """Refuse an image whose PIDs are taken or whose driver differs from this host's."""
+    for pid in manifest.pids:
+        if Path(f"/proc/{pid}").exists():
+            comm = host.describe(pid)[0] or "a process"
+            if procs.state(pid) == "Z":
+                comm += ", a zombie its parent has not reaped"
+            raise BadInput(f"PID {pid} of the image is taken ({comm})",
+                           "stop that process (after a --leave-running checkpoint: the "
+                           "original), then restore again")
+    if not manifest.gpu_pids:
+        return
+    here = nvml.driver_version()
+    if manifest.driver_version and here and here != manifest.driver_version:
+        raise BadInput(f"{directory} was taken with NVIDIA driver {manifest.driver_version} "
+                       f"and this host runs {here}", "restore it on a host with driver "
+                       f"{manifest.driver_version} (driver checkpoints are tied to the driver)")
+    cuda_here = cudackpt.driver_version()
+    if manifest.cuda_version and cuda_here and cuda_here != manifest.cuda_version:
+        raise BadInput(f"{directory} was taken with a CUDA {manifest.cuda_version} driver and "
+                       f"this host's driver is CUDA {cuda_here}", "restore it on a host with "
+                       "the same driver (driver checkpoints are tied to the driver)")
+
+
+def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
+    """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
+    t0 = time.monotonic()
+    image.verify(directory, names, stop=stop)
+    return time.monotonic() - t0
+
+
+def _failed(checking: Future[float]) -> Optional[BaseException]:
+    """Why the image's check beside CRIU failed, None while it runs or when it passed."""
+    return checking.exception() if checking.done() else None
+
+
+def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
+            gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
+            progress: Progress = QUIET, hoisted: bool = False,
+            finish: Optional[Callable[[Guard, int], None]] = None,
+            before_driver: Callable[[], None] = lambda: None) -> Result:
+    """Restore the image in `directory` and resume its processes; `check`: the files whose
+    checksums are verified (all when None; the rest is checked by whoever reads it). Every
+    file's presence and size are checked before CRIU starts; the checksums while CRIU
+    restores, which leaves the tree stopped: it runs only once the image is known good, and a
+    check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
+    `finish` (until then the undo ends a restored job rather than run it). `finish(g, root)`
+    runs last under the same guard (the concurrent engine puts the job's device memory back
+    there: a failure then ends the restored tree, never leaves it half-restored);
+    `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
+    there). The work folder goes whatever happens (CRIU's log of a failure is kept in
+    criu.LOG_DIR, and the error names it)."""
+    directory = Path(directory).absolute()
+    t = time.monotonic()
+    manifest = image.check_files(directory)
+    fds = criu_mod.inherited_fds(inherit_fds)
+    criu = criu_mod.find()
+    criu_mod.log_max_bytes()          # a bad bound is said before CRIU starts
+    checked = time.monotonic()
+    check_restorable(directory, manifest)
+    checked = time.monotonic() - checked
+    options = Options.from_json(manifest.criu_options)
+    for path, size in manifest.logs.items():
+        now = os.stat(path).st_size if os.path.exists(path) else size
+        if now != size:
+            echo(f"{path} changed since the dump ({size} bytes then, {now} now): the restored "
+                 "process appends to it")
+    plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
+                images=str(directory), criu_options=manifest.criu_options,
+                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
+    echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
+    logs = criu_mod.reopen_logs(manifest.logs)
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
+    checking = pool.submit(_verify_timed, directory, check, stop)
+    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
+    plan.work = str(work)
+    try:
+        with Guard(plan, echo, progress=progress) as g:
+            g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
+            g.timings["prepare_check"] = checked               # of which the driver's checks
+            g.step("criu-restore")
+            argv = criu.restore_argv(directory, options, work, work / "pidfile",
+                                     inherit_fds + tuple(logs.values()), leave_stopped=True)
+            terminal = options.shell_job and os.isatty(0)
+            try:
+                g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
+                                                           work / criu_mod.RESTORE_LOG,
+                                                           fds + tuple(logs), terminal,
+                                                           lambda: _failed(checking)))
+            except PosError:
+                checking.result()       # a corrupt image explains CRIU's failure best
+                raise
+            root = int((work / "pidfile").read_text())
+            g.step("verify")             # the tree is stopped until its image is known good
+            g.timings["verify"] = g.timed("verify_wait", checking.result)
+            procs.resume(procs.tree(root))
+            before_driver()
+            for p in manifest.gpu_pids:
+                g.step("restore")
+                g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
+            for p in manifest.gpu_pids:
+                g.step("unlock")
+                g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+            if finish is not None:
+                finish(g, root)
+    finally:
+        stop.set()
+        pool.shutdown()
+        for fd in logs:
+            os.close(fd)
+        shutil.rmtree(work, ignore_errors=True)
+    return Result(directory, manifest, restored_pid=root, timings=g.timings)

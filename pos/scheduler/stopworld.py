@@ -1,0 +1,99 @@
+"""The stop-the-world engine: the CUDA driver's checkpoint, then CRIU, as ordered steps with
+their undo (pos/scheduler/steps.py). lock (with a timeout) -> driver checkpoint -> criu dump ->
+[--leave-running: driver restore -> unlock] -> seal the image (checksums, manifest,
+DIR.partial -> DIR) -> [without --leave-running: end the tree, which CRIU left stopped: until
+the seal it can run on]. Its images come back through pos/scheduler/restore.py. Processes
+without CUDA state skip the driver steps: CRIU alone.
+"""
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from pos import image, nvml
+from pos.errors import BadInput, PosError
+from pos.progress import QUIET, Progress
+from pos.scheduler import criu as criu_mod
+from pos.scheduler import cudackpt, procs
+from pos.scheduler.criu import Options, PageServer
+from pos.scheduler.manifest import Result, new_manifest
+from pos.scheduler.steps import Echo, Guard, folder_bytes
+from pos.scheduler.watchdog import Plan
+
+DEFAULT_LOCK_TIMEOUT_MS = 10_000
+
+
+def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
+               lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, echo: Echo = lambda _: None,
+               page_server: Optional[PageServer] = None, progress: Progress = QUIET) -> Result:
+    """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
+    procs.require_checkpointable(pid)
+    criu = criu_mod.find()
+    pids = procs.tree(pid)
+    cuda = cudackpt.gpu_pids(pids)
+    for p in cuda:
+        refuse_imported(p)
+    gpu_use = nvml.gpus_of(cuda) if cuda else {}
+    # pages at least as large as what is resident, plus the device memory the dump will hold;
+    # a page server takes the pages elsewhere
+    needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
+    manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
+    comm = manifest.comm
+    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path,
+                images=str(image.partial_path(Path(directory).absolute())),
+                stopped=[p for p in pids if procs.state(p) in ("T", "t")],
+                criu_options=options.to_json())
+    partial = image.prepare(directory, needed)    # just before the watchdog, which knows it
+    with Guard(plan, echo, progress) as g:
+        echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
+             "CUDA state")
+        start = time.monotonic()
+        for p in cuda:
+            g.step("lock")
+            g.timed("lock", lambda p=p: cudackpt.lock(p, lock_timeout_ms))
+        for p in cuda:
+            g.step("checkpoint")
+            g.timed("checkpoint", lambda p=p: cudackpt.checkpoint(p))
+        progress.phase("dump", poll=lambda: folder_bytes(partial))
+        g.step("dump")
+        manifest.logs = procs.logs(pids)
+        argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
+        g.dump(criu, argv, partial)     # without --leave-running: the tree stays, stopped
+        if leave_running:
+            for p in cuda:
+                g.step("restore")
+                g.timed("restore", lambda p=p: cudackpt.restore(p))
+            for p in cuda:
+                g.step("unlock")
+                g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+            manifest.stall_s = time.monotonic() - start if cuda else g.timings.get("frozen")
+        g.step("seal")
+        manifest.timings = g.timings
+        progress.phase("checksum", total=folder_bytes(partial))
+        final = g.timed("checksum", lambda: image.seal(partial, manifest, progress.advance))
+        if not leave_running:
+            g.end()
+    manifest.timings = g.timings
+    image.write_manifest(final, manifest)     # with the checksum's own time
+    return Result(final, manifest, timings=g.timings)
+
+
+def refuse_imported(pid: int, fix: str = "checkpoint it with `pos checkpoint --concurrent` (to "
+                    "move it: copy that image and `pos restore -D` it on the other host)") -> None:
+    """Refuse a `pos run` job whose device memory was mapped back from pos's descriptors (after
+    a whole-process concurrent checkpoint or restore): the driver checkpoints it, but its
+    restore fails (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED on the H100, driver
+    580.159.04, 2026-11-25), so a stop-the-world image of it could never be restored, nor the
+    driver move it to another GPU. `fix`: what to do instead."""
+    from pos.agent.control import Agent
+
+    try:
+        agent = Agent(pid, timeout=10)
+    except PosError:
+        return                          # no agent: the job's memory is its own
+    with agent:
+        imported = agent.status().imported
+    if imported:
+        raise BadInput(f"{imported} of the device allocations of PID {pid} were mapped back "
+                       "from a whole-process concurrent checkpoint or restore, and the driver "
+                       "cannot restore such memory from a stop-the-world image", fix)

@@ -1,0 +1,1 @@
+"""Tests of the scheduled snapshots (pos/cron/)."""
