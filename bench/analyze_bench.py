@@ -142,7 +142,8 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=2_000_000)
     ap.add_argument("--check", type=int, default=20_000, help="ops per reference window")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "analyze-bench.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / str(date.today())
+                                            / "analyze-bench.json"))
     args = ap.parse_args()
 
     warm = make_trace(5000, n_allocs=200, per_iteration=500)

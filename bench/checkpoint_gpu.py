@@ -1,7 +1,7 @@
 """Stop-the-world baseline of full-process checkpoint/restore on the GPU (driver API + CRIU).
 
 Run on the GPU host from the project root, as root, after `source .device/setup.sh`:
-    python3 bench/checkpoint_gpu.py --sizes 1,4,16,32 --out bench/results/checkpoint-h100.json
+    python3 bench/checkpoint_gpu.py --sizes 1,4,16,32 --out bench/results/2026-11-23/checkpoint-h100.json
 For each size S (GiB of device memory, random data, in workloads/train_det.py's --ballast-gib):
   1. `pos checkpoint --leave-running`: the stall the job saw (lock -> unlock, from the manifest),
      the time of each step, the wall time of the command and the image size;

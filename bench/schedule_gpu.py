@@ -1,7 +1,7 @@
 """Cron-scheduled snapshots of a PyTorch job on the GPU, then a restore of every kept image.
 
 Run on the GPU host from the project root, as root, after `source .device/setup.sh`:
-    python3 bench/schedule_gpu.py --minutes 5 --out bench/results/schedule-h100.json
+    python3 bench/schedule_gpu.py --minutes 5 --out bench/results/2026-11-23/schedule-h100.json
   1. starts workloads/train_det.py (heartbeat file, --ballast-gib of device memory);
   2. `pos schedule add --cron '* * * * *' --match <its heartbeat path> --engine auto --keep K
      --leave-running`, then `pos daemon` for --minutes (progress every 30 s; the job must keep

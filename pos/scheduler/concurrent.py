@@ -362,7 +362,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
 
 # a fill thread reads, hashes and copies this many KiB at a time: 2 MiB beat 1 MiB on the H100
 # and the H200 once each piece was made in one pass (pos/image/chunks.c: pass; session 8's
-# measurement, bench/results/2026-11-26-session9.md)
+# measurement, bench/results/2026-11-26.md)
 FILL_PIECE_KIB = os.environ.get("POS_FILL_PIECE_KIB", "2048")
 FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
 # copy out of the data files mapped (the default), or read them (POS_FILL_MAPPED=0)

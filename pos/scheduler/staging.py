@@ -3,7 +3,7 @@
 While the job is frozen CRIU writes its own memory (1.2-1.3 GB for a PyTorch job; its device
 memory is not in it). On the H100 host CRIU wrote those pages into /dev/shm (4 KiB pages) in
 0.41-0.58 s and into a tmpfs mounted with huge=always in 0.31 s, and the frozen part was
-0.47 s instead of 0.55-0.75 s (bench/results/2026-11-25-hoist3). So the dump goes to
+0.47 s instead of 0.55-0.75 s (bench/results/2026-11-25/hoist3). So the dump goes to
 /run/pos/dump, and its files move into the image once the job runs again. The directory's name
 ends in .partial, so that the undo (pos/scheduler/steps.py, watchdog.py) removes it like the
 image's own partial directory; an empty tmpfs holds no memory.
