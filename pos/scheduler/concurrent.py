@@ -509,6 +509,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
 
     started = time.monotonic()
     procs.require_checkpointable(pid)
+    procs.require_dumpable(pid)
     criu = criu_mod.find()
     agent = Agent(pid)                 # no agent: one sentence, before anything else
     pids = procs.tree(pid)

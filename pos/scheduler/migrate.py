@@ -168,6 +168,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
     device memory copied by pos), then sent whole."""
     address, port = _split(host)
     procs.require_checkpointable(pid)
+    procs.require_dumpable(pid)
     try:
         sock = socket.create_connection((address, port), timeout=30)
     except OSError as e:

@@ -135,6 +135,108 @@ def require_checkpointable(pid: int) -> None:
     host.require_root(f"checkpointing PID {pid}")
 
 
+IO_URING = "anon_inode:[io_uring]"
+# The thread that runs PyTorch's TCPStore server on libuv (torchrun's rendezvous store). libuv
+# (>= 1.45) opens an io_uring in every event loop it starts, to batch epoll_ctl calls, whatever
+# UV_USE_IO_URING says (that variable governs only its SQPOLL ring for file operations), and
+# torchrun's launcher creates that store without reading USE_LIBUV (PyTorch 2.13, 2026-11-27).
+TCPSTORE_UV_THREAD = "pt_tcpstore_uv"
+# Either makes io_uring_setup fail, and libuv then runs on epoll alone (it ignores the failure).
+REFUSE_IO_URING = ("io_uring_setup refused (a seccomp filter that fails it, as Docker's default "
+                   "profile does since Docker 25, or sysctl kernel.io_uring_disabled=2 while it "
+                   "starts)")
+FIX_IO_URING = f"start the job again with {REFUSE_IO_URING}, if it runs without one"
+FIX_TCPSTORE = (f"start torchrun with {REFUSE_IO_URING}, or the ranks without torchrun with "
+                "USE_LIBUV=0 (rank 0 then hosts a store without libuv); UV_USE_IO_URING=0 and "
+                "USE_LIBUV=0 do not reach torchrun's own store")
+
+
+def program(pid: int) -> str:
+    """What a person calls the process: its program's name from the command line, the script
+    for an interpreter (`python3 /x/bin/torchrun` is torchrun, `python -m m` is m), since the
+    kernel's name of a process is whatever its main thread named itself (torchrun's is
+    pt_elastic)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    args = [a.decode(errors="replace") for a in argv if a]
+    if not args:
+        return "?"
+    name = os.path.basename(args[0])
+    if name.startswith("python") and len(args) > 1:
+        if args[1] == "-m" and len(args) > 2:
+            return args[2]
+        if not args[1].startswith("-"):
+            return os.path.basename(args[1])
+    return name
+
+
+def io_urings(pid: int) -> list[str]:
+    """Where `pid` holds an io_uring: "fd N" for each descriptor, "a mapping at ADDR" for each
+    mapped ring whose descriptor is gone (one that is also open as a descriptor is said once).
+    CRIU (4.2) cannot dump either: it stops at the mapping ("Unknown shit 600
+    (anon_inode:[io_uring])") and has no dumper for the descriptor."""
+    found: list[str] = []
+    try:
+        fds = sorted(os.listdir(f"/proc/{pid}/fd"), key=int)
+    except OSError:
+        fds = []
+    inodes = set()
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == IO_URING:
+                found.append(f"fd {fd}")
+                inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            continue
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if line.rstrip().endswith(IO_URING):
+                    fields = line.split()
+                    if int(fields[4]) not in inodes:
+                        inodes.add(int(fields[4]))
+                        found.append(f"a mapping at 0x{fields[0].split('-')[0]}")
+    except OSError:
+        pass
+    return found
+
+
+def threads(pid: int) -> list[str]:
+    """The names of `pid`'s threads (/proc/PID/task/*/comm)."""
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out.append(Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip())
+        except OSError:
+            pass
+    return out
+
+
+def require_dumpable(pid: int) -> None:
+    """Refuse, before any process of the tree of `pid` is touched, a tree that CRIU cannot dump
+    because a process holds an io_uring: otherwise the driver would lock and checkpoint every
+    GPU process and CRIU fail only then, every rank of a job held for nothing (issue 27: a
+    torchrun launcher). The sentence names the process, what made the ring, and the fix."""
+    for p in tree(pid):
+        where = io_urings(p)
+        if not where:
+            continue
+        who = f"PID {p} ({program(p)})" + ("" if p == pid else f", in the tree of PID {pid},")
+        held = f"an io_uring ({', '.join(where)})"
+        if TCPSTORE_UV_THREAD in threads(p):
+            raise BadInput(f"{who} holds {held} that libuv opened for PyTorch's TCPStore "
+                           "server (torchrun's rendezvous store), and CRIU cannot checkpoint an "
+                           "io_uring", FIX_TCPSTORE)
+        raise BadInput(f"{who} holds {held}, and CRIU cannot checkpoint an io_uring",
+                       FIX_IO_URING)
+
+
 def wait_gone(pid: int, timeout: float) -> bool:
     """Wait until `pid` is gone or a zombie (it need not be our child); False on timeout."""
     deadline = time.monotonic() + timeout

@@ -28,6 +28,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                page_server: Optional[PageServer] = None, progress: Progress = QUIET) -> Result:
     """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
     procs.require_checkpointable(pid)
+    procs.require_dumpable(pid)
     criu = criu_mod.find()
     pids = procs.tree(pid)
     cuda = cudackpt.gpu_pids(pids)

@@ -1,0 +1,272 @@
+"""Stop-the-world checkpoint/restore of a whole DDP job on the CPU (gloo), on a host without a
+GPU: the part of issue 27 item 3 that CPUs settle. torch is not a dependency of pos: give the
+Python of an environment that has it (a CPU build is enough).
+
+Run from the project root, as root, after scripts/setup.sh:
+    .venv/bin/python bench/ddp_cpu.py --python /tmp/torchcpu/bin/python \\
+        --out bench/results/2026-11-27-multigpu/ddp-cpu.json
+Each case runs workloads/ddp_cpu.py (2 ranks, each appending `STEP LOSS` with float.hex()) once
+uninterrupted for the reference, then again with, at step --at, `pos checkpoint ROOT
+--leave-running --tcp-established`, the whole tree SIGKILLed a few steps later and `pos
+restore`; every line the ranks wrote (before, after the checkpoint, after the restore) must
+equal the reference's line for that step, and the job must end with exit status 0.
+  torchrun           plain torchrun: its launcher holds an io_uring (libuv, for its TCPStore),
+                     so pos refuses, and the job must run on untouched, bit-exact;
+  torchrun-nouring   torchrun under a seccomp filter that fails io_uring_setup (libuv then runs
+                     on epoll alone);
+  direct-nolibuv     no torchrun: a parent starts the ranks with USE_LIBUV=0 (rank 0 hosts a
+                     TCPStore without libuv).
+"""
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "workloads" / "ddp_cpu.py"
+CASES = ("torchrun", "torchrun-nouring", "direct-nolibuv")
+PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 36, 38, 22
+SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 2, 0x7FFF0000, 0x00050000
+NR_IO_URING_SETUP, ENOSYS = 425, 38
+AUDIT_ARCH_X86_64 = 0xC000003E
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def exec_without_io_uring(argv: list[str]) -> None:
+    """Exec `argv` with io_uring_setup failing (ENOSYS) for it and its children: a seccomp
+    filter, what Docker's default profile does for io_uring (x86_64 only)."""
+    def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+    ld_w_abs, jeq_k, ret_k = 0x20, 0x15, 0x06
+    prog = b"".join([
+        ins(ld_w_abs, 4), ins(jeq_k, AUDIT_ARCH_X86_64, 1, 0), ins(ret_k, SECCOMP_RET_ALLOW),
+        ins(ld_w_abs, 0), ins(jeq_k, NR_IO_URING_SETUP, 0, 1),
+        ins(ret_k, SECCOMP_RET_ERRNO | ENOSYS), ins(ret_k, SECCOMP_RET_ALLOW)])
+    buf = ctypes.create_string_buffer(prog)
+    fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if (libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog)) != 0):
+        sys.exit(f"seccomp: {os.strerror(ctypes.get_errno())}")
+    os.execvp(argv[0], argv)
+
+
+def launch_direct(python: str, outdir: str, port: int, args: list[str]) -> None:
+    """The parent of the ranks without torchrun (env:// rendezvous): exit 0 when both did."""
+    ranks = [subprocess.Popen([python, str(JOB), outdir, *args],
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "RANK": str(r),
+                                   "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "USE_LIBUV": "0"})
+             for r in range(2)]
+    sys.exit(max(p.wait() for p in ranks))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(case: str, python: str, outdir: Path, steps: int, sleep: float) -> list[str]:
+    args = ["--steps", str(steps), "--sleep", str(sleep)]
+    port = free_port()
+    torchrun = [python, str(Path(python).parent / "torchrun"), "--nproc_per_node=2",
+                f"--master_port={port}", str(JOB), str(outdir), *args]
+    if case == "torchrun":
+        return torchrun
+    if case == "torchrun-nouring":
+        return [sys.executable, __file__, "exec-without-io-uring", *torchrun]
+    return [sys.executable, __file__, "launch-direct", python, str(outdir), str(port), *args]
+
+
+def read(outdir: Path) -> list[list[tuple[int, str]]]:
+    out = []
+    for r in range(2):
+        p = outdir / f"rank-{r}.txt"
+        text = p.read_text() if p.exists() else ""
+        fields = (ln.split() for ln in text.splitlines())   # a line being written: skipped
+        out.append([(int(f[0]), f[1]) for f in fields if len(f) == 2])
+    return out
+
+
+def start(cmd: list[str], outdir: Path) -> subprocess.Popen:
+    outdir.mkdir(parents=True)
+    return subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=open(outdir / "job.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_lines(outdir: Path, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while min(len(r) for r in read(outdir)) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{outdir}: fewer than {n} steps after {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def tree(root: int) -> list[int]:
+    sys.path.insert(0, str(ROOT))
+    from pos.scheduler import procs
+
+    return procs.tree(root)
+
+
+def pos(*args: str) -> tuple[int, float, dict[str, Any], str]:
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pos.cli", *args, "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    wall = time.monotonic() - t
+    try:
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        report = {}
+    return r.returncode, wall, report, r.stderr.strip()
+
+
+def reap(pid: int, timeout: float = 120) -> Optional[int]:
+    """The exit status of `pid`, a child of ours (the restored root is one: we are a subreaper)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return None
+
+
+def compare(ref: list[list[tuple[int, str]]], got: list[list[tuple[int, str]]]) -> dict:
+    """Every line equal to the reference's for its step, every step there."""
+    want = [dict(r) for r in ref]
+    wrong = [(r, s, v) for r in range(2) for s, v in got[r] if want[r].get(s) != v]
+    missing = [(r, s) for r in range(2) for s in want[r] if s not in {x for x, _ in got[r]}]
+    return {"bit_exact": not wrong and not missing, "lines": sum(map(len, got)),
+            "wrong": wrong[:5], "missing": missing[:5]}
+
+
+def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: int) -> dict:
+    say(f"{case}: reference run ({steps} steps)")
+    ref_dir = work / case / "ref"
+    ref = start(command(case, python, ref_dir, steps, sleep), ref_dir)
+    rc = ref.wait(timeout=steps * sleep + 300)
+    reference = read(ref_dir)
+    if rc != 0 or min(map(len, reference)) != steps:
+        raise RuntimeError(f"{case}: the reference run failed (exit {rc}), see {ref_dir}")
+    row: dict[str, Any] = {"case": "ddp-stw", "variant": case, "gpus": 0, "ranks": 2,
+                           "steps": steps, "checkpoint_at_step": at, "refused": None}
+    cr_dir = work / case / "cr"
+    job = start(command(case, python, cr_dir, steps, sleep), cr_dir)
+    wait_lines(cr_dir, at, 120)
+    pids = tree(job.pid)
+    from pos.scheduler import procs
+
+    row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
+    img = work / case / "img"
+    say(f"{case}: pos checkpoint {job.pid} ({len(pids)} processes) at step "
+        f"{min(map(len, read(cr_dir)))}")
+    code, wall, report, err = pos("checkpoint", str(job.pid), "-D", str(img), "--leave-running",
+                                  "--tcp-established")
+    row.update(checkpoint_exit=code, checkpoint_wall_s=round(wall, 3))
+    if code != 0:
+        row["refused"] = err.removeprefix("Error: ")
+        row["untouched"] = (tree(job.pid) == pids and not any(
+            (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT")
+            for p in pids))
+        say(f"{case}: refused (exit {code}): {err}")
+        rc = job.wait(timeout=steps * sleep + 300)
+        row.update(job_exit=rc, **compare(reference, read(cr_dir)))
+        return row
+    row.update(stall_s=report.get("stall_s"), stw_stall_s=report.get("stall_s"),
+               image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
+               checkpoint_timings=report.get("timings"))
+    wait_lines(cr_dir, min(map(len, read(cr_dir))) + 5, 60)    # it runs on after the dump
+    for p in reversed(pids):
+        os.kill(p, signal.SIGKILL)
+    job.wait()
+    for p in pids:
+        while os.path.exists(f"/proc/{p}"):      # reaped by their parents or by us
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.01)
+    killed = read(cr_dir)
+    row["killed_at_step"] = min(len(r) for r in killed)
+    say(f"{case}: killed at step {row['killed_at_step']}; pos restore")
+    t0 = time.monotonic()
+    code, wall, report, err = pos("restore", "-D", str(img))
+    row.update(restore_exit=code, restore_wall_s=round(wall, 3))
+    if code != 0:
+        raise RuntimeError(f"{case}: pos restore failed: {err}")
+    while read(cr_dir) == killed and time.monotonic() - t0 < 60:
+        time.sleep(0.005)
+    row["first_step_s"] = round(time.monotonic() - t0, 3)    # from `pos restore` to a new line
+    now = read(cr_dir)
+    row["resumed_at_step"] = min(r[len(k)][0] for r, k in zip(now, killed) if len(r) > len(k))
+    row["job_exit"] = reap(job.pid, steps * sleep + 300)
+    row.update(compare(reference, read(cr_dir)))
+    say(f"{case}: restored, exit {row['job_exit']}, bit-exact {row['bit_exact']}")
+    return row
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "exec-without-io-uring":
+        exec_without_io_uring(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "launch-direct":
+        launch_direct(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
+    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a.add_argument("--python", required=True, help="a Python with torch (a CPU build will do)")
+    a.add_argument("--cases", default=",".join(CASES))
+    a.add_argument("--steps", type=int, default=40)
+    a.add_argument("--sleep", type=float, default=0.1)
+    a.add_argument("--at", type=int, default=10, help="checkpoint once every rank wrote this many")
+    a.add_argument("--work", default="/tmp/pos-ddp-cpu", help="scratch folder (emptied)")
+    a.add_argument("--out")
+    args = a.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/ddp_cpu.py: run as root (CRIU)")
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # restored roots become ours
+    work = Path(args.work)
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    torch_version = subprocess.run([args.python, "-c", "import torch; print(torch.__version__)"],
+                                   capture_output=True, text=True).stdout.strip()
+    rows = [run_case(c, args.python, work, args.steps, args.sleep, args.at)
+            for c in args.cases.split(",")]
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "device": "development VM, no GPU (CPU DDP over gloo)", "driver": None,
+        "host": {"kernel": platform.release(), "cores": os.cpu_count()},
+        "torch": torch_version,
+        "criu": subprocess.run([sys.executable, "-c", "from pos.scheduler import criu; "
+                                "print(criu.find().version_text)"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip(),
+        "commit": git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else ""),
+        "command": " ".join(["bench/ddp_cpu.py", *sys.argv[1:]]),
+        "rows": rows,
+    }
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
