@@ -239,16 +239,16 @@ class Copier:
                 continue
             try:
                 h, hits = gpuimage.checksum_points(self.arena.view(slot, n), self.targets)
+                self.handout.points(i, self.index_of[np.flatnonzero(hits)].tolist())
+                with self.lock:
+                    self.scan_left[i] -= 1
+                    whole = self.scan_left[i] == 0
+                if whole:
+                    self.handout.came_back(i)     # may tell the agent: its socket may fail
             except BaseException as e:
                 self.slots.put(slot)
                 self._fail(e)
                 continue
-            self.handout.points(i, self.index_of[np.flatnonzero(hits)].tolist())
-            with self.lock:
-                self.scan_left[i] -= 1
-                whole = self.scan_left[i] == 0
-            if whole:
-                self.handout.came_back(i)
             self.writes.put((i, off, n, slot, h))
 
     def _write(self) -> None:

@@ -182,6 +182,39 @@ def test_an_arena_smaller_than_the_job_streams_an_exact_image(
         assert not torn(image_values(Path(r.path)))
 
 
+@pytest.mark.parametrize("where", ["write", "scan"])
+def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
+        fill_job, tmp_path: Path, monkeypatch, where: str) -> None:
+    """A chunk's write (a full disk) or its scan failing on one of the copy's threads, with a
+    small arena whose slots the failed chunk held: the checkpoint ends in that error, not a
+    hang; no image is left; the job computes on, its agent idle."""
+    from pos.scheduler import copier
+
+    monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
+    monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
+    calls = [0]
+    target = (gpuimage.Writer, "put") if where == "write" else (gpuimage, "checksum_points")
+    real = getattr(*target)
+
+    def failing(*args, **kw):   # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(*target, failing)
+    job = fill_job()
+    with pytest.raises(OSError, match="No space left"):
+        concurrent.checkpoint_gpu(job.pid, tmp_path / "img", chunk_mb=1)
+    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle"
+    first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a", chunk_mb=1).path))
+    time.sleep(0.3)
+    then = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b", chunk_mb=1).path))
+    assert job.alive() and not torn(then) and max(then) > max(first)
+
+
 @pytest.mark.parametrize("kernel, layout_known", [("_Z4axpyfPKfPfi", True),
                                                    ("_Z6axpy_2fPKfPfi", False)])
 @pytest.mark.parametrize("gate", ["restore", "copy"])
