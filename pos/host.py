@@ -29,6 +29,16 @@ def describe(pid: int) -> tuple[str, str]:
     return comm, cmdline
 
 
+def memory_available() -> int:
+    """MemAvailable in bytes: what the host can give without swapping or taking back memory in
+    use (pos's page-locked arena and its staging tmpfs are sized from it)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def effective_capabilities() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):

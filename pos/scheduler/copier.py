@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pos import host
 from pos.agent.control import Buffer
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
@@ -34,15 +35,6 @@ from pos.scheduler.handout import Handout
 ARENA_ENV = "POS_PIN_MAX_GIB"     # at most this much page-locked host memory for a checkpoint
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
-
-
-def host_available_bytes() -> int:
-    """MemAvailable: what the host can give without swapping or reclaiming what is in use."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def arena_bytes(total: int, chunk: int) -> int:
@@ -57,7 +49,7 @@ def arena_bytes(total: int, chunk: int) -> int:
     except ValueError:
         raise BadInput(f"{ARENA_ENV}={cap} is not a number of GiB",
                        "unset it, or give a number such as 8") from None
-    spare = host_available_bytes() - HOST_RESERVE
+    spare = host.memory_available() - HOST_RESERVE
     want = min(need, limit, spare) // chunk * chunk
     least = min(MIN_ARENA, need)
     if limit < least:
@@ -85,7 +77,7 @@ class _Stopped(Exception):
 class Copier:
     """Copies `table`'s buffers from `sources` (pos's shadow, or its mapping of the job's own
     memory) through `arena` into `writer`. Three kinds of threads: one per stream copies chunks
-    to the arena (the handout learns as each buffer is all in host memory: `captured`), others
+    to the arena (gpucopy.run_chunks) (the handout learns as each buffer is all in host memory: `captured`), others
     hash them and scan them for addresses (the handout learns what each buffer points into, and
     when it is all known: `came_back`), others write them and give their slot back.
     start(), then wait_copied() (device memory no longer needed), then join() (all written);
@@ -109,10 +101,9 @@ class Copier:
         self.work = sorted(gpucopy.grid([b.size for b in table], chunk),
                            key=lambda w: (rank[w[0]], w[1]))
         self.order = gpucopy.Order(self.work)
-        self.d2h_left = [0] * len(table)
+        self.scan_left = [0] * len(table)
         for i, _off, _n in self.work:
-            self.d2h_left[i] += 1
-        self.scan_left = list(self.d2h_left)
+            self.scan_left[i] += 1
         by_va = sorted(range(len(table)), key=lambda i: table[i].va)
         self.targets = gpuimage.Targets([(table[i].va, table[i].va + table[i].mapped)
                                          for i in by_va])
@@ -142,9 +133,8 @@ class Copier:
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        for i, n in enumerate(self.d2h_left):
-            if n == 0:                  # an empty buffer: nothing to copy
-                self.handout.captured(i)
+        for i, n in enumerate(self.scan_left):
+            if n == 0:                  # an empty buffer: nothing to scan (nor to copy)
                 self.handout.came_back(i)
         for t in self.scanners + self.writers:
             t.start()
@@ -182,54 +172,40 @@ class Copier:
                 continue
 
     def _copy(self) -> None:
-        """One thread per stream copies chunks to the arena, in order; then the scanners and
-        the writers are told there is no more."""
-        def run() -> None:
-            self.drv.call("cuCtxSetCurrent", self.ctx)
-            stream = gpucopy.C.c_void_p()
-            self.drv.call("cuStreamCreate", gpucopy.C.byref(stream), gpucopy.C.c_uint(1))
+        """One thread per stream copies chunks to the arena, in the order's order (the handout
+        learns as each buffer is all there); then the scanners and the writers are told there
+        is no more."""
+        def one(stream: Any, i: int, off: int, n: int) -> None:
+            self.go.wait()
+            slot = self._slot()
             try:
-                while self.go.wait() and not self.failures and (item := self.order.take()):
-                    i, off, n = item
-                    slot = self._slot()
-                    try:
-                        self.drv.call("cuMemcpyDtoHAsync_v2",
-                                      gpucopy.C.c_void_p(self.arena.ptr + slot),
-                                      gpucopy.U64(self.sources[i] + off), gpucopy.SZ(n), stream)
-                        self.drv.call("cuStreamSynchronize", stream)
-                    except BaseException:
-                        self.drv.function("cuStreamSynchronize")(stream)
-                        self.slots.put(slot)
-                        raise
-                    with self.lock:
-                        self.copied_bytes += n
-                        self.d2h_left[i] -= 1
-                        whole = self.d2h_left[i] == 0
-                    if whole:
-                        self.handout.captured(i)
-                    self.scans.put((i, off, n, slot))
-            except _Stopped:
-                pass
-            except BaseException as e:
-                self._fail(e)
-            finally:
-                self.drv.function("cuStreamDestroy_v2")(stream)
+                self.drv.call("cuMemcpyDtoHAsync_v2", gpucopy.C.c_void_p(self.arena.ptr + slot),
+                              gpucopy.U64(self.sources[i] + off), gpucopy.SZ(n), stream)
+                self.drv.call("cuStreamSynchronize", stream)
+            except BaseException:
+                self.slots.put(slot)
+                raise
+            with self.lock:
+                self.copied_bytes += n
+            self.scans.put((i, off, n, slot))
 
-        threads = [threading.Thread(target=run, name=f"pos-d2h-{k}", daemon=True)
-                   for k in range(max(1, self.streams))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if not self.failures:
+        try:
+            self.drv.call("cuCtxSetCurrent", self.ctx)
+            gpucopy.run_chunks(self.drv, self.work, len(self.table), self.streams, one,
+                               self.handout.captured, self.order)
             self.d2h_s = time.monotonic() - self.t0
-        self.copied.set()
-        for _ in self.scanners:
-            self.scans.put(None)
-        for t in self.scanners:
-            t.join()
-        for _ in self.writers:
-            self.writes.put(None)
+        except _Stopped:
+            pass
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self.copied.set()
+            for _ in self.scanners:
+                self.scans.put(None)
+            for t in self.scanners:
+                t.join()
+            for _ in self.writers:
+                self.writes.put(None)
 
     def _scan(self) -> None:
         while self.scan_go.wait() and (item := self.scans.get()) is not None:

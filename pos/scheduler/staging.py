@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from pos import host
+
 ROOT = Path("/run/pos/dump")
 ENV = "POS_DUMP_STAGING"      # 0: CRIU writes straight into the image's folder
 OPTIONS = b"huge=always,mode=0700"
@@ -24,7 +26,7 @@ def directory(name: str, partial: Path, needed_bytes: int) -> Optional[Path]:
     """A new directory for CRIU's files on the huge-page tmpfs (mounted if need be); None when
     it cannot help: turned off, not mountable, the image is on it already, or the memory it
     would take is not free."""
-    if os.environ.get(ENV) == "0" or available_bytes() < 2 * needed_bytes:
+    if os.environ.get(ENV) == "0" or host.memory_available() < 2 * needed_bytes:
         return None
     try:
         _mount()
@@ -42,13 +44,6 @@ def move_into(stage: Path, partial: Path) -> None:
     for f in sorted(stage.iterdir()):
         shutil.move(str(f), str(partial / f.name))
     stage.rmdir()
-
-
-def available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _mount() -> None:

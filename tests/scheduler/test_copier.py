@@ -2,6 +2,7 @@
 
 import pytest
 
+from pos import host as pos_host
 from pos.errors import BadInput
 from pos.scheduler import copier, gpucopy
 
@@ -11,7 +12,7 @@ GIB, CHUNK = 1 << 30, 64 << 20
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     def available(gib: float) -> None:
-        monkeypatch.setattr(copier, "host_available_bytes", lambda: int(gib * GIB))
+        monkeypatch.setattr(pos_host, "memory_available", lambda: int(gib * GIB))
     monkeypatch.delenv(copier.ARENA_ENV, raising=False)
     return available
 
