@@ -21,6 +21,9 @@
 #                                # without the stop-the-world baseline; POS_SCALE_FAULTS=SPEC:
 #                                # pos killed at each step; POS_BENCH_TEST=1: the 85% GPU test),
 #                                # memory and kernel log sampled beside it (~4 min a row)
+#   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
+#                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
+#                                # of ballast, default 4; POS_MULTI_PARTS) (~8 min)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
@@ -29,7 +32,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -106,9 +109,16 @@ floor)
     step floor python3 bench/floor_gpu.py --out "$out" --gib "${POS_FLOOR_GIB:-16,35}"
     grep '^row' "$out/floor.log"
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null) ;;
+multigpu)
+    step native python3 -m pos.native
+    step multigpu python3 bench/multigpu_gpu.py --out "$out" --gib "${POS_MULTI_GIB:-4}" \
+        --parts "${POS_MULTI_PARTS:-migrate,split,ddp}"
+    grep '^\[{' "$out/multigpu.log"
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt ./ddp.json ./machine.json \
+        2>/dev/null) ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu" >&2
     exit 2 ;;
 esac

@@ -46,3 +46,27 @@ def criu_options_from(shell_job: bool, tcp_established: bool, ext_unix_sk: bool,
     from pos.scheduler.criu import Options
 
     return Options(shell_job, tcp_established, ext_unix_sk, file_locks, tuple(external))
+
+
+class _GpuTarget(click.ParamType):
+    """`--to-gpu`'s value: N, or OLD=NEW,... (pos.scheduler.gpumap.Onto)."""
+
+    name = "N|OLD=NEW,..."
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from pos.errors import BadInput
+        from pos.scheduler.gpumap import Onto
+
+        if isinstance(value, Onto):
+            return value
+        try:
+            return Onto.parse(str(value))
+        except BadInput as e:
+            self.fail(f"{e.cause}: {e.fix}", param, ctx)
+
+
+def to_gpu_option(what: str) -> Any:
+    """`--to-gpu N` or `--to-gpu 0=1,1=0` (NVML's indices, as nvidia-smi shows them)."""
+    return click.option("--to-gpu", type=_GpuTarget(), default=None,
+                        help=f"{what} onto GPU N (NVML index) of this host; a job on several "
+                             "GPUs takes a map of each, such as 0=1,1=0.")

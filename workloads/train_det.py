@@ -9,6 +9,9 @@ run must too. --ballast-gib adds that much random device memory (GPU state to sa
 With --steps 0 it runs until killed, one small step per --sleep (a heartbeat for benchmarks).
 --clock FILE appends `STEP PHASE WALLTIME` as each part of a step ends (begin, forward,
 backward, step, item, slept): where a slow step spends its time, seen from inside.
+--split puts the model's first half on cuda:0 and its second, with the ballast, on cuda:1 (a
+process on two GPUs, the activations crossing between them; the GPUs' memory unlike, so that
+where each went after a move shows).
 """
 
 import argparse
@@ -28,6 +31,7 @@ def main() -> None:
     a.add_argument("--sleep", type=float, default=0.05)
     a.add_argument("--ballast-gib", type=float, default=0.0)
     a.add_argument("--clock")
+    a.add_argument("--split", action="store_true")
     args = a.parse_args()
     clock = os.open(args.clock, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if args.clock else -1
 
@@ -38,17 +42,21 @@ def main() -> None:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
-    dev = torch.device("cuda")
+    devs = [torch.device("cuda", i) for i in ((0, 1) if args.split else (0,))]
+    dev, last = devs[0], devs[-1]
     ballast = None
     if args.ballast_gib:
         n = int(args.ballast_gib * 2**30) // 4
-        ballast = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
+        ballast = torch.empty(n, dtype=torch.float32, device=last).uniform_()
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
                           nn.Linear(1024, 10)).to(dev)
+    model[2:].to(last)
+    if args.split:      # the hand-over between the halves: a hook moves the activations
+        model[2].register_forward_pre_hook(lambda _m, x: tuple(t.to(last) for t in x))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(512, 256, generator=g).to(dev)
-    y = torch.randint(0, 10, (512,), generator=g).to(dev)
+    y = torch.randint(0, 10, (512,), generator=g).to(last)
     fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     step = 0
     while args.steps == 0 or step < args.steps:
@@ -64,7 +72,8 @@ def main() -> None:
         os.write(fd, f"{step} {loss.item().hex()}\n".encode())
         mark(step, "item")
         if args.sleep:
-            torch.cuda.synchronize()
+            for d in devs:
+                torch.cuda.synchronize(d)
             time.sleep(args.sleep)
         mark(step, "slept")
     if ballast is not None:

@@ -49,7 +49,7 @@ class Manifest:
     leave_running: bool
     driver_version: Optional[str] = None      # the kernel module's, e.g. 580.159.04
     cuda_version: Optional[int] = None        # cuDriverGetVersion, e.g. 13000
-    gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used
+    gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used, index
     logs: dict[str, int] = field(default_factory=dict)   # path -> size at the dump (procs.logs)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256, chunks
     chunk_bytes: int = CHUNK_BYTES            # what files[*].chunks were computed over

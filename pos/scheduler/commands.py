@@ -8,10 +8,12 @@ import click
 
 from pos.errors import BadInput
 
-from pos.options import criu_options, criu_options_from, db_option, json_option
+from pos.options import (criu_options, criu_options_from, db_option, json_option,
+                         to_gpu_option)
 
 if TYPE_CHECKING:      # imported by the commands that draw progress
     from pos.progress import Progress
+    from pos.scheduler.gpumap import Onto
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -168,12 +170,11 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
                    "on demand: it runs on at once, calls wait only for buffers not back yet.")
 @click.option("--streams", type=click.IntRange(1, 64), default=None,
               help="With --gpu-only: restorer streams (threads) [default: 16].")
-@click.option("--to-gpu", type=click.IntRange(min=0), help="Restore onto this GPU (NVML index) "
-              "of this host instead of the one the image was taken on (driver >= 580).")
+@to_gpu_option("Restore")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            streams: Optional[int], to_gpu: Optional[int], db: Optional[str],
+            streams: Optional[int], to_gpu: Optional["Onto"], db: Optional[str],
             as_json: bool) -> None:
     """Restore a process tree from an image and resume it once the image's checksums match."""
     from pathlib import Path
@@ -266,8 +267,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
 
 @click.command(epilog=EPILOG_MIGRATE)
 @click.argument("pid", type=int, required=False)
-@click.option("--to-gpu", type=click.IntRange(min=0), help="Move the GPU state onto this GPU "
-              "(NVML index) of this host.")
+@to_gpu_option("Move the job's GPU state")
 @click.option("--to", "to_host", metavar="HOST[:PORT]",
               help="Stream the process to `pos migrate --listen` on HOST.")
 @click.option("--listen", is_flag=True, help="Receive a migrating process and restore it here.")
@@ -287,7 +287,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
                    "whole; with --to-gpu, restored onto that GPU in a new process.")
 @criu_options
 @json_option
-def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], listen: bool,
+def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str], listen: bool,
             port: int, address: str, directory: Optional[str], lock_timeout: float,
             concurrent: bool,
             shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
@@ -328,10 +328,10 @@ def migrate(pid: Optional[int], to_gpu: Optional[int], to_host: Optional[str], l
             moved, timings = mig.to_gpu_concurrent(
                 pid, to_gpu, options, timeout_ms, Path(directory) if directory else None,
                 echo=_lines(as_json, progress))
-            report: dict[str, Any] = {"pid": pid, "gpu": to_gpu, "restored_pid": moved,
+            report: dict[str, Any] = {"pid": pid, "gpu": str(to_gpu), "restored_pid": moved,
                                       "timings": timings}
         elif to_gpu is not None:
-            report = {"pid": pid, "gpu": to_gpu, "timings": mig.to_gpu(
+            report = {"pid": pid, "gpu": str(to_gpu), "timings": mig.to_gpu(
                 pid, to_gpu, timeout_ms, echo=_lines(as_json, progress), progress=progress)}
         else:
             moved, timings = mig.to_host(

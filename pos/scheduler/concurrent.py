@@ -46,6 +46,7 @@ from pos.scheduler.manifest import new_manifest
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
     from pos.scheduler import copier, gpucopy    # and a restore starts CRIU before it
+    from pos.scheduler.gpumap import Onto
 
 Echo = Callable[[str], None]
 DEFAULT_STREAMS = 8
@@ -77,6 +78,19 @@ class Report:
         return asdict(self)
 
 
+def _device_of(pid: int) -> int:
+    """pos's CUDA number of the one GPU the job uses (the job's own may differ, under
+    CUDA_VISIBLE_DEVICES): the shadow and the copies go there. A job on several is refused."""
+    from pos.scheduler import gpucopy
+
+    used = list(nvml.gpus_of([pid]))
+    if len(used) > 1:
+        raise BadInput(f"PID {pid} uses {len(used)} GPUs ({', '.join(used)}): pos's concurrent "
+                       "copier shadows and copies one GPU's memory",
+                       f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR`")
+    return gpucopy.ordinal(used[0]) if used else 0
+
+
 class _Saver:
     """Steps 1-3 and 5-6 of a checkpoint, shared by the GPU-only and the whole-process ones."""
 
@@ -86,7 +100,7 @@ class _Saver:
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
         self.pid = agent.pid
         self.streams, self.chunk = streams, chunk
-        self.drv = gpucopy.context(0)
+        self.drv = gpucopy.context(_device_of(agent.pid))
         self.timings: dict[str, float] = {}
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
@@ -327,7 +341,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
     echo(f"restoring the GPU state of PID {pid} from {directory}")
     saved = gpuindex.resolve(directory)
     with Agent(pid) as agent:
-        drv = gpucopy.context(0)
+        drv = gpucopy.context(_device_of(pid))
         rings = gpucopy.Rings(drv, streams, fill_piece(), FILL_DEPTH)
         try:
             t0 = time.monotonic()
@@ -511,15 +525,25 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     procs.require_checkpointable(pid)
     procs.require_dumpable(pid)
     criu = criu_mod.find()
-    agent = Agent(pid)                 # no agent: one sentence, before anything else
     pids = procs.tree(pid)
     cuda = cudackpt.gpu_pids(pids)
+    if len(cuda) > 1:
+        raise BadInput(f"the tree of PID {pid} has CUDA state in {len(cuda)} processes "
+                       f"({', '.join(map(str, cuda))}): the concurrent engine cuts one process, "
+                       "and a job of several, such as DDP's ranks, would need every rank held "
+                       "before the same collective, which pos does not do",
+                       f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR "
+                       "--tcp-established`")
     if cuda != [pid]:
-        agent.close()
         raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: the "
                        "concurrent engine takes trees whose one CUDA process is the `pos run` job",
                        "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
-    s = _Saver(agent, streams, chunk_mb << 20)
+    agent = Agent(pid)                 # no agent: one sentence, before anything is touched
+    try:
+        s = _Saver(agent, streams, chunk_mb << 20)
+    except BaseException:
+        agent.close()
+        raise
     try:
         foreign = s.prepare(gpu_only=False)
         resident = procs.resident_bytes(pids)          # what CRIU will write, about
@@ -594,7 +618,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
-                 echo: Echo = lambda _: None, to_gpu: Optional[int] = None) -> Report:
+                 echo: Echo = lambda _: None, to_gpu: Optional[Onto] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet).
@@ -604,11 +628,12 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     t0 = time.monotonic()
     check = _checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
-    onto = None                   # the GPU's UUID, when it moves
+    onto = None                   # the UUID of the GPU it moves to
     if to_gpu is not None:
         from pos.scheduler import gpumap
 
-        pairs, onto = gpumap.onto(directory, to_gpu)
+        pairs, where = gpumap.onto(directory, to_gpu)
+        onto = where[0]
     pre = _Prefetch(directory, streams, onto)
     out: dict[str, Any] = {}
 
@@ -654,6 +679,13 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
                   out["release_s"], None, copy.gbps, 0, timings, result.restored_pid)
 
 
+def _home(directory: Path) -> Optional[str]:
+    """The UUID of the GPU an image was taken on, when this host has it (None: CUDA's device 0):
+    pos's own device numbering need not be the job's (CUDA_VISIBLE_DEVICES)."""
+    here = {g.uuid for g in nvml.gpus()}
+    return next((g["uuid"] for g in image.load(directory).gpus if g["uuid"] in here), None)
+
+
 class _Prefetch:
     """New device memory for an image's buffers, filled from the image on a thread of its own
     while CRIU and the driver bring the process back (they need no GPU copy): by the time the
@@ -662,6 +694,7 @@ class _Prefetch:
 
     def __init__(self, directory: Path, streams: int, onto: Optional[str] = None) -> None:
         index = gpuindex.read_index(directory)
+        self.directory = directory
         self.onto = onto        # the UUID of the GPU the job moves to (None: where it was)
         self.saved = gpuindex.resolve(directory, index)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
@@ -693,11 +726,11 @@ class _Prefetch:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
             self.imported_at = time.monotonic()
-            device = gpucopy.ordinal(self.onto) if self.onto else 0
+            onto = self.onto or _home(self.directory)
+            device = gpucopy.ordinal(onto) if onto else 0
             drv = gpucopy.context(device)
             self.context_at = time.monotonic()
-            mine = self.table if self.onto is None else [replace(b, device=device)
-                                                         for b in self.table]
+            mine = [replace(b, device=device) for b in self.table]
             self.mem, self.fds = gpucopy.Imported.create(drv, mine)
             self.memory_at = time.monotonic()
             self.ready.set()

@@ -18,7 +18,7 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
                  options: Options, leave_running: bool, gpu_use: dict[str, int]) -> Manifest:
     """The manifest of an image about to be taken, by either engine (timings and files come
     later; a GPU-only image has no CRIU version and no CRIU options)."""
-    names = {g.uuid: g.name for g in nvml.gpus()} if gpu_use else {}
+    here = {g.uuid: g for g in nvml.gpus()} if gpu_use else {}
     comm, cmdline = host.describe(pid)
     return Manifest(
         pid=pid, pids=pids, gpu_pids=cuda, comm=comm, cmdline=cmdline,
@@ -27,7 +27,8 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
         criu_options=options.to_json(), leave_running=leave_running,
         driver_version=nvml.driver_version() if cuda else None,
         cuda_version=cudackpt.driver_version() if cuda else None,
-        gpus=[{"uuid": u, "name": names.get(u, "n/a"), "memory_used": m}
+        gpus=[{"uuid": u, "name": here[u].name if u in here else "n/a", "memory_used": m,
+               **({"index": here[u].index} if u in here else {})}    # `--to-gpu 0=1` names it
               for u, m in gpu_use.items()])
 
 

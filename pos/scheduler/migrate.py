@@ -10,30 +10,29 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pos import nvml
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos import image
 from pos.scheduler import cudackpt, procs, restore, stopworld
-from pos.scheduler.gpumap import move
+from pos.scheduler.gpumap import Onto, of_process
 from pos.scheduler.criu import Options, PageServer
 from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan
 
 
-def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: None,
+def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: None,
            progress: Progress = QUIET) -> dict[str, float]:
-    """lock -> checkpoint -> restore onto GPU `index` -> unlock, for every CUDA process of the
-    tree; the undo restores onto the original GPU. The seconds of each step."""
+    """lock -> checkpoint -> restore onto the GPUs `where` names -> unlock, for every CUDA
+    process of the tree; the undo restores onto the original GPUs. The seconds of each step."""
     procs.require_checkpointable(pid)
     pids = procs.tree(pid)
     cuda = cudackpt.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
-    pairs, gpu = move(index, lambda: list(nvml.gpus_of(cuda)))
+    pairs = of_process(cuda, where)
     for p in cuda:
-        stopworld.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {index} "
+        stopworld.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {where} "
                                   "--concurrent`")
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
@@ -45,44 +44,44 @@ def to_gpu(pid: int, index: int, lock_timeout_ms: int, echo: Echo = lambda _: No
             for p in cuda:
                 g.step(step)
                 g.timed(step, lambda p=p, fn=fn: fn(p))
-    echo(f"PID {pid} now runs on GPU {index} ({gpu.name} {gpu.uuid})")
+    echo(f"PID {pid} now runs on GPU {where} ({', '.join(f'{a} -> {b}' for a, b in pairs if a != b)})")
     return g.timings
 
 
-def to_gpu_concurrent(pid: int, index: int, options: Options, lock_timeout_ms: int,
+def to_gpu_concurrent(pid: int, where: Onto, options: Options, lock_timeout_ms: int,
                       local: Optional[Path] = None, echo: Echo = lambda _: None
                       ) -> tuple[int, dict[str, float]]:
-    """A `pos run` job onto GPU `index`: its whole-process concurrent image (the job frozen
+    """A `pos run` job onto the GPU `where` names: its whole-process concurrent image (the job frozen
     only for the driver's small checkpoint and CRIU's dump), then that image restored onto the
     GPU in a new process, its memory filled there while it runs. This works where the driver's
     own move cannot: its restore fails for memory that pos mapped back into the job. The image
-    goes to `local`, kept; without it to a temporary folder, removed once the job runs on GPU
-    `index` and kept (and named) when the restore fails. The job's PID there, and the seconds
+    goes to `local`, kept; without it to a temporary folder, removed once the job runs on the
+    GPU and kept (and named) when the restore fails. The job's PID there, and the seconds
     of each part."""
     from pos.scheduler import concurrent
 
     procs.require_checkpointable(pid)
-    move(index, lambda: list(nvml.gpus_of([pid])))   # before the job is touched
+    of_process([pid], where)           # before the job is touched
     concurrent.check_fill_settings()
     t0 = time.monotonic()
     saved = concurrent.checkpoint_full(pid, local or _image_dir(pid), options,
                                        leave_running=False, lock_timeout_ms=lock_timeout_ms,
                                        echo=echo)
     t1 = time.monotonic()
-    fix = f"its image stays in {saved.path} for `pos restore -D {saved.path} --to-gpu {index}`"
+    fix = f"its image stays in {saved.path} for `pos restore -D {saved.path} --to-gpu {where}`"
     try:
-        back = concurrent.restore_full(Path(saved.path), echo=echo, to_gpu=index)
+        back = concurrent.restore_full(Path(saved.path), echo=echo, to_gpu=where)
     except PosError as e:
-        raise type(e)(f"PID {pid} was saved but not restored onto GPU {index}: {e.cause}",
+        raise type(e)(f"PID {pid} was saved but not restored onto GPU {where}: {e.cause}",
                       f"{e.fix}; {fix}" if e.fix else fix) from None
     except Exception as e:
-        raise PosError(f"PID {pid} was saved but not restored onto GPU {index} ({e!r})",
+        raise PosError(f"PID {pid} was saved but not restored onto GPU {where} ({e!r})",
                        fix) from e
     if local is None:
         shutil.rmtree(saved.path, ignore_errors=True)
     timings = {"checkpoint": t1 - t0, "restore": time.monotonic() - t1,
                "restore_release": back.release_s}
-    echo(f"PID {pid} now runs on GPU {index} as PID {back.restored_pid}")
+    echo(f"PID {pid} now runs on GPU {where} as PID {back.restored_pid}")
     return back.restored_pid or pid, timings
 
 

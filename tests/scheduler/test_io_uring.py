@@ -124,7 +124,7 @@ def test_mapping_only_in_a_child(start, tmp_path, env) -> None:
 
 def test_torchrun_store(start, tmp_path, env) -> None:
     """The ring made by a thread named like PyTorch's libuv store thread: the sentence says it is
-    torchrun's store and which settings avoid it (measured with torch: bench/ddp_cpu.py)."""
+    torchrun's store and which settings avoid it (measured with torch: bench/ddp.py)."""
     job = start("--thread", "pt_tcpstore_uv")
     r = checkpoint(job.pid, tmp_path / "img", env, "--leave-running", "--tcp-established")
     one_sentence(r, 2, f"PID {job.pid} (io_uring_job) holds an io_uring (fd {ring_fd(job.pid)}) "

@@ -1,15 +1,19 @@
-"""Stop-the-world checkpoint/restore of a whole DDP job on the CPU (gloo), on a host without a
-GPU: the part of issue 27 item 3 that CPUs settle. torch is not a dependency of pos: give the
-Python of an environment that has it (a CPU build is enough).
+"""Stop-the-world checkpoint/restore of a whole DDP job (2 ranks): on the CPU over gloo, on a
+host without a GPU, or on two GPUs over NCCL (`--backend nccl`, one GPU per rank, NCCL over
+sockets: NCCL_ENV). torch is not a dependency of pos: give the Python of an environment that has
+it (a CPU build is enough for gloo).
 
 Run from the project root, as root, after scripts/setup.sh:
-    .venv/bin/python bench/ddp_cpu.py --python /tmp/torchcpu/bin/python \\
+    .venv/bin/python bench/ddp.py --python /tmp/torchcpu/bin/python \\
         --out bench/results/2026-11-27-multigpu/ddp-cpu.json
-Each case runs workloads/ddp_cpu.py (2 ranks, each appending `STEP LOSS` with float.hex()) once
+    python3 bench/ddp.py --python python3 --backend nccl --cases direct-nolibuv   # two GPUs
+Each case runs workloads/ddp_train.py (each rank appending `STEP LOSS` with float.hex()) once
 uninterrupted for the reference, then again with, at step --at, `pos checkpoint ROOT
 --leave-running --tcp-established`, the whole tree SIGKILLed a few steps later and `pos
 restore`; every line the ranks wrote (before, after the checkpoint, after the restore) must
-equal the reference's line for that step, and the job must end with exit status 0.
+equal the reference's line for that step, and the job must end with exit status 0. With
+--concurrent-too, `pos checkpoint ROOT --concurrent` is tried first on the same job (pos
+refuses a job of several CUDA processes: the row says how, and that the job ran on).
   torchrun           plain torchrun: its launcher holds an io_uring (libuv, for its TCPStore),
                      so pos refuses, and the job must run on untouched, bit-exact;
   torchrun-nouring   torchrun under a seccomp filter that fails io_uring_setup (libuv then runs
@@ -34,12 +38,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "workloads" / "ddp_cpu.py"
+JOB = ROOT / "workloads" / "ddp_train.py"
 CASES = ("torchrun", "torchrun-nouring", "direct-nolibuv")
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 36, 38, 22
 SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 2, 0x7FFF0000, 0x00050000
 NR_IO_URING_SETUP, ENOSYS = 425, 38
 AUDIT_ARCH_X86_64 = 0xC000003E
+# NCCL between the ranks over TCP on this host: no CUDA IPC (P2P), no shared memory, no NVLink
+# SHARP, no cuMem buffers, which the driver's checkpoint and CRIU could not save
+NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0",
+            "NCCL_CUMEM_ENABLE": "0", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 def say(msg: str) -> None:
@@ -81,8 +89,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(case: str, python: str, outdir: Path, steps: int, sleep: float) -> list[str]:
-    args = ["--steps", str(steps), "--sleep", str(sleep)]
+def command(case: str, python: str, outdir: Path, steps: int, sleep: float,
+            job_args: list[str]) -> list[str]:
+    args = ["--steps", str(steps), "--sleep", str(sleep), *job_args]
     port = free_port()
     torchrun = [python, str(Path(python).parent / "torchrun"), "--nproc_per_node=2",
                 f"--master_port={port}", str(JOB), str(outdir), *args]
@@ -157,23 +166,34 @@ def compare(ref: list[list[tuple[int, str]]], got: list[list[tuple[int, str]]]) 
             "wrong": wrong[:5], "missing": missing[:5]}
 
 
-def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: int) -> dict:
+def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: int,
+             job_args: list[str], concurrent_too: bool = False) -> dict:
     say(f"{case}: reference run ({steps} steps)")
     ref_dir = work / case / "ref"
-    ref = start(command(case, python, ref_dir, steps, sleep), ref_dir)
+    ref = start(command(case, python, ref_dir, steps, sleep, job_args), ref_dir)
     rc = ref.wait(timeout=steps * sleep + 300)
     reference = read(ref_dir)
     if rc != 0 or min(map(len, reference)) != steps:
         raise RuntimeError(f"{case}: the reference run failed (exit {rc}), see {ref_dir}")
-    row: dict[str, Any] = {"case": "ddp-stw", "variant": case, "gpus": 0, "ranks": 2,
+    gpus = 2 if "nccl" in job_args else 0
+    row: dict[str, Any] = {"case": "ddp-stw", "variant": case, "gpus": gpus, "ranks": 2,
                            "steps": steps, "checkpoint_at_step": at, "refused": None}
     cr_dir = work / case / "cr"
-    job = start(command(case, python, cr_dir, steps, sleep), cr_dir)
+    job = start(command(case, python, cr_dir, steps, sleep, job_args), cr_dir)
     wait_lines(cr_dir, at, 120)
     pids = tree(job.pid)
     from pos.scheduler import procs
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
+    if concurrent_too:
+        code, wall, report, err = pos("checkpoint", str(job.pid), "-D", str(work / case / "c"),
+                                      "--concurrent", "--leave-running")
+        row["concurrent"] = {
+            "case": "ddp-concurrent", "exit": code, "refused": err.removeprefix("Error: "),
+            "untouched": tree(job.pid) == pids and not any(
+                Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+                for p in pids)}
+        say(f"{case}: --concurrent: exit {code}: {err}")
     img = work / case / "img"
     say(f"{case}: pos checkpoint {job.pid} ({len(pids)} processes) at step "
         f"{min(map(len, read(cr_dir)))}")
@@ -222,6 +242,19 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     return row
 
 
+def gpu_names() -> str:
+    sys.path.insert(0, str(ROOT))
+    from pos import nvml
+
+    return ", ".join(f"{g.index}: {g.name}" for g in nvml.gpus())
+
+
+def driver() -> Optional[str]:
+    from pos import nvml
+
+    return nvml.driver_version()
+
+
 def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
@@ -237,28 +270,38 @@ def main() -> None:
     a.add_argument("--steps", type=int, default=40)
     a.add_argument("--sleep", type=float, default=0.1)
     a.add_argument("--at", type=int, default=10, help="checkpoint once every rank wrote this many")
-    a.add_argument("--work", default="/tmp/pos-ddp-cpu", help="scratch folder (emptied)")
+    a.add_argument("--work", default="/tmp/pos-ddp", help="scratch folder (emptied)")
+    a.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    a.add_argument("--width", type=int, default=64, help="the model's hidden width")
+    a.add_argument("--concurrent-too", action="store_true")
     a.add_argument("--out")
     args = a.parse_args()
+    if args.backend == "nccl":
+        os.environ.update(NCCL_ENV)
     if os.geteuid() != 0:
-        sys.exit("bench/ddp_cpu.py: run as root (CRIU)")
+        sys.exit("bench/ddp.py: run as root (CRIU)")
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # restored roots become ours
     work = Path(args.work)
     subprocess.run(["rm", "-rf", str(work)], check=True)
     torch_version = subprocess.run([args.python, "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True).stdout.strip()
-    rows = [run_case(c, args.python, work, args.steps, args.sleep, args.at)
-            for c in args.cases.split(",")]
+    job_args = ["--backend", args.backend, "--width", str(args.width)]
+    rows = [run_case(c, args.python, work, args.steps, args.sleep, args.at, job_args,
+                     args.concurrent_too) for c in args.cases.split(",")]
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "device": "development VM, no GPU (CPU DDP over gloo)", "driver": None,
+        "device": (gpu_names() if args.backend == "nccl"
+                   else "development VM, no GPU (CPU DDP over gloo)"),
+        "driver": driver() if args.backend == "nccl" else None,
+        "nccl_env": NCCL_ENV if args.backend == "nccl" else None,
         "host": {"kernel": platform.release(), "cores": os.cpu_count()},
         "torch": torch_version,
         "criu": subprocess.run([sys.executable, "-c", "from pos.scheduler import criu; "
                                 "print(criu.find().version_text)"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip(),
-        "commit": git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else ""),
-        "command": " ".join(["bench/ddp_cpu.py", *sys.argv[1:]]),
+        "commit": os.environ.get("POS_BENCH_COMMIT") or (
+            git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")),
+        "command": " ".join(["bench/ddp.py", *sys.argv[1:]]),
         "rows": rows,
     }
     text = json.dumps(result, indent=1)
