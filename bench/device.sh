@@ -112,7 +112,7 @@ floor)
 multigpu)
     step native python3 -m pos.native
     step multigpu python3 bench/multigpu_gpu.py --out "$out" --gib "${POS_MULTI_GIB:-4}" \
-        --parts "${POS_MULTI_PARTS:-migrate,split,ddp}"
+        --parts "${POS_MULTI_PARTS:-ddp,split,migrate}"
     grep '^\[{' "$out/multigpu.log"
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt ./ddp.json ./machine.json \
         2>/dev/null) ;;

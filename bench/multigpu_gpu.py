@@ -37,11 +37,21 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from concurrent_gpu import (POS, PY, LineTimes, compare_when_done, kill, machine,  # noqa: E402
-                            pos_cmd, processes, wait_lines)
+                            pos_cmd, processes)
 
 from pos import nvml  # noqa: E402
 
 STEPS = 300
+
+
+def wait_lines(log: Path, n: int, p: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the job's log has n lines; a job that died or hangs ends the part."""
+    t = time.monotonic()
+    while not log.exists() or len(log.read_text().splitlines()) < n:
+        if p.poll() is not None or time.monotonic() - t > timeout:
+            raise RuntimeError(f"{log.name}: {n} steps not reached (exit {p.poll()}): "
+                               f"{processes()[-3000:]}")
+        time.sleep(0.05)
 
 
 def det(log: Path, gib: float, split: bool = False) -> list[str]:
@@ -110,11 +120,11 @@ def migrate(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
         log.unlink(missing_ok=True)
         p = job(det(log, gib), out / f"migrate-{way}-job.log", pos_run=way == "concurrent")
         res: dict[str, Any] = {"ballast_gib": gib}
+        lines = LineTimes(log)
         try:
-            wait_lines(log, 60)
+            wait_lines(log, 60, p)
             time.sleep(random.uniform(0, 0.5))
             res["before"] = on_gpus(p.pid)
-            lines = LineTimes(log)
             if way == "concurrent":      # the job ends and comes back with its PID, which its
                 threading.Thread(target=p.wait, daemon=True).start()   # zombie would hold
             t = time.monotonic()
@@ -147,14 +157,14 @@ def split(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
     log.unlink(missing_ok=True)
     p = job(det(log, gib, True), out / "split-stw-job.log", pos_run=False)
     res: dict[str, Any] = {"ballast_gib_on_gpu1": gib}
+    lines = LineTimes(log)
     try:
-        wait_lines(log, 60)
+        wait_lines(log, 60, p)
         time.sleep(random.uniform(0, 0.5))
         res["before"] = on_gpus(p.pid)
-        lines = LineTimes(log)
         t = time.monotonic()
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--leave-running",
-                                    "--json", timeout=400)
+                                    "--json", timeout=150)
         if res["checkpoint"]["rc"] == 0:
             time.sleep(1)
             held = stall(lines, t)
@@ -162,7 +172,7 @@ def split(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
             back = LineTimes(log)
             t1 = time.monotonic()
             res["restore"] = pos_cmd("restore", "-D", str(d), "--to-gpu", "0=1,1=0", "--json",
-                                     timeout=400)
+                                     timeout=150)
             first = back.first(timeout=120)
             pid = (res["restore"].get("report") or {}).get("restored_pid")
             res["after"] = on_gpus(int(pid)) if pid else {}
@@ -186,9 +196,9 @@ def split(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
     p = job(det(log, gib, True), out / "split-conc-job.log", pos_run=True)
     res = {}
     try:
-        wait_lines(log, 60)
+        wait_lines(log, 60, p)
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "split-c"),
-                                    "--concurrent", "--leave-running", "--json", timeout=400)
+                                    "--concurrent", "--leave-running", "--json", timeout=150)
         compare_when_done(ref, log, res, 120)        # the job runs on, untouched
         err = res["checkpoint"]["err"].strip().splitlines()
         refused = (err[-1].removeprefix("Error: ") if res["checkpoint"]["rc"] == 2 and err
@@ -208,7 +218,7 @@ def ddp(out: Path) -> list[dict[str, Any]]:
     r = subprocess.run([PY, "bench/ddp.py", "--python", PY, "--backend", "nccl", "--width",
                         "4096", "--steps", "60", "--at", "15", "--sleep", "0.1", "--cases",
                         "direct-nolibuv,torchrun-nouring", "--concurrent-too", "--out",
-                        str(target)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        str(target)], cwd=ROOT, capture_output=True, text=True, timeout=360)
     (out / "ddp.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
     if r.returncode != 0 or not target.exists():
         return [{"case": "ddp-stw", "gpus": 2, "bit_exact": False, "refused": None,
@@ -234,7 +244,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--images", default="/dev/shm/pos-multigpu")
     ap.add_argument("--gib", type=float, default=8.0)
-    ap.add_argument("--parts", default="migrate,split,ddp")
+    ap.add_argument("--parts", default="ddp,split,migrate")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)

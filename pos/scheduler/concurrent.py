@@ -534,12 +534,13 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                        "before the same collective, which pos does not do",
                        f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR "
                        "--tcp-established`")
-    if cuda != [pid]:
-        raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: the "
-                       "concurrent engine takes trees whose one CUDA process is the `pos run` job",
-                       "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
     agent = Agent(pid)                 # no agent: one sentence, before anything is touched
     try:
+        if cuda != [pid]:
+            raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: "
+                           "the concurrent engine takes trees whose one CUDA process is the "
+                           "`pos run` job",
+                           "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
         s = _Saver(agent, streams, chunk_mb << 20)
     except BaseException:
         agent.close()

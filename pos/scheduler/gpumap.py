@@ -76,8 +76,8 @@ def gpu_pairs(used: list[str], onto: Onto, here: list[nvml.Gpu],
                            f"), which --to-gpu {onto} does not name", FORMS)
         target[u] = here[wanted[old]].uuid
     if all(target[u] == u for u in used):
-        raise BadInput(f"the job already runs on the GPUs --to-gpu {onto} names",
-                       "name other GPUs")
+        raise BadInput(f"the job already runs where --to-gpu {onto} puts it "
+                       f"({', '.join(used)})", "name other GPUs")
     taken = set(target.values())
     left = [g.uuid for g in here if g.uuid not in taken]
     rest = [g.uuid for g in here if g.uuid not in target]

@@ -21,6 +21,7 @@ from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 from pos.image import gpuindex
 from pos.scheduler import concurrent, staging
+from pos.scheduler.gpumap import Onto
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for
 from workloads.fill_job import image_values, torn
@@ -352,6 +353,9 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(nvml, "gpus", lambda: here)
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
     monkeypatch.setattr(migrate, "_image_dir", lambda pid: tmp_path / f"pos-migrate-{pid}")
+    # pos copies on the job's GPU as NVML names it; the fake driver has one device, FAKE_GPU
+    monkeypatch.setattr(concurrent, "_device_of", lambda pid: 0)
+    monkeypatch.setattr(concurrent, "_home", lambda directory: None)
 
 
 def reaped(pid: int) -> bool:
@@ -380,7 +384,7 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     reaper = threading.Thread(target=job.proc.wait)   # pos's CLI is not the job's parent
     reaper.start()
     local = tmp_path / "kept" if keep else None
-    moved, timings = migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000, local)
+    moved, timings = migrate.to_gpu_concurrent(job.pid, Onto(index=1), Options(), 10_000, local)
     reaper.join(timeout=30)
     assert moved == job.pid and timings["restore"] > 0 and timings["checkpoint"] > 0
     time.sleep(0.3)
@@ -407,7 +411,7 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
     monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuCheckpointProcessRestore")
     with pytest.raises(PosError, match=f"PID {job.pid} was saved but not restored onto GPU 1"
                        ) as e:
-        migrate.to_gpu_concurrent(job.pid, 1, Options(), 10_000)
+        migrate.to_gpu_concurrent(job.pid, Onto(index=1), Options(), 10_000)
     reaper.join(timeout=30)
     kept = Path(re.search(r"its image stays in (\S+) for", str(e.value)).group(1))
     assert kept == tmp_path / f"pos-migrate-{job.pid}"
@@ -430,9 +434,9 @@ def test_migrate_to_gpu_concurrent_checks_the_gpu_before_the_job_is_touched(
     one_sentence(pos("migrate", str(job.pid), "--to-gpu", "1", "--concurrent", env=gpu_env), 2,
                  "NVML is not available")           # none beside the fake driver out there
     for index, says in ((2, "this host has 2 GPU(s), no GPU 2"),
-                        (0, f"the process already runs on {JOB_GPU}")):
+                        (0, f"the job already runs where --to-gpu 0 puts it ({JOB_GPU})")):
         with pytest.raises(BadInput, match=re.escape(says)):
-            migrate.to_gpu_concurrent(job.pid, index, Options(), 10_000)
+            migrate.to_gpu_concurrent(job.pid, Onto(index=index), Options(), 10_000)
     with Agent(job.pid) as a:
         assert a.status().phase == "idle" and job.alive()
 
@@ -448,7 +452,7 @@ def test_plain_migrate_to_gpu_refuses_memory_pos_mapped_back(fill_job, tmp_path:
     assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c"), "--concurrent",
                "--leave-running", env=gpu_env).returncode == 0
     with pytest.raises(BadInput, match=f"pos migrate {job.pid} --to-gpu 1 --concurrent"):
-        migrate.to_gpu(job.pid, 1, 10_000)
+        migrate.to_gpu(job.pid, Onto(index=1), 10_000)
     assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
         == "running"
     assert job.alive()

@@ -28,7 +28,7 @@ def test_to_gpu_reads_an_index_or_a_map_and_refuses_the_rest() -> None:
 def test_one_gpu_swaps_places_with_its_target_and_the_rest_stay() -> None:
     assert gpu_pairs(["GPU-a"], Onto(index=2), HERE, INDEX) == [
         ("GPU-a", "GPU-c"), ("GPU-b", "GPU-b"), ("GPU-c", "GPU-a")]
-    with pytest.raises(BadInput, match="already runs on"):
+    with pytest.raises(BadInput, match="already runs where --to-gpu 0 puts it .GPU-a"):
         gpu_pairs(["GPU-a"], Onto(index=0), HERE, INDEX)
     with pytest.raises(BadInput, match="uses 2 GPUs.*0=1,1=0"):
         gpu_pairs(["GPU-a", "GPU-b"], Onto(index=2), HERE, INDEX)

@@ -633,7 +633,8 @@ HOOKS(DECLARE)
         X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity)                     \
             X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemRelease) X(cuMemSetAccess)           \
                 X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                  \
-                    X(cuStreamSynchronize) X(cuCtxGetLimit) X(cuCtxSetLimit)
+                    X(cuStreamSynchronize) X(cuCtxGetLimit) X(cuCtxSetLimit)               \
+                        X(cuDeviceGetCount) X(cuDeviceCanAccessPeer)
 #define DECLARE_OWN(name) static void *volatile real_##name;
 OWN(DECLARE_OWN)
 
@@ -688,12 +689,42 @@ static CUmemAllocationProp prop_for(int device) {
     return p;
 }
 
+/* Who may reach memory on `device`: itself, then every GPU the driver says can reach it as a
+ * peer. cudaMalloc's memory is open to peers, so a job on several GPUs copies between them
+ * (PyTorch's tensor.to("cuda:1")); VMM memory is open only to the devices given access, and
+ * such a copy failed (CUDA_ERROR_INVALID_VALUE, two H200s, 2026-11-27) before this. */
+static CUmemAccessDesc reach[16][16];
+static int nreach[16];
+static pthread_mutex_t rmu = PTHREAD_MUTEX_INITIALIZER;
+
+static int reach_of(int device) {
+    pthread_mutex_lock(&rmu);
+    if (!nreach[device]) {
+        reach[device][nreach[device]++] =
+            (CUmemAccessDesc){.location = {LOCATION_DEVICE, device}, .flags = ACCESS_RW};
+        CUresult (*count)(int *) = real_of(&real_cuDeviceGetCount, "cuDeviceGetCount");
+        CUresult (*can)(int *, CUdevice, CUdevice) =
+            real_of(&real_cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
+        int n = 0;
+        if (count && can && count(&n) == CUDA_SUCCESS)
+            for (int d = 0; d < n && d < 16; d++) {
+                int ok = 0;
+                if (d != device && can(&ok, d, device) == CUDA_SUCCESS && ok)
+                    reach[device][nreach[device]++] = (CUmemAccessDesc){
+                        .location = {LOCATION_DEVICE, d}, .flags = ACCESS_RW};
+            }
+    }
+    int n = nreach[device];
+    pthread_mutex_unlock(&rmu);
+    return n;
+}
+
 static int map_rw(CUdeviceptr va, size_t n, CUmemGenericAllocationHandle h, int device) {
-    CUmemAccessDesc acc = {.location = {LOCATION_DEVICE, device}, .flags = ACCESS_RW};
     CUresult r =
         ((CUresult(*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
                       unsigned long long))real_of(&real_cuMemMap, "cuMemMap"))(va, n, 0, h, 0);
-    if (r == CUDA_SUCCESS && (r = DRV(cuMemSetAccess)(va, n, &acc, 1)) != CUDA_SUCCESS)
+    if (r == CUDA_SUCCESS &&
+        (r = DRV(cuMemSetAccess)(va, n, reach[device], reach_of(device))) != CUDA_SUCCESS)
         ((CUresult(*)(CUdeviceptr, size_t))real_of(&real_cuMemUnmap, "cuMemUnmap"))(va, n);
     return r;
 }
