@@ -185,6 +185,9 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     from pos.scheduler import procs
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
+    row["tcp_within"] = procs.tcp_within(pids)
+    row["odd_maps"] = {str(p): [ln for ln in Path(f"/proc/{p}/maps").read_text().splitlines()
+                                if "anon_inode" in ln or "/dev/" in ln][:20] for p in pids}
     if concurrent_too:
         code, wall, report, err = pos("checkpoint", str(job.pid), "-D", str(work / case / "c"),
                                       "--concurrent", "--leave-running")

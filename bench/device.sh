@@ -114,6 +114,7 @@ multigpu)
     step multigpu python3 bench/multigpu_gpu.py --out "$out" --gib "${POS_MULTI_GIB:-4}" \
         --parts "${POS_MULTI_PARTS:-ddp,split,migrate}"
     grep '^\[{' "$out/multigpu.log"
+    cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt ./ddp.json ./machine.json \
         2>/dev/null) ;;
 schedule)

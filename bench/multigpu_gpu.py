@@ -54,9 +54,9 @@ def wait_lines(log: Path, n: int, p: subprocess.Popen, timeout: float = 180) -> 
         time.sleep(0.05)
 
 
-def det(log: Path, gib: float, split: bool = False) -> list[str]:
+def det(log: Path, gib: float, split: str = "") -> list[str]:
     return [PY, "workloads/train_det.py", str(log), "--steps", str(STEPS), "--sleep", "0.05",
-            "--ballast-gib", str(gib), *(["--split"] if split else [])]
+            "--ballast-gib", str(gib), *(["--split", split] if split else [])]
 
 
 def job(argv: list[str], log: Path, pos_run: bool) -> subprocess.Popen:
@@ -66,9 +66,10 @@ def job(argv: list[str], log: Path, pos_run: bool) -> subprocess.Popen:
                             stderr=open(log, "ab"), start_new_session=True)
 
 
-def reference(images: Path, gib: float, split: bool) -> Path:
-    ref = images / f"ref-{'split' if split else 'one'}.log"
-    ref.unlink(missing_ok=True)
+def reference(images: Path, gib: float, split: str) -> Path:
+    ref = images / f"ref-{split or 'one'}.log"
+    if ref.exists():        # one uninterrupted run of each job will do
+        return ref
     subprocess.run(det(ref, gib, split), cwd=ROOT, timeout=400, capture_output=True)
     return ref
 
@@ -113,7 +114,7 @@ def row(case: str, res: dict[str, Any], **kw: Any) -> dict[str, Any]:
 
 
 def migrate(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
-    ref = reference(images, gib, False)
+    ref = reference(images, gib, "")
     rows = []
     for way in ("stw", "concurrent"):
         log = images / f"migrate-{way}.log"
@@ -150,13 +151,17 @@ def migrate(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
 
 
 def split(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
-    ref = reference(images, gib, True)
-    rows = []
-    # stop-the-world: checkpoint from outside, SIGKILL, restore with the GPUs swapped
-    log, d = images / "split-stw.log", images / "split-img"
+    rows = [split_stw(out, images, gib, way) for way in ("host", "p2p")]
+    return rows + split_concurrent(out, images, gib, rows[0].get("stall_s"))
+
+
+def split_stw(out: Path, images: Path, gib: float, way: str) -> dict[str, Any]:
+    """Stop-the-world: checkpoint from outside, SIGKILL, restore with the GPUs swapped."""
+    ref = reference(images, gib, way)
+    log, d = images / f"split-{way}.log", images / f"split-{way}-img"
     log.unlink(missing_ok=True)
-    p = job(det(log, gib, True), out / "split-stw-job.log", pos_run=False)
-    res: dict[str, Any] = {"ballast_gib_on_gpu1": gib}
+    p = job(det(log, gib, way), out / f"split-{way}-job.log", pos_run=False)
+    res: dict[str, Any] = {"ballast_gib_on_gpu1": gib, "activations": way}
     lines = LineTimes(log)
     try:
         wait_lines(log, 60, p)
@@ -165,36 +170,40 @@ def split(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
         t = time.monotonic()
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--leave-running",
                                     "--json", timeout=150)
-        if res["checkpoint"]["rc"] == 0:
-            time.sleep(1)
-            held = stall(lines, t)
-            kill(p)
-            back = LineTimes(log)
-            t1 = time.monotonic()
-            res["restore"] = pos_cmd("restore", "-D", str(d), "--to-gpu", "0=1,1=0", "--json",
-                                     timeout=150)
-            first = back.first(timeout=120)
-            pid = (res["restore"].get("report") or {}).get("restored_pid")
-            res["after"] = on_gpus(int(pid)) if pid else {}
-            same_steps(ref, log, res, 120)
-            back.stop = True
-            rows.append(row("two-gpu-process-stw", res, stall_s=held,
-                            first_step_s=round(first, 3) if first is not None else None,
-                            restore_wall_s=round(time.monotonic() - t1, 1),
-                            swapped=(res["before"].get("1", 0) > res["before"].get("0", 0)
-                                     and res["after"].get("0", 0) > res["after"].get("1", 0))))
-        else:
-            res["left"] = processes()
-            rows.append(row("two-gpu-process-stw", res, stall_s=None, bit_exact=False))
+        if res["checkpoint"]["rc"] != 0:
+            res["job_state"] = processes()[-1500:]
+            return row("two-gpu-process-stw", res, stall_s=None, bit_exact=False, variant=way)
+        time.sleep(1)
+        held = stall(lines, t)
+        kill(p)
+        back = LineTimes(log)
+        t1 = time.monotonic()
+        res["restore"] = pos_cmd("restore", "-D", str(d), "--to-gpu", "0=1,1=0", "--json",
+                                 timeout=150)
+        first = back.first(timeout=60) if res["restore"]["rc"] == 0 else None
+        pid = (res["restore"].get("report") or {}).get("restored_pid")
+        res["after"] = on_gpus(int(pid)) if pid else {}
+        same_steps(ref, log, res, 60 if first is not None else 1)
+        back.stop = True
+        return row("two-gpu-process-stw", res, stall_s=held, variant=way,
+                   first_step_s=round(first, 3) if first is not None else None,
+                   restore_wall_s=round(time.monotonic() - t1, 1),
+                   swapped=(res["before"].get("1", 0) > res["before"].get("0", 0)
+                            and res["after"].get("0", 0) > res["after"].get("1", 0)))
     finally:
         kill(p)
         subprocess.run(["pkill", "-9", "-f", str(log)])
         subprocess.run(["rm", "-rf", str(d)])
+
+
+def split_concurrent(out: Path, images: Path, gib: float,
+                     stw: Optional[float]) -> list[dict[str, Any]]:
+    ref = reference(images, gib, "host")
     # concurrent: a `pos run` job on two GPUs
     log = images / "split-conc.log"
     log.unlink(missing_ok=True)
-    p = job(det(log, gib, True), out / "split-conc-job.log", pos_run=True)
-    res = {}
+    p = job(det(log, gib, "host"), out / "split-conc-job.log", pos_run=True)
+    res: dict[str, Any] = {}
     try:
         wait_lines(log, 60, p)
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "split-c"),
@@ -203,14 +212,12 @@ def split(out: Path, images: Path, gib: float) -> list[dict[str, Any]]:
         err = res["checkpoint"]["err"].strip().splitlines()
         refused = (err[-1].removeprefix("Error: ") if res["checkpoint"]["rc"] == 2 and err
                    else None)
-        rows.append(row("two-gpu-process-concurrent", res, stall_s=None, refused=refused,
-                        ran_on_bit_exact=res.get("bit_exact"),
-                        bit_exact=None if refused else res.get("bit_exact"),
-                        stw_stall_s=rows[0]["stall_s"] if rows else None))
+        return [row("two-gpu-process-concurrent", res, stall_s=None, refused=refused,
+                    ran_on_bit_exact=res.get("bit_exact"),
+                    bit_exact=None if refused else res.get("bit_exact"), stw_stall_s=stw)]
     finally:
         kill(p)
         subprocess.run(["pkill", "-9", "-f", str(log)])
-    return rows
 
 
 def ddp(out: Path) -> list[dict[str, Any]]:

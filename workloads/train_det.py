@@ -9,9 +9,9 @@ run must too. --ballast-gib adds that much random device memory (GPU state to sa
 With --steps 0 it runs until killed, one small step per --sleep (a heartbeat for benchmarks).
 --clock FILE appends `STEP PHASE WALLTIME` as each part of a step ends (begin, forward,
 backward, step, item, slept): where a slow step spends its time, seen from inside.
---split puts the model's first half on cuda:0 and its second, with the ballast, on cuda:1 (a
-process on two GPUs, the activations crossing between them; the GPUs' memory unlike, so that
-where each went after a move shows).
+--split p2p|host puts the model's first half on cuda:0 and its second, with the ballast, on cuda:1
+(a process on two GPUs; the GPUs' memory unlike, so that where each went after a move shows);
+the activations cross GPU to GPU (p2p) or through host memory (host).
 """
 
 import argparse
@@ -31,7 +31,7 @@ def main() -> None:
     a.add_argument("--sleep", type=float, default=0.05)
     a.add_argument("--ballast-gib", type=float, default=0.0)
     a.add_argument("--clock")
-    a.add_argument("--split", action="store_true")
+    a.add_argument("--split", choices=("p2p", "host"))
     args = a.parse_args()
     clock = os.open(args.clock, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if args.clock else -1
 
@@ -51,8 +51,10 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
                           nn.Linear(1024, 10)).to(dev)
     model[2:].to(last)
-    if args.split:      # the hand-over between the halves: a hook moves the activations
-        model[2].register_forward_pre_hook(lambda _m, x: tuple(t.to(last) for t in x))
+    if args.split:      # the hand-over between the halves: a hook moves the activations,
+        # GPU to GPU (PyTorch enables peer access) or through host memory (it does not)
+        hop = (lambda t: t.to(last)) if args.split == "p2p" else (lambda t: t.cpu().to(last))
+        model[2].register_forward_pre_hook(lambda _m, x: tuple(hop(t) for t in x))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(512, 256, generator=g).to(dev)

@@ -526,6 +526,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     procs.require_dumpable(pid)
     criu = criu_mod.find()
     pids = procs.tree(pid)
+    options = options.fitted(pids)
     cuda = cudackpt.gpu_pids(pids)
     if len(cuda) > 1:
         raise BadInput(f"the tree of PID {pid} has CUDA state in {len(cuda)} processes "

@@ -15,7 +15,7 @@ import stat
 import struct
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -133,9 +133,10 @@ class Options:
     ext_unix_sk: bool = False        # --ext-unix-sk: UNIX sockets connected outside the tree
     file_locks: bool = False         # --file-locks
     external: tuple[str, ...] = ()   # --external RES: files, mounts ... that CRIU leaves alone
+    network_lock: Optional[str] = None   # "skip": every TCP connection is inside the tree
 
     def argv(self) -> list[str]:
-        out = []
+        out = ["--network-lock", self.network_lock] if self.network_lock else []
         for flag, on in (("--shell-job", self.shell_job), ("--tcp-established", self.tcp_established),
                          ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks)):
             if on:
@@ -143,6 +144,15 @@ class Options:
         for res in self.external:
             out += ["--external", res]
         return out
+
+    def fitted(self, pids: list[int]) -> "Options":
+        """These options for the tree `pids`: with --tcp-established, no network lock where
+        every connection has both ends in the tree (procs.tcp_within)."""
+        from pos.scheduler import procs
+
+        if self.tcp_established and not self.network_lock and procs.tcp_within(pids):
+            return replace(self, network_lock="skip")
+        return self
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

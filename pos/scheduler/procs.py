@@ -218,6 +218,40 @@ def threads(pid: int) -> list[str]:
     return out
 
 
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(fd.path)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+    except OSError:
+        pass
+    return out
+
+
+def tcp_within(pids: list[int]) -> bool:
+    """Whether the tree holds established TCP connections and every one of them has its other
+    end in the tree too (DDP's ranks over loopback): frozen together, no packet can come from
+    outside, so CRIU need not lock the network (which takes iptables or nftables)."""
+    mine = set().union(*(_socket_inodes(p) for p in pids)) if pids else set()
+    ends: list[tuple[str, str]] = []          # (local, remote) of the tree's established ones
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pids[0]}/net/{table}").read_text().splitlines()[1:]
+        except (OSError, IndexError):
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "01" and f[9] in mine:      # 01: ESTABLISHED
+                ends.append((f[1], f[2]))
+    local = {a for a, _ in ends}
+    return bool(ends) and all(b in local for _, b in ends)
+
+
 def require_dumpable(pid: int) -> None:
     """Refuse, before any process of the tree of `pid` is touched, a tree that CRIU cannot dump
     because a process holds an io_uring: otherwise the driver would lock and checkpoint every
