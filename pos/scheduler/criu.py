@@ -124,6 +124,9 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
 SUMMARY = re.compile(r"(Dumping|Restoring) FAILED|Unable to open fd=")
 
 
+GHOST_LIMIT_DEFAULT = 1 << 20     # CRIU's own
+
+
 @dataclass(frozen=True)
 class Options:
     """The CRIU options a user may need, recorded in the image so that restore uses the same."""
@@ -134,9 +137,12 @@ class Options:
     file_locks: bool = False         # --file-locks
     external: tuple[str, ...] = ()   # --external RES: files, mounts ... that CRIU leaves alone
     network_lock: Optional[str] = None   # "skip": every TCP connection is inside the tree
+    ghost_limit: Optional[int] = None    # bytes: the largest deleted file CRIU may save
 
     def argv(self) -> list[str]:
         out = ["--network-lock", self.network_lock] if self.network_lock else []
+        if self.ghost_limit:
+            out += ["--ghost-limit", str(self.ghost_limit)]
         for flag, on in (("--shell-job", self.shell_job), ("--tcp-established", self.tcp_established),
                          ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks)):
             if on:
@@ -147,12 +153,17 @@ class Options:
 
     def fitted(self, pids: list[int]) -> "Options":
         """These options for the tree `pids`: with --tcp-established, no network lock where
-        every connection has both ends in the tree (procs.tcp_within)."""
+        every connection has both ends in the tree (procs.tcp_within); a ghost limit that
+        takes the largest deleted file the tree holds, where one is over CRIU's 1 MiB."""
         from pos.scheduler import procs
 
+        out = self
         if self.tcp_established and not self.network_lock and procs.tcp_within(pids):
-            return replace(self, network_lock="skip")
-        return self
+            out = replace(out, network_lock="skip")
+        ghost = procs.largest_deleted_file(pids)
+        if ghost > GHOST_LIMIT_DEFAULT:
+            out = replace(out, ghost_limit=ghost + (1 << 20))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

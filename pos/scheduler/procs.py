@@ -233,6 +233,30 @@ def _socket_inodes(pid: int) -> set[str]:
     return out
 
 
+def largest_deleted_file(pids: list[int]) -> int:
+    """The size of the largest deleted file the tree holds open or mapped (NCCL's 34 MB
+    /dev/shm/nccl-* segment, say): CRIU saves such a ghost file whole into the image, and
+    refuses one over its --ghost-limit (1 MiB by default)."""
+    biggest = 0
+    for p in pids:
+        for folder in (f"/proc/{p}/fd", f"/proc/{p}/map_files"):
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    target = os.readlink(e.path)
+                    if not target.endswith(" (deleted)") or target.startswith("/dev/zero"):
+                        continue
+                    st = os.stat(e.path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    biggest = max(biggest, st.st_size)
+    return biggest
+
+
 def tcp_within(pids: list[int]) -> bool:
     """Whether the tree holds established TCP connections and every one of them has its other
     end in the tree too (DDP's ranks over loopback): frozen together, no packet can come from

@@ -1,6 +1,7 @@
 """When CRIU may skip its network lock: every TCP connection of the tree has its other end in the
 tree (pos/scheduler/procs.py tcp_within, criu.Options.fitted)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -67,3 +68,25 @@ def test_no_connection_at_all_keeps_the_default() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_deleted_file_over_criu_s_ghost_limit_raises_the_limit(tmp_path) -> None:
+    """NCCL keeps a 34 MB deleted file in /dev/shm mapped; CRIU refuses ghost files over 1 MiB."""
+    code = ("import mmap, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+            "os.ftruncate(fd, 3 << 20)\n"
+            "m = mmap.mmap(fd, 3 << 20)\n"
+            "os.close(fd); os.unlink(sys.argv[1])\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "seg")],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        assert procs.largest_deleted_file([p.pid]) == 3 << 20
+        fitted = Options().fitted([p.pid])
+        assert fitted.ghost_limit == 4 << 20
+        assert fitted.argv() == ["--ghost-limit", str(4 << 20)]
+    finally:
+        p.kill()
+        p.wait()
+    assert Options().fitted([os.getpid()]).ghost_limit is None
