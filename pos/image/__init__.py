@@ -51,6 +51,7 @@ class Manifest:
     cuda_version: Optional[int] = None        # cuDriverGetVersion, e.g. 13000
     gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used, index
     logs: dict[str, int] = field(default_factory=dict)   # path -> size at the dump (procs.logs)
+    tcp_listen: list[int] = field(default_factory=list)  # the TCP ports the tree listened on
     files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256, chunks
     chunk_bytes: int = CHUNK_BYTES            # what files[*].chunks were computed over
     size_bytes: int = 0

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from pos import host, nvml
 from pos.image import Manifest
-from pos.scheduler import cudackpt
+from pos.scheduler import cudackpt, procs
 from pos.scheduler.criu import Options
 
 
@@ -27,6 +27,7 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
         criu_options=options.to_json(), leave_running=leave_running,
         driver_version=nvml.driver_version() if cuda else None,
         cuda_version=cudackpt.driver_version() if cuda else None,
+        tcp_listen=procs.listening_ports(pids) if options.tcp_established else [],
         gpus=[{"uuid": u, "name": here[u].name if u in here else "n/a", "memory_used": m,
                **({"index": here[u].index} if u in here else {})}    # `--to-gpu 0=1` names it
               for u, m in gpu_use.items()])

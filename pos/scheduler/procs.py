@@ -7,7 +7,7 @@ import signal
 import stat
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pos import host
 from pos.errors import BadInput
@@ -257,23 +257,57 @@ def largest_deleted_file(pids: list[int]) -> int:
     return biggest
 
 
+ESTABLISHED, TIME_WAIT, LISTEN = "01", "06", "0A"      # /proc/net/tcp's states
+
+
+def _tcp(pid: int) -> list[tuple[str, str, str, str]]:
+    """(local, remote, state, inode) of every TCP socket of `pid`'s network namespace."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        out += [(f[1], f[2], f[3], f[9]) for f in (ln.split() for ln in lines) if len(f) > 9]
+    return out
+
+
 def tcp_within(pids: list[int]) -> bool:
     """Whether the tree holds established TCP connections and every one of them has its other
     end in the tree too (DDP's ranks over loopback): frozen together, no packet can come from
     outside, so CRIU need not lock the network (which takes iptables or nftables)."""
-    mine = set().union(*(_socket_inodes(p) for p in pids)) if pids else set()
-    ends: list[tuple[str, str]] = []          # (local, remote) of the tree's established ones
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pids[0]}/net/{table}").read_text().splitlines()[1:]
-        except (OSError, IndexError):
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 9 and f[3] == "01" and f[9] in mine:      # 01: ESTABLISHED
-                ends.append((f[1], f[2]))
+    if not pids:
+        return False
+    mine = set().union(*(_socket_inodes(p) for p in pids))
+    ends = [(a, b) for a, b, st, ino in _tcp(pids[0]) if st == ESTABLISHED and ino in mine]
     local = {a for a, _ in ends}
     return bool(ends) and all(b in local for _, b in ends)
+
+
+def listening_ports(pids: list[int]) -> list[int]:
+    """The TCP ports the tree listens on (a restore binds them again)."""
+    if not pids:
+        return []
+    mine = set().union(*(_socket_inodes(p) for p in pids))
+    return sorted({int(a.rsplit(":", 1)[1], 16) for a, _, st, ino in _tcp(pids[0])
+                   if st == LISTEN and ino in mine})
+
+
+def wait_ports_free(ports: list[int], timeout: float, echo: Callable[[str], None]) -> None:
+    """Wait until no connection in TIME_WAIT holds one of `ports`: the connections of a job
+    killed on this host keep its listening ports for up to a minute, and CRIU's restore cannot
+    bind a listening socket again until then ("Address already in use")."""
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        held = sorted({int(a.rsplit(":", 1)[1], 16) for a, _, st, _ in _tcp(os.getpid())
+                       if st == TIME_WAIT} & set(ports))
+        if not held or time.monotonic() > deadline:
+            return
+        if not said:
+            echo(f"waiting for the old job's closed connections (TIME_WAIT) to free port(s) "
+                 f"{', '.join(map(str, held))}, at most {timeout:.0f} s")
+            said = True
+        time.sleep(0.2)
 
 
 def require_dumpable(pid: int) -> None:

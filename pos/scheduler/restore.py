@@ -25,6 +25,8 @@ from pos.scheduler.manifest import Result
 from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan
 
+PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s on Linux
+
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:
     """Refuse an image whose PIDs are taken or whose driver differs from this host's."""
@@ -97,6 +99,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
+    procs.wait_ports_free(manifest.tcp_listen, PORTS_WAIT_S, echo)
     logs = criu_mod.reopen_logs(manifest.logs)
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
