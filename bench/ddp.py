@@ -215,7 +215,7 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     row.update(stall_s=report.get("stall_s"), stw_stall_s=report.get("stall_s"),
                image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
                checkpoint_timings=report.get("timings"))
-    wait_lines(cr_dir, min(map(len, read(cr_dir))) + 5, 60)    # it runs on after the dump
+    wait_lines(cr_dir, min(min(map(len, read(cr_dir))) + 5, steps), 60)   # it runs on
     for p in reversed(pids):
         os.kill(p, signal.SIGKILL)
     job.wait()

@@ -30,6 +30,7 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
     cuda = cudackpt.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
+    cudackpt.refuse_several_gpus(cuda)
     pairs = of_process(cuda, where)
     for p in cuda:
         stopworld.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {where} "

@@ -34,6 +34,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     cuda = cudackpt.gpu_pids(pids)
     for p in cuda:
         refuse_imported(p)
+    cudackpt.refuse_several_gpus(cuda)
     options = options.fitted(pids)
     gpu_use = nvml.gpus_of(cuda) if cuda else {}
     # pages at least as large as what is resident, plus the device memory the dump will hold;
