@@ -42,6 +42,13 @@ class Onto:
                            "name each old and each new GPU once: --to-gpu 0=1,1=0")
         return cls(pairs=pairs)
 
+    def check(self, here: list[nvml.Gpu]) -> None:
+        """Refuse a target GPU this host does not have."""
+        for new in [self.index] if self.index is not None else [b for _, b in self.pairs]:
+            if new >= len(here):
+                raise BadInput(f"this host has {len(here)} GPU(s), no GPU {new}",
+                               f"give indices from 0 to {len(here) - 1}")
+
     def __str__(self) -> str:
         if self.index is not None:
             return str(self.index)
@@ -64,10 +71,7 @@ def gpu_pairs(used: list[str], onto: Onto, here: list[nvml.Gpu],
         wanted = {index_of[used[0]]: onto.index}
     else:
         wanted = dict(onto.pairs)
-    for new in wanted.values():
-        if new >= len(here):
-            raise BadInput(f"this host has {len(here)} GPU(s), no GPU {new}",
-                           f"give indices from 0 to {len(here) - 1}")
+    onto.check(here)
     target: dict[str, str] = {}
     for u in used:
         old = index_of.get(u)
@@ -106,10 +110,7 @@ def move(onto: Onto, used: Callable[[], list[str]],
     as `onto` says; `index_of()`: the NVML index each of them had where the job ran (for a
     live process, this host's). The host's GPUs are checked first, before anything is read."""
     here = _host()
-    for new in ([onto.index] if onto.index is not None else [b for _, b in onto.pairs]):
-        if new >= len(here):
-            raise BadInput(f"this host has {len(here)} GPU(s), no GPU {new}",
-                           f"give indices from 0 to {len(here) - 1}")
+    onto.check(here)
     return gpu_pairs(used(), onto, here, {**{g.uuid: g.index for g in here}, **index_of()})
 
 
