@@ -1,6 +1,6 @@
 """The stall's floor and the restored job's first step (issue 25), on the lent GPU (root):
 
-    python3 bench/floor_gpu.py --out DIR [--gib 16,35] [--no-stw]
+    python3 bench/floor_gpu.py --out DIR [--gib 16,16+notrim,35] [--no-stw]
 
 For each size, workloads/train_gpt.py filled to that many GiB of device memory under `pos run`:
   1. the driver's floor, measured alone on the job: the agent cuts, exports and gives its
@@ -10,7 +10,9 @@ For each size, workloads/train_gpt.py filled to that many GiB of device memory u
      whole-process concurrent checkpoint from outside at a random step (the stall as the job
      saw it, split by pos's own timings), SIGKILL, `pos restore` into a new process (the first
      step after it, when every buffer was back, the fill's rate) and every loss bit for bit.
-Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under `runs`.
+A size may carry bench/scale_gpu.py's row flags (`16+notrim`: the job's C heap not trimmed at
+the cut). Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under
+`runs`; DIR/<row>-criu-dump.log, and CRIU's restore logs in /var/log/pos.
 """
 
 import argparse
@@ -70,15 +72,17 @@ def main() -> None:
     total, facts, ref = setting(Path(a.out), Path(a.images))
     out, images = Path(a.out), Path(a.images)
     rows, runs = [], []
-    for gib in (float(g) for g in a.gib.split(",")):
-        spec = Spec(f"{gib / total:.4f}", images, not a.no_stw)
+    for entry in a.gib.split(","):
+        size, *flags = entry.split("+")
+        gib = float(size)
+        spec = Spec("+".join([f"{gib / total:.4f}", *flags]), images, not a.no_stw)
         p, log = start_job(spec, total, out)
         try:
             wait_steps(log, 12, p)
             floor = driver_floor(p.pid)
         finally:
             kill(p)
-        run = {"gib": gib, "driver_floor": floor,
+        run = {"gib": gib, "flags": flags, "driver_floor": floor,
                **one_row(spec, total, out, ref)}
         runs.append(run)
         rep = (run.get("concurrent") or {}).get("report") or {}
@@ -91,14 +95,19 @@ def main() -> None:
             "stall_s": round(saw["worst_step_s"] - saw["median_step_s"], 3)
             if "worst_step_s" in saw else None,
             "release_s": rep.get("release_s"),
+            "trim": "notrim" not in flags,
             "split": {k: round(tim[k], 3) for k in SPLIT if k in tim},
+            "criu_written_mib": tim.get("criu_written_mib"),
+            "trimmed_mib": round(tim["trimmed_bytes"] / 2**20, 1) if "trimmed_bytes" in tim
+            else None,
             "driver_floor_s": round(floor["driver_floor"], 3),
             "stw_stall_s": round(stw["worst_step_s"] - stw["median_step_s"], 3)
             if "worst_step_s" in stw else None,
             "first_step_s": round(run["first_step_s"], 3) if run.get("first_step_s") else None,
             "all_back_s": round(rt["all_back_at"], 3) if "all_back_at" in rt else None,
             "fill_gbps": rst.get("h2d_gbps"),
-            "restore_split": {k: round(rt[k], 3) for k in ("criu_restore", "verify", "restore",
+            "restore_split": {k: round(rt[k], 3) for k in ("pos_started_s", "criu_restore",
+                                                           "verify", "restore",
                                                            "remap", "memory_at", "all_back_at",
                                                            "ended_at") if k in rt},
             "bit_exact": (run.get("exact") or {}).get("bit_exact", False),

@@ -2,7 +2,8 @@
 
 Checkpoint (GPU state only, `gpu_only=True`, or the whole process):
  1. before the cut: page-locked host memory (as much as the job, where the host can spare it)
-    and a device shadow (what is free) are set aside;
+    and a device shadow (what is free) are set aside; for a whole-process image the job's C
+    heap gives its free pages back (Agent.trim: fewer pages for CRIU to write while it is held);
  2. the cut (the agent holds the job's calls, drains those inside the driver, synchronises);
  3. the agent exports its allocations; pos imports them and copies what fits device-to-device
     into its shadow (milliseconds at HBM speed), then starts copying everything to host memory
@@ -54,6 +55,7 @@ SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing
 SHADOW_MAX_ENV = "POS_SHADOW_MAX_BYTES"   # at most this much device memory for the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 HOIST_STACK = 0                # bytes of stack a hoisted context keeps (see hoist_stack)
+TRIM_ENV = "POS_TRIM"          # 0: the job's C heap keeps its free pages (see Agent.trim)
 
 
 @dataclass
@@ -561,6 +563,11 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         with steps.Guard(plan, echo) as g:
             stage = staging.directory(Path(directory).name, partial, resident)
             dumped = stage or partial      # where CRIU writes
+            if os.environ.get(TRIM_ENV) != "0":
+                rss = procs.resident_bytes([pid])
+                t = agent.trim()
+                g.timings.update(trim=t.seconds, heap_free_bytes=t.free,
+                                 trimmed_bytes=max(0, rss - procs.resident_bytes([pid])))
             t0 = time.monotonic()
             g.step("cut", staging=str(stage or ""))
             cut = s.cut_and_import()
@@ -625,9 +632,12 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet).
     `to_gpu`: onto that GPU of this host (NVML's index) rather than the one it was taken on."""
+    from pos.scheduler import procs
+
     check_fill_settings()
     directory = Path(directory).absolute()
     t0 = time.monotonic()
+    started = procs.age(os.getpid())     # pos's own start-up, before the restore's clock
     check = _checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
     onto = None                   # the UUID of the GPU it moves to
@@ -669,7 +679,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
         out["let_go"] = time.monotonic() - t1
     paused = pre.paused_s()       # the fill's own time and rate leave its pause out
     copy = replace(out["copy"], seconds=out["copy"].seconds - paused)
-    timings = {**result.timings, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
+    timings = {**result.timings, "pos_started_s": started, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
                "fill_paused": paused,
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of

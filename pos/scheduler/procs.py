@@ -34,6 +34,15 @@ def state(pid: int) -> Optional[str]:
     return st[0] if st else None
 
 
+def age(pid: int) -> Optional[float]:
+    """Seconds since the process started (10 ms steps), None when gone."""
+    st = _stat(pid)
+    if st is None:
+        return None
+    up = float(Path("/proc/uptime").read_text().split()[0])
+    return max(0.0, up - int(st[19]) / os.sysconf("SC_CLK_TCK"))
+
+
 def parent(pid: int) -> Optional[int]:
     st = _stat(pid)
     return int(st[1]) if st else None

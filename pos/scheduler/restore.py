@@ -26,6 +26,7 @@ from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan
 
 PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s on Linux
+KEEP_LOG_ENV = "POS_KEEP_RESTORE_LOG"   # 1: CRIU's log is kept in criu.LOG_DIR on success too
 
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:
@@ -140,5 +141,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
         pool.shutdown()
         for fd in logs:
             os.close(fd)
+        if os.environ.get(KEEP_LOG_ENV) == "1":
+            criu_mod.keep_log(work / criu_mod.RESTORE_LOG)
         shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)
