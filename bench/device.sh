@@ -15,7 +15,7 @@
 #   bench/device.sh restart      # what a restored process costs beyond its memory: the
 #                                # context's memory, the first steps after a restore (~3 min)
 #   bench/device.sh floor        # the stall's floor and the first step after a restore:
-#                                # bench/floor_gpu.py (POS_FLOOR_GIB, default 16,16+notrim,35;
+#                                # bench/floor_gpu.py (POS_FLOOR_GIB, default 16,35;
 #                                # POS_FLOOR_NOSTW=1: no stop-the-world beside) (~9 min)
 #   bench/device.sh scale        # jobs that fill the GPU: bench/scale_gpu.py's rows
 #                                # (POS_SCALE_ROWS, default 0.3,0.6,0.6@0.92,0.9; POS_SCALE_STW=0
@@ -107,7 +107,7 @@ scale)
         step scale-test python3 -m pytest -ra -s tests/gpu/test_scale_gpu.py ;;
 floor)
     step native python3 -m pos.native
-    step floor python3 bench/floor_gpu.py --out "$out" --gib "${POS_FLOOR_GIB:-16,16+notrim,35}" \
+    step floor python3 bench/floor_gpu.py --out "$out" --gib "${POS_FLOOR_GIB:-16,35}" \
         ${POS_FLOOR_NOSTW:+--no-stw}
     grep '^row' "$out/floor.log"
     cp /var/log/pos/*criu-restore.log "$out/" 2>/dev/null

@@ -1,6 +1,6 @@
 """The stall's floor and the restored job's first step (issue 25), on the lent GPU (root):
 
-    python3 bench/floor_gpu.py --out DIR [--gib 16,16+notrim,35] [--no-stw]
+    python3 bench/floor_gpu.py --out DIR [--gib 16,35+nostw] [--no-stw]
 
 For each size, workloads/train_gpt.py filled to that many GiB of device memory under `pos run`:
   1. the driver's floor, measured alone on the job: the agent cuts, exports and gives its
@@ -10,8 +10,7 @@ For each size, workloads/train_gpt.py filled to that many GiB of device memory u
      whole-process concurrent checkpoint from outside at a random step (the stall as the job
      saw it, split by pos's own timings), SIGKILL, `pos restore` into a new process (the first
      step after it, when every buffer was back, the fill's rate) and every loss bit for bit.
-A size may carry bench/scale_gpu.py's row flags (`16+notrim`: the job's C heap not trimmed at
-the cut). Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under
+A size may carry bench/scale_gpu.py's row flags (`35+nostw`: no stop-the-world beside it). Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under
 `runs`; DIR/<row>-criu-dump.log, and CRIU's restore logs in /var/log/pos.
 """
 
@@ -95,11 +94,8 @@ def main() -> None:
             "stall_s": round(saw["worst_step_s"] - saw["median_step_s"], 3)
             if "worst_step_s" in saw else None,
             "release_s": rep.get("release_s"),
-            "trim": "notrim" not in flags,
             "split": {k: round(tim[k], 3) for k in SPLIT if k in tim},
             "criu_written_mib": tim.get("criu_written_mib"),
-            "trimmed_mib": round(tim["trimmed_bytes"] / 2**20, 1) if "trimmed_bytes" in tim
-            else None,
             "driver_floor_s": round(floor["driver_floor"], 3),
             "stw_stall_s": round(stw["worst_step_s"] - stw["median_step_s"], 3)
             if "worst_step_s" in stw else None,

@@ -64,13 +64,6 @@ class Refused(PosError):
 
 
 @dataclass(frozen=True)
-class Trim:
-    heap: int          # the C heap's bytes before (mallinfo2: arenas and mmapped blocks)
-    free: int          # of them free in its arenas: what the trim may give back
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Hoist:
     bytes: int         # released: held by pos alone until the remap
     stack: int         # the context's per-thread stack before, kept for the remap (0: unchanged)
@@ -252,12 +245,6 @@ class Agent:
         r = self._ask("status")
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r))
-
-    def trim(self) -> Trim:
-        """The job's C heap gives its free pages back to the kernel (malloc_trim), so that
-        CRIU's frozen dump has fewer pages to write; the job runs on meanwhile."""
-        r = self._ask("trim")
-        return Trim(int(r["heap"]), int(r["free"]), float(r["trim_s"]))
 
     def cut(self, timeout_s: float) -> Cut:
         r = self._ask(f"cut {int(timeout_s * 1000)}")

@@ -2,8 +2,7 @@
 
 Checkpoint (GPU state only, `gpu_only=True`, or the whole process):
  1. before the cut: page-locked host memory (as much as the job, where the host can spare it)
-    and a device shadow (what is free) are set aside; for a whole-process image the job's C
-    heap gives its free pages back (Agent.trim: fewer pages for CRIU to write while it is held);
+    and a device shadow (what is free) are set aside;
  2. the cut (the agent holds the job's calls, drains those inside the driver, synchronises);
  3. the agent exports its allocations; pos imports them and copies what fits device-to-device
     into its shadow (milliseconds at HBM speed), then starts copying everything to host memory
@@ -55,7 +54,6 @@ SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing
 SHADOW_MAX_ENV = "POS_SHADOW_MAX_BYTES"   # at most this much device memory for the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 HOIST_STACK = 0                # bytes of stack a hoisted context keeps (see hoist_stack)
-TRIM_ENV = "POS_TRIM"          # 0: the job's C heap keeps its free pages (see Agent.trim)
 
 
 @dataclass
@@ -563,11 +561,6 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         with steps.Guard(plan, echo) as g:
             stage = staging.directory(Path(directory).name, partial, resident)
             dumped = stage or partial      # where CRIU writes
-            if os.environ.get(TRIM_ENV) != "0":
-                rss = procs.resident_bytes([pid])
-                t = agent.trim()
-                g.timings.update(trim=t.seconds, heap_free_bytes=t.free,
-                                 trimmed_bytes=max(0, rss - procs.resident_bytes([pid])))
             t0 = time.monotonic()
             g.step("cut", staging=str(stage or ""))
             cut = s.cut_and_import()

@@ -72,15 +72,13 @@ def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
     started: list[FillJob] = []
 
     def start(buffers: int = 12, size: int = 1 << 20, name: Optional[str] = None,
-              pool_bytes: int = 0, launches: str = "", heap_freed_mb: int = 0) -> FillJob:
+              pool_bytes: int = 0, launches: str = "") -> FillJob:
         """`launches`: every operation launches this kernel with axpy's parameters on the
-        first buffer (FILL_JOB_AXPY); `heap_freed_mb`: that much freed memory left resident in
-        its C heap (FILL_JOB_HEAP_FREED_MB)."""
+        first buffer (FILL_JOB_AXPY)."""
         d = tmp_path / f"job{len(started)}"
         d.mkdir(exist_ok=True)
         env = {**gpu_env, **({"FILL_JOB_POOL_BYTES": str(pool_bytes)} if pool_bytes else {}),
-               **({"FILL_JOB_AXPY": launches} if launches else {}),
-               **({"FILL_JOB_HEAP_FREED_MB": str(heap_freed_mb)} if heap_freed_mb else {})}
+               **({"FILL_JOB_AXPY": launches} if launches else {})}
         job = FillJob(fakegpu, d, env, buffers, size, name)
         started.append(job)
         return job

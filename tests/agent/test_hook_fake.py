@@ -479,31 +479,6 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
 
 
-def dumped_pages(img: Path) -> int:
-    return sum(f.stat().st_size for f in img.glob("pages-*.img"))
-
-
-@pytest.mark.parametrize("trim", ["1", "0"])
-def test_the_heap_gives_its_free_pages_back_before_the_dump(fill_job, tmp_path: Path, criu_ready,
-                                                            gpu_env, trim: str) -> None:
-    job = fill_job(heap_freed_mb=64)
-    img = tmp_path / own("img")
-    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--leave-running",
-            env={**gpu_env, "POS_TRIM": trim})
-    assert r.returncode == 0, r.stderr
-    timings = json.loads((img / "pos-manifest.json").read_text())["timings"]
-    if trim == "1":
-        assert timings["heap_free_bytes"] >= 64 << 20
-        assert timings["trimmed_bytes"] >= 48 << 20
-        assert dumped_pages(img) < 32 << 20       # CRIU wrote none of the freed pages
-    else:
-        assert "trim" not in timings
-        assert dumped_pages(img) >= 64 << 20
-    assert not torn(image_values(img))
-    with Agent(job.pid) as a:
-        assert a.status().phase == "idle"
-
-
 @pytest.mark.parametrize("step,leave_running", [
     *((step, True) for step in ("cut", "hoist", "lock", "checkpoint", "dump", "restore", "unlock",
                                 "copy", "seal")),

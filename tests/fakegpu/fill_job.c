@@ -7,9 +7,7 @@
  * stream-ordered pool (cuMemAllocAsync), which pos cannot own. FILL_JOB_AXPY=NAME makes every
  * operation a launch of the kernel NAME with axpy's parameters on the first buffer instead
  * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
- * before READY. FILL_JOB_HEAP_FREED_MB=M leaves M MiB of touched, freed memory inside its C heap
- * (a block above keeps glibc from trimming it), as a PyTorch job's heap holds the model it
- * built on the CPU before moving it.
+ * before READY.
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -18,7 +16,6 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -96,18 +93,6 @@ int main(int argc, char **argv) {
     if (pool) {
         CUdeviceptr p;
         CHECK(cuMemAllocAsync(&p, strtoull(pool, NULL, 0), NULL));
-    }
-    const char *freed = getenv("FILL_JOB_HEAP_FREED_MB");
-    if (freed) {
-        size_t count = strtoull(freed, NULL, 0) * 16; /* 64 KiB blocks: below mmap's threshold */
-        char **blocks = calloc(count, sizeof(*blocks));
-        for (size_t i = 0; i < count; i++)
-            memset(blocks[i] = malloc(64 << 10), 1, 64 << 10);
-        void *above = malloc(64 << 10); /* from the top, as the blocks: above them */
-        for (size_t i = 0; i < count; i++)
-            free(blocks[i]);
-        free(blocks);
-        printf("HEAP_KEPT %p\n", above);
     }
     if (launches_only)
         printf("BUFFER0 0x%llx\n", buf[0]);

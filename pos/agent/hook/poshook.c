@@ -27,7 +27,6 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <malloc.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -1223,19 +1222,6 @@ static void do_status(struct conn *c) {
     pthread_mutex_unlock(&mu);
 }
 
-/* Give the C heap's free pages back to the kernel (malloc_trim) just before a whole-process
- * cut: CRIU writes every present page of the job while it is frozen, and a PyTorch job's heap
- * is mostly memory it freed (its model built on the CPU, then moved). The job's live data is
- * untouched; a page it reuses comes back zeroed from the kernel, as after any free. */
-static void do_trim(struct conn *c) {
-    struct mallinfo2 before = mallinfo2();
-    uint64_t t0 = now_ns();
-    int released = malloc_trim(0);
-    double s = secs(now_ns() - t0);
-    reply(c, "{\"ok\":true,\"heap\":%zu,\"free\":%zu,\"released\":%d,\"trim_s\":%.6f}",
-          before.arena + before.hblkhd, before.fordblks, released, s);
-}
-
 /* The cut: hold new calls, wait for those inside the driver, synchronise every context. */
 static void do_cut(struct conn *c, long timeout_ms) {
     uint64_t t0 = now_ns();
@@ -1762,8 +1748,6 @@ static void serve(int fd) {
             *args++ = 0;
         if (!strcmp(cmd, "status"))
             do_status(c);
-        else if (!strcmp(cmd, "trim"))
-            do_trim(c);
         else if (!strcmp(cmd, "cut"))
             do_cut(c, args ? atol(args) : stall);
         else if (!strcmp(cmd, "table"))
