@@ -29,12 +29,6 @@ MIN_VERSION = (4, 0)
 FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.2 into /opt/pos/criu), or set POS_CRIU "
                "to a CRIU >= 4.0")
 DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
-# A dump logs errors and warnings only: at -v4 CRIU logged 38,000 lines (2.2 MB) for a PyTorch
-# job's 1 GB of pages, one write each, while the job was frozen (0.41 s on an H200 host); a
-# 1 GB dump's frozen time fell 30% at -v2 on a CPU host. Restores keep -v4 (their log is the
-# record of where a restore went wrong, and its growth bounds a looping one).
-DUMP_VERBOSITY_ENV = "POS_CRIU_DUMP_VERBOSITY"
-DUMP_VERBOSITY = 2
 
 # Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
 LOG_DIR = Path(os.environ.get("POS_LOG_DIR", "/var/log/pos"))
@@ -197,9 +191,8 @@ class Criu:
     version: tuple[int, ...]
     version_text: str = field(default="")
 
-    def _base(self, action: str, images: Path, log: str, workdir: Optional[Path],
-              verbosity: int = 4) -> list[str]:
-        argv = [self.path, action, "-D", str(images), "-o", log, f"-v{verbosity}"]
+    def _base(self, action: str, images: Path, log: str, workdir: Optional[Path]) -> list[str]:
+        argv = [self.path, action, "-D", str(images), "-o", log, "-v4"]
         if workdir is not None:
             argv += ["-W", str(workdir)]
         return argv
@@ -209,8 +202,7 @@ class Criu:
         """Without `leave_running` the tree stays, stopped, for the caller to end once the
         image is sealed: a pos that dies before then leaves it to run on (CRIU never ends it
         itself, or a pos that died between the dump and the seal would lose the job)."""
-        argv = self._base("dump", images, DUMP_LOG, None, dump_verbosity()) + [
-            "-t", str(pid), *opts.argv()]
+        argv = self._base("dump", images, DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
         argv.append("--leave-running" if leave_running else "--leave-stopped")
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
@@ -366,16 +358,6 @@ def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
     return out
 
 
-def dump_verbosity() -> int:
-    """CRIU's log level for dumps ($POS_CRIU_DUMP_VERBOSITY, 0-4; default DUMP_VERBOSITY)."""
-    value = os.environ.get(DUMP_VERBOSITY_ENV, str(DUMP_VERBOSITY))
-    if value not in ("0", "1", "2", "3", "4"):
-        raise BadInput(f"{DUMP_VERBOSITY_ENV}={value} is not a CRIU log level (0-4)",
-                       f"unset it (dumps then log at {DUMP_VERBOSITY}), or give 4 for CRIU's "
-                       "every step")
-    return int(value)
-
-
 def log_tail(log: Path, lines: int = 6) -> list[str]:
     """The last error lines of a CRIU log (or its last lines when it names no error), from
     its last MiB (a log that ran away holds gigabytes)."""
@@ -469,9 +451,7 @@ def _find(env_value: str, path_copy: str) -> Criu:
 
 
 def find() -> Criu:
-    """The CRIU to use (see the module docstring); BadInput naming the fix when none fits, or
-    when its log level is set wrong (refused here, before any process is touched)."""
-    dump_verbosity()
+    """The CRIU to use (see the module docstring); BadInput naming the fix when none fits."""
     return _find(os.environ.get(ENV, ""), shutil.which("criu") or "")
 
 
