@@ -266,7 +266,7 @@ def largest_deleted_file(pids: list[int]) -> int:
     return biggest
 
 
-ESTABLISHED, TIME_WAIT, LISTEN = "01", "06", "0A"      # /proc/net/tcp's states
+ESTABLISHED, LISTEN = "01", "0A"      # /proc/net/tcp's states
 
 
 def _tcp(pid: int) -> list[tuple[str, str, str, str]]:
@@ -300,23 +300,6 @@ def listening_ports(pids: list[int]) -> list[int]:
     mine = set().union(*(_socket_inodes(p) for p in pids))
     return sorted({int(a.rsplit(":", 1)[1], 16) for a, _, st, ino in _tcp(pids[0])
                    if st == LISTEN and ino in mine})
-
-
-def wait_ports_free(ports: list[int], timeout: float, echo: Callable[[str], None]) -> None:
-    """Wait until no connection in TIME_WAIT holds one of `ports`: the connections of a job
-    killed on this host keep its listening ports for up to a minute, and CRIU's restore cannot
-    bind a listening socket again until then ("Address already in use")."""
-    deadline, said = time.monotonic() + timeout, False
-    while True:
-        held = sorted({int(a.rsplit(":", 1)[1], 16) for a, _, st, _ in _tcp(os.getpid())
-                       if st == TIME_WAIT} & set(ports))
-        if not held or time.monotonic() > deadline:
-            return
-        if not said:
-            echo(f"waiting for the old job's closed connections (TIME_WAIT) to free port(s) "
-                 f"{', '.join(map(str, held))}, at most {timeout:.0f} s")
-            said = True
-        time.sleep(0.2)
 
 
 def require_dumpable(pid: int) -> None:

@@ -25,7 +25,7 @@ from pos.scheduler.manifest import Result
 from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan
 
-PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s on Linux
+PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
 KEEP_LOG_ENV = "POS_KEEP_RESTORE_LOG"   # 1: CRIU's log is kept in criu.LOG_DIR on success too
 
 
@@ -100,7 +100,10 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
-    procs.wait_ports_free(manifest.tcp_listen, PORTS_WAIT_S, echo)
+    if manifest.tcp_listen:
+        from pos.scheduler import timewait     # pyroute2: imported only where needed
+
+        timewait.free(manifest.tcp_listen, PORTS_WAIT_S, echo)
     logs = criu_mod.reopen_logs(manifest.logs)
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
