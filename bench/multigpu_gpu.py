@@ -170,6 +170,12 @@ def split_stw(out: Path, images: Path, gib: float, way: str) -> dict[str, Any]:
         t = time.monotonic()
         res["checkpoint"] = pos_cmd("checkpoint", str(p.pid), "-D", str(d), "--leave-running",
                                     "--json", timeout=150)
+        if res["checkpoint"]["rc"] == 2:              # refused before the job was touched
+            same_steps(ref, log, res, 120)            # it runs on, untouched
+            err = res["checkpoint"]["err"].strip().splitlines()
+            return row("two-gpu-process-stw", res, stall_s=None, variant=way, bit_exact=None,
+                       refused=err[-1].removeprefix("Error: ") if err else "",
+                       ran_on_bit_exact=res.get("bit_exact"))
         if res["checkpoint"]["rc"] != 0:
             res["job_state"] = processes()[-1500:]
             return row("two-gpu-process-stw", res, stall_s=None, bit_exact=False, variant=way)
