@@ -10,8 +10,9 @@ For each size, workloads/train_gpt.py filled to that many GiB of device memory u
      whole-process concurrent checkpoint from outside at a random step (the stall as the job
      saw it, split by pos's own timings), SIGKILL, `pos restore` into a new process (the first
      step after it, when every buffer was back, the fill's rate) and every loss bit for bit.
-A size may carry bench/scale_gpu.py's row flags (`35+nostw`: no stop-the-world beside it). Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under
-`runs`; DIR/<row>-criu-dump.log, and CRIU's restore logs in /var/log/pos.
+A size may carry bench/scale_gpu.py's row flags (`35+nostw`: no stop-the-world beside it).
+Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under `runs`;
+DIR/<row>-criu-dump.log, and CRIU's restore logs in /var/log/pos.
 """
 
 import argparse

@@ -672,8 +672,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
         out["let_go"] = time.monotonic() - t1
     paused = pre.paused_s()       # the fill's own time and rate leave its pause out
     copy = replace(out["copy"], seconds=out["copy"].seconds - paused)
-    timings = {**result.timings, "pos_started_s": started, "h2d": copy.seconds, "read_threads": copy.read_thread_s,
-               "fill_paused": paused,
+    timings = {**result.timings, "pos_started_s": started, "h2d": copy.seconds,
+               "read_threads": copy.read_thread_s, "fill_paused": paused,
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
                "imported_at": pre.imported_at - t0, "context_at": pre.context_at - t0,

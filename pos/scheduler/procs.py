@@ -7,7 +7,7 @@ import signal
 import stat
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from pos import host
 from pos.errors import BadInput
