@@ -42,6 +42,7 @@ class Status:
                            # whole-process checkpoint or restore): the driver cannot restore
                            # them from a stop-the-world image
     gate: "Gate"           # the calls of the operation running (or the last one) so far
+    nccl_launches: int = 0  # NCCL kernels launched since the job started (see `Agent.cut`)
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,14 @@ class Exported:
 
 
 class Refused(PosError):
-    """The agent said no; `need`: the device memory it lacked for a reseat (0: not that)."""
+    """The agent said no; `need`: the device memory it lacked for a reseat (0: not that);
+    `past`: a cut at an NCCL launch found the job past it, or not come to it in time: the
+    job's count then (-1: not that)."""
 
     def __init__(self, pid: int, reply: dict[str, Any]) -> None:
         super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
         self.need = int(reply.get("need", 0))
+        self.past = int(reply.get("past", -1))
 
 
 @dataclass(frozen=True)
@@ -244,10 +248,15 @@ class Agent:
     def status(self) -> Status:
         r = self._ask("status")
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
-                      r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r))
+                      r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
+                      int(r.get("nccl_launches", 0)))
 
-    def cut(self, timeout_s: float) -> Cut:
-        r = self._ask(f"cut {int(timeout_s * 1000)}")
+    def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
+        """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the
+        NCCL launch past that many (every rank of a job cut at the same `at` stands before the
+        same collective), waiting up to `timeout_s` for it."""
+        ms = int(timeout_s * 1000)
+        r = self._ask(f"cut {ms}" if at is None else f"cut {ms} {at}")
         return Cut(r["drain_s"], r["sync_s"], r["buffers"], r["bytes"])
 
     def table(self) -> list[Buffer]:

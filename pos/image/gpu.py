@@ -53,8 +53,10 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 class Writer:
     """Appends chunks to one data file per writer thread and records them for the index."""
 
-    def __init__(self, folder: Path, compress: bool, level: int = 1) -> None:
+    def __init__(self, folder: Path, compress: bool, level: int = 1,
+                 prefix: str = "gpu-data-") -> None:
         self.folder = folder
+        self.prefix = prefix          # the data files' names: PREFIXnn.bin
         self.compress = compress
         self.level = level
         self.chunks: dict[int, list[dict[str, Any]]] = {}
@@ -66,7 +68,7 @@ class Writer:
         f = getattr(self._local, "file", None)
         if f is None:
             with self._lock:
-                name = f"gpu-data-{len(self._files):02d}.bin"
+                name = f"{self.prefix}{len(self._files):02d}.bin"
                 fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 f = os.fdopen(fd, "wb", buffering=0)
                 self._files.append(f)

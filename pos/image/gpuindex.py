@@ -1,6 +1,8 @@
 """The index of a GPU image (DIR/gpu-index.json: every buffer saved and its chunks; see
 pos/image/gpu.py), apart from the chunk reader so that a restore reads it, and starts CRIU,
-before numpy and the reader's library are loaded."""
+before numpy and the reader's library are loaded. A whole-process image of a job of several
+CUDA processes (DDP's ranks) holds one index per process instead, DIR/gpu-index-PID.json, and
+each process's data files are named after it too."""
 
 import json
 import os
@@ -13,20 +15,36 @@ INDEX = "gpu-index.json"
 FORMAT = 1
 
 
-def write_index(folder: Path, index: dict[str, Any]) -> None:
-    fd = os.open(folder / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def index_name(pid: Optional[int] = None) -> str:
+    """The index of an image of one job (None), or of the process `pid` of several."""
+    return INDEX if pid is None else f"gpu-index-{pid}.json"
+
+
+def data_prefix(pid: Optional[int] = None) -> str:
+    """How the data files of that index begin."""
+    return "gpu-data-" if pid is None else f"gpu-data-{pid}-"
+
+
+def has_index(folder: Path) -> bool:
+    """Whether `folder` holds a GPU index: one job's, or each of several processes'."""
+    return (Path(folder) / INDEX).is_file() or any(Path(folder).glob("gpu-index-*.json"))
+
+
+def write_index(folder: Path, index: dict[str, Any], pid: Optional[int] = None) -> None:
+    fd = os.open(folder / index_name(pid), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(index, f, indent=1)
 
 
-def read_index(folder: Path) -> dict[str, Any]:
+def read_index(folder: Path, pid: Optional[int] = None) -> dict[str, Any]:
+    name = index_name(pid)
     try:
-        index = json.loads((Path(folder) / INDEX).read_text())
+        index = json.loads((Path(folder) / name).read_text())
     except FileNotFoundError:
-        raise BadInput(f"{folder} is not a GPU image (no {INDEX})",
+        raise BadInput(f"{folder} is not a GPU image (no {name})",
                        "give the -D of a `pos checkpoint --concurrent`") from None
     except ValueError:
-        raise BadInput(f"{folder}/{INDEX} is not valid JSON", "take a new checkpoint") from None
+        raise BadInput(f"{folder}/{name} is not valid JSON", "take a new checkpoint") from None
     if index.get("format") != FORMAT:
         raise BadInput(f"{folder} is a GPU image of format {index.get('format')}, this pos "
                        f"reads {FORMAT}", "restore it with the pos version that wrote it")

@@ -73,22 +73,31 @@ class Report:
                                    # checkpoint saves it in a whole-process image
     timings: dict[str, float] = field(default_factory=dict)
     restored_pid: Optional[int] = None   # a restore into a new process: the job's PID there
+    ranks: list[dict[str, Any]] = field(default_factory=list)   # a job of several CUDA
+                                   # processes: each one's pid, gpu, bytes, cut and gate
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _device_of(pid: int) -> int:
-    """pos's CUDA number of the one GPU the job uses (the job's own may differ, under
-    CUDA_VISIBLE_DEVICES): the shadow and the copies go there. A job on several is refused."""
-    from pos.scheduler import gpucopy
-
+def _gpu_of(pid: int) -> Optional[str]:
+    """The UUID of the one GPU the job uses (None: NVML sees none). A job on several is
+    refused: pos's concurrent copier shadows and copies one GPU's memory per process."""
     used = list(nvml.gpus_of([pid]))
     if len(used) > 1:
         raise BadInput(f"PID {pid} uses {len(used)} GPUs ({', '.join(used)}): pos's concurrent "
                        "copier shadows and copies one GPU's memory",
                        f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR`")
-    return gpucopy.ordinal(used[0]) if used else 0
+    return used[0] if used else None
+
+
+def _device_of(pid: int) -> int:
+    """pos's CUDA number of the one GPU the job uses (the job's own may differ, under
+    CUDA_VISIBLE_DEVICES): the shadow and the copies go there."""
+    from pos.scheduler import gpucopy
+
+    gpu = _gpu_of(pid)
+    return gpucopy.ordinal(gpu) if gpu else 0
 
 
 class _Saver:
@@ -100,7 +109,9 @@ class _Saver:
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
         self.pid = agent.pid
         self.streams, self.chunk = streams, chunk
+        self.gpu = _gpu_of(agent.pid)         # the job's GPU, recorded in its index
         self.drv = gpucopy.context(_device_of(agent.pid))
+        self.rank: Optional[int] = None       # one process of several: its PID (see write)
         self.timings: dict[str, float] = {}
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
@@ -145,20 +156,27 @@ class _Saver:
         self.shadow = self._timed("shadow_alloc", lambda: gpucopy.Shadow(self.drv, min(room, want)))
         return st.foreign_bytes
 
-    def cut_and_import(self) -> Cut:
+    def cut(self, at: Optional[int] = None, timeout_s: float = STALL_S) -> Cut:
+        """The job held and drained (now, or just before the NCCL launch past `at`: see
+        pos/scheduler/collective.py)."""
+        from pos.scheduler import gpucopy
+
+        assert self.agent is not None and self.shadow is not None
+        agent = self.agent
+        cut = self._timed("cut", lambda: agent.cut(timeout_s, at))
+        # what the job and the rest leave free at the cut (pos's own shadow counted as free)
+        self.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(self.drv)
+                                             + self.shadow.size)
+        return cut
+
+    def import_memory(self) -> None:
+        """The held job's allocations, exported by it and imported by pos."""
         from pos.scheduler import gpucopy
 
         assert self.agent is not None
-        agent = self.agent
-        cut = self._timed("cut", lambda: agent.cut(STALL_S))
-        # what the job and the rest leave free at the cut (pos's own shadow counted as free)
-        assert self.shadow is not None
-        self.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(self.drv)
-                                             + self.shadow.size)
-        self.table = agent.table()
+        self.table = self.agent.table()
         self.fds = self._timed("export", self._export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))
-        return cut
 
     def _export(self) -> list[int]:
         """The job's descriptors. A buffer the driver would not export is moved into new memory
@@ -205,15 +223,18 @@ class _Saver:
         self._timed("shadow", lambda: gpucopy.device_to_device(self.drv, dst, src, sizes))
         return sources
 
-    def start_copy(self, folder: Path, sources: list[int]) -> None:
-        """The copy to host memory and into the image's data files, on threads of its own from
-        now on (the job may still be held)."""
+    def start_copy(self, folder: Path, sources: list[int], rank: Optional[int] = None) -> None:
+        """The copy to host memory and into the image's data files (`rank`: the PID of one
+        process of several, whose files are named after it), on threads of its own from now on
+        (the job may still be held)."""
         from pos.image import gpu as gpuimage
         from pos.scheduler import copier
 
         assert self.host is not None
+        self.rank = rank
         self.handout = Handout(self.table, safe=self.shadowed)
-        self.writer = gpuimage.Writer(folder, compress=False)
+        self.writer = gpuimage.Writer(folder, compress=False,
+                                      prefix=gpuindex.data_prefix(rank))
         self.copier = copier.Copier(self.drv, self.table, sources, self.shadowed, self.host,
                                     self.chunk, self.streams, self.writer, self.handout,
                                     image.workers())
@@ -260,7 +281,8 @@ class _Saver:
                                                          key=lambda c: c["offset"])}
                    for b in self.table]
         gpuindex.write_index(folder, {"format": gpuindex.FORMAT, "pid": self.pid,
-                                      "parent": None, "buffers": buffers})
+                                      "parent": None, "gpu": self.gpu, "buffers": buffers},
+                             self.rank)
         return done
 
     def close(self) -> None:
@@ -296,7 +318,8 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
                  f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
             try:
                 t0 = time.monotonic()
-                cut = s.cut_and_import()
+                cut = s.cut()
+                s.import_memory()
                 s.start_copy(partial, s.snapshot())
                 s.release()
                 release_s = time.monotonic() - t0
@@ -514,9 +537,12 @@ def hoist_stack() -> Optional[int]:
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
                     lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
                     chunk_mb: int = 64, echo: Echo = lambda _: None) -> Report:
-    """A whole-process image of the `pos run` job `pid` (CRIU + the driver, the job's device
-    memory hoisted out of the driver's checkpoint and copied by pos): restorable into a new
-    process by `restore_full`. See the module docstring for the steps."""
+    """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (CRIU
+    + the driver, each job's device memory hoisted out of the driver's checkpoint and copied by
+    pos): restorable into new processes by `restore_full`. See the module docstring for the
+    steps; a job of several CUDA processes (DDP's ranks) is cut with every process just before
+    the same collective (pos/scheduler/collective.py) and each one's memory copied beside the
+    others'."""
     from pos.scheduler import criu as criu_mod
     from pos.scheduler import cudackpt, procs, staging
     from pos.scheduler.watchdog import Plan
@@ -528,103 +554,141 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     pids = procs.tree(pid)
     options = options.fitted(pids)
     cuda = cudackpt.gpu_pids(pids)
-    if len(cuda) > 1:
-        raise BadInput(f"the tree of PID {pid} has CUDA state in {len(cuda)} processes "
-                       f"({', '.join(map(str, cuda))}): the concurrent engine cuts one process, "
-                       "and a job of several, such as DDP's ranks, would need every rank held "
-                       "before the same collective, which pos does not do",
-                       f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR "
-                       "--tcp-established`")
-    agent = Agent(pid)                 # no agent: one sentence, before anything is touched
+    if not cuda:
+        Agent(pid).close()             # no agent: that is the sentence to say
+        raise BadInput(f"the tree of PID {pid} has no CUDA state", "checkpoint it with `pos "
+                       "checkpoint PID -D DIR` (the concurrent engine saves `pos run` jobs)")
+    agents: list[Agent] = []
     try:
-        if cuda != [pid]:
-            raise BadInput(f"the tree of PID {pid} has CUDA state in {cuda or 'no process'}: "
-                           "the concurrent engine takes trees whose one CUDA process is the "
-                           "`pos run` job",
-                           "checkpoint it with `pos checkpoint PID -D DIR` (stop-the-world)")
-        s = _Saver(agent, streams, chunk_mb << 20)
+        for p in cuda:                 # no agent: one sentence, before anything is touched
+            agents.append(Agent(p))
+        savers = [_Saver(a, streams, chunk_mb << 20) for a in agents]
     except BaseException:
-        agent.close()
+        for a in agents:
+            a.close()
         raise
+    several = len(savers) > 1
     try:
-        foreign = s.prepare(gpu_only=False)
+        foreign = sum(s.prepare(gpu_only=False) for s in savers)
+        owned = sum(s.owned_bytes for s in savers)
         resident = procs.resident_bytes(pids)          # what CRIU will write, about
-        partial = image.prepare(Path(directory), resident + s.owned_bytes)
+        partial = image.prepare(Path(directory), resident + owned)
         manifest = new_manifest(pid, pids, cuda, criu.version_text, options,
-                                       leave_running, nvml.gpus_of(cuda))
+                                leave_running, nvml.gpus_of(cuda))
         plan = Plan("checkpoint", pids, cuda, criu_path=criu.path, images=str(partial),
                     stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                     criu_options=options.to_json())
         echo(f"checkpointing PID {pid} ({manifest.comm}) concurrently: "
-             f"{s.owned_bytes / 2**30:.2f} GiB of device memory")
-        gate: Optional[Gate] = None
+             f"{owned / 2**30:.2f} GiB of device memory"
+             + (f" in {len(savers)} processes" if several else ""))
+        gates: list[Optional[Gate]] = [None] * len(savers)
         with steps.Guard(plan, echo) as g:
             stage = staging.directory(Path(directory).name, partial, resident)
             dumped = stage or partial      # where CRIU writes
             t0 = time.monotonic()
             g.step("cut", staging=str(stage or ""))
-            cut = s.cut_and_import()
-            s.start_copy(partial, s.snapshot())   # while the job is held, its memory still
-            g.hold(s.fds)
+            if several:
+                from pos.scheduler import collective
+
+                cuts = collective.cut_together(
+                    agents, lambda i, at: savers[i].cut(at, collective.REACH_S))
+            else:
+                cuts = [savers[0].cut()]
+            for s in savers:
+                s.import_memory()
+                s.start_copy(partial, s.snapshot(), s.pid if several else None)
+                g.hold(s.pid, s.fds)       # while the job is held, its memory still
             g.step("hoist", hoisted=True)
-            h = g.timed("hoist", lambda: agent.hoist(hoist_stack()))
-            g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
-            agent.close()                  # CRIU dumps no socket connected to pos
-            s.copier.hold_scans()          # the CPU is the dump's until the job is back
-            g.step("lock")
-            g.timed("lock", lambda: cudackpt.lock(pid, lock_timeout_ms))
-            g.step("checkpoint")
-            g.timed("checkpoint", lambda: paused(s, lambda: cudackpt.checkpoint(pid)))
+            for s in savers:
+                h = g.timed("hoist", lambda s=s: s.agent.hoist(hoist_stack()))
+                g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
+            for s in savers:
+                s.agent.close()            # CRIU dumps no socket connected to pos
+                s.copier.hold_scans()      # the CPU is the dump's until the job is back
+            for s in savers:
+                g.step("lock")
+                g.timed("lock", lambda s=s: cudackpt.lock(s.pid, lock_timeout_ms))
+            for s in savers:
+                g.step("checkpoint")
+                g.timed("checkpoint", lambda s=s: paused(s, lambda: cudackpt.checkpoint(s.pid)))
             g.step("dump")
             argv = criu.dump_argv(pid, dumped, options, leave_running)
             g.dump(criu, argv, dumped)
             if leave_running:
-                g.step("restore")
-                g.timed("restore", lambda: paused(s, lambda: cudackpt.restore(pid)))
-                g.step("unlock")
-                g.timed("unlock", lambda: cudackpt.unlock(pid))
-                s.agent = agent = Agent(pid)
-                g.timings["stack_back"] = g.timed("remap", lambda: agent.remap(s.fds)).stack_s
+                for s in savers:
+                    g.step("restore")
+                    g.timed("restore", lambda s=s: paused(s, lambda: cudackpt.restore(s.pid)))
+                for s in savers:
+                    g.step("unlock")
+                    g.timed("unlock", lambda s=s: cudackpt.unlock(s.pid))
+                for s in savers:
+                    s.agent = Agent(s.pid)
+                    back = g.timed("remap", lambda s=s: s.agent.remap(s.fds))
+                    g.timings["stack_back"] = back.stack_s
                 g.step("copy", hoisted=False)
-                s.release()
+                for s in savers:
+                    s.release()
             else:
                 # CRIU left the job stopped, its memory pos's: should anything fail before the
                 # image is sealed the undo lets it run on; after, it ends
-                s.agent = None
+                for s in savers:
+                    s.agent = None
                 g.step("copy")
             release_s = time.monotonic() - t0
-            s.copier.release_scans()
+            for s in savers:
+                s.copier.release_scans()
             if stage is not None:
                 g.timed("move", lambda: staging.move_into(stage, partial))
                 g.step(g.plan.step, staging="")
-            s.wait_copied()
-            if s.agent is not None:
-                gate = s.agent.end()
+            for s in savers:
+                s.wait_copied()
+            gates = [s.agent.end() if s.agent is not None else None for s in savers]
             g.step("seal")
-            copy = s.write(partial)
-            manifest.timings = {**s.timings, **g.timings}
+            copies = [s.write(partial) for s in savers]
+            manifest.timings = {**_saver_timings(savers), **g.timings}
             manifest.stall_s = release_s if leave_running else None
             final = g.timed("checksum", lambda: image.seal(partial, manifest))
             g.timings["sealed_s"] = time.monotonic() - started
             if not leave_running:
                 g.end(hoisted=False)       # the image holds the job now
-        manifest.timings = {**s.timings, **g.timings}
+        manifest.timings = {**_saver_timings(savers), **g.timings}
         image.write_manifest(final, manifest)
     finally:
-        s.close()
-        if s.agent is not None:
-            s.agent.close()
-    return Report(str(final), len(s.table), copy.bytes, cut, gate, s.shadow_bytes, release_s,
-                  copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None, foreign,
-                  manifest.timings)
+        for s in savers:
+            s.close()
+            if s.agent is not None:
+                s.agent.close()
+    copied = sum(c.bytes for c in copies)
+    d2h_s = max(c.d2h_s for c in copies)
+    worst = max((x for x in gates if x is not None), key=lambda x: x.held_max_s, default=None)
+    ranks = ([{"pid": s.pid, "gpu": s.gpu, "bytes": c.bytes, "cut": asdict(k),
+               "gate": asdict(x) if x is not None else None}
+              for s, c, k, x in zip(savers, copies, cuts, gates)] if several else [])
+    return Report(str(final), sum(len(s.table) for s in savers), copied, cuts[0], worst,
+                  sum(s.shadow_bytes for s in savers), release_s,
+                  copied / d2h_s / 1e9 if d2h_s else None, None, foreign, manifest.timings,
+                  ranks=ranks)
+
+
+def _saver_timings(savers: list[_Saver]) -> dict[str, float]:
+    """The copy's timings: one job's as they are; of several, the longest of each (their
+    copies run side by side), and the pinned memory summed."""
+    if len(savers) == 1:
+        return dict(savers[0].timings)
+    out: dict[str, float] = {}
+    for s in savers:
+        for k, v in s.timings.items():
+            out[k] = out.get(k, 0.0) + v if k.endswith("_bytes") else max(out.get(k, v), v)
+    return out
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: int = 16,
                  echo: Echo = lambda _: None, to_gpu: Optional[Onto] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
-    from the image while the job runs (its calls wait only for the buffers not back yet).
-    `to_gpu`: onto that GPU of this host (NVML's index) rather than the one it was taken on."""
+    from the image while the job runs (its calls wait only for the buffers not back yet). A job
+    of several CUDA processes gets each one's memory back beside the others'. `to_gpu`: onto
+    that GPU of this host (NVML's index), or that map of GPUs, rather than where it was taken."""
     from pos.scheduler import procs
 
     check_fill_settings()
@@ -633,55 +697,96 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
     started = procs.age(os.getpid())     # pos's own start-up, before the restore's clock
     check = _checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
-    onto = None                   # the UUID of the GPU it moves to
+    where: list[str] = []         # the UUIDs of the GPUs it moves to
     if to_gpu is not None:
         from pos.scheduler import gpumap
 
         pairs, where = gpumap.onto(directory, to_gpu)
-        onto = where[0]
-    pre = _Prefetch(directory, streams, onto)
+    ranks = _ranks(directory)
+    moved = dict(pairs)
+    pres = [_Prefetch(directory, streams, where[0] if where else None)] if ranks == [None] else \
+        [_Prefetch(directory, streams, None, rank, moved) for rank in ranks]
     out: dict[str, Any] = {}
 
     def fill(g: Any, root: int) -> None:
         g.step("remap")
-        g.timed("memory", pre.ready.wait)     # pos's new device memory (made during CRIU's part)
-        if pre.error is not None:
-            raise pre.error
-        with Agent(root) as agent:
-            table = agent.table()
-            if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
-                raise PosError(f"the restored job's allocations do not match {directory}'s GPU "
-                               "index", "take a new checkpoint")
-            back = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
-            g.timings["stack_back"] = back.stack_s
+        for pre in pres:      # pos's new device memory (made during CRIU's part)
+            g.timed("memory", pre.ready.wait)
+            if pre.error is not None:
+                raise pre.error
+        agents: list[Agent] = []
+        try:
+            for pre in pres:
+                agents.append(Agent(root if pre.rank is None else pre.rank))
+                table = agents[-1].table()
+                if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
+                    raise PosError(f"the restored job's allocations do not match {directory}'s "
+                                   "GPU index", "take a new checkpoint")
+            for pre, agent in zip(pres, agents):
+                back = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
+                g.timings["stack_back"] = back.stack_s
             out["release_s"] = time.monotonic() - t0
-            pre.handout.attach(agent)
-            pre.resume()
+            for pre, agent in zip(pres, agents):
+                pre.handout.attach(agent)
+                pre.resume()
             g.step("fill")
-            out["copy"] = pre.join()
-            out["gate"] = agent.end()
+            out["copies"] = [pre.join() for pre in pres]
+            out["gates"] = [agent.end() for agent in agents]
             out["ended_at"] = time.monotonic() - t0
             g.step("done", hoisted=False)
+        finally:
+            for agent in agents:
+                agent.close()
 
     try:
         result = restore.restore_tree(directory, inherit_fds, echo, gpu_pairs=pairs, check=check,
-                                hoisted=True, finish=fill, before_driver=pre.pause)
+                                      hoisted=True, finish=fill,
+                                      before_driver=lambda: [pre.pause() for pre in pres])
     finally:
         t1 = time.monotonic()
-        pre.close()
+        for pre in pres:
+            pre.close()
         out["let_go"] = time.monotonic() - t1
-    paused = pre.paused_s()       # the fill's own time and rate leave its pause out
-    copy = replace(out["copy"], seconds=out["copy"].seconds - paused)
+    paused = [pre.paused_s() for pre in pres]     # the fill's own time and rate leave its pause
+    own = [c.seconds - p for c, p in zip(out["copies"], paused)]    # out; side by side
+    from pos.scheduler import gpucopy     # imported by the fill by now
+
+    copy = gpucopy.Copy(sum(c.bytes for c in out["copies"]), max(own),
+                        sum(c.read_thread_s for c in out["copies"]))
+
+    def last(at: Callable[[_Prefetch], float]) -> float:
+        return max(at(pre) for pre in pres) - t0
+
+    rest = [pre.handout.rest_at(t0) for pre in pres]
     timings = {**result.timings, "pos_started_s": started, "h2d": copy.seconds,
-               "read_threads": copy.read_thread_s, "fill_paused": paused,
+               "read_threads": copy.read_thread_s, "fill_paused": max(paused),
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
-               "imported_at": pre.imported_at - t0, "context_at": pre.context_at - t0,
-               "memory_at": pre.memory_at - t0, "pinned_at": pre.pinned_at - t0,
-               "filled_at": pre.filled_at - t0, **pre.handout.rest_at(t0),
+               "imported_at": last(lambda p: p.imported_at),
+               "context_at": last(lambda p: p.context_at),
+               "memory_at": last(lambda p: p.memory_at), "pinned_at": last(lambda p: p.pinned_at),
+               "filled_at": last(lambda p: p.filled_at),
+               **{k: max(r[k] for r in rest) for k in rest[0]},
                "ended_at": out["ended_at"], "let_go": out["let_go"]}
-    return Report(str(directory), len(pre.table), copy.bytes, None, out["gate"], 0,
-                  out["release_s"], None, copy.gbps, 0, timings, result.restored_pid)
+    worst = max(out["gates"], key=lambda x: x.held_max_s)
+    several = [{"pid": pre.rank, "gpu": pre.onto, "bytes": c.bytes, "gate": asdict(x)}
+               for pre, c, x in zip(pres, out["copies"], out["gates"])] if len(pres) > 1 else []
+    return Report(str(directory), sum(len(pre.table) for pre in pres), copy.bytes, None, worst,
+                  0, out["release_s"], None, copy.gbps, 0, timings, result.restored_pid,
+                  ranks=several)
+
+
+def _ranks(directory: Path) -> list[Optional[int]]:
+    """The jobs of a whole-process image: [None] for one (DIR/gpu-index.json), else the PID of
+    each of several CUDA processes, from their indexes (see pos/image/gpuindex.py)."""
+    if (directory / gpuindex.INDEX).is_file():
+        return [None]
+    found = sorted(int(p.name[len("gpu-index-"):-len(".json")])
+                   for p in directory.glob("gpu-index-*.json"))
+    if not found:
+        raise BadInput(f"{directory} holds no GPU index", "give the -D of a `pos checkpoint "
+                       "--concurrent`")
+    return list(found)
 
 
 def _home(directory: Path) -> Optional[str]:
@@ -697,10 +802,15 @@ class _Prefetch:
     job maps the memory much of it is back. `handout.attach(agent)` then lets the job's calls
     through for each buffer usable so far (see `usable`), and for the rest as they come."""
 
-    def __init__(self, directory: Path, streams: int, onto: Optional[str] = None) -> None:
-        index = gpuindex.read_index(directory)
+    def __init__(self, directory: Path, streams: int, onto: Optional[str] = None,
+                 rank: Optional[int] = None, moved: Optional[dict[str, str]] = None) -> None:
+        index = gpuindex.read_index(directory, rank)
         self.directory = directory
-        self.onto = onto        # the UUID of the GPU the job moves to (None: where it was)
+        self.rank = rank        # one process of several: its PID (None: the image's one job)
+        # the UUID of the GPU the job moves to (None: where it was); a process of several goes
+        # where the map sends the GPU its index names
+        gpu = index.get("gpu")
+        self.onto = onto if rank is None else (moved or {}).get(gpu or "", gpu)
         self.saved = gpuindex.resolve(directory, index)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
                              for b in index["buffers"]), key=lambda b: b.va)
@@ -812,6 +922,7 @@ def is_gpu_only_image(directory: Path) -> bool:
 
 
 def is_full_image(directory: Path) -> bool:
-    """A whole-process concurrent image: CRIU's files and a GPU index side by side."""
+    """A whole-process concurrent image: CRIU's files and a GPU index (or one per process of a
+    job of several) side by side."""
     d = Path(directory)
-    return (d / gpuindex.INDEX).is_file() and (d / "inventory.img").is_file()
+    return gpuindex.has_index(d) and (d / "inventory.img").is_file()

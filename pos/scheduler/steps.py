@@ -63,7 +63,7 @@ class Guard:
         self.plan, self.echo, self.progress = plan, echo, progress
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
-        self.memory: list[int] = []          # descriptors of a job's hoisted device memory
+        self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory
 
     def __enter__(self) -> "Guard":
         if self.plan.op == "checkpoint":    # a parent running now is continued with the tree
@@ -86,12 +86,12 @@ class Guard:
         if fault.partition("=")[0] == point:
             os.kill(os.getpid(), signal.Signals["SIG" + fault.partition("=")[2]])
 
-    def hold(self, fds: list[int]) -> None:
-        """The job's device memory, as descriptors that the undo (here or in the watchdog)
-        maps back into the job should this operation fail while the memory is pos's."""
-        self.memory += fds
+    def hold(self, pid: int, fds: list[int]) -> None:
+        """The device memory of the job `pid`, as descriptors that the undo (here or in the
+        watchdog) maps back into it should this operation fail while the memory is pos's."""
+        self.memory.setdefault(pid, []).extend(fds)
         assert self.watchdog is not None
-        self.watchdog.hold(fds)
+        self.watchdog.hold(pid, fds)
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one step and add its duration to timings[name]."""

@@ -146,16 +146,19 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], N
             cudackpt.unlock(pid)
 
 
-def _give_back(plan: Plan, memory: list[int], log: Callable[[str], None]) -> None:
-    """Map the hoisted memory back into the job (its calls wait for it) and release it
-    (`memory`: its descriptors, in the agent's table order)."""
+def _give_back(plan: Plan, memory: dict[int, list[int]], log: Callable[[str], None]) -> None:
+    """Map the hoisted memory back into each job (its calls wait for it) and release it
+    (`memory`: each job's descriptors, in its agent's table order)."""
     from pos.agent.control import Agent
 
-    if plan.hoisted and plan.pids and procs.alive(plan.pids[0]):
-        log(f"PID {plan.pids[0]}: giving its device memory back ({len(memory)} buffers)")
-        with Agent(plan.pids[0]) as agent:
-            agent.remap(memory)
-            agent.end()
+    if not plan.hoisted:
+        return
+    for pid, fds in memory.items():
+        if procs.alive(pid):
+            log(f"PID {pid}: giving its device memory back ({len(fds)} buffers)")
+            with Agent(pid) as agent:
+                agent.remap(fds)
+                agent.end()
 
 
 def _verified(plan: Plan, log: Callable[[str], None]) -> bool:
@@ -182,10 +185,10 @@ def end_tree(plan: Plan) -> None:
     procs.thaw([plan.parent])
 
 
-def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = [],
+def recover(plan: Plan, log: Callable[[str], None], memory: Optional[dict[int, list[int]]] = None,
             stopped: bool = False) -> None:
     """Bring the plan's processes back to running (see the module docstring); `memory`: the
-    descriptors of the hoisted memory, in the agent's table order. `stopped`: the user stopped
+    descriptors of each job's hoisted memory, in its agent's table order. `stopped`: the user stopped
     the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
     _wait_criu(plan, log, stopped)
     if plan.op == "restore":
@@ -213,7 +216,7 @@ def recover(plan: Plan, log: Callable[[str], None], memory: list[int] = [],
         return
     procs.thaw([p for p in plan.pids if p not in plan.stopped] + [plan.parent])
     _finish_gpu(plan, [], log)
-    _give_back(plan, memory, log)
+    _give_back(plan, memory or {}, log)
 
 
 class Watchdog:
@@ -233,9 +236,10 @@ class Watchdog:
     def send(self, plan: Plan) -> None:
         self.sock.sendall((plan.to_json() + "\n").encode())
 
-    def hold(self, fds: list[int]) -> None:
-        """The watchdog keeps its own copies of these descriptors (the hoisted memory)."""
-        self.sock.sendall(json.dumps({"hold": len(fds)}).encode() + b"\n")
+    def hold(self, pid: int, fds: list[int]) -> None:
+        """The watchdog keeps its own copies of these descriptors (the hoisted memory of the
+        job `pid`)."""
+        self.sock.sendall(json.dumps({"hold": len(fds), "pid": pid}).encode() + b"\n")
         for at in range(0, len(fds), MAX_FDS):
             socket.send_fds(self.sock, [b" "], fds[at:at + MAX_FDS])
 
@@ -290,14 +294,22 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     log = _log_to(os.environ.get(LOG_ENV) or DEFAULT_LOG)
     plan: Optional[Plan] = None
-    memory: list[int] = []
-    for msg in _messages(socket.socket(fileno=0), memory):
+    fds: list[int] = []                     # every descriptor, in the order they came
+    holds: list[tuple[int, int]] = []       # (job, how many of them), in the same order
+    for msg in _messages(socket.socket(fileno=0), fds):
         if msg.get("done"):
             return 0
         if "plan" in msg:
             plan = Plan.from_json(msg["plan"])
+        if "hold" in msg:
+            holds.append((int(msg["pid"]), int(msg["hold"])))
     if plan is None:
         return 0
+    memory: dict[int, list[int]] = {}
+    at = 0
+    for pid, n in holds:
+        memory.setdefault(pid, []).extend(fds[at:at + n])
+        at += n
     log(f"pos died during {plan.op} of PID {plan.pids[:1]} at step {plan.step}: undoing")
     try:
         recover(plan, log, memory)
