@@ -12,7 +12,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 def torn(values: Sequence[int]) -> bool:
@@ -25,15 +25,17 @@ def torn(values: Sequence[int]) -> bool:
     return sorted(values) != [0] * (n - len(window)) + window
 
 
-def image_values(folder: Path) -> list[int]:
-    """One value per buffer of a pos GPU image of this job (a whole buffer is filled at once,
-    so a buffer that is not uniform is torn too: AssertionError)."""
+def image_values(folder: Path, rank: Optional[int] = None) -> list[int]:
+    """One value per buffer of a pos GPU image of this job (`rank`: of that process of an image
+    of several; a whole buffer is filled at once, so a buffer that is not uniform is torn too:
+    AssertionError)."""
     import numpy as np
 
     from pos.image import gpu, gpuindex
 
     out = []
-    for _base, (where, _size, chunks) in sorted(gpuindex.resolve(folder).items()):
+    saved = gpuindex.resolve(folder, gpuindex.read_index(folder, rank))
+    for _base, (where, _size, chunks) in sorted(saved.items()):
         seen: set[int] = set()
         for c in chunks:
             buf = np.empty(c["raw"], np.uint8)

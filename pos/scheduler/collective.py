@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 from pos.agent.control import Agent, Cut, Refused
 from pos.errors import PosError
 
-AHEAD = 2         # launches past the highest count: room for ranks that run on meanwhile
-TRIES = 4
+AHEAD = 2         # launches past the highest count: room for ranks that run on meanwhile,
+TRIES = 5         # four times more at each try
 REACH_S = 30.0    # how long a rank may take to come to the point (a training step or more)
 
 
@@ -28,8 +28,8 @@ def cut_together(agents: Sequence[Agent], cut: Callable[[int, int], Cut],
     agents[i] there (the caller times it). A failure other than a rank being past the point
     is raised, with every rank let go first."""
     seen = 0
-    for _ in range(TRIES):
-        at = max([seen, *(a.status().nccl_launches for a in agents)]) + AHEAD
+    for attempt in range(TRIES):
+        at = max([seen, *(a.status().nccl_launches for a in agents)]) + AHEAD * 4 ** attempt
         with ThreadPoolExecutor(len(agents), thread_name_prefix="pos-cut") as pool:
             tries = [pool.submit(cut, i, at) for i in range(len(agents))]
             errors = [f.exception() for f in tries]

@@ -159,21 +159,19 @@ class _Saver:
     def cut(self, at: Optional[int] = None, timeout_s: float = STALL_S) -> Cut:
         """The job held and drained (now, or just before the NCCL launch past `at`: see
         pos/scheduler/collective.py)."""
+        assert self.agent is not None
+        agent = self.agent
+        return self._timed("cut", lambda: agent.cut(timeout_s, at))
+
+    def import_memory(self) -> None:
+        """The held job's allocations, exported by it and imported by pos (on the thread that
+        made pos's context current, as every call on `drv`)."""
         from pos.scheduler import gpucopy
 
         assert self.agent is not None and self.shadow is not None
-        agent = self.agent
-        cut = self._timed("cut", lambda: agent.cut(timeout_s, at))
         # what the job and the rest leave free at the cut (pos's own shadow counted as free)
         self.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(self.drv)
                                              + self.shadow.size)
-        return cut
-
-    def import_memory(self) -> None:
-        """The held job's allocations, exported by it and imported by pos."""
-        from pos.scheduler import gpucopy
-
-        assert self.agent is not None
         self.table = self.agent.table()
         self.fds = self._timed("export", self._export)
         self.mem = self._timed("import", lambda: gpucopy.Imported(self.drv, self.table, self.fds))

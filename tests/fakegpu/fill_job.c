@@ -7,7 +7,9 @@
  * stream-ordered pool (cuMemAllocAsync), which pos cannot own. FILL_JOB_AXPY=NAME makes every
  * operation a launch of the kernel NAME with axpy's parameters on the first buffer instead
  * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
- * before READY.
+ * before READY. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel named as NCCL's
+ * are, one operation every 2 ms, as a rank of a DDP job makes a collective now and then: two
+ * such jobs cut before the same NCCL launch hold the same state.
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -78,7 +80,9 @@ int main(int argc, char **argv) {
     void *cubin = slurp(argv[1]);
     CHECK(cubin ? 0 : 1);
     CHECK(cuModuleLoadData(&mod, cubin));
-    CHECK(cuModuleGetFunction(&fn, mod, "no_params"));
+    int nccl = getenv("FILL_JOB_NCCL") != NULL;
+    CHECK(cuModuleGetFunction(&fn, mod, nccl ? "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+                                              : "no_params"));
     const char *axpy_name = getenv("FILL_JOB_AXPY");
     int launches_only = axpy_name != NULL;
     CUfunction axpy;
@@ -111,7 +115,9 @@ int main(int argc, char **argv) {
         }
         CHECK(memset32(buf[(k - 1) % (uint32_t)n], k, bytes / 4));
         CHECK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
-        if (k % 64 == 0)
+        if (nccl)
+            usleep(2000);
+        else if (k % 64 == 0)
             usleep(100);
     }
 }
