@@ -12,8 +12,11 @@ uninterrupted for the reference, then again with, at step --at, `pos checkpoint 
 --leave-running --tcp-established`, the whole tree SIGKILLed a few steps later and `pos
 restore`; every line the ranks wrote (before, after the checkpoint, after the restore) must
 equal the reference's line for that step, and the job must end with exit status 0. With
---concurrent-too, `pos checkpoint ROOT --concurrent` is tried first on the same job (pos
-refuses a job of several CUDA processes: the row says how, and that the job ran on).
+--engines stw,concurrent, each case runs once more under `pos run` (every rank with its agent)
+and is checkpointed with `pos checkpoint ROOT --concurrent --leave-running --tcp-established`
+(`ddp-concurrent`: every rank cut just before the same collective). Each row has the job's own
+view of the stall (the longest gap between rank 0's lines around the checkpoint, less the median
+gap before it) beside pos's.
   torchrun           plain torchrun: its launcher holds an io_uring (libuv, for its TCPStore),
                      so pos refuses, and the job must run on untouched, bit-exact;
   torchrun-nouring   torchrun under a seccomp filter that fails io_uring_setup (libuv then runs
@@ -28,11 +31,14 @@ import datetime
 import json
 import os
 import platform
+import random
 import signal
 import socket
+import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -166,20 +172,58 @@ def compare(ref: list[list[tuple[int, str]]], got: list[list[tuple[int, str]]]) 
             "wrong": wrong[:5], "missing": missing[:5]}
 
 
-def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: int,
-             job_args: list[str], concurrent_too: bool = False) -> dict:
+class Watch:
+    """When each of rank 0's lines appeared (polled every 2 ms on a thread of its own)."""
+
+    def __init__(self, outdir: Path) -> None:
+        self.outdir, self.times, self.stop = outdir, [], False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        seen = len(read(self.outdir)[0])      # lines before the watch are not timed
+        while not self.stop:
+            n = len(read(self.outdir)[0])
+            if n > seen:
+                self.times.extend([time.monotonic()] * (n - seen))
+                seen = n
+            time.sleep(0.002)
+
+    def stall(self, start: float, end: float) -> Optional[float]:
+        """The longest gap between lines from `start` to `end`, less the median before it."""
+        self.stop = True
+        self.thread.join()
+        t = self.times
+        before = [b - a for a, b in zip(t, t[1:]) if b < start]
+        around = [b - a for a, b in zip(t, t[1:]) if b >= start and a <= end]
+        if len(before) < 3 or not around:
+            return None
+        return round(max(around) - statistics.median(before), 3)
+
+
+def reference(case: str, python: str, work: Path, steps: int, sleep: float,
+              job_args: list[str]) -> list[list[tuple[int, str]]]:
     say(f"{case}: reference run ({steps} steps)")
     ref_dir = work / case / "ref"
     ref = start(command(case, python, ref_dir, steps, sleep, job_args), ref_dir)
     rc = ref.wait(timeout=steps * sleep + 300)
-    reference = read(ref_dir)
-    if rc != 0 or min(map(len, reference)) != steps:
+    lines = read(ref_dir)
+    if rc != 0 or min(map(len, lines)) != steps:
         raise RuntimeError(f"{case}: the reference run failed (exit {rc}), see {ref_dir}")
+    return lines
+
+
+def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: int,
+             job_args: list[str], ref: list[list[tuple[int, str]]],
+             concurrent: bool = False) -> dict:
     gpus = 2 if "nccl" in job_args else 0
-    row: dict[str, Any] = {"case": "ddp-stw", "variant": case, "gpus": gpus, "ranks": 2,
+    engine = "concurrent" if concurrent else "stw"
+    row: dict[str, Any] = {"case": f"ddp-{engine}", "variant": case, "gpus": gpus, "ranks": 2,
                            "steps": steps, "checkpoint_at_step": at, "refused": None}
-    cr_dir = work / case / "cr"
-    job = start(command(case, python, cr_dir, steps, sleep, job_args), cr_dir)
+    cr_dir = work / case / f"cr-{engine}"
+    cmd = command(case, python, cr_dir, steps, sleep, job_args)
+    job = start([sys.executable, "-m", "pos.cli", "run", "--", *cmd] if concurrent else cmd,
+                cr_dir)
     wait_lines(cr_dir, at, 120)
     pids = tree(job.pid)
     from pos.scheduler import procs
@@ -188,20 +232,14 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     row["tcp_within"] = procs.tcp_within(pids)
     row["odd_maps"] = {str(p): [ln for ln in Path(f"/proc/{p}/maps").read_text().splitlines()
                                 if "anon_inode" in ln or "/dev/" in ln][:20] for p in pids}
-    if concurrent_too:
-        code, wall, report, err = pos("checkpoint", str(job.pid), "-D", str(work / case / "c"),
-                                      "--concurrent", "--leave-running")
-        row["concurrent"] = {
-            "case": "ddp-concurrent", "exit": code, "refused": err.removeprefix("Error: "),
-            "untouched": tree(job.pid) == pids and not any(
-                Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
-                for p in pids)}
-        say(f"{case}: --concurrent: exit {code}: {err}")
-    img = work / case / "img"
-    say(f"{case}: pos checkpoint {job.pid} ({len(pids)} processes) at step "
+    img = work / case / f"img-{engine}"
+    say(f"{case}: pos checkpoint {job.pid} ({len(pids)} processes, {engine}) at step "
         f"{min(map(len, read(cr_dir)))}")
+    watch = Watch(cr_dir)
+    time.sleep(random.uniform(0.5, 1.5))      # a moment the job does not choose
+    t = time.monotonic()
     code, wall, report, err = pos("checkpoint", str(job.pid), "-D", str(img), "--leave-running",
-                                  "--tcp-established")
+                                  "--tcp-established", *(["--concurrent"] if concurrent else []))
     row.update(checkpoint_exit=code, checkpoint_wall_s=round(wall, 3))
     if code != 0:
         row["refused"] = err.removeprefix("Error: ")
@@ -210,12 +248,13 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
             for p in pids))
         say(f"{case}: refused (exit {code}): {err}")
         rc = job.wait(timeout=steps * sleep + 300)
-        row.update(job_exit=rc, **compare(reference, read(cr_dir)))
+        row.update(job_exit=rc, **compare(ref, read(cr_dir)))
         return row
-    row.update(stall_s=report.get("stall_s"), stw_stall_s=report.get("stall_s"),
-               image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
-               checkpoint_timings=report.get("timings"))
     wait_lines(cr_dir, min(min(map(len, read(cr_dir))) + 5, steps), 60)   # it runs on
+    row.update(stall_s=watch.stall(t, t + wall), pos_held_s=report.get(
+                   "release_s" if concurrent else "stall_s"),
+               image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
+               checkpoint_timings=report.get("timings"), ranks_report=report.get("ranks"))
     for p in reversed(pids):
         os.kill(p, signal.SIGKILL)
     job.wait()
@@ -240,7 +279,7 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     now = read(cr_dir)
     row["resumed_at_step"] = min(r[len(k)][0] for r, k in zip(now, killed) if len(r) > len(k))
     row["job_exit"] = reap(job.pid, steps * sleep + 300)
-    row.update(compare(reference, read(cr_dir)))
+    row.update(compare(ref, read(cr_dir)))
     say(f"{case}: restored, exit {row['job_exit']}, bit-exact {row['bit_exact']}")
     return row
 
@@ -276,7 +315,7 @@ def main() -> None:
     a.add_argument("--work", default="/tmp/pos-ddp", help="scratch folder (emptied)")
     a.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     a.add_argument("--width", type=int, default=64, help="the model's hidden width")
-    a.add_argument("--concurrent-too", action="store_true")
+    a.add_argument("--engines", default="stw", help="stw, concurrent or both (stw,concurrent)")
     a.add_argument("--out")
     args = a.parse_args()
     if args.backend == "nccl":
@@ -289,8 +328,16 @@ def main() -> None:
     torch_version = subprocess.run([args.python, "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True).stdout.strip()
     job_args = ["--backend", args.backend, "--width", str(args.width)]
-    rows = [run_case(c, args.python, work, args.steps, args.sleep, args.at, job_args,
-                     args.concurrent_too) for c in args.cases.split(",")]
+    rows = []
+    for c in args.cases.split(","):
+        ref = reference(c, args.python, work, args.steps, args.sleep, job_args)
+        for engine in args.engines.split(","):
+            try:
+                rows.append(run_case(c, args.python, work, args.steps, args.sleep, args.at,
+                                     job_args, ref, engine == "concurrent"))
+            except Exception as e:       # keep the other rows
+                rows.append({"case": f"ddp-{engine}", "variant": c, "error": repr(e)})
+                say(f"{c} {engine}: {e!r}")
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "device": (gpu_names() if args.backend == "nccl"

@@ -13,9 +13,9 @@ bench/results/<date>-multigpu/multigpu.json.
             `pos checkpoint --concurrent` of the same job under `pos run`
             (`two-gpu-process-concurrent`);
   ddp       bench/ddp.py --backend nccl: two ranks under a parent without torchrun and under
-            torchrun without io_uring, `pos checkpoint ROOT` of the whole tree, SIGKILL,
-            `pos restore` (`ddp-stw`); `--concurrent` tried on the same job first
-            (`ddp-concurrent`).
+            torchrun without io_uring (--ddp-cases), `pos checkpoint ROOT` of the whole tree,
+            SIGKILL, `pos restore` (`ddp-stw`); the same job under `pos run` checkpointed with
+            `--concurrent` (`ddp-concurrent`: every rank cut before the same collective).
 
 Every job is compared, line by line (each loss as float.hex()), with an uninterrupted run.
 stall_s: the job's longest step gap around the operation less its median step before it.
@@ -226,30 +226,24 @@ def split_concurrent(out: Path, images: Path, gib: float,
         subprocess.run(["pkill", "-9", "-f", str(log)])
 
 
-def ddp(out: Path) -> list[dict[str, Any]]:
+def ddp(out: Path, cases: str, engines: str) -> list[dict[str, Any]]:
+    """bench/ddp.py on two GPUs: for each launcher case, the job checkpointed by each engine
+    (`ddp-stw`, `ddp-concurrent`: under `pos run`), killed and restored."""
     target = out / "ddp.json"
     r = subprocess.run([PY, "bench/ddp.py", "--python", PY, "--backend", "nccl", "--width",
                         "4096", "--steps", "60", "--at", "15", "--sleep", "0.1", "--cases",
-                        "direct-nolibuv,torchrun-nouring", "--concurrent-too", "--out",
-                        str(target)], cwd=ROOT, capture_output=True, text=True, timeout=360)
+                        cases, "--engines", engines, "--out", str(target)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=560)
     (out / "ddp.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
     if r.returncode != 0 or not target.exists():
-        return [{"case": "ddp-stw", "gpus": 2, "bit_exact": False, "refused": None,
+        return [{"case": "ddp", "gpus": 2, "bit_exact": False, "refused": None,
                  "error": (r.stderr or r.stdout)[-3000:]}]
-    rows = []
-    for d in json.loads(target.read_text())["rows"]:
-        conc = d.pop("concurrent", None)
-        rows.append({"case": "ddp-stw", "gpus": 2, "bit_exact": d["bit_exact"],
-                     "stall_s": d.get("stall_s"), "stw_stall_s": d.get("stall_s"),
-                     "first_step_s": d.get("first_step_s"), "refused": d.get("refused"),
-                     "variant": d["variant"], "detail": d})
-        if conc:
-            rows.append({"case": "ddp-concurrent", "gpus": 2, "bit_exact": None,
-                         "stall_s": None, "stw_stall_s": d.get("stall_s"),
-                         "first_step_s": None, "refused": conc["refused"] or None,
-                         "variant": d["variant"], "untouched": conc["untouched"],
-                         "exit": conc["exit"]})
-    return rows
+    found = json.loads(target.read_text())["rows"]
+    stw = {d["variant"]: d.get("stall_s") for d in found if d["case"] == "ddp-stw"}
+    return [{"case": d["case"], "gpus": 2, "bit_exact": d.get("bit_exact", False),
+             "stall_s": d.get("stall_s"), "stw_stall_s": stw.get(d["variant"]),
+             "first_step_s": d.get("first_step_s"), "refused": d.get("refused"),
+             "variant": d["variant"], "detail": d} for d in found]
 
 
 def main() -> None:
@@ -258,6 +252,8 @@ def main() -> None:
     ap.add_argument("--images", default="/dev/shm/pos-multigpu")
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--parts", default="ddp,split,migrate")
+    ap.add_argument("--ddp-cases", default="direct-nolibuv,torchrun-nouring")
+    ap.add_argument("--ddp-engines", default="stw,concurrent")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +264,7 @@ def main() -> None:
     if len(nvml.gpus()) < 2:
         raise SystemExit(f"{len(nvml.gpus())} GPU(s) here: this bench needs two")
     parts = {"migrate": lambda: migrate(out, images, a.gib),
-             "split": lambda: split(out, images, a.gib), "ddp": lambda: ddp(out)}
+             "split": lambda: split(out, images, a.gib), "ddp": lambda: ddp(out, a.ddp_cases, a.ddp_engines)}
     rows: list[dict[str, Any]] = []
     for name in a.parts.split(","):
         t = time.monotonic()
