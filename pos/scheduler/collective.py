@@ -8,11 +8,12 @@ start (pos/agent/hook/poshook.c: the collective cut). So pos reads every rank's 
 each to hold just before the launch past the highest count plus a margin; the ranks run on
 meanwhile, each until it comes there, and every collective before that point completes. A rank
 already past the point (it ran on between the reading and the asking) makes pos let the others
-go and ask again, further on.
+go and ask again, further on. A process that has made no collective (torchrun's launcher, which
+initialised CUDA but trains nothing) is cut at once.
 """
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from pos.agent.control import Agent, Cut, Refused
 from pos.errors import PosError
@@ -22,16 +23,17 @@ TRIES = 5         # four times more at each try
 REACH_S = 30.0    # how long a rank may take to come to the point (a training step or more)
 
 
-def cut_together(agents: Sequence[Agent], cut: Callable[[int, int], Cut],
+def cut_together(agents: Sequence[Agent], cut: Callable[[int, Optional[int]], Cut],
                  reach_s: float = REACH_S) -> list[Cut]:
     """Every agent's job held before the same NCCL launch and drained; `cut(i, at)` cuts
-    agents[i] there (the caller times it). A failure other than a rank being past the point
-    is raised, with every rank let go first."""
+    agents[i] there (None: now; the caller times it). A failure other than a rank being past
+    the point is raised, with every rank let go first."""
     seen = 0
     for attempt in range(TRIES):
-        at = max([seen, *(a.status().nccl_launches for a in agents)]) + AHEAD * 4 ** attempt
+        made = [a.status().nccl_launches for a in agents]
+        at = max([seen, *made]) + AHEAD * 4 ** attempt
         with ThreadPoolExecutor(len(agents), thread_name_prefix="pos-cut") as pool:
-            tries = [pool.submit(cut, i, at) for i in range(len(agents))]
+            tries = [pool.submit(cut, i, at if n or seen else None) for i, n in enumerate(made)]
             errors = [f.exception() for f in tries]
         if not any(errors):
             return [f.result() for f in tries]

@@ -111,6 +111,7 @@ class _Saver:
         self.streams, self.chunk = streams, chunk
         self.gpu = _gpu_of(agent.pid)         # the job's GPU, recorded in its index
         self.drv = gpucopy.context(_device_of(agent.pid))
+        self.ctx = gpucopy.current(self.drv)  # made current again by each step (`_use`)
         self.rank: Optional[int] = None       # one process of several: its PID (see write)
         self.timings: dict[str, float] = {}
         self.host: Optional[gpucopy.Pinned] = None
@@ -126,10 +127,17 @@ class _Saver:
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)
 
+    def _use(self) -> None:
+        """pos's context on this job's GPU current on this thread: the objects made here keep
+        the context current when they were made, and a job of several processes has one
+        saver, and one GPU, per process."""
+        self.drv.call("cuCtxSetCurrent", self.ctx)
+
     def prepare(self, gpu_only: bool) -> int:
         """Before the cut: the page-locked arena (see copier.arena_bytes) and the shadow (the
         device memory free but 1 GiB, at most the job's). The device memory the agent does not
         own is returned."""
+        self._use()
         from pos.scheduler import gpucopy
 
         assert self.agent is not None
@@ -164,8 +172,8 @@ class _Saver:
         return self._timed("cut", lambda: agent.cut(timeout_s, at))
 
     def import_memory(self) -> None:
-        """The held job's allocations, exported by it and imported by pos (on the thread that
-        made pos's context current, as every call on `drv`)."""
+        """The held job's allocations, exported by it and imported by pos."""
+        self._use()
         from pos.scheduler import gpucopy
 
         assert self.agent is not None and self.shadow is not None
@@ -203,6 +211,7 @@ class _Saver:
         small buffers, and a call that may write a buffer not shadowed waits until pos has
         copied it from the job); the source of each buffer's copy (its shadow, or the job's
         memory for a buffer that did not fit)."""
+        self._use()
         from pos.scheduler import gpucopy
 
         assert self.mem is not None and self.shadow is not None
@@ -225,6 +234,7 @@ class _Saver:
         """The copy to host memory and into the image's data files (`rank`: the PID of one
         process of several, whose files are named after it), on threads of its own from now on
         (the job may still be held)."""
+        self._use()
         from pos.image import gpu as gpuimage
         from pos.scheduler import copier
 
@@ -256,6 +266,7 @@ class _Saver:
         self.drop_device()
 
     def drop_device(self) -> None:
+        self._use()
         if self.copier is not None:
             self.copier.stop_copying()       # nothing may copy from what is freed here
         if self.mem is not None:
@@ -270,6 +281,7 @@ class _Saver:
 
     def write(self, folder: Path) -> copier.Copied:
         """The rest of the data files, then the GPU index."""
+        self._use()
         assert self.copier is not None
         done = self.copier.join()
         self.writer.close()
@@ -284,6 +296,7 @@ class _Saver:
         return done
 
     def close(self) -> None:
+        self._use()
         if self.copier is not None:
             self.copier.close()              # nor write from the arena
         self.drop_device()
@@ -589,7 +602,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 from pos.scheduler import collective
 
                 cuts = collective.cut_together(
-                    agents, lambda i, at: savers[i].cut(at, collective.REACH_S))
+                    agents, lambda i, at: savers[i].cut(at, collective.REACH_S if at else STALL_S))
             else:
                 cuts = [savers[0].cut()]
             for s in savers:

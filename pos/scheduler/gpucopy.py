@@ -49,6 +49,14 @@ def context(device: int = 0) -> Driver:
     return drv
 
 
+def current(drv: Driver) -> "C.c_void_p":
+    """The context current on this thread: what `context` made current, to make current again
+    (`drv.call("cuCtxSetCurrent", ctx)`) where pos works on several GPUs from one thread."""
+    ctx = C.c_void_p()
+    drv.call("cuCtxGetCurrent", C.byref(ctx))
+    return ctx
+
+
 def ordinal(uuid: str) -> int:
     """This process's CUDA device number of the GPU named `uuid` (NVML's form, GPU-...): CUDA
     and NVML may number the GPUs of one host differently."""
