@@ -270,7 +270,8 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     say(f"{case}: killed at step {row['killed_at_step']}; pos restore")
     t0 = time.monotonic()
     code, wall, report, err = pos("restore", "-D", str(img))
-    row.update(restore_exit=code, restore_wall_s=round(wall, 3))
+    row.update(restore_exit=code, restore_wall_s=round(wall, 3),
+               restore_timings=report.get("timings"))
     if code != 0:
         raise RuntimeError(f"{case}: pos restore failed: {err}")
     while read(cr_dir) == killed and time.monotonic() - t0 < 60:

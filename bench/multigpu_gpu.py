@@ -231,7 +231,7 @@ def ddp(out: Path, cases: str, engines: str) -> list[dict[str, Any]]:
     (`ddp-stw`, `ddp-concurrent`: under `pos run`), killed and restored."""
     target = out / "ddp.json"
     r = subprocess.run([PY, "bench/ddp.py", "--python", PY, "--backend", "nccl", "--width",
-                        "4096", "--steps", "60", "--at", "15", "--sleep", "0.1", "--cases",
+                        "4096", "--steps", "150", "--at", "15", "--sleep", "0.1", "--cases",
                         cases, "--engines", engines, "--out", str(target)],
                        cwd=ROOT, capture_output=True, text=True, timeout=560)
     (out / "ddp.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])

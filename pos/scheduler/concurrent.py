@@ -616,22 +616,22 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             for s in savers:
                 s.agent.close()            # CRIU dumps no socket connected to pos
                 s.copier.hold_scans()      # the CPU is the dump's until the job is back
-            for s in savers:
-                g.step("lock")
-                g.timed("lock", lambda s=s: cudackpt.lock(s.pid, lock_timeout_ms))
-            for s in savers:
-                g.step("checkpoint")
-                g.timed("checkpoint", lambda s=s: paused(s, lambda: cudackpt.checkpoint(s.pid)))
+            by_pid = {s.pid: s for s in savers}
+            g.step("lock")
+            g.timed("lock", lambda: cudackpt.each(
+                cuda, lambda p: cudackpt.lock(p, lock_timeout_ms)))
+            g.step("checkpoint")
+            g.timed("checkpoint", lambda: cudackpt.each(
+                cuda, lambda p: paused(by_pid[p], lambda: cudackpt.checkpoint(p))))
             g.step("dump")
             argv = criu.dump_argv(pid, dumped, options, leave_running)
             g.dump(criu, argv, dumped)
             if leave_running:
-                for s in savers:
-                    g.step("restore")
-                    g.timed("restore", lambda s=s: paused(s, lambda: cudackpt.restore(s.pid)))
-                for s in savers:
-                    g.step("unlock")
-                    g.timed("unlock", lambda s=s: cudackpt.unlock(s.pid))
+                g.step("restore")
+                g.timed("restore", lambda: cudackpt.each(
+                    cuda, lambda p: paused(by_pid[p], lambda: cudackpt.restore(p))))
+                g.step("unlock")
+                g.timed("unlock", lambda: cudackpt.each(cuda, cudackpt.unlock))
                 for s in savers:
                     s.agent = Agent(s.pid)
                     back = g.timed("remap", lambda s=s: s.agent.remap(s.fds))

@@ -7,7 +7,8 @@ RUNNING. The argument structs mirror cuda.h of CUDA 13 (see tests/fakegpu/libcud
 """
 
 import ctypes
-from typing import Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
 
 from pos.driver import DriverError, driver
 from pos.errors import BadInput
@@ -92,6 +93,20 @@ def restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
 def unlock(pid: int) -> None:
     """Let the target's CUDA calls run again."""
     _drv().call("cuCheckpointProcessUnlock", pid, ctypes.byref(UnlockArgs()))
+
+
+def each(pids: Sequence[int], call: Callable[[int], None]) -> None:
+    """`call(pid)` for every process at once, on threads: the driver's calls on different
+    processes are independent, so a job of several (DDP's ranks) is held for the slowest one's
+    time rather than for their sum. The first failure is raised once every call returned."""
+    if len(pids) <= 1:
+        for p in pids:
+            call(p)
+        return
+    with ThreadPoolExecutor(len(pids), thread_name_prefix="pos-driver") as pool:
+        done = [pool.submit(call, p) for p in pids]
+    for f in done:
+        f.result()
 
 
 def get_state(pid: int) -> str:

@@ -42,9 +42,8 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
                          ("checkpoint", cudackpt.checkpoint),
                          ("restore", lambda p: cudackpt.restore(p, pairs)),
                          ("unlock", cudackpt.unlock)):
-            for p in cuda:
-                g.step(step)
-                g.timed(step, lambda p=p, fn=fn: fn(p))
+            g.step(step)
+            g.timed(step, lambda fn=fn: cudackpt.each(cuda, fn))
     echo(f"PID {pid} now runs on GPU {where} ({', '.join(f'{a} -> {b}' for a, b in pairs if a != b)})")
     return g.timings
 

@@ -131,12 +131,12 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.resume(procs.tree(root))
             before_driver()
-            for p in manifest.gpu_pids:
-                g.step("restore")
-                g.timed("restore", lambda p=p: cudackpt.restore(p, gpu_pairs))
-            for p in manifest.gpu_pids:
-                g.step("unlock")
-                g.timed("unlock", lambda p=p: cudackpt.unlock(p))
+            cuda = manifest.gpu_pids
+            g.step("restore")
+            g.timed("restore", lambda: cudackpt.each(
+                cuda, lambda p: cudackpt.restore(p, gpu_pairs)))
+            g.step("unlock")
+            g.timed("unlock", lambda: cudackpt.each(cuda, cudackpt.unlock))
             if finish is not None:
                 finish(g, root)
     finally:

@@ -185,11 +185,11 @@ def end_tree(plan: Plan) -> None:
     procs.thaw([plan.parent])
 
 
-def recover(plan: Plan, log: Callable[[str], None], memory: Optional[dict[int, list[int]]] = None,
-            stopped: bool = False) -> None:
+def recover(plan: Plan, log: Callable[[str], None],
+            memory: Optional[dict[int, list[int]]] = None, stopped: bool = False) -> None:
     """Bring the plan's processes back to running (see the module docstring); `memory`: the
-    descriptors of each job's hoisted memory, in its agent's table order. `stopped`: the user stopped
-    the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
+    descriptors of each job's hoisted memory, in its agent's table order. `stopped`: the user
+    stopped the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
     _wait_criu(plan, log, stopped)
     if plan.op == "restore":
         if not plan.pids or not procs.alive(plan.pids[0]):
