@@ -316,6 +316,7 @@ def main() -> None:
     a.add_argument("--work", default="/tmp/pos-ddp", help="scratch folder (emptied)")
     a.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     a.add_argument("--width", type=int, default=64, help="the model's hidden width")
+    a.add_argument("--ballast-gib", type=float, default=0.0, help="on each rank (nccl)")
     a.add_argument("--engines", default="stw", help="stw, concurrent or both (stw,concurrent)")
     a.add_argument("--out")
     args = a.parse_args()
@@ -328,7 +329,8 @@ def main() -> None:
     subprocess.run(["rm", "-rf", str(work)], check=True)
     torch_version = subprocess.run([args.python, "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True).stdout.strip()
-    job_args = ["--backend", args.backend, "--width", str(args.width)]
+    job_args = ["--backend", args.backend, "--width", str(args.width),
+                "--ballast-gib", str(args.ballast_gib)]
     rows = []
     for c in args.cases.split(","):
         ref = reference(c, args.python, work, args.steps, args.sleep, job_args)

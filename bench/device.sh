@@ -25,7 +25,7 @@
 #   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
 #                                # of ballast, default 4; POS_MULTI_PARTS; POS_MULTI_DDP_CASES
-#                                # and POS_MULTI_DDP_ENGINES: bench/ddp.py's) (~8 min)
+#                                # POS_MULTI_DDP_ENGINES, POS_MULTI_DDP_GIB: bench/ddp.py's) (~8 min)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
@@ -118,7 +118,7 @@ multigpu)
     step multigpu python3 bench/multigpu_gpu.py --out "$out" --gib "${POS_MULTI_GIB:-4}" \
         --parts "${POS_MULTI_PARTS:-ddp,split,migrate}" \
         --ddp-cases "${POS_MULTI_DDP_CASES:-direct-nolibuv,torchrun-nouring}" \
-        --ddp-engines "${POS_MULTI_DDP_ENGINES:-stw,concurrent}"
+        --ddp-engines "${POS_MULTI_DDP_ENGINES:-stw,concurrent}" --ddp-gib "${POS_MULTI_DDP_GIB:-0}"
     grep '^\[{' "$out/multigpu.log"
     cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
     for f in /tmp/pos-ddp/*/cr-*/job.log; do   # the ranks' standard error (the agents' lines)

@@ -226,13 +226,15 @@ def split_concurrent(out: Path, images: Path, gib: float,
         subprocess.run(["pkill", "-9", "-f", str(log)])
 
 
-def ddp(out: Path, cases: str, engines: str) -> list[dict[str, Any]]:
-    """bench/ddp.py on two GPUs: for each launcher case, the job checkpointed by each engine
-    (`ddp-stw`, `ddp-concurrent`: under `pos run`), killed and restored."""
+def ddp(out: Path, cases: str, engines: str, gib: float) -> list[dict[str, Any]]:
+    """bench/ddp.py on two GPUs: for each launcher case, the job (with `gib` of ballast on each
+    rank) checkpointed by each engine (`ddp-stw`, `ddp-concurrent`: under `pos run`), killed
+    and restored."""
     target = out / "ddp.json"
     r = subprocess.run([PY, "bench/ddp.py", "--python", PY, "--backend", "nccl", "--width",
                         "4096", "--steps", "150", "--at", "15", "--sleep", "0.1", "--cases",
-                        cases, "--engines", engines, "--out", str(target)],
+                        cases, "--engines", engines, "--ballast-gib", str(gib),
+                        "--out", str(target)],
                        cwd=ROOT, capture_output=True, text=True, timeout=560)
     (out / "ddp.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
     if r.returncode != 0 or not target.exists():
@@ -254,6 +256,7 @@ def main() -> None:
     ap.add_argument("--parts", default="ddp,split,migrate")
     ap.add_argument("--ddp-cases", default="direct-nolibuv,torchrun-nouring")
     ap.add_argument("--ddp-engines", default="stw,concurrent")
+    ap.add_argument("--ddp-gib", type=float, default=0.0, help="ballast on each DDP rank")
     a = ap.parse_args()
     out, images = Path(a.out), Path(a.images)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +267,7 @@ def main() -> None:
     if len(nvml.gpus()) < 2:
         raise SystemExit(f"{len(nvml.gpus())} GPU(s) here: this bench needs two")
     parts = {"migrate": lambda: migrate(out, images, a.gib),
-             "split": lambda: split(out, images, a.gib), "ddp": lambda: ddp(out, a.ddp_cases, a.ddp_engines)}
+             "split": lambda: split(out, images, a.gib), "ddp": lambda: ddp(out, a.ddp_cases, a.ddp_engines, a.ddp_gib)}
     rows: list[dict[str, Any]] = []
     for name in a.parts.split(","):
         t = time.monotonic()

@@ -7,7 +7,9 @@ rank over NCCL, for checkpointing a whole multi-process job.
 Each rank appends `STEP LOSS` (float.hex(), exact to the bit) to OUTDIR/rank-R.txt, opened
 O_APPEND so that a restored rank appends where it left off. Same seed and data on every run, one
 thread per rank, deterministic kernels: two runs give the same lines, so a checkpointed-and-
-restored run must too. With nccl, rank R computes on cuda:LOCAL_RANK.
+restored run must too. With nccl, rank R computes on cuda:LOCAL_RANK; --ballast-gib G gives each
+rank G GiB of seeded device memory that training never touches, as a big model's state is, and
+its exact integer sum joins every tenth line (`STEP LOSS:SUM`): it must never change.
 """
 
 import argparse
@@ -29,6 +31,7 @@ def main() -> None:
     a.add_argument("--sleep", type=float, default=0.2)
     a.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     a.add_argument("--width", type=int, default=64, help="the hidden layer's width")
+    a.add_argument("--ballast-gib", type=float, default=0.0)
     args = a.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -45,6 +48,9 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + rank)    # each rank its own shard of the data
     x, y = torch.randn(64, 32, generator=g).to(dev), torch.randint(0, 4, (64,), generator=g).to(dev)
+    ballast = [torch.randint(-2**62, 2**62, (1 << 27,), dtype=torch.int64, device=dev,
+                             generator=torch.Generator(dev).manual_seed(1000 * rank + i))
+               for i in range(int(args.ballast_gib))]       # 1 GiB each
     fd = os.open(os.path.join(args.outdir, f"rank-{rank}.txt"),
                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for step in range(1, args.steps + 1):
@@ -52,7 +58,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()                # the gradients' all-reduce (gloo over TCP, or NCCL)
         opt.step()
-        os.write(fd, f"{step} {loss.item().hex()}\n".encode())
+        digest = f":{sum(int(b.sum()) for b in ballast)}" if ballast and step % 10 == 0 else ""
+        os.write(fd, f"{step} {loss.item().hex()}{digest}\n".encode())
         time.sleep(args.sleep)
     os.close(fd)
     dist.destroy_process_group()
