@@ -255,8 +255,11 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
                    "release_s" if concurrent else "stall_s"),
                image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
                checkpoint_timings=report.get("timings"), ranks_report=report.get("ranks"))
-    for p in reversed(pids):
-        os.kill(p, signal.SIGKILL)
+    for p in reversed(pids):       # (a job that ran to its end while pos sealed the image:
+        try:                       # the restore brings it back from the image all the same)
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     job.wait()
     for p in pids:
         while os.path.exists(f"/proc/{p}"):      # reaped by their parents or by us
