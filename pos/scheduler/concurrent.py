@@ -719,7 +719,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
         [_Prefetch(directory, streams, None, rank, moved) for rank in ranks]
     out: dict[str, Any] = {}
 
-    def fill(g: Any, root: int) -> None:
+    def fill(g: Any, _root: int) -> None:
         g.step("remap")
         for pre in pres:      # pos's new device memory (made during CRIU's part)
             g.timed("memory", pre.ready.wait)
@@ -728,7 +728,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
         agents: list[Agent] = []
         try:
             for pre in pres:
-                agents.append(Agent(root if pre.rank is None else pre.rank))
+                agents.append(Agent(pre.pid))
                 table = agents[-1].table()
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match {directory}'s "
@@ -818,6 +818,7 @@ class _Prefetch:
         index = gpuindex.read_index(directory, rank)
         self.directory = directory
         self.rank = rank        # one process of several: its PID (None: the image's one job)
+        self.pid = int(index["pid"])    # the job's PID, which CRIU restores it with
         # the UUID of the GPU the job moves to (None: where it was); a process of several goes
         # where the map sends the GPU its index names
         gpu = index.get("gpu")

@@ -23,10 +23,11 @@ from workloads.fill_job import image_values, torn
 
 
 class Ranks:
-    """`pos run -- sh -c 'fill_job ... & fill_job ... & wait'`, both in NCCL mode."""
+    """`pos run -- sh -c 'fill_job ... & fill_job ... & wait'` (n fill_jobs), in NCCL mode."""
 
-    def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str]) -> None:
-        self.outs = [folder / f"rank{r}.out" for r in range(2)]
+    def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str],
+                 n: int = 2) -> None:
+        self.outs = [folder / f"rank{r}.out" for r in range(n)]
         job = f"{fakegpu['fill_job']} {fakegpu['cubin']} 8 {1 << 20}"
         script = " & ".join(f"{job} > {out} 2>&1" for out in self.outs) + " & wait"
         self.proc = subprocess.Popen([sys.executable, "-m", "pos.cli", "run", "--", "sh", "-c",
@@ -54,6 +55,14 @@ class Ranks:
 @pytest.fixture
 def ranks(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]) -> Iterator[Ranks]:
     r = Ranks(fakegpu, tmp_path, gpu_env)
+    yield r
+    r.kill()
+
+
+@pytest.fixture
+def one_under_a_shell(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
+                      ) -> Iterator[Ranks]:
+    r = Ranks(fakegpu, tmp_path, gpu_env, n=1)
     yield r
     r.kill()
 
@@ -127,3 +136,28 @@ def test_ranks_are_cut_before_the_same_collective_and_each_restored(
             assert not torn(now) and max(now) > max(before)    # it went on from the image
     finally:
         ranks.kill()
+
+
+def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
+        one_under_a_shell: Ranks, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """The tree's root (a shell) is not the CUDA process: the image's one GPU index names the
+    job, and the restore maps its memory back through the job's agent, not the root's."""
+    job = one_under_a_shell
+    time.sleep(0.2)
+    img = tmp_path / "one"
+    r = pos("checkpoint", str(job.root), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert (img / "gpu-index.json").is_file()
+    saved = image_values(img)
+    assert not torn(saved)
+    job.proc.wait(timeout=30)
+    while not gone(job.pids[0]):
+        time.sleep(0.02)
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    try:
+        time.sleep(0.3)
+        now = image_values(Path(concurrent.checkpoint_gpu(job.pids[0], tmp_path / "after").path))
+        assert not torn(now) and max(now) > max(saved)
+    finally:
+        job.kill()
