@@ -320,10 +320,13 @@ def main() -> None:
     a.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     a.add_argument("--width", type=int, default=64, help="the model's hidden width")
     a.add_argument("--ballast-gib", type=float, default=0.0, help="on each rank (nccl)")
+    a.add_argument("--nccl-env", choices=("sockets", "default"),
+                   default=os.environ.get("POS_DDP_NCCL_ENV", "sockets"),
+                   help="NCCL over sockets (NCCL_ENV), or NCCL as it sets itself up")
     a.add_argument("--engines", default="stw", help="stw, concurrent or both (stw,concurrent)")
     a.add_argument("--out")
     args = a.parse_args()
-    if args.backend == "nccl":
+    if args.backend == "nccl" and args.nccl_env == "sockets":
         os.environ.update(NCCL_ENV)
     if os.geteuid() != 0:
         sys.exit("bench/ddp.py: run as root (CRIU)")
@@ -349,7 +352,8 @@ def main() -> None:
         "device": (gpu_names() if args.backend == "nccl"
                    else "development VM, no GPU (CPU DDP over gloo)"),
         "driver": driver() if args.backend == "nccl" else None,
-        "nccl_env": NCCL_ENV if args.backend == "nccl" else None,
+        "nccl_env": (NCCL_ENV if args.nccl_env == "sockets" else "NCCL's defaults")
+        if args.backend == "nccl" else None,
         "host": {"kernel": platform.release(), "cores": os.cpu_count()},
         "torch": torch_version,
         "criu": subprocess.run([sys.executable, "-c", "from pos.scheduler import criu; "
