@@ -57,9 +57,6 @@ template __global__ void fill<int>(int *, int, int);
 
 extern "C" __global__ void no_params() {}
 
-// named as NCCL names its kernels: the agent counts these launches (the collective cut)
-extern "C" __global__ void ncclDevKernel_AllReduce_Sum_f32_RING_LL() {}
-
 // more parameters than the tracer's 16 slots (cuBLASLt's splitKreduce has 21)
 __global__ void many(float *o, int a0, int a1, int a2, int a3, int a4, int a5, int a6, int a7, int a8, int a9, int a10, int a11, int a12, int a13, int a14, int a15, int a16, int a17, int a18) {
   o[0] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11 + a12 + a13 + a14 + a15 + a16 + a17 + a18;
