@@ -137,9 +137,9 @@ class _Saver:
         """Before the cut: the page-locked arena (see copier.arena_bytes) and the shadow (the
         device memory free but 1 GiB, at most the job's). The device memory the agent does not
         own is returned."""
-        self._use()
         from pos.scheduler import gpucopy
 
+        self._use()
         assert self.agent is not None
         st = self.agent.status()
         if not st.owning:
@@ -173,9 +173,9 @@ class _Saver:
 
     def import_memory(self) -> None:
         """The held job's allocations, exported by it and imported by pos."""
-        self._use()
         from pos.scheduler import gpucopy
 
+        self._use()
         assert self.agent is not None and self.shadow is not None
         # what the job and the rest leave free at the cut (pos's own shadow counted as free)
         self.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(self.drv)
@@ -211,9 +211,9 @@ class _Saver:
         small buffers, and a call that may write a buffer not shadowed waits until pos has
         copied it from the job); the source of each buffer's copy (its shadow, or the job's
         memory for a buffer that did not fit)."""
-        self._use()
         from pos.scheduler import gpucopy
 
+        self._use()
         assert self.mem is not None and self.shadow is not None
         sources = list(self.mem.local)
         src, dst, sizes, at = [], [], [], 0
@@ -234,10 +234,10 @@ class _Saver:
         """The copy to host memory and into the image's data files (`rank`: the PID of one
         process of several, whose files are named after it), on threads of its own from now on
         (the job may still be held)."""
-        self._use()
         from pos.image import gpu as gpuimage
         from pos.scheduler import copier
 
+        self._use()
         assert self.host is not None
         self.rank = rank
         self.handout = Handout(self.table, safe=self.shadowed)
