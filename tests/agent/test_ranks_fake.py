@@ -18,7 +18,7 @@ import pytest
 from pos.agent.control import Agent, Refused
 from pos.scheduler import concurrent
 from tests.conftest import ROOT
-from tests.scheduler.conftest import pos
+from tests.scheduler.conftest import pos, wait_for
 from workloads.fill_job import image_values, torn
 
 
@@ -161,3 +161,23 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
         assert not torn(now) and max(now) > max(saved)
     finally:
         job.kill()
+
+
+@pytest.mark.parametrize("step", ["cut", "hoist", "checkpoint", "dump", "restore", "copy"])
+def test_pos_killed_at_each_step_leaves_every_rank_running_with_its_memory(
+        ranks: Ranks, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
+    """The watchdog holds each rank's hoisted memory and gives each its own back."""
+    time.sleep(0.2)
+    r = pos("checkpoint", str(ranks.root), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running", env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog's undo")
+    for p in ranks.pids:
+        with Agent(p) as a:
+            wait_for(lambda: a.status().phase == "idle", what=f"rank {p}'s release")
+        after = image_values(Path(concurrent.checkpoint_gpu(p, tmp_path / f"after-{p}").path))
+        assert alive(p) and not torn(after)
+        assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).read_text().strip() \
+            == "running"
