@@ -25,6 +25,8 @@ Examples:
   pos checkpoint 4242 -D /tmp/job1 --concurrent --leave-running    # a `pos run` job, saved
                                                                    # while it runs
   pos checkpoint 4242 -D /tmp/g1 --concurrent --gpu-only           # its GPU state alone
+  pos checkpoint 4240 -D /tmp/ddp --concurrent --leave-running --tcp-established
+                                  # a DDP job under `pos run`: every rank, cut before one collective
 """
 
 EPILOG_RESTORE = """\b
@@ -115,7 +117,8 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     GPU processes: the CUDA driver locks and checkpoints them, then CRIU dumps the tree. Without
     --leave-running the processes end once saved; restore them with `pos restore`. Whatever
     fails, the processes are left running (a watchdog undoes even if pos is killed).
-    With --concurrent, a `pos run` job is saved while it runs.
+    With --concurrent, a `pos run` job is saved while it runs (a job of several CUDA
+    processes, such as DDP's ranks, with every process held just before the same collective).
     """
     from pathlib import Path
 

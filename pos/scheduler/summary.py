@@ -69,6 +69,8 @@ def concurrent(r: "Report") -> list[str]:
     `restored_pid`; a checkpoint copies device to host (`d2h_gbps`), a restore host to device."""
     restoring = r.h2d_gbps is not None
     what = f"{size_text(r.bytes)} of device memory in {r.buffers} buffers"
+    if r.ranks:
+        what += f" of {len(r.ranks)} processes"
     if not restoring:
         first = f"saved {r.path}: {what}"
     elif r.restored_pid is not None:
