@@ -25,9 +25,13 @@ def data_prefix(pid: Optional[int] = None) -> str:
     return "gpu-data-" if pid is None else f"gpu-data-{pid}-"
 
 
-def has_index(folder: Path) -> bool:
-    """Whether `folder` holds a GPU index: one job's, or each of several processes'."""
-    return (Path(folder) / INDEX).is_file() or any(Path(folder).glob("gpu-index-*.json"))
+def jobs(folder: Path) -> list[Optional[int]]:
+    """The jobs whose indexes `folder` holds: [None] for one job's (gpu-index.json), else each
+    process's PID (gpu-index-PID.json), or none."""
+    if (Path(folder) / INDEX).is_file():
+        return [None]
+    return sorted(int(p.name[len("gpu-index-"):-len(".json")])
+                  for p in Path(folder).glob("gpu-index-*.json"))
 
 
 def write_index(folder: Path, index: dict[str, Any], pid: Optional[int] = None) -> None:

@@ -592,7 +592,6 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         echo(f"checkpointing PID {pid} ({manifest.comm}) concurrently: "
              f"{owned / 2**30:.2f} GiB of device memory"
              + (f" in {len(savers)} processes" if several else ""))
-        gates: list[Optional[Gate]] = [None] * len(savers)
         with steps.Guard(plan, echo) as g:
             stage = staging.directory(Path(directory).name, partial, resident)
             dumped = stage or partial      # where CRIU writes
@@ -601,8 +600,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             if several:
                 from pos.scheduler import collective
 
-                cuts = collective.cut_together(
-                    agents, lambda i, at: savers[i].cut(at, collective.REACH_S if at else STALL_S))
+                cuts = collective.cut_together(agents, lambda i, at: savers[i].cut(
+                    at, STALL_S if at is None else collective.REACH_S))
             else:
                 cuts = [savers[0].cut()]
             for s in savers:
@@ -617,21 +616,16 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 s.agent.close()            # CRIU dumps no socket connected to pos
                 s.copier.hold_scans()      # the CPU is the dump's until the job is back
             by_pid = {s.pid: s for s in savers}
-            g.step("lock")
-            g.timed("lock", lambda: cudackpt.each(
-                cuda, lambda p: cudackpt.lock(p, lock_timeout_ms)))
-            g.step("checkpoint")
-            g.timed("checkpoint", lambda: cudackpt.each(
-                cuda, lambda p: paused(by_pid[p], lambda: cudackpt.checkpoint(p))))
+            g.each("lock", cuda, lambda p: cudackpt.lock(p, lock_timeout_ms))
+            g.each("checkpoint", cuda,
+                   lambda p: paused(by_pid[p], lambda: cudackpt.checkpoint(p)))
             g.step("dump")
             argv = criu.dump_argv(pid, dumped, options, leave_running)
             g.dump(criu, argv, dumped)
             if leave_running:
-                g.step("restore")
-                g.timed("restore", lambda: cudackpt.each(
-                    cuda, lambda p: paused(by_pid[p], lambda: cudackpt.restore(p))))
-                g.step("unlock")
-                g.timed("unlock", lambda: cudackpt.each(cuda, cudackpt.unlock))
+                g.each("restore", cuda,
+                       lambda p: paused(by_pid[p], lambda: cudackpt.restore(p)))
+                g.each("unlock", cuda, cudackpt.unlock)
                 for s in savers:
                     s.agent = Agent(s.pid)
                     back = g.timed("remap", lambda s=s: s.agent.remap(s.fds))
@@ -682,10 +676,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
 
 
 def _saver_timings(savers: list[_Saver]) -> dict[str, float]:
-    """The copy's timings: one job's as they are; of several, the longest of each (their
-    copies run side by side), and the pinned memory summed."""
-    if len(savers) == 1:
-        return dict(savers[0].timings)
+    """The copy's timings: of several jobs, the longest of each (their copies run side by
+    side), and the pinned memory summed; of one, its own."""
     out: dict[str, float] = {}
     for s in savers:
         for k, v in s.timings.items():
@@ -788,16 +780,12 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (), streams: in
 
 
 def _ranks(directory: Path) -> list[Optional[int]]:
-    """The jobs of a whole-process image: [None] for one (DIR/gpu-index.json), else the PID of
-    each of several CUDA processes, from their indexes (see pos/image/gpuindex.py)."""
-    if (directory / gpuindex.INDEX).is_file():
-        return [None]
-    found = sorted(int(p.name[len("gpu-index-"):-len(".json")])
-                   for p in directory.glob("gpu-index-*.json"))
+    """The jobs of a whole-process image (gpuindex.jobs); none is refused."""
+    found = gpuindex.jobs(directory)
     if not found:
         raise BadInput(f"{directory} holds no GPU index", "give the -D of a `pos checkpoint "
                        "--concurrent`")
-    return list(found)
+    return found
 
 
 def _home(directory: Path) -> Optional[str]:
@@ -937,4 +925,4 @@ def is_full_image(directory: Path) -> bool:
     """A whole-process concurrent image: CRIU's files and a GPU index (or one per process of a
     job of several) side by side."""
     d = Path(directory)
-    return gpuindex.has_index(d) and (d / "inventory.img").is_file()
+    return bool(gpuindex.jobs(d)) and (d / "inventory.img").is_file()

@@ -42,8 +42,7 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
                          ("checkpoint", cudackpt.checkpoint),
                          ("restore", lambda p: cudackpt.restore(p, pairs)),
                          ("unlock", cudackpt.unlock)):
-            g.step(step)
-            g.timed(step, lambda fn=fn: cudackpt.each(cuda, fn))
+            g.each(step, cuda, fn)
     echo(f"PID {pid} now runs on GPU {where} ({', '.join(f'{a} -> {b}' for a, b in pairs if a != b)})")
     return g.timings
 

@@ -131,12 +131,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.resume(procs.tree(root))
             before_driver()
-            cuda = manifest.gpu_pids
-            g.step("restore")
-            g.timed("restore", lambda: cudackpt.each(
-                cuda, lambda p: cudackpt.restore(p, gpu_pairs)))
-            g.step("unlock")
-            g.timed("unlock", lambda: cudackpt.each(cuda, cudackpt.unlock))
+            g.each("restore", manifest.gpu_pids, lambda p: cudackpt.restore(p, gpu_pairs))
+            g.each("unlock", manifest.gpu_pids, cudackpt.unlock)
             if finish is not None:
                 finish(g, root)
     finally:

@@ -8,12 +8,12 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pos.errors import PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import procs
+from pos.scheduler import cudackpt, procs
 from pos.scheduler.watchdog import Plan, Watchdog, discard_leftovers, end_tree, recover
 
 Echo = Callable[[str], None]
@@ -96,6 +96,12 @@ class Guard:
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one step and add its duration to timings[name]."""
         return timed(self.timings, name, fn)
+
+    def each(self, name: str, pids: Sequence[int], call: Callable[[int], None]) -> None:
+        """The step `name`: `call` (a driver call) on every process of `pids` at once
+        (cudackpt.each), timed."""
+        self.step(name)
+        self.timed(name, lambda: cudackpt.each(pids, call))
 
     def dump(self, criu: criu_mod.Criu, argv: list[str], images: Path) -> None:
         """CRIU's dump into `images`, timed, and how its stats-dump splits the frozen time."""

@@ -51,20 +51,16 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
              "CUDA state")
         start = time.monotonic()
-        g.step("lock")
-        g.timed("lock", lambda: cudackpt.each(cuda, lambda p: cudackpt.lock(p, lock_timeout_ms)))
-        g.step("checkpoint")
-        g.timed("checkpoint", lambda: cudackpt.each(cuda, cudackpt.checkpoint))
+        g.each("lock", cuda, lambda p: cudackpt.lock(p, lock_timeout_ms))
+        g.each("checkpoint", cuda, cudackpt.checkpoint)
         progress.phase("dump", poll=lambda: folder_bytes(partial))
         g.step("dump")
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
         g.dump(criu, argv, partial)     # without --leave-running: the tree stays, stopped
         if leave_running:
-            g.step("restore")
-            g.timed("restore", lambda: cudackpt.each(cuda, cudackpt.restore))
-            g.step("unlock")
-            g.timed("unlock", lambda: cudackpt.each(cuda, cudackpt.unlock))
+            g.each("restore", cuda, cudackpt.restore)
+            g.each("unlock", cuda, cudackpt.unlock)
             manifest.stall_s = time.monotonic() - start if cuda else g.timings.get("frozen")
         g.step("seal")
         manifest.timings = g.timings

@@ -430,14 +430,18 @@ static struct {
     _Atomic int nccl; /* 0: being learnt, 1: not NCCL's, 2: NCCL's */
 } kinds[KINDS];
 
+static int named_nccl(const struct touch *t) {
+    const char *n = call_name(t);
+    return strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel");
+}
+
 static int is_nccl(const struct touch *t) {
     uintptr_t f = (uintptr_t)t->f;
     size_t h = (size_t)((f >> 4) * 0x9E3779B97F4A7C15ull) % KINDS;
     for (int probe = 0; f && probe < 64; probe++, h = (h + 1) % KINDS) {
         uintptr_t seen = atomic_load(&kinds[h].f);
         if (!seen && atomic_compare_exchange_strong(&kinds[h].f, &seen, f)) {
-            const char *n = call_name(t);
-            int yes = strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel");
+            int yes = named_nccl(t);
             atomic_store(&kinds[h].nccl, yes ? 2 : 1);
             return yes;
         }
@@ -448,8 +452,7 @@ static int is_nccl(const struct touch *t) {
             break; /* being learnt by another thread: ask the driver here too */
         }
     }
-    const char *n = call_name(t);
-    return strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel");
+    return named_nccl(t);
 }
 
 static void begin_hold(void) { /* caller holds mu; the phase is idle */
