@@ -10,7 +10,8 @@ For each size, workloads/train_gpt.py filled to that many GiB of device memory u
      whole-process concurrent checkpoint from outside at a random step (the stall as the job
      saw it, split by pos's own timings), SIGKILL, `pos restore` into a new process (the first
      step after it, when every buffer was back, the fill's rate) and every loss bit for bit.
-A size may carry bench/scale_gpu.py's row flags (`35+nostw`: no stop-the-world beside it).
+A size may carry bench/scale_gpu.py's row flags (`35+nostw`: no stop-the-world beside it;
+`+frozenall`: the copy takes every buffer while the job is frozen, the baseline).
 Writes DIR/floor.json: a list of rows with the issue's keys, and the raw runs under `runs`;
 DIR/<row>-criu-dump.log, and CRIU's restore logs in /var/log/pos.
 """
@@ -92,6 +93,7 @@ def main() -> None:
         saw, stw = run.get("job_saw") or {}, (run.get("stw") or {}).get("job_saw") or {}
         rows.append({
             "gpu": facts["gpu"], "job_gib": round(rep.get("bytes", 0) / GIB, 2),
+            "flags": flags,
             "stall_s": round(saw["worst_step_s"] - saw["median_step_s"], 3)
             if "worst_step_s" in saw else None,
             "release_s": rep.get("release_s"),

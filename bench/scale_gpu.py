@@ -9,7 +9,9 @@ AdamW, batch 8x512, deterministic) under `pos run`, filled with seeded ballast i
 to that fraction after its first step. `F@H`: another process (not under pos) holds device
 memory so that H of the GPU is in use at the cut. `+ring`: at most 8 GiB of page-locked host
 memory (POS_PIN_MAX_GIB=8: the copy streams to the image); `+shm`: the images in /dev/shm
-(a host whose disk cannot hold them); `+nostw`: no stop-the-world baseline. For each row:
+(a host whose disk cannot hold them); `+nostw`: no stop-the-world baseline; `+frozenall`: the
+copy to host memory takes every buffer while the job is frozen (POS_FROZEN_COPY=all, the
+baseline of holding the shadowed ones). For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
      image the job's memory is pos's descriptors, which the driver's engine refuses), its
      stall as the job saw it; the image removed;
@@ -123,7 +125,8 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 
 class Spec:
-    """One row: FRACTION[@HELD][+ring][+shm][+nostw] (see the module's docstring)."""
+    """One row: FRACTION[@HELD][+ring][+shm][+nostw][+frozenall] (see the module's
+    docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -133,6 +136,7 @@ class Spec:
         self.images = Path("/dev/shm/pos-scale") if "shm" in flags else images
         self.stw = stw and "nostw" not in flags
         self.env = {**({"POS_PIN_MAX_GIB": "8"} if "ring" in flags else {}),
+                    **({"POS_FROZEN_COPY": "all"} if "frozenall" in flags else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.name = text.replace("@", "-at-").replace("+", "-")
 

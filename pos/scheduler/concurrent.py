@@ -554,11 +554,13 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     steps; a job of several CUDA processes (DDP's ranks) is cut with every process just before
     the same collective (pos/scheduler/collective.py) and each one's memory copied beside the
     others'."""
+    from pos.scheduler import copier
     from pos.scheduler import criu as criu_mod
     from pos.scheduler import cudackpt, procs, staging
     from pos.scheduler.watchdog import Plan
 
     started = time.monotonic()
+    copier.frozen_copy()               # a bad setting is refused before anything is touched
     procs.require_checkpointable(pid)
     procs.require_dumpable(pid)
     criu = criu_mod.find()
@@ -615,6 +617,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             for s in savers:
                 s.agent.close()            # CRIU dumps no socket connected to pos
                 s.copier.hold_scans()      # the CPU is the dump's until the job is back
+                s.copier.hold_shadowed()   # and the host's memory, but for what the job needs
             by_pid = {s.pid: s for s in savers}
             g.each("lock", cuda, lambda p: cudackpt.lock(p, lock_timeout_ms))
             g.each("checkpoint", cuda,
@@ -642,6 +645,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
             release_s = time.monotonic() - t0
             for s in savers:
                 s.copier.release_scans()
+                s.copier.release_shadowed()
             if stage is not None:
                 g.timed("move", lambda: staging.move_into(stage, partial))
                 g.step(g.plan.step, staging="")

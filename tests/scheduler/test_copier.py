@@ -1,10 +1,17 @@
-"""How much page-locked host memory a checkpoint sets aside (pos/scheduler/copier.py)."""
+"""The checkpoint's copy (pos/scheduler/copier.py): how much page-locked host memory it sets
+aside, its order, and what it copies while the job is frozen."""
 
+import ctypes
+import time
+
+import numpy as np
 import pytest
 
 from pos import host as pos_host
+from pos.agent.control import Buffer
 from pos.errors import BadInput
 from pos.scheduler import copier, gpucopy
+from pos.scheduler.handout import Handout
 
 GIB, CHUNK = 1 << 30, 64 << 20
 
@@ -58,3 +65,92 @@ def test_the_buffers_calls_wait_for_are_copied_first() -> None:
     order.want([2, 0])
     assert [order.take() for _ in range(4)] == [(2, 0, 1), (2, 1, 1), (0, 1, 1), (1, 0, 1)]
     assert order.take() is None
+
+
+class _HostDriver:
+    """The driver calls the copier makes, on host memory: a device address is a host one."""
+
+    def call(self, name: str, *args: object) -> None:
+        if name == "cuMemcpyDtoHAsync_v2":
+            dst, src, n = args[0], args[1], args[2]
+            ctypes.memmove(dst.value, src.value, n.value)   # type: ignore[attr-defined]
+
+    def function(self, _name: str):  # type: ignore[no-untyped-def]
+        return lambda *_a: 0
+
+
+class _Arena:
+    def __init__(self, size: int) -> None:
+        self.bytes = np.zeros(size, np.uint8)
+        self.ptr, self.size = self.bytes.ctypes.data, size
+
+    def view(self, at: int, n: int) -> np.ndarray:
+        return self.bytes[at:at + n]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.data: dict[tuple[int, int], bytes] = {}
+
+    def put(self, va: int, off: int, view: np.ndarray, _h: int) -> None:
+        self.data[(va, off)] = view.tobytes()
+
+
+class _Handout(Handout):
+    def __init__(self, table: list[Buffer], safe: set[int]) -> None:
+        super().__init__(table, safe)
+        self.kept_at: dict[int, float] = {}
+
+    def captured(self, i: int) -> None:
+        self.kept_at[i] = time.monotonic()
+        super().captured(i)
+
+
+def test_while_frozen_only_what_pos_could_not_shadow_is_copied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(copier.FROZEN_COPY_ENV, raising=False)
+    chunk = 1 << 20
+    memory = [np.full(2 * chunk, k + 1, np.uint8) for k in range(2)]
+    table = [Buffer(m.ctypes.data, m.size, m.size, 0, True) for m in memory]
+    shadowed = {0}
+    handout, writer = _Handout(table, shadowed), _Writer()
+    c = copier.Copier(_HostDriver(), table, [b.va for b in table], shadowed, _Arena(8 * chunk),
+                      chunk, 2, writer, handout, 2)   # type: ignore[arg-type]
+    c.hold_shadowed()
+    c.start()
+    try:
+        deadline = time.monotonic() + 10
+        while 1 not in handout.kept_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert 1 in handout.kept_at and 0 not in handout.kept_at
+        c.release_shadowed()
+        c.wait_copied()
+        assert c.join().bytes == 4 * chunk
+    finally:
+        c.close()
+    assert {k: v[:1] for k, v in writer.data.items()} == {
+        (table[i].va, off): bytes([i + 1]) for i in (0, 1) for off in (0, chunk)}
+
+
+def test_the_baseline_copies_every_buffer_while_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(copier.FROZEN_COPY_ENV, "all")
+    chunk = 1 << 20
+    memory = [np.full(chunk, 7, np.uint8)]
+    table = [Buffer(memory[0].ctypes.data, chunk, chunk, 0, True)]
+    handout = _Handout(table, {0})
+    c = copier.Copier(_HostDriver(), table, [table[0].va], {0}, _Arena(2 * chunk), chunk, 1,
+                      _Writer(), handout, 1)   # type: ignore[arg-type]
+    c.hold_shadowed()
+    c.start()
+    try:
+        c.wait_copied()
+        assert 0 in handout.kept_at
+    finally:
+        c.close()
+
+
+def test_a_bad_frozen_copy_setting_is_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(copier.FROZEN_COPY_ENV, "some")
+    with pytest.raises(BadInput, match="POS_FROZEN_COPY=some is not one of unshadowed, all"):
+        copier.frozen_copy()
