@@ -27,6 +27,9 @@ class Buffer:
     mapped: int        # rounded up to the allocation granularity
     device: int
     present: bool      # False while hoisted (the physical memory is pos's)
+    # a call the gate let through since the operation began may use it (the job needs it
+    # first: a restore fills it first)
+    touched: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,8 +264,8 @@ class Agent:
 
     def table(self) -> list[Buffer]:
         r = self._ask("table")
-        return [Buffer(va, size, mapped, dev, bool(present))
-                for va, size, mapped, dev, present in r["buffers"]]
+        return [Buffer(va, size, mapped, dev, bool(present), bool(touched))
+                for va, size, mapped, dev, present, touched in r["buffers"]]
 
     def wanted(self) -> list[int]:
         """The pending buffers the job's calls wait for now (pos copies them first)."""

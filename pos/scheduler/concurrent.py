@@ -279,16 +279,27 @@ class _Saver:
             os.close(fd)
         self.fds = []
 
+    def touched(self) -> set[int]:
+        """The buffers the job's calls used once released, by address (a restore fills them
+        first); none are known of a job CRIU ended, or one gone since."""
+        if self.agent is None:
+            return set()
+        try:
+            return {b.va for b in self.agent.table() if b.touched}
+        except PosError:
+            return set()
+
     def write(self, folder: Path) -> copier.Copied:
         """The rest of the data files, then the GPU index."""
         self._use()
         assert self.copier is not None
+        hot = self.touched()
         done = self.copier.join()
         self.writer.close()
         self.timings["disk"] = done.disk_s
         buffers = [{"base": f"0x{b.va:x}", "size": b.size, "mapped": b.mapped,
-                    "device": b.device, "chunks": sorted(self.writer.chunks.get(b.va, []),
-                                                         key=lambda c: c["offset"])}
+                    "device": b.device, "hot": b.va in hot,
+                    "chunks": sorted(self.writer.chunks.get(b.va, []), key=lambda c: c["offset"])}
                    for b in self.table]
         gpuindex.write_index(folder, {"format": gpuindex.FORMAT, "pid": self.pid,
                                       "parent": None, "gpu": self.gpu, "buffers": buffers},
@@ -445,10 +456,12 @@ def fill_piece() -> int:
 def fill_order(table: list[Buffer], saved: dict[int, tuple[Path, int, list[dict[str, Any]]]]
                ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[tuple[int, int, int]]]:
     """Every chunk by (buffer index, offset), and the fill's work as (buffer index, offset,
-    length), the smaller buffers first; a chunk outside its buffer is refused."""
+    length): first the buffers the job used right after its checkpoint (`touched`: its next
+    calls will want them; on the H100 a restored job waited 0.38-0.76 s for such buffers filled
+    after others), then the smaller buffers first; a chunk outside its buffer is refused."""
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
-                  key=lambda w: (table[w[0]].size, w[0], w[1]))
+                  key=lambda w: (not table[w[0]].touched, table[w[0]].size, w[0], w[1]))
     for i, off, n in work:
         if off < 0 or off + n > table[i].mapped:
             raise BadInput(f"a chunk of buffer {table[i].va:#x} lies outside it",
@@ -816,8 +829,9 @@ class _Prefetch:
         gpu = index.get("gpu")
         self.onto = onto if rank is None else (moved or {}).get(gpu or "", gpu)
         self.saved = gpuindex.resolve(directory, index)
-        self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False)
-                             for b in index["buffers"]), key=lambda b: b.va)
+        self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False,
+                                    b.get("hot", False)) for b in index["buffers"]),
+                            key=lambda b: b.va)
         self.streams = streams
         self.handout = Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None

@@ -263,6 +263,24 @@ def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
     assert (gate.held_all >= 1) == (not layout_known)
 
 
+def test_the_buffers_the_job_uses_once_released_are_marked_hot_in_its_image(
+        fill_job, tmp_path: Path) -> None:
+    """The job launches axpy on its first buffer only: the image says that buffer is the one
+    its calls used after the checkpoint released it (a restore fills it first), and no other."""
+    job = fill_job(buffers=4, size=16 << 20, launches="_Z4axpyfPKfPfi")
+    first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
+    r = concurrent.checkpoint_gpu(job.pid, tmp_path / "img", chunk_mb=1)
+    index = gpuindex.read_index(Path(r.path))
+    assert len(index["buffers"]) == 4
+    assert {int(b["base"], 16) for b in index["buffers"] if b["hot"]} == {first}
+    with Agent(job.pid) as a:      # the next operation starts afresh
+        a.cut(5)
+        try:
+            assert not any(b.touched for b in a.table())
+        finally:
+            a.end()
+
+
 # the restore's fill: beside CRIU and paused for the driver's restore (the default), never
 # paused (read with pread, not mapped), or only from the job's release; pieces of several sizes
 @pytest.mark.parametrize("fill_from,mapped,piece", [("pause", "1", "2048"), ("start", "0", "256"),

@@ -250,3 +250,15 @@ def test_the_fill_piece_from_the_environment(monkeypatch, kib: str, piece: int) 
 
     monkeypatch.setattr(concurrent, "FILL_PIECE_KIB", kib)
     assert concurrent.fill_piece() == piece
+
+
+def test_the_buffers_the_job_used_after_its_checkpoint_are_filled_first(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from pos.scheduler import concurrent
+
+    table, saved, _ = image(tmp_path)
+    table[1] = replace(table[1], touched=True)        # the second biggest, used at once
+    _chunks, work = concurrent.fill_order(table, saved)
+    firsts = list(dict.fromkeys(i for i, _off, _n in work))
+    assert firsts == [1, 2, 3, 0]      # then the smaller buffers first, as before

@@ -144,6 +144,8 @@ struct owned {
     int device;
     int status;
     int wanted; /* a call waits for it now (pos copies or fills it first) */
+    int touched; /* a call let through a gate since the operation began may use it: the
+                    buffers the job needs first, which a restore of its image fills first */
 };
 
 enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };
@@ -391,6 +393,18 @@ static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords
     }
 }
 
+/* Mark the buffers a call let through a gate may use. Caller holds mu. */
+static void mark_touched(const struct touch *t, const CUdeviceptr *words, int nwords) {
+    const CUdeviceptr *lists[] = {t->w, t->r, words};
+    int counts[] = {t->nw, t->nr, nwords};
+    for (int k = 0; k < 3; k++)
+        for (int j = 0; j < counts[k]; j++) {
+            long i = find(lists[k][j]);
+            if (i >= 0)
+                tab[i].touched = 1;
+        }
+}
+
 static __thread int in_agent; /* the control thread's own driver calls pass untouched */
 
 /* The phases whose gate reads a launch's parameter words (the checkpoint's and the
@@ -524,6 +538,8 @@ static void gate_enter(const struct touch *t) {
                 w->what[k++] = isalnum((unsigned char)*c) || *c == '_' ? *c : '?';
         }
     }
+    if (asked || gated(atomic_load(&phase))) /* what it may use (unknown words: nothing) */
+        mark_touched(t, words, nwords);
     st.passed++;
     if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
         st.first_pass_ns = now_ns();
@@ -1244,6 +1260,9 @@ static void set_phase(int p) { /* caller holds mu */
             tab[i].status = ST_NONE, tab[i].wanted = 0;
         npending = 0;
     }
+    if (p == P_HOLD || p == P_RESTORE) /* an operation begins: what it sees is its own */
+        for (size_t i = 0; i < ntab; i++)
+            tab[i].touched = 0;
     atomic_store(&phase, p);
     pthread_cond_broadcast(&cv);
 }
@@ -1399,8 +1418,8 @@ static void build_wanted(FILE *f) {
 static void build_table(FILE *f) {
     fprintf(f, "{\"ok\":true,\"phase\":\"%s\",\"buffers\":[", phase_name[atomic_load(&phase)]);
     for (size_t i = 0; i < ntab; i++)
-        fprintf(f, "%s[%llu,%zu,%zu,%d,%d]", i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped,
-                tab[i].device, tab[i].h != 0);
+        fprintf(f, "%s[%llu,%zu,%zu,%d,%d,%d]", i ? "," : "", tab[i].va, tab[i].size,
+                tab[i].mapped, tab[i].device, tab[i].h != 0, tab[i].touched);
     fputs("]}", f);
 }
 
