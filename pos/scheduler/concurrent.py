@@ -827,6 +827,7 @@ class _Prefetch:
         # the UUID of the GPU the job moves to (None: where it was); a process of several goes
         # where the map sends the GPU its index names
         gpu = index.get("gpu")
+        self.taken_on = gpu     # the UUID of the GPU the image was taken on
         self.onto = onto if rank is None else (moved or {}).get(gpu or "", gpu)
         self.saved = gpuindex.resolve(directory, index)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False,
@@ -859,8 +860,7 @@ class _Prefetch:
             from pos.scheduler import gpucopy     # here, beside CRIU: see the imports above
 
             self.imported_at = time.monotonic()
-            onto = self.onto or _home(self.directory)
-            device = gpucopy.ordinal(onto) if onto else 0
+            device = self._device()
             drv = gpucopy.context(device)
             self.context_at = time.monotonic()
             mine = [replace(b, device=device) for b in self.table]
@@ -880,6 +880,22 @@ class _Prefetch:
             self.error = e
         finally:
             self.ready.set()
+
+    def _device(self) -> int:
+        """CUDA's number of the GPU to fill: the one the job moves to, else the one the image
+        was taken on (asked of the driver alone: NVML's start-up is not on the way to the
+        fill), else, where this host has not that GPU, device 0."""
+        from pos.scheduler import gpucopy
+
+        if self.onto:
+            return gpucopy.ordinal(self.onto)
+        if self.taken_on:
+            try:
+                return gpucopy.ordinal(self.taken_on)
+            except PosError:
+                pass            # not seen by CUDA here: NVML says whether the host has it
+        home = _home(self.directory)
+        return gpucopy.ordinal(home) if home else 0
 
     def pause(self) -> None:
         """Hold the fill after the chunks it is copying, until `resume`."""
