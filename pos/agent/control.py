@@ -264,8 +264,9 @@ class Agent:
 
     def table(self) -> list[Buffer]:
         r = self._ask("table")
-        return [Buffer(va, size, mapped, dev, bool(present), bool(touched))
-                for va, size, mapped, dev, present, touched in r["buffers"]]
+        # an agent built before `touched` (a job started under an older pos) sends five
+        return [Buffer(va, size, mapped, dev, bool(present), bool(rest and rest[0]))
+                for va, size, mapped, dev, present, *rest in r["buffers"]]
 
     def wanted(self) -> list[int]:
         """The pending buffers the job's calls wait for now (pos copies them first)."""

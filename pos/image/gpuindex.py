@@ -55,6 +55,12 @@ def read_index(folder: Path, pid: Optional[int] = None) -> dict[str, Any]:
     return index
 
 
+def hot(index: dict[str, Any]) -> set[int]:
+    """The buffers (by base address) the job used right after its checkpoint released it: a
+    restore fills them first. An image without the mark has none."""
+    return {int(b["base"], 16) for b in index["buffers"] if b.get("hot")}
+
+
 def resolve(folder: Path, index: Optional[dict[str, Any]] = None
             ) -> dict[int, tuple[Path, int, list[dict[str, Any]]]]:
     """base -> (image folder holding it, size, chunks), following parents for `in_parent`;

@@ -12,7 +12,8 @@ Checkpoint (GPU state only, `gpu_only=True`, or the whole process):
     pos/scheduler/staging.py), the driver restores and unlocks it, and the job maps its memory
     again at the same addresses; without --leave-running CRIU leaves the job stopped instead,
     and pos ends it once the image is sealed (until then a failure lets it run on). The copy
-    goes on meanwhile: the job's memory cannot change while it is held;
+    of what pos could not shadow goes on meanwhile (the job's memory cannot change while it is
+    held); the shadowed buffers follow once the frozen part is over;
  5. the job is released: a call waits only if it may write a buffer not saved yet, a launch
     for the buffers its parameter words point into (pos/scheduler/handout.py says when each is
     safe to write);
@@ -248,6 +249,19 @@ class _Saver:
                                     image.workers())
         self.copier.start()
 
+    def freeze_copy(self) -> None:
+        """The job is about to be frozen (the driver's calls, CRIU's dump): the CPU and the
+        host's memory are theirs, but for the copy of what pos could not shadow."""
+        assert self.copier is not None
+        self.copier.hold_scans()
+        self.copier.hold_shadowed()
+
+    def thaw_copy(self) -> None:
+        """The frozen part is over: every part of the copy goes on."""
+        assert self.copier is not None
+        self.copier.release_scans()
+        self.copier.release_shadowed()
+
     def release(self) -> None:
         """The job goes on: its calls wait only for the buffers they may write that are not
         saved yet (see pos/scheduler/handout.py)."""
@@ -384,14 +398,15 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
     directory = Path(directory)
     _verify(directory)
     echo(f"restoring the GPU state of PID {pid} from {directory}")
-    saved = gpuindex.resolve(directory)
+    index = gpuindex.read_index(directory)
+    saved, hot = gpuindex.resolve(directory, index), gpuindex.hot(index)
     with Agent(pid) as agent:
         drv = gpucopy.context(_device_of(pid))
         rings = gpucopy.Rings(drv, streams, fill_piece(), FILL_DEPTH)
         try:
             t0 = time.monotonic()
             cut = agent.cut(STALL_S)
-            table = agent.table()
+            table = [replace(b, touched=b.va in hot) for b in agent.table()]
             missing = [b for b in table if b.va not in saved or saved[b.va][1] != b.size]
             if missing or len(saved) != len(table):
                 agent.end()
@@ -458,7 +473,8 @@ def fill_order(table: list[Buffer], saved: dict[int, tuple[Path, int, list[dict[
     """Every chunk by (buffer index, offset), and the fill's work as (buffer index, offset,
     length): first the buffers the job used right after its checkpoint (`touched`: its next
     calls will want them; on the H100 a restored job waited 0.38-0.76 s for such buffers filled
-    after others), then the smaller buffers first; a chunk outside its buffer is refused."""
+    after others), then the smaller buffers first (a job that used everything while its copy
+    ran gets that order alone); a chunk outside its buffer is refused."""
     chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
     work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
                   key=lambda w: (not table[w[0]].touched, table[w[0]].size, w[0], w[1]))
@@ -629,8 +645,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                 g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
             for s in savers:
                 s.agent.close()            # CRIU dumps no socket connected to pos
-                s.copier.hold_scans()      # the CPU is the dump's until the job is back
-                s.copier.hold_shadowed()   # and the host's memory, but for what the job needs
+                s.freeze_copy()
             by_pid = {s.pid: s for s in savers}
             g.each("lock", cuda, lambda p: cudackpt.lock(p, lock_timeout_ms))
             g.each("checkpoint", cuda,
@@ -648,17 +663,17 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                     g.timings["stack_back"] = back.stack_s
                 g.step("copy", hoisted=False)
                 for s in savers:
+                    s.thaw_copy()
+                for s in savers:
                     s.release()
             else:
                 # CRIU left the job stopped, its memory pos's: should anything fail before the
                 # image is sealed the undo lets it run on; after, it ends
                 for s in savers:
                     s.agent = None
+                    s.thaw_copy()
                 g.step("copy")
             release_s = time.monotonic() - t0
-            for s in savers:
-                s.copier.release_scans()
-                s.copier.release_shadowed()
             if stage is not None:
                 g.timed("move", lambda: staging.move_into(stage, partial))
                 g.step(g.plan.step, staging="")
@@ -830,8 +845,9 @@ class _Prefetch:
         self.taken_on = gpu     # the UUID of the GPU the image was taken on
         self.onto = onto if rank is None else (moved or {}).get(gpu or "", gpu)
         self.saved = gpuindex.resolve(directory, index)
+        hot = gpuindex.hot(index)
         self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False,
-                                    b.get("hot", False)) for b in index["buffers"]),
+                                    int(b["base"], 16) in hot) for b in index["buffers"]),
                             key=lambda b: b.va)
         self.streams = streams
         self.handout = Handout(self.table)

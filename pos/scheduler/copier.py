@@ -6,8 +6,10 @@ is written to the image's data files by writer threads, which give its slot back
 may be smaller than the job: the copy then streams at the disk's pace instead of needing host
 memory as large as the GPU's (pinning 54 GiB took 23 s on the H100 host before the cut, and
 the host may not have it). The copy starts as soon as pos has shadowed what fits: in a
-whole-process checkpoint it runs while the driver and CRIU hold the job, whose memory cannot
-change then, so that by the job's release much or all of it is saved.
+whole-process checkpoint the buffers pos could not shadow are copied while the driver and CRIU
+hold the job, whose memory cannot change then, so that by the job's release much or all of
+them is saved; the shadowed ones, safe on the device, wait for the release (see
+FROZEN_COPY_ENV).
 
 Order: the buffers pos could not shadow first (the job's calls that may write them wait until
 they are saved; what pos shadowed is safe from the start), smallest first within each kind
@@ -92,16 +94,17 @@ class _Stopped(Exception):
 class Copier:
     """Copies `table`'s buffers from `sources` (pos's shadow, or its mapping of the job's own
     memory) through `arena` into `writer`. Three kinds of threads: one per stream copies chunks
-    to the arena (gpucopy.run_chunks) (the handout learns as each buffer is all in host memory: `captured`), others
-    hash them and scan them for addresses (the handout learns what each buffer points into, and
-    when it is all known: `came_back`), others write them and give their slot back.
-    start(), then wait_copied() (device memory no longer needed), then join() (all written);
-    close() in any case. pause()/resume() hold the copies to the arena (the driver's own copies
-    of the job's context go faster alone), hold_scans()/release_scans() the hashing, scanning
-    and writing (CRIU's dump, on the CPU, took 1.1-1.5 s instead of 0.5-0.8 beside them on the
-    H100 host), hold_shadowed()/release_shadowed() the copies of the shadowed buffers (safe in
-    the shadow, they need not compete with the frozen part for the host's memory); watch(agent) asks the job's agent what its calls wait for, and copies that
-    first."""
+    to the arena (gpucopy.run_chunks; the handout learns as each buffer is all in host memory:
+    `captured`), others hash them and scan them for addresses (the handout learns what each
+    buffer points into, and when it is all known: `came_back`), others write them and give
+    their slot back. start(), then wait_copied() (device memory no longer needed), then join()
+    (all written); close() in any case. pause()/resume() hold the copies to the arena (the
+    driver's own copies of the job's context go faster alone), hold_scans()/release_scans()
+    the hashing, scanning and writing (CRIU's dump, on the CPU, took 1.1-1.5 s instead of
+    0.5-0.8 beside them on the H100 host), hold_shadowed()/release_shadowed() the copies of
+    the shadowed buffers (safe in the shadow, they need not compete with the frozen part for
+    the host's memory); watch(agent) asks the job's agent what its calls wait for, and copies
+    that first."""
 
     def __init__(self, drv: Any, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
@@ -110,7 +113,8 @@ class Copier:
             raise ValueError("a chunk divides the arena's pinned parts")
         self.drv, self.table, self.sources, self.arena = drv, table, sources, arena
         self.writer, self.handout, self.streams = writer, handout, streams
-        self.shadowed = shadowed
+        self.shadowed = frozenset(shadowed)
+        self.frozen_copy = frozen_copy()
         self.ctx = gpucopy.C.c_void_p()        # the caller's context, for the copy's threads
         drv.call("cuCtxGetCurrent", gpucopy.C.byref(self.ctx))
         rank = {i: k for k, i in enumerate(sorted(range(len(table)), key=lambda i: (
@@ -172,7 +176,7 @@ class Copier:
         self.scan_go.set()
 
     def hold_shadowed(self) -> None:
-        if frozen_copy() == "unshadowed":
+        if self.frozen_copy == "unshadowed":
             self.shadow_go.clear()
 
     def release_shadowed(self) -> None:
@@ -301,7 +305,10 @@ class Copier:
 
     def close(self) -> None:
         """Stop (after a failure elsewhere) and wait until nothing runs: the arena may be freed
-        then."""
+        then. A copy still under way is stopped, whatever is held (scans held with every chunk
+        already copied would otherwise keep its threads waiting)."""
+        if self.reader.is_alive() or any(t.is_alive() for t in self.writers):
+            self._fail(_Stopped())
         self.stop_copying()
         if self.reader.ident is not None:
             self.reader.join()

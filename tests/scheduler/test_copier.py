@@ -2,6 +2,7 @@
 aside, its order, and what it copies while the job is frozen."""
 
 import ctypes
+import threading
 import time
 
 import numpy as np
@@ -154,3 +155,24 @@ def test_a_bad_frozen_copy_setting_is_one_sentence(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(copier.FROZEN_COPY_ENV, "some")
     with pytest.raises(BadInput, match="POS_FROZEN_COPY=some is not one of unshadowed, all"):
         copier.frozen_copy()
+
+
+def test_close_returns_when_everything_was_copied_with_the_scans_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint that fails in its frozen part after the whole job reached host memory: the
+    copy's threads, waiting for the scans to be let go, end all the same."""
+    monkeypatch.delenv(copier.FROZEN_COPY_ENV, raising=False)
+    chunk = 1 << 20
+    memory = [np.full(chunk, 3, np.uint8) for _ in range(2)]
+    table = [Buffer(m.ctypes.data, chunk, chunk, 0, True) for m in memory]
+    writer = _Writer()
+    c = copier.Copier(_HostDriver(), table, [b.va for b in table], {0}, _Arena(4 * chunk), chunk,
+                      2, writer, _Handout(table, {0}), 2)   # type: ignore[arg-type]
+    c.hold_scans()
+    c.start()
+    c.wait_copied()
+    closing = threading.Thread(target=c.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive()
+    assert writer.data == {}               # a stopped copy writes nothing more

@@ -1,0 +1,23 @@
+"""pos's side of the agent's protocol (pos/agent/control.py), without a job."""
+
+from typing import Any
+
+from pos.agent.control import Agent, Buffer
+
+
+def _agent(reply: dict[str, Any]) -> Agent:
+    a = Agent.__new__(Agent)            # no connection: `_ask` answers with `reply`
+    a._ask = lambda _line: reply        # type: ignore[method-assign]
+    return a
+
+
+def test_the_table_says_which_buffers_calls_used() -> None:
+    a = _agent({"ok": True, "buffers": [[4096, 10, 4096, 0, 1, 1], [8192, 20, 4096, 1, 0, 0]]})
+    assert a.table() == [Buffer(4096, 10, 4096, 0, True, True),
+                         Buffer(8192, 20, 4096, 1, False, False)]
+
+
+def test_an_agent_from_before_the_mark_is_read_as_marking_nothing() -> None:
+    """A job started under an older pos keeps its agent, which sends five fields a buffer."""
+    a = _agent({"ok": True, "buffers": [[4096, 10, 4096, 0, 1]]})
+    assert a.table() == [Buffer(4096, 10, 4096, 0, True, False)]
