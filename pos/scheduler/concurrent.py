@@ -92,13 +92,17 @@ def _gpu_of(pid: int) -> Optional[str]:
     return used[0] if used else None
 
 
-def _device_of(pid: int) -> int:
-    """pos's CUDA number of the one GPU the job uses (the job's own may differ, under
-    CUDA_VISIBLE_DEVICES): the shadow and the copies go there."""
+def _cuda_device(gpu: Optional[str]) -> int:
+    """pos's CUDA number of the GPU named `gpu` (NVML's UUID; the job's own number may differ,
+    under CUDA_VISIBLE_DEVICES); None: device 0."""
     from pos.scheduler import gpucopy
 
-    gpu = _gpu_of(pid)
     return gpucopy.ordinal(gpu) if gpu else 0
+
+
+def _device_of(pid: int) -> int:
+    """pos's CUDA number of the one GPU the job uses: the shadow and the copies go there."""
+    return _cuda_device(_gpu_of(pid))
 
 
 class _Saver:
@@ -111,7 +115,7 @@ class _Saver:
         self.pid = agent.pid
         self.streams, self.chunk = streams, chunk
         self.gpu = _gpu_of(agent.pid)         # the job's GPU, recorded in its index
-        self.drv = gpucopy.context(_device_of(agent.pid))
+        self.drv = gpucopy.context(_cuda_device(self.gpu))
         self.ctx = gpucopy.current(self.drv)  # made current again by each step (`_use`)
         self.rank: Optional[int] = None       # one process of several: its PID (see write)
         self.timings: dict[str, float] = {}
@@ -910,8 +914,7 @@ class _Prefetch:
                 return gpucopy.ordinal(self.taken_on)
             except PosError:
                 pass            # not seen by CUDA here: NVML says whether the host has it
-        home = _home(self.directory)
-        return gpucopy.ordinal(home) if home else 0
+        return _cuda_device(_home(self.directory))
 
     def pause(self) -> None:
         """Hold the fill after the chunks it is copying, until `resume`."""

@@ -114,7 +114,6 @@ class Copier:
         self.drv, self.table, self.sources, self.arena = drv, table, sources, arena
         self.writer, self.handout, self.streams = writer, handout, streams
         self.shadowed = frozenset(shadowed)
-        self.frozen_copy = frozen_copy()
         self.ctx = gpucopy.C.c_void_p()        # the caller's context, for the copy's threads
         drv.call("cuCtxGetCurrent", gpucopy.C.byref(self.ctx))
         rank = {i: k for k, i in enumerate(sorted(range(len(table)), key=lambda i: (
@@ -176,7 +175,10 @@ class Copier:
         self.scan_go.set()
 
     def hold_shadowed(self) -> None:
-        if self.frozen_copy == "unshadowed":
+        """Hold the shadowed buffers' copies, unless POS_FROZEN_COPY=all. The setting is read
+        here, not when the copier is made: a GPU-only checkpoint freezes nothing and never
+        reads it, and checkpoint_full checks it before the job is touched."""
+        if frozen_copy() == "unshadowed":
             self.shadow_go.clear()
 
     def release_shadowed(self) -> None:

@@ -372,7 +372,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
     monkeypatch.setattr(migrate, "_image_dir", lambda pid: tmp_path / f"pos-migrate-{pid}")
     # pos copies on the job's GPU as NVML names it; the fake driver has one device, FAKE_GPU
-    monkeypatch.setattr(concurrent, "_device_of", lambda pid: 0)
+    monkeypatch.setattr(concurrent, "_cuda_device", lambda gpu: 0)
     monkeypatch.setattr(concurrent, "_home", lambda directory: None)
 
 
