@@ -74,7 +74,7 @@ class AccessDesc(ctypes.Structure):
 
 
 class IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 LOC_DEVICE, PINNED, POSIX_FD, RW = 1, 1, 1, 3
