@@ -79,13 +79,13 @@ def exec_without_io_uring(argv: list[str]) -> None:
     os.execvp(argv[0], argv)
 
 
-def launch_direct(python: str, outdir: str, port: int, args: list[str]) -> None:
-    """The parent of the ranks without torchrun (env:// rendezvous): exit 0 when both did."""
+def launch_direct(python: str, outdir: str, port: int, n: int, args: list[str]) -> None:
+    """The parent of the ranks without torchrun (env:// rendezvous): exit 0 when all did."""
     ranks = [subprocess.Popen([python, str(JOB), outdir, *args],
                               env={**os.environ, "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), "RANK": str(r),
-                                   "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "USE_LIBUV": "0"})
-             for r in range(2)]
+                                   "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "USE_LIBUV": "0"})
+             for r in range(n)]
     sys.exit(max(p.wait() for p in ranks))
 
 
@@ -95,22 +95,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RANKS = 2      # ranks of every job (--ranks)
+
+
 def command(case: str, python: str, outdir: Path, steps: int, sleep: float,
             job_args: list[str]) -> list[str]:
     args = ["--steps", str(steps), "--sleep", str(sleep), *job_args]
     port = free_port()
-    torchrun = [python, str(Path(python).parent / "torchrun"), "--nproc_per_node=2",
+    torchrun = [python, str(Path(python).parent / "torchrun"), f"--nproc_per_node={RANKS}",
                 f"--master_port={port}", str(JOB), str(outdir), *args]
     if case == "torchrun":
         return torchrun
     if case == "torchrun-nouring":
         return [sys.executable, __file__, "exec-without-io-uring", *torchrun]
-    return [sys.executable, __file__, "launch-direct", python, str(outdir), str(port), *args]
+    return [sys.executable, __file__, "launch-direct", python, str(outdir), str(port),
+            str(RANKS), *args]
 
 
 def read(outdir: Path) -> list[list[tuple[int, str]]]:
     out = []
-    for r in range(2):
+    for r in range(RANKS):
         p = outdir / f"rank-{r}.txt"
         text = p.read_text() if p.exists() else ""
         fields = (ln.split() for ln in text.splitlines())   # a line being written: skipped
@@ -166,8 +170,9 @@ def reap(pid: int, timeout: float = 120) -> Optional[int]:
 def compare(ref: list[list[tuple[int, str]]], got: list[list[tuple[int, str]]]) -> dict:
     """Every line equal to the reference's for its step, every step there."""
     want = [dict(r) for r in ref]
-    wrong = [(r, s, v) for r in range(2) for s, v in got[r] if want[r].get(s) != v]
-    missing = [(r, s) for r in range(2) for s in want[r] if s not in {x for x, _ in got[r]}]
+    wrong = [(r, s, v) for r in range(RANKS) for s, v in got[r] if want[r].get(s) != v]
+    missing = [(r, s) for r in range(RANKS) for s in want[r]
+               if s not in {x for x, _ in got[r]}]
     return {"bit_exact": not wrong and not missing, "lines": sum(map(len, got)),
             "wrong": wrong[:5], "missing": missing[:5]}
 
@@ -216,9 +221,10 @@ def reference(case: str, python: str, work: Path, steps: int, sleep: float,
 def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: int,
              job_args: list[str], ref: list[list[tuple[int, str]]],
              concurrent: bool = False) -> dict:
-    gpus = 2 if "nccl" in job_args else 0
+    gpus = RANKS if "nccl" in job_args else 0
     engine = "concurrent" if concurrent else "stw"
-    row: dict[str, Any] = {"case": f"ddp-{engine}", "variant": case, "gpus": gpus, "ranks": 2,
+    row: dict[str, Any] = {"case": f"ddp-{engine}", "variant": case, "gpus": gpus,
+                           "ranks": RANKS,
                            "steps": steps, "checkpoint_at_step": at, "refused": None}
     cr_dir = work / case / f"cr-{engine}"
     cmd = command(case, python, cr_dir, steps, sleep, job_args)
@@ -232,6 +238,7 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     row["tcp_within"] = procs.tcp_within(pids)
     row["odd_maps"] = {str(p): [ln for ln in Path(f"/proc/{p}/maps").read_text().splitlines()
                                 if "anon_inode" in ln or "/dev/" in ln][:20] for p in pids}
+    row["host_memory"] = {f"{p} ({procs.program(p)})": host_memory(p) for p in pids}
     img = work / case / f"img-{engine}"
     say(f"{case}: pos checkpoint {job.pid} ({len(pids)} processes, {engine}) at step "
         f"{min(map(len, read(cr_dir)))}")
@@ -288,6 +295,33 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     return row
 
 
+def host_memory(pid: int, top: int = 12) -> dict[str, Any]:
+    """What a process's resident memory is made of (what CRIU will write): MiB resident by
+    kind (anonymous, file-backed, shared), and the largest mappings by resident MiB."""
+    kinds: dict[str, float] = {}
+    maps: list[tuple[float, str]] = []
+    name, rss = "", 0.0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            if rss:
+                maps.append((rss, name))
+            name, rss = (head[5] if len(head) > 5 else "[anon]"), 0.0
+        elif head[:1] == ["Rss:"]:
+            rss = int(head[1]) / 1024
+        elif head[:1] in (["Anonymous:"], ["Shared_Clean:"], ["Shared_Dirty:"],
+                          ["Private_Clean:"], ["Private_Dirty:"]):
+            kinds[head[0][:-1]] = kinds.get(head[0][:-1], 0.0) + int(head[1]) / 1024
+    if rss:
+        maps.append((rss, name))
+    by_name: dict[str, float] = {}
+    for r, n in maps:
+        by_name[n] = by_name.get(n, 0.0) + r
+    largest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"mib": {k: round(v, 1) for k, v in kinds.items()},
+            "largest_mib": {n: round(r, 1) for n, r in largest}}
+
+
 def gpu_names() -> str:
     sys.path.insert(0, str(ROOT))
     from pos import nvml
@@ -309,7 +343,8 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "exec-without-io-uring":
         exec_without_io_uring(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "launch-direct":
-        launch_direct(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
+        launch_direct(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+                      sys.argv[6:])
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--python", required=True, help="a Python with torch (a CPU build will do)")
     a.add_argument("--cases", default=",".join(CASES))
@@ -324,8 +359,11 @@ def main() -> None:
                    default=os.environ.get("POS_DDP_NCCL_ENV", "sockets"),
                    help="NCCL over sockets (NCCL_ENV), or NCCL as it sets itself up")
     a.add_argument("--engines", default="stw", help="stw, concurrent or both (stw,concurrent)")
+    a.add_argument("--ranks", type=int, default=2, help="ranks of the job (one GPU each)")
     a.add_argument("--out")
     args = a.parse_args()
+    global RANKS
+    RANKS = args.ranks
     if args.backend == "nccl" and args.nccl_env == "sockets":
         os.environ.update(NCCL_ENV)
     if os.geteuid() != 0:

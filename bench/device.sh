@@ -22,6 +22,11 @@
 #                                # without the stop-the-world baseline; POS_SCALE_FAULTS=SPEC:
 #                                # pos killed at each step; POS_BENCH_TEST=1: the 85% GPU test),
 #                                # memory and kernel log sampled beside it (~4 min a row)
+#   bench/device.sh nccl         # (four GPUs) DDP with NCCL's defaults at POS_NCCL_RANKS
+#                                # (default "2 4") ranks, either engine: refused untouched,
+#                                # the job running on exact; then over sockets, concurrent,
+#                                # at POS_NCCL_SOCKET_RANKS (default "4 1") ranks: the stall's
+#                                # growth with the ranks, each rank's host memory (~8 min)
 #   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
 #                                # of ballast, default 4; POS_MULTI_PARTS; POS_MULTI_DDP_CASES
@@ -34,7 +39,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -126,9 +131,24 @@ multigpu)
     done
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt ./ddp.json ./machine.json \
         2>/dev/null) ;;
+nccl)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    step native python3 -m pos.native
+    ddp() {  # ddp NAME NCCL_ENV RANKS ENGINES
+        step "$1" python3 bench/ddp.py --python python3 --backend nccl --nccl-env "$2" \
+            --ranks "$3" --engines "$4" --cases direct-nolibuv --steps 120 --at 20 \
+            --ballast-gib "${POS_NCCL_GIB:-2}" --work "/tmp/pos-$1" --out "$out/$1.json"
+        for f in /tmp/pos-"$1"/*/cr-*/job.log; do
+            [ -f "$f" ] && cp "$f" "$out/$1-$(basename "$(dirname "$f")").log"
+        done
+    }
+    for n in ${POS_NCCL_RANKS-2 4}; do ddp "ddp-defaults-$n" default "$n" stw,concurrent; done
+    for n in ${POS_NCCL_SOCKET_RANKS-4 1}; do ddp "ddp-sockets-$n" sockets "$n" concurrent; done
+    cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt 2>/dev/null) ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl" >&2
     exit 2 ;;
 esac

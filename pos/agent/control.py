@@ -46,6 +46,11 @@ class Status:
                            # them from a stop-the-world image
     gate: "Gate"           # the calls of the operation running (or the last one) so far
     nccl_launches: int = 0  # NCCL kernels launched since the job started (see `Agent.cut`)
+    # another process's GPU memory the job maps now (NCCL's P2P and SHM on cuMem): cuMem
+    # imports mapped, their bytes, legacy IPC handles open; None: an agent too old to say
+    peer_maps: Optional[int] = None
+    peer_bytes: Optional[int] = None
+    ipc_maps: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -252,7 +257,8 @@ class Agent:
         r = self._ask("status")
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
-                      int(r.get("nccl_launches", 0)))
+                      int(r.get("nccl_launches", 0)), r.get("peer_maps"), r.get("peer_bytes"),
+                      r.get("ipc_maps"))
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the

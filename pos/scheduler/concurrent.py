@@ -589,7 +589,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     others'."""
     from pos.scheduler import copier
     from pos.scheduler import criu as criu_mod
-    from pos.scheduler import cudackpt, procs, staging
+    from pos.scheduler import cudackpt, procs, restorable, staging
     from pos.scheduler.watchdog import Plan
 
     started = time.monotonic()
@@ -615,6 +615,7 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
         raise
     several = len(savers) > 1
     try:
+        restorable.peer_memory(cuda, {s.pid: s.agent.status() for s in savers})
         foreign = sum(s.prepare(gpu_only=False) for s in savers)
         owned = sum(s.owned_bytes for s in savers)
         resident = procs.resident_bytes(pids)          # what CRIU will write, about
@@ -639,6 +640,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
                     at, STALL_S if at is None else collective.REACH_S))
             else:
                 cuts = [savers[0].cut()]
+            # held now, every rank: nothing maps a peer's memory until they go on
+            restorable.peer_memory(cuda, {s.pid: s.agent.status() for s in savers})
             for s in savers:
                 s.import_memory()
                 s.start_copy(partial, s.snapshot(), s.pid if several else None)

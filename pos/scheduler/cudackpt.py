@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 from pos.driver import DriverError, driver
-from pos.errors import BadInput
 from pos.scheduler import procs
 
 CUDA_ERROR_NOT_INITIALIZED = 3
@@ -140,21 +139,3 @@ def gpu_pids(pids: list[int]) -> list[int]:
     if not candidates:
         return []
     return [p for p in candidates if cuda_state(p) is not None]
-
-
-def refuse_several_gpus(cuda: list[int]) -> None:
-    """Refuse, before anything is touched, a process that uses several GPUs: the driver locks
-    and checkpoints it, but its restore fails (cuCheckpointProcessRestore:
-    CUDA_ERROR_INVALID_VALUE, then CUDA_ERROR_OPERATING_SYSTEM on the undo, two H200s, driver
-    580.159.04, 2026-11-27, with and without peer access between the GPUs; cuda-checkpoint
-    issue #27 reports the same), and the process is lost."""
-    from pos import nvml
-
-    for p in cuda:
-        used = nvml.gpus_of([p])
-        if len(used) > 1:
-            raise BadInput(f"PID {p} uses {len(used)} GPUs, and the driver cannot restore a "
-                           "process on several GPUs (cuCheckpointProcessRestore fails, the "
-                           "process is lost)", "run one process per GPU (DDP under torchrun) "
-                           "and checkpoint the tree, or keep the job on one GPU "
-                           "(CUDA_VISIBLE_DEVICES)")

@@ -14,7 +14,7 @@ from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos import image
-from pos.scheduler import cudackpt, procs, restore, stopworld
+from pos.scheduler import cudackpt, procs, restorable, restore, stopworld
 from pos.scheduler.gpumap import Onto, of_process
 from pos.scheduler.criu import Options, PageServer
 from pos.scheduler.steps import Echo, Guard, folder_bytes
@@ -30,11 +30,9 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
     cuda = cudackpt.gpu_pids(pids)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
-    cudackpt.refuse_several_gpus(cuda)
+    agents = restorable.require(cuda, f"move it with `pos migrate {pid} --to-gpu {where} "
+                                "--concurrent`")
     pairs = of_process(cuda, where)
-    for p in cuda:
-        stopworld.refuse_imported(p, f"move it with `pos migrate {pid} --to-gpu {where} "
-                                  "--concurrent`")
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
     with Guard(plan, echo, progress=progress) as g:
@@ -43,6 +41,8 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
                          ("restore", lambda p: cudackpt.restore(p, pairs)),
                          ("unlock", cudackpt.unlock)):
             g.each(step, cuda, fn)
+            if step == "lock":
+                restorable.recheck_locked(cuda, agents)
     echo(f"PID {pid} now runs on GPU {where} ({', '.join(f'{a} -> {b}' for a, b in pairs if a != b)})")
     return g.timings
 

@@ -3,8 +3,10 @@
 and SIGCONT by `thaw` and `resume`, which continue the trees CRIU left stopped."""
 
 import os
+import re
 import signal
 import stat
+import struct
 import time
 from pathlib import Path
 from typing import Optional
@@ -86,6 +88,99 @@ def maps_libcuda(pid: int) -> bool:
             return any("/libcuda.so" in line for line in f)
     except OSError:
         return False
+
+
+def maps_library(pid: int, name: str) -> bool:
+    """Whether the process maps a library whose file name starts with `name` (libnccl.so)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(f"/{name}" in line for line in f)
+    except OSError:
+        return False
+
+
+def environment(pid: int) -> dict[str, str]:
+    """The process's environment as it is now: libc's `environ` read from its memory, so that a
+    variable the program set after it started (`os.environ[...] = ...`, NCCL's own config
+    file) is seen; /proc/PID/environ (what it started with) where that cannot be read (no
+    glibc, no access)."""
+    try:
+        return _live_environment(pid)
+    except (OSError, ValueError, LookupError, struct.error):
+        pass
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return _pairs(raw.split(b"\0"))
+
+
+def _pairs(entries: list[bytes]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in entries:
+        k, eq, v = e.decode(errors="replace").partition("=")
+        if eq:
+            out.setdefault(k, v)
+    return out
+
+
+def _live_environment(pid: int) -> dict[str, str]:
+    """libc's `environ`, found as the dynamic linker finds it: a program that refers to it has
+    it copied into its own data (a copy relocation, as python3 does), so the executable's
+    definition comes before libc's."""
+    from elftools.elf.elffile import ELFFile
+
+    exe = os.readlink(f"/proc/{pid}/exe")
+    first: dict[str, str] = {}           # file -> its mapping at offset 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and int(parts[2], 16) == 0:     # map_files/ names: unpadded hex
+            first.setdefault(parts[5], "-".join(f"{int(x, 16):x}" for x in parts[0].split("-")))
+    libc = next((f for f in first if re.search(r"/libc(\.so\.6|-[\d.]+\.so)$", f)), None)
+    if libc is None:
+        raise LookupError("no glibc mapped")
+    where = None
+    for path in (exe, libc):
+        if path not in first:
+            continue
+        with open(f"/proc/{pid}/map_files/{first[path]}", "rb") as f:
+            elf = ELFFile(f)
+            dynsym = elf.get_section_by_name(".dynsym")
+            found = dynsym and (dynsym.get_symbol_by_name("environ")
+                                or dynsym.get_symbol_by_name("__environ"))
+            if found and found[0]["st_shndx"] != "SHN_UNDEF":
+                pie = elf.header["e_type"] == "ET_DYN"
+                base = int(first[path].split("-")[0], 16) if pie else 0
+                where = base + found[0]["st_value"]
+                break
+    if where is None:
+        raise LookupError("environ not found")
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        def read(addr: int, n: int) -> bytes:
+            mem.seek(addr)
+            return mem.read(n)
+
+        def text(addr: int) -> bytes:      # up to its NUL, a page at a time
+            out = b""
+            while len(out) < ENVIRON_ENTRY_MAX:
+                piece = read(addr + len(out), 4096 - (addr + len(out)) % 4096)
+                out += piece.split(b"\0", 1)[0]
+                if b"\0" in piece:
+                    break
+            return out
+
+        array = struct.unpack("<Q", read(where, 8))[0]
+        entries = []
+        for i in range(ENVIRON_MAX):
+            ptr = struct.unpack("<Q", read(array + 8 * i, 8))[0]
+            if ptr == 0:
+                break
+            entries.append(text(ptr))
+    return _pairs(entries)
+
+
+ENVIRON_MAX = 8192             # variables read at most
+ENVIRON_ENTRY_MAX = 4096       # bytes of one variable read at most
 
 
 def resident_bytes(pids: list[int]) -> int:

@@ -14,13 +14,15 @@ from pos import image, nvml
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import cudackpt, procs
+from pos.scheduler import cudackpt, procs, restorable
 from pos.scheduler.criu import Options, PageServer
 from pos.scheduler.manifest import Result, new_manifest
 from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
+MAPPED_BACK_FIX = ("checkpoint it with `pos checkpoint --concurrent` (to move it: copy that image "
+                   "and `pos restore -D` it on the other host)")
 
 
 def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
@@ -32,9 +34,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     criu = criu_mod.find()
     pids = procs.tree(pid)
     cuda = cudackpt.gpu_pids(pids)
-    for p in cuda:
-        refuse_imported(p)
-    cudackpt.refuse_several_gpus(cuda)
+    agents = restorable.require(cuda, MAPPED_BACK_FIX)
     options = options.fitted(pids)
     gpu_use = nvml.gpus_of(cuda) if cuda else {}
     # pages at least as large as what is resident, plus the device memory the dump will hold;
@@ -52,6 +52,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
              "CUDA state")
         start = time.monotonic()
         g.each("lock", cuda, lambda p: cudackpt.lock(p, lock_timeout_ms))
+        restorable.recheck_locked(cuda, agents)
         g.each("checkpoint", cuda, cudackpt.checkpoint)
         progress.phase("dump", poll=lambda: folder_bytes(partial))
         g.step("dump")
@@ -71,24 +72,3 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
     return Result(final, manifest, timings=g.timings)
-
-
-def refuse_imported(pid: int, fix: str = "checkpoint it with `pos checkpoint --concurrent` (to "
-                    "move it: copy that image and `pos restore -D` it on the other host)") -> None:
-    """Refuse a `pos run` job whose device memory was mapped back from pos's descriptors (after
-    a whole-process concurrent checkpoint or restore): the driver checkpoints it, but its
-    restore fails (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED on the H100, driver
-    580.159.04, 2026-11-25), so a stop-the-world image of it could never be restored, nor the
-    driver move it to another GPU. `fix`: what to do instead."""
-    from pos.agent.control import Agent
-
-    try:
-        agent = Agent(pid, timeout=10)
-    except PosError:
-        return                          # no agent: the job's memory is its own
-    with agent:
-        imported = agent.status().imported
-    if imported:
-        raise BadInput(f"{imported} of the device allocations of PID {pid} were mapped back "
-                       "from a whole-process concurrent checkpoint or restore, and the driver "
-                       "cannot restore such memory from a stop-the-world image", fix)

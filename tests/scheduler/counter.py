@@ -2,7 +2,7 @@
 
   counter.py FILE [--children N] [--cuda LIBCUDA] [--ballast-mb M]
              [--tcp PORT] [--unix-fd N] [--unix-dgram PATH] [--lock LOCKFILE]
-             [--stdout] [--hold DATAFILE]
+             [--stdout] [--hold DATAFILE] [--map FILE] [--setenv NAME=VALUE]
 
 --children N forks N children after start, child i counting into FILE.i (a process tree);
 --cuda calls cuInit of that library first, so that the process holds (fake) CUDA state.
@@ -18,12 +18,16 @@ outside the tree and sends each number over it (--ext-unix-sk).
 --lock LOCKFILE takes an exclusive flock on LOCKFILE and holds it (--file-locks).
 --stdout also writes each number to stdout (a log file or a terminal, tests/scheduler/
 test_criu_failures.py); --hold DATAFILE keeps DATAFILE open for reading and writing.
+--map FILE maps FILE (a library, as /proc/PID/maps shows it: tests/scheduler/
+test_restorable.py names one libnccl.so.2); --setenv NAME=VALUE sets a variable after the
+start, as a program's `os.environ[NAME] = VALUE` does (not in /proc/PID/environ).
 The file is opened with O_APPEND: after a restore the counter appends where it left off.
 """
 
 import argparse
 import ctypes
 import fcntl
+import mmap
 import os
 import socket
 import time
@@ -39,6 +43,8 @@ args.add_argument("--unix-dgram")
 args.add_argument("--lock")
 args.add_argument("--stdout", action="store_true")
 args.add_argument("--hold")
+args.add_argument("--map")
+args.add_argument("--setenv", action="append", default=[])
 a = args.parse_args()
 ballast = b"\1" * (a.ballast_mb << 20)
 if a.cuda:
@@ -49,6 +55,11 @@ if a.unix_dgram:
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     unix.connect(a.unix_dgram)
 held = os.open(a.hold, os.O_RDWR) if a.hold else None
+if a.map:
+    with open(a.map, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+for pair in a.setenv:
+    os.environ[pair.partition("=")[0]] = pair.partition("=")[2]
 if a.lock:
     lock_fd = os.open(a.lock, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)

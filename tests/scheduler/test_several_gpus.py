@@ -1,5 +1,5 @@
 """A process on several GPUs is refused before it is touched: the driver cannot restore it
-(pos/scheduler/cudackpt.py refuse_several_gpus), with either stop-the-world command."""
+(pos/scheduler/restorable.py several_gpus), with either stop-the-world command."""
 
 import subprocess
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 
 from pos import nvml
 from pos.errors import BadInput
-from pos.scheduler import cudackpt, migrate, stopworld
+from pos.scheduler import cudackpt, migrate, restorable, stopworld
 from pos.scheduler.criu import Options
 from pos.scheduler.gpumap import Onto
 
@@ -32,8 +32,8 @@ def on_two_gpus(monkeypatch: pytest.MonkeyPatch):
 
 def test_one_gpu_passes_and_two_are_refused_in_one_sentence(on_two_gpus) -> None:
     with pytest.raises(BadInput, match="uses 2 GPUs.*cannot restore a process on several"):
-        cudackpt.refuse_several_gpus([on_two_gpus.pid])
-    cudackpt.refuse_several_gpus([on_two_gpus.pid + 10**6])     # on none: nothing to refuse
+        restorable.several_gpus([on_two_gpus.pid])
+    restorable.several_gpus([on_two_gpus.pid + 10**6])     # on none: nothing to refuse
 
 
 def test_checkpoint_and_migrate_refuse_it_untouched(on_two_gpus, tmp_path: Path,
