@@ -68,6 +68,8 @@ from pos import nvml  # noqa: E402
 from pos.agent.control import Agent, Buffer  # noqa: E402
 from pos.image import gpuindex  # noqa: E402
 from pos.scheduler import concurrent, cudackpt, gpucopy  # noqa: E402
+from pos.scheduler.concurrent.fill import fill, fill_order  # noqa: E402
+from pos.scheduler.handout import Handout  # noqa: E402
 from workloads.fill_job import image_values, torn  # noqa: E402
 
 PY = sys.executable
@@ -247,8 +249,8 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     for n, piece, depth, mapped in RING_VARIANTS:
         rings = gpucopy.Rings(drv, n, piece, depth)
         try:
-            copy = concurrent._fill(drv, table, dest, mine, n, concurrent.Handout(table), rings,
-                                    mapped)
+            copy = fill(drv, table, dest, mine, streams=n, handout=Handout(table), rings=rings,
+                        mapped=mapped)
         finally:
             rings.close()
         how = "mapped" if mapped else "read"
@@ -321,7 +323,7 @@ def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int
     from pos.image import gpu as gpuimage
 
     slot = 1 << (max(c["raw"] for _f, _s, cs in saved.values() for c in cs) - 1).bit_length()
-    chunk_of, work = concurrent.fill_order(table, saved)
+    chunk_of, work = fill_order(table, saved)
     staging = gpucopy.Pinned(drv, n * slot)
     local, lock, taken, opened = threading.local(), threading.Lock(), [0], []
 
@@ -415,7 +417,7 @@ def big(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
             time.sleep(random.uniform(0.5, 1.5))
             r = concurrent.checkpoint_gpu(pid, images / f"big-{gib}")
             row: dict[str, Any] = {"gib": gib, "concurrent": r.to_json(),
-                                   "d2h_vs_limit": (r.d2h_gbps or 0) / LIMIT_GBPS}
+                                   "d2h_vs_limit": (r.device.d2h_gbps or 0) / LIMIT_GBPS}
             import shutil
             shutil.rmtree(r.path, ignore_errors=True)
             time.sleep(1)
@@ -431,7 +433,7 @@ def big(out: Path, images: Path, sizes: list[float]) -> dict[str, Any]:
             row["stop_the_world"] = {"steps": rcs, "lock_s": t[1] - t[0], "checkpoint_s": t[2] - t[1],
                                      "restore_s": t[3] - t[2], "unlock_s": t[4] - t[3],
                                      "stall_s": t[4] - t[0]}
-            row["stall_ratio"] = (r.gate.held_max_s if r.gate else 0) / row["stop_the_world"]["stall_s"]
+            row["stall_ratio"] = (r.held_s or 0) / row["stop_the_world"]["stall_s"]
             row["alive_after"] = p.poll() is None
             rows.append(row)
         finally:

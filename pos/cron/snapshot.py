@@ -25,6 +25,9 @@ from pos.scheduler import procs
 from pos.scheduler.criu import Options
 
 ENGINES = ("auto", "driver", "concurrent", "criu")
+# the schedule's engine names, and pos's engine for each (CRIU alone is the stop-the-world
+# engine on a process without CUDA state)
+ENGINE_OF = {"driver": "stop-the-world", "criu": "stop-the-world", "concurrent": "concurrent"}
 
 
 def choose(engine: str, pid: int) -> str:
@@ -60,26 +63,16 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
          db: str) -> dict[str, Any]:
     """Snapshot `pid` with `engine` (as `choose` gave it), record the image in the store; the
     outcome's path, bytes and stall_s."""
+    from pos.scheduler import engines
+    from pos.scheduler.settings import Settings
     from pos.store import images
 
-    if engine == "concurrent":
-        from pos.scheduler import concurrent
-
-        report = concurrent.checkpoint_full(pid, directory, options, leave_running)
-        path = Path(report.path)
-        manifest = image.load(path)
-        # The concurrent engine holds the job only at the cut and, for a whole-process image,
-        # through the driver's and CRIU's frozen part; afterwards its calls wait only for
-        # buffers not yet saved. The longest wait of any call is the stall the job saw.
-        stall_s = report.gate.held_max_s if report.gate else manifest.stall_s
-    else:
-        from pos.scheduler import stopworld as full
-
-        result = full.checkpoint(pid, directory, options, leave_running,
-                                 echo=lambda s: print(s, file=sys.stderr, flush=True))
-        path, manifest, stall_s = result.path, result.manifest, result.manifest.stall_s
-    images.record(db, str(path), manifest.to_json())
-    return {"path": str(path), "bytes": manifest.size_bytes, "stall_s": stall_s}
+    chosen = engines.by_name(ENGINE_OF[engine], Settings.from_env(),
+                             echo=lambda s: print(s, file=sys.stderr, flush=True))
+    report = chosen.checkpoint(pid, directory, engines.Save(options, leave_running))
+    manifest = report.manifest or image.load(Path(report.path))
+    images.record(db, report.path, manifest.to_json())
+    return {"path": report.path, "bytes": manifest.size_bytes, "stall_s": report.held_s}
 
 
 def _interrupt(_signum: int, _frame: Any) -> None:

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
 
-from pos.errors import BadInput
 
 from pos.options import (criu_options, criu_options_from, db_option, json_option,
                          to_gpu_option)
@@ -14,6 +13,7 @@ from pos.options import (criu_options, criu_options_from, db_option, json_option
 if TYPE_CHECKING:      # imported by the commands that draw progress
     from pos.progress import Progress
     from pos.scheduler.gpumap import Onto
+    from pos.scheduler.report import Report
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -68,23 +68,15 @@ def _summary(lines: list[str]) -> None:
         click.echo(line)
 
 
-def image_manifest_json(path: str) -> str:
-    from pathlib import Path
-
-    from pos import image
-
-    return image.load(Path(path)).to_json()
-
-
-def _report_concurrent(r: Any, as_json: bool = False) -> None:
-    """A concurrent checkpoint or restore: its summary, or with --json the whole report as one
-    JSON object."""
+def _report(r: "Report", as_json: bool) -> None:
+    """An operation's outcome: its summary, or with --json the whole report as one JSON
+    object."""
     from pos.scheduler import summary
 
     if as_json:
         click.echo(json.dumps(r.to_json()))
         return
-    _summary(summary.concurrent(r))
+    _summary(summary.of(r))
 
 
 @click.command(epilog=EPILOG_CHECKPOINT)
@@ -123,7 +115,8 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     from pathlib import Path
 
     from pos.progress import Progress
-    from pos.scheduler import procs, stopworld
+    from pos.scheduler import engines, procs
+    from pos.scheduler.settings import Settings
     from pos.store import images
     from pos.store.db import open_store
 
@@ -132,35 +125,16 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     if (streams or chunk_mb) and not concurrent:
         raise click.UsageError("--streams and --chunk-mb go with --concurrent.")
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
-    if concurrent:
-        from pos.scheduler import concurrent as conc
-
-        procs.require_checkpointable(pid)
-        open_store(db)
-        kw = {"streams": streams or conc.DEFAULT_STREAMS, "chunk_mb": chunk_mb or 64}
-        echo = _lines(as_json)
-        if gpu_only:
-            r = conc.checkpoint_gpu(pid, Path(directory), echo=echo, **kw)
-        else:
-            r = conc.checkpoint_full(pid, Path(directory), options, leave_running,
-                                     int(lock_timeout * 1000), echo=echo, **kw)
-        images.record(db, r.path, image_manifest_json(r.path))
-        _report_concurrent(r, as_json)
-        return
-
+    settings = Settings.from_env()
     procs.require_checkpointable(pid)   # a bad PID or no privileges is said first,
     open_store(db)                      # then a bad --db, before the process is touched
+    save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams, chunk_mb)
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
-        result = stopworld.checkpoint(pid, Path(directory), options, leave_running,
-                                   int(lock_timeout * 1000), echo=_lines(as_json, progress),
-                                   progress=progress)
-    images.record(db, str(result.path), result.manifest.to_json())
-    if as_json:
-        click.echo(json.dumps(result.report()))
-        return
-    from pos.scheduler import summary
-
-    _summary(summary.checkpoint(result))
+        engine = engines.for_checkpoint(concurrent, gpu_only, settings,
+                                        _lines(as_json, progress), progress)
+        r = engine.checkpoint(pid, Path(directory), save)
+    images.record(db, r.path, r.manifest.to_json() if r.manifest else "{}")
+    _report(r, as_json)
 
 
 @click.command(epilog=EPILOG_RESTORE)
@@ -182,52 +156,32 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     """Restore a process tree from an image and resume it once the image's checksums match."""
     from pathlib import Path
 
-    from pos import host, image
+    from pos import host
     from pos.progress import Progress
-    from pos.scheduler import concurrent as conc
-    from pos.scheduler.restore import restore_tree
+    from pos.scheduler import engines
+    from pos.scheduler.settings import Settings
     from pos.store import db as store
 
     host.require_root("restoring an image")
-    if gpu_only_pid is not None:
-        if to_gpu is not None:
-            raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
-        r = conc.restore_gpu(gpu_only_pid, Path(directory), streams=streams or 16,
-                             echo=_lines(as_json))
-        _report_concurrent(r, as_json)
-        return
-    if streams:
+    if gpu_only_pid is not None and to_gpu is not None:
+        raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
+    if streams and gpu_only_pid is None:
         raise click.UsageError("--streams goes with --gpu-only.")
-    if conc.is_gpu_only_image(Path(directory)):
-        image.check_files(Path(directory))    # or a whole-process one missing its inventory
-        raise BadInput(f"{directory} is a GPU-only image (no process in it)",
-                       "roll a live `pos run` job back to it with `pos restore --gpu-only PID -D "
-                       "DIR`")
-    # a bad --db is refused before anything is restored; the restore is recorded once the job
-    # runs (SQLAlchemy's import would hold it up)
-    store.check(db or store.default_db_path())
-    if conc.is_full_image(Path(directory)):
-        r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
-                              to_gpu=to_gpu)
-        _mark_restored(db, Path(directory))
-        _report_concurrent(r, as_json)
-        return
-    pairs = []
-    if to_gpu is not None:
-        from pos.scheduler import gpumap
-
-        pairs = gpumap.onto(Path(directory), to_gpu)[0]
+    settings = Settings.from_env()
+    if gpu_only_pid is None:
+        # a bad --db is refused before anything is restored; the restore is recorded once the
+        # job runs (SQLAlchemy's import would hold it up)
+        store.check(db or store.default_db_path())
+    load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
-        result = restore_tree(Path(directory), tuple(inherit_fd),
-                                echo=_lines(as_json, progress),
-                                gpu_pairs=pairs, progress=progress)
-    _mark_restored(db, result.path)
-    if as_json:
-        click.echo(json.dumps(result.report()))
-        return
-    from pos.scheduler import summary
-
-    _summary(summary.restore(result))
+        engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
+                  if gpu_only_pid is not None else
+                  engines.for_image(Path(directory), settings, _lines(as_json, progress),
+                                    progress))
+        r = engine.restore(Path(directory), load)
+    if gpu_only_pid is None:
+        _mark_restored(db, Path(r.path))
+    _report(r, as_json)
 
 
 def _mark_restored(db: Optional[str], directory: Any) -> None:
@@ -299,7 +253,9 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
     from pathlib import Path
 
     from pos.progress import Progress
+    from pos.scheduler import engines
     from pos.scheduler import migrate as mig
+    from pos.scheduler.settings import Settings
 
     modes = sum((to_gpu is not None, to_host is not None, listen))
     if modes != 1:
@@ -309,6 +265,7 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
     if directory is not None and to_gpu is not None and not concurrent:
         raise click.UsageError("-D goes with --to-gpu only with --concurrent (the driver's own "
                                "move writes no image).")
+    settings = Settings.from_env()
     if listen:
         if directory is None:
             raise click.UsageError("--listen needs -D DIR (where the image goes).")
@@ -316,32 +273,27 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
 
         host.require_root("receiving a migration")
         with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
-            pid_here = mig.listen(address, port, Path(directory),
-                                  echo=_lines(as_json, progress),
-                                  progress=progress)
+            pid_here = mig.listen(address, port, Path(directory), settings,
+                                  echo=_lines(as_json, progress), progress=progress)
         click.echo(json.dumps({"restored_pid": pid_here}) if as_json
                    else f"restored PID {pid_here}")
         return
     if pid is None:
         raise click.UsageError("Missing argument 'PID' (the process to migrate).")
-    timeout_ms = int(lock_timeout * 1000)
-    options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
+    save = engines.Save(criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks,
+                                          external), False, int(lock_timeout * 1000))
     with Progress.on_terminal(f"migrate PID {pid}", as_json) as progress:
-        if to_gpu is not None and concurrent:
-            moved, timings = mig.to_gpu_concurrent(
-                pid, to_gpu, options, timeout_ms, Path(directory) if directory else None,
-                echo=_lines(as_json, progress))
-            report: dict[str, Any] = {"pid": pid, "gpu": str(to_gpu), "restored_pid": moved,
-                                      "timings": timings}
-        elif to_gpu is not None:
-            report = {"pid": pid, "gpu": str(to_gpu), "timings": mig.to_gpu(
-                pid, to_gpu, timeout_ms, echo=_lines(as_json, progress), progress=progress)}
+        engine = engines.for_checkpoint(concurrent, False, settings, _lines(as_json, progress),
+                                        progress)
+        if to_gpu is not None:
+            moved = engine.move(pid, to_gpu, save, Path(directory) if directory else None)
+            report: dict[str, Any] = {"pid": pid, "gpu": str(to_gpu),
+                                      "restored_pid": moved.restored_pid,
+                                      "timings": moved.timings}
         else:
-            moved, timings = mig.to_host(
-                pid, to_host or "", options, Path(directory) if directory else None,
-                timeout_ms, echo=_lines(as_json, progress), progress=progress,
-                concurrent=concurrent)
-            report = {"pid": pid, "host": to_host, "restored_pid": moved, "timings": timings}
+            there, timings = mig.to_host(pid, to_host or "", engine, save,
+                                         Path(directory) if directory else None, progress)
+            report = {"pid": pid, "host": to_host, "restored_pid": there, "timings": timings}
     if as_json:
         click.echo(json.dumps(report))
         return

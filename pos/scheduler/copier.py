@@ -9,7 +9,7 @@ the host may not have it). The copy starts as soon as pos has shadowed what fits
 whole-process checkpoint the buffers pos could not shadow are copied while the driver and CRIU
 hold the job, whose memory cannot change then, so that by the job's release much or all of
 them is saved; the shadowed ones, safe on the device, wait for the release (see
-FROZEN_COPY_ENV).
+`Copier.hold_shadowed`).
 
 Order: the buffers pos could not shadow first (the job's calls that may write them wait until
 they are saved; what pos shadowed is safe from the start), smallest first within each kind
@@ -18,7 +18,6 @@ in host memory the handout (pos/scheduler/handout.py) tells the job's gate which
 calls may write again.
 """
 
-import os
 import queue
 import threading
 import time
@@ -34,50 +33,29 @@ from pos.image import gpu as gpuimage
 from pos.scheduler import gpucopy
 from pos.scheduler.handout import Handout
 
-ARENA_ENV = "POS_PIN_MAX_GIB"     # at most this much page-locked host memory for a checkpoint
-# while the job is frozen (the driver's calls and CRIU's dump) the copy to host memory takes
-# only the buffers pos could not shadow (`unshadowed`, the default: their writers wait after the
-# release), or every buffer (`all`, the measurement's baseline): on the H200 CRIU wrote the same
-# 1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one
-FROZEN_COPY_ENV = "POS_FROZEN_COPY"
-FROZEN_COPIES = ("unshadowed", "all")
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
 
 
-def arena_bytes(total: int, chunk: int) -> int:
+def arena_bytes(total: int, chunk: int, cap: Optional[int] = None) -> int:
     """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory:
     all of it where the host can spare it (the copy to host memory then never waits for the
-    disk), at most POS_PIN_MAX_GIB, at most what the host has available less 2 GiB; a whole
-    number of chunks. Refused in one sentence when that is under 1 GiB."""
+    disk), at most `cap` (POS_PIN_MAX_GIB), at most what the host has available less 2 GiB; a
+    whole number of chunks. Refused in one sentence when that is under 1 GiB."""
     need = -(-total // chunk) * chunk
-    cap = os.environ.get(ARENA_ENV)
-    try:
-        limit = int(float(cap) * 2**30) if cap else need
-    except ValueError:
-        raise BadInput(f"{ARENA_ENV}={cap} is not a number of GiB",
-                       "unset it, or give a number such as 8") from None
+    limit = need if cap is None else cap
     spare = host.memory_available() - HOST_RESERVE
     want = min(need, limit, spare) // chunk * chunk
     least = min(MIN_ARENA, need)
     if limit < least:
-        raise BadInput(f"{ARENA_ENV}={cap} is under the {least / 2**30:.2f} GiB of page-locked "
-                       "host memory a checkpoint needs", "raise it, or unset it")
+        raise BadInput(f"POS_PIN_MAX_GIB={limit / 2**30:g} is under the {least / 2**30:.2f} GiB "
+                       "of page-locked host memory a checkpoint needs", "raise it, or unset it")
     if want < least:
         raise BadInput(f"a checkpoint needs {least / 2**30:.2f} GiB of page-locked host memory "
                        f"and this host has {max(spare, 0) / 2**30:.2f} GiB to spare (it keeps "
                        f"{HOST_RESERVE >> 30} GiB for everything else)",
                        "free host memory and try again")
     return max(want, chunk)
-
-
-def frozen_copy() -> str:
-    """What the copy takes while the job is frozen (POS_FROZEN_COPY), checked."""
-    v = os.environ.get(FROZEN_COPY_ENV, FROZEN_COPIES[0])
-    if v not in FROZEN_COPIES:
-        raise BadInput(f"{FROZEN_COPY_ENV}={v} is not one of {', '.join(FROZEN_COPIES)}",
-                       "unset it (the frozen part then copies only what pos could not shadow)")
-    return v
 
 
 @dataclass(frozen=True)
@@ -108,12 +86,16 @@ class Copier:
 
     def __init__(self, drv: Any, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
-                 handout: Handout, writers: int) -> None:
+                 handout: Handout, writers: int, frozen_copy: str = "unshadowed") -> None:
+        """`frozen_copy`: what the copy takes while the job is frozen (Settings.frozen_copy:
+        `unshadowed`, or `all`, the measurement's baseline: on the H200 CRIU wrote the same
+        1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one)."""
         if gpucopy.Pinned.PIECE % chunk:
             raise ValueError("a chunk divides the arena's pinned parts")
         self.drv, self.table, self.sources, self.arena = drv, table, sources, arena
         self.writer, self.handout, self.streams = writer, handout, streams
         self.shadowed = frozenset(shadowed)
+        self.frozen_copy = frozen_copy
         self.ctx = gpucopy.C.c_void_p()        # the caller's context, for the copy's threads
         drv.call("cuCtxGetCurrent", gpucopy.C.byref(self.ctx))
         rank = {i: k for k, i in enumerate(sorted(range(len(table)), key=lambda i: (
@@ -175,10 +157,8 @@ class Copier:
         self.scan_go.set()
 
     def hold_shadowed(self) -> None:
-        """Hold the shadowed buffers' copies, unless POS_FROZEN_COPY=all. The setting is read
-        here, not when the copier is made: a GPU-only checkpoint freezes nothing and never
-        reads it, and checkpoint_full checks it before the job is touched."""
-        if frozen_copy() == "unshadowed":
+        """Hold the shadowed buffers' copies, unless the frozen part is to copy them all."""
+        if self.frozen_copy == "unshadowed":
             self.shadow_go.clear()
 
     def release_shadowed(self) -> None:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 
 from pos.errors import BadInput, PosError
 from pos.scheduler import procs
+from pos.scheduler.settings import DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_LOG_DIR, Settings
 
-ENV = "POS_CRIU"
 SETUP_COPY = "/opt/pos/criu/criu"
 MIN_VERSION = (4, 0)
 FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.2 into /opt/pos/criu), or set POS_CRIU "
@@ -31,11 +31,8 @@ FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.2 into /opt/pos/criu), 
 DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 
 # Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
-LOG_DIR = Path(os.environ.get("POS_LOG_DIR", "/var/log/pos"))
 KEEP_BYTES = 64 << 20          # at most this much of a log is kept there (its head and tail)
 TAIL_BYTES = 1 << 20           # where the error lines are looked for
-LOG_MAX_ENV = "POS_CRIU_LOG_MAX_MB"   # a restore's CRIU is ended when its log passes this
-DEFAULT_LOG_MAX_MB = 256
 POLL_S = 0.05                  # how often a restore's CRIU, its log and its stop are looked at
 END_S = 2.0                    # what ending a restore's CRIU may take
 
@@ -190,6 +187,8 @@ class Criu:
     path: str
     version: tuple[int, ...]
     version_text: str = field(default="")
+    log_dir: Path = Path(DEFAULT_LOG_DIR)     # where the logs of failed runs are kept
+    log_max: int = DEFAULT_CRIU_LOG_MAX_MB << 20   # a restore whose log passes it is ended
 
     def _base(self, action: str, images: Path, log: str, workdir: Optional[Path]) -> list[str]:
         argv = [self.path, action, "-D", str(images), "-o", log, "-v4"]
@@ -241,12 +240,12 @@ class Criu:
 
         A restore's CRIU holds nothing of a live process, so it is ended at once, with the
         tasks it restored so far, on SIGINT/SIGTERM, when `stop()` gives a reason (raised: the
-        image's check beside it failed), or when its log passes `log_max_bytes()` (it loops:
+        image's check beside it failed), or when its log passes `log_max` (it loops:
         a restorer re-reading a short file logged 36 MB/s, issue 26). Any other CRIU has its
         parasite code inside the target: a SIGINT/SIGTERM is held back until it is done (then
         raised), so that the undo starts from a finished step."""
         endable = what == "restore"
-        limit = log_max_bytes() if endable else 0
+        limit = self.log_max if endable else 0
         interrupted = False
         while True:
             try:
@@ -255,7 +254,7 @@ class Criu:
             except subprocess.TimeoutExpired:
                 reason = stop()
                 if reason is None and log_bytes(log) > limit:
-                    reason = overflow(what, log, limit)
+                    reason = overflow(what, log, limit, self.log_dir)
                 if reason is not None:
                     end_restore(proc.pid)
                     proc.wait()
@@ -269,7 +268,7 @@ class Criu:
         if interrupted:
             raise KeyboardInterrupt
         if proc.returncode != 0:
-            raise failure(what, log, out.decode("utf-8", "replace"))
+            raise failure(what, log, self.log_dir, out.decode("utf-8", "replace"))
 
 
 def end_restore(pid: int) -> None:
@@ -289,23 +288,13 @@ def end_restore(pid: int) -> None:
     procs.wait_gone(pid, END_S)
 
 
-def log_max_bytes() -> int:
-    """The bound on a restore's CRIU log ($POS_CRIU_LOG_MAX_MB, default 256 MiB: a good
-    restore logs well under 1 MiB at -v4, its dump about 1 KiB per MiB of memory)."""
-    value = os.environ.get(LOG_MAX_ENV, str(DEFAULT_LOG_MAX_MB))
-    if not value.isdigit() or int(value) < 1:
-        raise BadInput(f"{LOG_MAX_ENV}={value} is not a whole number of MiB >= 1",
-                       f"unset it (CRIU's log is then bounded at {DEFAULT_LOG_MAX_MB} MiB)")
-    return int(value) << 20
-
-
-def overflow(what: str, log: Path, limit: int) -> PosError:
+def overflow(what: str, log: Path, limit: int, log_dir: Path) -> PosError:
     """The failure of a CRIU ended because its log passed `limit` bytes: what it repeats."""
     last = (log_tail(log, 1) or ["no log"])[-1]
-    kept = keep_log(log) or log
+    kept = keep_log(log, log_dir) or log
     return PosError(f"criu {what} was ended after its log passed {limit >> 20} MiB, repeating "
                     f"\"{_plain(last)}\"", f"the image may be damaged: check it with `pos "
-                    f"inspect DIR --verify`; CRIU's log: {kept} ({LOG_MAX_ENV} raises the bound)")
+                    f"inspect DIR --verify`; CRIU's log: {kept} (POS_CRIU_LOG_MAX_MB raises the bound)")
 
 
 def log_bytes(path: Path) -> int:
@@ -371,13 +360,13 @@ def log_tail(log: Path, lines: int = 6) -> list[str]:
     return (errors or text)[-lines:]
 
 
-def keep_log(log: Path) -> Optional[Path]:
-    """A copy of CRIU's log that outlives the failed image or work folder it was written in
-    (both are removed by the undo), root-only, at most its first and last KEEP_BYTES / 2;
-    None when there is none to keep."""
+def keep_log(log: Path, log_dir: Path) -> Optional[Path]:
+    """A copy of CRIU's log in `log_dir` that outlives the failed image or work folder it was
+    written in (both are removed by the undo), root-only, at most its first and last
+    KEEP_BYTES / 2; None when there is none to keep."""
     try:
-        LOG_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-        kept = LOG_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log.name}"
+        log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        kept = log_dir / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{log.name}"
         fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as out, open(log, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -395,11 +384,11 @@ def keep_log(log: Path) -> Optional[Path]:
         return None
 
 
-def failure(what: str, log: Path, output: str = "") -> PosError:
+def failure(what: str, log: Path, log_dir: Path, output: str = "") -> PosError:
     """One PosError for a failed CRIU run: a known cause with its fix, else CRIU's last error
-    before its closing lines (never "Restoring FAILED" alone)."""
+    before its closing lines (never "Restoring FAILED" alone); its log kept in `log_dir`."""
     errors = log_tail(log) or output.strip().splitlines()[-6:]
-    log = keep_log(log) or log
+    log = keep_log(log, log_dir) or log
     for known in KNOWN_FAILURES:
         m = re.search(known.pattern, "\n".join(errors))
         if m and known.action in ("", what):
@@ -450,9 +439,12 @@ def _find(env_value: str, path_copy: str) -> Criu:
                    FIX_INSTALL)
 
 
-def find() -> Criu:
-    """The CRIU to use (see the module docstring); BadInput naming the fix when none fits."""
-    return _find(os.environ.get(ENV, ""), shutil.which("criu") or "")
+def find(settings: Optional[Settings] = None) -> Criu:
+    """The CRIU to use (see the module docstring), with where its logs go; BadInput naming the
+    fix when none fits."""
+    s = settings or Settings.from_env()
+    return replace(_find(s.criu, shutil.which("criu") or ""), log_dir=s.log_dir,
+                   log_max=s.criu_log_max_bytes)
 
 
 # ---- stats-dump: how long CRIU kept the tree frozen ---------------------------------------

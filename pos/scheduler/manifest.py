@@ -1,12 +1,8 @@
-"""What an image records of the job and the host when it is taken, by either engine, and what
-an operation on an image gives back."""
+"""What an image records of the job and the host when it is taken, by either engine."""
 
 import platform
 import socket
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Optional
 
 from pos import host, nvml
 from pos.image import Manifest
@@ -31,19 +27,3 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
         gpus=[{"uuid": u, "name": here[u].name if u in here else "n/a", "memory_used": m,
                **({"index": here[u].index} if u in here else {})}    # `--to-gpu 0=1` names it
               for u, m in gpu_use.items()])
-
-
-@dataclass
-class Result:
-    path: Path
-    manifest: Manifest
-    restored_pid: Optional[int] = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def report(self) -> dict[str, Any]:
-        """The outcome for scripts (--json): one JSON object."""
-        m = self.manifest
-        return {"path": str(self.path), "pid": m.pid, "pids": m.pids, "gpu_pids": m.gpu_pids,
-                "restored_pid": self.restored_pid, "size_bytes": m.size_bytes,
-                "files": len(m.files), "timings": self.timings, "stall_s": m.stall_s,
-                "logs": m.logs}

@@ -7,22 +7,27 @@ import os
 import shutil
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from pos import image
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos import image
-from pos.scheduler import cudackpt, procs, restorable, restore, stopworld
+from pos.scheduler import cudackpt, procs, restorable
+from pos.scheduler.criu import PageServer
 from pos.scheduler.gpumap import Onto, of_process
-from pos.scheduler.criu import Options, PageServer
+from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan
 
+if TYPE_CHECKING:     # the engines call this module, which is handed one
+    from pos.scheduler.engines import Engine, Save
+
 
 def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: None,
-           progress: Progress = QUIET) -> dict[str, float]:
+           progress: Progress = QUIET, settings: Optional[Settings] = None) -> dict[str, float]:
     """lock -> checkpoint -> restore onto the GPUs `where` names -> unlock, for every CUDA
     process of the tree; the undo restores onto the original GPUs. The seconds of each step."""
     procs.require_checkpointable(pid)
@@ -35,7 +40,8 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
     pairs = of_process(cuda, where)
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
-    with Guard(plan, echo, progress=progress) as g:
+    fault_at = (settings or Settings.from_env()).fault_at
+    with Guard(plan, echo, progress=progress, fault_at=fault_at) as g:
         for step, fn in (("lock", lambda p: cudackpt.lock(p, lock_timeout_ms)),
                          ("checkpoint", cudackpt.checkpoint),
                          ("restore", lambda p: cudackpt.restore(p, pairs)),
@@ -47,44 +53,7 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
     return g.timings
 
 
-def to_gpu_concurrent(pid: int, where: Onto, options: Options, lock_timeout_ms: int,
-                      local: Optional[Path] = None, echo: Echo = lambda _: None
-                      ) -> tuple[int, dict[str, float]]:
-    """A `pos run` job onto the GPU `where` names: its whole-process concurrent image (the job frozen
-    only for the driver's small checkpoint and CRIU's dump), then that image restored onto the
-    GPU in a new process, its memory filled there while it runs. This works where the driver's
-    own move cannot: its restore fails for memory that pos mapped back into the job. The image
-    goes to `local`, kept; without it to a temporary folder, removed once the job runs on the
-    GPU and kept (and named) when the restore fails. The job's PID there, and the seconds
-    of each part."""
-    from pos.scheduler import concurrent
-
-    procs.require_checkpointable(pid)
-    of_process([pid], where)           # before the job is touched
-    concurrent.check_fill_settings()
-    t0 = time.monotonic()
-    saved = concurrent.checkpoint_full(pid, local or _image_dir(pid), options,
-                                       leave_running=False, lock_timeout_ms=lock_timeout_ms,
-                                       echo=echo)
-    t1 = time.monotonic()
-    fix = f"its image stays in {saved.path} for `pos restore -D {saved.path} --to-gpu {where}`"
-    try:
-        back = concurrent.restore_full(Path(saved.path), echo=echo, to_gpu=where)
-    except PosError as e:
-        raise type(e)(f"PID {pid} was saved but not restored onto GPU {where}: {e.cause}",
-                      f"{e.fix}; {fix}" if e.fix else fix) from None
-    except Exception as e:
-        raise PosError(f"PID {pid} was saved but not restored onto GPU {where} ({e!r})",
-                       fix) from e
-    if local is None:
-        shutil.rmtree(saved.path, ignore_errors=True)
-    timings = {"checkpoint": t1 - t0, "restore": time.monotonic() - t1,
-               "restore_release": back.release_s}
-    echo(f"PID {pid} now runs on GPU {where} as PID {back.restored_pid}")
-    return back.restored_pid or pid, timings
-
-
-def _image_dir(pid: int) -> Path:
+def image_dir(pid: int) -> Path:
     """A migration's temporary image."""
     return Path(f"/tmp/pos-migrate-{pid}-{int(time.time())}")
 
@@ -155,15 +124,14 @@ def _split(host: str) -> tuple[str, int]:
                    "e.g. --to 10.0.0.2:7070")
 
 
-def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_timeout_ms: int,
-            echo: Echo = lambda _: None, progress: Progress = QUIET,
-            concurrent: bool = False) -> tuple[int, dict[str, float]]:
-    """Checkpoint PID and send its image to HOST, then wait until HOST has restored it; the PID
-    it has there, and the seconds of each part (the checkpoint's own steps as `checkpoint.*`),
-    to say where a migration's downtime goes. Stop-the-world: the pages stream to HOST's page
-    server during the dump. `concurrent` (a `pos run` job): the whole-process concurrent image,
-    taken here (the job frozen only for the driver's small checkpoint and CRIU's dump, its
-    device memory copied by pos), then sent whole."""
+def to_host(pid: int, host: str, engine: "Engine", save: "Save", local: Optional[Path],
+            progress: Progress = QUIET) -> tuple[int, dict[str, float]]:
+    """Checkpoint PID with `engine` and send its image to HOST, then wait until HOST has
+    restored it; the PID it has there, and the seconds of each part (the checkpoint's own steps
+    as `checkpoint.*`), to say where a migration's downtime goes. Stop-the-world: the pages
+    stream to HOST's page server during the dump. Concurrent (a `pos run` job): the
+    whole-process image, taken here (the job frozen only for the driver's small checkpoint and
+    CRIU's dump, its device memory copied by pos), then sent whole."""
     address, port = _split(host)
     procs.require_checkpointable(pid)
     procs.require_dumpable(pid)
@@ -175,25 +143,19 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
     sock.settimeout(None)
     reader = _Reader(sock)
     with sock:
-        _send(sock, {"pids": procs.tree(pid), "concurrent": concurrent})
+        whole = not engine.sends_pages    # no page server: the image goes whole
+        _send(sock, {"pids": procs.tree(pid), "concurrent": whole})
         reply = reader.message()
         if "error" in reply:
             raise BadInput(f"{address} refused the migration: {reply['error']}",
                            "fix that there, then migrate again")
         keep = local is not None
-        local = local or _image_dir(pid)
+        local = local or image_dir(pid)
         t0 = time.monotonic()
-        if concurrent:
-            from pos.scheduler import concurrent as conc
-
-            path = Path(conc.checkpoint_full(pid, local, options, leave_running=False,
-                                             lock_timeout_ms=lock_timeout_ms, echo=echo).path)
-            manifest = image.load(path)
-        else:
-            result = stopworld.checkpoint(pid, local, options, False, lock_timeout_ms, echo,
-                                       page_server=PageServer(address, port + 1),
-                                       progress=progress)
-            path, manifest = result.path, result.manifest
+        saved = engine.checkpoint(pid, local, replace(
+            save, leave_running=False,
+            page_server=None if whole else PageServer(address, port + 1)))
+        path, manifest = Path(saved.path), saved.manifest or image.load(Path(saved.path))
         t1 = time.monotonic()
         progress.phase("send", total=manifest.size_bytes)
         for name in sorted(manifest.files):
@@ -211,7 +173,7 @@ def to_host(pid: int, host: str, options: Options, local: Optional[Path], lock_t
                        f"its image stays there for `pos restore` ({reply.get('path', '?')})")
     if not keep:     # HOST has the image now
         shutil.rmtree(path, ignore_errors=True)
-    echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
+    engine.echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
     return int(reply["pid"]), timings
 
 
@@ -231,10 +193,13 @@ def _wait_listening(port: int, proc: Any) -> None:
                    "see criu-page-server.log next to the image")
 
 
-def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None,
-           progress: Progress = QUIET) -> int:
-    """Receive one migrating process into `directory` and restore it; its PID."""
-    criu = criu_mod.find()
+def listen(address: str, port: int, directory: Path, settings: Settings,
+           echo: Echo = lambda _: None, progress: Progress = QUIET) -> int:
+    """Receive one migrating process into `directory` and restore it with the engine its
+    image's kind asks for; its PID."""
+    from pos.scheduler import engines
+
+    criu = criu_mod.find(settings)
     partial = image.prepare(directory.absolute(), 0)
     try:
         server = socket.create_server((address, port))
@@ -282,12 +247,8 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
                 progress.phase("checksum", total=folder_bytes(partial))
                 final = image.seal(partial, manifest, progress.advance)
             echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
-            if concurrent:
-                from pos.scheduler import concurrent as conc
-
-                restored = conc.restore_full(final, echo=echo).restored_pid
-            else:
-                restored = restore.restore_tree(final, echo=echo, progress=progress).restored_pid
+            restored = engines.for_image(final, settings, echo, progress).restore(
+                final, engines.Load()).restored_pid
         except Exception as e:      # the sender learns why, whatever failed here
             image.discard(partial)
             _send(conn, {"error": e.message if isinstance(e, PosError) else repr(e),

@@ -21,12 +21,12 @@ from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
 from pos.scheduler.criu import Options
-from pos.scheduler.manifest import Result
+from pos.scheduler.report import Report
+from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan
 
 PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
-KEEP_LOG_ENV = "POS_KEEP_RESTORE_LOG"   # 1: CRIU's log is kept in criu.LOG_DIR on success too
 
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:
@@ -69,7 +69,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
             progress: Progress = QUIET, hoisted: bool = False,
             finish: Optional[Callable[[Guard, int], None]] = None,
-            before_driver: Callable[[], None] = lambda: None) -> Result:
+            before_driver: Callable[[], None] = lambda: None,
+            settings: Optional[Settings] = None) -> Report:
     """Restore the image in `directory` and resume its processes; `check`: the files whose
     checksums are verified (all when None; the rest is checked by whoever reads it). Every
     file's presence and size are checked before CRIU starts; the checksums while CRIU
@@ -80,13 +81,13 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     there: a failure then ends the restored tree, never leaves it half-restored);
     `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
     there). The work folder goes whatever happens (CRIU's log of a failure is kept in
-    criu.LOG_DIR, and the error names it)."""
+    Settings.log_dir, and the error names it)."""
+    settings = settings or Settings.from_env()      # a bad setting: said before CRIU starts
     directory = Path(directory).absolute()
     t = time.monotonic()
     manifest = image.check_files(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
-    criu = criu_mod.find()
-    criu_mod.log_max_bytes()          # a bad bound is said before CRIU starts
+    criu = criu_mod.find(settings)
     checked = time.monotonic()
     check_restorable(directory, manifest)
     checked = time.monotonic() - checked
@@ -98,7 +99,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
                  "process appends to it")
     plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
-                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check)
+                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check,
+                criu_log_max=criu.log_max)
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     if manifest.tcp_listen:
         from pos.scheduler import timewait     # pyroute2: imported only where needed
@@ -111,7 +113,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     plan.work = str(work)
     try:
-        with Guard(plan, echo, progress=progress) as g:
+        with Guard(plan, echo, progress=progress, fault_at=settings.fault_at) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
             g.timings["prepare_check"] = checked               # of which the driver's checks
             g.step("criu-restore")
@@ -140,7 +142,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
         pool.shutdown()
         for fd in logs:
             os.close(fd)
-        if os.environ.get(KEEP_LOG_ENV) == "1":
-            criu_mod.keep_log(work / criu_mod.RESTORE_LOG)
+        if settings.keep_restore_log:
+            criu_mod.keep_log(work / criu_mod.RESTORE_LOG, criu.log_dir)
         shutil.rmtree(work, ignore_errors=True)
-    return Result(directory, manifest, restored_pid=root, timings=g.timings)
+    return Report("stop-the-world", str(directory), manifest, timings=g.timings,
+                  restored_pid=root)

@@ -18,15 +18,15 @@ from typing import Optional
 from pos import host
 
 ROOT = Path("/run/pos/dump")
-ENV = "POS_DUMP_STAGING"      # 0: CRIU writes straight into the image's folder
 OPTIONS = b"huge=always,mode=0700"
 
 
-def directory(name: str, partial: Path, needed_bytes: int) -> Optional[Path]:
+def directory(name: str, partial: Path, needed_bytes: int, enabled: bool = True
+              ) -> Optional[Path]:
     """A new directory for CRIU's files on the huge-page tmpfs (mounted if need be); None when
-    it cannot help: turned off, not mountable, the image is on it already, or the memory it
-    would take is not free."""
-    if os.environ.get(ENV) == "0" or host.memory_available() < 2 * needed_bytes:
+    it cannot help: turned off (`enabled`: Settings.dump_staging), not mountable, the image is
+    on it already, or the memory it would take is not free."""
+    if not enabled or host.memory_available() < 2 * needed_bytes:
         return None
     try:
         _mount()

@@ -5,6 +5,7 @@ dies. Also how long each step took (`timed`, `describe`)."""
 
 import os
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,9 +18,6 @@ from pos.scheduler import cudackpt, procs
 from pos.scheduler.watchdog import Plan, Watchdog, discard_leftovers, end_tree, recover
 
 Echo = Callable[[str], None]
-# Fault injection, as CRIU's CRIU_FAULT: "STEP=SIGNAL" (STEP:criu while CRIU runs) makes pos
-# send itself SIGNAL when that step begins, so that tests can kill pos at every step.
-FAULT_ENV = "POS_FAULT_AT"
 
 
 def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
@@ -47,7 +45,12 @@ def describe(timings: dict[str, float]) -> str:
 @contextmanager
 def uninterrupted() -> Iterator[None]:
     """SIGINT and SIGTERM ignored meanwhile: for an undo, or a last step, that must not be left
-    half done."""
+    half done. Python runs signal handlers on the main thread alone: an operation run on
+    another thread (a long-lived service's worker) is not interrupted by them, and has nothing
+    to hold back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
@@ -59,8 +62,12 @@ def uninterrupted() -> Iterator[None]:
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
-    def __init__(self, plan: Plan, echo: Echo, progress: Progress = QUIET) -> None:
-        self.plan, self.echo, self.progress = plan, echo, progress
+    def __init__(self, plan: Plan, echo: Echo, progress: Progress = QUIET,
+                 fault_at: str = "") -> None:
+        """`fault_at`: fault injection, as CRIU's CRIU_FAULT (Settings.fault_at): "STEP=SIGNAL"
+        (STEP:criu while CRIU runs) makes pos send itself SIGNAL when that step begins, so
+        that tests can kill pos at every step."""
+        self.plan, self.echo, self.progress, self.fault_at = plan, echo, progress, fault_at
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
         self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory
@@ -81,10 +88,9 @@ class Guard:
             setattr(self.plan, k, v)
         assert self.watchdog is not None
         self.watchdog.send(self.plan)
-        fault = os.environ.get(FAULT_ENV, "")
         point = name + (":criu" if self.plan.criu_pid else "")
-        if fault.partition("=")[0] == point:
-            os.kill(os.getpid(), signal.Signals["SIG" + fault.partition("=")[2]])
+        if self.fault_at.partition("=")[0] == point:
+            os.kill(os.getpid(), signal.Signals["SIG" + self.fault_at.partition("=")[2]])
 
     def hold(self, pid: int, fds: list[int]) -> None:
         """The device memory of the job `pid`, as descriptors that the undo (here or in the

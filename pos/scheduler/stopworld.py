@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Optional
 
 from pos import image, nvml
-from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs, restorable
 from pos.scheduler.criu import Options, PageServer
-from pos.scheduler.manifest import Result, new_manifest
+from pos.scheduler.manifest import new_manifest
+from pos.scheduler.report import Report
+from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan
 
@@ -27,11 +28,13 @@ MAPPED_BACK_FIX = ("checkpoint it with `pos checkpoint --concurrent` (to move it
 
 def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
                lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, echo: Echo = lambda _: None,
-               page_server: Optional[PageServer] = None, progress: Progress = QUIET) -> Result:
+               page_server: Optional[PageServer] = None, progress: Progress = QUIET,
+               settings: Optional[Settings] = None) -> Report:
     """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
+    settings = settings or Settings.from_env()
     procs.require_checkpointable(pid)
     procs.require_dumpable(pid)
-    criu = criu_mod.find()
+    criu = criu_mod.find(settings)
     pids = procs.tree(pid)
     cuda = cudackpt.gpu_pids(pids)
     agents = restorable.require(cuda, MAPPED_BACK_FIX)
@@ -47,7 +50,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                 criu_options=options.to_json())
     partial = image.prepare(directory, needed)    # just before the watchdog, which knows it
-    with Guard(plan, echo, progress) as g:
+    with Guard(plan, echo, progress, fault_at=settings.fault_at) as g:
         echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
              "CUDA state")
         start = time.monotonic()
@@ -71,4 +74,4 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             g.end()
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
-    return Result(final, manifest, timings=g.timings)
+    return Report("stop-the-world", str(final), manifest, timings=g.timings)

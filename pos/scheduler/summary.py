@@ -2,8 +2,7 @@
 was saved or restored and its size, how long the job stood still, where the time went). Every
 field stays in the command's `--json` report, and a checkpoint's in `pos inspect`.
 
-Built from the engines' results (pos.scheduler.manifest.Result for the stop-the-world engine,
-pos.scheduler.concurrent.Report for the concurrent one) and nothing else.
+Built from the engines' one report (pos.scheduler.report.Report) and nothing else.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -12,8 +11,7 @@ from pos.scheduler.steps import UNITS
 
 if TYPE_CHECKING:
     from pos.agent.control import Gate
-    from pos.scheduler.concurrent import Report
-    from pos.scheduler.manifest import Result
+    from pos.scheduler.report import DeviceCopy, Report
 
 SHOWN_STEPS = 3
 # timings that are not a step's duration: a sum over threads, a moment since the start
@@ -44,9 +42,18 @@ def longest_wait(gate: "Gate") -> str:
     return f"; the longest, {what}, waited for {on}"
 
 
-def checkpoint(result: "Result") -> list[str]:
-    """A stop-the-world checkpoint (manifest.Result)."""
+def of(r: "Report") -> list[str]:
+    """Any engine's checkpoint or restore: what pos copied of the device memory itself, where
+    it did (the concurrent engines), else what the driver and CRIU did."""
+    if r.device is not None:
+        return _device(r, r.device)
+    return _restore(r) if r.restored_pid is not None else _checkpoint(r)
+
+
+def _checkpoint(result: "Report") -> list[str]:
+    """A stop-the-world checkpoint."""
     m = result.manifest
+    assert m is not None          # a checkpoint's report holds its image's manifest
     cuda = f", {len(m.gpu_pids)} with CUDA state" if m.gpu_pids else ""
     held = ("it was ended once saved (restore it with `pos restore -D DIR`)" if m.stall_s is None
             else f"the job stood still {m.stall_s:.3f} s")
@@ -56,40 +63,41 @@ def checkpoint(result: "Result") -> list[str]:
             f"every field: pos inspect {result.path} (or --json)"]
 
 
-def restore(result: "Result") -> list[str]:
-    """A stop-the-world restore (manifest.Result)."""
+def _restore(result: "Report") -> list[str]:
+    """A stop-the-world restore."""
     m = result.manifest
+    assert m is not None          # a restore's report holds its image's manifest
     return [f"restored PID {result.restored_pid} from {result.path}: "
             f"{size_text(m.size_bytes)} in {len(m.files)} files",
             longest_steps(result.timings), "every field: --json"]
 
 
-def concurrent(r: "Report") -> list[str]:
-    """A concurrent checkpoint or restore (concurrent.Report): a whole-process restore has a
-    `restored_pid`; a checkpoint copies device to host (`d2h_gbps`), a restore host to device."""
-    restoring = r.h2d_gbps is not None
-    what = f"{size_text(r.bytes)} of device memory in {r.buffers} buffers"
-    if r.ranks:
-        what += f" of {len(r.ranks)} processes"
+def _device(r: "Report", d: "DeviceCopy") -> list[str]:
+    """A concurrent checkpoint or restore: a whole-process restore has a `restored_pid`; a
+    checkpoint copies device to host (`d2h_gbps`), a restore host to device."""
+    restoring = r.restoring
+    what = f"{size_text(d.bytes)} of device memory in {d.buffers} buffers"
+    if d.ranks:
+        what += f" of {len(d.ranks)} processes"
     if not restoring:
         first = f"saved {r.path}: {what}"
     elif r.restored_pid is not None:
         first = f"restored PID {r.restored_pid} from {r.path}: {what}"
     else:
         first = f"rolled the job back to {r.path}: {what}"
-    held = (f"the job ran again {r.release_s:.3f} s after the restore began" if restoring
-            else f"the job was held {r.release_s:.3f} s")
-    if r.gate:
-        held += (f"; its longest held call waited {r.gate.held_max_s:.3f} s "
-                 f"({r.gate.held} held, {r.gate.held_s:.3f} s in all{longest_wait(r.gate)})")
-    rate = r.h2d_gbps if restoring else r.d2h_gbps
+    held = (f"the job ran again {d.release_s:.3f} s after the restore began" if restoring
+            else f"the job was held {d.release_s:.3f} s")
+    if d.gate:
+        held += (f"; its longest held call waited {d.gate.held_max_s:.3f} s "
+                 f"({d.gate.held} held, {d.gate.held_s:.3f} s in all{longest_wait(d.gate)})")
+    rate = d.h2d_gbps if restoring else d.d2h_gbps
     copy = f"device memory {'read back' if restoring else 'copied'} at {rate or 0:.1f} GB/s " \
            "(PCIe limit ~55)"
     if "all_back_at" in r.timings:
         copy += f", all of it back {r.timings['all_back_at']:.3f} s after the restore began"
     out = [first, held, copy, longest_steps(r.timings)]
-    if r.foreign_bytes:
-        out.append(f"{size_text(r.foreign_bytes)} the agent could not own (stream-ordered pools, "
+    if d.foreign_bytes:
+        out.append(f"{size_text(d.foreign_bytes)} the agent could not own (stream-ordered pools, "
                    "managed or pitched memory, the job's own VMM mappings) went through the "
                    "driver's checkpoint, inside the frozen part")
     out.append("every field: --json" if restoring else f"every field: pos inspect {r.path} "

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
 from pos.scheduler import procs
+from pos.scheduler.settings import DEFAULT_CRIU_LOG_MAX_MB
 
 LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
@@ -72,6 +73,7 @@ class Plan:
                                               # or not back yet (a concurrent image's restore)
     verify: Optional[list[str]] = None        # restore: the files checked before the restored
                                               # tree may run (None: all)
+    criu_log_max: int = DEFAULT_CRIU_LOG_MAX_MB << 20   # restore: CRIU's log bound (Criu.log_max)
 
     def to_json(self) -> str:
         return json.dumps({"plan": asdict(self)})
@@ -104,7 +106,7 @@ def _wait_criu(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
     if not pid or not procs.alive(pid):
         return
     endable = plan.op == "restore"
-    bound = criu.log_max_bytes() if endable else 0
+    bound = plan.criu_log_max if endable else 0
     if not (endable and stopped):
         limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
         log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")

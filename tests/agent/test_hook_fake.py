@@ -20,8 +20,11 @@ from pos.agent.control import Agent
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 from pos.image import gpuindex
-from pos.scheduler import concurrent, staging
+from pos.scheduler import concurrent, engines, staging
+from pos.scheduler.criu import Options
 from pos.scheduler.gpumap import Onto
+from pos.scheduler.report import Report
+from pos.scheduler.settings import Settings
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for
 from workloads.fill_job import image_values, torn
@@ -79,12 +82,13 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
         v = image_values(Path(r.path))
         assert not torn(v), v        # the memset (dlsym) is gated: the cut is exact
         ops.append(max(v))
-        assert r.release_s < 5 and r.bytes == 12 << 20 and r.shadow_bytes == r.bytes
+        assert r.device.release_s < 5 and r.device.bytes == 12 << 20
+        assert r.device.shadow_bytes == r.device.bytes
     assert ops == sorted(ops) and ops[0] > 0
     job.pause.touch()
     time.sleep(0.1)
     rr = concurrent.restore_gpu(job.pid, tmp_path / "img0")
-    assert rr.bytes == 12 << 20
+    assert rr.device.bytes == 12 << 20
     back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
     assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
     job.pause.unlink()
@@ -115,7 +119,7 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         time.sleep(0.2)
         taken.clear()
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", streams=1)
-        assert r.shadow_bytes == 3 << 20 and r.bytes == 12 << 20
+        assert r.device.shadow_bytes == 3 << 20 and r.device.bytes == 12 << 20
         assert not torn(image_values(Path(r.path)))
         # the table's first three fit; the copy begins (before the job's release) with the
         # others, and then takes first what the job's calls wait for
@@ -179,7 +183,7 @@ def test_an_arena_smaller_than_the_job_streams_an_exact_image(
     for i in range(2):
         time.sleep(0.2)
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", chunk_mb=1)
-        assert r.timings["pinned_peak_bytes"] == 2 << 20 and r.bytes == 12 << 20
+        assert r.timings["pinned_peak_bytes"] == 2 << 20 and r.device.bytes == 12 << 20
         assert not torn(image_values(Path(r.path)))
 
 
@@ -341,7 +345,7 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
     assert report["restored_pid"] == job.pid
     assert {"checkpoint", "send", "there", "checkpoint.d2h"} <= set(report["timings"])
     assert f"restored PID {job.pid}" in out
-    assert concurrent.is_full_image(tmp_path / "in")
+    assert engines.for_image(tmp_path / "in", Settings()).name == "concurrent"
     saved = image_values(tmp_path / "in")       # what was sent, as received and sealed there
     assert not torn(saved)
     wait_for(job.alive, what="the migrated job")
@@ -365,15 +369,22 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     temporary image goes into tmp_path."""
     from pos import nvml
     from pos.scheduler import migrate
+    from pos.scheduler.concurrent import devices
 
     here = [nvml.Gpu(0, JOB_GPU, "fake", 16 << 30), nvml.Gpu(1, FAKE_GPU, "fake", 16 << 30)]
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: here)
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
-    monkeypatch.setattr(migrate, "_image_dir", lambda pid: tmp_path / f"pos-migrate-{pid}")
+    monkeypatch.setattr(migrate, "image_dir", lambda pid: tmp_path / f"pos-migrate-{pid}")
     # pos copies on the job's GPU as NVML names it; the fake driver has one device, FAKE_GPU
-    monkeypatch.setattr(concurrent, "_cuda_device", lambda gpu: 0)
-    monkeypatch.setattr(concurrent, "_home", lambda directory: None)
+    monkeypatch.setattr(devices, "cuda_device", lambda gpu: 0)
+    monkeypatch.setattr(devices, "home", lambda directory: None)
+
+
+def _move(pid: int, onto: Onto, keep: Path | None = None) -> Report:
+    """`pos migrate PID --to-gpu N --concurrent [-D keep]`, as the command runs it."""
+    return engines.Concurrent(Settings.from_env()).move(
+        pid, onto, engines.Save(Options(), False, 10_000), keep)
 
 
 def reaped(pid: int) -> bool:
@@ -393,18 +404,16 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     whole-process concurrent image, the job ended, the image restored with the GPUs swapped
     (the driver's restore is given the pair), its memory made on GPU 1; a temporary image is
     removed, one in -D kept."""
-    from pos.scheduler import migrate
-    from pos.scheduler.criu import Options
-
     job = fill_job()
     time.sleep(0.2)
     before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     reaper = threading.Thread(target=job.proc.wait)   # pos's CLI is not the job's parent
     reaper.start()
     local = tmp_path / "kept" if keep else None
-    moved, timings = migrate.to_gpu_concurrent(job.pid, Onto(index=1), Options(), 10_000, local)
+    moved = _move(job.pid, Onto(index=1), local)
     reaper.join(timeout=30)
-    assert moved == job.pid and timings["restore"] > 0 and timings["checkpoint"] > 0
+    assert moved.restored_pid == job.pid
+    assert moved.timings["restore"] > 0 and moved.timings["checkpoint"] > 0
     time.sleep(0.3)
     after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert job.alive() and not torn(after) and max(after) > max(before)
@@ -419,8 +428,6 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
     """The job was saved and ended, then the driver's restore failed: the image is all there
     is of it, so it stays, and the sentence names it and the command that restores it."""
     from pos.errors import PosError
-    from pos.scheduler import migrate
-    from pos.scheduler.criu import Options
 
     job = fill_job()
     time.sleep(0.2)
@@ -429,7 +436,7 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
     monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuCheckpointProcessRestore")
     with pytest.raises(PosError, match=f"PID {job.pid} was saved but not restored onto GPU 1"
                        ) as e:
-        migrate.to_gpu_concurrent(job.pid, Onto(index=1), Options(), 10_000)
+        _move(job.pid, Onto(index=1))
     reaper.join(timeout=30)
     kept = Path(re.search(r"its image stays in (\S+) for", str(e.value)).group(1))
     assert kept == tmp_path / f"pos-migrate-{job.pid}"
@@ -445,16 +452,13 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
 
 def test_migrate_to_gpu_concurrent_checks_the_gpu_before_the_job_is_touched(
         fill_job, gpu_env, two_gpus) -> None:
-    from pos.scheduler import migrate
-    from pos.scheduler.criu import Options
-
     job = fill_job()
     one_sentence(pos("migrate", str(job.pid), "--to-gpu", "1", "--concurrent", env=gpu_env), 2,
                  "NVML is not available")           # none beside the fake driver out there
     for index, says in ((2, "this host has 2 GPU(s), no GPU 2"),
                         (0, f"the job already runs where --to-gpu 0 puts it ({JOB_GPU})")):
         with pytest.raises(BadInput, match=re.escape(says)):
-            migrate.to_gpu_concurrent(job.pid, Onto(index=index), Options(), 10_000)
+            _move(job.pid, Onto(index=index))
     with Agent(job.pid) as a:
         assert a.status().phase == "idle" and job.alive()
 

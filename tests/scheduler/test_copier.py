@@ -13,6 +13,7 @@ from pos.agent.control import Buffer
 from pos.errors import BadInput
 from pos.scheduler import copier, gpucopy
 from pos.scheduler.handout import Handout
+from pos.scheduler.settings import Settings
 
 GIB, CHUNK = 1 << 30, 64 << 20
 
@@ -21,7 +22,6 @@ GIB, CHUNK = 1 << 30, 64 << 20
 def host(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     def available(gib: float) -> None:
         monkeypatch.setattr(pos_host, "memory_available", lambda: int(gib * GIB))
-    monkeypatch.delenv(copier.ARENA_ENV, raising=False)
     return available
 
 
@@ -35,10 +35,10 @@ def test_what_the_host_can_spare_otherwise(host) -> None:
     assert copier.arena_bytes(60 * GIB, CHUNK) == 18 * GIB + 8 * CHUNK
 
 
-def test_at_most_the_limit_set(host, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_most_the_limit_set(host) -> None:
     host(100)
-    monkeypatch.setenv(copier.ARENA_ENV, "8")
-    assert copier.arena_bytes(60 * GIB, CHUNK) == 8 * GIB
+    cap = Settings.from_env({"POS_PIN_MAX_GIB": "8"}).pin_max_bytes
+    assert copier.arena_bytes(60 * GIB, CHUNK, cap) == 8 * GIB
 
 
 @pytest.mark.parametrize("gib, limit, says", [
@@ -46,13 +46,11 @@ def test_at_most_the_limit_set(host, monkeypatch: pytest.MonkeyPatch) -> None:
     (100, "0.5", "POS_PIN_MAX_GIB=0.5 is under the 1.00 GiB"),
     (100, "lots", "POS_PIN_MAX_GIB=lots is not a number of GiB"),
 ])
-def test_too_little_is_refused_in_one_sentence(host, monkeypatch: pytest.MonkeyPatch, gib: float,
-                                               limit, says: str) -> None:
+def test_too_little_is_refused_in_one_sentence(host, gib: float, limit, says: str) -> None:
     host(gib)
-    if limit:
-        monkeypatch.setenv(copier.ARENA_ENV, limit)
     with pytest.raises(BadInput, match=says):
-        copier.arena_bytes(60 * GIB, CHUNK)
+        cap = Settings.from_env({"POS_PIN_MAX_GIB": limit} if limit else {}).pin_max_bytes
+        copier.arena_bytes(60 * GIB, CHUNK, cap)
 
 
 def test_a_small_job_needs_only_itself(host) -> None:
@@ -107,9 +105,7 @@ class _Handout(Handout):
         super().captured(i)
 
 
-def test_while_frozen_only_what_pos_could_not_shadow_is_copied(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(copier.FROZEN_COPY_ENV, raising=False)
+def test_while_frozen_only_what_pos_could_not_shadow_is_copied() -> None:
     chunk = 1 << 20
     memory = [np.full(2 * chunk, k + 1, np.uint8) for k in range(2)]
     table = [Buffer(m.ctypes.data, m.size, m.size, 0, True) for m in memory]
@@ -134,14 +130,13 @@ def test_while_frozen_only_what_pos_could_not_shadow_is_copied(
         (table[i].va, off): bytes([i + 1]) for i in (0, 1) for off in (0, chunk)}
 
 
-def test_the_baseline_copies_every_buffer_while_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(copier.FROZEN_COPY_ENV, "all")
+def test_the_baseline_copies_every_buffer_while_frozen() -> None:
     chunk = 1 << 20
     memory = [np.full(chunk, 7, np.uint8)]
     table = [Buffer(memory[0].ctypes.data, chunk, chunk, 0, True)]
     handout = _Handout(table, {0})
     c = copier.Copier(_HostDriver(), table, [table[0].va], {0}, _Arena(2 * chunk), chunk, 1,
-                      _Writer(), handout, 1)   # type: ignore[arg-type]
+                      _Writer(), handout, 1, "all")   # type: ignore[arg-type]
     c.hold_shadowed()
     c.start()
     try:
@@ -151,17 +146,14 @@ def test_the_baseline_copies_every_buffer_while_frozen(monkeypatch: pytest.Monke
         c.close()
 
 
-def test_a_bad_frozen_copy_setting_is_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(copier.FROZEN_COPY_ENV, "some")
+def test_a_bad_frozen_copy_setting_is_one_sentence() -> None:
     with pytest.raises(BadInput, match="POS_FROZEN_COPY=some is not one of unshadowed, all"):
-        copier.frozen_copy()
+        Settings.from_env({"POS_FROZEN_COPY": "some"})
 
 
-def test_close_returns_when_everything_was_copied_with_the_scans_held(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_returns_when_everything_was_copied_with_the_scans_held() -> None:
     """A checkpoint that fails in its frozen part after the whole job reached host memory: the
     copy's threads, waiting for the scans to be let go, end all the same."""
-    monkeypatch.delenv(copier.FROZEN_COPY_ENV, raising=False)
     chunk = 1 << 20
     memory = [np.full(chunk, 3, np.uint8) for _ in range(2)]
     table = [Buffer(m.ctypes.data, chunk, chunk, 0, True) for m in memory]

@@ -1,13 +1,11 @@
 """The lines that checkpoint and restore print: each timing in its unit, why a job waited, and
 the short summaries (the stall, the size, where the time went) in place of every field."""
 
-from pathlib import Path
 
 from pos.agent.control import Gate, Wait
 from pos.image import Manifest
 from pos.scheduler import summary
-from pos.scheduler.concurrent import Report
-from pos.scheduler.manifest import Result
+from pos.scheduler.report import DeviceCopy, Report
 from pos.scheduler.steps import describe
 from pos.scheduler.summary import longest_wait
 
@@ -51,7 +49,7 @@ def _manifest(stall_s=None) -> Manifest:
 
 def test_a_stop_the_world_checkpoint_in_four_lines() -> None:
     m = _manifest(stall_s=12.5)
-    lines = summary.checkpoint(Result(Path("/img/job1"), m, timings=m.timings))
+    lines = summary.of(Report("stop-the-world", "/img/job1", m, timings=m.timings))
     assert lines == [
         "saved PID 4242 (python3) into /img/job1: 3.50 GiB in 14 files, 2 process(es), 1 with "
         "CUDA state",
@@ -59,15 +57,15 @@ def test_a_stop_the_world_checkpoint_in_four_lines() -> None:
         "longest steps: checkpoint 9.020 s, restore 3.200 s, dump 1.800 s",
         "every field: pos inspect /img/job1 (or --json)"]
     m = _manifest()
-    held = summary.checkpoint(Result(Path("/img/job1"), m, timings=m.timings))[1]
+    held = summary.of(Report("stop-the-world", "/img/job1", m, timings=m.timings))[1]
     assert held == "it was ended once saved (restore it with `pos restore -D DIR`)"
 
 
 def test_a_stop_the_world_restore() -> None:
     m = _manifest()
-    lines = summary.restore(Result(Path("/img/job1"), m, restored_pid=4242,
-                                   timings={"prepare": 0.1, "criu_restore": 2.25, "verify": 0.6,
-                                            "restore": 0.8, "unlock": 0.002}))
+    lines = summary.of(Report("stop-the-world", "/img/job1", m, restored_pid=4242,
+                              timings={"prepare": 0.1, "criu_restore": 2.25, "verify": 0.6,
+                                       "restore": 0.8, "unlock": 0.002}))
     assert lines == ["restored PID 4242 from /img/job1: 3.50 GiB in 14 files",
                      "longest steps: criu_restore 2.250 s, restore 0.800 s, verify 0.600 s",
                      "every field: --json"]
@@ -77,20 +75,21 @@ def test_a_concurrent_checkpoint_and_restore() -> None:
     timings = {"pin": 6.364, "cut": 0.0001, "shadow": 0.012, "d2h": 0.318, "disk": 2.009,
                "lock": 0.023, "checkpoint": 0.498, "dump": 0.786, "frozen": 0.694,
                "criu_written_mib": 1223.0, "move": 0.779, "checksum": 1.801}
-    r = Report("/img/full", 12, int(16.17 * 2**30), None, None, release_s=1.325,
-               d2h_gbps=54.6, timings=timings)
-    assert summary.concurrent(r) == [
+    r = Report("concurrent", "/img/full", None, timings=timings, device=DeviceCopy(
+        12, int(16.17 * 2**30), None, None, release_s=1.325, d2h_gbps=54.6))
+    assert summary.of(r) == [
         "saved /img/full: 16.17 GiB of device memory in 12 buffers",
         "the job was held 1.325 s",
         "device memory copied at 54.6 GB/s (PCIe limit ~55)",
         "longest steps: pin 6.364 s, disk 2.009 s, checksum 1.801 s",
         "every field: pos inspect /img/full (or --json)"]
     gate = Gate(3, 0.9, 0.772, 40, 0.1, 0, [Wait(None, 0.772, 1.0, "cuMemcpy2D_v2")])
-    r = Report("/img/full", 12, int(16.17 * 2**30), None, gate, release_s=1.453,
-               h2d_gbps=15.9, restored_pid=706, foreign_bytes=3 * 2**20,
+    r = Report("concurrent", "/img/full", None, restored_pid=706,
                timings={"criu_restore": 0.781, "verify": 0.382, "restore": 0.306, "h2d": 1.089,
-                        "read_threads": 13.274, "all_back_at": 2.251})
-    assert summary.concurrent(r) == [
+                        "read_threads": 13.274, "all_back_at": 2.251},
+               device=DeviceCopy(12, int(16.17 * 2**30), None, gate, release_s=1.453,
+                                 h2d_gbps=15.9, foreign_bytes=3 * 2**20))
+    assert summary.of(r) == [
         "restored PID 706 from /img/full: 16.17 GiB of device memory in 12 buffers",
         "the job ran again 1.453 s after the restore began; its longest held call waited "
         "0.772 s (3 held, 0.900 s in all; the longest, cuMemcpy2D_v2, waited for every buffer)",

@@ -1,5 +1,5 @@
-"""A checkpoint's export (concurrent._Saver._export): where the agent lacks the device memory to
-move a buffer the driver will not export (poshook.c: reseat), pos gives its shadow back and
+"""A checkpoint's export (concurrent/saver.py export): where the agent lacks the device memory
+to move a buffer the driver will not export (agent: export.c, reseat), pos gives its shadow back and
 asks once more; any other refusal, or a second one, is the checkpoint's failure."""
 
 from pathlib import Path
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pos.agent.control import Exported, Refused
+from pos.scheduler.concurrent.saver import export
 
 NEED = 4 << 20
 
@@ -31,10 +32,12 @@ class RefusingAgent:
 def saver(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
-    from pos.scheduler import concurrent, gpucopy
+    from pos.scheduler import gpucopy
+    from pos.scheduler.concurrent.saver import Saver
+    from pos.scheduler.settings import Settings
 
-    def make(agent: RefusingAgent) -> concurrent._Saver:
-        s = concurrent._Saver(agent, 2, 1 << 20)   # type: ignore[arg-type]
+    def make(agent: RefusingAgent) -> Saver:
+        s = Saver(agent, Settings(), 2, 1 << 20)   # type: ignore[arg-type]
         s.shadow = gpucopy.Shadow(s.drv, 8 << 20)
         made.append(s)
         return s
@@ -47,7 +50,7 @@ def saver(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_a_reseat_short_of_memory_gets_the_shadow_and_a_second_try(saver) -> None:
     s = saver(RefusingAgent(refusals=1))
-    assert s._export() == [7, 8] and s.agent.asked == 2
+    assert export(s) == [7, 8] and s.agent.asked == 2
     assert s.shadow.size == 0 and s.shadow.ptr == 0          # given back: nothing shadowed
     assert s.timings["shadow_given_back_bytes"] == NEED
     assert (s.timings["reseated_bytes"], s.timings["leaked_closed_n"]) == (NEED, 1)
@@ -58,5 +61,5 @@ def test_another_refusal_fails_the_checkpoint(saver, refusals: int, need: int) -
     """Twice short of memory, or refused for another reason (need 0: the shadow is kept)."""
     s = saver(RefusingAgent(refusals, need))
     with pytest.raises(Refused, match="refused: exporting the buffer at 0x7000 failed"):
-        s._export()
+        export(s)
     assert s.agent.asked == refusals and (s.shadow.size == 0) == bool(need)

@@ -57,7 +57,8 @@ def device_memory(drv, table: list[Buffer]) -> list[int]:
 
 def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False,
          threads: int = 3):
-    from pos.scheduler import concurrent, gpucopy
+    from pos.scheduler import gpucopy
+    from pos.scheduler.concurrent.fill import fill
     from pos.scheduler.handout import Handout
 
     dest = device_memory(drv, table)
@@ -66,7 +67,8 @@ def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: 
     try:
         error = None
         try:
-            concurrent._fill(drv, table, dest, saved, threads, handout, rings, mapped)
+            fill(drv, table, dest, saved, streams=threads, handout=handout, rings=rings,
+                 mapped=mapped)
         except BadInput as e:
             error = e
     finally:
@@ -127,7 +129,8 @@ def test_a_short_data_file_is_refused_as_truncated(drv, tmp_path: Path, mapped: 
 def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
     """The restore's gate raises once the restore has failed: no more chunks are copied."""
     from pos.errors import PosError
-    from pos.scheduler import concurrent, gpucopy
+    from pos.scheduler import gpucopy
+    from pos.scheduler.concurrent.fill import fill
     from pos.scheduler.handout import Handout
 
     table, saved, _datas = image(tmp_path)
@@ -143,7 +146,7 @@ def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
     rings = gpucopy.Rings(drv, 1, 4096, 2)
     try:
         with pytest.raises(PosError):
-            concurrent._fill(drv, table, dest, saved, 1, handout, rings, gate=gate)
+            fill(drv, table, dest, saved, streams=1, handout=handout, rings=rings, gate=gate)
     finally:
         rings.close()
         for d in dest:
@@ -230,35 +233,34 @@ def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
 def test_an_unknown_fill_start_is_one_sentence(tmp_path: Path, monkeypatch) -> None:
     from pos.scheduler import concurrent
 
-    monkeypatch.setattr(concurrent, "FILL_FROM", "later")
+    monkeypatch.setenv("POS_FILL_FROM", "later")
     with pytest.raises(BadInput, match="POS_FILL_FROM=later is not one of pause, start"):
         concurrent.restore_full(tmp_path)
 
 
-@pytest.mark.parametrize("kib", ["100", "3000", "8192", "2m", ""])
+@pytest.mark.parametrize("kib", ["100", "3000", "8192", "2m"])
 def test_a_bad_fill_piece_is_one_sentence(tmp_path: Path, monkeypatch, kib: str) -> None:
     from pos.scheduler import concurrent
 
-    monkeypatch.setattr(concurrent, "FILL_PIECE_KIB", kib)
+    monkeypatch.setenv("POS_FILL_PIECE_KIB", kib)
     with pytest.raises(BadInput, match=f"POS_FILL_PIECE_KIB={kib} is not a power of two"):
         concurrent.restore_full(tmp_path)
 
 
 @pytest.mark.parametrize("kib, piece", [("2048", 2 << 20), ("256", 256 << 10), ("4096", 4 << 20)])
-def test_the_fill_piece_from_the_environment(monkeypatch, kib: str, piece: int) -> None:
-    from pos.scheduler import concurrent
+def test_the_fill_piece_from_the_environment(kib: str, piece: int) -> None:
+    from pos.scheduler.settings import Settings
 
-    monkeypatch.setattr(concurrent, "FILL_PIECE_KIB", kib)
-    assert concurrent.fill_piece() == piece
+    assert Settings.from_env({"POS_FILL_PIECE_KIB": kib}).fill_piece_bytes == piece
 
 
 def test_the_buffers_the_job_used_after_its_checkpoint_are_filled_first(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from pos.scheduler import concurrent
+    from pos.scheduler.concurrent.fill import fill_order
 
     table, saved, _ = image(tmp_path)
     table[1] = replace(table[1], touched=True)        # the second biggest, used at once
-    _chunks, work = concurrent.fill_order(table, saved)
+    _chunks, work = fill_order(table, saved)
     firsts = list(dict.fromkeys(i for i, _off, _n in work))
     assert firsts == [1, 2, 3, 0]      # then the smaller buffers first, as before

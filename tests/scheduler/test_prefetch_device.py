@@ -1,4 +1,4 @@
-"""Which GPU a whole-process restore fills (concurrent._Prefetch._device): found by the driver
+"""Which GPU a whole-process restore fills (concurrent/prefetch.py fill_device): found by the driver
 alone from the image's GPU index, NVML asked only when the driver does not see that GPU."""
 
 from pathlib import Path
@@ -7,21 +7,20 @@ from typing import Optional
 import pytest
 
 from pos.errors import PosError
-from pos.scheduler import concurrent, gpucopy
+from pos.scheduler import gpucopy
+from pos.scheduler.concurrent import devices, prefetch
 
 HERE = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 ELSEWHERE = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 
 
-def _prefetch(onto: Optional[str], taken_on: Optional[str]) -> concurrent._Prefetch:
-    p = concurrent._Prefetch.__new__(concurrent._Prefetch)   # no fill thread: the rule alone
-    p.onto, p.taken_on, p.directory = onto, taken_on, Path("/nonexistent")
-    return p
+def _device(onto: Optional[str], taken_on: Optional[str]) -> int:
+    return prefetch.fill_device(onto, taken_on, Path("/nonexistent"))
 
 
 @pytest.fixture
 def driver_sees(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The driver sees HERE as its device 1; NVML (`_home`) is not to be asked unless said."""
+    """The driver sees HERE as its device 1; NVML (`home`) is not to be asked unless said."""
     asked: list[str] = []
 
     def ordinal(uuid: str) -> int:
@@ -34,20 +33,20 @@ def driver_sees(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return None            # the host has not the image's GPU
 
     monkeypatch.setattr(gpucopy, "ordinal", ordinal)
-    monkeypatch.setattr(concurrent, "_home", home)
+    monkeypatch.setattr(devices, "home", home)
     return asked
 
 
 def test_the_gpu_the_image_was_taken_on_is_found_by_the_driver(driver_sees) -> None:
-    assert _prefetch(None, HERE)._device() == 1
+    assert _device(None, HERE) == 1
     assert driver_sees == []
 
 
 def test_where_the_job_moves_comes_first(driver_sees) -> None:
-    assert _prefetch(HERE, ELSEWHERE)._device() == 1
+    assert _device(HERE, ELSEWHERE) == 1
 
 
 def test_a_gpu_this_host_has_not_falls_back_to_device_0_through_nvml(driver_sees) -> None:
-    assert _prefetch(None, ELSEWHERE)._device() == 0
-    assert _prefetch(None, None)._device() == 0
+    assert _device(None, ELSEWHERE) == 0
+    assert _device(None, None) == 0
     assert driver_sees == ["nvml", "nvml"]
