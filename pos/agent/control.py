@@ -1,5 +1,5 @@
-"""pos's side of the control socket of a `pos run` job (the agent is pos/agent/hook/poshook.c;
-protocol.md beside it is the contract).
+"""pos's side of the control socket of a `pos run` job (the agent is pos/agent/hook/;
+protocol.md there is the contract).
 
 One `Agent` is one connection, and one connection is one operation: if pos goes away in the
 middle of it, the agent releases the job by itself (or, while pos holds the job's memory, keeps
@@ -54,7 +54,7 @@ class Exported:
 
     fds: list[int]
     reseated: int          # buffers the driver would not export, moved into new exportable
-    reseated_bytes: int    # memory at the same addresses first (see poshook.c: reseat)
+    reseated_bytes: int    # memory at the same addresses first (see hook/export.c: reseat)
     reseat_s: float
     leaked: int            # /dev/nvidiactl descriptors the driver's refusals left, closed
 
