@@ -264,7 +264,11 @@ class Agent:
 
     def table(self) -> list[Buffer]:
         r = self._ask("table")
-        # an agent built before `touched` (a job started under an older pos) sends five
+        if int(r.get("version", 1)) >= 2:      # named fields (a later version may add some)
+            return [Buffer(int(b["va"]), int(b["size"]), int(b["mapped"]), int(b["device"]),
+                           bool(b["present"]), bool(b["touched"])) for b in r["buffers"]]
+        # version 1, the agent of a job started under an older pos: positional arrays, five
+        # of them from an agent built before `touched`
         return [Buffer(va, size, mapped, dev, bool(present), bool(rest and rest[0]))
                 for va, size, mapped, dev, present, *rest in r["buffers"]]
 

@@ -12,6 +12,16 @@ def _agent(reply: dict[str, Any]) -> Agent:
 
 
 def test_the_table_says_which_buffers_calls_used() -> None:
+    a = _agent({"ok": True, "version": 2, "buffers": [
+        {"va": 4096, "size": 10, "mapped": 4096, "device": 0, "present": True, "touched": True},
+        {"va": 8192, "size": 20, "mapped": 4096, "device": 1, "present": False,
+         "touched": False, "later": 7}]})
+    assert a.table() == [Buffer(4096, 10, 4096, 0, True, True),
+                         Buffer(8192, 20, 4096, 1, False, False)]
+
+
+def test_an_agent_from_before_named_fields_is_read_by_position() -> None:
+    """Version 1 (no `version`): a buffer is [va, size, mapped, device, present, touched]."""
     a = _agent({"ok": True, "buffers": [[4096, 10, 4096, 0, 1, 1], [8192, 20, 4096, 1, 0, 0]]})
     assert a.table() == [Buffer(4096, 10, 4096, 0, True, True),
                          Buffer(8192, 20, 4096, 1, False, False)]

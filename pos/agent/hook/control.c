@@ -52,11 +52,17 @@ static void build_wanted(FILE *f) {
     fputs("]}", f);
 }
 
+/* Version 2: each buffer an object of named fields (version 1, no `version` in the answer:
+ * arrays [va, size, mapped, device, present, touched]). */
 static void build_table(FILE *f) {
-    fprintf(f, "{\"ok\":true,\"phase\":\"%s\",\"buffers\":[", phase_name[atomic_load(&phase)]);
+    fprintf(f, "{\"ok\":true,\"version\":2,\"phase\":\"%s\",\"buffers\":[",
+            phase_name[atomic_load(&phase)]);
     for (size_t i = 0; i < ntab; i++)
-        fprintf(f, "%s[%llu,%zu,%zu,%d,%d,%d]", i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped,
-                tab[i].device, tab[i].h != 0, tab[i].touched);
+        fprintf(f,
+                "%s{\"va\":%llu,\"size\":%zu,\"mapped\":%zu,\"device\":%d,\"present\":%s,"
+                "\"touched\":%s}",
+                i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped, tab[i].device,
+                tab[i].h ? "true" : "false", tab[i].touched ? "true" : "false");
     fputs("]}", f);
 }
 
