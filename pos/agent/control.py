@@ -46,6 +46,13 @@ class Status:
                            # them from a stop-the-world image
     gate: "Gate"           # the calls of the operation running (or the last one) so far
     nccl_launches: int = 0  # NCCL kernels launched since the job started (see `Agent.cut`)
+    # Memory of other processes that the job has mapped, which the driver's restore fails on
+    # (hook/peer.c): live mappings of imported cuMem memory, their bytes, open legacy IPC
+    # mappings. None: the agent (of a job started under an older pos) does not say, which is
+    # not "none".
+    peer_maps: Optional[int] = None
+    peer_bytes: Optional[int] = None
+    ipc_maps: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -250,9 +257,10 @@ class Agent:
     # -- requests ---------------------------------------------------------------------------
     def status(self) -> Status:
         r = self._ask("status")
+        told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps") if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
-                      int(r.get("nccl_launches", 0)))
+                      int(r.get("nccl_launches", 0)), **told)
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the

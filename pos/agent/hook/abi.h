@@ -29,6 +29,9 @@ typedef struct {
     void *attrs;
     unsigned int numAttrs;
 } CUlaunchConfig;
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
 
 enum {
     CUDA_SUCCESS = 0,

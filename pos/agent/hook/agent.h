@@ -28,6 +28,7 @@
  *   alloc.c     cuMemAlloc/Free, slabs       wire.c      the socket's lines and descriptors
  *   control.c   the thread, the requests     export.c    export, reseat
  *   hoist.c     hoist, remap                 ops.c       done, phase moves, end
+ *   peer.c      other processes' memory the job maps (what the driver cannot restore)
  */
 #ifndef POS_AGENT_H
 #define POS_AGENT_H
@@ -92,15 +93,13 @@ struct touch {
     X(cuMemGetAllocationGranularity)                                                               \
     X(cuMemAddressReserve)                                                                         \
     X(cuMemAddressFree)                                                                            \
-    X(cuMemRelease)                                                                                \
-    X(cuMemSetAccess)                                                                              \
     X(cuMemExportToShareableHandle)                                                                \
-    X(cuMemImportFromShareableHandle)                                                              \
     X(cuStreamSynchronize)                                                                         \
     X(cuCtxGetLimit)                                                                               \
     X(cuCtxSetLimit)                                                                               \
     X(cuDeviceGetCount)                                                                            \
-    X(cuDeviceCanAccessPeer)
+    X(cuDeviceCanAccessPeer)                                                                       \
+    X(cuMemGetAddressRange_v2)
 #define DECLARE_OWN(name) extern void *volatile real_##name;
 OWN(DECLARE_OWN)
 
@@ -120,18 +119,17 @@ CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, 
 CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
                              unsigned long long flags);
 CUresult cuMemAddressFree(CUdeviceptr p, size_t n);
-CUresult cuMemRelease(CUmemGenericAllocationHandle h);
-CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const CUmemAccessDesc *d, size_t count);
 CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, int type,
                                       unsigned long long flags);
-CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *fd, int type);
 CUresult cuStreamSynchronize(CUstream s);
 CUresult cuCtxGetLimit(size_t *value, int limit);
 CUresult cuCtxSetLimit(int limit, size_t value);
 CUresult cuDeviceGetCount(int *n);
 CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer);
-/* The driver's own function (a wrapper's too: cuMemCreate, cuMemMap ...), for the agent's
- * own calls. */
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+/* The driver's own function (a wrapper's too: cuMemCreate, cuMemMap, cuMemRelease,
+ * cuMemImportFromShareableHandle ...), for the agent's own calls: they pass no gate, and pos's
+ * re-imports of the job's own memory are not peer memory. */
 #define DRV(name) ((__typeof__(&name))real_of(&real_##name, #name))
 
 /* ---- the table of owned allocations (table.c) ---------------------------------------------- */
@@ -171,9 +169,10 @@ long find(CUdeviceptr p);
 int insert(const struct owned *o);
 void drop(long i);
 void remember_ctx(CUcontext c);
+CUresult use_context(void);
+/* A live allocation pos does not own, made or gone (each takes mu). */
 void foreign_add(CUdeviceptr p, size_t n);
 void foreign_remove(CUdeviceptr p);
-CUresult use_context(void);
 
 /* ---- the gate (gate.c) and the cut (cut.c) ------------------------------------------------ */
 /* One call that waited: the address it waited for last (a parameter word of a launch, or a
@@ -213,6 +212,22 @@ CUresult unmap(CUdeviceptr va, size_t n);
 CUresult own_alloc(CUdeviceptr *out, size_t size, int whole);
 int own_free(CUdeviceptr p, CUresult *r);
 int is_owned(CUdeviceptr p);
+
+/* ---- peer memory (peer.c): what the job maps of other processes' memory ---------------- */
+/* The job's own calls, once the driver said yes (each takes mu). */
+void peer_imported(CUmemGenericAllocationHandle h);
+void peer_released(CUmemGenericAllocationHandle h);
+void peer_mapped(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h);
+void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n);
+void peer_unmapped(CUdeviceptr va, size_t size);
+void ipc_opened(CUdeviceptr va, const CUipcMemHandle *h, unsigned flags);
+void ipc_closed(CUdeviceptr va);
+/* Caller holds mu. */
+struct peer_count {
+    size_t maps, bytes, ipc;
+};
+struct peer_count peer_count(void);
+void build_peers(FILE *f);
 
 /* ---- the control socket (wire.c) ------------------------------------------------------------ */
 enum { MAX_FDS = 250 }; /* file descriptors per message (SCM_MAX_FD is 253) */

@@ -154,7 +154,8 @@ static CUresult free_via(CUdeviceptr p, CUstream s,
             r = driver_free(p, s);
     } else {
         r = driver_free(p, s);
-        FOREIGN_GONE(p);
+        if (r == CUDA_SUCCESS)
+            foreign_remove(p);
     }
     gate_exit();
     return r;

@@ -32,13 +32,16 @@ static void do_status(struct conn *c) {
     size_t imported = 0; /* mapped back from pos's descriptors (their fd kept: see do_remap) */
     for (size_t i = 0; i < ntab; i++)
         imported += tab[i].fd >= 0;
+    struct peer_count peers = peer_count();
     reply(c,
           "{\"ok\":true,\"pid\":%d,\"phase\":\"%s\",\"buffers\":%zu,\"owned_bytes\":%zu,"
           "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
-          "\"imported\":%zu,\"nccl_launches\":%ld,%s}",
+          "\"imported\":%zu,\"nccl_launches\":%ld,\"peer_maps\":%zu,\"peer_bytes\":%zu,"
+          "\"ipc_maps\":%zu,%s}",
           getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
           (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
-          atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, s);
+          atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, peers.maps,
+          peers.bytes, peers.ipc, s);
     pthread_mutex_unlock(&mu);
 }
 
@@ -131,6 +134,8 @@ static void serve(int fd) {
             reply_built(c, build_table);
         else if (!strcmp(cmd, "wanted"))
             reply_built(c, build_wanted);
+        else if (!strcmp(cmd, "peers"))
+            reply_built(c, build_peers);
         else if (!strcmp(cmd, "export"))
             do_export(c);
         else if (!strcmp(cmd, "hoist"))

@@ -4,7 +4,9 @@
 
 /* HOOKS(X): X(name, params, args, touch, after). Each becomes an exported wrapper that enters
  * the gate with `touch`, calls the driver's own function, runs `after` (with its result r)
- * and leaves the gate. */
+ * and leaves the gate. The memory calls at the end keep account of the memory pos does not own
+ * (table.c: foreign) and of other processes' memory that the job maps (peer.c); the cut holds
+ * them too, so that neither account changes while the job is held. */
 #define HOOKS(X)                                                                                   \
     X(cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)          \
     X(cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)     \
@@ -110,40 +112,42 @@
       (s, a, v, f), T_W(a), NOAFTER)                                                               \
     X(cuStreamBatchMemOp_v2, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL,   \
       NOAFTER)                                                                                     \
-    X(cuMemAllocAsync, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE, FOREIGN(p, n))  \
+    X(cuMemAllocAsync, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE,                 \
+      IF_OK(foreign_add(*p, n)))                                                                   \
     X(cuMemAllocAsync_ptsz, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE,            \
-      FOREIGN(p, n))                                                                               \
+      IF_OK(foreign_add(*p, n)))                                                                   \
     X(cuMemAllocFromPoolAsync, (CUdeviceptr * p, size_t n, void *pool, CUstream s),                \
-      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                      \
+      (p, n, pool, s), T_NONE, IF_OK(foreign_add(*p, n)))                                          \
     X(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr * p, size_t n, void *pool, CUstream s),           \
-      (p, n, pool, s), T_NONE, FOREIGN(p, n))                                                      \
+      (p, n, pool, s), T_NONE, IF_OK(foreign_add(*p, n)))                                          \
     X(cuMemAllocManaged, (CUdeviceptr * p, size_t n, unsigned f), (p, n, f), T_NONE,               \
-      FOREIGN(p, n))                                                                               \
+      IF_OK(foreign_add(*p, n)))                                                                   \
     X(cuMemAllocPitch_v2, (CUdeviceptr * p, size_t *pitch, size_t w, size_t h, unsigned e),        \
-      (p, pitch, w, h, e), T_NONE, FOREIGN(p, pitch ? *pitch * h : 0))                             \
+      (p, pitch, w, h, e), T_NONE, IF_OK(foreign_add(*p, pitch ? *pitch * h : 0)))                 \
     X(cuMemCreate,                                                                                 \
       (CUmemGenericAllocationHandle * h, size_t n, const void *prop, unsigned long long f),        \
       (h, n, prop, f), T_NONE, NOAFTER)                                                            \
     X(cuMemMap,                                                                                    \
       (CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h, unsigned long long f),   \
-      (p, n, o, h, f), T_NONE, FOREIGN(&p, n))                                                     \
-    X(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), T_W(p), FOREIGN_GONE(p))
+      (p, n, o, h, f), T_NONE, IF_OK(foreign_add(p, n); peer_mapped(p, n, o, h)))                  \
+    X(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), T_W(p),                                       \
+      IF_OK(foreign_remove(p); peer_unmapped(p, n)))                                               \
+    X(cuMemSetAccess, (CUdeviceptr p, size_t n, const CUmemAccessDesc *d, size_t k), (p, n, d, k), \
+      T_NONE, IF_OK(peer_access(p, n, d, k)))                                                      \
+    X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle * h, void *fd, int type),      \
+      (h, fd, type), T_NONE, IF_OK(peer_imported(*h)))                                             \
+    X(cuMemRelease, (CUmemGenericAllocationHandle h), (h), T_NONE, IF_OK(peer_released(h)))        \
+    X(cuIpcOpenMemHandle, (CUdeviceptr * p, CUipcMemHandle h, unsigned f), (p, h, f), T_NONE,      \
+      IF_OK(ipc_opened(*p, &h, f)))                                                                \
+    X(cuIpcOpenMemHandle_v2, (CUdeviceptr * p, CUipcMemHandle h, unsigned f), (p, h, f), T_NONE,   \
+      IF_OK(ipc_opened(*p, &h, f)))                                                                \
+    X(cuIpcCloseMemHandle, (CUdeviceptr p), (p), T_NONE, IF_OK(ipc_closed(p)))
 
 #define NOAFTER ((void)0)
-#define FOREIGN(p, n)                                                                              \
+#define IF_OK(then)                                                                                \
     do {                                                                                           \
         if (r == CUDA_SUCCESS) {                                                                   \
-            pthread_mutex_lock(&mu);                                                               \
-            foreign_add(*(p), (n));                                                                \
-            pthread_mutex_unlock(&mu);                                                             \
-        }                                                                                          \
-    } while (0)
-#define FOREIGN_GONE(p)                                                                            \
-    do {                                                                                           \
-        if (r == CUDA_SUCCESS) {                                                                   \
-            pthread_mutex_lock(&mu);                                                               \
-            foreign_remove(p);                                                                     \
-            pthread_mutex_unlock(&mu);                                                             \
+            then;                                                                                  \
         }                                                                                          \
     } while (0)
 

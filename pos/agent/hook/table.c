@@ -92,9 +92,7 @@ static struct foreign *foreign_slot(CUdeviceptr p, int for_insert) {
     }
 }
 
-void foreign_add(CUdeviceptr p, size_t n) { /* caller holds mu */
-    if (!p)
-        return;
+static void add_locked(CUdeviceptr p, size_t n) {
     if (2 * (fused + 1) > fcap) {
         size_t cap = fcap ? 2 * fcap : 256;
         struct foreign *old = ftab, *t = calloc(cap, sizeof(*t));
@@ -117,11 +115,21 @@ void foreign_add(CUdeviceptr p, size_t n) { /* caller holds mu */
     foreign_bytes += n;
 }
 
-void foreign_remove(CUdeviceptr p) { /* caller holds mu */
+void foreign_add(CUdeviceptr p, size_t n) {
+    if (!p)
+        return;
+    pthread_mutex_lock(&mu);
+    add_locked(p, n);
+    pthread_mutex_unlock(&mu);
+}
+
+void foreign_remove(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
     struct foreign *f = fcap && p > 1 ? foreign_slot(p, 0) : NULL;
     if (f) {
         foreign_allocs--;
         foreign_bytes -= f->n;
         f->p = 1;
     }
+    pthread_mutex_unlock(&mu);
 }
