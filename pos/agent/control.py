@@ -1,5 +1,5 @@
-"""pos's side of the control socket of a `pos run` job (the agent is pos/agent/hook/poshook.c;
-protocol.md beside it is the contract).
+"""pos's side of the control socket of a `pos run` job (the agent is pos/agent/hook/;
+protocol.md there is the contract).
 
 One `Agent` is one connection, and one connection is one operation: if pos goes away in the
 middle of it, the agent releases the job by itself (or, while pos holds the job's memory, keeps
@@ -46,8 +46,10 @@ class Status:
                            # them from a stop-the-world image
     gate: "Gate"           # the calls of the operation running (or the last one) so far
     nccl_launches: int = 0  # NCCL kernels launched since the job started (see `Agent.cut`)
-    # another process's GPU memory the job maps now (NCCL's P2P and SHM on cuMem): cuMem
-    # imports mapped, their bytes, legacy IPC handles open; None: an agent too old to say
+    # Memory of other processes that the job has mapped, which the driver's restore fails on
+    # (hook/peer.c): live mappings of imported cuMem memory, their bytes, open legacy IPC
+    # mappings. None: the agent (of a job started under an older pos) does not say, which is
+    # not "none".
     peer_maps: Optional[int] = None
     peer_bytes: Optional[int] = None
     ipc_maps: Optional[int] = None
@@ -59,7 +61,7 @@ class Exported:
 
     fds: list[int]
     reseated: int          # buffers the driver would not export, moved into new exportable
-    reseated_bytes: int    # memory at the same addresses first (see poshook.c: reseat)
+    reseated_bytes: int    # memory at the same addresses first (see hook/export.c: reseat)
     reseat_s: float
     leaked: int            # /dev/nvidiactl descriptors the driver's refusals left, closed
 
@@ -255,10 +257,10 @@ class Agent:
     # -- requests ---------------------------------------------------------------------------
     def status(self) -> Status:
         r = self._ask("status")
+        told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps") if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
-                      int(r.get("nccl_launches", 0)), r.get("peer_maps"), r.get("peer_bytes"),
-                      r.get("ipc_maps"))
+                      int(r.get("nccl_launches", 0)), **told)
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the
@@ -270,7 +272,11 @@ class Agent:
 
     def table(self) -> list[Buffer]:
         r = self._ask("table")
-        # an agent built before `touched` (a job started under an older pos) sends five
+        if int(r.get("version", 1)) >= 2:      # named fields (a later version may add some)
+            return [Buffer(int(b["va"]), int(b["size"]), int(b["mapped"]), int(b["device"]),
+                           bool(b["present"]), bool(b["touched"])) for b in r["buffers"]]
+        # version 1, the agent of a job started under an older pos: positional arrays, five
+        # of them from an agent built before `touched`
         return [Buffer(va, size, mapped, dev, bool(present), bool(rest and rest[0]))
                 for va, size, mapped, dev, present, *rest in r["buffers"]]
 

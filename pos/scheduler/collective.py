@@ -4,7 +4,7 @@ agent): every process held just before the same collective.
 A rank held after launching collective k while a peer is held before launching it never
 finishes synchronising: collective k waits for that peer. Every rank launches the same NCCL
 collectives in the same order, and each agent counts its NCCL kernel launches from the job's
-start (pos/agent/hook/poshook.c: the collective cut). So pos reads every rank's count and asks
+start (pos/agent/hook/cut.c: the collective cut). So pos reads every rank's count and asks
 each to hold just before the launch past the highest count plus a margin; the ranks run on
 meanwhile, each until it comes there, and every collective before that point completes. A rank
 already past the point (it ran on between the reading and the asking) makes pos let the others

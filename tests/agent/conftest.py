@@ -1,4 +1,4 @@
-"""Fixtures of the agent tests: the fake driver's fill_job (tests/fakegpu/fill_job.c) started
+"""Fixtures of the agent tests: the fake driver's fill_job and peer_job (tests/fakegpu/) started
 under the real `pos run`, as a user starts a job: its agent owns its memory and answers pos."""
 
 import os
@@ -15,28 +15,29 @@ from tests.conftest import ROOT
 from tests.scheduler.conftest import criu_ready  # noqa: F401  (a fixture)
 
 
-class FillJob:
-    """`pos run -- fill_job CUBIN N BYTES PAUSE`, its output in a file (CRIU dumps no pipe to
-    pos), in a session of its own."""
+class Job:
+    """`pos run -- ARGV`, its output in a file (CRIU dumps no pipe to pos), in a session of its
+    own; started once it printed READY."""
 
-    def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str],
-                 buffers: int, size: int, name: Optional[str] = None) -> None:
-        """`env` may hold FILL_JOB_POOL_BYTES (memory from the stream-ordered pool)."""
-        self.out = folder / "job.out"
-        self.pause = folder / "pause"
-        with open(self.out, "w") as out:
+    def __init__(self, argv: list[str], out: Path, env: dict[str, str],
+                 name: Optional[str] = None) -> None:
+        self.out = out
+        with open(self.out, "w") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pos.cli", "run", *(["--name", name] if name else []),
-                 "--", str(fakegpu["fill_job"]),
-                 str(fakegpu["cubin"]), str(buffers), str(size), str(self.pause)], cwd=ROOT,
-                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                 "--", *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f,
+                stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
-        deadline = time.monotonic() + 30
-        while "READY" not in self.out.read_text():
-            assert self.proc.poll() is None, self.out.read_text()
-            assert time.monotonic() < deadline, "the job did not start"
+        self.printed("READY")
+
+    def printed(self, word: str, timeout: float = 30) -> str:
+        """The job's output once it holds `word` (the job still running)."""
+        deadline = time.monotonic() + timeout
+        while word not in (text := self.out.read_text()):
+            assert self.proc.poll() is None, text
+            assert time.monotonic() < deadline, f"the job did not print {word}: {text}"
             time.sleep(0.05)
+        return text
 
     def alive(self) -> bool:
         try:
@@ -51,6 +52,17 @@ class FillJob:
             pass
         if self.proc.poll() is None:
             self.proc.wait()
+
+
+class FillJob(Job):
+    """`pos run -- fill_job CUBIN N BYTES PAUSE`."""
+
+    def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str],
+                 buffers: int, size: int, name: Optional[str] = None) -> None:
+        """`env` may hold FILL_JOB_POOL_BYTES (memory from the stream-ordered pool)."""
+        self.pause = folder / "pause"
+        super().__init__([str(fakegpu["fill_job"]), str(fakegpu["cubin"]), str(buffers),
+                          str(size), str(self.pause)], folder / "job.out", env, name)
 
 
 @pytest.fixture
@@ -86,3 +98,27 @@ def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
     yield start
     for job in started:
         job.kill()
+
+
+@pytest.fixture
+def peer_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
+             ) -> Iterator[Callable[..., Job]]:
+    """`pos run -- peer_job MODE DIR` (tests/fakegpu/peer_job.c), every one of a test with the
+    same DIR; `own` (False: POS_OWN=0, pos owns none of its memory)."""
+    exchange = tmp_path / "peers"
+    exchange.mkdir()
+    started: list[Job] = []
+
+    def start(mode: str, own: bool = True) -> Job:
+        env = gpu_env if own else {**gpu_env, "POS_OWN": "0"}
+        job = Job([str(fakegpu["peer_job"]), mode, str(exchange)],
+                  tmp_path / f"{mode}.out", env)
+        started.append(job)
+        return job
+    yield start
+    (exchange / "stop").touch()
+    for job in started:
+        try:
+            job.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            job.kill()

@@ -46,6 +46,9 @@ def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
     with Agent(job.pid) as a:
         st = a.status()
         table = a.table()
+        raw = a._ask("table")
+    assert raw["version"] == 2 and set(raw["buffers"][0]) == {
+        "va", "size", "mapped", "device", "present", "touched"}
     # cuMemAlloc came through cuGetProcAddress: owned, each rounded to the granularity
     assert st.owning and st.phase == "idle" and st.buffers == 5
     assert st.owned_bytes == 5 * (3 << 20) and st.foreign_allocs == 0

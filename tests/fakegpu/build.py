@@ -2,7 +2,7 @@
 
 nvcc compiles kernels.cu three ways (a cubin, a fatbin for sm_90 + sm_80 + PTX, and the same
 fatbin compressed); gcc builds the fake libcuda.so.1 and libamdhip64.so, libkernels.so (the
-fatbin in a .nv_fatbin section, as a CUDA library carries it) and the two workloads, linked
+fatbin in a .nv_fatbin section, as a CUDA library carries it) and the workloads, linked
 with an rpath to the build directory so that /proc/PID/maps shows the fakes. nvcc needs no GPU.
 """
 
@@ -50,6 +50,7 @@ def build(out: Path) -> dict[str, Path]:
         "cuda_app": out / "cuda_app",
         "hip_app": out / "hip_app",
         "fill_job": out / "fill_job",
+        "peer_job": out / "peer_job",
     }
     _run([nvcc, "-cubin", "-arch=sm_90", "-o", str(paths["cubin"]), cu], out)
     _run([nvcc, "-fatbin", *GENCODE, "-o", str(paths["fatbin"]), cu], out)
@@ -75,4 +76,5 @@ def build(out: Path) -> dict[str, Path]:
     _run([*gcc, "-o", str(paths["hip_app"]), str(HERE / "hip_app.c"), *rpath, "-lamdhip64"], out)
     _run([*gcc, "-o", str(paths["fill_job"]), str(HERE / "fill_job.c"), *rpath, "-lcuda", "-ldl"],
          out)
+    _run([*gcc, "-o", str(paths["peer_job"]), str(HERE / "peer_job.c"), *rpath, "-lcuda"], out)
     return paths

@@ -29,8 +29,9 @@ enum range_kind {
     RANGE_RESERVED = 2, /* reserved virtual addresses (VMM): not usable until mapped */
     RANGE_MAPPED = 4,   /* a physical allocation mapped into a reservation: usable */
     RANGE_HOST = 8,     /* page-locked host memory (cuMemHostAlloc) */
+    RANGE_IPC = 16,     /* another process's allocation, opened through legacy IPC */
 };
-#define RANGE_USABLE (RANGE_ALLOC | RANGE_MAPPED)
+#define RANGE_USABLE (RANGE_ALLOC | RANGE_MAPPED | RANGE_IPC)
 
 struct range {
     uintptr_t base;
@@ -86,6 +87,21 @@ static int range_covers(uintptr_t p, size_t len, int kinds) {
     for (size_t i = 0; i < n_ranges && !found; i++)
         found = (ranges[i].kind & kinds) && p >= ranges[i].base &&
                 p + len <= ranges[i].base + ranges[i].size && p + len >= p;
+    pthread_mutex_unlock(&ranges_lock);
+    return found;
+}
+
+/* The range of one of `kinds` that holds p: 1 with *base and *size set, else 0. */
+__attribute__((unused)) static int range_find(uintptr_t p, int kinds, uintptr_t *base,
+                                              size_t *size) {
+    int found = 0;
+    pthread_mutex_lock(&ranges_lock);
+    for (size_t i = 0; i < n_ranges && !found; i++)
+        if ((ranges[i].kind & kinds) && p >= ranges[i].base &&
+            p < ranges[i].base + ranges[i].size) {
+            *base = ranges[i].base, *size = ranges[i].size;
+            found = 1;
+        }
     pthread_mutex_unlock(&ranges_lock);
     return found;
 }

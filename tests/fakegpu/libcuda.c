@@ -104,6 +104,10 @@ typedef struct {
     unsigned long long reserved[8];
 } CUcheckpointUnlockArgs;
 
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+
 _Static_assert(sizeof(CUlaunchConfig) == 56, "CUlaunchConfig layout");
 _Static_assert(__builtin_offsetof(CUlaunchConfig, hStream) == 32, "CUlaunchConfig.hStream");
 _Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
@@ -793,6 +797,113 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
     h->size = (size_t)sb.st_size;
     h->restores = stale_exports() ? restores_of_self() : 0;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return CUDA_SUCCESS;
+}
+
+/* The allocation that holds p: its base and size (either may be NULL). */
+API CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr p) {
+    NEED_CONTEXT();
+    uintptr_t base;
+    size_t size;
+    if (!range_find(p, RANGE_USABLE, &base, &size))
+        return CUDA_ERROR_NOT_FOUND;
+    if (pbase)
+        *pbase = base;
+    if (psize)
+        *psize = size;
+    return CUDA_SUCCESS;
+}
+
+/* ---- legacy IPC: a cuMemAlloc allocation opened by another process -----------------------
+ * The handle names the owner's process and the allocation. The first handle of an allocation
+ * turns its memory into a shared memfd mapping at the same address (its bytes kept); an opener
+ * maps that through /proc/PID/map_files (root, as pos's tests run). As with the driver, only
+ * cuMemAlloc's memory is shared this way: VMM memory has cuMemExportToShareableHandle. */
+#define MAGIC_IPC 0x49504348u /* "IPCH" */
+struct ipc_handle {
+    uint32_t magic;
+    int pid;
+    uint64_t base, size;
+};
+_Static_assert(sizeof(struct ipc_handle) <= sizeof(CUipcMemHandle), "ipc handle size");
+
+static void ipc_path(char *out, size_t len, int pid, uintptr_t base, size_t size) {
+    snprintf(out, len, "/proc/%d/map_files/%lx-%lx", pid, (unsigned long)base,
+             (unsigned long)(base + page_round(size)));
+}
+
+/* The allocation at base as a shared mapping of a memfd of its own: 0, or -1. */
+static int ipc_share(uintptr_t base, size_t size) {
+    char path[128], target[256];
+    ipc_path(path, sizeof(path), getpid(), base, size);
+    if (readlink(path, target, sizeof(target)) > 0)
+        return 0; /* a file's mapping already: shared before */
+    size_t len = page_round(size);
+    int fd = memfd_create("pos-fakecuda-ipc", MFD_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int ok = ftruncate(fd, (off_t)len) == 0;
+    for (size_t at = 0; ok && at < len;) {
+        ssize_t k = pwrite(fd, (const char *)base + at, len - at, (off_t)at);
+        ok = k > 0;
+        at += ok ? (size_t)k : 0;
+    }
+    ok = ok && mmap((void *)base, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) !=
+                   MAP_FAILED;
+    close(fd);
+    return ok ? 0 : -1;
+}
+
+API CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
+    NEED_CONTEXT();
+    uintptr_t base;
+    size_t size;
+    if (!handle || !range_find(p, RANGE_ALLOC, &base, &size) || base != p)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (ipc_share(base, size) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct ipc_handle h = {MAGIC_IPC, getpid(), base, size};
+    memset(handle, 0, sizeof(*handle));
+    memcpy(handle, &h, sizeof(h));
+    return CUDA_SUCCESS;
+}
+
+static CUresult ipc_open(CUdeviceptr *p, const CUipcMemHandle *handle, unsigned int flags) {
+    NEED_CONTEXT();
+    struct ipc_handle h;
+    memcpy(&h, handle, sizeof(h));
+    if (!p || h.magic != MAGIC_IPC || flags > 1) /* 1: CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
+        return CUDA_ERROR_INVALID_VALUE;
+    char path[128];
+    ipc_path(path, sizeof(path), h.pid, h.base, h.size);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return CUDA_ERROR_INVALID_VALUE; /* the owner or its allocation is gone */
+    void *m = mmap(NULL, page_round(h.size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (range_add((uintptr_t)m, h.size, RANGE_IPC) != 0) {
+        munmap(m, page_round(h.size));
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuIpcOpenMemHandle(CUdeviceptr *p, CUipcMemHandle handle, unsigned int flags) {
+    return ipc_open(p, &handle, flags);
+}
+API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle handle, unsigned int flags) {
+    return ipc_open(p, &handle, flags);
+}
+
+API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    NEED_CONTEXT();
+    size_t size = range_remove(p, RANGE_IPC);
+    if (!size)
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap((void *)(uintptr_t)p, page_round(size));
     return CUDA_SUCCESS;
 }
 

@@ -138,13 +138,14 @@ def test_a_missing_external_socket_on_restore(tmp_path: Path, counters, env) -> 
         theirs.close()
 
 
-def criu_restore(img: Path, work: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def criu_restore(img: Path, work: Path) -> str:
     """CRIU's own restore of `img` (pos's pre-checks bypassed), failing: pos's sentence."""
     from pos.errors import PosError
     from pos.scheduler import criu
 
-    monkeypatch.setattr(criu, "LOG_DIR", work.parent / "logs")
-    c = criu.find()
+    from pos.scheduler.settings import Settings
+
+    c = criu.find(Settings(log_dir=work.parent / "logs"))
     work.mkdir()
     argv = c.restore_argv(img, criu.Options(), work, work / "pidfile")
     p = c.start(argv)
@@ -163,13 +164,13 @@ def test_pids_in_use_and_an_unknown_failure(tmp_path: Path, counters, env,
     assert pos("checkpoint", str(c.pid), "-D", str(img), "--leave-running",
                env=env).returncode == 0
     one_sentence(pos("restore", "-D", str(img), env=env), 2, f"PID {c.pid} of the image is taken")
-    said = criu_restore(img, tmp_path / "w1", monkeypatch)
+    said = criu_restore(img, tmp_path / "w1")
     assert said.startswith("criu restore failed: a PID of the image is taken"), said
     broken = tmp_path / "broken"
     shutil.copytree(img, broken)
     next(broken.glob("mm-*.img")).unlink()
     c.proc.kill()
     c.reap_original()
-    said = criu_restore(broken, tmp_path / "w2", monkeypatch)
+    said = criu_restore(broken, tmp_path / "w2")
     assert said.startswith("criu restore failed: ") and "see CRIU's log" in said, said
     assert "FAILED" not in said, said

@@ -1,5 +1,5 @@
 """A checkpoint's export (concurrent/saver.py export): where the agent lacks the device memory
-to move a buffer the driver will not export (agent: export.c, reseat), pos gives its shadow back and
+to move a buffer the driver will not export (hook/export.c: reseat), pos gives its shadow back and
 asks once more; any other refusal, or a second one, is the checkpoint's failure."""
 
 from pathlib import Path

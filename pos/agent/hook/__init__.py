@@ -1,4 +1,4 @@
-"""libposhook.so, the agent that `pos run` preloads into a job (poshook.c beside this file;
+"""libposhook.so, the agent that `pos run` preloads into a job (the C files beside this one;
 built by pos/native.py)."""
 
 from pathlib import Path
@@ -7,5 +7,5 @@ from pos import native
 
 
 def build(force: bool = False) -> Path:
-    """The preload library, compiled if missing or older than its source."""
+    """The preload library, compiled if missing or older than its sources."""
     return native.build(native.HOOK, force)

@@ -1,0 +1,260 @@
+/* libposhook.so: the part of pos that lives inside a `pos run` job (LD_PRELOAD).
+ *
+ * It does four things and nothing more (the copying happens outside the job, in pos):
+ *  1. owns the job's device memory: cuMemAlloc becomes exportable VMM memory (POSIX fd handles)
+ *     in address ranges that pos reserves, so that pos can import it from outside, and so that
+ *     the job can give the physical memory up (keeping the addresses) while the driver
+ *     checkpoints it and take it back afterwards;
+ *  2. the cut: hold every call that may enqueue GPU work, drain the calls already inside the
+ *     driver, synchronise the contexts;
+ *  3. the checkpoint gate: while pos copies, a call that may write a buffer not yet saved waits
+ *     for it (a kernel launch waits while any buffer is unsaved: pos's device-to-device shadow
+ *     at the cut usually saves them all);
+ *  4. the on-demand restore gate: a call that may read or write a buffer not back yet waits; a
+ *     kernel launch, for the buffers its parameters point into (launch_words).
+ *
+ * Calls reach the driver three ways, all interposed (interpose.c). No CUPTI: a process that
+ * subscribed CUPTI cannot be checkpointed by the driver.
+ *
+ * Control: a thread listens on the abstract unix socket "\0pos-agent-<pid>" (root peers only);
+ * protocol.md beside this file is the contract with pos/agent/control.py.
+ *
+ * One file per concern, this header what they share (nothing of it is exported: the library
+ * is built with -fvisibility=hidden, and only the driver's entry points, EXPORT, are seen):
+ *   abi.h       the driver's types           resolve.c   the driver's own functions
+ *   hooks.h/.c  the gated wrappers           interpose.c dlsym and cuGetProcAddress
+ *   table.c     owned and foreign memory     gate.c      the gate, phases, its statistics
+ *   cut.c       the cut, the collective cut  vmm.c       owned memory
+ *   alloc.c     cuMemAlloc/Free, slabs       wire.c      the socket's lines and descriptors
+ *   control.c   the thread, the requests     export.c    export, reseat
+ *   hoist.c     hoist, remap                 ops.c       done, phase moves, end
+ *   peer.c      other processes' memory the job maps (what the driver cannot restore)
+ */
+#ifndef POS_AGENT_H
+#define POS_AGENT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "abi.h"
+
+/* ---- the real driver (resolve.c) ----------------------------------------------------------- */
+void find_real_dlsym(void);
+extern void *(*real_dlsym)(void *, const char *);
+/* The driver's own `name`, looked up once into *slot. */
+void *real_of(void *volatile *slot, const char *name);
+
+static inline uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+static inline double secs(uint64_t ns) { return (double)ns / 1e9; }
+
+/* ---- what one call may touch (gate.c) ------------------------------------------------------ */
+/* Buffers it may write, buffers it may read, or everything; a kernel launch, whatever its
+ * parameters point into (see launch_words). */
+struct touch {
+    CUdeviceptr w[2], r[2];
+    int nw, nr, all;
+    CUfunction f; /* a launch: its kernel and parameters */
+    void **kp, **ex;
+    int launch;
+    const char *call; /* the driver function called */
+};
+#define T_NONE ((struct touch){.nw = 0})
+#define T_ALL ((struct touch){.all = 1})
+#define T_LAUNCH(fn, k, x) ((struct touch){.f = (fn), .kp = (k), .ex = (x), .launch = 1})
+#define T_W(a) ((struct touch){.w = {(a)}, .nw = 1})
+#define T_R(a) ((struct touch){.r = {(a)}, .nr = 1})
+#define T_WR(a, b) ((struct touch){.w = {(a)}, .nw = 1, .r = {(b)}, .nr = 1})
+
+/* ---- the driver's functions ------------------------------------------------------------------
+ * Those the gate wraps (hooks.h), and those with wrappers of their own or that the agent calls
+ * (OWN). Each has a slot for the driver's own function; the agent's own calls go there through
+ * DRV, never through a wrapper. */
+#include "hooks.h"
+
+#define OWN(X)                                                                                     \
+    X(cuInit)                                                                                      \
+    X(cuMemAlloc_v2)                                                                               \
+    X(cuMemFree_v2)                                                                                \
+    X(cuMemFreeAsync)                                                                              \
+    X(cuMemFreeAsync_ptsz)                                                                         \
+    X(cuGetProcAddress)                                                                            \
+    X(cuGetProcAddress_v2)                                                                         \
+    X(cuCtxGetCurrent)                                                                             \
+    X(cuCtxSetCurrent)                                                                             \
+    X(cuCtxGetDevice)                                                                              \
+    X(cuCtxSynchronize)                                                                            \
+    X(cuMemGetAllocationGranularity)                                                               \
+    X(cuMemAddressReserve)                                                                         \
+    X(cuMemAddressFree)                                                                            \
+    X(cuMemExportToShareableHandle)                                                                \
+    X(cuStreamSynchronize)                                                                         \
+    X(cuCtxGetLimit)                                                                               \
+    X(cuCtxSetLimit)                                                                               \
+    X(cuDeviceGetCount)                                                                            \
+    X(cuDeviceCanAccessPeer)                                                                       \
+    X(cuMemGetAddressRange_v2)
+#define DECLARE_OWN(name) extern void *volatile real_##name;
+OWN(DECLARE_OWN)
+
+EXPORT CUresult cuInit(unsigned flags);
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p);
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s);
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s);
+EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags);
+EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags,
+                                    int *status);
+CUresult cuCtxGetCurrent(CUcontext *c);
+CUresult cuCtxSetCurrent(CUcontext c);
+CUresult cuCtxGetDevice(CUdevice *d);
+CUresult cuCtxSynchronize(void);
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option);
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
+                             unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr p, size_t n);
+CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, int type,
+                                      unsigned long long flags);
+CUresult cuStreamSynchronize(CUstream s);
+CUresult cuCtxGetLimit(size_t *value, int limit);
+CUresult cuCtxSetLimit(int limit, size_t value);
+CUresult cuDeviceGetCount(int *n);
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer);
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+/* The driver's own function (a wrapper's too: cuMemCreate, cuMemMap, cuMemRelease,
+ * cuMemImportFromShareableHandle ...), for the agent's own calls: they pass no gate, and pos's
+ * re-imports of the job's own memory are not peer memory. */
+#define DRV(name) ((__typeof__(&name))real_of(&real_##name, #name))
+
+/* ---- the table of owned allocations (table.c) ---------------------------------------------- */
+enum { ST_NONE = 0, ST_PENDING = 1, ST_DONE = 2 }; /* per buffer, during one operation */
+struct owned {
+    CUdeviceptr va;
+    size_t size;                    /* what the job asked for */
+    size_t mapped;                  /* rounded to the granularity: reserved, created, mapped */
+    CUmemGenericAllocationHandle h; /* 0 while hoisted */
+    int fd;                         /* the descriptor it was mapped from, or -1: the driver
+                                       exports only handles it created, not imported ones */
+    int device;
+    int status;
+    int wanted;  /* a call waits for it now (pos copies or fills it first) */
+    int touched; /* a call let through a gate since the operation began may use it: the
+                    buffers the job needs first, which a restore of its image fills first */
+};
+
+enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };
+extern const char *const phase_name[];
+
+extern pthread_mutex_t mu; /* table, phase changes, stats */
+extern pthread_cond_t cv;  /* phase or a status changed */
+extern struct owned *tab;
+extern size_t ntab;
+extern size_t owned_bytes;
+extern uint64_t foreign_allocs, foreign_bytes; /* live allocations pos could not own */
+extern _Atomic int phase;
+extern _Atomic long inflight; /* calls past the gate, not yet out */
+extern long waiting;          /* calls waiting in the gate (mu) */
+extern size_t npending;       /* buffers ST_PENDING (mu) */
+extern CUcontext ctxs[16];
+extern int nctx;
+
+/* Caller holds mu for each. */
+long find(CUdeviceptr p);
+int insert(const struct owned *o);
+void drop(long i);
+void remember_ctx(CUcontext c);
+CUresult use_context(void);
+/* A live allocation pos does not own, made or gone (each takes mu). */
+void foreign_add(CUdeviceptr p, size_t n);
+void foreign_remove(CUdeviceptr p);
+
+/* ---- the gate (gate.c) and the cut (cut.c) ------------------------------------------------ */
+/* One call that waited: the address it waited for last (a parameter word of a launch, or a
+ * copy's address; 0: every buffer), how long, when it went on (from the operation's start),
+ * and what it was (the kernel's name, or the driver function's). */
+#define MAX_WAITS 16
+struct wait {
+    CUdeviceptr on;
+    uint64_t ns, end_ns;
+    char what[121]; /* a copy (the driver's goes with its module), JSON-safe */
+};
+struct stats {
+    uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
+    uint64_t held_all; /* calls that waited for every buffer (what they touch not known) */
+    int nwaits;        /* the operation's first MAX_WAITS waits */
+    struct wait waits[MAX_WAITS];
+};
+extern struct stats st;
+extern __thread int in_agent; /* the control thread's own driver calls pass untouched */
+
+void gate_enter(const struct touch *t);
+void gate_exit(void);
+const char *call_name(const struct touch *t);
+void set_phase(int p); /* caller holds mu */
+#define STATS_CAP 8192
+int stats_json(char *out, size_t cap); /* caller holds mu */
+
+extern long nccl_launches; /* (mu) */
+int is_nccl(const struct touch *t);
+void nccl_arrive(void);
+
+/* ---- owned memory (vmm.c) ------------------------------------------------------------------ */
+extern int owning;
+CUmemAllocationProp prop_for(int device);
+CUresult map_rw(CUdeviceptr va, size_t n, CUmemGenericAllocationHandle h, int device);
+CUresult unmap(CUdeviceptr va, size_t n);
+CUresult own_alloc(CUdeviceptr *out, size_t size, int whole);
+int own_free(CUdeviceptr p, CUresult *r);
+int is_owned(CUdeviceptr p);
+
+/* ---- peer memory (peer.c): what the job maps of other processes' memory ---------------- */
+/* The job's own calls, once the driver said yes (each takes mu). */
+void peer_imported(CUmemGenericAllocationHandle h);
+void peer_released(CUmemGenericAllocationHandle h);
+void peer_mapped(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h);
+void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n);
+void peer_unmapped(CUdeviceptr va, size_t size);
+void ipc_opened(CUdeviceptr va, const CUipcMemHandle *h, unsigned flags);
+void ipc_closed(CUdeviceptr va);
+/* Caller holds mu. */
+struct peer_count {
+    size_t maps, bytes, ipc;
+};
+struct peer_count peer_count(void);
+void build_peers(FILE *f);
+
+/* ---- the control socket (wire.c) ------------------------------------------------------------ */
+enum { MAX_FDS = 250 }; /* file descriptors per message (SCM_MAX_FD is 253) */
+
+struct conn {
+    int fd;
+    char buf[65536];
+    size_t len;
+    int fds[4096]; /* received descriptors not yet consumed, in order */
+    size_t nfds;
+};
+
+int rx(struct conn *c, int timeout_ms);
+int next_line(struct conn *c, char *line, size_t cap, int timeout_ms);
+int send_all(int fd, const char *s, size_t n);
+int reply(struct conn *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int fail(struct conn *c, const char *what);
+int send_fds(struct conn *c, const int *fds, size_t n);
+void reply_built(struct conn *c, void (*build)(FILE *));
+
+/* ---- the requests (cut.c, export.c, hoist.c, ops.c) ---------------------------------------- */
+void do_cut(struct conn *c, long timeout_ms, long at);
+void do_export(struct conn *c);
+void do_hoist(struct conn *c, const char *stack_arg);
+void do_remap(struct conn *c, size_t want, int then_restore);
+void mark_done(char *args);
+void do_move(struct conn *c, int from, int to);
+void do_end(struct conn *c);
+
+#endif

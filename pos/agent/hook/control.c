@@ -1,0 +1,243 @@
+/* The control thread: it listens on the abstract unix socket "\0pos-agent-<pid>" (root peers
+ * only), serves one connection at a time, one operation a connection, and dispatches its
+ * requests (protocol.md beside this file is the contract with pos/agent/control.py). It starts
+ * with the job's first cuInit. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "agent.h"
+
+static void note(const char *fmt, ...) {
+    if (!getenv("POS_HOOK_DEBUG"))
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "poshook[%d]: ", getpid());
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+static void do_status(struct conn *c) {
+    char s[STATS_CAP];
+    pthread_mutex_lock(&mu);
+    stats_json(s, sizeof(s));
+    size_t imported = 0; /* mapped back from pos's descriptors (their fd kept: see do_remap) */
+    for (size_t i = 0; i < ntab; i++)
+        imported += tab[i].fd >= 0;
+    struct peer_count peers = peer_count();
+    reply(c,
+          "{\"ok\":true,\"pid\":%d,\"phase\":\"%s\",\"buffers\":%zu,\"owned_bytes\":%zu,"
+          "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
+          "\"imported\":%zu,\"nccl_launches\":%ld,\"peer_maps\":%zu,\"peer_bytes\":%zu,"
+          "\"ipc_maps\":%zu,%s}",
+          getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
+          (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
+          atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, peers.maps,
+          peers.bytes, peers.ipc, s);
+    pthread_mutex_unlock(&mu);
+}
+
+/* The pending buffers that calls wait for now: pos copies (or fills) them first. */
+static void build_wanted(FILE *f) {
+    fputs("{\"ok\":true,\"vas\":[", f);
+    int k = 0;
+    for (size_t i = 0; i < ntab; i++)
+        if (tab[i].wanted && tab[i].status == ST_PENDING)
+            fprintf(f, "%s%llu", k++ ? "," : "", tab[i].va);
+    fputs("]}", f);
+}
+
+/* Version 2: each buffer an object of named fields (version 1, no `version` in the answer:
+ * arrays [va, size, mapped, device, present, touched]). */
+static void build_table(FILE *f) {
+    fprintf(f, "{\"ok\":true,\"version\":2,\"phase\":\"%s\",\"buffers\":[",
+            phase_name[atomic_load(&phase)]);
+    for (size_t i = 0; i < ntab; i++)
+        fprintf(f,
+                "%s{\"va\":%llu,\"size\":%zu,\"mapped\":%zu,\"device\":%d,\"present\":%s,"
+                "\"touched\":%s}",
+                i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped, tab[i].device,
+                tab[i].h ? "true" : "false", tab[i].touched ? "true" : "false");
+    fputs("]}", f);
+}
+
+/* The helper went away (EOF, error, or silence past the stall bound) in the middle of an
+ * operation: never leave the job held. A restore that released calls is half done: the job
+ * must not compute on a mix of restored and stale buffers, so it ends. While hoisted, the
+ * memory is pos's to give back: the calls stay held until a remap (the watchdog's). */
+static void abandon(const char *why) {
+    pthread_mutex_lock(&mu);
+    int ph = atomic_load(&phase);
+    if (ph == P_HOLD || ph == P_COPY)
+        set_phase(P_IDLE);
+    pthread_mutex_unlock(&mu);
+    if (ph == P_RESTORE) {
+        fprintf(stderr,
+                "pos: the restore of this process was abandonned (%s) with buffers not "
+                "back; ending the process\n",
+                why);
+        kill(getpid(), SIGKILL);
+    }
+}
+
+static int stall_ms(void) {
+    const char *s = getenv("POS_AGENT_STALL_S");
+    double v = s ? atof(s) : 60.0;
+    return v > 0 ? (int)(v * 1000) : 60000;
+}
+
+static void serve(int fd) {
+    struct conn *c = calloc(1, sizeof(*c));
+    if (!c) {
+        close(fd);
+        return;
+    }
+    c->fd = fd;
+    char line[65536];
+    int stall = stall_ms();
+    for (;;) {
+        int r = next_line(c, line, sizeof(line), stall);
+        if (r <= 0) {
+            char why[160];
+            if (r == 0)
+                snprintf(why, sizeof(why), "pos closed the connection");
+            else if (r == -2)
+                snprintf(why, sizeof(why), "pos sent nothing for %d s", stall / 1000);
+            else
+                snprintf(why, sizeof(why), "the connection failed (%s)", strerror(errno));
+            int ph = atomic_load(&phase); /* EOF when idle or hoisted: pos's protocol */
+            if (r != 0 || (ph != P_IDLE && ph != P_HOISTED))
+                fprintf(stderr, "pos: the control connection ended in phase %s: %s\n",
+                        phase_name[ph], why);
+            abandon(why);
+            break;
+        }
+        char *cmd = line + strspn(line, "+"); /* the bytes that carried descriptors */
+        char *args = strchr(cmd, ' ');
+        if (args)
+            *args++ = 0;
+        if (!strcmp(cmd, "status"))
+            do_status(c);
+        else if (!strcmp(cmd, "cut")) {
+            char *more = NULL;
+            long ms = args ? strtol(args, &more, 10) : stall;
+            do_cut(c, ms > 0 ? ms : stall, more && *more ? strtol(more, NULL, 10) : -1);
+        } else if (!strcmp(cmd, "table"))
+            reply_built(c, build_table);
+        else if (!strcmp(cmd, "wanted"))
+            reply_built(c, build_wanted);
+        else if (!strcmp(cmd, "peers"))
+            reply_built(c, build_peers);
+        else if (!strcmp(cmd, "export"))
+            do_export(c);
+        else if (!strcmp(cmd, "hoist"))
+            do_hoist(c, args);
+        else if (!strcmp(cmd, "remap"))
+            do_remap(c, args ? strtoul(args, NULL, 10) : 0, args && strstr(args, "restore"));
+        else if (!strcmp(cmd, "copy"))
+            do_move(c, P_HOLD, P_COPY);
+        else if (!strcmp(cmd, "restore"))
+            do_move(c, P_HOLD, P_RESTORE);
+        else if (!strcmp(cmd, "done"))
+            mark_done(args ? args : cmd + 4);
+        else if (!strcmp(cmd, "end"))
+            do_end(c);
+        else if (!strcmp(cmd, "bye")) {
+            reply(c, "{\"ok\":true}");
+            break;
+        } else
+            fail(c, "unknown request");
+    }
+    for (size_t i = 0; i < c->nfds; i++)
+        close(c->fds[i]);
+    close(fd);
+    free(c);
+}
+
+static void *control(void *arg) {
+    int ls = (int)(intptr_t)arg;
+    in_agent = 1;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* the job's signals go to its own threads */
+    for (;;) {
+        int fd = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            usleep(100000);
+            continue;
+        }
+        struct ucred cred;
+        socklen_t len = sizeof(cred);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) || cred.uid != 0) {
+            const char *no = "{\"ok\":false,\"error\":\"pos answers root only\"}\n";
+            send_all(fd, no, strlen(no));
+            close(fd);
+            continue;
+        }
+        serve(fd);
+    }
+    return NULL;
+}
+
+static pthread_once_t control_once = PTHREAD_ONCE_INIT;
+
+static void control_start_once(void) {
+    int ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int n = snprintf(a.sun_path + 1, sizeof(a.sun_path) - 1, "pos-agent-%d", getpid());
+    if (ls < 0 ||
+        bind(ls, (struct sockaddr *)&a,
+             (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) ||
+        listen(ls, 4)) {
+        fprintf(stderr,
+                "pos: the agent's control socket could not be opened (%s); this job "
+                "cannot be checkpointed by pos\n",
+                strerror(errno));
+        if (ls >= 0)
+            close(ls);
+        return;
+    }
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &at, control, (void *)(intptr_t)ls)) {
+        fprintf(stderr, "pos: the agent's control thread could not start\n");
+        close(ls);
+    }
+    pthread_attr_destroy(&at);
+    note("control socket @pos-agent-%d", getpid());
+}
+
+static void after_fork_child(void) {
+    /* the control thread is not forked: a child that uses CUDA starts its own */
+    pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    control_once = fresh;
+    atomic_store(&inflight, 0);
+}
+
+static void start_control(void) { pthread_once(&control_once, control_start_once); }
+
+EXPORT CUresult cuInit(unsigned flags) {
+    CUresult r = DRV(cuInit)(flags);
+    if (r == CUDA_SUCCESS)
+        start_control();
+    return r;
+}
+
+__attribute__((constructor)) static void init(void) {
+    find_real_dlsym();
+    const char *own = getenv("POS_OWN");
+    owning = !(own && !strcmp(own, "0"));
+    pthread_atfork(NULL, NULL, after_fork_child);
+}

@@ -1,0 +1,225 @@
+/* The gate: every wrapped call enters it, at once while no operation runs (one atomic add),
+ * else after waiting for what the phase requires: the cut and the hoist hold every call, the
+ * checkpoint's copy holds writes to buffers not yet saved, the restore holds reads and writes
+ * of buffers not back yet. */
+#include <ctype.h>
+#include <string.h>
+
+#include "agent.h"
+
+struct stats st;
+__thread int in_agent;
+
+static int pending(CUdeviceptr p) {
+    long i = find(p);
+    return i >= 0 && tab[i].status == ST_PENDING;
+}
+
+/* A launch's parameters as 8-byte words, the values its kernel may use as addresses: the
+ * restore gate lets it through once every buffer they point into is back (pos reports a buffer
+ * back only when the buffers its own bytes point into are back too, so that pointers kept in
+ * device memory count). The parameter sizes come from the driver (cuFuncGetParamInfo, or
+ * cuKernelGetParamInfo for a CUkernel handle), or from the `extra` buffer. -1 when they cannot
+ * be known, or are more than MAX_WORDS words: the launch then waits for every buffer. */
+#define MAX_WORDS 1024
+typedef CUresult (*param_info_fn)(void *, size_t, size_t *, size_t *);
+static void *volatile real_cuFuncGetParamInfo, *volatile real_cuKernelGetParamInfo;
+
+static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
+    for (size_t at = 0; at + sizeof(CUdeviceptr) <= size; at += sizeof(CUdeviceptr)) {
+        if (n == MAX_WORDS)
+            return -1;
+        memcpy(&words[n++], (const char *)p + at, sizeof(CUdeviceptr));
+    }
+    return n;
+}
+
+static int launch_words(const struct touch *t, CUdeviceptr *words) {
+    if (!t->kp) { /* the parameters' buffer and its size in `extra`, or none */
+        const void *buf = NULL;
+        size_t size = 0;
+        for (int i = 0; t->ex && i < 64 && t->ex[i]; i += 2) {
+            if (t->ex[i] == LAUNCH_PARAM_BUFFER_POINTER)
+                buf = t->ex[i + 1];
+            else if (t->ex[i] == LAUNCH_PARAM_BUFFER_SIZE && t->ex[i + 1])
+                size = *(const size_t *)t->ex[i + 1];
+        }
+        return buf ? add_words(words, 0, buf, size) : t->ex ? -1 : 0;
+    }
+    param_info_fn info = (param_info_fn)real_of(&real_cuFuncGetParamInfo, "cuFuncGetParamInfo");
+    size_t off, size;
+    CUresult r = info ? info(t->f, 0, &off, &size) : CUDA_ERROR_NOT_FOUND;
+    if (r != CUDA_SUCCESS) {
+        param_info_fn k =
+            (param_info_fn)real_of(&real_cuKernelGetParamInfo, "cuKernelGetParamInfo");
+        CUresult rk = k ? k(t->f, 0, &off, &size) : CUDA_ERROR_NOT_FOUND;
+        if (rk == CUDA_SUCCESS)
+            info = k, r = rk;
+        else /* both say "no parameter 0": a kernel without parameters */
+            return r == CUDA_ERROR_INVALID_VALUE && rk == CUDA_ERROR_INVALID_VALUE ? 0 : -1;
+    }
+    int n = 0;
+    for (size_t i = 0; r == CUDA_SUCCESS && n >= 0; r = info(t->f, ++i, &off, &size))
+        n = add_words(words, n, t->kp[i], size);
+    return n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
+}
+
+/* A pending buffer among `p`, or 0. Caller holds mu. */
+static CUdeviceptr first_pending(const CUdeviceptr *p, int n) {
+    for (int i = 0; i < n; i++)
+        if (pending(p[i]))
+            return p[i];
+    return 0;
+}
+
+/* Whether a call touching `t` must wait in the current phase; `words`: a launch's (nwords < 0:
+ * unknown). `*on`: the pending buffer it waits for (0: every buffer, or the phase holds all).
+ * Caller holds mu. */
+static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords, CUdeviceptr *on) {
+    *on = 0;
+    switch (atomic_load(&phase)) {
+    case P_IDLE:
+        return 0;
+    case P_COPY: /* writes wait for their buffer to be saved; reads pass; a launch may write
+                    any buffer its parameter words point into (pos reports a buffer saved only
+                    once the buffers its own bytes point into are saved too), and one whose
+                    parameters cannot be known waits for every buffer */
+        if (t->all || (t->launch && nwords < 0))
+            return npending > 0;
+        return (*on = first_pending(t->w, t->nw)) ||
+               (t->launch && (*on = first_pending(words, nwords)));
+    case P_RESTORE: /* reads and writes wait for their buffer to be back */
+        if (t->all || (t->launch && nwords < 0))
+            return npending > 0;
+        return (*on = first_pending(t->w, t->nw)) || (*on = first_pending(t->r, t->nr)) ||
+               (*on = first_pending(words, nwords));
+    default: /* the cut and the hoist hold everything */
+        return 1;
+    }
+}
+
+/* Mark the buffers a call let through a gate may use. Caller holds mu. */
+static void mark_touched(const struct touch *t, const CUdeviceptr *words, int nwords) {
+    const CUdeviceptr *lists[] = {t->w, t->r, words};
+    int counts[] = {t->nw, t->nr, nwords};
+    for (int k = 0; k < 3; k++)
+        for (int j = 0; j < counts[k]; j++) {
+            long i = find(lists[k][j]);
+            if (i >= 0)
+                tab[i].touched = 1;
+        }
+}
+
+/* The phases whose gate reads a launch's parameter words (the checkpoint's and the
+ * restore's); the cut and the hoist hold every call. */
+static int gated(int ph) { return ph == P_COPY || ph == P_RESTORE; }
+
+/* What a waiting call was, for the gate's account: a launch's kernel by name (cuFuncGetName,
+ * or cuKernelGetName for a CUkernel handle), else the driver function. */
+typedef CUresult (*name_fn)(const char **, void *);
+static void *volatile real_cuFuncGetName, *volatile real_cuKernelGetName;
+const char *call_name(const struct touch *t) {
+    const char *n = NULL;
+    if (t->launch) {
+        name_fn f = (name_fn)real_of(&real_cuFuncGetName, "cuFuncGetName");
+        name_fn k = (name_fn)real_of(&real_cuKernelGetName, "cuKernelGetName");
+        if (!(f && f(&n, t->f) == CUDA_SUCCESS && n) && !(k && k(&n, t->f) == CUDA_SUCCESS && n))
+            n = NULL;
+    }
+    return n ? n : t->call ? t->call : "?";
+}
+
+/* Enter the driver for a call touching `t`: at once when idle (one atomic add), else after
+ * waiting for what the phase requires. The add and the phase read are sequentially
+ * consistent, as the cut's store and drain: either the cut sees this call in flight and
+ * waits for it, or this call sees the cut and waits. */
+void gate_enter(const struct touch *t) {
+    if (in_agent)
+        return;
+    if (t->launch && is_nccl(t))
+        nccl_arrive();
+    atomic_fetch_add(&inflight, 1);
+    if (atomic_load(&phase) == P_IDLE)
+        return;
+    atomic_fetch_sub(&inflight, 1);
+    /* a launch's parameter words, asked of the driver once a gate is open (a call held since
+     * before, as in a job that CRIU restored, asks when it opens) */
+    CUdeviceptr words[MAX_WORDS];
+    int asked = t->launch && gated(atomic_load(&phase));
+    int nwords = asked ? launch_words(t, words) : -1;
+    CUdeviceptr on, last = 0;
+    pthread_mutex_lock(&mu);
+    if (must_wait(t, words, nwords, &on)) {
+        uint64_t t0 = now_ns();
+        waiting++;
+        do {
+            last = on;
+            long w = on ? find(on) : -1;
+            if (w >= 0)
+                tab[w].wanted = 1;
+            pthread_cond_wait(&cv, &mu);
+            if (t->launch && !asked && gated(atomic_load(&phase)))
+                asked = 1, nwords = launch_words(t, words);
+        } while (must_wait(t, words, nwords, &on));
+        waiting--;
+        pthread_cond_broadcast(&cv);
+        /* a wait begun before this operation (a job restored by CRIU while its calls were
+         * held) counts from the operation's start */
+        uint64_t waited = now_ns() - (t0 > st.started_ns ? t0 : st.started_ns);
+        st.held++;
+        st.held_ns += waited;
+        st.held_all += last == 0;
+        if (waited > st.held_max_ns)
+            st.held_max_ns = waited;
+        if (st.nwaits < MAX_WAITS) {
+            struct wait *w = &st.waits[st.nwaits++];
+            *w = (struct wait){.on = last, .ns = waited, .end_ns = now_ns() - st.started_ns};
+            /* names are C identifiers, mangled: anything else becomes '?' */
+            size_t k = 0;
+            for (const char *c = call_name(t); *c && k < sizeof(w->what) - 1; c++)
+                w->what[k++] = isalnum((unsigned char)*c) || *c == '_' ? *c : '?';
+        }
+    }
+    if (asked || gated(atomic_load(&phase))) /* what it may use (unknown words: nothing) */
+        mark_touched(t, words, nwords);
+    st.passed++;
+    if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
+        st.first_pass_ns = now_ns();
+    atomic_fetch_add(&inflight, 1);
+    pthread_mutex_unlock(&mu);
+}
+
+void gate_exit(void) {
+    if (!in_agent)
+        atomic_fetch_sub(&inflight, 1);
+}
+
+void set_phase(int p) { /* caller holds mu */
+    if (p == P_IDLE) {
+        for (size_t i = 0; i < ntab; i++)
+            tab[i].status = ST_NONE, tab[i].wanted = 0;
+        npending = 0;
+    }
+    if (p == P_HOLD || p == P_RESTORE) /* an operation begins: what it sees is its own */
+        for (size_t i = 0; i < ntab; i++)
+            tab[i].touched = 0;
+    atomic_store(&phase, p);
+    pthread_cond_broadcast(&cv);
+}
+
+int stats_json(char *out, size_t cap) {
+    size_t n = snprintf(out, cap,
+                        "\"held\":%llu,\"held_s\":%.6f,\"held_max_s\":%.6f,\"passed\":%llu,"
+                        "\"first_pass_s\":%.6f,\"held_all\":%llu,\"waits\":[",
+                        (unsigned long long)st.held, secs(st.held_ns), secs(st.held_max_ns),
+                        (unsigned long long)st.passed,
+                        st.first_pass_ns ? secs(st.first_pass_ns - st.started_ns) : -1.0,
+                        (unsigned long long)st.held_all);
+    for (int i = 0; i < st.nwaits && n < cap; i++)
+        n += snprintf(out + n, cap - n, "%s{\"on\":%llu,\"s\":%.6f,\"end_s\":%.6f,\"what\":\"%s\"}",
+                      i ? "," : "", (unsigned long long)st.waits[i].on, secs(st.waits[i].ns),
+                      secs(st.waits[i].end_ns), st.waits[i].what);
+    if (n < cap)
+        n += snprintf(out + n, cap - n, "]");
+    return n;
+}

@@ -1,0 +1,126 @@
+/* The hoist (the job gives its physical memory up to pos, keeping the addresses) and the
+ * remap (it maps pos's descriptors back at the same addresses). */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent.h"
+
+/* The context's local memory is its per-thread stack times every thread the GPU can hold
+ * (264 MiB for 1 KiB on the H100), and the driver's checkpoint copies it like any memory, in
+ * the job's stall. So while the memory is given up the stack is set to `bytes` (the driver
+ * grows it again at a launch that needs more), and the remap sets it back to what it was
+ * (stack_kept, which CRIU keeps for a restore in a new process). Caller holds mu, context
+ * current. The driver's answer, or -1 when it has no such call. */
+static size_t stack_kept;
+
+static int shrink_stack(size_t bytes) {
+    __typeof__(&cuCtxGetLimit) get = DRV(cuCtxGetLimit);
+    __typeof__(&cuCtxSetLimit) set = DRV(cuCtxSetLimit);
+    size_t was = 0;
+    if (!get || !set || get(&was, LIMIT_STACK) != CUDA_SUCCESS || was <= bytes)
+        return -1;
+    int r = set(LIMIT_STACK, bytes);
+    if (r == CUDA_SUCCESS)
+        stack_kept = was;
+    return r;
+}
+
+static int grow_stack_back(void) {
+    __typeof__(&cuCtxSetLimit) set = DRV(cuCtxSetLimit);
+    int r = stack_kept && set ? set(LIMIT_STACK, stack_kept) : CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS)
+        stack_kept = 0;
+    return r;
+}
+
+/* Give up the physical memory (the helper holds it), keeping the addresses: phase hoisted. */
+void do_hoist(struct conn *c, const char *stack_arg) {
+    pthread_mutex_lock(&mu);
+    if (atomic_load(&phase) != P_HOLD) {
+        pthread_mutex_unlock(&mu);
+        fail(c, "hoist needs the cut first");
+        return;
+    }
+    CUresult r = use_context();
+    size_t released = 0, bytes = 0;
+    set_phase(P_HOISTED);
+    for (size_t i = 0; i < ntab && r == CUDA_SUCCESS; i++) {
+        if (!tab[i].h)
+            continue;
+        if ((r = unmap(tab[i].va, tab[i].mapped)) == CUDA_SUCCESS &&
+            (r = DRV(cuMemRelease)(tab[i].h)) == CUDA_SUCCESS) {
+            tab[i].h = 0;
+            if (tab[i].fd >= 0) /* CRIU cannot dump it; pos holds its own */
+                close(tab[i].fd), tab[i].fd = -1;
+            released++, bytes += tab[i].mapped;
+        }
+    }
+    int stack_rc = r == CUDA_SUCCESS && stack_arg ? shrink_stack(strtoull(stack_arg, NULL, 0)) : -1;
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS)
+        reply(c,
+              "{\"ok\":false,\"error\":\"giving the memory up failed with CUresult %d after "
+              "%zu buffers\"}",
+              r, released);
+    else
+        reply(c, "{\"ok\":true,\"released\":%zu,\"bytes\":%zu,\"stack\":%zu,\"stack_rc\":%d}",
+              released, bytes, stack_kept, stack_rc);
+}
+
+/* Map the descriptors that came with the request at the table's addresses: phase hold, or
+ * with `restore` straight into the restore gate (memory that pos is still filling: should pos
+ * go away at any moment after this, the job must not run on it). */
+void do_remap(struct conn *c, size_t want, int then_restore) {
+    while (c->nfds < want) {
+        int r = rx(c, 30000);
+        if (r <= 0) {
+            fail(c, "remap: fewer descriptors came than announced");
+            return;
+        }
+    }
+    pthread_mutex_lock(&mu);
+    CUresult r = want == ntab ? use_context() : CUDA_ERROR_INVALID_VALUE;
+    size_t mapped = 0;
+    for (size_t i = 0; i < ntab && r == CUDA_SUCCESS; i++) {
+        if (tab[i].h)
+            continue; /* never given up */
+        CUmemGenericAllocationHandle h = 0;
+        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)c->fds[i], HANDLE_POSIX_FD);
+        if (r == CUDA_SUCCESS && (r = map_rw(tab[i].va, tab[i].mapped, h, tab[i].device)))
+            DRV(cuMemRelease)(h);
+        if (r == CUDA_SUCCESS) {
+            tab[i].h = h, mapped++;
+            tab[i].fd = c->fds[i], c->fds[i] = -1; /* kept for the next export */
+        }
+    }
+    int all = 1;
+    for (size_t i = 0; i < ntab; i++)
+        all &= tab[i].h != 0;
+    uint64_t t0 = now_ns(); /* not fatal: the driver grows the stack at a launch anyway */
+    int stack_rc = all && r == CUDA_SUCCESS ? grow_stack_back() : CUDA_SUCCESS;
+    double stack_s = secs(now_ns() - t0);
+    if (all && atomic_load(&phase) == P_HOISTED && then_restore) {
+        memset(&st, 0, sizeof(st));
+        st.started_ns = now_ns();
+        for (size_t i = 0; i < ntab; i++)
+            tab[i].status = ST_PENDING;
+        npending = ntab;
+        set_phase(P_RESTORE);
+    } else if (all && atomic_load(&phase) == P_HOISTED) {
+        set_phase(P_HOLD);
+    }
+    pthread_mutex_unlock(&mu);
+    for (size_t i = 0; i < c->nfds; i++)
+        if (c->fds[i] >= 0)
+            close(c->fds[i]);
+    c->nfds = 0;
+    if (r != CUDA_SUCCESS)
+        reply(c,
+              "{\"ok\":false,\"error\":\"remap failed with CUresult %d (%zu of %zu buffers "
+              "announced, %zu in the table)\"}",
+              r, want, want, ntab);
+    else
+        reply(c, "{\"ok\":true,\"mapped\":%zu,\"stack_s\":%.6f,\"stack_rc\":%d}", mapped, stack_s,
+              stack_rc);
+}
