@@ -260,6 +260,7 @@ class Driver(Functions):
         self._lock = threading.Lock()
 
     def _check(self, code: int, fn: Any, _args: tuple) -> int:
+        """ctypes' errcheck of every checked function: a failure raises, with the driver's name."""
         if code != CUDA_SUCCESS:
             raise DriverError(fn.__name__, code, self.error_name(code))
         return code
