@@ -49,6 +49,7 @@ Each part writes DIR/<part>.json (device, driver, date, command, commit) and pri
 """
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -66,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
 from pos.agent.control import Agent, Buffer  # noqa: E402
+from pos.driver import CUdeviceptr  # noqa: E402
 from pos.image import gpuindex  # noqa: E402
 from pos.scheduler import concurrent, cudackpt, gpucopy  # noqa: E402
 from pos.scheduler.concurrent.fill import fill, fill_order  # noqa: E402
@@ -241,8 +243,8 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
                    key=lambda b: b.va)
     dest = []
     for b in table:
-        ptr = gpucopy.U64()
-        drv.call("cuMemAlloc_v2", gpucopy.C.byref(ptr), gpucopy.SZ(b.size))
+        ptr = CUdeviceptr()
+        drv.cuMemAlloc_v2(ctypes.byref(ptr), b.size)
         dest.append(ptr.value)
     mine = {b.va: saved[b.va] for b in table}
     res["staging_gbps"] = staging_fill(drv, table, dest, mine, threads)
@@ -257,7 +259,7 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
         res[f"ring_{n}_{piece >> 10}_{depth}_{how}_gbps"] = round(copy.gbps, 2)
     res["staging_again_gbps"] = staging_fill(drv, table, dest, mine, threads)
     for ptr in dest:
-        drv.call("cuMemFree_v2", gpucopy.U64(ptr))
+        drv.cuMemFree_v2(ptr)
     maps = gpuimage.Maps()
     try:
         floors(chunks, threads, biggest, maps, res)
@@ -293,7 +295,7 @@ def floors(chunks: list[tuple[Path, dict[str, Any]]], threads: int, biggest: int
                     return
                 if mode == "map_hash":
                     at = maps.address(folder, c) + c["at"]
-                    checksum(np.ctypeslib.as_array((gpucopy.C.c_uint8 * c["raw"])
+                    checksum(np.ctypeslib.as_array((ctypes.c_uint8 * c["raw"])
                                                    .from_address(at)))
                     return
                 path = str(folder / c["file"])
@@ -335,8 +337,7 @@ def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int
                 opened.append(local.fds)
         gpuimage.read_chunk_into(saved[table[i].va][0], chunk_of[(i, off)],
                                  staging.view(local.at, k), local.fds)
-        drv.call("cuMemcpyHtoDAsync_v2", gpucopy.U64(dest[i] + off),
-                 gpucopy.C.c_void_p(staging.ptr + local.at), gpucopy.SZ(k), stream)
+        drv.cuMemcpyHtoDAsync_v2(dest[i] + off, staging.ptr + local.at, k, stream)
 
     try:
         seconds = gpucopy.run_chunks(drv, work, len(table), n, one)

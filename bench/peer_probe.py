@@ -5,7 +5,7 @@ what a process that shares it shows from outside (two GPUs, as root).
 
 Two parts, each row in DIR/peer-probe.json:
   minimal  two small processes that share memory the ways NCCL does, through the driver API
-           alone (ctypes): a cuMem allocation exported as a file descriptor and mapped by the
+           alone (pos.driver): a cuMem allocation exported as a file descriptor and mapped by the
            peer (on the other GPU, and on the same GPU), a legacy cuIpcOpenMemHandle, a
            /dev/shm buffer registered with cuMemHostRegister in both; each time one process is
            taken through lock -> checkpoint -> restore -> unlock from outside and asked whether
@@ -36,72 +36,39 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pos.driver import (  # noqa: E402
+    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    CU_MEM_LOCATION_TYPE_DEVICE, CU_MEMHOSTREGISTER_DEVICEMAP, CU_MEMHOSTREGISTER_PORTABLE,
+    CUdeviceptr, CUipcMemHandle, CUmemAccessDesc, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUmemLocation, Driver)
+
 SIZE = 64 << 20
 PATTERN = 0x5A
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-# --- the child processes: the driver API through ctypes ------------------------------------
+# --- the child processes: the driver API alone ------------------------------------------------
 
-class Cu:
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-
-    def __call__(self, name: str, *args: Any) -> None:
-        rc = getattr(self.lib, name)(*args)
-        if rc != 0:
-            raise RuntimeError(f"{name}: CUresult {rc}")
+POSIX_FD = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+HOST_FLAGS = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
 
 
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class AllocProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
-                ("location", Location), ("win32HandleMetaData", ctypes.c_void_p),
-                ("allocFlags", AllocFlags)]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
-
-class IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
-
-
-LOC_DEVICE, PINNED, POSIX_FD, RW = 1, 1, 1, 3
-
-
-def _context(cu: Cu, dev: int) -> None:
-    cu("cuInit", 0)
-    d, ctx = ctypes.c_int(), ctypes.c_void_p()
-    cu("cuDeviceGet", ctypes.byref(d), dev)
-    cu("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), d)
-    cu("cuCtxSetCurrent", ctx)
-
-
-def _map(cu: Cu, handle: ctypes.c_uint64, dev: int, at: int = 0) -> int:
-    ptr = ctypes.c_uint64(at)
+def _map(cu: Driver, handle: CUmemGenericAllocationHandle, dev: int, at: int = 0) -> int:
+    ptr = CUdeviceptr(at)
     if not at:
-        cu("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(SIZE), ctypes.c_size_t(0),
-           ctypes.c_uint64(0), ctypes.c_uint64(0))
-    cu("cuMemMap", ptr, ctypes.c_size_t(SIZE), ctypes.c_size_t(0), handle, ctypes.c_uint64(0))
-    desc = AccessDesc(Location(LOC_DEVICE, dev), RW)
-    cu("cuMemSetAccess", ptr, ctypes.c_size_t(SIZE), ctypes.byref(desc), ctypes.c_size_t(1))
+        cu.cuMemAddressReserve(ctypes.byref(ptr), SIZE, 0, 0, 0)
+    cu.cuMemMap(ptr, SIZE, 0, handle, 0)
+    desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, dev),
+                           CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    cu.cuMemSetAccess(ptr, SIZE, ctypes.byref(desc), 1)
     return ptr.value
 
 
-def _reads(cu: Cu, ptr: int) -> bool:
+def _reads(cu: Driver, ptr: int) -> bool:
     buf = (ctypes.c_ubyte * 4096)()
-    cu("cuMemcpyDtoH_v2", buf, ctypes.c_uint64(ptr), ctypes.c_size_t(4096))
+    cu.cuMemcpyDtoH_v2(buf, ptr, 4096)
     return all(b == PATTERN for b in buf)
 
 
@@ -122,23 +89,23 @@ def child(role: str, kind: str, dev: int, sock: str, state: str) -> None:
     """owner: makes the memory and hands it out; importer: maps the owner's. Both then say
     every 0.1 s in STATE whether they can still read it; files named in STATE's folder drive
     the takedown."""
-    cu = Cu()
-    _context(cu, dev)
+    cu = Driver()
+    cu.primary_context(dev)
     folder = Path(state).parent
-    ptr, handle = 0, ctypes.c_uint64()
+    ptr, handle = 0, CUmemGenericAllocationHandle()
     shm: Optional[mmap.mmap] = None
     if role == "owner":
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(sock)
         srv.listen(4)
         if kind in ("import", "takedown"):
-            prop = AllocProp(PINNED, POSIX_FD, Location(LOC_DEVICE, dev))
-            cu("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(SIZE), ctypes.byref(prop),
-               ctypes.c_uint64(0))
+            prop = CUmemAllocationProp(CU_MEM_ALLOCATION_TYPE_PINNED, POSIX_FD,
+                                       CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, dev))
+            cu.cuMemCreate(ctypes.byref(handle), SIZE, ctypes.byref(prop), 0)
             ptr = _map(cu, handle, dev)
         elif kind == "ipc":
-            p = ctypes.c_uint64()
-            cu("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(SIZE))
+            p = CUdeviceptr()
+            cu.cuMemAlloc_v2(ctypes.byref(p), SIZE)
             ptr = p.value
         if kind == "shm":
             fd = os.open(f"/dev/shm/pos-probe-{os.getpid()}", os.O_CREAT | os.O_RDWR, 0o600)
@@ -146,10 +113,10 @@ def child(role: str, kind: str, dev: int, sock: str, state: str) -> None:
             shm = mmap.mmap(fd, SIZE)
             shm.write(bytes([PATTERN]) * 4096)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(shm))
-            cu("cuMemHostRegister_v2", ctypes.c_void_p(addr), ctypes.c_size_t(SIZE), 3)
+            cu.cuMemHostRegister_v2(addr, SIZE, HOST_FLAGS)
         else:
-            cu("cuMemsetD8_v2", ctypes.c_uint64(ptr), ctypes.c_ubyte(PATTERN), ctypes.c_size_t(SIZE))
-            cu("cuCtxSynchronize")
+            cu.cuMemsetD8_v2(ptr, PATTERN, SIZE)
+            cu.cuCtxSynchronize()
         Path(folder, "owner-ready").write_text(str(os.getpid()))
         srv.settimeout(0.1)
 
@@ -161,14 +128,13 @@ def child(role: str, kind: str, dev: int, sock: str, state: str) -> None:
             with conn:
                 if kind in ("import", "takedown"):
                     fd = ctypes.c_int()
-                    cu("cuMemExportToShareableHandle", ctypes.byref(fd), handle, POSIX_FD,
-                       ctypes.c_uint64(0))
+                    cu.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0)
                     _send_fd(conn, fd.value)
                     os.close(fd.value)
                 elif kind == "ipc":
-                    h = IpcHandle()
-                    cu("cuIpcGetMemHandle", ctypes.byref(h), ctypes.c_uint64(ptr))
-                    conn.sendall(bytes(h.reserved).ljust(64, b"\0"))
+                    h = CUipcMemHandle()
+                    cu.cuIpcGetMemHandle(ctypes.byref(h), ptr)
+                    conn.sendall(bytes(h))
                 elif kind == "shm":
                     shm_fd = os.open(f"/dev/shm/pos-probe-{os.getpid()}", os.O_RDWR)
                     _send_fd(conn, shm_fd)
@@ -184,24 +150,23 @@ def child(role: str, kind: str, dev: int, sock: str, state: str) -> None:
     conn.connect(sock)
     if kind in ("import", "takedown"):
         fd, _ = _recv_fd(conn)
-        cu("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD)
+        cu.cuMemImportFromShareableHandle(ctypes.byref(handle), fd, POSIX_FD)
         os.close(fd)
         ptr = _map(cu, handle, dev)
     elif kind == "ipc":
         raw = b""
         while len(raw) < 64:
             raw += conn.recv(64 - len(raw))
-        h = IpcHandle()
-        ctypes.memmove(ctypes.addressof(h), raw, 64)
-        p = ctypes.c_uint64()
-        cu("cuIpcOpenMemHandle_v2", ctypes.byref(p), h, 1)
+        h = CUipcMemHandle.from_buffer_copy(raw)
+        p = CUdeviceptr()
+        cu.cuIpcOpenMemHandle_v2(ctypes.byref(p), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         ptr = p.value
     elif kind == "shm":
         fd, _ = _recv_fd(conn)
         shm = mmap.mmap(fd, SIZE)
         os.close(fd)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(shm))
-        cu("cuMemHostRegister_v2", ctypes.c_void_p(addr), ctypes.c_size_t(SIZE), 3)
+        cu.cuMemHostRegister_v2(addr, SIZE, HOST_FLAGS)
     conn.close()
     Path(folder, "importer-ready").write_text(str(os.getpid()))
     tick = 0
@@ -209,8 +174,8 @@ def child(role: str, kind: str, dev: int, sock: str, state: str) -> None:
     while True:
         tick += 1
         if kind == "takedown" and mapped and Path(folder, "down").exists():
-            cu("cuMemUnmap", ctypes.c_uint64(ptr), ctypes.c_size_t(SIZE))
-            cu("cuMemRelease", handle)
+            cu.cuMemUnmap(ptr, SIZE)
+            cu.cuMemRelease(handle)
             mapped = False
             Path(folder, "down-ok").write_text("1")
         if kind == "takedown" and not mapped and Path(folder, "up").exists():
@@ -218,8 +183,7 @@ def child(role: str, kind: str, dev: int, sock: str, state: str) -> None:
             c2.connect(sock)
             fd, _ = _recv_fd(c2)
             c2.close()
-            cu("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),
-               POSIX_FD)
+            cu.cuMemImportFromShareableHandle(ctypes.byref(handle), fd, POSIX_FD)
             os.close(fd)
             _map(cu, handle, dev, at=ptr)
             mapped = True

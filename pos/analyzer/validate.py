@@ -48,7 +48,7 @@ class Validator:
         self.kernels: dict[str, KernelRecord] = {}
         self._pinned = ctypes.c_void_p()
         if self.drv.has("cuMemAllocHost_v2"):
-            self.drv.call("cuMemAllocHost_v2", ctypes.byref(self._pinned), ctypes.c_size_t(chunk))
+            self.drv.cuMemAllocHost_v2(ctypes.byref(self._pinned), chunk)
             raw = (ctypes.c_uint8 * chunk).from_address(self._pinned.value)
             self._host = np.frombuffer(raw, np.uint8)
         else:
@@ -56,21 +56,20 @@ class Validator:
 
     def close(self) -> None:
         if self._pinned.value:
-            self.drv.call("cuMemFreeHost", self._pinned)
+            self.drv.cuMemFreeHost(self._pinned)
             self._pinned = ctypes.c_void_p()
 
     def _hash(self, base: int, size: int) -> int:
         h = np.uint64(size)
         for at in range(0, size, self.chunk):
             n = min(self.chunk, size - at)
-            self.drv.call("cuMemcpyDtoH_v2", ctypes.c_void_p(self._host.ctypes.data),
-                          ctypes.c_uint64(base + at), ctypes.c_size_t(n))
+            self.drv.cuMemcpyDtoH_v2(self._host.ctypes.data, base + at, n)
             h = np.uint64(fold(self._host[:n], int(h)))
         return int(h)
 
     def snapshot(self, allocations: Iterable[tuple[int, int]]) -> dict[int, int]:
         """{base: hash} of every (base, size) given, after the context's work has finished."""
-        self.drv.call("cuCtxSynchronize")
+        self.drv.cuCtxSynchronize()
         return {base: self._hash(base, size) for base, size in allocations}
 
     @staticmethod

@@ -28,6 +28,7 @@ import numpy as np
 
 from pos import host
 from pos.agent.control import Buffer
+from pos.driver import Driver
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 from pos.scheduler import gpucopy
@@ -84,7 +85,7 @@ class Copier:
     the host's memory); watch(agent) asks the job's agent what its calls wait for, and copies
     that first."""
 
-    def __init__(self, drv: Any, table: list[Buffer], sources: list[int], shadowed: set[int],
+    def __init__(self, drv: Driver, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
                  handout: Handout, writers: int, frozen_copy: str = "unshadowed") -> None:
         """`frozen_copy`: what the copy takes while the job is frozen (Settings.frozen_copy:
@@ -96,8 +97,7 @@ class Copier:
         self.writer, self.handout, self.streams = writer, handout, streams
         self.shadowed = frozenset(shadowed)
         self.frozen_copy = frozen_copy
-        self.ctx = gpucopy.C.c_void_p()        # the caller's context, for the copy's threads
-        drv.call("cuCtxGetCurrent", gpucopy.C.byref(self.ctx))
+        self.ctx = gpucopy.current(drv)        # the caller's context, for the copy's threads
         rank = {i: k for k, i in enumerate(sorted(range(len(table)), key=lambda i: (
             i in shadowed, table[i].size, i)))}
         self.work = sorted(gpucopy.grid([b.size for b in table], chunk),
@@ -194,9 +194,9 @@ class Copier:
                 self.shadow_go.wait()
             slot = self._slot()
             try:
-                self.drv.call("cuMemcpyDtoHAsync_v2", gpucopy.C.c_void_p(self.arena.ptr + slot),
-                              gpucopy.U64(self.sources[i] + off), gpucopy.SZ(n), stream)
-                self.drv.call("cuStreamSynchronize", stream)
+                self.drv.cuMemcpyDtoHAsync_v2(self.arena.ptr + slot, self.sources[i] + off, n,
+                                              stream)
+                self.drv.cuStreamSynchronize(stream)
             except BaseException:
                 self.slots.put(slot)
                 raise
@@ -205,7 +205,7 @@ class Copier:
             self.scans.put((i, off, n, slot))
 
         try:
-            self.drv.call("cuCtxSetCurrent", self.ctx)
+            self.drv.cuCtxSetCurrent(self.ctx)
             gpucopy.run_chunks(self.drv, self.work, len(self.table), self.streams, one,
                                self.handout.captured, self.order)
             self.d2h_s = time.monotonic() - self.t0

@@ -3,51 +3,25 @@ called from outside the target through `pos.driver`, which checks every CUresult
 
 A target goes RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED (its device memory copied
 into host memory, no /dev/nvidia* left open: CRIU can dump it) --restore--> LOCKED --unlock-->
-RUNNING. The argument structs mirror cuda.h of CUDA 13 (see tests/fakegpu/libcuda.c).
+RUNNING. The argument structs are pos.driver's (cuda.h of CUDA 13).
 """
 
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
-from pos.driver import DriverError, driver
+from pos.driver import (CU_PROCESS_STATE_CHECKPOINTED, CU_PROCESS_STATE_FAILED,
+                        CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_RUNNING,
+                        CUDA_ERROR_NOT_INITIALIZED, CUcheckpointCheckpointArgs,
+                        CUcheckpointGpuPair, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
+                        CUcheckpointUnlockArgs, CUprocessState, Driver, DriverError, driver, hint)
 from pos.scheduler import procs
 
-CUDA_ERROR_NOT_INITIALIZED = 3
-STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+STATES = {CU_PROCESS_STATE_RUNNING: "running", CU_PROCESS_STATE_LOCKED: "locked",
+          CU_PROCESS_STATE_CHECKPOINTED: "checkpointed", CU_PROCESS_STATE_FAILED: "failed"}
 
 
-class LockArgs(ctypes.Structure):
-    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
-                ("reserved1", ctypes.c_uint64 * 7)]
-
-
-class CheckpointArgs(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
-
-
-class Uuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
-
-
-class GpuPair(ctypes.Structure):
-    _fields_ = [("oldUuid", Uuid), ("newUuid", Uuid)]
-
-
-class RestoreArgs(ctypes.Structure):
-    _fields_ = [("gpuPairs", ctypes.POINTER(GpuPair)), ("gpuPairsCount", ctypes.c_uint),
-                ("reserved", ctypes.c_char * 44), ("reserved1", ctypes.c_uint64)]
-
-
-class UnlockArgs(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
-
-
-for _s in (LockArgs, CheckpointArgs, RestoreArgs, UnlockArgs):
-    assert ctypes.sizeof(_s) == 64, _s
-
-
-def _drv():
+def _drv() -> Driver:
     d = driver()
     d.init()
     return d
@@ -55,15 +29,15 @@ def _drv():
 
 def lock(pid: int, timeout_ms: int) -> None:
     """Block the target's CUDA calls once its in-flight work is done (or fail after timeout)."""
-    args = LockArgs(timeoutMs=timeout_ms)
-    _drv().call("cuCheckpointProcessLock", pid, ctypes.byref(args),
-                fix=f"the process's CUDA work did not drain within {timeout_ms} ms; retry, or "
-                    "give a longer --lock-timeout")
+    args, d = CUcheckpointLockArgs(timeoutMs=timeout_ms), _drv()
+    with hint(f"the process's CUDA work did not drain within {timeout_ms} ms; retry, or give a "
+              "longer --lock-timeout"):
+        d.cuCheckpointProcessLock(pid, ctypes.byref(args))
 
 
 def checkpoint(pid: int) -> None:
     """Copy the locked target's device memory to host memory and release its GPU."""
-    _drv().call("cuCheckpointProcessCheckpoint", pid, ctypes.byref(CheckpointArgs()))
+    _drv().cuCheckpointProcessCheckpoint(pid, ctypes.byref(CUcheckpointCheckpointArgs()))
 
 
 def uuid_bytes(uuid: str) -> bytes:
@@ -77,21 +51,22 @@ def uuid_bytes(uuid: str) -> bytes:
 
 def restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
     """Bring the device memory back (onto other GPUs when `gpu_pairs` maps old -> new UUIDs)."""
-    args = RestoreArgs()
-    pairs = (GpuPair * len(gpu_pairs))()
+    args = CUcheckpointRestoreArgs()
+    pairs = (CUcheckpointGpuPair * len(gpu_pairs))()
     for i, (old, new) in enumerate(gpu_pairs):
         pairs[i].oldUuid.bytes[:] = list(uuid_bytes(old))
         pairs[i].newUuid.bytes[:] = list(uuid_bytes(new))
     if gpu_pairs:
-        args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(GpuPair))
+        args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(CUcheckpointGpuPair))
         args.gpuPairsCount = len(gpu_pairs)
-    _drv().call("cuCheckpointProcessRestore", pid, ctypes.byref(args),
-                fix="the GPU could not take the state back; the process was not resumed")
+    d = _drv()
+    with hint("the GPU could not take the state back; the process was not resumed"):
+        d.cuCheckpointProcessRestore(pid, ctypes.byref(args))
 
 
 def unlock(pid: int) -> None:
     """Let the target's CUDA calls run again."""
-    _drv().call("cuCheckpointProcessUnlock", pid, ctypes.byref(UnlockArgs()))
+    _drv().cuCheckpointProcessUnlock(pid, ctypes.byref(CUcheckpointUnlockArgs()))
 
 
 def each(pids: Sequence[int], call: Callable[[int], None]) -> None:
@@ -110,8 +85,8 @@ def each(pids: Sequence[int], call: Callable[[int], None]) -> None:
 
 def get_state(pid: int) -> str:
     """running, locked, checkpointed or failed."""
-    out = ctypes.c_int()
-    _drv().call("cuCheckpointProcessGetState", pid, ctypes.byref(out))
+    out = CUprocessState()
+    _drv().cuCheckpointProcessGetState(pid, ctypes.byref(out))
     return STATES.get(out.value, f"state {out.value}")
 
 

@@ -16,45 +16,32 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from pos.agent.control import Buffer
-from pos.driver import Driver, DriverError, driver
+from pos.driver import (CU_EVENT_DISABLE_TIMING, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                        CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        CU_MEM_LOCATION_TYPE_DEVICE, CU_STREAM_NON_BLOCKING, CUcontext,
+                        CUdevice, CUdeviceptr, CUevent, CUmemAccessDesc, CUmemAllocationProp,
+                        CUmemGenericAllocationHandle, CUmemLocation, CUstream, CUuuid, Driver,
+                        DriverError, driver)
 from pos.errors import PosError
 
 if TYPE_CHECKING:     # imported where used: a restore makes its context and memory beside
     import numpy as np    # CRIU first, and numpy took 0.15 s of that on the H100 host
 
 C = ctypes
-U64, SZ = C.c_uint64, C.c_size_t
-HANDLE_POSIX_FD = 1
-
-
-class _Loc(C.Structure):
-    _fields_ = [("type", C.c_int), ("id", C.c_int)]
-
-
-class _Prop(C.Structure):
-    _fields_ = [("type", C.c_int), ("handles", C.c_int), ("loc", _Loc), ("win32", C.c_void_p),
-                ("flags", C.c_uint64)]
-
-
-class _Access(C.Structure):
-    _fields_ = [("loc", _Loc), ("flags", C.c_int)]
 
 
 def context(device: int = 0) -> Driver:
     """The driver with the device's primary context current on this thread."""
     drv = driver()
-    drv.init()
-    ctx = C.c_void_p()
-    drv.call("cuDevicePrimaryCtxRetain", C.byref(ctx), C.c_int(device))
-    drv.call("cuCtxSetCurrent", ctx)
+    drv.primary_context(device)
     return drv
 
 
-def current(drv: Driver) -> "C.c_void_p":
+def current(drv: Driver) -> C.c_void_p:
     """The context current on this thread: what `context` made current, to make current again
-    (`drv.call("cuCtxSetCurrent", ctx)`) where pos works on several GPUs from one thread."""
-    ctx = C.c_void_p()
-    drv.call("cuCtxGetCurrent", C.byref(ctx))
+    (`drv.cuCtxSetCurrent(ctx)`) where pos works on several GPUs from one thread."""
+    ctx = CUcontext()
+    drv.cuCtxGetCurrent(C.byref(ctx))
     return ctx
 
 
@@ -64,27 +51,31 @@ def ordinal(uuid: str) -> int:
     drv = driver()
     drv.init()
     count = C.c_int()
-    drv.call("cuDeviceGetCount", C.byref(count))
+    drv.cuDeviceGetCount(C.byref(count))
     for i in range(count.value):
-        dev, raw = C.c_int(), (C.c_ubyte * 16)()
-        drv.call("cuDeviceGet", C.byref(dev), C.c_int(i))
-        drv.call("cuDeviceGetUuid_v2", raw, dev)
-        h = bytes(raw).hex()
+        dev, raw = CUdevice(), CUuuid()
+        drv.cuDeviceGet(C.byref(dev), i)
+        drv.cuDeviceGetUuid_v2(C.byref(raw), dev)
+        h = bytes(raw.bytes).hex()
         if f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" == uuid:
             return i
     raise PosError(f"the CUDA driver does not see {uuid}", "check CUDA_VISIBLE_DEVICES")
 
 
+def _device(device: int) -> CUmemLocation:
+    return CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device)
+
+
 def _map(drv: Driver, size: int, handle: int, device: int) -> int:
-    va = U64()
-    drv.call("cuMemAddressReserve", C.byref(va), SZ(size), SZ(0), U64(0), U64(0))
+    va = CUdeviceptr()
+    drv.cuMemAddressReserve(C.byref(va), size, 0, 0, 0)
     try:
-        drv.call("cuMemMap", va, SZ(size), SZ(0), U64(handle), U64(0))
-        acc = _Access(_Loc(1, device), 3)
-        drv.call("cuMemSetAccess", va, SZ(size), C.byref(acc), SZ(1))
+        drv.cuMemMap(va, size, 0, handle, 0)
+        acc = CUmemAccessDesc(_device(device), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        drv.cuMemSetAccess(va, size, C.byref(acc), 1)
     except DriverError:
-        drv.function("cuMemUnmap")(va, SZ(size))
-        drv.function("cuMemAddressFree")(va, SZ(size))
+        drv.raw.cuMemUnmap(va, size)
+        drv.raw.cuMemAddressFree(va, size)
         raise
     return va.value
 
@@ -98,9 +89,9 @@ class Imported:
         self.local: list[int] = []
         try:
             for b, fd in zip(self.buffers, fds):
-                h = U64()
-                drv.call("cuMemImportFromShareableHandle", C.byref(h), C.c_void_p(fd),
-                         C.c_int(HANDLE_POSIX_FD))
+                h = CUmemGenericAllocationHandle()
+                drv.cuMemImportFromShareableHandle(C.byref(h), fd,
+                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
                 self.handles.append(h.value)
                 self.local.append(_map(drv, b.mapped, h.value, b.device))
         except BaseException:
@@ -114,15 +105,17 @@ class Imported:
         fds: list[int] = []
         try:
             for b in buffers:
-                prop = _Prop(1, HANDLE_POSIX_FD, _Loc(1, b.device), None, 0)
-                h = U64()
-                drv.call("cuMemCreate", C.byref(h), SZ(b.mapped), C.byref(prop), U64(0))
+                prop = CUmemAllocationProp(CU_MEM_ALLOCATION_TYPE_PINNED,
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                           _device(b.device))
+                h = CUmemGenericAllocationHandle()
+                drv.cuMemCreate(C.byref(h), b.mapped, C.byref(prop), 0)
                 fd = C.c_int()
                 try:
-                    drv.call("cuMemExportToShareableHandle", C.byref(fd), h,
-                             C.c_int(HANDLE_POSIX_FD), U64(0))
+                    drv.cuMemExportToShareableHandle(C.byref(fd), h,
+                                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
                 finally:
-                    drv.function("cuMemRelease")(h)   # the descriptor holds it now
+                    drv.raw.cuMemRelease(h)   # the descriptor holds it now
                 fds.append(fd.value)
             return cls(drv, buffers, fds), fds
         except BaseException:
@@ -132,10 +125,10 @@ class Imported:
 
     def close(self) -> None:
         for va, b in zip(self.local, self.buffers):
-            self.drv.function("cuMemUnmap")(U64(va), SZ(b.mapped))
-            self.drv.function("cuMemAddressFree")(U64(va), SZ(b.mapped))
+            self.drv.raw.cuMemUnmap(va, b.mapped)
+            self.drv.raw.cuMemAddressFree(va, b.mapped)
         for h in self.handles:
-            self.drv.function("cuMemRelease")(U64(h))
+            self.drv.raw.cuMemRelease(h)
         self.local, self.handles = [], []
 
 
@@ -160,15 +153,13 @@ class Pinned:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         parts = [(at, min(self.PIECE, self.size - at)) for at in range(0, self.size, self.PIECE)]
-        ctx = C.c_void_p()
-        drv.call("cuCtxGetCurrent", C.byref(ctx))
+        ctx = current(drv)
         self.registered: list[int] = []
         lock = threading.Lock()
 
         def pin(part: tuple[int, int]) -> None:
-            drv.call("cuCtxSetCurrent", ctx)
-            drv.call("cuMemHostRegister_v2", C.c_void_p(self.ptr + part[0]), SZ(part[1]),
-                     C.c_uint(0))
+            drv.cuCtxSetCurrent(ctx)
+            drv.cuMemHostRegister_v2(self.ptr + part[0], part[1], 0)
             with lock:
                 self.registered.append(self.ptr + part[0])
 
@@ -186,7 +177,7 @@ class Pinned:
 
     def close(self) -> None:
         for p in self.registered:
-            self.drv.function("cuMemHostUnregister")(C.c_void_p(p))
+            self.drv.raw.cuMemHostUnregister(p)
         self.registered = []
         if self.ptr:
             self.ptr = 0
@@ -200,9 +191,10 @@ class Ring(C.Structure):
     """pos/image/chunks.c's `struct pos_ring`: one fill thread's page-locked pieces, its stream,
     an event per piece and the driver's entry points the C loop calls."""
 
-    _fields_ = [("slots", C.c_void_p), ("piece", SZ), ("depth", SZ), ("events", C.c_void_p),
-                ("pending", C.c_void_p), ("stream", C.c_void_p), ("copy", C.c_void_p),
-                ("record", C.c_void_p), ("wait", C.c_void_p), ("next", SZ), ("error", C.c_int)]
+    _fields_ = [("slots", C.c_void_p), ("piece", C.c_size_t), ("depth", C.c_size_t),
+                ("events", C.c_void_p), ("pending", C.c_void_p), ("stream", C.c_void_p),
+                ("copy", C.c_void_p), ("record", C.c_void_p), ("wait", C.c_void_p),
+                ("next", C.c_size_t), ("error", C.c_int)]
 
 
 class Rings:
@@ -217,8 +209,9 @@ class Rings:
                              "the arena's pinned parts")
         self.drv, self.piece, self.depth = drv, piece, depth
         self.arena = Pinned(drv, threads * depth * piece)
-        self.entry = [C.cast(drv.function(n), C.c_void_p).value for n in
-                      ("cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuEventSynchronize")]
+        self.entry = [C.cast(f, C.c_void_p).value for f in        # the C loop checks them
+                      (drv.raw.cuMemcpyHtoDAsync_v2, drv.raw.cuEventRecord,
+                       drv.raw.cuEventSynchronize)]
         self.lock = threading.Lock()
         self.local = threading.local()
         self.events: list[C.c_void_p] = []
@@ -241,10 +234,11 @@ class Rings:
         with self.lock:
             self.keep += [events, pending]
         for k in range(self.depth):
-            self.drv.call("cuEventCreate", C.byref(events, k * C.sizeof(C.c_void_p)),
-                          C.c_uint(2))          # CU_EVENT_DISABLE_TIMING
+            event = CUevent()
+            self.drv.cuEventCreate(C.byref(event), CU_EVENT_DISABLE_TIMING)
+            events[k] = event.value
             with self.lock:
-                self.events.append(C.c_void_p(events[k]))
+                self.events.append(event)
         ring = Ring(self.arena.ptr + at, self.piece, self.depth, C.addressof(events),
                     C.addressof(pending), stream, *self.entry, 0, 0)
         self.local.ring = ring
@@ -252,7 +246,7 @@ class Rings:
 
     def close(self) -> None:
         for e in self.events:
-            self.drv.function("cuEventDestroy_v2")(e)
+            self.drv.raw.cuEventDestroy_v2(e)
         self.events = []
         self.arena.close()
 
@@ -262,20 +256,20 @@ class Shadow:
 
     def __init__(self, drv: Driver, size: int) -> None:
         self.drv, self.ptr, self.size = drv, 0, size
-        p = U64()
+        p = CUdeviceptr()
         if size:
-            drv.call("cuMemAlloc_v2", C.byref(p), SZ(size))
+            drv.cuMemAlloc_v2(C.byref(p), size)
         self.ptr = p.value
 
     def close(self) -> None:
         if self.ptr:
-            self.drv.function("cuMemFree_v2")(U64(self.ptr))
+            self.drv.raw.cuMemFree_v2(self.ptr)
             self.ptr = 0
 
 
 def free_device_bytes(drv: Driver) -> int:
-    free, total = SZ(), SZ()
-    drv.call("cuMemGetInfo_v2", C.byref(free), C.byref(total))
+    free, total = C.c_size_t(), C.c_size_t()
+    drv.cuMemGetInfo_v2(C.byref(free), C.byref(total))
     return free.value
 
 
@@ -313,9 +307,7 @@ class _Streams:
 
     def __init__(self, drv: Driver) -> None:
         self.drv = drv
-        ctx = C.c_void_p()
-        drv.call("cuCtxGetCurrent", C.byref(ctx))
-        self.ctx = ctx
+        self.ctx = current(drv)
         self.local = threading.local()
         self.all: list[C.c_void_p] = []
         self.lock = threading.Lock()
@@ -323,9 +315,9 @@ class _Streams:
     def mine(self) -> C.c_void_p:
         s = getattr(self.local, "stream", None)
         if s is None:
-            self.drv.call("cuCtxSetCurrent", self.ctx)
-            s = C.c_void_p()
-            self.drv.call("cuStreamCreate", C.byref(s), C.c_uint(1))   # non-blocking
+            self.drv.cuCtxSetCurrent(self.ctx)
+            s = CUstream()
+            self.drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
             self.local.stream = s
             with self.lock:
                 self.all.append(s)
@@ -333,7 +325,7 @@ class _Streams:
 
     def close(self) -> None:
         for s in self.all:
-            self.drv.function("cuStreamDestroy_v2")(s)
+            self.drv.raw.cuStreamDestroy_v2(s)
 
 
 class Order:
@@ -410,9 +402,9 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
                     one(s, i, off, n)
                 except BaseException:
                     # copies it queued before failing must end before their memory is freed
-                    drv.function("cuStreamSynchronize")(s)
+                    drv.raw.cuStreamSynchronize(s)
                     raise
-                drv.call("cuStreamSynchronize", s)
+                drv.cuStreamSynchronize(s)
                 with lock:
                     left[i] -= 1
                     last = left[i] == 0
@@ -440,11 +432,11 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
 def device_to_device(drv: Driver, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int]
                      ) -> None:
     """Copy src[i] -> dst[i] on one stream and wait: the shadow taken while the job is held."""
-    s = C.c_void_p()
-    drv.call("cuStreamCreate", C.byref(s), C.c_uint(1))
+    s = CUstream()
+    drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
     try:
         for d, a, n in zip(dst, src, sizes):
-            drv.call("cuMemcpyDtoDAsync_v2", U64(d), U64(a), SZ(n), s)
-        drv.call("cuStreamSynchronize", s)
+            drv.cuMemcpyDtoDAsync_v2(d, a, n, s)
+        drv.cuStreamSynchronize(s)
     finally:
-        drv.function("cuStreamDestroy_v2")(s)
+        drv.raw.cuStreamDestroy_v2(s)

@@ -12,24 +12,20 @@ from pos.analyzer.access import launch_sets
 from pos.analyzer.demangle import parameter_kinds
 from pos.analyzer.validate import Validator
 from pos.image.checksum import fold
-from pos.driver import Driver
+from pos.driver import CUdeviceptr, Driver
 
 
 @pytest.fixture()
 def fake_driver(fakegpu: dict[str, Path]) -> Driver:
     d = Driver(str(fakegpu["libcuda"]))
-    d.init()
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    d.call("cuDeviceGet", ctypes.byref(dev), 0)
-    d.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-    d.call("cuCtxSetCurrent", ctx)
+    d.primary_context(0)
     return d
 
 
 def alloc(d: Driver, size: int) -> int:
-    p = ctypes.c_uint64()
-    d.call("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(size))
-    d.call("cuMemsetD8_v2", p, ctypes.c_ubyte(0), ctypes.c_size_t(size))
+    p = CUdeviceptr()
+    d.cuMemAlloc_v2(ctypes.byref(p), size)
+    d.cuMemsetD8_v2(p, 0, size)
     return p.value
 
 
@@ -61,12 +57,11 @@ def test_writes_outside_the_predicted_set_mark_the_kernel(fake_driver: Driver) -
         value = iter(range(1, 100))
 
         def write_y() -> None:                 # the last byte of the last chunk of y, anew
-            d.call("cuMemsetD8_v2", ctypes.c_uint64(y + 100_002), ctypes.c_ubyte(next(value)),
-                   ctypes.c_size_t(1))
+            d.cuMemsetD8_v2(y + 100_002, next(value), 1)
 
         def write_y_and_z() -> None:
             write_y()
-            d.call("cuMemsetD32_v2", ctypes.c_uint64(z), ctypes.c_uint(1), ctypes.c_size_t(4))
+            d.cuMemsetD32_v2(z, 1, 4)
 
         assert v.validate("axpy", write_y, live, writes) == ({y}, set())
         assert v.is_validated("axpy")

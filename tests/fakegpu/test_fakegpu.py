@@ -18,6 +18,17 @@ import pytest
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 
+from pos.driver import CU_PROCESS_STATE_CHECKPOINTED as CHECKPOINTED
+from pos.driver import CU_PROCESS_STATE_LOCKED as LOCKED
+from pos.driver import CU_PROCESS_STATE_RUNNING as RUNNING
+from pos.driver import CUDA_ERROR_ILLEGAL_STATE as ILLEGAL_STATE
+from pos.driver import CUDA_ERROR_INVALID_IMAGE as INVALID_IMAGE
+from pos.driver import CUDA_ERROR_INVALID_VALUE as INVALID_VALUE
+from pos.driver import CUDA_ERROR_NOT_INITIALIZED as NOT_INITIALIZED
+from pos.driver import CUDA_ERROR_UNKNOWN as UNKNOWN
+from pos.driver import CUDA_SUCCESS as SUCCESS
+from pos.driver import (CUcheckpointLockArgs, CUcontext, CUdeviceptr, CUfunction, CUmodule,
+                        CUprocessState, Driver, Functions)
 from pos.tracer.probes import CUDA, HIP, Family
 from workloads.harness import Job
 
@@ -51,9 +62,6 @@ HIP_EXPORTS = (
     "hipMemcpyDtoH", "hipMemcpyDtoD", "hipMemset", "hipMemsetAsync", "hipDeviceSynchronize",
     "hipStreamSynchronize", "hipStreamCreate")
 
-# CUresult values and CUprocessState, from cuda.h
-SUCCESS, INVALID_VALUE, NOT_INITIALIZED, ILLEGAL_STATE, UNKNOWN = 0, 1, 3, 401, 999
-RUNNING, LOCKED, CHECKPOINTED = 0, 1, 2
 
 
 def h(x: str | int) -> int:
@@ -326,44 +334,41 @@ def test_phases_out_of_order(fakegpu: dict[str, Path]) -> None:
 # ---- the driver's checks, in this process ---------------------------------------------------
 
 @pytest.fixture
-def cuda(fakegpu: dict[str, Path], tmp_path: Path,
-         monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
-    """The fake libcuda in this process, its checkpoint state kept under tmp_path."""
+def cuda(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Functions:
+    """The fake libcuda in this process through pos.driver's declarations, each call returning
+    its CUresult; its checkpoint state kept under tmp_path."""
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.delenv("POS_FAKECUDA_LOG", raising=False)
     monkeypatch.delenv("POS_FAKECUDA_FAIL", raising=False)
-    return ctypes.CDLL(str(fakegpu["libcuda"]))
+    return Driver(str(fakegpu["libcuda"])).raw
 
 
-def test_driver_checks(cuda: ctypes.CDLL) -> None:
-    ptr, ctx = ctypes.c_uint64(), ctypes.c_void_p()
+def test_driver_checks(cuda: Functions) -> None:
+    ptr, ctx = CUdeviceptr(), CUcontext()
     assert cuda.cuInit(0) == SUCCESS
     assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == SUCCESS
     assert cuda.cuCtxSetCurrent(ctx) == SUCCESS
-    assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(0)) == INVALID_VALUE
-    assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4096)) == SUCCESS
+    assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), 0) == INVALID_VALUE
+    assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), 4096) == SUCCESS
     data = bytes(range(256)) * 16
     back = ctypes.create_string_buffer(4096)
-    assert cuda.cuMemcpyHtoD_v2(ptr, data, ctypes.c_size_t(4096)) == SUCCESS
-    assert cuda.cuMemcpyDtoH_v2(back, ptr, ctypes.c_size_t(4096)) == SUCCESS
+    assert cuda.cuMemcpyHtoD_v2(ptr, data, 4096) == SUCCESS
+    assert cuda.cuMemcpyDtoH_v2(back, ptr, 4096) == SUCCESS
     assert back.raw == data
     # a device range must lie inside an allocation
-    assert cuda.cuMemcpyHtoD_v2(ctypes.c_uint64(ptr.value + 1), data,
-                                ctypes.c_size_t(4096)) == INVALID_VALUE
-    assert cuda.cuMemcpyDtoH_v2(back, ctypes.c_uint64(ctypes.addressof(back)),
-                                ctypes.c_size_t(16)) == INVALID_VALUE
+    assert cuda.cuMemcpyHtoD_v2(ptr.value + 1, data, 4096) == INVALID_VALUE
+    assert cuda.cuMemcpyDtoH_v2(back, ctypes.addressof(back), 16) == INVALID_VALUE
 
-    module, func = ctypes.c_void_p(), ctypes.c_void_p()
-    assert cuda.cuModuleLoadData(ctypes.byref(module), b"not an image") == 200
+    module, func = CUmodule(), CUfunction()
+    assert cuda.cuModuleLoadData(ctypes.byref(module), b"not an image") == INVALID_IMAGE
     cubin = ctypes.create_string_buffer(b"\x7fELF" + bytes(60))
     assert cuda.cuModuleLoadData(ctypes.byref(module), cubin) == SUCCESS
     assert cuda.cuModuleGetFunction(ctypes.byref(func), module, AXPY.encode()) == SUCCESS
-    u = ctypes.c_uint
     params = (ctypes.c_void_p * 4)()
     extra = (ctypes.c_void_p * 1)()
 
     def launch(block: int, p: object, x: object) -> int:
-        return cuda.cuLaunchKernel(func, u(1), u(1), u(1), u(block), u(1), u(1), u(0), None, p, x)
+        return cuda.cuLaunchKernel(func, 1, 1, 1, block, 1, 1, 0, None, p, x)
 
     assert launch(128, params, None) == SUCCESS
     assert launch(128, None, None) == INVALID_VALUE   # axpy has parameters
@@ -375,24 +380,24 @@ def test_driver_checks(cuda: ctypes.CDLL) -> None:
 
 # ---- the checkpoint API ---------------------------------------------------------------------
 
-def _state(cuda: ctypes.CDLL, pid: int) -> tuple[int, int]:
-    state = ctypes.c_int(-1)
+def _state(cuda: Functions, pid: int) -> tuple[int, int]:
+    state = CUprocessState(-1)
     return cuda.cuCheckpointProcessGetState(pid, ctypes.byref(state)), state.value
 
 
-def _call(cuda: ctypes.CDLL, name: str, pid: int) -> int:
+def _call(cuda: Functions, name: str, pid: int) -> int:
     return getattr(cuda, name)(pid, None)
 
 
 @pytest.fixture
-def target(cuda: ctypes.CDLL, fakegpu: dict[str, Path]) -> Iterator[Job]:
+def target(cuda: Functions, fakegpu: dict[str, Path]) -> Iterator[Job]:
     """A CUDA process (cuInit done) whose state the tests drive from this one."""
     with running([str(fakegpu["cuda_app"]), "cubin", str(fakegpu["dir"])]) as job:
         job.run("load")
         yield job
 
 
-def test_checkpoint_state_machine(cuda: ctypes.CDLL, target: Job, tmp_path: Path) -> None:
+def test_checkpoint_state_machine(cuda: Functions, target: Job, tmp_path: Path) -> None:
     pid = target.pid
     state_file = tmp_path / "state" / str(pid)
     assert state_file.read_text() == "running\n"
@@ -423,18 +428,18 @@ def test_checkpoint_state_machine(cuda: ctypes.CDLL, target: Job, tmp_path: Path
     assert not state_file.exists()
 
 
-def test_checkpoint_state_survives_across_processes(cuda: ctypes.CDLL, target: Job,
+def test_checkpoint_state_survives_across_processes(cuda: Functions, target: Job,
                                                     fakegpu: dict[str, Path]) -> None:
     assert _call(cuda, "cuCheckpointProcessLock", target.pid) == SUCCESS
-    script = (f"import ctypes; lib = ctypes.CDLL({str(fakegpu['libcuda'])!r}); "
-              f"print(lib.cuCheckpointProcessCheckpoint({target.pid}, None))")
+    script = (f"from pos.driver import Driver; cuda = Driver({str(fakegpu['libcuda'])!r}).raw; "
+              f"print(cuda.cuCheckpointProcessCheckpoint({target.pid}, None))")
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            check=True)
     assert other.stdout.strip() == str(SUCCESS)
     assert _state(cuda, target.pid) == (SUCCESS, CHECKPOINTED)
 
 
-def test_checkpoint_targets_and_arguments(cuda: ctypes.CDLL, target: Job) -> None:
+def test_checkpoint_targets_and_arguments(cuda: Functions, target: Job) -> None:
     assert cuda.cuCheckpointProcessGetState(target.pid, None) == INVALID_VALUE
     assert _call(cuda, "cuCheckpointProcessLock", 0) == INVALID_VALUE
     with subprocess.Popen(["sleep", "30"]) as plain:  # alive, but never called cuInit
@@ -445,16 +450,15 @@ def test_checkpoint_targets_and_arguments(cuda: ctypes.CDLL, target: Job) -> Non
     plain.wait()
     assert _state(cuda, plain.pid)[0] == INVALID_VALUE  # gone
     # reserved fields must be zero; a rejected call leaves the state alone
-    args = (ctypes.c_uint64 * 8)()
-    args[3] = 1
-    assert cuda.cuCheckpointProcessLock(target.pid, args) == INVALID_VALUE
-    args[3] = 0
-    args[0] = 5000  # timeoutMs (and reserved0 = 0)
-    assert cuda.cuCheckpointProcessLock(target.pid, args) == SUCCESS
+    args = CUcheckpointLockArgs(timeoutMs=5000)
+    args.reserved1[2] = 1
+    assert cuda.cuCheckpointProcessLock(target.pid, ctypes.byref(args)) == INVALID_VALUE
+    args.reserved1[2] = 0
+    assert cuda.cuCheckpointProcessLock(target.pid, ctypes.byref(args)) == SUCCESS
     assert _state(cuda, target.pid) == (SUCCESS, LOCKED)
 
 
-def test_checkpoint_log_and_injected_failures(cuda: ctypes.CDLL, target: Job, tmp_path: Path,
+def test_checkpoint_log_and_injected_failures(cuda: Functions, target: Job, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "calls.log"
     monkeypatch.setenv("POS_FAKECUDA_LOG", str(log))

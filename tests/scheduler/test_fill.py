@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pos.agent.control import Buffer
+from pos.driver import CUdeviceptr, CUstream
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 
@@ -45,12 +46,10 @@ def image(folder: Path) -> tuple[list[Buffer], dict, list[np.ndarray]]:
 
 
 def device_memory(drv, table: list[Buffer]) -> list[int]:
-    from pos.scheduler import gpucopy
-
     dest = []
     for b in table:
-        p = gpucopy.U64()
-        drv.call("cuMemAlloc_v2", C.byref(p), gpucopy.SZ(b.size))
+        p = CUdeviceptr()
+        drv.cuMemAlloc_v2(C.byref(p), b.size)
         dest.append(p.value)
     return dest
 
@@ -76,10 +75,9 @@ def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: 
     back = []
     for b, d in zip(table, dest):
         out = np.empty(b.size, np.uint8)
-        drv.call("cuMemcpyDtoH_v2", C.c_void_p(out.ctypes.data), gpucopy.U64(d),
-                 gpucopy.SZ(b.size))
+        drv.cuMemcpyDtoH_v2(out.ctypes.data, d, b.size)
         back.append(out)
-        drv.call("cuMemFree_v2", gpucopy.U64(d))
+        drv.cuMemFree_v2(d)
     return back, handout, error
 
 
@@ -150,7 +148,7 @@ def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
     finally:
         rings.close()
         for d in dest:
-            drv.call("cuMemFree_v2", gpucopy.U64(d))
+            drv.cuMemFree_v2(d)
     assert handout.back != set(range(len(table)))
 
 
@@ -187,7 +185,7 @@ def test_the_failure_said_is_the_one_that_stopped_the_fill(drv, tmp_path: Path,
     def backwards(drv, work, buffers, workers, one, buffer_done=lambda _i: None,  # type: ignore
                   order=None):
         errors = {}
-        stream = gpucopy.C.c_void_p()
+        stream = CUstream()
         for k in reversed(range(len(work))):
             try:
                 one(stream, *work[k])
@@ -210,13 +208,12 @@ def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
 
     rings = gpucopy.Rings(drv, 1, 4096, 2)
     errors: list[BaseException] = []
-    ctx = C.c_void_p()
-    drv.call("cuCtxGetCurrent", C.byref(ctx))
+    ctx = gpucopy.current(drv)
 
     def take() -> None:
-        drv.call("cuCtxSetCurrent", ctx)
+        drv.cuCtxSetCurrent(ctx)
         try:
-            rings.mine(C.c_void_p(0))
+            rings.mine(CUstream())
         except ValueError as e:
             errors.append(e)
 

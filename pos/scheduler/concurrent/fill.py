@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pos.agent.control import Buffer
+from pos.driver import Driver
 from pos.errors import BadInput
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host
@@ -38,7 +39,7 @@ def fill_order(table: list[Buffer], saved: Saved
     return chunk_of, work
 
 
-def fill(drv: Any, table: list[Buffer], dest: list[int], saved: Saved, *, streams: int,
+def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: Saved, *, streams: int,
          handout: Handout, rings: gpucopy.Rings, mapped: bool = True,
          gate: Callable[[], None] = lambda: None) -> gpucopy.Copy:
     """Read every buffer's chunks through the threads' `rings` of pinned pieces (the data files
@@ -82,8 +83,7 @@ def fill(drv: Any, table: list[Buffer], dest: list[int], saved: Saved, *, stream
         if chunk["zstd"]:     # decompressed in host memory, then copied from there
             data = np.empty(n, np.uint8)
             hits = gpuimage.read_chunk_into(folder, chunk, data, local.fds, targets)
-            drv.call("cuMemcpyHtoD_v2", gpucopy.U64(dest[i] + off),
-                     gpucopy.C.c_void_p(data.ctypes.data), gpucopy.SZ(n))
+            drv.cuMemcpyHtoD_v2(dest[i] + off, data.ctypes.data, n)
         else:
             hits = gpuimage.fill_chunk(rings.mine(stream), folder, chunk, dest[i] + off,
                                        local.fds, targets, maps)

@@ -99,7 +99,7 @@ class Saver:
     def use(self) -> None:
         """pos's context on this job's GPU current on this thread: the objects made here keep
         the context current when they were made."""
-        self.drv.call("cuCtxSetCurrent", self.ctx)
+        self.drv.cuCtxSetCurrent(self.ctx)
 
     def connected(self) -> Agent:
         """The job's agent; its absence (the job ended by CRIU) is pos's own error."""

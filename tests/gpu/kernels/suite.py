@@ -16,7 +16,7 @@ import numpy as np
 from pos.analyzer.access import launch_sets
 from pos.analyzer.demangle import demangle, parameter_kinds
 from pos.analyzer.validate import Validator
-from pos.driver import Driver, driver
+from pos.driver import CUdeviceptr, CUfunction, CUmodule, driver
 from pos.tracer.fatbin import parse_image
 
 HERE = Path(__file__).resolve().parent
@@ -36,14 +36,6 @@ def compile_suite(out: Path) -> bytes:
     subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O2", "-o", str(cubin), str(HERE / "suite.cu")],
                    check=True)
     return cubin.read_bytes()
-
-
-def _context(d: Driver) -> None:
-    d.init()
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    d.call("cuDeviceGet", ctypes.byref(dev), 0)
-    d.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-    d.call("cuCtxSetCurrent", ctx)
 
 
 def _arg_bytes(arg: dict[str, Any], ptr: dict[str, int]) -> bytes:
@@ -68,29 +60,28 @@ def run_suite(workdir: Path) -> list[dict[str, Any]]:
     """One record per case: names of the buffers predicted written, seen written, and whether
     the validator validated the kernel (on this launch alone: a fresh validator per case)."""
     d = driver()
-    _context(d)
+    d.primary_context(0)
     cubin = compile_suite(workdir)
     layouts = parse_image(cubin)
     mangled = {}
     for name in layouts:
         text = demangle(name) or name
         mangled[text.split("(")[0].split()[-1]] = name
-    module = ctypes.c_void_p()
-    d.call("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(cubin))
+    module = CUmodule()
+    d.cuModuleLoadData(ctypes.byref(module), cubin)
     records = []
     for case in load_truth():
         name = mangled[case["kernel"]]
-        fn = ctypes.c_void_p()
-        d.call("cuModuleGetFunction", ctypes.byref(fn), module, name.encode())
+        fn = CUfunction()
+        d.cuModuleGetFunction(ctypes.byref(fn), module, name.encode())
         ptr: dict[str, int] = {}
         for b in ("X", "Y", "Z", "T"):
-            p = ctypes.c_uint64()
-            d.call("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(4 * N))
-            d.call("cuMemsetD32_v2", p, ctypes.c_uint(ONE), ctypes.c_size_t(N))
+            p = CUdeviceptr()
+            d.cuMemAlloc_v2(ctypes.byref(p), 4 * N)
+            d.cuMemsetD32_v2(p, ONE, N)
             ptr[b] = p.value
         table = np.array([ptr[b] for b in case.get("table", [])] or [0], np.uint64)
-        d.call("cuMemcpyHtoD_v2", ctypes.c_uint64(ptr["T"]), ctypes.c_void_p(table.ctypes.data),
-               ctypes.c_size_t(table.nbytes))
+        d.cuMemcpyHtoD_v2(ptr["T"], table.ctypes.data, table.nbytes)
         layout = layouts[name].params
         args = [_arg_bytes(a, ptr) for a in case["args"]]
         assert len(args) == len(layout), (case["case"], len(args), layout)
@@ -108,7 +99,7 @@ def run_suite(workdir: Path) -> list[dict[str, Any]]:
                                 kinds, bases, ends)
 
         def launch() -> None:
-            d.call("cuLaunchKernel", fn, 1, 1, 1, N, 1, 1, 0, None, kernel_params, None)
+            d.cuLaunchKernel(fn, 1, 1, 1, N, 1, 1, 0, None, kernel_params, None)
 
         v = Validator(d, chunk=1 << 20)
         try:
@@ -123,5 +114,5 @@ def run_suite(workdir: Path) -> list[dict[str, Any]]:
                         "validated": v.is_validated(name),
                         "declared": {k: case[k] for k in ("writes", "predicted", "visible")}})
         for p in ptr.values():
-            d.call("cuMemFree_v2", ctypes.c_uint64(p))
+            d.cuMemFree_v2(p)
     return records
