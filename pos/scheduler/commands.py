@@ -183,6 +183,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     from pathlib import Path
 
     from pos import host, image
+    from pos.image.kinds import ImageKind, kind
     from pos.progress import Progress
     from pos.scheduler import concurrent as conc
     from pos.scheduler.restore import restore_tree
@@ -198,7 +199,8 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         return
     if streams:
         raise click.UsageError("--streams goes with --gpu-only.")
-    if conc.is_gpu_only_image(Path(directory)):
+    found = kind(Path(directory))
+    if found is ImageKind.GPU_ONLY:
         image.check_files(Path(directory))    # or a whole-process one missing its inventory
         raise BadInput(f"{directory} is a GPU-only image (no process in it)",
                        "roll a live `pos run` job back to it with `pos restore --gpu-only PID -D "
@@ -206,7 +208,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     # a bad --db is refused before anything is restored; the restore is recorded once the job
     # runs (SQLAlchemy's import would hold it up)
     store.check(db or store.default_db_path())
-    if conc.is_full_image(Path(directory)):
+    if found is ImageKind.CONCURRENT:
         r = conc.restore_full(Path(directory), tuple(inherit_fd), echo=_lines(as_json),
                               to_gpu=to_gpu)
         _mark_restored(db, Path(directory))

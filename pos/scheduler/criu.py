@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pos.errors import BadInput, PosError
+from pos.image import names
 from pos.scheduler import procs
 
 ENV = "POS_CRIU"
@@ -28,7 +29,6 @@ SETUP_COPY = "/opt/pos/criu/criu"
 MIN_VERSION = (4, 0)
 FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.2 into /opt/pos/criu), or set POS_CRIU "
                "to a CRIU >= 4.0")
-DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 
 # Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
 LOG_DIR = Path(os.environ.get("POS_LOG_DIR", "/var/log/pos"))
@@ -202,7 +202,7 @@ class Criu:
         """Without `leave_running` the tree stays, stopped, for the caller to end once the
         image is sealed: a pos that dies before then leaves it to run on (CRIU never ends it
         itself, or a pos that died between the dump and the seal would lose the job)."""
-        argv = self._base("dump", images, DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
+        argv = self._base("dump", images, names.DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
         argv.append("--leave-running" if leave_running else "--leave-stopped")
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
@@ -212,7 +212,7 @@ class Criu:
     def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
                      inherit_fds: tuple[str, ...] = (), leave_stopped: bool = False) -> list[str]:
         """`leave_stopped`: the restored tree stays stopped (SIGSTOP) for the caller to resume."""
-        argv = self._base("restore", images, RESTORE_LOG, workdir) + [
+        argv = self._base("restore", images, names.RESTORE_LOG, workdir) + [
             "-d", "--pidfile", str(pidfile), *opts.argv()]
         if leave_stopped:
             argv.append("--leave-stopped")
@@ -221,7 +221,7 @@ class Criu:
         return argv
 
     def page_server_argv(self, images: Path, address: str, port: int, workdir: Path) -> list[str]:
-        return self._base("page-server", images, "criu-page-server.log", workdir) + [
+        return self._base("page-server", images, names.PAGE_SERVER_LOG, workdir) + [
             "--address", address, "--port", str(port)]
 
     def start(self, argv: list[str], pass_fds: tuple[int, ...] = (),
@@ -513,7 +513,7 @@ def dump_stats(images: Path) -> Optional[DumpStats]:
     dump_stats_entry (1 freezing_time, 2 frozen_time, 3 memdump_time, 4 memwrite_time in
     microseconds; 5 pages_scanned, 7 pages_written)."""
     try:
-        raw = (images / "stats-dump").read_bytes()
+        raw = (images / names.STATS_DUMP).read_bytes()
         magic, kind, size = struct.unpack_from("<III", raw)
         if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
             return None

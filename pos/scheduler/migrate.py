@@ -14,6 +14,7 @@ from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos import image
+from pos.image import names
 from pos.scheduler import cudackpt, procs, restorable, restore, stopworld
 from pos.scheduler.gpumap import Onto, of_process
 from pos.scheduler.criu import Options, PageServer
@@ -228,7 +229,7 @@ def _wait_listening(port: int, proc: Any) -> None:
                         return
         time.sleep(0.02)
     raise PosError(f"CRIU's page server did not listen on port {port}",
-                   "see criu-page-server.log next to the image")
+                   f"see {names.PAGE_SERVER_LOG} next to the image")
 
 
 def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None,
@@ -274,7 +275,7 @@ def listen(address: str, port: int, directory: Path, echo: Echo = lambda _: None
                 else:
                     manifest_text = reader.exactly(msg["manifest"])
             if ps is not None:
-                criu.finish(ps, "page-server", work / "criu-page-server.log")
+                criu.finish(ps, "page-server", work / names.PAGE_SERVER_LOG)
             manifest = image.Manifest.from_json(manifest_text.decode())
             if concurrent:      # sent whole: its sender's checksums, checked by the restore
                 final = image.adopt(partial, manifest)

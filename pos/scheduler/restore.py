@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from pos import host, image, nvml
 from pos.errors import BadInput, PosError
-from pos.image import Manifest
+from pos.image import Manifest, names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
@@ -120,7 +120,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             terminal = options.shell_job and os.isatty(0)
             try:
                 g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
-                                                           work / criu_mod.RESTORE_LOG,
+                                                           work / names.RESTORE_LOG,
                                                            fds + tuple(logs), terminal,
                                                            lambda: _failed(checking)))
             except PosError:
@@ -141,6 +141,6 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
         for fd in logs:
             os.close(fd)
         if os.environ.get(KEEP_LOG_ENV) == "1":
-            criu_mod.keep_log(work / criu_mod.RESTORE_LOG)
+            criu_mod.keep_log(work / names.RESTORE_LOG)
         shutil.rmtree(work, ignore_errors=True)
     return Result(directory, manifest, restored_pid=root, timings=g.timings)
