@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import stat
-import struct
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -453,72 +452,3 @@ def _find(env_value: str, path_copy: str) -> Criu:
 def find() -> Criu:
     """The CRIU to use (see the module docstring); BadInput naming the fix when none fits."""
     return _find(os.environ.get(ENV, ""), shutil.which("criu") or "")
-
-
-# ---- stats-dump: how long CRIU kept the tree frozen ---------------------------------------
-IMG_SERVICE_MAGIC, STATS_MAGIC = 0x55105940, 0x57093306
-
-
-def _varints(buf: bytes) -> dict[int, Any]:
-    """The fields of one protobuf message (varints and length-delimited), by field number."""
-    out: dict[int, Any] = {}
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            out[number], i = _varint(buf, i)
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            out[number], i = buf[i:i + n], i + n
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"protobuf wire type {wire}")
-    return out
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, i
-
-
-@dataclass(frozen=True)
-class DumpStats:
-    """What CRIU's stats-dump says of the last dump: where its frozen time went."""
-    freezing_s: float
-    frozen_s: float
-    memdump_s: float      # pages drained from the frozen tree (parasite, vmsplice)
-    memwrite_s: float     # pages written to the image
-    pages_scanned: int
-    pages_written: int
-
-    def timings(self) -> dict[str, float]:
-        """The manifest's timings: `frozen` (freezing + frozen) and the page work within it."""
-        return {"frozen": self.freezing_s + self.frozen_s, "criu_memdump": self.memdump_s,
-                "criu_memwrite": self.memwrite_s,
-                "criu_written_mib": self.pages_written * 4096 / 2**20}
-
-
-def dump_stats(images: Path) -> Optional[DumpStats]:
-    """The stats-dump of the dump in `images`, None when unreadable.
-
-    stats-dump is a CRIU service image: two magics, a u32 length, a StatsEntry whose field 1 is
-    dump_stats_entry (1 freezing_time, 2 frozen_time, 3 memdump_time, 4 memwrite_time in
-    microseconds; 5 pages_scanned, 7 pages_written)."""
-    try:
-        raw = (images / names.STATS_DUMP).read_bytes()
-        magic, kind, size = struct.unpack_from("<III", raw)
-        if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
-            return None
-        d = _varints(_varints(raw[12:12 + size])[1])
-        return DumpStats(d[1] / 1e6, d[2] / 1e6, d.get(3, 0) / 1e6, d.get(4, 0) / 1e6,
-                         d.get(5, 0), d.get(7, 0))
-    except (OSError, struct.error, KeyError, IndexError, ValueError, TypeError):
-        return None

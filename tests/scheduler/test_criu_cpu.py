@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pos.image import names
+from pos.image import criustats, names
 from pos.scheduler import procs
 
 from tests.scheduler.conftest import Counter, lines, one_sentence, pos, reap, wait_for
@@ -116,6 +116,9 @@ def test_image_is_root_only_listed_and_inspected(tmp_path, counters, env) -> Non
     timings = manifest["timings"]
     assert {"dump", "checksum", "frozen", "criu_memdump", "criu_memwrite"} <= set(timings)
     assert 0 < timings["frozen"] <= timings["dump"] and timings["criu_written_mib"] > 0
+    stats = criustats.dump_stats(img)         # CRIU's own stats-dump, kept in the image
+    assert stats is not None and stats.pages_scanned >= stats.pages_written > 0
+    assert stats.timings() == {k: timings[k] for k in stats.timings()}
     r = pos("images", env=env)
     assert r.returncode == 0 and str(img) in r.stdout and str(c.pid) in r.stdout
     r = pos("inspect", str(img), "--verify")
