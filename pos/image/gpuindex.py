@@ -13,12 +13,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TypeVar
 
 from pos.errors import BadInput
 from pos.image import names
 
 FORMAT = 1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,9 @@ class ChunkRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkRecord:
-        return cls(_int(d["offset"]), _str(d["file"]), _int(d["at"]), _int(d["stored"]),
-                   _int(d["raw"]), int(_str(d["hash"]), 16), _bool(d["zstd"]))
+        return cls(_is(int, d["offset"]), _is(str, d["file"]), _is(int, d["at"]),
+                   _is(int, d["stored"]), _is(int, d["raw"]), int(_is(str, d["hash"]), 16),
+                   _is(bool, d["zstd"]))
 
     def __getitem__(self, key: str) -> Any:
         """The field `key`: pos/scheduler/concurrent.py reads chunks as the dicts they were,
@@ -76,10 +78,10 @@ class BufferRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BufferRecord:
-        return cls(int(_str(d["base"]), 16), _int(d["size"]), _int(d["mapped"]),
-                   _int(d["device"]), _bool(d.get("hot", False)),
+        return cls(int(_is(str, d["base"]), 16), _is(int, d["size"]), _is(int, d["mapped"]),
+                   _is(int, d["device"]), _is(bool, d.get("hot", False)),
                    tuple(ChunkRecord.from_json(c) for c in d.get("chunks", [])),
-                   _bool(d.get("in_parent", False)))
+                   _is(bool, d.get("in_parent", False)))
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,9 @@ class GpuIndex:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GpuIndex:
         parent, gpu = d.get("parent"), d.get("gpu")
-        return cls(_int(d["pid"]), None if gpu is None else _str(gpu),
+        return cls(_is(int, d["pid"]), None if gpu is None else _is(str, gpu),
                    tuple(BufferRecord.from_json(b) for b in d["buffers"]),
-                   None if parent is None else _str(parent), _int(d["format"]))
+                   None if parent is None else _is(str, parent), _is(int, d["format"]))
 
 
 class Saved(NamedTuple):
@@ -121,21 +123,10 @@ class Saved(NamedTuple):
     chunks: tuple[ChunkRecord, ...]
 
 
-def _int(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"{v!r} is not an integer")
-    return v
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"{v!r} is not a string")
-    return v
-
-
-def _bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{v!r} is not true or false")
+def _is(kind: type[T], v: Any) -> T:
+    """`v`, which JSON gave for a field of type `kind` (TypeError otherwise: a damaged index)."""
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise TypeError(f"{v!r} is not of type {kind.__name__}")
     return v
 
 

@@ -131,6 +131,9 @@ def test_the_buffers_come_from_this_image_or_its_parent(tmp_path: Path) -> None:
                                       parent=str(parent)))
     with pytest.raises(BadInput, match="lacks buffer 0x7000"):    # another size there
         gpuindex.saved(tmp_path)
+    orphan = GpuIndex(5, None, (BufferRecord(0x7000, 8, 4096, 0, in_parent=True),))
+    with pytest.raises(BadInput, match="names no parent image for buffer 0x7000"):
+        gpuindex.saved(tmp_path, orphan)
 
 
 def test_the_dict_forms_agree_with_the_types(tmp_path: Path) -> None:
