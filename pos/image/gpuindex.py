@@ -19,7 +19,7 @@ from pos.errors import BadInput
 from pos.image import names
 
 FORMAT = 1
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class Saved(NamedTuple):
     chunks: tuple[ChunkRecord, ...]
 
 
-def _is(kind: type[T], v: Any) -> T:
+def _is(kind: type[_T], v: Any) -> _T:
     """`v`, which JSON gave for a field of type `kind` (TypeError otherwise: a damaged index)."""
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise TypeError(f"{v!r} is not of type {kind.__name__}")
