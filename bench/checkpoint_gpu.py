@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
+from pos.image import names  # noqa: E402
 
 JOB = ROOT / "workloads" / "train_det.py"
 
@@ -73,7 +74,7 @@ def measure(size: float, images: Path, extra: list[str]) -> dict:
             "checkpoint --leave-running")
         ck_wall, _ = pos("checkpoint", str(job.pid), "-D", str(img), "--leave-running",
                          "--db", str(work / "pos.db"), *extra)
-        manifest = json.loads((img / "pos-manifest.json").read_text())
+        manifest = json.loads((img / names.MANIFEST).read_text())
         wait_growing(beat, heartbeat(beat), 60, "the job did not run on after the checkpoint")
         say(f"{size:g} GiB: checkpoint {ck_wall:.1f} s, stall {manifest['stall_s']:.2f} s, "
             f"image {manifest['size_bytes'] / 2**30:.2f} GiB; kill and restore")

@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 from pos import nvml  # noqa: E402
 from pos.agent.control import Agent, Buffer  # noqa: E402
 from pos.driver import CUdeviceptr  # noqa: E402
-from pos.image import gpuindex  # noqa: E402
+from pos.image import gpuindex, names  # noqa: E402
 from pos.scheduler import concurrent, cudackpt, gpucopy  # noqa: E402
 from pos.scheduler.concurrent.fill import fill, fill_order  # noqa: E402
 from pos.scheduler.handout import Handout  # noqa: E402
@@ -232,10 +232,10 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     16 GiB, from 1 or 16 threads."""
     from pos.image import gpu as gpuimage
 
-    saved = gpuindex.resolve(image_dir)
+    saved = gpuindex.saved(image_dir)
     chunks = [(folder, c) for folder, _size, cs in saved.values() for c in cs]
-    total = sum(c["raw"] for _f, c in chunks)
-    biggest = max(c["raw"] for _f, c in chunks)
+    total = sum(c.raw for _f, c in chunks)
+    biggest = max(c.raw for _f, c in chunks)
     res: dict[str, Any] = {"bytes": total, "chunks": len(chunks), "threads": threads}
 
     drv = gpucopy.context(0)
@@ -268,7 +268,7 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     return res
 
 
-def floors(chunks: list[tuple[Path, dict[str, Any]]], threads: int, biggest: int,
+def floors(chunks: list[tuple[Path, gpuindex.ChunkRecord]], threads: int, biggest: int,
            maps: Any, res: dict[str, Any]) -> None:
     """fill_probe's floors: `read`, `read_hash` and `map_hash`, GB/s into res."""
     from concurrent.futures import ThreadPoolExecutor
@@ -278,14 +278,14 @@ def floors(chunks: list[tuple[Path, dict[str, Any]]], threads: int, biggest: int
     from pos.image import gpu as gpuimage
     from pos.image.checksum import checksum
 
-    total = sum(c["raw"] for _f, c in chunks)
+    total = sum(c.raw for _f, c in chunks)
     bufs = [np.ones(biggest, np.uint8) for _ in range(threads)]   # touched: no first faults
     for mode in ("read", "read_hash", "map_hash"):
         free = list(range(threads))
         lock = threading.Lock()
         fds: list[dict[str, int]] = [{} for _ in range(threads)]
 
-        def one(item: tuple[Path, dict[str, Any]]) -> None:
+        def one(item: tuple[Path, gpuindex.ChunkRecord]) -> None:
             with lock:
                 k = free.pop()
             try:
@@ -294,16 +294,16 @@ def floors(chunks: list[tuple[Path, dict[str, Any]]], threads: int, biggest: int
                     gpuimage.read_chunk_into(folder, c, bufs[k], fds[k])
                     return
                 if mode == "map_hash":
-                    at = maps.address(folder, c) + c["at"]
-                    checksum(np.ctypeslib.as_array((ctypes.c_uint8 * c["raw"])
+                    at = maps.address(folder, c) + c.at
+                    checksum(np.ctypeslib.as_array((ctypes.c_uint8 * c.raw)
                                                    .from_address(at)))
                     return
-                path = str(folder / c["file"])
+                path = str(folder / c.file)
                 if path not in fds[k]:
                     fds[k][path] = os.open(path, os.O_RDONLY)
-                view, done = memoryview(bufs[k][:c["raw"]]).cast("B"), 0
-                while done < c["raw"]:
-                    done += os.preadv(fds[k][path], [view[done:]], c["at"] + done)
+                view, done = memoryview(bufs[k][:c.raw]).cast("B"), 0
+                while done < c.raw:
+                    done += os.preadv(fds[k][path], [view[done:]], c.at + done)
             finally:
                 with lock:
                     free.append(k)
@@ -317,14 +317,14 @@ def floors(chunks: list[tuple[Path, dict[str, Any]]], threads: int, biggest: int
                 os.close(fd)
 
 
-def staging_fill(drv: Any, table: list[Buffer], dest: list[int], saved: dict[int, Any],
-                 n: int) -> float:
+def staging_fill(drv: Any, table: list[Buffer], dest: list[int],
+                 saved: dict[int, gpuindex.Saved], n: int) -> float:
     """The fill before the rings, for comparison (GB/s): each of n threads reads a whole chunk
     into its part of one pinned arena (1 MiB pieces hashed as they come), copies it to the
     device, and waits for the copy before it reads the next."""
     from pos.image import gpu as gpuimage
 
-    slot = 1 << (max(c["raw"] for _f, _s, cs in saved.values() for c in cs) - 1).bit_length()
+    slot = 1 << (max(c.raw for _f, _s, cs in saved.values() for c in cs) - 1).bit_length()
     chunk_of, work = fill_order(table, saved)
     staging = gpucopy.Pinned(drv, n * slot)
     local, lock, taken, opened = threading.local(), threading.Lock(), [0], []
@@ -607,8 +607,8 @@ def fullexact(out: Path, images: Path, job: str, probe: bool = True) -> dict[str
             res["no_image"] = processes()
             return res
         # the image's buffers, biggest first: what the restore gate's waits were for
-        res["buffers"] = sorted(([b["base"], b["size"]] for b in
-                                 gpuindex.read_index(d)["buffers"]), key=lambda b: -b[1])
+        res["buffers"] = [[f"0x{b.base:x}", b.size] for b in
+                          sorted(gpuindex.read(d).buffers, key=lambda b: -b.size)]
         p.wait(timeout=60)
         lines = LineTimes(log)
         wall0 = time.time()
@@ -794,7 +794,7 @@ def fullstall(out: Path, images: Path, jobs: list[str]) -> dict[str, Any]:
                                     "--concurrent", "--leave-running", env=env)
                 time.sleep(1.0)
                 row[name]["job_saw"] = lines.excess(t, time.monotonic() - 1.0)
-                manifest = images / "conc" / "pos-manifest.json"
+                manifest = images / "conc" / names.MANIFEST
                 if manifest.exists():
                     row[name]["timings"] = json.loads(manifest.read_text())["timings"]
                 subprocess.run(["rm", "-rf", str(images / "conc")])
@@ -839,7 +839,7 @@ def faults(out: Path, images: Path) -> dict[str, Any]:
         finally:
             kill(p)
             subprocess.run(["rm", "-rf", str(images / "f0"), str(images / "f1"),
-                            str(images / "fimg"), str(images / "fimg.partial")])
+                            str(images / "fimg"), str(names.partial(images / "fimg"))])
         rows.append(row)
     return {"rows": rows, "all_ok": all(r.get("ok") for r in rows)}
 

@@ -49,6 +49,7 @@ from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa
                             machine, pos_cmd, processes)
 
 from pos import nvml  # noqa: E402
+from pos.image import names  # noqa: E402
 
 GIB = 2**30
 REF_STEPS = 30
@@ -202,7 +203,7 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
             time.sleep(2)
             run["job_saw"] = lines.excess(t, end)
             return run
-        shutil.copy(img / "criu-dump.log", out / f"{spec.name}-criu-dump.log")
+        shutil.copy(img / names.DUMP_LOG, out / f"{spec.name}-{names.DUMP_LOG}")
         at_kill = steps_in(log) + 8
         wait_steps(log, at_kill, p)
         run["job_saw"] = lines.excess(t, end)
@@ -225,7 +226,7 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
                 kill(q)
         subprocess.run(["pkill", "-9", "-f", str(log)])
         shutil.rmtree(images / "img", ignore_errors=True)
-        shutil.rmtree(images / "img.partial", ignore_errors=True)
+        shutil.rmtree(names.partial(images / "img"), ignore_errors=True)
 
 
 FAULT_STEPS = ("cut", "hoist", "lock", "checkpoint", "dump", "restore", "unlock", "copy", "seal")
@@ -267,7 +268,7 @@ def faults(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dict
             rows.append(row)
             print("fault", json.dumps(row)[:600], flush=True)
             shutil.rmtree(spec.images / "fimg", ignore_errors=True)
-            shutil.rmtree(spec.images / "fimg.partial", ignore_errors=True)
+            shutil.rmtree(names.partial(spec.images / "fimg"), ignore_errors=True)
         wait_steps(log, steps_in(log) + 12, p)
         res["exact"] = exact(log, ref)
         res["all_ok"] = all(r["ok"] for r in rows) and res["exact"]["bit_exact"]

@@ -34,13 +34,13 @@ def image_values(folder: Path, rank: Optional[int] = None) -> list[int]:
     from pos.image import gpu, gpuindex
 
     out = []
-    saved = gpuindex.resolve(folder, gpuindex.read_index(folder, rank))
+    saved = gpuindex.saved(folder, gpuindex.read(folder, rank))
     for _base, (where, _size, chunks) in sorted(saved.items()):
         seen: set[int] = set()
         for c in chunks:
-            buf = np.empty(c["raw"], np.uint8)
+            buf = np.empty(c.raw, np.uint8)
             gpu.read_chunk(where, c, buf)
-            seen.update(np.unique(buf[: c["raw"] // 4 * 4].view(np.uint32)).tolist())
+            seen.update(np.unique(buf[: c.raw // 4 * 4].view(np.uint32)).tolist())
         assert len(seen) == 1, f"a buffer of {folder} is not uniform: {sorted(seen)[:4]}"
         out.append(seen.pop())
     return out

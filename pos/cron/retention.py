@@ -13,6 +13,7 @@ from typing import Optional
 
 from pos.errors import BadInput, PosError
 from pos import image
+from pos.image import names
 
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNITS_B = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -80,7 +81,7 @@ def images_in(folder: Path) -> list[Kept]:
     if not folder.is_dir():
         return out
     for entry in folder.iterdir():
-        if not entry.is_dir() or entry.name.endswith(image.PARTIAL_SUFFIX):
+        if not entry.is_dir() or names.is_partial(entry.name):
             continue
         try:
             m = image.load(entry)

@@ -1,5 +1,6 @@
 """A pos image: CRIU's files and/or the GPU buffers of a `pos run` job (pos/image/gpu.py)
-plus pos-manifest.json, in one directory readable by root only.
+plus its manifest, in one directory readable by root only (every file's name:
+pos/image/names.py; what kind of image a directory holds: pos/image/kinds.py).
 
 The image is written into DIR.partial and renamed to DIR only once the manifest (with the
 checksums of every file) is on disk, so that a directory named DIR is always complete; anything
@@ -24,10 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pos.errors import BadInput
+from pos.image import names
 
 FORMAT = 2                     # 1: whole-file sha256 (no longer written or read)
-MANIFEST = "pos-manifest.json"
-PARTIAL_SUFFIX = ".partial"
 CHUNK_BYTES = 64 << 20         # hashed by one worker
 READ_BYTES = 8 << 20           # one pread into a worker's reusable buffer
 
@@ -68,15 +68,11 @@ class Manifest:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def partial_path(final: Path) -> Path:
-    return final.with_name(final.name + PARTIAL_SUFFIX)
-
-
 def prepare(final: Path, needed_bytes: int) -> Path:
     """Create DIR.partial (0700) for a new image at `final`, after checking that the image can
     be written there; returns the partial directory."""
     final = final.absolute()
-    partial = partial_path(final)
+    partial = names.partial(final)
     if final.exists():
         raise BadInput(f"{final} already exists", "give a new directory with -D, or remove it")
     if partial.exists():
@@ -203,13 +199,13 @@ def file_digest(chunks: list[bytes]) -> str:
     return hashlib.sha256(b"".join(chunks)).hexdigest()
 
 
-def checksums(folder: Path, names: list[str], chunk_bytes: int,
+def checksums(folder: Path, files: list[str], chunk_bytes: int,
               hashed: Hashed = _nothing) -> dict[str, dict[str, Any]]:
     """name -> {size, sha256 (of the chunk digests), chunks (hex digest of each chunk)}."""
-    sizes = {n: (folder / n).stat().st_size for n in names}
+    sizes = {n: (folder / n).stat().st_size for n in files}
     digests = chunk_digests(folder, sizes, chunk_bytes, hashed)
     return {n: {"size": sizes[n], "sha256": file_digest(digests[n]),
-                "chunks": [d.hex() for d in digests[n]]} for n in names}
+                "chunks": [d.hex() for d in digests[n]]} for n in files}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -223,11 +219,11 @@ def _fsync_dir(path: Path) -> None:
 def seal(partial: Path, manifest: Manifest, hashed: Hashed = _nothing) -> Path:
     """Make every file root-only, checksum it, write the manifest, then rename DIR.partial to
     DIR: the image appears complete or not at all."""
-    names = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MANIFEST)
-    for n in names:
+    files = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != names.MANIFEST)
+    for n in files:
         os.chmod(partial / n, 0o600)
     manifest.chunk_bytes = CHUNK_BYTES
-    manifest.files = checksums(partial, names, manifest.chunk_bytes, hashed)
+    manifest.files = checksums(partial, files, manifest.chunk_bytes, hashed)
     manifest.size_bytes = sum(f["size"] for f in manifest.files.values())
     write_manifest(partial, manifest)
     return _publish(partial)
@@ -246,42 +242,42 @@ def adopt(partial: Path, manifest: Manifest) -> Path:
 
 
 def _publish(partial: Path) -> Path:
-    final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+    final = partial.with_name(partial.name.removesuffix(names.PARTIAL_SUFFIX))
     os.rename(partial, final)
     _fsync_dir(final.parent)
     return final
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
-    tmp = folder / (MANIFEST + ".tmp")
+    tmp = folder / (names.MANIFEST + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
-    os.rename(tmp, folder / MANIFEST)
+    os.rename(tmp, folder / names.MANIFEST)
     _fsync_dir(folder)
 
 
 def discard(partial: Path) -> None:
     """Remove an unfinished image (its name ends in .partial: it never looked complete)."""
-    if partial.name.endswith(PARTIAL_SUFFIX):
+    if names.is_partial(partial.name):
         shutil.rmtree(partial, ignore_errors=True)
 
 
 def load(folder: Path) -> Manifest:
     """The manifest of the image in `folder`; BadInput when there is none to trust."""
     folder = Path(folder)
-    if folder.name.endswith(PARTIAL_SUFFIX):
+    if names.is_partial(folder.name):
         raise BadInput(f"{folder} is an incomplete image (an interrupted checkpoint)",
                        "restore from a complete image, or take a new checkpoint")
-    path = folder / MANIFEST
+    path = folder / names.MANIFEST
     try:
         if not folder.is_dir():
             raise BadInput(f"{folder} is not a directory", "give the -D of a `pos checkpoint`")
         text = path.read_text()
     except FileNotFoundError:
-        raise BadInput(f"{folder} is not a complete pos image (no {MANIFEST})",
+        raise BadInput(f"{folder} is not a complete pos image (no {names.MANIFEST})",
                        "give the -D of a finished `pos checkpoint`") from None
     except PermissionError as e:
         raise BadInput(f"cannot read {e.filename} (images are readable by root only)",
@@ -332,14 +328,14 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
     bytes of each chunk checked; `stop`: see chunk_digests."""
     folder = Path(folder)
     manifest = check_files(folder)
-    names = list(manifest.files) if digests is None else digests
-    missing = [n for n in names if n not in manifest.files]
+    checked = list(manifest.files) if digests is None else digests
+    missing = [n for n in checked if n not in manifest.files]
     if missing:
         raise BadInput(f"image {folder} lacks {', '.join(missing)} in its manifest",
                        "take a new checkpoint")
-    got = chunk_digests(folder, {n: manifest.files[n]["size"] for n in names},
+    got = chunk_digests(folder, {n: manifest.files[n]["size"] for n in checked},
                         manifest.chunk_bytes, hashed, stop)
-    for name in names:
+    for name in checked:
         want = manifest.files[name]
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):
             if have.hex() != rec:
@@ -366,7 +362,7 @@ def _same_files(folder: Path, manifest: Manifest) -> None:
         if path.stat().st_size != want["size"]:
             raise BadInput(f"image {folder} is corrupt: {name} has {path.stat().st_size} bytes, "
                            f"the manifest says {want['size']}", "take a new checkpoint")
-    extra = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST
+    extra = sorted(p.name for p in folder.iterdir() if p.name != names.MANIFEST
                    and p.name not in manifest.files)
     if extra:
         raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "

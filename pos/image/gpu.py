@@ -1,12 +1,12 @@
 """The GPU image of a `pos run` process: its device buffers in chunks, inside a pos image.
 Writing and reading the chunks (checksums and pointer scans in pos/image/chunks.c, without the
-GIL); the index alone is pos/image/gpuindex.py.
+GIL); the index alone is pos/image/gpuindex.py, the files' names pos/image/names.py.
 
-DIR/gpu-index.json lists every buffer saved at the cut (base, size) and its chunks (data file,
-position, stored and raw length, 64-bit checksum of the raw bytes, whether zstd-compressed);
-the chunks live in DIR/gpu-data-NN.bin, one file per writer thread. The directory is written
-as DIR.partial and sealed by pos/image/__init__.py (chunked sha256 of every file in
-pos-manifest.json, root-only, renamed to DIR when complete): the same trust as a full image.
+The GPU index lists every buffer saved at the cut (base, size) and its chunks (ChunkRecord:
+data file, position, stored and raw length, 64-bit checksum of the raw bytes, whether
+zstd-compressed); the chunks live in data files, one per writer thread. The directory is
+written as DIR.partial and sealed by pos/image/__init__.py (chunked sha256 of every file in
+the manifest, root-only, renamed to DIR when complete): the same trust as a full image.
 An incremental image names its parent; a buffer not written since the parent is listed with
 `in_parent` and read from there (recursively).
 """
@@ -21,8 +21,10 @@ from typing import Any, Optional
 import numpy as np
 
 from pos.errors import BadInput
+from pos.image import names
 from pos.image.checksum import LIB as _lib
 from pos.image.checksum import checksum
+from pos.image.gpuindex import ChunkRecord
 
 # A reader hashes what it read in pieces this big (a multiple of the hash's 32-byte groups),
 # while they are in the CPU's cache: hashing a whole 64 MiB chunk afterwards reads it from
@@ -54,12 +56,12 @@ class Writer:
     """Appends chunks to one data file per writer thread and records them for the index."""
 
     def __init__(self, folder: Path, compress: bool, level: int = 1,
-                 prefix: str = "gpu-data-") -> None:
+                 prefix: str = names.data_prefix()) -> None:
         self.folder = folder
-        self.prefix = prefix          # the data files' names: PREFIXnn.bin
+        self.prefix = prefix          # how the data files' names begin (names.data_name)
         self.compress = compress
         self.level = level
-        self.chunks: dict[int, list[dict[str, Any]]] = {}
+        self._chunks: dict[int, list[ChunkRecord]] = {}     # by buffer, in the order written
         self._lock = threading.Lock()
         self._local = threading.local()
         self._files: list[Any] = []
@@ -68,7 +70,7 @@ class Writer:
         f = getattr(self._local, "file", None)
         if f is None:
             with self._lock:
-                name = f"{self.prefix}{len(self._files):02d}.bin"
+                name = names.data_name(self.prefix, len(self._files))
                 fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 f = os.fdopen(fd, "wb", buffering=0)
                 self._files.append(f)
@@ -90,11 +92,15 @@ class Writer:
         done = 0
         while done < len(view):
             done += f.write(view[done:])
-        rec = {"offset": offset, "file": name, "at": at, "stored": len(view),
-               "raw": int(data.shape[0]), "hash": f"{h:016x}", "zstd": self.compress}
+        rec = ChunkRecord(offset, name, at, len(view), int(data.shape[0]), h, self.compress)
         with self._lock:
-            self.chunks.setdefault(base, []).append(rec)
+            self._chunks.setdefault(base, []).append(rec)
         return len(view)
+
+    def chunks_of(self, base: int) -> tuple[ChunkRecord, ...]:
+        """The chunks of buffer `base` written so far, by offset: its BufferRecord's."""
+        with self._lock:
+            return tuple(sorted(self._chunks.get(base, []), key=lambda c: c.offset))
 
     def close(self) -> None:
         for f in self._files:
@@ -133,28 +139,28 @@ def _point(words: np.ndarray, targets: Targets, hits: np.ndarray) -> None:
                    targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data)
 
 
-def _open(folder: Path, chunk: dict[str, Any], fds: dict[str, int]) -> int:
-    path = str(Path(folder) / chunk["file"])
+def _open(folder: Path, chunk: ChunkRecord, fds: dict[str, int]) -> int:
+    path = str(Path(folder) / chunk.file)
     fd = fds.get(path)
     if fd is None:
         fd = fds[path] = os.open(path, os.O_RDONLY)
-    if chunk["stored"] != chunk["raw"] or chunk["raw"] < 0:
-        raise BadInput(f"a chunk of {folder}/{chunk['file']} has an impossible size",
+    if chunk.stored != chunk.raw or chunk.raw < 0:
+        raise BadInput(f"a chunk of {folder}/{chunk.file} has an impossible size",
                        "the image is corrupt: take a new checkpoint")
     return fd
 
 
-def _checked(folder: Path, chunk: dict[str, Any], got: int, h: int) -> None:
+def _checked(folder: Path, chunk: ChunkRecord, got: int, h: int) -> None:
     if got == -1:
         raise ValueError("a fill piece must be a whole number of the hash's 32-byte groups")
-    if got < chunk["raw"]:
-        raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
-    if f"{h:016x}" != chunk["hash"]:
-        raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
+    if got < chunk.raw:
+        raise BadInput(f"{folder}/{chunk.file} is truncated", "take a new checkpoint")
+    if h != chunk.hash:
+        raise BadInput(f"a chunk of {folder}/{chunk.file} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")
 
 
-def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
+def read_chunk_into(folder: Path, chunk: ChunkRecord, out: np.ndarray,
                     fds: dict[str, int], targets: Targets = NO_TARGETS) -> np.ndarray:
     """Read one chunk into out[:raw] and check its checksum, with no intermediate copy for an
     uncompressed chunk (pread straight into `out` in pieces of PIECE bytes, each hashed while
@@ -162,16 +168,16 @@ def read_chunk_into(folder: Path, chunk: dict[str, Any], out: np.ndarray,
     calling thread. Returns the indices of the `targets` that the chunk's 8-byte words point
     into."""
     hits = targets.hits()
-    if chunk["zstd"]:
+    if chunk.zstd:
         read_chunk(folder, chunk, out)
-        n = chunk["raw"] // 8 * 8
+        n = chunk.raw // 8 * 8
         _point(out[:n].view(np.uint64), targets, hits)
         return np.flatnonzero(hits)
     fd = _open(folder, chunk, fds)
-    if out.shape[0] < chunk["raw"]:
+    if out.shape[0] < chunk.raw:
         raise ValueError("the output is smaller than the chunk")
     h = ctypes.c_uint64()
-    got = _lib.pos_read_chunk(fd, out.ctypes.data, chunk["raw"], chunk["at"], PIECE,
+    got = _lib.pos_read_chunk(fd, out.ctypes.data, chunk.raw, chunk.at, PIECE,
                               targets.starts.ctypes.data, targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     _checked(folder, chunk, got, h.value)
@@ -190,9 +196,9 @@ class Maps:
         self._lock = threading.Lock()
         self._maps: dict[str, tuple[int, int]] = {}      # path -> (address, size)
 
-    def address(self, folder: Path, chunk: dict[str, Any]) -> int:
+    def address(self, folder: Path, chunk: ChunkRecord) -> int:
         """Where the chunk's data file is mapped (its byte 0)."""
-        path = str(Path(folder) / chunk["file"])
+        path = str(Path(folder) / chunk.file)
         with self._lock:
             if path not in self._maps:
                 fd = os.open(path, os.O_RDONLY)
@@ -205,8 +211,8 @@ class Maps:
                     raise OSError(ctypes.get_errno(), f"mapping {path} failed")
                 self._maps[path] = (at, size)
             at, size = self._maps[path]
-        if chunk["at"] < 0 or chunk["at"] + chunk["raw"] > size:
-            raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
+        if chunk.at < 0 or chunk.at + chunk.raw > size:
+            raise BadInput(f"{folder}/{chunk.file} is truncated", "take a new checkpoint")
         return at
 
     def close(self) -> None:
@@ -216,7 +222,7 @@ class Maps:
             self._maps = {}
 
 
-def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: dict[str, int],
+def fill_chunk(ring: Any, folder: Path, chunk: ChunkRecord, dst: int, fds: dict[str, int],
                targets: Targets = NO_TARGETS, maps: Optional[Maps] = None) -> np.ndarray:
     """Copy one uncompressed chunk to device memory at dst through a fill thread's ring
     (pos/scheduler/gpucopy.Ring) and check its checksum; like read_chunk_into otherwise, but
@@ -229,7 +235,7 @@ def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: di
     fd = _open(folder, chunk, fds)
     h = ctypes.c_uint64()
     src = maps.address(folder, chunk) if maps is not None else None
-    got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, src, dst, chunk["raw"], chunk["at"],
+    got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, src, dst, chunk.raw, chunk.at,
                               targets.starts.ctypes.data, targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     if got == -2:
@@ -240,19 +246,19 @@ def fill_chunk(ring: Any, folder: Path, chunk: dict[str, Any], dst: int, fds: di
     return np.flatnonzero(hits)
 
 
-def read_chunk(folder: Path, chunk: dict[str, Any], out: np.ndarray) -> None:
+def read_chunk(folder: Path, chunk: ChunkRecord, out: np.ndarray) -> None:
     """Read one chunk into out[:raw] (decompressing) and check its checksum."""
-    with open(folder / chunk["file"], "rb", buffering=0) as f:
-        f.seek(chunk["at"])
-        data = f.read(chunk["stored"])
-    if len(data) != chunk["stored"]:
-        raise BadInput(f"{folder}/{chunk['file']} is truncated", "take a new checkpoint")
-    if chunk["zstd"]:
+    with open(folder / chunk.file, "rb", buffering=0) as f:
+        f.seek(chunk.at)
+        data = f.read(chunk.stored)
+    if len(data) != chunk.stored:
+        raise BadInput(f"{folder}/{chunk.file} is truncated", "take a new checkpoint")
+    if chunk.zstd:
         import zstandard
 
-        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=chunk["raw"])
+        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=chunk.raw)
     raw = np.frombuffer(data, np.uint8)
-    if raw.shape[0] != chunk["raw"] or f"{checksum(raw):016x}" != chunk["hash"]:
-        raise BadInput(f"a chunk of {folder}/{chunk['file']} does not match its checksum",
+    if raw.shape[0] != chunk.raw or checksum(raw) != chunk.hash:
+        raise BadInput(f"a chunk of {folder}/{chunk.file} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")
-    out[: chunk["raw"]] = raw
+    out[: chunk.raw] = raw

@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import stat
-import struct
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pos.errors import BadInput, PosError
+from pos.image import names
 from pos.scheduler import procs
 from pos.scheduler.settings import DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_LOG_DIR, Settings
 
@@ -28,7 +28,6 @@ SETUP_COPY = "/opt/pos/criu/criu"
 MIN_VERSION = (4, 0)
 FIX_INSTALL = ("run scripts/setup.sh (it installs CRIU 4.2 into /opt/pos/criu), or set POS_CRIU "
                "to a CRIU >= 4.0")
-DUMP_LOG, RESTORE_LOG = "criu-dump.log", "criu-restore.log"
 
 # Where the logs of failed CRIU runs are kept (the failed image or work folder is removed).
 KEEP_BYTES = 64 << 20          # at most this much of a log is kept there (its head and tail)
@@ -201,7 +200,7 @@ class Criu:
         """Without `leave_running` the tree stays, stopped, for the caller to end once the
         image is sealed: a pos that dies before then leaves it to run on (CRIU never ends it
         itself, or a pos that died between the dump and the seal would lose the job)."""
-        argv = self._base("dump", images, DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
+        argv = self._base("dump", images, names.DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
         argv.append("--leave-running" if leave_running else "--leave-stopped")
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
@@ -211,7 +210,7 @@ class Criu:
     def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
                      inherit_fds: tuple[str, ...] = (), leave_stopped: bool = False) -> list[str]:
         """`leave_stopped`: the restored tree stays stopped (SIGSTOP) for the caller to resume."""
-        argv = self._base("restore", images, RESTORE_LOG, workdir) + [
+        argv = self._base("restore", images, names.RESTORE_LOG, workdir) + [
             "-d", "--pidfile", str(pidfile), *opts.argv()]
         if leave_stopped:
             argv.append("--leave-stopped")
@@ -220,7 +219,7 @@ class Criu:
         return argv
 
     def page_server_argv(self, images: Path, address: str, port: int, workdir: Path) -> list[str]:
-        return self._base("page-server", images, "criu-page-server.log", workdir) + [
+        return self._base("page-server", images, names.PAGE_SERVER_LOG, workdir) + [
             "--address", address, "--port", str(port)]
 
     def start(self, argv: list[str], pass_fds: tuple[int, ...] = (),
@@ -446,71 +445,3 @@ def find(settings: Optional[Settings] = None) -> Criu:
     return replace(_find(s.criu, shutil.which("criu") or ""), log_dir=s.log_dir,
                    log_max=s.criu_log_max_bytes)
 
-
-# ---- stats-dump: how long CRIU kept the tree frozen ---------------------------------------
-IMG_SERVICE_MAGIC, STATS_MAGIC = 0x55105940, 0x57093306
-
-
-def _varints(buf: bytes) -> dict[int, Any]:
-    """The fields of one protobuf message (varints and length-delimited), by field number."""
-    out: dict[int, Any] = {}
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            out[number], i = _varint(buf, i)
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            out[number], i = buf[i:i + n], i + n
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"protobuf wire type {wire}")
-    return out
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, i
-
-
-@dataclass(frozen=True)
-class DumpStats:
-    """What CRIU's stats-dump says of the last dump: where its frozen time went."""
-    freezing_s: float
-    frozen_s: float
-    memdump_s: float      # pages drained from the frozen tree (parasite, vmsplice)
-    memwrite_s: float     # pages written to the image
-    pages_scanned: int
-    pages_written: int
-
-    def timings(self) -> dict[str, float]:
-        """The manifest's timings: `frozen` (freezing + frozen) and the page work within it."""
-        return {"frozen": self.freezing_s + self.frozen_s, "criu_memdump": self.memdump_s,
-                "criu_memwrite": self.memwrite_s,
-                "criu_written_mib": self.pages_written * 4096 / 2**20}
-
-
-def dump_stats(images: Path) -> Optional[DumpStats]:
-    """The stats-dump of the dump in `images`, None when unreadable.
-
-    stats-dump is a CRIU service image: two magics, a u32 length, a StatsEntry whose field 1 is
-    dump_stats_entry (1 freezing_time, 2 frozen_time, 3 memdump_time, 4 memwrite_time in
-    microseconds; 5 pages_scanned, 7 pages_written)."""
-    try:
-        raw = (images / "stats-dump").read_bytes()
-        magic, kind, size = struct.unpack_from("<III", raw)
-        if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
-            return None
-        d = _varints(_varints(raw[12:12 + size])[1])
-        return DumpStats(d[1] / 1e6, d[2] / 1e6, d.get(3, 0) / 1e6, d.get(4, 0) / 1e6,
-                         d.get(5, 0), d.get(7, 0))
-    except (OSError, struct.error, KeyError, IndexError, ValueError, TypeError):
-        return None

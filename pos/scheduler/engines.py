@@ -205,15 +205,9 @@ def by_name(name: str, settings: Settings, echo: Echo = lambda _: None,
 
 def for_image(directory: Path, settings: Settings, echo: Echo = lambda _: None,
               progress: Progress = QUIET) -> Engine:
-    """The engine that restores the image in `directory`: its kind decides (a GPU index
-    without CRIU's inventory: GPU-only; with it: concurrent)."""
-    from pos.image import gpuindex
+    """The engine that restores the image in `directory`: its kind decides."""
+    from pos.image.kinds import ImageKind, kind
 
-    d = Path(directory)
-    criu = (d / "inventory.img").is_file()
-    kind: type[_Base] = StopTheWorld
-    if (d / gpuindex.INDEX).is_file() and not criu:
-        kind = GpuOnly
-    elif criu and gpuindex.jobs(d):
-        kind = Concurrent
-    return kind(settings, echo, progress)
+    engine = {ImageKind.GPU_ONLY: GpuOnly, ImageKind.CONCURRENT: Concurrent,
+              ImageKind.STOP_THE_WORLD: StopTheWorld}[kind(Path(directory))]
+    return engine(settings, echo, progress)

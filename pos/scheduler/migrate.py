@@ -15,6 +15,7 @@ from pos import image
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
+from pos.image import names
 from pos.scheduler import cudackpt, procs, restorable
 from pos.scheduler.criu import PageServer
 from pos.scheduler.gpumap import Onto, of_process
@@ -190,7 +191,7 @@ def _wait_listening(port: int, proc: Any) -> None:
                         return
         time.sleep(0.02)
     raise PosError(f"CRIU's page server did not listen on port {port}",
-                   "see criu-page-server.log next to the image")
+                   f"see {names.PAGE_SERVER_LOG} next to the image")
 
 
 def listen(address: str, port: int, directory: Path, settings: Settings,
@@ -239,7 +240,7 @@ def listen(address: str, port: int, directory: Path, settings: Settings,
                 else:
                     manifest_text = reader.exactly(msg["manifest"])
             if ps is not None:
-                criu.finish(ps, "page-server", work / "criu-page-server.log")
+                criu.finish(ps, "page-server", work / names.PAGE_SERVER_LOG)
             manifest = image.Manifest.from_json(manifest_text.decode())
             if concurrent:      # sent whole: its sender's checksums, checked by the restore
                 final = image.adopt(partial, manifest)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from pos import host, image, nvml
 from pos.errors import BadInput, PosError
-from pos.image import Manifest
+from pos.image import Manifest, names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
@@ -122,7 +122,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             terminal = options.shell_job and os.isatty(0)
             try:
                 g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
-                                                           work / criu_mod.RESTORE_LOG,
+                                                           work / names.RESTORE_LOG,
                                                            fds + tuple(logs), terminal,
                                                            lambda: _failed(checking)))
             except PosError:
@@ -143,7 +143,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
         for fd in logs:
             os.close(fd)
         if settings.keep_restore_log:
-            criu_mod.keep_log(work / criu_mod.RESTORE_LOG, criu.log_dir)
+            criu_mod.keep_log(work / names.RESTORE_LOG, criu.log_dir)
         shutil.rmtree(work, ignore_errors=True)
     return Report("stop-the-world", str(directory), manifest, timings=g.timings,
                   restored_pid=root)

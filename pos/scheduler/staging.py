@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from pos import host
+from pos.image import names
 
 ROOT = Path("/run/pos/dump")
 OPTIONS = b"huge=always,mode=0700"
@@ -32,7 +33,7 @@ def directory(name: str, partial: Path, needed_bytes: int, enabled: bool = True
         _mount()
         if os.stat(partial).st_dev == os.stat(ROOT).st_dev:
             return None
-        d = ROOT / f"{name}-{os.getpid()}.partial"
+        d = names.partial(ROOT / f"{name}-{os.getpid()}")
         d.mkdir(mode=0o700)
     except OSError:
         return None

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pos.errors import PosError
+from pos.image import criustats, names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
@@ -111,8 +112,8 @@ class Guard:
 
     def dump(self, criu: criu_mod.Criu, argv: list[str], images: Path) -> None:
         """CRIU's dump into `images`, timed, and how its stats-dump splits the frozen time."""
-        self.timed("dump", lambda: self.run_criu(criu, argv, "dump", images / criu_mod.DUMP_LOG))
-        stats = criu_mod.dump_stats(images)
+        self.timed("dump", lambda: self.run_criu(criu, argv, "dump", images / names.DUMP_LOG))
+        stats = criustats.dump_stats(images)
         if stats is not None:
             self.timings.update(stats.timings())
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from pos import image, nvml
+from pos.image import names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs, restorable
@@ -46,7 +47,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
     manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
     comm = manifest.comm
     plan = Plan("checkpoint", pids, cuda, criu_path=criu.path,
-                images=str(image.partial_path(Path(directory).absolute())),
+                images=str(names.partial(Path(directory).absolute())),
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                 criu_options=options.to_json())
     partial = image.prepare(directory, needed)    # just before the watchdog, which knows it

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pos import image
-from pos.image import gpuindex
+from pos.image import names
 from pos.scheduler import concurrent
 from tests.image.damage import DAMAGES, damage, largest
 from tests.scheduler.conftest import one_sentence, pos, wait_for
@@ -17,7 +17,7 @@ from workloads.fill_job import image_values, torn
 # what the refusal names, for each damage of the file NAME
 SAYS = {"truncate": "{name} has", "missing": "{name} is missing",
         "flip": "of {name} do not match their checksum"}
-FILES = {"pages": "pages-*.img", "data": "gpu-data-*", "index": gpuindex.INDEX}
+FILES = {"pages": "pages-*.img", "data": names.data_prefix() + "*", "index": names.INDEX}
 
 
 @pytest.fixture

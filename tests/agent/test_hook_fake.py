@@ -19,7 +19,9 @@ import pytest
 from pos.agent.control import Agent
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
-from pos.image import gpuindex
+from pos.image import gpuindex, names
+from pos.image.gpuindex import ChunkRecord
+from pos.image.kinds import ImageKind, kind
 from pos.scheduler import concurrent, engines, staging
 from pos.scheduler.criu import Options
 from pos.scheduler.gpumap import Onto
@@ -38,7 +40,7 @@ def own(name: str) -> str:
 
 def staged(image: Path) -> list[Path]:
     """The staging folders left in /run/pos/dump by the checkpoints of `image`."""
-    return list(staging.ROOT.glob(f"{image.name}-*.partial"))
+    return list(staging.ROOT.glob(f"{image.name}-*{names.PARTIAL_SUFFIX}"))
 
 
 def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
@@ -69,7 +71,7 @@ def test_memory_pos_cannot_own_is_counted_and_refused_for_gpu_only_images(
             env=gpu_env)
     one_sentence(r, 2, f"holds {3 << 20} bytes of device memory in 1 allocations pos does not "
                  "own", "whole-process image")
-    assert not (tmp_path / "g").exists() and not (tmp_path / "g.partial").exists()
+    assert not (tmp_path / "g").exists() and not names.partial(tmp_path / "g").exists()
     r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "w"), "--concurrent",
             "--leave-running", env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -214,7 +216,7 @@ def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
     job = fill_job()
     with pytest.raises(OSError, match="No space left"):
         concurrent.checkpoint_gpu(job.pid, tmp_path / "img", chunk_mb=1)
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
     with Agent(job.pid) as a:
         assert a.status().phase == "idle"
     first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a", chunk_mb=1).path))
@@ -277,9 +279,9 @@ def test_the_buffers_the_job_uses_once_released_are_marked_hot_in_its_image(
     job = fill_job(buffers=4, size=16 << 20, launches="_Z4axpyfPKfPfi")
     first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
     r = concurrent.checkpoint_gpu(job.pid, tmp_path / "img", chunk_mb=1)
-    index = gpuindex.read_index(Path(r.path))
-    assert len(index["buffers"]) == 4
-    assert {int(b["base"], 16) for b in index["buffers"] if b["hot"]} == {first}
+    index = gpuindex.read(Path(r.path))
+    assert len(index.buffers) == 4
+    assert index.hot == {first}
     with Agent(job.pid) as a:      # the next operation starts afresh
         a.cut(5)
         try:
@@ -348,7 +350,7 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
     assert report["restored_pid"] == job.pid
     assert {"checkpoint", "send", "there", "checkpoint.d2h"} <= set(report["timings"])
     assert f"restored PID {job.pid}" in out
-    assert engines.for_image(tmp_path / "in", Settings()).name == "concurrent"
+    assert kind(tmp_path / "in") is ImageKind.CONCURRENT
     saved = image_values(tmp_path / "in")       # what was sent, as received and sealed there
     assert not torn(saved)
     wait_for(job.alive, what="the migrated job")
@@ -421,7 +423,7 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert not (tmp_path / f"pos-migrate-{job.pid}").exists()
-    assert (tmp_path / "kept" / "pos-manifest.json").is_file() == keep
+    assert (tmp_path / "kept" / names.MANIFEST).is_file() == keep
     job.kill()
     wait_for(lambda: reaped(job.pid), what="the moved job's end")
 
@@ -493,8 +495,8 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     assert not torn(image_values(img))
     # CRIU wrote into the huge-page tmpfs while the job was frozen; its files moved into the
     # image afterwards, and nothing is left there
-    assert "move" in json.loads((img / "pos-manifest.json").read_text())["timings"]
-    assert (img / "inventory.img").is_file()
+    assert "move" in json.loads((img / names.MANIFEST).read_text())["timings"]
+    assert (img / names.INVENTORY).is_file()
     assert staged(img) == []
     with Agent(job.pid) as a:
         assert a.status().phase == "idle"
@@ -529,7 +531,7 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
         == "running"
-    assert not img.with_name(img.name + ".partial").exists() and staged(img) == []
+    assert not names.partial(img).exists() and staged(img) == []
 
 
 @pytest.mark.parametrize("point", ["criu-restore:criu=KILL", "verify=KILL", "remap=KILL",
@@ -581,7 +583,7 @@ def test_stop_the_world_after_a_concurrent_checkpoint_is_refused(fill_job, tmp_p
     one_sentence(pos("checkpoint", str(job.pid), "-D", str(tmp_path / "stw"), "--leave-running",
                      env=gpu_env), 2, "were mapped back from a whole-process concurrent",
                  "pos checkpoint --concurrent")
-    assert not (tmp_path / "stw").exists() and not (tmp_path / "stw.partial").exists()
+    assert not (tmp_path / "stw").exists() and not names.partial(tmp_path / "stw").exists()
     r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c2"), "--concurrent",
             "--leave-running", env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -631,7 +633,7 @@ def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
     r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--leave-running",
             env=gpu_env)
     assert r.returncode == 0, r.stderr
-    timings = json.loads((img / "pos-manifest.json").read_text())["timings"]
+    timings = json.loads((img / names.MANIFEST).read_text())["timings"]
     assert timings["reseated_bytes"] == sum(b.mapped for b in table)
     # each refusal left a descriptor of a 195:255 node (the fake's nvidiactl) open in the
     # job: the agent put /dev/null in each one's place, and CRIU dumped the job
@@ -643,7 +645,7 @@ def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
     last = tmp_path / "last"                    # the job ended by the dump this time
     r = pos("checkpoint", str(job.pid), "-D", str(last), "--concurrent", env=gpu_env)
     assert r.returncode == 0, r.stderr
-    assert "reseated_bytes" not in json.loads((last / "pos-manifest.json").read_text())["timings"]
+    assert "reseated_bytes" not in json.loads((last / names.MANIFEST).read_text())["timings"]
     job.proc.wait(timeout=30)
     r = pos("restore", "-D", str(last), env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -658,7 +660,7 @@ def test_a_corrupt_chunk_ends_the_job_it_was_being_restored_into(fill_job, tmp_p
     mix of restored and stale buffers, so the agent ends it; pos says why in one sentence."""
     job = fill_job()
     img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
-    data = sorted(img.glob("gpu-data-*.bin"))[-1]
+    data = sorted(img.glob(names.data_prefix() + "*"))[-1]
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     os.chmod(data, 0o600)
@@ -677,20 +679,19 @@ def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
     assert st.buffers == 1 and st.owned_bytes == 2 << 20
     time.sleep(0.3)
     img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
-    (_base, (where, size, chunks)), = gpuindex.resolve(img).items()
-    words = np.concatenate([_chunk(where, c) for c in sorted(chunks, key=lambda c: c["offset"])])
+    (_base, (where, size, chunks)), = gpuindex.saved(img).items()
+    words = np.concatenate([_chunk(where, c) for c in chunks])
     held = sorted(set(words.tolist()) - {0})
     assert size == 2 << 20 and len(held) == 64 and not torn(held)
     job.pause.touch()
     time.sleep(0.1)
     concurrent.restore_gpu(job.pid, img)
     back = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "back").path)
-    (_b, (where2, _s, chunks2)), = gpuindex.resolve(back).items()
-    assert [c["hash"] for c in sorted(chunks2, key=lambda c: c["offset"])] == \
-        [c["hash"] for c in sorted(chunks, key=lambda c: c["offset"])]
+    (_b, (where2, _s, chunks2)), = gpuindex.saved(back).items()
+    assert [c.hash for c in chunks2] == [c.hash for c in chunks]
 
 
-def _chunk(where: Path, c: dict) -> np.ndarray:
-    buf = np.empty(c["raw"], np.uint8)
+def _chunk(where: Path, c: ChunkRecord) -> np.ndarray:
+    buf = np.empty(c.raw, np.uint8)
     gpuimage.read_chunk(where, c, buf)
     return buf.view(np.uint32)

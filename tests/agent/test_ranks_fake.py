@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from pos.agent.control import Agent, Refused
+from pos.image import gpuindex, names
 from pos.scheduler import concurrent
 from tests.conftest import ROOT
 from tests.scheduler.conftest import pos, wait_for
@@ -110,8 +111,7 @@ def test_ranks_are_cut_before_the_same_collective_and_each_restored(
     r = pos("checkpoint", str(ranks.root), "-D", str(img), "--concurrent", "--json",
             *(["--leave-running"] if leave_running else []), env=gpu_env)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in img.glob("gpu-index-*.json")) == \
-        sorted(f"gpu-index-{p}.json" for p in ranks.pids)
+    assert gpuindex.jobs(img) == sorted(ranks.pids)
     saved = [image_values(img, p) for p in ranks.pids]
     assert not any(torn(v) for v in saved)
     assert max(saved[0]) == max(saved[1]) > 0     # the same NCCL launch: the same state
@@ -147,7 +147,7 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
     img = tmp_path / "one"
     r = pos("checkpoint", str(job.root), "-D", str(img), "--concurrent", env=gpu_env)
     assert r.returncode == 0, r.stderr
-    assert (img / "gpu-index.json").is_file()
+    assert (img / names.INDEX).is_file()
     saved = image_values(img)
     assert not torn(saved)
     job.proc.wait(timeout=30)

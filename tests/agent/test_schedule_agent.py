@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from pos.cli import cli
 from pos import image
 from pos.cron import snapshot, targets
+from pos.image import names
 from pos.store import images, schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT
@@ -49,7 +50,7 @@ def test_snapshot_without_an_agent_is_one_recorded_sentence(sleeper, tmp_path: P
     assert json.loads(r.stdout) == {"engine": None, "error": (
         f"PID {sleeper} has no pos agent that owns its memory, so the concurrent engine cannot "
         "snapshot it: start the job with `pos run`, or use --engine auto.")}
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
 
 
 def test_daemon_auto_snapshots_a_pos_run_job_with_its_agent(fill_job, tmp_path: Path,
@@ -78,10 +79,10 @@ def test_daemon_auto_snapshots_a_pos_run_job_with_its_agent(fill_job, tmp_path: 
     runs = [r for r in schedules.runs(store, 1) if r.outcome == "ok"]
     assert {r.engine for r in runs} == {"concurrent"} and {r.pid for r in runs} == {job.pid}
     kept = sorted(root.joinpath("1").iterdir())
-    assert len(kept) == 2 and not [k for k in kept if k.name.endswith(".partial")]
+    assert len(kept) == 2 and not [k for k in kept if names.is_partial(k.name)]
     for k in kept:
         m = image.verify(k)                 # whole-process: CRIU's files and the GPU's
-        assert m.pid == job.pid and "gpu-index.json" in m.files and "inventory.img" in m.files
+        assert m.pid == job.pid and names.INDEX in m.files and names.INVENTORY in m.files
     assert all(isinstance(r.stall_s, float) and r.stall_s >= 0 for r in runs)
     assert {r.path for r in images.list_images(env["POS_DB"])} == {str(k) for k in kept}
     assert job.alive()                      # never stopped

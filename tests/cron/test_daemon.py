@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pos.cron import retention
+from pos.image import names
 from pos.scheduler import procs
 from pos.store import schedules
 from pos.store.db import open_db
@@ -80,7 +81,7 @@ def test_daemon_snapshots_prunes_restarts_and_an_image_restores(tmp_path, counte
     assert "running" not in outcomes(env["POS_DB"], 1)
     kept = retention.images_in(root / "1")
     assert len(kept) == 2
-    assert not list((root / "1").glob("*.partial"))
+    assert not list((root / "1").glob("*" + names.PARTIAL_SUFFIX))
     ls = pos("images", "ls", env=env).stdout.splitlines()
     assert len(ls) == 3                           # the pruned images' rows are gone too
     runs = schedules.runs(open_db(env["POS_DB"]), 1)
@@ -144,7 +145,7 @@ def test_sigterm_abandons_a_real_criu_snapshot_in_flight(tmp_path, counters, env
     assert r.returncode == 0, r.stderr
     d = Daemon(env, tmp_path / "daemon.log", grace=0.1)
     try:
-        wait_for(lambda: any(root.glob("1/*.partial/pages-*.img")), timeout=60,
+        wait_for(lambda: any(root.glob(f"1/*{names.PARTIAL_SUFFIX}/pages-*.img")), timeout=60,
                  what="CRIU writing pages")
     finally:
         assert d.stop() == 0, (tmp_path / "daemon.log").read_text()

@@ -10,6 +10,7 @@ from pos import image
 from pos.cron import retention
 from pos.image import Manifest
 from pos.cron.retention import Policy
+from pos.image import names
 
 NOW = datetime(2025, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -32,24 +33,24 @@ def five(tmp_path: Path) -> list[Path]:
     return [make_image(tmp_path, age, 100) for age in (50, 40, 30, 20, 10)]
 
 
-def names(kept: list[retention.Kept]) -> list[str]:
+def named(kept: list[retention.Kept]) -> list[str]:
     return [k.path.name for k in kept]
 
 
 def test_keep_newest(tmp_path: Path, five: list[Path]) -> None:
     gone = retention.prune(tmp_path, Policy(keep=2), NOW)
-    assert names(gone) == [p.name for p in five[:3]]
+    assert named(gone) == [p.name for p in five[:3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in five[3:]]
 
 
 def test_max_age(tmp_path: Path, five: list[Path]) -> None:
     gone = retention.prune(tmp_path, Policy(max_age_s=25 * 60), NOW)
-    assert names(gone) == [p.name for p in five[:3]]
+    assert named(gone) == [p.name for p in five[:3]]
 
 
 def test_max_bytes_counts_from_the_newest(tmp_path: Path, five: list[Path]) -> None:
     gone = retention.prune(tmp_path, Policy(max_bytes=250), NOW)
-    assert names(gone) == [p.name for p in five[:3]]
+    assert named(gone) == [p.name for p in five[:3]]
 
 
 def test_the_newest_image_is_always_kept(tmp_path: Path) -> None:
@@ -59,7 +60,7 @@ def test_the_newest_image_is_always_kept(tmp_path: Path) -> None:
 
 
 def test_partials_and_foreign_folders_are_never_touched(tmp_path: Path, five) -> None:
-    partial = tmp_path / "20250101T000000Z.partial"
+    partial = names.partial(tmp_path / "20250101T000000Z")
     partial.mkdir()
     foreign = tmp_path / "notes"
     foreign.mkdir()

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from pos import image
+from pos.image import names
 
 DAMAGES = ("truncate", "flip", "missing")
 
@@ -36,7 +37,7 @@ def record_as_is(img: Path, name: str, sizes_only: bool = False) -> None:
     """Make the manifest record the file `name` as it is now: its size only (its checksums stay
     those of the file as it was, so the check beside CRIU fails), or its size and checksums
     (pos then finds nothing wrong, and only CRIU meets the damage)."""
-    path = img / image.MANIFEST
+    path = img / names.MANIFEST
     manifest = json.loads(path.read_text())
     chunk = manifest["chunk_bytes"]
     if sizes_only:

@@ -6,6 +6,7 @@ import pytest
 
 from pos.image import gpu as gpuimage
 from pos.image.checksum import checksum, fold
+from pos.image.gpuindex import ChunkRecord
 
 M = (1 << 64) - 1
 P1, P2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
@@ -55,8 +56,8 @@ def test_the_reader_hashing_piece_by_piece_equals_the_whole(tmp_path, monkeypatc
     checksum() of the whole (small pieces here, to cross many of them)."""
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     (tmp_path / "d.bin").write_bytes(b"x" * 7 + data.tobytes())
-    chunk = {"file": "d.bin", "at": 7, "stored": n, "raw": n, "zstd": False,
-             "hash": f"{checksum(data):016x}"}
+    chunk = ChunkRecord(offset=0, file="d.bin", at=7, stored=n, raw=n, hash=checksum(data),
+                        zstd=False)
     for piece in (32, 96, 1 << 20):
         monkeypatch.setattr(gpuimage, "PIECE", piece)
         out = np.zeros(n + 3, np.uint8)

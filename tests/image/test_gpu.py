@@ -12,6 +12,7 @@ import pytest
 
 from pos.image import gpu as gpuimage
 from pos.errors import BadInput
+from pos.image import names
 
 CHUNK = 1 << 16
 
@@ -39,22 +40,22 @@ def test_chunks_written_out_of_order_by_several_threads_read_back_in_place(
     for t in threads:
         t.join()
     w.close()
-    assert len(list(tmp_path.glob("gpu-data-*.bin"))) == 3
+    assert len(list(tmp_path.glob(names.data_prefix() + "*"))) == 3
     fds: dict[str, int] = {}
     for base, data in buffers.items():
-        chunks = sorted(w.chunks[base], key=lambda c: c["offset"])
-        assert [c["offset"] for c in chunks] == list(range(0, len(data), CHUNK))
+        chunks = w.chunks_of(base)
+        assert [c.offset for c in chunks] == list(range(0, len(data), CHUNK))
         back = np.zeros(len(data), np.uint8)
         for c in chunks:
             out = np.empty(CHUNK, np.uint8)
             gpuimage.read_chunk_into(tmp_path, c, out, fds)
-            back[c["offset"]:c["offset"] + c["raw"]] = out[:c["raw"]]
+            back[c.offset:c.offset + c.raw] = out[:c.raw]
         assert (back == data).all()
     # a flipped byte in a data file is caught by the chunk's checksum
-    c = w.chunks[0x7100_0000][0]
-    path = tmp_path / c["file"]
+    c = w.chunks_of(0x7100_0000)[0]
+    path = tmp_path / c.file
     raw = bytearray(path.read_bytes())
-    raw[c["at"] + 7] ^= 0xFF
+    raw[c.at + 7] ^= 0xFF
     path.write_bytes(bytes(raw))
     expected = Exception if compress else BadInput     # zstd may refuse the frame itself
     with pytest.raises(expected):
@@ -73,11 +74,11 @@ def test_a_chunk_read_in_pieces_by_compiled_code_is_exact_and_checked(
     w = gpuimage.Writer(tmp_path, False)
     w.put(0x7000_0000, 0, data)
     w.close()
-    chunk = w.chunks[0x7000_0000][0]
+    chunk, = w.chunks_of(0x7000_0000)
     out = np.zeros(len(data), np.uint8)
     gpuimage.read_chunk_into(tmp_path, chunk, out, {})
     assert (out == data).all()
-    path = tmp_path / chunk["file"]
+    path = tmp_path / chunk.file
     os.truncate(path, path.stat().st_size - 100)
     with pytest.raises(BadInput, match="is truncated"):
         gpuimage.read_chunk_into(tmp_path, chunk, out, {})
@@ -103,7 +104,7 @@ def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, mo
     w = gpuimage.Writer(tmp_path, compress)
     w.put(0x7000_0000, 0, data)
     w.close()
-    chunk = w.chunks[0x7000_0000][0]
+    chunk, = w.chunks_of(0x7000_0000)
     out = np.zeros(len(data), np.uint8)
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {}, targets)) == [0, 2]
     assert (out == data).all()
@@ -144,7 +145,7 @@ def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Pat
     w = gpuimage.Writer(tmp_path, False)
     w.put(0x7000_0000, 0, data)
     w.close()
-    chunk = w.chunks[0x7000_0000][0]
+    chunk, = w.chunks_of(0x7000_0000)
     piece, depth = 4096, 3
     slots = np.zeros(piece * depth, np.uint8)
     events, pending = (C.c_void_p * depth)(), (C.c_ubyte * depth)()

@@ -12,8 +12,10 @@ import pytest
 
 from pos.errors import BadInput
 from pos import image
+from pos.image import names
 
 MiB = 1 << 20
+DATA = names.data_name(names.data_prefix(), 0)     # a GPU data file
 
 
 def manifest() -> image.Manifest:
@@ -50,7 +52,7 @@ def test_manifest_records_chunk_digests_and_their_digest(tmp_path: Path, small_c
     assert rec["size"] == size and rec["chunks"] == [d.hex() for d in want]
     assert rec["sha256"] == hashlib.sha256(b"".join(want)).hexdigest()
     assert m.files["empty.img"]["chunks"] == [hashlib.sha256(b"").hexdigest()]
-    assert json.loads((img / image.MANIFEST).read_text())["chunk_bytes"] == small_chunks
+    assert json.loads((img / names.MANIFEST).read_text())["chunk_bytes"] == small_chunks
     assert {p.stat().st_mode & 0o777 for p in img.iterdir()} == {0o600}
 
 
@@ -111,9 +113,9 @@ def test_an_extra_file_and_a_missing_file_are_refused(tmp_path: Path, small_chun
 def test_a_manifest_of_another_format_is_refused_in_one_sentence(tmp_path: Path) -> None:
     img = make_image(tmp_path, {"core-1.img": 10})
     for fmt in (1, 99):
-        d = json.loads((img / image.MANIFEST).read_text())
+        d = json.loads((img / names.MANIFEST).read_text())
         d["format"] = fmt
-        (img / image.MANIFEST).write_text(json.dumps(d))
+        (img / names.MANIFEST).write_text(json.dumps(d))
         with pytest.raises(BadInput) as e:
             image.verify(img)
         assert e.value.message == (f"{img} is an image of format {fmt}, this pos reads "
@@ -129,12 +131,12 @@ def test_a_manifest_of_another_format_is_refused_in_one_sentence(tmp_path: Path)
 ])
 def test_a_malformed_manifest_is_refused_in_one_sentence(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
     img = make_image(tmp_path, {"core-1.img": 10})
-    d = json.loads((img / image.MANIFEST).read_text())
+    d = json.loads((img / names.MANIFEST).read_text())
     edit(d)
-    (img / image.MANIFEST).write_text(json.dumps(d))
+    (img / names.MANIFEST).write_text(json.dumps(d))
     with pytest.raises(BadInput) as e:
         image.verify(img)
-    assert e.value.message == (f"{img / image.MANIFEST} is not a valid pos manifest (its file "
+    assert e.value.message == (f"{img / names.MANIFEST} is not a valid pos manifest (its file "
                                "list is malformed): the image is corrupt: take a new checkpoint.")
 
 
@@ -148,9 +150,9 @@ def test_hashing_uses_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> No
 def received(tmp_path: Path, small_chunks: int) -> tuple[Path, image.Manifest]:
     """A sealed image's files copied into a new DIR.partial, as `pos migrate --listen` gets
     them, and the sender's manifest."""
-    sent = make_image(tmp_path, {"pages-1.img": 3 * small_chunks + 5, "gpu-data-00.bin": 77})
+    sent = make_image(tmp_path, {"pages-1.img": 3 * small_chunks + 5, DATA: 77})
     partial = image.prepare(tmp_path / "in", 0)
-    for name in ("pages-1.img", "gpu-data-00.bin"):
+    for name in ("pages-1.img", DATA):
         (partial / name).write_bytes((sent / name).read_bytes())
     return partial, image.load(sent)
 
@@ -168,13 +170,13 @@ def test_an_image_received_whole_keeps_its_senders_checksums(tmp_path: Path,
 
 
 @pytest.mark.parametrize("damage, says", [("truncate", "has 70 bytes, the manifest says 77"),
-                                          ("remove", "gpu-data-00.bin is missing"),
+                                          ("remove", f"{DATA} is missing"),
                                           ("add", "holds extra.bin, which its manifest")])
 def test_an_image_received_short_is_refused_before_it_is_sealed(tmp_path: Path,
                                                                 small_chunks: int, damage: str,
                                                                 says: str) -> None:
     partial, sent = received(tmp_path, small_chunks)
-    data = partial / "gpu-data-00.bin"
+    data = partial / DATA
     if damage == "truncate":
         data.write_bytes(data.read_bytes()[:70])
     elif damage == "remove":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pos.image import names
 from tests.conftest import need
 from tests.scheduler.conftest import COUNTER, Counter, lines, one_sentence, pos, wait_for
 
@@ -179,6 +180,6 @@ def test_bad_store_is_refused_before_the_process_is_touched(tmp_path, counter, e
             env=env)
     one_sentence(r, 2, "junk.db")
     assert counter.running()
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
     r = pos("restore", "-D", str(tmp_path / "img"), "--db", str(junk), env=env)
     one_sentence(r, 2, "junk.db")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pos.image import criustats, names
 from pos.scheduler import procs
 
 from tests.scheduler.conftest import Counter, lines, one_sentence, pos, reap, wait_for
@@ -34,7 +35,7 @@ def test_dump_and_restore_continue_from_the_dumped_value(tmp_path, counters, env
     assert r.returncode == 0, r.stderr
     c.reap_original()
     at_dump = {f: len(lines(f)) for f in c.files}
-    assert not (tmp_path / "img.partial").exists()
+    assert not names.partial(tmp_path / "img").exists()
     r = pos("restore", "-D", str(tmp_path / "img"), env=env)
     assert r.returncode == 0, r.stderr
     assert f"restored PID {c.pid}" in r.stdout
@@ -49,7 +50,7 @@ def test_leave_running_then_restore(tmp_path, counters, env) -> None:
     assert r.returncode == 0, r.stderr
     after = len(lines(c.path))
     assert c.running()
-    manifest = json.loads((tmp_path / "img" / "pos-manifest.json").read_text())
+    manifest = json.loads((tmp_path / "img" / names.MANIFEST).read_text())
     assert manifest["leave_running"] and manifest["stall_s"] is not None
     c.proc.kill()
     c.reap_original()
@@ -87,7 +88,7 @@ def test_shell_job_needs_the_option(tmp_path, counters, env) -> None:
                  "or script that started it) is not part of the dump: add --shell-job, or start "
                  "the job in a session of its own (setsid COMMAND) (CRIU's log: ")
     assert c.running()
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
     # the log the sentence names outlives the removed image folder, root-only
     log = Path(re.search(r"CRIU's log: (\S+?)\)", r.stderr).group(1))
     assert log.parent == tmp_path / "logs" and "Error" in log.read_text()
@@ -109,12 +110,15 @@ def test_image_is_root_only_listed_and_inspected(tmp_path, counters, env) -> Non
                env=env).returncode == 0
     assert img.stat().st_mode & 0o777 == 0o700
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in img.iterdir())
-    manifest = json.loads((img / "pos-manifest.json").read_text())
+    manifest = json.loads((img / names.MANIFEST).read_text())
     assert manifest["pid"] == c.pid and manifest["gpu_pids"] == []
-    assert set(manifest["files"]) == {f.name for f in img.iterdir()} - {"pos-manifest.json"}
+    assert set(manifest["files"]) == {f.name for f in img.iterdir()} - {names.MANIFEST}
     timings = manifest["timings"]
     assert {"dump", "checksum", "frozen", "criu_memdump", "criu_memwrite"} <= set(timings)
     assert 0 < timings["frozen"] <= timings["dump"] and timings["criu_written_mib"] > 0
+    stats = criustats.dump_stats(img)         # CRIU's own stats-dump, kept in the image
+    assert stats is not None and stats.pages_scanned >= stats.pages_written > 0
+    assert stats.timings() == {k: timings[k] for k in stats.timings()}
     r = pos("images", env=env)
     assert r.returncode == 0 and str(img) in r.stdout and str(c.pid) in r.stdout
     r = pos("inspect", str(img), "--verify")
@@ -144,8 +148,8 @@ def test_corrupt_or_incomplete_image_is_refused(tmp_path, counters, env) -> None
     assert c.path.read_text() == counted
     pages.unlink()
     one_sentence(pos("restore", "-D", str(img), env=env), 2, f"{pages.name} is missing")
-    (img / "pos-manifest.json").unlink()
+    (img / names.MANIFEST).unlink()
     one_sentence(pos("restore", "-D", str(img), env=env), 2, "is not a complete pos image")
-    os.rename(img, tmp_path / "img.partial")
-    one_sentence(pos("restore", "-D", str(tmp_path / "img.partial"), env=env), 2,
+    os.rename(img, names.partial(tmp_path / "img"))
+    one_sentence(pos("restore", "-D", str(names.partial(tmp_path / "img")), env=env), 2,
                  "is an incomplete image")

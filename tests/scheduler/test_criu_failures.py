@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pos.image import names
 from tests.scheduler.conftest import (COUNTER, ROOT, Counter, alive, lines, one_sentence, pos,
                                       reap, wait_for)
 
@@ -150,7 +151,7 @@ def criu_restore(img: Path, work: Path) -> str:
     argv = c.restore_argv(img, criu.Options(), work, work / "pidfile")
     p = c.start(argv)
     with pytest.raises(PosError) as failed:
-        c.finish(p, "restore", work / criu.RESTORE_LOG)
+        c.finish(p, "restore", work / names.RESTORE_LOG)
     return str(failed.value)
 
 

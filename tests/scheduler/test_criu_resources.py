@@ -15,6 +15,7 @@ from typing import Iterator
 
 import pytest
 
+from pos.image import names
 from tests.scheduler.conftest import Counter, lines, one_sentence, pos, wait_for
 
 
@@ -37,7 +38,7 @@ def refused_then_restored(c: Counter, img: Path, env: dict[str, str], fragment: 
     r = pos("checkpoint", str(c.pid), "-D", str(img), env=env, prefix=prefix)
     one_sentence(r, 2, fragment)
     assert c.running()
-    assert not img.exists() and not img.with_name(img.name + ".partial").exists()
+    assert not img.exists() and not names.partial(img).exists()
     r = pos("checkpoint", str(c.pid), "-D", str(img), *option, env=env, prefix=prefix)
     assert r.returncode == 0, r.stderr
     c.reap_original()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pos.image import names
 from tests.scheduler.conftest import Counter, alive, lines, one_sentence, pos, wait_for
 
 CALLS = ("Lock", "Checkpoint", "Restore", "Unlock")
@@ -56,7 +57,7 @@ def test_checkpoint_then_restore_calls_the_driver_in_order(tmp_path, gpu, target
     assert r.returncode == 0, r.stderr
     assert calls(gpu, target.pid) == ["Lock", "Checkpoint"]
     assert cuda_state(gpu, target.pid) == "checkpointed"
-    manifest = json.loads((img / "pos-manifest.json").read_text())
+    manifest = json.loads((img / names.MANIFEST).read_text())
     assert manifest["gpu_pids"] == [target.pid] and manifest["cuda_version"]
     assert {"lock", "checkpoint", "dump"} <= set(manifest["timings"])
     target.reap_original()
@@ -75,7 +76,7 @@ def test_leave_running_restores_and_unlocks_the_original(tmp_path, gpu, target) 
             env=gpu)
     assert r.returncode == 0, r.stderr
     assert calls(gpu, target.pid) == ["Lock", "Checkpoint", "Restore", "Unlock"]
-    manifest = json.loads((tmp_path / "img" / "pos-manifest.json").read_text())
+    manifest = json.loads((tmp_path / "img" / names.MANIFEST).read_text())
     assert manifest["stall_s"] >= manifest["timings"]["dump"]
     runs_unlocked(target, gpu)
 
@@ -93,7 +94,7 @@ def test_injected_driver_failure_leaves_the_target_running(tmp_path, gpu, target
             env={**gpu, "POS_FAKECUDA_FAIL": fail})
     one_sentence(r, 1, fail.split(":")[0], "CUDA_ERROR_UNKNOWN")
     runs_unlocked(target, gpu)
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
 
 
 def test_failure_the_undo_cannot_fix_is_said(tmp_path, gpu, target) -> None:
@@ -131,7 +132,7 @@ def test_signal_at_each_step_is_undone(tmp_path, gpu, target, point, leave_runni
     one_sentence(r, 1, "interrupted and undone")
     assert target.proc.poll() is None        # CRIU left it stopped, never ended it
     runs_unlocked(target, gpu)
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
 
 
 @pytest.mark.parametrize("point,leave_running", [
@@ -156,7 +157,7 @@ def test_pos_killed_at_each_step_the_watchdog_undoes(tmp_path, gpu, target, poin
     assert target.proc.poll() is None        # CRIU left it stopped, never ended it
     assert alive(target.pid)
     runs_unlocked(target, gpu)
-    assert not (tmp_path / "img").exists() and not (tmp_path / "img.partial").exists()
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
 
 
 @pytest.mark.parametrize("point", ["criu-restore:criu=KILL", "verify=KILL", "restore=KILL",
@@ -210,7 +211,7 @@ def test_image_from_another_driver_is_refused(tmp_path, gpu, target) -> None:
     img = tmp_path / "img"
     assert pos("checkpoint", str(target.pid), "-D", str(img), env=gpu).returncode == 0
     target.reap_original()
-    path = img / "pos-manifest.json"
+    path = img / names.MANIFEST
     manifest = json.loads(path.read_text())
     manifest["cuda_version"] = 11000
     path.write_text(json.dumps(manifest))

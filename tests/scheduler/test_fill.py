@@ -14,6 +14,7 @@ from pos.agent.control import Buffer
 from pos.driver import CUdeviceptr, CUstream
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
+from pos.image.gpuindex import Saved
 
 CHUNK = 1 << 16
 SIZES = [5 * CHUNK + 123, 3 * CHUNK + 40, 77, CHUNK]   # tails: 123, 40, 77 bytes
@@ -28,7 +29,7 @@ def drv(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     return gpucopy.context(0)
 
 
-def image(folder: Path) -> tuple[list[Buffer], dict, list[np.ndarray]]:
+def image(folder: Path) -> tuple[list[Buffer], dict[int, Saved], list[np.ndarray]]:
     rng = np.random.default_rng(11)
     datas = [rng.integers(0, 256, n, np.uint8) for n in SIZES]
     bases = [0x7000_0000_0000 + i * (1 << 24) for i in range(len(SIZES))]
@@ -39,8 +40,7 @@ def image(folder: Path) -> tuple[list[Buffer], dict, list[np.ndarray]]:
         for off in range(0, len(data), CHUNK):
             w.put(base, off, data[off:off + CHUNK].copy())
     w.close()
-    saved = {base: (folder, len(data), sorted(w.chunks[base], key=lambda c: c["offset"]))
-             for base, data in zip(bases, datas)}
+    saved = {base: Saved(folder, len(data), w.chunks_of(base)) for base, data in zip(bases, datas)}
     table = [Buffer(base, len(data), len(data), 0, True) for base, data in zip(bases, datas)]
     return table, saved, datas
 
@@ -54,8 +54,8 @@ def device_memory(drv, table: list[Buffer]) -> list[int]:
     return dest
 
 
-def fill(drv, table: list[Buffer], saved: dict, piece: int, depth: int, mapped: bool = False,
-         threads: int = 3):
+def fill(drv, table: list[Buffer], saved: dict[int, Saved], piece: int, depth: int,
+         mapped: bool = False, threads: int = 3):
     from pos.scheduler import gpucopy
     from pos.scheduler.concurrent.fill import fill
     from pos.scheduler.handout import Handout
@@ -105,10 +105,10 @@ def test_a_piece_that_does_not_divide_the_arena_is_refused(drv) -> None:
 def test_a_corrupt_chunk_is_refused_and_its_buffer_never_counted_back(drv, tmp_path: Path,
                                                                       mapped: bool) -> None:
     table, saved, _datas = image(tmp_path)
-    bad = saved[table[0].va][2][2]
-    path = tmp_path / bad["file"]
+    bad = saved[table[0].va].chunks[2]
+    path = tmp_path / bad.file
     raw = bytearray(path.read_bytes())
-    raw[bad["at"] + 1000] ^= 0x5A
+    raw[bad.at + 1000] ^= 0x5A
     path.write_bytes(bytes(raw))
     _back, handout, error = fill(drv, table, saved, 4096, 2, mapped)
     assert error is not None and "does not match its checksum" in error.message
@@ -118,8 +118,8 @@ def test_a_corrupt_chunk_is_refused_and_its_buffer_never_counted_back(drv, tmp_p
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
 def test_a_short_data_file_is_refused_as_truncated(drv, tmp_path: Path, mapped: bool) -> None:
     table, saved, _datas = image(tmp_path)
-    last = max((c for _f, _s, cs in saved.values() for c in cs), key=lambda c: c["at"])
-    os.truncate(tmp_path / last["file"], last["at"] + 10)
+    last = max((c for s in saved.values() for c in s.chunks), key=lambda c: c.at)
+    os.truncate(tmp_path / last.file, last.at + 10)
     _back, handout, error = fill(drv, table, saved, 4096, 2, mapped)
     assert error is not None and "is truncated" in error.message
 
@@ -156,10 +156,10 @@ def test_the_first_failure_stops_the_fill(drv, tmp_path: Path) -> None:
     """One thread, the smallest buffer (filled first) corrupt: no other chunk is copied."""
     table, saved, _datas = image(tmp_path)
     first = min(range(len(table)), key=lambda i: table[i].size)
-    bad = saved[table[first].va][2][0]
-    path = tmp_path / bad["file"]
+    bad = saved[table[first].va].chunks[0]
+    path = tmp_path / bad.file
     raw = bytearray(path.read_bytes())
-    raw[bad["at"] + 3] ^= 0x5A
+    raw[bad.at + 3] ^= 0x5A
     path.write_bytes(bytes(raw))
     _back, handout, error = fill(drv, table, saved, 4096, 2, threads=1)
     assert error is not None and "does not match its checksum" in error.message
@@ -176,10 +176,10 @@ def test_the_failure_said_is_the_one_that_stopped_the_fill(drv, tmp_path: Path,
 
     table, saved, _datas = image(tmp_path)
     last = max(range(len(table)), key=lambda i: table[i].size)    # filled last
-    bad = saved[table[last].va][2][-1]
-    path = tmp_path / bad["file"]
+    bad = saved[table[last].va].chunks[-1]
+    path = tmp_path / bad.file
     raw = bytearray(path.read_bytes())
-    raw[bad["at"] + 3] ^= 0x5A
+    raw[bad.at + 3] ^= 0x5A
     path.write_bytes(bytes(raw))
 
     def backwards(drv, work, buffers, workers, one, buffer_done=lambda _i: None,  # type: ignore

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from pos.image import names
 from tests.conftest import need
 from tests.scheduler.conftest import lines, one_sentence, pos, wait_for
 
@@ -96,7 +97,7 @@ def ring_fd(pid: int) -> str:
 
 def checkpoint(pid: int, img: Path, env: dict[str, str], *flags: str):
     r = pos("checkpoint", str(pid), "-D", str(img), *flags, env=env)
-    assert not img.exists() and not Path(f"{img}.partial").exists()
+    assert not img.exists() and not names.partial(img).exists()
     return r
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pos.image import names
 from tests.conftest import ROOT
 from tests.scheduler.conftest import COUNTER, Counter, lines, wait_for
 
@@ -85,5 +86,5 @@ def test_migrate_to_another_host(tmp_path: Path, hosts, counters) -> None:
     assert values == list(range(1, len(values) + 1))
     # it runs in host b now
     assert os.stat(f"/proc/{c.pid}/ns/net").st_ino == os.stat(f"/run/netns/{b}").st_ino
-    assert (tmp_path / "in" / "pos-manifest.json").exists()
+    assert (tmp_path / "in" / names.MANIFEST).exists()
     assert any((tmp_path / "in").glob("pages-*.img"))

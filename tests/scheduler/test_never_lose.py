@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 import pytest
 
 from pos import image
+from pos.image import names
 from pos.scheduler import procs
 from tests.scheduler.conftest import COUNTER, alive, lines, one_sentence, pos, wait_for
 
@@ -128,7 +129,7 @@ def test_pos_killed_at_each_step_leaves_the_job_running_or_a_sealed_image(
     log = Path(env["POS_WATCHDOG_LOG"])
     wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
              what="the watchdog's undo")
-    assert not (tmp_path / "img.partial").exists()
+    assert not names.partial(tmp_path / "img").exists()
     if step == "end":            # sealed: the watchdog ends the job, as the checkpoint was to
         restores_and_goes_on(job, img, gpu)
         return
@@ -159,7 +160,7 @@ def test_pos_killed_at_any_moment_leaves_the_job_running_or_a_sealed_image(
              what="the watchdog's undo")
     for w in watchdogs(os.getpid()):
         reaped(w)
-    assert not (tmp_path / "img.partial").exists()
+    assert not names.partial(tmp_path / "img").exists()
     if alive(job.pid):           # it runs on (an image sealed before pos died may be there)
         assert job.counting()
         if img.exists():

@@ -11,6 +11,7 @@ import pytest
 
 from pos.agent.control import Gate, Status
 from pos.errors import BadInput
+from pos.image import names
 from pos.scheduler import procs, restorable
 from pos.scheduler.restorable import NcclSettings
 from tests.scheduler.conftest import Counter, one_sentence, pos
@@ -84,7 +85,7 @@ def test_a_rank_with_nccl_defaults_is_refused_untouched(tmp_path, gpu, fakegpu, 
     one_sentence(r, 2, "rank of an NCCL job", "its P2P transport", "cannot restore",
                  "NCCL_P2P_DISABLE=1 NCCL_CUMEM_ENABLE=0")
     assert calls(gpu, rank.pid) == []                       # the driver never called
-    assert not img.exists() and not Path(f"{img}.partial").exists()
+    assert not img.exists() and not names.partial(img).exists()
     r = pos("migrate", str(rank.pid), "--to-gpu", "0", env=gpu)
     one_sentence(r, 2, "rank of an NCCL job")
     assert calls(gpu, rank.pid) == []

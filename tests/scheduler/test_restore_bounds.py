@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pos import image
+from pos.image import names
 from pos.scheduler import procs
 from tests.conftest import ROOT
 from tests.image.damage import DAMAGES, damage, largest, record_as_is
@@ -55,7 +56,7 @@ def nothing_left(img: Path, env: dict[str, str], pids: list[int]) -> None:
 
 def log_bytes(env: dict[str, str]) -> int:
     """What the restore's CRIU has logged so far (in its work folder, under TMPDIR)."""
-    return sum(f.stat().st_size for f in Path(env["TMPDIR"]).glob("pos-*/criu-restore.log"))
+    return sum(f.stat().st_size for f in Path(env["TMPDIR"]).glob(f"pos-*/{names.RESTORE_LOG}"))
 
 
 def image_of(tmp_path: Path, counters: list[Counter], env: dict[str, str]
@@ -190,9 +191,9 @@ def test_a_failed_restore_keeps_criu_s_log_and_no_work_folder(tmp_path, counters
     c, img = image_of(tmp_path, counters, env)
     mm = next(img.glob("mm-*.img"))
     mm.unlink()
-    manifest = json.loads((img / image.MANIFEST).read_text())
+    manifest = json.loads((img / names.MANIFEST).read_text())
     del manifest["files"][mm.name]
-    (img / image.MANIFEST).write_text(json.dumps(manifest))
+    (img / names.MANIFEST).write_text(json.dumps(manifest))
     r = pos("restore", "-D", str(img), env=env)
     said = one_sentence(r, 1, "criu restore failed: ", "see CRIU's log ")
     kept = Path(said.rsplit("see CRIU's log ", 1)[1].rstrip("."))

@@ -7,30 +7,29 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pos.agent.control import Buffer
 from pos.driver import Driver
 from pos.errors import BadInput
+from pos.image.gpuindex import ChunkRecord, Saved
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host
     from pos.scheduler import gpucopy
     from pos.scheduler.handout import Handout
 
 FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
-Saved = dict[int, tuple[Path, int, list[dict[str, Any]]]]     # gpuindex.resolve's
 
 
-def fill_order(table: list[Buffer], saved: Saved
-               ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[tuple[int, int, int]]]:
+def fill_order(table: list[Buffer], saved: dict[int, Saved]
+               ) -> tuple[dict[tuple[int, int], ChunkRecord], list[tuple[int, int, int]]]:
     """Every chunk by (buffer index, offset), and the fill's work as (buffer index, offset,
     length): first the buffers the job used right after its checkpoint (`touched`: its next
     calls will want them; on the H100 a restored job waited 0.38-0.76 s for such buffers filled
     after others), then the smaller buffers first (a job that used everything while its copy
     ran gets that order alone); a chunk outside its buffer is refused."""
-    chunk_of = {(i, c["offset"]): c for i, b in enumerate(table) for c in saved[b.va][2]}
-    work = sorted(((i, off, c["raw"]) for (i, off), c in chunk_of.items()),
+    chunk_of = {(i, c.offset): c for i, b in enumerate(table) for c in saved[b.va].chunks}
+    work = sorted(((i, off, c.raw) for (i, off), c in chunk_of.items()),
                   key=lambda w: (not table[w[0]].touched, table[w[0]].size, w[0], w[1]))
     for i, off, n in work:
         if off < 0 or off + n > table[i].mapped:
@@ -39,7 +38,8 @@ def fill_order(table: list[Buffer], saved: Saved
     return chunk_of, work
 
 
-def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: Saved, *, streams: int,
+def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: dict[int, Saved], *,
+         streams: int,
          handout: Handout, rings: gpucopy.Rings, mapped: bool = True,
          gate: Callable[[], None] = lambda: None) -> gpucopy.Copy:
     """Read every buffer's chunks through the threads' `rings` of pinned pieces (the data files
@@ -78,9 +78,9 @@ def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: Saved, *, str
             local.fds = {}
             with lock:
                 open_files.append(local.fds)
-        folder, chunk = saved[table[i].va][0], chunk_of[(i, off)]
+        folder, chunk = saved[table[i].va].folder, chunk_of[(i, off)]
         t = time.monotonic()
-        if chunk["zstd"]:     # decompressed in host memory, then copied from there
+        if chunk.zstd:        # decompressed in host memory, then copied from there
             data = np.empty(n, np.uint8)
             hits = gpuimage.read_chunk_into(folder, chunk, data, local.fds, targets)
             drv.cuMemcpyHtoD_v2(dest[i] + off, data.ctypes.data, n)

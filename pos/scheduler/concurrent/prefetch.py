@@ -48,20 +48,18 @@ class Prefetch:
     def __init__(self, directory: Path, streams: int, settings: Settings,
                  onto: Optional[str] = None, rank: Optional[int] = None,
                  moved: Optional[dict[str, str]] = None) -> None:
-        index = gpuindex.read_index(directory, rank)
+        index = gpuindex.read(directory, rank)
         self.directory, self.streams, self.settings = directory, streams, settings
         self.rank = rank        # one process of several: its PID (None: the image's one job)
-        self.pid = int(index["pid"])    # the job's PID, which CRIU restores it with
+        self.pid = index.pid    # the job's PID, which CRIU restores it with
         # the UUID of the GPU the job moves to (None: where it was); a process of several goes
         # where the map sends the GPU its index names
-        gpu = index.get("gpu")
+        gpu = index.gpu
         self.taken_on = gpu     # the UUID of the GPU the image was taken on
         self.onto = onto if rank is None else (moved or {}).get(gpu or "", gpu)
-        self.saved = gpuindex.resolve(directory, index)
-        hot = gpuindex.hot(index)
-        self.table = sorted((Buffer(int(b["base"], 16), b["size"], b["mapped"], b["device"], False,
-                                    int(b["base"], 16) in hot) for b in index["buffers"]),
-                            key=lambda b: b.va)
+        self.saved = gpuindex.saved(directory, index)
+        self.table = sorted((Buffer(b.base, b.size, b.mapped, b.device, False, b.hot)
+                             for b in index.buffers), key=lambda b: b.va)
         self.handout = Handout(self.table)
         self.mem: Optional[gpucopy.Imported] = None
         self.rings: Optional[gpucopy.Rings] = None

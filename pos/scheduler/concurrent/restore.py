@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from pos import image
 from pos.agent.control import Agent, Gate
 from pos.errors import BadInput, PosError
-from pos.image import gpuindex
+from pos.image import gpuindex, kinds
 from pos.scheduler import restore as tree_restore
 from pos.scheduler.concurrent import devices
 from pos.scheduler.concurrent.fill import FILL_DEPTH, fill
@@ -32,12 +32,6 @@ if TYPE_CHECKING:
 DEFAULT_STREAMS = 16
 
 
-def checked_by_restore(directory: Path) -> list[str]:
-    """The files whose checksums a restore verifies: all but the GPU data, each of whose chunks
-    is checked as it is read (a restore does not wait for a sha256 of gigabytes first)."""
-    return [n for n in image.load(directory).files if not n.startswith("gpu-data-")]
-
-
 def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
                 echo: Echo = lambda _: None, settings: Optional[Settings] = None) -> Report:
     """Put a GPU image back into the live job `pid`, on demand (the chunks as they were
@@ -46,10 +40,10 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
 
     settings = settings or Settings.from_env()
     directory = Path(directory)
-    manifest = image.verify(directory, checked_by_restore(directory))
+    manifest = image.verify(directory, kinds.checked_by_restore(directory))
     echo(f"restoring the GPU state of PID {pid} from {directory}")
-    index = gpuindex.read_index(directory)
-    saved, hot = gpuindex.resolve(directory, index), gpuindex.hot(index)
+    index = gpuindex.read(directory)
+    saved, hot = gpuindex.saved(directory, index), index.hot
     with Agent(pid) as agent:
         drv = gpucopy.context(devices.device_of(pid))
         rings = gpucopy.Rings(drv, streams, settings.fill_piece_bytes, FILL_DEPTH)
@@ -57,7 +51,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
             t0 = time.monotonic()
             cut = agent.cut(STALL_S)
             table = [replace(b, touched=b.va in hot) for b in agent.table()]
-            missing = [b for b in table if b.va not in saved or saved[b.va][1] != b.size]
+            missing = [b for b in table if b.va not in saved or saved[b.va].size != b.size]
             if missing or len(saved) != len(table):
                 agent.end()
                 raise BadInput(f"the image {directory} does not hold the buffers process {pid} "
@@ -119,7 +113,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     directory = Path(directory).absolute()
     t0 = time.monotonic()
     started = procs.age(os.getpid())     # pos's own start-up, before the restore's clock
-    check = checked_by_restore(directory)
+    check = kinds.checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
     where: list[str] = []         # the UUIDs of the GPUs it moves to
     if to_gpu is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from pos import image
 from pos.agent.control import Agent, Buffer, Cut, Refused
 from pos.errors import BadInput, PosError
-from pos.image import gpuindex
+from pos.image import gpuindex, names
 from pos.scheduler import steps
 from pos.scheduler.concurrent import devices
 from pos.scheduler.handout import Handout
@@ -197,7 +197,7 @@ class Taken:
         assert s.host is not None        # Saver.prepare made it
         self.handout = Handout(self.table, safe=self.shadowed)
         self.writer: gpuimage.Writer = gpuimage.Writer(
-            folder, compress=False, prefix=gpuindex.data_prefix(self.rank))
+            folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
                                     s.streams, self.writer, self.handout, image.workers(),
                                     s.settings.frozen_copy)
@@ -276,13 +276,9 @@ class Taken:
         done = self._copier().join()
         self.writer.close()
         s.timings["disk"] = done.disk_s
-        buffers = [{"base": f"0x{b.va:x}", "size": b.size, "mapped": b.mapped,
-                    "device": b.device, "hot": b.va in hot,
-                    "chunks": sorted(self.writer.chunks.get(b.va, []), key=lambda c: c["offset"])}
-                   for b in self.table]
-        gpuindex.write_index(folder, {"format": gpuindex.FORMAT, "pid": s.pid,
-                                      "parent": None, "gpu": s.gpu, "buffers": buffers},
-                             self.rank)
+        gpuindex.write(folder, gpuindex.GpuIndex(s.pid, s.gpu, tuple(
+            gpuindex.BufferRecord(b.va, b.size, b.mapped, b.device, b.va in hot,
+                                  self.writer.chunks_of(b.va)) for b in self.table)), self.rank)
         return done
 
     def close(self) -> None:

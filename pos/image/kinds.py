@@ -1,0 +1,35 @@
+"""What kind of image a directory holds, told from its files alone (before its manifest is
+trusted, and without loading the GPU reader): a restore picks its engine from it once.
+
+- stop-the-world: CRIU's files; the driver's checkpoint put the device memory into the
+  process's host memory, which CRIU saved with the rest;
+- concurrent (whole process): CRIU's files and a GPU index per CUDA process of the job;
+- GPU-only: a GPU index and no process (a live `pos run` job rolls back to it).
+"""
+
+import enum
+from pathlib import Path
+
+from pos import image
+from pos.image import gpuindex, names
+
+
+class ImageKind(enum.Enum):
+    STOP_THE_WORLD = "stop-the-world"
+    CONCURRENT = "concurrent"
+    GPU_ONLY = "gpu-only"
+
+
+def kind(directory: Path) -> ImageKind:
+    """The kind of the image in `directory`. Anything that is neither concurrent kind is taken
+    for stop-the-world, whose restore checks the image file by file and says what is wrong."""
+    d = Path(directory)
+    if (d / names.INVENTORY).is_file():
+        return ImageKind.CONCURRENT if gpuindex.jobs(d) else ImageKind.STOP_THE_WORLD
+    return ImageKind.GPU_ONLY if (d / names.INDEX).is_file() else ImageKind.STOP_THE_WORLD
+
+
+def checked_by_restore(directory: Path) -> list[str]:
+    """The files whose checksums a restore verifies: all but the GPU data, each of whose chunks
+    is checked as it is read (a restore does not wait for a sha256 of gigabytes first)."""
+    return [n for n in image.load(directory).files if not names.is_gpu_data(n)]

@@ -1,0 +1,63 @@
+"""Every name of a file in a pos image, in one place: pos's own (the manifest, the GPU index and
+its data files), CRIU's that pos reads or looks for (its inventory, its stats, its logs), and
+the suffix that marks an unfinished image. Nothing else in pos spells them out: an image read
+by one part of pos is found by every other.
+
+A whole-process image of a job of several CUDA processes (DDP's ranks) holds one GPU index per
+process, gpu-index-PID.json, and each process's data files are named after it too,
+gpu-data-PID-NN.bin; an image of one job holds gpu-index.json and gpu-data-NN.bin.
+"""
+
+import re
+from pathlib import Path
+from typing import Optional
+
+MANIFEST = "pos-manifest.json"       # written last: a folder holding it is a sealed image
+PARTIAL_SUFFIX = ".partial"          # DIR.partial: an image being written, or an interrupted one
+
+INVENTORY = "inventory.img"          # CRIU's: every dump of a process tree writes one
+STATS_DUMP = "stats-dump"            # CRIU's: where its dump's time went (pos/image/criustats.py)
+DUMP_LOG = "criu-dump.log"           # CRIU's log of the dump, kept in the image
+RESTORE_LOG = "criu-restore.log"     # of a restore, in its work folder
+PAGE_SERVER_LOG = "criu-page-server.log"   # of `pos migrate --listen`'s page server
+
+INDEX = "gpu-index.json"             # the GPU index of an image of one job
+_RANK_INDEX = re.compile(r"gpu-index-(\d+)\.json")
+_DATA = "gpu-data-"
+
+
+def partial(final: Path) -> Path:
+    """Where the image `final` is written until it is sealed."""
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+def is_partial(name: str) -> bool:
+    """The folder `name` is an unfinished image (never restored, kept or counted)."""
+    return name.endswith(PARTIAL_SUFFIX)
+
+
+def index_name(pid: Optional[int] = None) -> str:
+    """The GPU index of an image of one job (None), or of the process `pid` of several."""
+    return INDEX if pid is None else f"gpu-index-{pid}.json"
+
+
+def rank_of(name: str) -> Optional[int]:
+    """The PID whose GPU index the file `name` is, in an image of several processes (None: the
+    file is no such index)."""
+    m = _RANK_INDEX.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def data_prefix(pid: Optional[int] = None) -> str:
+    """How the data files of that index begin."""
+    return _DATA if pid is None else f"{_DATA}{pid}-"
+
+
+def data_name(prefix: str, n: int) -> str:
+    """The n-th data file of an index whose files begin with `prefix` (one per writer thread)."""
+    return f"{prefix}{n:02d}.bin"
+
+
+def is_gpu_data(name: str) -> bool:
+    """The file `name` holds GPU chunks, whose checksums are checked as they are read."""
+    return name.startswith(_DATA)

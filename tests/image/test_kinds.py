@@ -1,0 +1,38 @@
+"""What kind of image a directory holds (pos/image/kinds.py), from its files alone, and which of
+its files a restore checks before it runs the job."""
+
+from pathlib import Path
+
+import pytest
+
+from pos.image import kinds, names
+from pos.image.kinds import ImageKind
+from tests.image.test_seal import make_image
+
+CRIU = ["pages-1.img", "core-7.img", names.INVENTORY, names.STATS_DUMP, names.DUMP_LOG]
+
+
+@pytest.mark.parametrize("files,kind", [
+    (CRIU, ImageKind.STOP_THE_WORLD),
+    (CRIU + [names.INDEX, names.data_name(names.data_prefix(), 0)], ImageKind.CONCURRENT),
+    (CRIU + [names.index_name(7), names.index_name(8)], ImageKind.CONCURRENT),
+    ([names.INDEX, names.data_name(names.data_prefix(), 0)], ImageKind.GPU_ONLY),
+    # a whole-process image that lost its inventory: the stop-the-world path's checks say so
+    ([names.index_name(7), "pages-1.img"], ImageKind.STOP_THE_WORLD),
+    ([], ImageKind.STOP_THE_WORLD),
+])
+def test_the_kind_comes_from_the_files(tmp_path: Path, files: list[str], kind: ImageKind) -> None:
+    for name in files:
+        (tmp_path / name).write_text("")
+    assert kinds.kind(tmp_path) is kind
+
+
+def test_a_missing_directory_is_taken_for_stop_the_world(tmp_path: Path) -> None:
+    assert kinds.kind(tmp_path / "nothing") is ImageKind.STOP_THE_WORLD
+
+
+def test_a_restore_checks_every_file_but_the_gpu_data(tmp_path: Path) -> None:
+    data = [names.data_name(names.data_prefix(), 0), names.data_name(names.data_prefix(7), 1)]
+    img = make_image(tmp_path, {n: 10 for n in CRIU + [names.INDEX, names.index_name(7)] + data})
+    assert sorted(kinds.checked_by_restore(img)) == sorted(CRIU + [names.INDEX,
+                                                                   names.index_name(7)])
