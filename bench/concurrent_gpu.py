@@ -238,7 +238,7 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     biggest = max(c.raw for _f, c in chunks)
     res: dict[str, Any] = {"bytes": total, "chunks": len(chunks), "threads": threads}
 
-    drv = gpucopy.context(0)
+    drv = gpucopy.Context(0).drv
     table = sorted((Buffer(base, size, size, 0, True) for base, (_f, size, _c) in saved.items()),
                    key=lambda b: b.va)
     dest = []

@@ -162,6 +162,7 @@ class Functions:
     cuDeviceGet = Fn(P(CUdevice), c_int)
     cuDeviceGetUuid_v2 = Fn(P(CUuuid), CUdevice)
     cuDevicePrimaryCtxRetain = Fn(P(CUcontext), CUdevice)
+    cuDevicePrimaryCtxRelease_v2 = Fn(CUdevice)
     cuCtxGetCurrent = Fn(P(CUcontext))
     cuCtxSetCurrent = Fn(CUcontext)
     cuCtxSynchronize = Fn()

@@ -103,7 +103,9 @@ class Writer:
             return tuple(sorted(self._chunks.get(base, []), key=lambda c: c.offset))
 
     def close(self) -> None:
-        for f in self._files:
+        """Every data file synced and closed (once: again, nothing)."""
+        files, self._files = self._files, []
+        for f in files:
             os.fsync(f.fileno())
             f.close()
 

@@ -32,6 +32,7 @@ from pos.driver import Driver
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 from pos.scheduler import gpucopy
+from pos.scheduler.crew import Crew
 from pos.scheduler.handout import Handout
 
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
@@ -64,10 +65,6 @@ class Copied:
     bytes: int
     d2h_s: float        # from the start until every chunk was in host memory
     disk_s: float       # from the start until every chunk was written
-
-
-class _Stopped(Exception):
-    """A chunk not copied because the copy failed elsewhere (that failure is raised)."""
 
 
 class Copier:
@@ -116,7 +113,6 @@ class Copier:
             self.slots.put(at)
         self.scans: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
         self.writes: queue.Queue[Optional[tuple[int, int, int, int, int]]] = queue.Queue()
-        self.failures: list[BaseException] = []
         self.go = threading.Event()             # the copies to host memory may go on
         self.go.set()
         self.scan_go = threading.Event()        # the hashing and scanning may go on
@@ -128,11 +124,9 @@ class Copier:
         self.lock = threading.Lock()
         self.t0 = 0.0
         self.d2h_s = self.disk_s = 0.0
-        self.scanners = [threading.Thread(target=self._scan, name=f"pos-scan-{k}", daemon=True)
-                         for k in range(max(1, writers))]
-        self.writers = [threading.Thread(target=self._write, name=f"pos-write-{k}", daemon=True)
-                        for k in range(max(1, writers))]
-        self.reader = threading.Thread(target=self._copy, name="pos-copy", daemon=True)
+        self.threads = max(1, writers)          # scanners, and as many writers
+        self.scanning = self.threads            # scanners not ended yet
+        self.crew = Crew("pos-copy", on_stop=self._wake)
         self.watcher: Optional[threading.Thread] = None
 
     def start(self) -> None:
@@ -140,9 +134,9 @@ class Copier:
         for i, n in enumerate(self.scan_left):
             if n == 0:                  # an empty buffer: nothing to scan (nor to copy)
                 self.handout.came_back(i)
-        for t in self.scanners + self.writers:
-            t.start()
-        self.reader.start()
+        self.crew.start([("reader", self._copy)]
+                        + [(f"scan-{k}", self._scan) for k in range(self.threads)]
+                        + [(f"write-{k}", self._write) for k in range(self.threads)])
 
     def pause(self) -> None:
         self.go.clear()
@@ -168,17 +162,15 @@ class Copier:
         """Until every chunk is in host memory, copy first what the job's calls wait for."""
         self.watcher = self.order.follow(lambda: agent, self.by_va, self.copied)
 
-    def _fail(self, e: BaseException) -> None:
-        with self.lock:
-            self.failures.append(e)
+    def _wake(self) -> None:
+        """The copy stopped: nothing of it waits for what will not come."""
         self.go.set()
         self.scan_go.set()
         self.shadow_go.set()
 
     def _slot(self) -> int:
         while True:
-            if self.failures:
-                raise _Stopped()
+            self.crew.check()
             try:
                 return self.slots.get(timeout=0.05)
             except queue.Empty:
@@ -209,23 +201,27 @@ class Copier:
             gpucopy.run_chunks(self.drv, self.work, len(self.table), self.streams, one,
                                self.handout.captured, self.order)
             self.d2h_s = time.monotonic() - self.t0
-        except _Stopped:
-            pass
-        except BaseException as e:
-            self._fail(e)
         finally:
             self.copied.set()
-            for _ in self.scanners:
+            for _ in range(self.threads):
                 self.scans.put(None)
-            for t in self.scanners:
-                t.join()
-            for _ in self.writers:
-                self.writes.put(None)
 
     def _scan(self) -> None:
+        """Hash and scan each chunk copied; the last scanner to end tells the writers."""
+        try:
+            self._scan_each()
+        finally:
+            with self.lock:
+                self.scanning -= 1
+                last = self.scanning == 0
+            if last:
+                for _ in range(self.threads):
+                    self.writes.put(None)
+
+    def _scan_each(self) -> None:
         while self.scan_go.wait() and (item := self.scans.get()) is not None:
             i, off, n, slot = item
-            if self.failures:
+            if self.crew.stopped.is_set():
                 self.slots.put(slot)
                 continue
             try:
@@ -238,7 +234,7 @@ class Copier:
                     self.handout.came_back(i)     # may tell the agent: its socket may fail
             except BaseException as e:
                 self.slots.put(slot)
-                self._fail(e)
+                self.crew.fail(e)
                 continue
             self.writes.put((i, off, n, slot, h))
 
@@ -246,16 +242,12 @@ class Copier:
         while (item := self.writes.get()) is not None:
             i, off, n, slot, h = item
             try:
-                if not self.failures:
+                if not self.crew.stopped.is_set():
                     self.writer.put(self.table[i].va, off, self.arena.view(slot, n), h)
             except BaseException as e:
-                self._fail(e)
+                self.crew.fail(e)
             finally:
                 self.slots.put(slot)
-
-    def _raise(self) -> None:
-        if self.failures:
-            raise self.failures[0]
 
     def wait_copied(self) -> None:
         """Every chunk is in host memory (or the copy failed: raised); the agent is no longer
@@ -263,24 +255,22 @@ class Copier:
         self.copied.wait()
         if self.watcher is not None:
             self.watcher.join()
-        self._raise()
+        self.crew.raise_failure()
 
     def join(self) -> Copied:
         """Every chunk is written (or the copy failed: raised)."""
-        self.reader.join()
-        for t in self.writers:
-            t.join()
+        self.crew.wait()
         self.disk_s = time.monotonic() - self.t0
-        self._raise()
+        self.crew.raise_failure()
         return Copied(sum(n for _i, _o, n in self.work), self.d2h_s, self.disk_s)
 
     def stop_copying(self) -> None:
         """No chunk is being copied from the device from now on (stopped if it had not ended):
         pos's shadow and its mapping of the job's memory may be freed."""
-        if self.reader.ident is None:
-            return
+        if not self.t0:
+            return                       # never started
         if not self.copied.is_set():
-            self._fail(_Stopped())
+            self.crew.stop()
         self.copied.wait()
         if self.watcher is not None:
             self.watcher.join()
@@ -289,11 +279,6 @@ class Copier:
         """Stop (after a failure elsewhere) and wait until nothing runs: the arena may be freed
         then. A copy still under way is stopped, whatever is held (scans held with every chunk
         already copied would otherwise keep its threads waiting)."""
-        if self.reader.is_alive() or any(t.is_alive() for t in self.writers):
-            self._fail(_Stopped())
+        self.crew.stop()
         self.stop_copying()
-        if self.reader.ident is not None:
-            self.reader.join()
-        for t in self.writers:
-            if t.ident is not None:
-                t.join()
+        self.crew.wait()

@@ -30,11 +30,33 @@ if TYPE_CHECKING:     # imported where used: a restore makes its context and mem
 C = ctypes
 
 
-def context(device: int = 0) -> Driver:
-    """The driver with the device's primary context current on this thread."""
-    drv = driver()
-    drv.primary_context(device)
-    return drv
+class Context:
+    """pos's hold on one GPU's primary context for one operation: retained and made current on
+    the thread that makes it, current again on another by `use()`, let go by `close()` once
+    everything pos made in it is freed (a long-lived process, the daemon or a restore service,
+    holds no context between operations)."""
+
+    def __init__(self, device: int = 0) -> None:
+        self.drv, self.device = driver(), device
+        self.ctx: Optional[C.c_void_p] = self.drv.primary_context(device)
+
+    def use(self) -> None:
+        self.drv.cuCtxSetCurrent(self.ctx)
+
+    def close(self) -> None:
+        if self.ctx is None:
+            return
+        self.ctx = None
+        dev = CUdevice()
+        self.drv.cuDeviceGet(C.byref(dev), self.device)
+        self.drv.cuCtxSetCurrent(None)
+        self.drv.cuDevicePrimaryCtxRelease_v2(dev)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
 
 def current(drv: Driver) -> C.c_void_p:
@@ -379,9 +401,11 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
                buffer_done: Callable[[int], None] = lambda _i: None,
                order: Optional[Order] = None) -> float:
     """Run `one(stream, buffer, offset, length)` over every chunk of `work` on `workers`
-    threads, each with its own stream, in `order` (else as listed); `buffer_done(i)` once buffer
-    i's chunks are complete (at once for a buffer without chunks). The first failure stops the
-    threads taking more chunks and is raised. Returns the seconds it took."""
+    threads (a Crew), each with its own stream, in `order` (else as listed); `buffer_done(i)`
+    once buffer i's chunks are complete (at once for a buffer without chunks). The first
+    failure stops the threads taking more chunks and is raised. Returns the seconds it took."""
+    from pos.scheduler.crew import Crew
+
     left = [0] * buffers
     for i, _off, _n in work:
         left[i] += 1
@@ -390,42 +414,31 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
             buffer_done(i)
     order = order or Order(list(work))
     lock = threading.Lock()
-    failures: list[BaseException] = []
     streams = _Streams(drv)
+    crew = Crew("pos-chunks")
 
     def worker() -> None:
-        try:
-            s = streams.mine()
-            while not failures and (item := order.take()):
-                i, off, n = item
-                try:
-                    one(s, i, off, n)
-                except BaseException:
-                    # copies it queued before failing must end before their memory is freed
-                    drv.raw.cuStreamSynchronize(s)
-                    raise
-                drv.cuStreamSynchronize(s)
-                with lock:
-                    left[i] -= 1
-                    last = left[i] == 0
-                if last:
-                    buffer_done(i)
-        except BaseException as e:
+        s = streams.mine()
+        while not crew.stopped.is_set() and (item := order.take()):
+            i, off, n = item
+            try:
+                one(s, i, off, n)
+            except BaseException:
+                # copies it queued before failing must end before their memory is freed
+                drv.raw.cuStreamSynchronize(s)
+                raise
+            drv.cuStreamSynchronize(s)
             with lock:
-                failures.append(e)
+                left[i] -= 1
+                last = left[i] == 0
+            if last:
+                buffer_done(i)
 
     t = time.monotonic()
-    threads = [threading.Thread(target=worker, name=f"pos-chunks-{k}", daemon=True)
-               for k in range(max(1, workers))]
     try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        crew.run([(str(k), worker) for k in range(max(1, workers))])
     finally:
         streams.close()
-    if failures:
-        raise failures[0]
     return time.monotonic() - t
 
 

@@ -332,6 +332,20 @@ API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *
     return CUDA_SUCCESS;
 }
 
+/* Not the driver's: for the tests, what this process holds now, which an operation of pos must
+ * have let go of when it ends: with kinds 0 the holds on the primary context, else the ranges
+ * (allocations, mappings, page-locked memory) of those kinds. */
+API long fakeHeld(int kinds) {
+    if (!kinds)
+        return primary_retained;
+    long n = 0;
+    pthread_mutex_lock(&ranges_lock);
+    for (size_t i = 0; i < n_ranges; i++)
+        n += (ranges[i].kind & kinds) != 0;
+    pthread_mutex_unlock(&ranges_lock);
+    return n;
+}
+
 /* Only CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (9): the one device of the fake. */
 API CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
     if (!initialized)

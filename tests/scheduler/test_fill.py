@@ -26,7 +26,7 @@ def drv(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
     from pos.scheduler import gpucopy
 
-    return gpucopy.context(0)
+    return gpucopy.Context(0).drv
 
 
 def image(folder: Path) -> tuple[list[Buffer], dict[int, Saved], list[np.ndarray]]:

@@ -58,19 +58,6 @@ def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: dict[int, Sav
     read_s = [0.0]          # summed over the threads: reading, checking and copying the chunks
     open_files: list[dict[str, int]] = []
     maps = gpuimage.Maps() if mapped else None
-    # the chunk failures, the first of which stops the fill (the rest are not copied) and is
-    # what the user is told, whichever chunk the caller's wait comes to first
-    failures: list[BaseException] = []
-
-    def one(stream: Any, i: int, off: int, n: int) -> None:
-        if failures:
-            raise _Stopped()
-        try:
-            copy_chunk(stream, i, off, n)
-        except BaseException as e:
-            with lock:
-                failures.append(e)
-            raise
 
     def copy_chunk(stream: Any, i: int, off: int, n: int) -> None:
         gate()
@@ -95,11 +82,9 @@ def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: dict[int, Sav
     filled = threading.Event()
     watcher = order.follow(lambda: handout.agent, {b.va: i for i, b in enumerate(table)},
                            filled)
-    try:
-        seconds = gpucopy.run_chunks(drv, work, len(table), streams, one, handout.came_back,
-                                     order)
-    except _Stopped:
-        raise failures[0] from None
+    try:    # the first chunk to fail stops the fill, and is what the user is told
+        seconds = gpucopy.run_chunks(drv, work, len(table), streams, copy_chunk,
+                                     handout.came_back, order)
     finally:
         filled.set()
         watcher.join()
@@ -111,7 +96,3 @@ def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: dict[int, Sav
     copy = gpucopy.Copy(sum(n for _i, _o, n in work), seconds)
     copy.read_thread_s = read_s[0]
     return copy
-
-
-class _Stopped(Exception):
-    """A chunk not copied because another one failed first; the caller raises that failure."""

@@ -61,6 +61,7 @@ class Prefetch:
         self.table = sorted((Buffer(b.base, b.size, b.mapped, b.device, False, b.hot)
                              for b in index.buffers), key=lambda b: b.va)
         self.handout = Handout(self.table)
+        self.context: Optional[gpucopy.Context] = None
         self.mem: Optional[gpucopy.Imported] = None
         self.rings: Optional[gpucopy.Rings] = None
         self.fds: list[int] = []
@@ -87,7 +88,8 @@ class Prefetch:
 
             self.imported_at = time.monotonic()
             device = fill_device(self.onto, self.taken_on, self.directory)
-            drv = gpucopy.context(device)
+            self.context = gpucopy.Context(device)
+            drv = self.context.drv
             self.context_at = time.monotonic()
             mine = [replace(b, device=device) for b in self.table]
             self.mem, self.fds = gpucopy.Imported.create(drv, mine)
@@ -152,6 +154,8 @@ class Prefetch:
             self.cancelled = True
         self.go.set()
         self.thread.join()
+        if self.context is not None:
+            self.context.use()
         if self.rings is not None:
             self.rings.close()
         if self.mem is not None:
@@ -159,3 +163,5 @@ class Prefetch:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+        if self.context is not None:
+            self.context.close()

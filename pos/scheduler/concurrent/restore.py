@@ -44,8 +44,8 @@ def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
     echo(f"restoring the GPU state of PID {pid} from {directory}")
     index = gpuindex.read(directory)
     saved, hot = gpuindex.saved(directory, index), index.hot
-    with Agent(pid) as agent:
-        drv = gpucopy.context(devices.device_of(pid))
+    with Agent(pid) as agent, gpucopy.Context(devices.device_of(pid)) as context:
+        drv = context.drv
         rings = gpucopy.Rings(drv, streams, settings.fill_piece_bytes, FILL_DEPTH)
         try:
             t0 = time.monotonic()

@@ -47,8 +47,9 @@ class Saver:
         self.pid = agent.pid
         self.settings, self.streams, self.chunk = settings, streams, chunk
         self.gpu = devices.gpu_of(agent.pid)          # the job's GPU, recorded in its index
-        self.drv = gpucopy.context(devices.cuda_device(self.gpu))
-        self.ctx = gpucopy.current(self.drv)  # made current again by each step (`use`)
+        # pos's context on it, made current again by each step (`use`), let go by `close`
+        self.context = gpucopy.Context(devices.cuda_device(self.gpu))
+        self.drv = self.context.drv
         self.timings: dict[str, float] = {}
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
@@ -99,7 +100,7 @@ class Saver:
     def use(self) -> None:
         """pos's context on this job's GPU current on this thread: the objects made here keep
         the context current when they were made."""
-        self.drv.cuCtxSetCurrent(self.ctx)
+        self.context.use()
 
     def connected(self) -> Agent:
         """The job's agent; its absence (the job ended by CRIU) is pos's own error."""
@@ -127,6 +128,7 @@ class Saver:
         if self.host is not None:
             self.host.close()
             self.host = None
+        self.context.close()
 
 
 class Taken:
@@ -285,6 +287,7 @@ class Taken:
         self.saver.use()
         if self.copier is not None:
             self.copier.close()              # nor write from the arena
+            self.writer.close()              # its data files (a failed image's are discarded)
         self._drop_device()
 
 
