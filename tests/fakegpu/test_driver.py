@@ -134,11 +134,11 @@ def test_every_constant_has_cuda_h_value(cuda_h: dict[str, list[str]]) -> None:
 
 
 def test_the_fake_lacks_only_what_pos_does_without(fakegpu: dict[str, Path]) -> None:
-    """The fake has no page-locked allocation (the validator then hashes from pageable memory)
-    and no legacy IPC (only bench/peer_probe.py uses it, on GPUs); it has the rest."""
+    """The fake has no page-locked allocation (the validator then hashes from pageable memory);
+    it has the rest."""
     d = cu.Driver(str(fakegpu["libcuda"]))
     missing = {f.name for f in cu.declared()} - d.present
-    assert missing == {"cuMemAllocHost_v2", "cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2"}
+    assert missing == {"cuMemAllocHost_v2"}
     with pytest.raises(cu.PosError, match="has no cuMemAllocHost_v2: update the NVIDIA driver"):
         d.cuMemAllocHost_v2(ctypes.byref(ctypes.c_void_p()), 4096)
 
