@@ -10,12 +10,15 @@ import json
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pos.errors import BadInput, PosError
 
 MAX_FDS = 250   # descriptors per message (the kernel takes up to 253): the agent's, the watchdog's
+PROBE_S = 3.0   # a connection pos found gone: how long a new one may take to say why
+STALL_S = 60.0  # the agent's default bound on a silent pos (POS_AGENT_STALL_S in the job)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,12 @@ class Status:
     peer_maps: Optional[int] = None
     peer_bytes: Optional[int] = None
     ipc_maps: Optional[int] = None
+    # How long the agent waits for a request (POS_AGENT_STALL_S), and how the connection
+    # before this one ended, in its words; None: the agent is too old to say (or, last_end,
+    # no connection has ended yet)
+    stall_s: Optional[float] = None
+    last_end: Optional[str] = None
+    last_end_said: bool = False    # the agent wrote that end to the job's standard error too
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,10 @@ class Exported:
     reseated_bytes: int    # memory at the same addresses first (see hook/export.c: reseat)
     reseat_s: float
     leaked: int            # /dev/nvidiactl descriptors the driver's refusals left, closed
+
+
+class NoAnswer(PosError):
+    """The agent did not answer within the connection's timeout."""
 
 
 class Refused(PosError):
@@ -188,6 +201,9 @@ class Agent:
         self._sending = threading.Lock()    # `done` comes from the copier's threads too
         self._buf = b""
         self._fds: list[int] = []
+        self._answered = time.monotonic()   # when the agent last answered (or accepted)
+        self._request = "connect"           # the request last sent
+        self._probe = False                 # a connection that asks why another one ended
 
     def __enter__(self) -> "Agent":
         return self
@@ -202,13 +218,50 @@ class Agent:
         self.sock.close()
 
     # -- the wire ---------------------------------------------------------------------------
-    def _gone(self, e: OSError) -> PosError:
-        alive = os.path.exists(f"/proc/{self.pid}")
-        return PosError(f"the agent of process {self.pid} closed its connection "
-                        f"({e.strerror or e}); the process is "
-                        f"{'still running' if alive else 'gone'}",
-                        "the job's standard error has a line 'pos: the control connection "
-                        "ended ...' that says why" if alive else "check how the job ended")
+    def _gone(self, how: str) -> PosError:
+        """The connection ended under pos (`how`: the system call's error, or EOF), said from
+        what pos can see: the request, how long the agent had been silent to pos, whether the
+        process runs, and the agent's own account of how that connection ended, asked on a new
+        one (the job's standard error may be kept nowhere, and the agent writes there only when
+        it has something to say: a close it took for pos's own, in phase idle, it does not;
+        issue 35)."""
+        silent = time.monotonic() - self._answered
+        head = (f"the control connection to the agent of process {self.pid} ended ({how}) at "
+                f"pos's request '{self._request}', {silent:.1f} s after the agent last answered")
+        if self._probe:
+            return PosError(head)
+        if not _running(self.pid):
+            return PosError(f"{head}; the process has ended", "check how the job ended: its "
+                            "exit status, its standard error, the kernel log (the OOM killer)")
+        said = _ask_again(self.pid)
+        if isinstance(said, str):
+            return PosError(f"{head}; the process is still running, but {said}",
+                            "see what the job's threads are doing (py-spy dump, or gdb); pos "
+                            "cannot checkpoint it until its agent answers")
+        end = said.last_end
+        if end is None:
+            return PosError(f"{head}; the process is still running, and its agent answers a new "
+                            f"connection (phase {said.phase}) but is too old to say how the "
+                            "other ended", "retry; the job runs on as it was")
+        cause = (f"{head}; the process is still running, and its agent, asked on a new "
+                 f"connection (phase {said.phase}), says that connection ended {end}"
+                 + (" (its standard error says so too)" if said.last_end_said else ""))
+        if "sent nothing" in end:
+            limit = said.stall_s or STALL_S    # every agent that says last_end says it
+            fix = (f"pos had been silent for {silent:.1f} s, and the agent waits "
+                   f"{limit:g} s for a request (POS_AGENT_STALL_S={limit:g} in the job's "
+                   "environment): retry (pos's cut now comes on a connection of its own), or "
+                   "start the job with a larger POS_AGENT_STALL_S")
+        elif "EOF" in end:
+            fix = ("pos had not closed its end: the job's end of the connection ended under "
+                   "the agent, shut down or closed by other code of the job (or pos's own "
+                   "descriptor by other code of pos); retry, the job runs on as it was")
+        elif "reused" in end:
+            fix = ("other code of the job closed the agent's descriptor (or took its number): "
+                   "retry, the job runs on as it was")
+        else:
+            fix = "retry; the job runs on as it was"
+        return PosError(cause, fix)
 
     def _send(self, data: bytes, fds: list[int] = []) -> None:
         try:
@@ -217,8 +270,12 @@ class Agent:
                     socket.send_fds(self.sock, [data], fds)
                 else:
                     self.sock.sendall(data)
+        except socket.timeout:
+            raise PosError(f"the agent of process {self.pid} took no request for "
+                           f"{self.sock.gettimeout():.0f} s (its socket's buffer stayed full)",
+                           "check the job's standard error") from None
         except OSError as e:
-            raise self._gone(e) from None
+            raise self._gone(e.strerror or str(e)) from None
 
     def _recv(self) -> None:
         try:
@@ -226,11 +283,10 @@ class Agent:
         except socket.timeout:
             raise
         except OSError as e:
-            raise self._gone(e) from None
+            raise self._gone(e.strerror or str(e)) from None
         self._fds.extend(fds)
         if not data:
-            raise PosError(f"the agent of process {self.pid} closed the connection",
-                           "check that the job is still running; its standard error says why")
+            raise self._gone("EOF")
         self._buf += data
 
     def _line(self) -> dict[str, Any]:
@@ -238,15 +294,17 @@ class Agent:
             try:
                 self._recv()
             except socket.timeout:
-                raise PosError(f"the agent of process {self.pid} did not answer in time",
+                raise NoAnswer(f"the agent of process {self.pid} did not answer in time",
                                "check the job's standard error") from None
         line, _, self._buf = self._buf.partition(b"\n")
+        self._answered = time.monotonic()
         reply = json.loads(line.lstrip(b"+"))
         if not reply.get("ok"):
             raise Refused(self.pid, reply)
         return reply
 
     def _ask(self, line: str) -> dict[str, Any]:
+        self._request = line.split(" ", 1)[0]
         self._send(line.encode() + b"\n")
         return self._line()
 
@@ -260,7 +318,9 @@ class Agent:
         told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps") if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
-                      int(r.get("nccl_launches", 0)), **told)
+                      int(r.get("nccl_launches", 0)), **told,
+                      stall_s=float(r["stall_s"]) if "stall_s" in r else None,
+                      last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")))
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the
@@ -310,6 +370,7 @@ class Agent:
         """The job maps these descriptors (table order) at its addresses again, and its
         context's stack goes back to what it was before the hoist; `restore`: and its calls go
         through the restore gate from then on (the memory is being filled)."""
+        self._request = "remap"
         self._send(f"remap {len(fds)}{' restore' if restore else ''}\n".encode())
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
@@ -329,3 +390,33 @@ class Agent:
 
     def end(self) -> Gate:
         return Gate.from_reply(self._ask("end"))
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not ended (a zombie has)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in "ZX"
+
+
+def _ask_again(pid: int) -> "Status | str":
+    """The agent's status on a new connection (with its account of how the last one ended), or
+    why there is none, in words."""
+    try:
+        a = Agent(pid, timeout=PROBE_S)
+    except BadInput as e:
+        return f"its agent accepts no new connection ({e.cause})"
+    except OSError as e:
+        return f"its agent accepts no new connection ({e.strerror or e})"
+    a._probe = True
+    try:
+        return a.status()
+    except NoAnswer:
+        return (f"its agent did not answer a new connection within {PROBE_S:.0f} s (its "
+                "control thread is stuck: on the old connection, or inside the driver)")
+    except PosError as e:
+        return f"a new connection to its agent failed too ({e.cause})"
+    finally:
+        a.close()

@@ -37,6 +37,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <sys/types.h>
 #include <time.h>
 
 #include "abi.h"
@@ -234,6 +235,8 @@ enum { MAX_FDS = 250 }; /* file descriptors per message (SCM_MAX_FD is 253) */
 
 struct conn {
     int fd;
+    dev_t dev; /* the accepted socket, by identity: other code of the job that closes or */
+    ino_t ino; /* reuses the number must not leave the agent reading whatever it is now */
     char buf[65536];
     size_t len;
     int fds[4096]; /* received descriptors not yet consumed, in order */

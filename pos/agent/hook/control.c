@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -25,10 +26,40 @@ static void note(const char *fmt, ...) {
     va_end(ap);
 }
 
+static int stall_ms(void) {
+    const char *s = getenv("POS_AGENT_STALL_S");
+    double v = s ? atof(s) : 60.0;
+    return v > 0 ? (int)(v * 1000) : 60000;
+}
+
+/* How the last control connection ended, for `status` on the next one: pos, finding its
+ * connection gone, asks on a new one and names the cause from the agent's own account (the job's
+ * standard error may be kept nowhere, and the agent writes there only when it says something the
+ * user must know). Under mu. */
+static char last_end[224];
+static uint64_t last_end_ns;
+static int last_end_said; /* the same line went to the job's standard error */
+
+static void record_end(int said, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void record_end(int said, const char *fmt, ...) {
+    pthread_mutex_lock(&mu);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_end, sizeof(last_end), fmt, ap);
+    va_end(ap);
+    last_end_ns = now_ns(), last_end_said = said;
+    pthread_mutex_unlock(&mu);
+}
+
 static void do_status(struct conn *c) {
     char s[STATS_CAP];
+    char end[sizeof(last_end) + 96] = "";
     pthread_mutex_lock(&mu);
     stats_json(s, sizeof(s));
+    if (last_end_ns)
+        snprintf(end, sizeof(end),
+                 ",\"last_end\":\"%s\",\"last_end_s\":%.3f,\"last_end_said\":%s", last_end,
+                 secs(now_ns() - last_end_ns), last_end_said ? "true" : "false");
     size_t imported = 0; /* mapped back from pos's descriptors (their fd kept: see do_remap) */
     for (size_t i = 0; i < ntab; i++)
         imported += tab[i].fd >= 0;
@@ -37,11 +68,11 @@ static void do_status(struct conn *c) {
           "{\"ok\":true,\"pid\":%d,\"phase\":\"%s\",\"buffers\":%zu,\"owned_bytes\":%zu,"
           "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
           "\"imported\":%zu,\"nccl_launches\":%ld,\"peer_maps\":%zu,\"peer_bytes\":%zu,"
-          "\"ipc_maps\":%zu,%s}",
+          "\"ipc_maps\":%zu,\"stall_s\":%.3f%s,%s}",
           getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
           (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
           atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, peers.maps,
-          peers.bytes, peers.ipc, s);
+          peers.bytes, peers.ipc, stall_ms() / 1000.0, end, s);
     pthread_mutex_unlock(&mu);
 }
 
@@ -69,10 +100,11 @@ static void build_table(FILE *f) {
     fputs("]}", f);
 }
 
-/* The helper went away (EOF, error, or silence past the stall bound) in the middle of an
- * operation: never leave the job held. A restore that released calls is half done: the job
- * must not compute on a mix of restored and stale buffers, so it ends. While hoisted, the
- * memory is pos's to give back: the calls stay held until a remap (the watchdog's). */
+/* The helper went away (EOF, error, silence past the stall bound, or the descriptor closed or
+ * reused by other code of the job) in the middle of an operation: never leave the job held. A
+ * restore that released calls is half done: the job must not compute on a mix of restored and
+ * stale buffers, so it ends. While hoisted, the memory is pos's to give back: the calls stay
+ * held until a remap (the watchdog's). */
 static void abandon(const char *why) {
     pthread_mutex_lock(&mu);
     int ph = atomic_load(&phase);
@@ -88,12 +120,6 @@ static void abandon(const char *why) {
     }
 }
 
-static int stall_ms(void) {
-    const char *s = getenv("POS_AGENT_STALL_S");
-    double v = s ? atof(s) : 60.0;
-    return v > 0 ? (int)(v * 1000) : 60000;
-}
-
 static void serve(int fd) {
     struct conn *c = calloc(1, sizeof(*c));
     if (!c) {
@@ -101,25 +127,40 @@ static void serve(int fd) {
         return;
     }
     c->fd = fd;
+    struct stat sb;
+    if (fstat(fd, &sb) == 0)
+        c->dev = sb.st_dev, c->ino = sb.st_ino;
     char line[65536];
     int stall = stall_ms();
+    uint64_t last = now_ns(); /* pos's last request */
     for (;;) {
         int r = next_line(c, line, sizeof(line), stall);
         if (r <= 0) {
             char why[160];
             if (r == 0)
-                snprintf(why, sizeof(why), "pos closed the connection");
+                snprintf(why, sizeof(why), "pos's end closed (EOF)");
             else if (r == -2)
-                snprintf(why, sizeof(why), "pos sent nothing for %d s", stall / 1000);
+                snprintf(why, sizeof(why), "pos sent nothing for %g s (POS_AGENT_STALL_S)",
+                         stall / 1000.0);
+            else if (r == -3)
+                snprintf(why, sizeof(why),
+                         "its descriptor %d was closed or reused by other code of this process",
+                         fd);
             else
                 snprintf(why, sizeof(why), "the connection failed (%s)", strerror(errno));
             int ph = atomic_load(&phase); /* EOF when idle or hoisted: pos's protocol */
-            if (r != 0 || (ph != P_IDLE && ph != P_HOISTED))
+            int say = r != 0 || (ph != P_IDLE && ph != P_HOISTED);
+            if (say)
                 fprintf(stderr, "pos: the control connection ended in phase %s: %s\n",
                         phase_name[ph], why);
+            record_end(say, "in phase %s, %.1f s after pos's last request: %s", phase_name[ph],
+                  secs(now_ns() - last), why);
             abandon(why);
+            if (r == -3)
+                fd = -1; /* the number is someone else's now */
             break;
         }
+        last = now_ns();
         char *cmd = line + strspn(line, "+"); /* the bytes that carried descriptors */
         char *args = strchr(cmd, ' ');
         if (args)
@@ -152,13 +193,15 @@ static void serve(int fd) {
             do_end(c);
         else if (!strcmp(cmd, "bye")) {
             reply(c, "{\"ok\":true}");
+            record_end(0, "in phase %s: pos said bye", phase_name[atomic_load(&phase)]);
             break;
         } else
             fail(c, "unknown request");
     }
     for (size_t i = 0; i < c->nfds; i++)
         close(c->fds[i]);
-    close(fd);
+    if (fd >= 0)
+        close(fd);
     free(c);
 }
 

@@ -8,16 +8,42 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "agent.h"
 
-/* Read more bytes (and any descriptors sent with them); 0 at EOF, -1 on error/timeout. */
+/* Whether c->fd is still the socket accepted (not closed, nor another file by that number). */
+static int same_socket(const struct conn *c) {
+    struct stat sb;
+    return fstat(c->fd, &sb) == 0 && S_ISSOCK(sb.st_mode) && sb.st_dev == c->dev &&
+           sb.st_ino == c->ino;
+}
+
+#define RX_TICK_MS 1000 /* how often a wait checks that its descriptor is still the socket */
+
+/* Read more bytes (and any descriptors sent with them); 0 at EOF, -1 on error, -2 on timeout,
+ * -3 when the descriptor is no longer the accepted socket (other code of the job closed the
+ * number, or reused it: a poll on a file that never becomes readable would wait unseen). */
 int rx(struct conn *c, int timeout_ms) {
-    struct pollfd p = {.fd = c->fd, .events = POLLIN};
-    int n = poll(&p, 1, timeout_ms);
-    if (n <= 0)
-        return n == 0 ? -2 : -1;
+    uint64_t until = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    for (;;) {
+        if (!same_socket(c))
+            return -3;
+        uint64_t now = now_ns();
+        if (now >= until)
+            return -2;
+        uint64_t left_ms = (until - now + 999999) / 1000000;
+        struct pollfd p = {.fd = c->fd, .events = POLLIN};
+        int n = poll(&p, 1, left_ms < RX_TICK_MS ? (int)left_ms : RX_TICK_MS);
+        if (n < 0 && errno != EINTR)
+            return -1;
+        if (n > 0) {
+            if (!same_socket(c))
+                return -3;
+            break;
+        }
+    }
     char cbuf[CMSG_SPACE(MAX_FDS * sizeof(int))];
     struct iovec iov = {.iov_base = c->buf + c->len, .iov_len = sizeof(c->buf) - c->len - 1};
     struct msghdr m = {
@@ -40,7 +66,8 @@ int rx(struct conn *c, int timeout_ms) {
     return 1;
 }
 
-/* The next line (without its newline) into `line`; 0 at EOF, -1 on error, -2 on timeout. */
+/* The next line (without its newline) into `line`; 0 at EOF, -1 on error, -2 on timeout, -3
+ * when the descriptor is no longer the socket (rx). */
 int next_line(struct conn *c, char *line, size_t cap, int timeout_ms) {
     for (;;) {
         char *nl = memchr(c->buf, '\n', c->len);

@@ -4,7 +4,8 @@
   refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
              restore (pos/scheduler/restorable.py)
   prepare    each job's page-locked arena and device shadow (saver.Saver.prepare)
-  cut        every job held (a job of several: each just before the same collective,
+  cut        every job held, on a connection made just before it (saver.Saver.reconnect; a
+             job of several: each just before the same collective,
              pos/scheduler/collective.py), asked again whether it maps a peer's memory
   take       each job's memory exported, imported by pos, shadowed; its copy begins; the
              descriptors handed to the watchdog
@@ -49,14 +50,15 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
     """The GPU state of `pid` at one instant, taken while it runs (rolls back only into a live
     job: concurrent.restore.restore_gpu)."""
     settings = settings or Settings.from_env()
-    with Agent(pid) as agent:
-        saver = Saver.prepare(agent, settings, streams, chunk_mb << 20, gpu_only=True)
+    with Agent(pid) as first:
+        saver = Saver.prepare(first, settings, streams, chunk_mb << 20, gpu_only=True)
         taken: Optional[Taken] = None
         try:
             partial = image.prepare(Path(directory), saver.owned_bytes)
             echo(f"checkpointing the GPU state of PID {pid} concurrently: "
                  f"{saver.owned_bytes / 2**30:.2f} GiB of device memory")
             try:
+                agent = _reconnect(saver, echo)
                 t0 = time.monotonic()
                 cut = saver.cut()
                 taken = saver.take(partial)
@@ -77,9 +79,21 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
             if taken is not None:
                 taken.close()
             saver.close()
+            if saver.agent is not None:
+                saver.agent.close()
     return Report("gpu-only", str(final), manifest, timings=saver.timings, device=DeviceCopy(
         len(taken.table), copy.bytes, cut, gate, taken.shadow_bytes, release_s,
         copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None, saver.foreign_bytes))
+
+
+def _reconnect(saver: Saver, echo: Echo) -> Agent:
+    """The job's agent on the cut's own connection (Saver.reconnect), a loss of the one before
+    said."""
+    lost = saver.reconnect()
+    if lost:
+        echo(f"(the connection that asked the status of PID {saver.pid} was lost during the "
+             f"pin: {lost})")
+    return saver.connected()
 
 
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
@@ -117,8 +131,7 @@ class _Whole:
             with Guard(self.plan, self.echo, fault_at=self.settings.fault_at) as g:
                 stage = staging.directory(self.directory.name, self.partial, self.resident,
                                           self.settings.dump_staging)
-                t0 = time.monotonic()
-                self.cut(g, stage)
+                t0 = self.cut(g, stage)
                 self.take(g)
                 self.hoist(g)
                 self.freeze(g, stage or self.partial)
@@ -178,7 +191,11 @@ class _Whole:
                   f"{owned / 2**30:.2f} GiB of device memory"
                   + (f" in {len(self.savers)} processes" if self.several else ""))
 
-    def cut(self, g: Guard, stage: Optional[Path]) -> None:
+    def cut(self, g: Guard, stage: Optional[Path]) -> float:
+        """Every job held, each on a connection made just now; when the cut began (the jobs'
+        stall counts from there)."""
+        self.agents = [_reconnect(s, self.echo) for s in self.savers]
+        t0 = time.monotonic()
         g.step("cut", staging=str(stage or ""))
         if self.several:
             from pos.scheduler import collective
@@ -190,6 +207,7 @@ class _Whole:
             self.cuts = [self.savers[0].cut()]
         # held now, every rank: nothing maps a peer's memory until they go on
         restorable.peer_memory(self.cuda, {a.pid: a.status() for a in self.agents})
+        return t0
 
     def take(self, g: Guard) -> None:
         for s in self.savers:

@@ -1,6 +1,7 @@
 """One job's side of a concurrent checkpoint, in the order its types allow:
 
   Saver.prepare(agent, ...)   before the cut: page-locked host memory and a device shadow
+  saver.reconnect()           the cut's own connection, made just before it
   saver.cut(...)              the job held, its calls drained
   saver.take(folder, rank)    -> Taken: its memory exported by the job, imported by pos, what
                               fits shadowed device-to-device; the copy to host memory begins
@@ -108,6 +109,23 @@ class Saver:
             raise PosError(f"process {self.pid} has no agent connection now",
                            "report this: pos asked a job CRIU ended")
         return self.agent
+
+    def reconnect(self) -> Optional[str]:
+        """A connection of the operation's own, made just before the cut. The one that asked
+        the status sat silent through the pin (as large as the job: 20-55 s for 83-125 GiB on
+        the H200, past the agent's POS_AGENT_STALL_S on larger jobs), and one ended meanwhile
+        showed only at the cut's request (issue 35). The old one is let go; why it was lost,
+        if it was (counted: prepare_connection_lost_n), is returned."""
+        old = self.connected()
+        lost = None
+        try:
+            old.status()
+        except PosError as e:
+            lost = e.message
+            self.timings["prepare_connection_lost_n"] = 1
+        old.close()
+        self.agent = Agent(self.pid)
+        return lost
 
     def cut(self, at: Optional[int] = None, timeout_s: float = STALL_S) -> Cut:
         """The job held and drained (now, or just before the NCCL launch past `at`: see
