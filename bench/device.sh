@@ -24,7 +24,8 @@
 #                                # memory and kernel log sampled beside it (~4 min a row)
 #   bench/device.sh nccl         # (four GPUs) DDP with NCCL's defaults at POS_NCCL_RANKS
 #                                # (default "2 4") ranks, either engine: refused untouched,
-#                                # the job running on exact; then over sockets, concurrent,
+#                                # the job running on exact (POS_NCCL_DEFAULT_ENGINES: which
+#                                # engines, default stw,concurrent); then over sockets, concurrent,
 #                                # at POS_NCCL_SOCKET_RANKS (default "4 1") ranks: the stall's
 #                                # growth with the ranks, each rank's host memory (~8 min)
 #   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
@@ -142,7 +143,9 @@ nccl)
             [ -f "$f" ] && cp "$f" "$out/$1-$(basename "$(dirname "$f")").log"
         done
     }
-    for n in ${POS_NCCL_RANKS-2 4}; do ddp "ddp-defaults-$n" default "$n" stw,concurrent; done
+    for n in ${POS_NCCL_RANKS-2 4}; do
+        ddp "ddp-defaults-$n" default "$n" "${POS_NCCL_DEFAULT_ENGINES:-stw,concurrent}"
+    done
     for n in ${POS_NCCL_SOCKET_RANKS-4 1}; do ddp "ddp-sockets-$n" sockets "$n" concurrent; done
     cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt 2>/dev/null) ;;
