@@ -156,7 +156,7 @@ class _Whole:
         pid = self.pid
         procs.require_checkpointable(pid)
         procs.require_dumpable(pid)
-        self.criu = criu_mod.find(self.settings.criu)
+        self.criu = criu_mod.find(self.settings)
         self.pids = procs.tree(pid)
         self.options = self.options.fitted(self.pids)
         self.cuda = cudackpt.gpu_pids(self.pids)
