@@ -58,3 +58,23 @@ def test_no_debian_mirror_is_one_sentence_and_the_variable_overrides(tmp_path: P
     assert r.stderr.count("\n") == 1 and "set POS_DEBIAN_MIRROR" in r.stderr, r.stderr
     r = mirror(tmp_path, POS_DEBIAN_MIRROR="http://given.example/debian")
     assert (r.returncode, r.stdout) == (0, "http://given.example/debian\n"), r.stderr
+
+
+def test_gpu_tests_say_what_they_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no GPU is, the GPU suite is skipped with the reason a user can act on."""
+    from tests.gpu import conftest as gpu
+
+    class Item:
+        fspath = ROOT / "tests" / "gpu" / "test_x.py"
+
+        def __init__(self) -> None:
+            self.markers: list = []
+
+        def add_marker(self, marker) -> None:
+            self.markers.append(marker)
+
+    monkeypatch.setattr(gpu, "_has_gpu", lambda: False)
+    item = Item()
+    gpu.pytest_collection_modifyitems([item])  # type: ignore[list-item]
+    reasons = [m.kwargs["reason"] for m in item.markers if m.name == "skip"]
+    assert reasons == ["needs an NVIDIA GPU with PyTorch"]
