@@ -14,9 +14,10 @@ The first run starts with an empty cache of compiled probes (POS_CACHE_DIR): bcc
 on a host's first trace; the others find the cache. A last run traces with `--duration D` and
 reports its wall time and the seconds its summary says the probes were attached.
 
-USAGE: .venv/bin/python bench/trace_startup.py [--runs 5] [--duration 3] [--root DIR] [--out FILE]
-  --root DIR   time the `pos trace` of another pos checkout (its own code, this Python): the
-               figures before a change
+USAGE: .venv/bin/python bench/trace_startup.py [--runs 5] [--duration 3] [--root DIR]... [--out FILE]
+  --root DIR   time the `pos trace` of this pos checkout (its own code, this Python); given
+               twice, the two checkouts' runs alternate, so that both see the same load: the
+               figures before and after a change on a shared machine
 """
 
 import argparse
@@ -38,25 +39,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TICKER = ROOT / "tests" / "fakegpu" / "ticker.py"
-
-
-class Target:
-    """The ticker: calls the fake driver every 5 ms, keeps each call's time."""
-
-    def __init__(self, libcuda: Path, calls: Path) -> None:
-        self.calls = calls
-        self.p = subprocess.Popen([sys.executable, str(TICKER), str(libcuda), str(calls)],
-                                  stdout=subprocess.PIPE, text=True)
-        line = self.p.stdout.readline()
-        if not line.startswith("READY"):
-            raise RuntimeError(f"the target did not start: {line!r}")
-        self.pid = int(line.split()[1])
-
-    def stop(self) -> list[int]:
-        self.p.send_signal(signal.SIGTERM)
-        self.p.wait(timeout=30)
-        return [int(x) for x in self.calls.read_text().split()]
+from tests.fakegpu.ticker import Ticker  # noqa: E402
 
 
 def first_sync(db: Path) -> Optional[int]:
@@ -67,10 +50,10 @@ def first_sync(db: Path) -> Optional[int]:
         return None
 
 
-def one_run(root: Path, libcuda: Path, work: Path, env: dict[str, str], n: int,
+def one_run(root: Path, libcuda: Path, work: Path, env: dict[str, str], n: str,
             traced_s: float) -> dict[str, Any]:
     db, calls = work / f"run{n}.db", work / f"calls{n}.txt"
-    target = Target(libcuda, calls)
+    target = Ticker(libcuda, calls)
     try:
         t0 = time.monotonic_ns()
         p = subprocess.Popen([sys.executable, "-m", "pos.cli", "trace", str(target.pid), "--db",
@@ -105,12 +88,13 @@ def one_run(root: Path, libcuda: Path, work: Path, env: dict[str, str], n: int,
 
 
 def duration_run(root: Path, libcuda: Path, work: Path, env: dict[str, str],
-                 duration: float) -> dict[str, Any]:
-    target = Target(libcuda, work / "calls-duration.txt")
+                 duration: float, n: str) -> dict[str, Any]:
+    target = Ticker(libcuda, work / f"calls-duration{n}.txt")
     try:
         t0 = time.monotonic()
         p = subprocess.run([sys.executable, "-m", "pos.cli", "trace", str(target.pid), "--db",
-                            str(work / "duration.db"), "--quiet", "--duration", str(duration)],
+                            str(work / f"duration{n}.db"), "--quiet", "--duration",
+                            str(duration)],
                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
         wall = time.monotonic() - t0
     finally:
@@ -126,14 +110,30 @@ def commit(root: Path) -> str:
                           capture_output=True, text=True).stdout.strip()
 
 
+def summarize(root: Path, runs: list[dict[str, Any]], timed: dict[str, Any]) -> dict[str, Any]:
+    warm = runs[1:] or runs
+
+    def spread(key: str) -> list[float]:
+        values = sorted(r[key] for r in warm)
+        return [round(values[0], 3), round(values[len(values) // 2], 3), round(values[-1], 3)]
+
+    return {"commit": commit(root), "root": str(root), "cold": runs[0],
+            "warm_min_median_max": {k: spread(k) for k in
+                                    ("attached_s", "first_event_s", "first_row_s", "stop_s")},
+            "missed_calls": sum(r["missed"] for r in runs), "runs": runs, "duration": timed}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="runs with the cache (after a cold one)")
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--traced", type=float, default=0.5, help="seconds traced before SIGINT")
-    ap.add_argument("--root", type=Path, default=ROOT)
+    ap.add_argument("--root", type=Path, action="append",
+                    help="a pos checkout to time (repeatable: their runs alternate, so that "
+                         "each sees the same load) [default: this one]")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    roots = [r.resolve() for r in args.root or [ROOT]]
     gpu = shutil.which("nvidia-smi") is not None
     out = args.out or ROOT / "bench" / "results" / str(date.today()) / \
         f"trace-startup{'' if gpu else '-vm'}.json"
@@ -143,34 +143,28 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pos-bench-trace-") as tmp:
         work = Path(tmp)
         libcuda = build(work / "fakegpu")["libcuda"]
-        env = dict(os.environ, POS_CACHE_DIR=str(work / "cache"),
-                   PYTHONPATH=str(args.root.resolve()))
-        runs = []
+        envs = [dict(os.environ, POS_CACHE_DIR=str(work / f"cache{i}"), PYTHONPATH=str(root))
+                for i, root in enumerate(roots)]
+        runs: list[list[dict[str, Any]]] = [[] for _ in roots]
         for n in range(args.runs + 1):
-            r = one_run(args.root.resolve(), libcuda, work, env, n, args.traced)
-            print(json.dumps({k: v for k, v in r.items() if k != "summary"}), flush=True)
-            runs.append(r)
-        timed = duration_run(args.root.resolve(), libcuda, work, env, args.duration)
-        print(json.dumps(timed), flush=True)
-    warm = runs[1:] or runs
-
-    def spread(key: str) -> list[float]:
-        values = sorted(r[key] for r in warm)
-        return [round(values[0], 3), round(values[len(values) // 2], 3), round(values[-1], 3)]
+            for i, root in enumerate(roots):
+                r = one_run(root, libcuda, work, envs[i], f"{i}-{n}", args.traced)
+                print(json.dumps({"root": str(root), **{k: v for k, v in r.items()
+                                                         if k != "summary"}}), flush=True)
+                runs[i].append(r)
+        timed = []
+        for i, root in enumerate(roots):
+            timed.append(duration_run(root, libcuda, work, envs[i], args.duration, str(i)))
+            print(json.dumps({"root": str(root), **timed[-1]}), flush=True)
 
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "commit": commit(args.root), "root": str(args.root.resolve()),
         "machine": {"gpu": gpu, "cores": os.cpu_count(), "kernel": platform.release(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(),
+                    "load_average_after": os.getloadavg()},
         "target": "tests/fakegpu/ticker.py: the fake libcuda's cuCtxSynchronize every 5 ms",
-        "cold": runs[0],
-        "warm_min_median_max": {k: spread(k) for k in
-                                ("attached_s", "first_event_s", "first_row_s", "stop_s")},
-        "missed_calls": sum(r["missed"] for r in runs),
-        "runs": runs,
-        "duration": timed,
+        "checkouts": [summarize(root, runs[i], timed[i]) for i, root in enumerate(roots)],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

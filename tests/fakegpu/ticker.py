@@ -10,9 +10,32 @@ or SIGINT it writes them, one a line, to CALLS_FILE and exits 0. A probe's times
 """
 
 import ctypes
+import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+
+class Ticker:
+    """This script in a process of its own, started and ended from a test or a benchmark."""
+
+    def __init__(self, libcuda: Path, calls: Path) -> None:
+        self.calls = calls
+        self.p = subprocess.Popen([sys.executable, __file__, str(libcuda), str(calls)],
+                                  stdout=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        if not line.startswith("READY"):
+            raise RuntimeError(f"the ticker did not start: {line!r}")
+        self.pid = int(line.split()[1])
+
+    def stop(self) -> list[int]:
+        """End it; the CLOCK_MONOTONIC time kept before each call it made."""
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        self.p.wait(timeout=30)
+        return [int(x) for x in self.calls.read_text().split()] if self.calls.exists() else []
 
 
 def main() -> None:
@@ -28,7 +51,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"READY {__import__('os').getpid()}", flush=True)
+    print(f"READY {os.getpid()}", flush=True)
     while not done:
         calls.append(time.monotonic_ns())
         lib.cuCtxSynchronize()

@@ -124,7 +124,9 @@ def test_missing_kernel_headers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_trace_without_pid_is_a_usage_error() -> None:
     r = CliRunner().invoke(cli, ["trace"])
-    assert r.exit_code == 2 and "Missing argument 'PID'" in r.output
+    assert r.exit_code == 2 and r.output == (
+        "Error: pos trace needs the argument PID (the process to trace): give it, as the "
+        "examples of `pos trace --help` do.\n")
 
 
 def test_lib_that_is_not_elf(tmp_path: Path, sleeper: subprocess.Popen) -> None:

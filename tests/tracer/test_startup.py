@@ -7,7 +7,6 @@ each run does and records.
 """
 
 import re
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -18,29 +17,10 @@ from typing import Iterator
 import pytest
 
 from tests.conftest import ROOT, wait_for_rows
+from tests.fakegpu.ticker import Ticker
 from workloads.harness import PosTrace
 
 pytestmark = pytest.mark.bpf
-TICKER = ROOT / "tests" / "fakegpu" / "ticker.py"
-
-
-class Ticker:
-    """tests/fakegpu/ticker.py: the fake driver's cuCtxSynchronize every 5 ms."""
-
-    def __init__(self, libcuda: Path, calls: Path) -> None:
-        self.calls = calls
-        self.p = subprocess.Popen([sys.executable, str(TICKER), str(libcuda), str(calls)],
-                                  stdout=subprocess.PIPE, text=True)
-        self.pid = int(self.p.stdout.readline().split()[1])
-
-    def stop(self) -> list[int]:
-        """End it; the CLOCK_MONOTONIC time kept before each call it made."""
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-        self.p.wait(timeout=30)
-        return [int(x) for x in self.calls.read_text().split()] if self.calls.exists() else []
-
-
 @pytest.fixture
 def ticker(fakegpu: dict[str, Path], tmp_path: Path) -> Iterator[Ticker]:
     t = Ticker(fakegpu["libcuda"], tmp_path / "calls.txt")
