@@ -19,7 +19,6 @@ import sys
 from typing import Any, Optional
 
 import click
-from click.exceptions import NoArgsIsHelpError
 
 from pos import __version__
 from pos.agent.commands import run
@@ -29,7 +28,7 @@ from pos.options import json_option
 from pos.scheduler.commands import checkpoint, inspect, migrate, restore
 from pos.cron.commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
-from pos.usage import Said, said, wants_json
+from pos.usage import said, wants_json
 
 
 EPILOG_POS = """\b
@@ -74,8 +73,6 @@ class PosGroup(click.Group):
             raise self._said(e, ctx) from None
 
     def _said(self, e: Exception, ctx: Optional[click.Context] = None) -> click.ClickException:
-        if isinstance(e, (Said, NoArgsIsHelpError)):   # said already; the help, as click shows it
-            return e  # type: ignore[return-value]
         where = "pos"
         if ctx is not None:
             where = " ".join(filter(None, (ctx.command_path, ctx.invoked_subcommand)))

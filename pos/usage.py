@@ -18,6 +18,7 @@ from click import exceptions as ce
 from pos.errors import PosError
 
 NO_SUCH_COMMAND = getattr(ce, "NoSuchCommand", ())   # click >= 8.4
+NO_ARGS_IS_HELP = getattr(ce, "NoArgsIsHelpError", ())   # click >= 8.2: a group alone: its help
 # what click says of a bad value -> what to do about it
 VALUE_FIXES = (
     ("does not exist", "give the path of one that exists"),
@@ -116,5 +117,9 @@ def sentence(e: BaseException, where: str = "pos") -> tuple[str, int]:
     return f"{_plain(e.format_message())}.", code
 
 
-def said(e: BaseException, as_json: bool, where: str = "pos") -> Said:
+def said(e: BaseException, as_json: bool, where: str = "pos") -> click.ClickException:
+    """`e` as pos says errors; said already (or a group's help, shown as click shows it): as
+    it is."""
+    if isinstance(e, Said) or NO_ARGS_IS_HELP and isinstance(e, NO_ARGS_IS_HELP):
+        return e  # type: ignore[return-value]
     return Said(*sentence(e, where), as_json)

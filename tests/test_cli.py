@@ -54,9 +54,11 @@ def _one_sentence(args: list[str], *fragments: str) -> str:
     (["export", "x.db", "--format", "csv"], ["is not one of", "give one of those"]),
     (["trace", "x"], ["is not a valid integer: give a whole number"]),
     (["export", "/tmp", "-o", "x"], ["directory", "give"]),
+    (["migrate", "1", "--to-gpu", "x"], ["invalid value for '--to-gpu'", "give a GPU index"]),
 ])
 def test_click_errors_are_one_sentence_with_a_fix(args: list[str], fragments: list[str]) -> None:
-    _one_sentence(args, *fragments)
+    line = _one_sentence(args, *fragments)
+    assert line.count("--help`") <= 1     # one fix, not pos's and a generic one
 
 
 def test_a_failure_with_json_is_a_json_object_on_stdout(tmp_path) -> None:
