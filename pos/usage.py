@@ -113,7 +113,7 @@ def sentence(e: BaseException, where: str = "pos") -> tuple[str, int]:
         return (f"{cmd} needs the argument {missing.group(1)}{what}: give it, as the examples "
                 f"of {see} do."), code
     if isinstance(e, click.UsageError):
-        return f"{cmd}: {_plain(e.message)}: see {see} for how its options go together.", code
+        return f"{cmd}: {_plain(e.message)}: see {see}.", code
     return f"{_plain(e.format_message())}.", code
 
 
