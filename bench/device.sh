@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call's worth of GPU work on the lent machine (the `device` tool's `run`), so that its scarce
-# minutes go to measuring: set up what the call carried, run one group, leave every result and
+# One run's worth of GPU work on a GPU machine (this tree copied there, results under $OUT), so
+# that its scarce minutes go to measuring: set up what the call carried, run one group, leave every result and
 # log under $OUT (copy them to bench/results/ and describe them in its README afterwards).
 #
 #   bench/device.sh trace        # pos trace: its GPU test; counts and layouts, launch cost

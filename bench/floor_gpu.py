@@ -1,4 +1,5 @@
-"""The stall's floor and the restored job's first step (issue 25), on the lent GPU (root):
+"""The stall's floor and the restored job's first step (issue 25), on an NVIDIA GPU with PyTorch
+(root):
 
     python3 bench/floor_gpu.py --out DIR [--gib 16,35+nostw] [--no-stw]
 

@@ -1,5 +1,5 @@
 """Concurrent checkpoint/restore of jobs that fill the GPU, beside the stop-the-world engine on
-the same job (issue 24's sweep). Root, on the lent GPU:
+the same job (issue 24's sweep). Root, on an NVIDIA GPU with PyTorch:
 
     python3 bench/scale_gpu.py --out DIR [--rows 0.3,0.6,0.6@0.92,0.9+shm+nostw] [--no-stw]
                                [--faults 0.9+shm]

@@ -1,6 +1,6 @@
 """The tracer on the GPU: launch counts against the profiler, names/layouts, cost, lost events.
 
-Run on the lent H100 from the project root, as root, after `source .device/setup.sh`:
+Needs an NVIDIA GPU with PyTorch. Run from the project root, as root, after `source .device/setup.sh`:
     python3 bench/trace_gpu.py --out bench/results/2026-11-23/trace-h100.json
 Runs, each on fresh processes:
   count:    workloads/torch_job.py with the tracer attached before CUDA starts; N training steps

@@ -13,9 +13,10 @@ so that `pos --help` stays fast. Errors travel as PosError and leave as one sent
 exit code of pos/errors.py.
 """
 
+import json
 import signal
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import click
 
@@ -23,9 +24,11 @@ from pos import __version__
 from pos.agent.commands import run
 from pos.analyzer.commands import analyze
 from pos.errors import PosError, denied
+from pos.options import json_option
 from pos.scheduler.commands import checkpoint, inspect, migrate, restore
 from pos.cron.commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
+from pos.usage import said, wants_json
 
 
 EPILOG_POS = """\b
@@ -41,29 +44,42 @@ EPILOG_DOCTOR = """\b
 Examples:
   pos doctor                               # one line per prerequisite: ok, n/a or what to do
   sudo .venv/bin/pos doctor                # as root, as pos runs
+  pos doctor --json                        # the same as one JSON object (exit 1 if unhealthy)
 """
 
 
 class PosGroup(click.Group):
-    """Turns PosError (and a file this user may not use) into click's error output and exit
-    code."""
+    """Says every error as one sentence with its exit code (pos/usage.py), or as a JSON object
+    when the command line has --json: pos's own (PosError, a file this user may not use) and
+    click's (parsing the command line happens in `make_context`, the subcommands' in
+    `invoke`)."""
+
+    as_json = False
+
+    def make_context(self, info_name: Optional[str], args: list[str],
+                     parent: Optional[click.Context] = None, **extra: Any) -> click.Context:
+        self.as_json = wants_json(list(args))
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as e:
+            raise self._said(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except PermissionError as e:
-            raise _click_error(denied(e)) from None
-        except PosError as e:
-            raise _click_error(e) from None
+            raise self._said(denied(e)) from None
+        except (PosError, click.ClickException) as e:
+            raise self._said(e, ctx) from None
+
+    def _said(self, e: Exception, ctx: Optional[click.Context] = None) -> click.ClickException:
+        where = "pos"
+        if ctx is not None:
+            where = " ".join(filter(None, (ctx.command_path, ctx.invoked_subcommand)))
+        return said(e, self.as_json, where)
 
 
-def _click_error(e: PosError) -> click.ClickException:
-    err = click.ClickException(e.message)
-    err.exit_code = e.exit_code
-    return err
-
-
-@click.group(cls=PosGroup, epilog=EPILOG_POS,
+@click.group(name="pos", cls=PosGroup, epilog=EPILOG_POS,
              context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="pos")
 def cli() -> None:
@@ -71,11 +87,20 @@ def cli() -> None:
 
 
 @cli.command(epilog=EPILOG_DOCTOR)
-def doctor() -> None:
+@json_option
+def doctor(as_json: bool) -> None:
     """Check every prerequisite of pos on this host and say how to get what is missing."""
-    from pos.doctor import run_checks
+    from dataclasses import asdict
 
-    if not run_checks(click.echo):
+    from pos.doctor import healthy, results, run_checks
+
+    if as_json:
+        found = results()
+        ok = healthy(found)
+        click.echo(json.dumps({"ok": ok, "checks": [asdict(r) for r in found]}))
+    else:
+        ok = run_checks(click.echo)
+    if not ok:
         sys.exit(1)
 
 

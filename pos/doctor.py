@@ -2,6 +2,7 @@
 
 import ctypes.util
 import platform
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pos import host
@@ -56,27 +57,49 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
 )
 
 
-def run_checks(echo: Callable[[str], None]) -> bool:
-    """Print one line per check; True when nothing that pos needs is missing, and every check
-    could read what it needed (a user other than root is denied some of the host's files: those
-    are listed, not raised)."""
-    ok = True
-    unread: list[str] = []
+@dataclass
+class Result:
+    """One check: `status` ok, missing (pos needs it), n/a (pos can do without) or unknown
+    (this user could not read what the check needs: `unread`)."""
+
+    check: str
+    status: str
+    problem: Optional[str] = None
+    unread: Optional[str] = None
+
+
+def results() -> list[Result]:
+    """Every check's outcome (a user other than root is denied some of the host's files: those
+    checks are `unknown`, not raised)."""
+    out = []
     for label, check in CHECKS:
         try:
             problem = check()
         except OSError as e:
-            unread.append(e.filename or label)
-            ok = False
-            echo(f"{'unknown':8} {label}: could not read {e.filename or 'it'} ({e.strerror})")
+            out.append(Result(label, "unknown", f"could not read {e.filename or 'it'} "
+                                                f"({e.strerror})", e.filename or label))
             continue
         if problem is None:
-            echo(f"ok       {label}")
+            out.append(Result(label, "ok"))
         else:
-            required = check is not _nvidia_driver
-            ok = ok and not required
-            echo(f"{'MISSING' if required else 'n/a':8} {label}: {problem.message}")
+            out.append(Result(label, "n/a" if check is _nvidia_driver else "missing",
+                              problem.message))
+    return out
+
+
+def healthy(found: list[Result]) -> bool:
+    """Nothing that pos needs is missing, and every check could read what it needed."""
+    return all(r.status in ("ok", "n/a") for r in found)
+
+
+def run_checks(echo: Callable[[str], None]) -> bool:
+    """Print one line per check; `healthy`."""
+    found = results()
+    for r in found:
+        status = "MISSING" if r.status == "missing" else r.status
+        echo(f"{status:8} {r.check}" + (f": {r.problem}" if r.problem else ""))
+    unread = [r.unread for r in found if r.unread]
     if unread:
         echo(f"pos doctor could not read {', '.join(unread)} as this user: run it as root "
              "(sudo) to check them.")
-    return ok
+    return healthy(found)

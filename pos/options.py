@@ -56,13 +56,14 @@ class _GpuTarget(click.ParamType):
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         from pos.errors import BadInput
         from pos.scheduler.gpumap import Onto
+        from pos.usage import PosBadParameter
 
         if isinstance(value, Onto):
             return value
         try:
             return Onto.parse(str(value))
-        except BadInput as e:
-            self.fail(f"{e.cause}: {e.fix}", param, ctx)
+        except BadInput as e:    # its message names the fix already
+            raise PosBadParameter(f"{e.cause}: {e.fix}", ctx, param) from None
 
 
 def to_gpu_option(what: str) -> Any:

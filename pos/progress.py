@@ -23,7 +23,8 @@ POLL_S = 0.1
 
 def _bar() -> Bar:
     """rich's progress line: spinner, phase, bar, bytes done (none for a phase that counts
-    none), time elapsed; on stderr, gone when done."""
+    none) in binary units, as the summaries count them (MiB, GiB), time elapsed; on stderr,
+    gone when done."""
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, SpinnerColumn, Task,
                                TextColumn, TimeElapsedColumn)
@@ -33,8 +34,9 @@ def _bar() -> Bar:
         def render(self, task: Task) -> Text:
             return Text("") if not task.total and not task.completed else super().render(task)
 
-    return Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), Bytes(),
-               TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    return Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               Bytes(binary_units=True), TimeElapsedColumn(), console=Console(stderr=True),
+               transient=True)
 
 
 class Progress:

@@ -81,7 +81,9 @@ stamp=.venv/.pos-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing pos and its dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[test]'
+  # setuptools' banner about editable installs (a warning of its build backend) says nothing
+  # to act on here
+  PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e '.[test]'
   touch "$stamp"
 fi
 # bcc is pure Python over libbcc, installed by apt for the system Python: expose that one

@@ -37,6 +37,20 @@ def need(condition: bool, why: str) -> None:
     pytest.skip(why)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fake_driver_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fake driver keeps its state in POS_FAKECUDA_STATE_DIR, by default /tmp/pos-fakecuda:
+    for every process the suite starts, a folder of this run's instead, removed with the run's
+    other folders (tests that look at the state set their own)."""
+    previous = os.environ.get("POS_FAKECUDA_STATE_DIR")
+    os.environ["POS_FAKECUDA_STATE_DIR"] = str(tmp_path_factory.mktemp("fakecuda"))
+    yield
+    if previous is None:
+        os.environ.pop("POS_FAKECUDA_STATE_DIR", None)
+    else:
+        os.environ["POS_FAKECUDA_STATE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def bpf_ready() -> None:
     from pos import host

@@ -1,6 +1,7 @@
 """`pos`: every command's and subcommand's --help ends with examples (an epilog)."""
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from pos.cli import cli
@@ -23,3 +24,67 @@ def test_every_help_ends_with_examples() -> None:
         r = CliRunner().invoke(cli, [*path, "--help"])
         assert r.exit_code == 0, (path, r.output)
         assert "\n  Examples:\n    pos " in r.output, f"pos {' '.join(path)} --help has no examples"
+
+
+# ---- errors: one sentence with the cause and the fix, exit 2; with --json, a JSON object ----
+
+def _one_sentence(args: list[str], *fragments: str) -> str:
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2, (args, r.exit_code, r.output)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and lines[0].endswith("."), r.output
+    assert "Usage:" not in r.output and "Try '" not in r.output
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["trace", "--bogus", "1"], ["pos trace has no option --bogus", "see `pos trace --help`"]),
+    (["trace", "--dur", "3", "1"], ["did you mean --duration"]),
+    (["--bogus"], ["pos has no option --bogus"]),
+    (["frob"], ["pos has no command 'frob'", "see `pos --help` for its commands"]),
+    (["trace", "1", "2"], ["pos trace got an unexpected extra argument (2): remove it"]),
+    (["images", "ls", "extra"], ["pos images ls got an unexpected extra argument (extra)"]),
+    (["checkpoint"], ["pos checkpoint needs the argument 'PID': give it"]),
+    (["trace"], ["pos trace needs the argument PID (the process to trace): give it"]),
+    (["schedule", "add"], ["pos schedule add needs the option '--cron': give it"]),
+    (["trace", "1", "--db"], ["the option --db of pos trace needs a value: give one"]),
+    (["trace", "1", "--duration", "-1"], ["is not in the range x>0: give a value in that range"]),
+    (["export", "x.db", "--format", "csv"], ["is not one of", "give one of those"]),
+    (["trace", "x"], ["is not a valid integer: give a whole number"]),
+    (["export", "/tmp", "-o", "x"], ["directory", "give"]),
+    (["migrate", "1", "--to-gpu", "x"], ["invalid value for '--to-gpu'", "give a GPU index"]),
+])
+def test_click_errors_are_one_sentence_with_a_fix(args: list[str], fragments: list[str]) -> None:
+    line = _one_sentence(args, *fragments)
+    assert line.count("--help`") <= 1     # one fix, not pos's and a generic one
+
+
+def test_a_failure_with_json_is_a_json_object_on_stdout(tmp_path) -> None:
+    """Bad input, click's or pos's own, and a failed operation alike."""
+    import json
+
+    for args, code in ((["images", "ls", "--json", "--bogus"], 2),
+                       (["inspect", str(tmp_path / "none"), "--json"], 2),
+                       (["export", str(tmp_path / "none.db"), "--json"], 2),
+                       (["images", "prune", "--schedule", "7", "--json", "--db",
+                         str(tmp_path / "none.db")], 2)):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == code, (args, r.output)
+        assert r.stderr == "", (args, r.stderr)
+        said = json.loads(r.stdout)
+        assert set(said) == {"error", "exit"} and said["exit"] == code, said
+        assert said["error"].endswith(".") and ": " in said["error"], said
+    # `--json` after `--` belongs to the job, not to pos
+    r = CliRunner().invoke(cli, ["trace", "--bogus", "--", "--json"])
+    assert r.stdout == "" and r.stderr.startswith("Error: ")
+
+
+def test_every_listing_command_takes_json() -> None:
+    """The commands that list things: each takes --json (pos analyze and inspect had it)."""
+    listing = [("doctor",), ("images",), ("images", "ls"), ("images", "prune"),
+               ("schedule", "ls"), ("inspect",), ("analyze",)]
+    for path in listing:
+        r = CliRunner().invoke(cli, [*path, "--help"])
+        assert "--json" in r.output, path

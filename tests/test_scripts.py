@@ -58,3 +58,52 @@ def test_no_debian_mirror_is_one_sentence_and_the_variable_overrides(tmp_path: P
     assert r.stderr.count("\n") == 1 and "set POS_DEBIAN_MIRROR" in r.stderr, r.stderr
     r = mirror(tmp_path, POS_DEBIAN_MIRROR="http://given.example/debian")
     assert (r.returncode, r.stdout) == (0, "http://given.example/debian\n"), r.stderr
+
+
+def test_gpu_tests_say_what_they_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no GPU is, the GPU suite is skipped with the reason a user can act on."""
+    from tests.gpu import conftest as gpu
+
+    class Item:
+        fspath = ROOT / "tests" / "gpu" / "test_x.py"
+
+        def __init__(self) -> None:
+            self.markers: list = []
+
+        def add_marker(self, marker) -> None:
+            self.markers.append(marker)
+
+    monkeypatch.setattr(gpu, "_has_gpu", lambda: False)
+    item = Item()
+    gpu.pytest_collection_modifyitems([item])  # type: ignore[list-item]
+    reasons = [m.kwargs["reason"] for m in item.markers if m.name == "skip"]
+    assert reasons == ["needs an NVIDIA GPU with PyTorch"]
+
+
+@pytest.mark.bpf
+def test_the_demo_says_where_its_output_is_and_keeps_only_that(tmp_path: Path,
+                                                                bpf_ready: None) -> None:
+    """scripts/demo.sh (fake driver, real eBPF and CRIU): exit 0; its last line names the
+    folder and what it kept there, and nothing else of it is left; the fake driver's state went
+    into that folder, not /tmp/pos-fakecuda."""
+    import shutil
+
+    from tests.conftest import need
+
+    need(shutil.which("nvcc") is not None, "nvcc is needed to build the fake driver")
+    need(Path("/opt/pos/criu/criu").exists() or shutil.which("criu") is not None,
+         "CRIU is needed for the demo's checkpoint")
+    out = tmp_path / "demo"
+    default_state = Path("/tmp/pos-fakecuda")
+    there_before = default_state.exists()
+    env = {k: v for k, v in os.environ.items() if k != "POS_FAKECUDA_STATE_DIR"}
+    r = subprocess.run([str(ROOT / "scripts" / "demo.sh")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**env, "POS_DEMO_DIR": str(out)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"demo: its files go to {out}" in r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"demo: kept in {out}: demo.db, trace.jsonl, trace.perfetto.json")
+    assert last.endswith(f"rm -r {out}")
+    assert sorted(p.name for p in out.iterdir()) == ["demo.db", "trace.jsonl",
+                                                      "trace.perfetto.json"]
+    assert default_state.exists() == there_before

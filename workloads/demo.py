@@ -28,6 +28,12 @@ from workloads.harness import ROOT, Job, PosTrace, q
 
 POS = [sys.executable, "-m", "pos.cli"]
 PR_SET_CHILD_SUBREAPER = 36
+# What the demo leaves in its folder when it succeeds: the trace, and its two exports.
+KEPT = ("demo.db", "trace.jsonl", "trace.perfetto.json")
+# What else it makes there (jobs' output, the fake driver's build and state, the image, logs):
+# removed when it succeeds, kept for a look when it fails. Nothing else in the folder is touched.
+MADE = ("traced-job.log", "job.log", "fakegpu", "fakecuda", "count", "losses", "image",
+        "stw-image", "logs", "watchdog.log")
 
 
 class DemoFailed(Exception):
@@ -174,10 +180,25 @@ def checkpoint_restore(argv: list[str], progress: Path, out: Path, env: dict[str
         raise DemoFailed("the restored job did not go on")
 
 
+def tidy(out: Path) -> None:
+    """Remove what the demo made and need not keep (MADE), and say what stays where."""
+    for name in MADE:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    say(f"kept in {out}: {', '.join(KEPT)} (the trace: `.venv/bin/pos analyze {out / KEPT[0]}`; "
+        f"the exports); the rest is removed. When done with them: rm -r {out}")
+
+
 def run(db: str, out: Path, started: Started) -> None:
     """The demo's steps (see the module docstring)."""
+    say(f"its files go to {out} (POS_DEMO_DIR); what it keeps is said at the end")
     py = torch_python()
     built: dict[str, Path] = {}
+    # pos's and CRIU's logs, and the checkpoint watchdog's, in the demo's folder too
+    os.environ.update(POS_LOG_DIR=str(out / "logs"), POS_WATCHDOG_LOG=str(out / "watchdog.log"))
     if py:
         run_gpu(py, db, out, started)
     else:
@@ -185,6 +206,8 @@ def run(db: str, out: Path, started: Started) -> None:
         from tests.fakegpu.build import build
 
         built = build(out / "fakegpu")
+        # the fake driver's state beside the rest, not in its default /tmp/pos-fakecuda
+        os.environ["POS_FAKECUDA_STATE_DIR"] = str(out / "fakecuda")
         run_fake(db, built, out, started)
     jsonl, perfetto = out / "trace.jsonl", out / "trace.perfetto.json"
     pos("export", db, "--format", "jsonl", "-o", str(jsonl))
@@ -207,11 +230,12 @@ def run(db: str, out: Path, started: Started) -> None:
         lib = str(built["libcuda"])
         say("checkpoint/restore of the tests' counter process holding fake CUDA state (real "
             "CRIU; the driver calls go to the fake libcuda: plumbing, not GPU behaviour)")
-        env.update(POS_LIBCUDA=lib, POS_FAKECUDA_STATE_DIR=str(out / "fakecuda"))
+        env.update(POS_LIBCUDA=lib)
         checkpoint_restore([sys.executable, str(ROOT / "tests" / "scheduler" / "counter.py"),
                             str(out / "count"), "--cuda", lib], out / "count", out, env,
                            "counts", started)
     say("done; everything the demo started has ended")
+    tidy(out)
 
 
 def _interrupted(signum: int, _frame: Any) -> None:
@@ -229,11 +253,11 @@ def main() -> None:
     try:
         run(args.db, Path(args.out), started)
     except (DemoFailed, RuntimeError) as e:     # RuntimeError: a workload did not start
-        sys.exit(f"demo: FAILED: {e}")
+        sys.exit(f"demo: FAILED: {e} (its files, logs included, are in {args.out})")
     except subprocess.CalledProcessError as e:  # building the fake driver
         sys.exit(f"demo: FAILED: `{' '.join(map(str, e.cmd))}` exited {e.returncode}")
     except KeyboardInterrupt:
-        sys.exit("demo: interrupted")
+        sys.exit(f"demo: interrupted (what it made so far is in {args.out})")
     finally:
         started.end()
 

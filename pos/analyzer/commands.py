@@ -32,8 +32,10 @@ def analyze(file: str, trace_id: Optional[int], as_json: bool, dot: Optional[str
     buffer DAG, find the training/serving iteration, and predict a checkpoint's copy order and
     costs (stop-the-world vs concurrent)."""
     from pos.analyzer import analyze_file, load_validation
-    from pos.analyzer.report import dump_json, print_report, to_json, write_dot
+    from pos.analyzer.report import check_writable, dump_json, print_report, to_json, write_dot
 
+    if dot:
+        check_writable(dot, "--dot")     # before the analysis, not after its report
     table = load_validation(validation) if validation else None
     tid, result = analyze_file(file, trace_id)
     if as_json:

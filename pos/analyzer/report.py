@@ -2,6 +2,7 @@
 one iteration of the DAG."""
 
 import json
+import os
 import shutil
 import subprocess
 from collections import Counter
@@ -113,29 +114,33 @@ def unvalidated(validation: Optional[dict[str, Any]]) -> Optional[list[str]]:
 
 def print_report(a: Analysis, trace_id: int, out: TextIO, top: int = 10,
                  validation: Optional[dict[str, Any]] = None) -> None:
-    """Top buffers by dirtied bytes, kernels by launches, iterations, costs, unvalidated kernels."""
-    con = Console(file=out, width=120, highlight=False)
+    """Top buffers by dirtied bytes, kernels by launches, iterations, costs, unvalidated kernels.
+    As wide as the terminal (80 columns in a pipe or a file): a line that does not fit wraps
+    between words, and the kernel table shortens names, never the parameters' types."""
+    con = Console(file=out, highlight=False)
     ops, it, c = a.ops, a.iterations, a.costs
     n_launch = int(np.count_nonzero(ops.kind == OP_LAUNCH))
     n_copy = int(np.count_nonzero((ops.kind == OP_MEMCPY) | (ops.kind == OP_MEMSET)))
     edges = ", ".join(f"{int(np.count_nonzero(a.edge_type == t)):,} {n}" for t, n in enumerate(EDGE_NAMES))
     con.print(f"[bold]trace {trace_id}[/]: {n_launch:,} launches, {n_copy:,} copies/sets, "
-              f"{len(ops.alloc_base):,} allocations; edges {edges}")
+              f"{len(ops.alloc_base):,} allocations")
+    con.print(f"edges: {edges}")
     if it.detected:
         con.print(f"iterations: {it.count} of {it.period} ops, {a.iteration_s * 1e3:.3f} ms each "
-                  f"(from op {int(a.seq[it.first])}); dirtied per iteration "
-                  f"{human_bytes(a.dirtied_per_iteration)}")
+                  f"(from op {int(a.seq[it.first])})")
+        con.print(f"dirtied per iteration: {human_bytes(a.dirtied_per_iteration)}")
     else:
         con.print("iterations: no repeating sequence found; the whole trace is taken as one")
-    con.print(f"checkpoint after op {a.checkpoint_op}: {human_bytes(c['live_bytes'])} live; "
-              f"stop-the-world stall {c['stop_the_world_s'] * 1e3:.1f} ms (driver, 1.8 GB/s); "
-              f"concurrent copy {c['concurrent_copy_s'] * 1e3:.1f} ms (53 GB/s) with "
+    con.print(f"checkpoint after op {a.checkpoint_op}: {human_bytes(c['live_bytes'])} live")
+    con.print(f"  stop-the-world: stall {c['stop_the_world_s'] * 1e3:.1f} ms (the driver copies "
+              "at 1.8 GB/s)")
+    con.print(f"  concurrent: copy {c['concurrent_copy_s'] * 1e3:.1f} ms (53 GB/s), "
               f"{human_bytes(c['concurrent_cow_bytes'])} copied-on-write, stall "
               f"{c['concurrent_stall_s'] * 1e3:.3f} ms")
 
     t = Table(title="buffers by bytes dirtied per iteration", title_justify="left", box=None)
     for col in ("PTR", "SIZE", "WRITES/IT", "DIRTIED/IT", "FIRST WRITE", "COPY #"):
-        t.add_column(col, justify="left" if col == "PTR" else "right")
+        t.add_column(col, justify="left" if col == "PTR" else "right", no_wrap=True)
     rank = {int(b): i + 1 for i, b in enumerate(a.copy_order)}
     dirt = ops.alloc_size.astype(np.float64) * a.written_share
     for b in np.argsort(-dirt, kind="stable")[:top]:
@@ -148,13 +153,13 @@ def print_report(a: Analysis, trace_id: int, out: TextIO, top: int = 10,
     con.print(t)
 
     k = Table(title="kernels by launches", title_justify="left", box=None)
-    for col in ("LAUNCHES", "KERNEL", "PARAMS"):
-        k.add_column(col, justify="right" if col == "LAUNCHES" else "left")
+    k.add_column("LAUNCHES", justify="right", no_wrap=True)
+    k.add_column("KERNEL", no_wrap=True, overflow="ellipsis", ratio=1, min_width=12)
+    k.add_column("PARAMETERS", ratio=1, min_width=14)     # whole words, wrapped between them
     for e in kernel_table(a)[:top]:
         note = "" if e["layout_known"] and e["types_known"] else \
             (" (no layout: slots scanned)" if not e["layout_known"] else " (no types: all scanned)")
-        k.add_row(f"{e['launches']:,}", short_name(e["name"]),
-                  " ".join(p.split("-")[0][:5] for p in e["params"]) + note)
+        k.add_row(f"{e['launches']:,}", short_name(e["name"]), (" ".join(e["params"]) + note).strip())
     con.print(k)
     bad = unvalidated(validation)
     if bad is None:
@@ -189,6 +194,21 @@ def to_dot(a: Analysis, max_nodes: int = DOT_MAX_NODES) -> str:
                      f'fontsize=8];')
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def check_writable(path: str, option: str) -> None:
+    """Refuse, before any work, an output path that cannot be written."""
+    p = Path(path)
+    folder = p.parent
+    if p.is_dir():
+        problem = "a folder"
+    elif not folder.is_dir():
+        problem = f"no folder {folder}"
+    elif not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        problem = "not writable by this user"
+    else:
+        return
+    raise BadInput(f"cannot write {path} ({problem})", f"give a writable path to {option}")
 
 
 def write_dot(a: Analysis, path: str) -> str:

@@ -1,5 +1,6 @@
 /* Maps and helpers shared by the probe families (cuda.c, hip.c). bcc text: the UPPERCASE
- * placeholders RINGBUF_PAGES and API_DEFINES are filled by pos/tracer/session.py before loading. */
+ * placeholders RINGBUF_PAGES and API_DEFINES are filled by pos/tracer/probes.py (bpf_text) before
+ * loading; comments keep them as they are. */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
 

@@ -1,11 +1,12 @@
 """`pos schedule` (add, ls, rm), `pos daemon` and `pos images` (ls, prune): scheduled snapshots
 and the images they keep. The scheduler and the store are imported inside the commands."""
 
-from typing import Optional
+import json
+from typing import Any, Optional
 
 import click
 
-from pos.options import criu_options, criu_options_from, db_option
+from pos.options import criu_options, criu_options_from, db_option, json_option
 
 EPILOG_SCHEDULE_ADD = """\b
 Examples:
@@ -33,6 +34,7 @@ EPILOG_SCHEDULE_LS = """\b
 Examples:
   pos schedule ls                     # the default store (POS_DB, else /var/lib/pos/pos.db)
   pos schedule ls --db /tmp/t.db      # another store
+  pos schedule ls --json              # one JSON object per schedule, in a list
 """
 
 EPILOG_SCHEDULE_RM = """\b
@@ -61,13 +63,19 @@ EPILOG_IMAGES_LS = """\b
 Examples:
   pos images ls                  # every image in the default store, newest first
   pos images ls --db /tmp/t.db   # another store
+  pos images ls --json           # one JSON object per image, in a list
 """
 
 EPILOG_IMAGES_PRUNE = """\b
 Examples:
   pos images prune --dry-run     # what every schedule's retention would delete now
   pos images prune --schedule 3  # apply schedule 3's retention now
+  pos images prune --dry-run --json   # the same as one JSON object
 """
+
+
+def _when(t: Any) -> Optional[str]:
+    return None if t is None else f"{t:%Y-%m-%dT%H:%M:%S}Z"
 
 
 @click.group(epilog=EPILOG_SCHEDULE)
@@ -157,17 +165,29 @@ def schedule_add(expr: str, pid: Optional[int], match: Optional[str], name: Opti
 
 @schedule.command("ls", epilog=EPILOG_SCHEDULE_LS)
 @db_option
-def schedule_ls(db: Optional[str]) -> None:
+@json_option
+def schedule_ls(db: Optional[str], as_json: bool) -> None:
     """List the schedules with their last outcome and next run (UTC)."""
     from pos.cron import retention, targets
     from pos.store import schedules
-    from pos.store.db import open_store
+    from pos.store.db import open_existing
 
-    store = open_store(db)
-    last = schedules.last_runs(store)
+    store = open_existing(db)      # none yet: no schedules, and no store made
+    last = schedules.last_runs(store) if store else {}
+    rows = schedules.all_schedules(store) if store else []
+    if as_json:
+        click.echo(json.dumps([{
+            "id": s.id, "cron": s.cron, "target_kind": s.target_kind, "target": s.target,
+            "engine": s.engine, "root": s.root, "leave_running": s.leave_running,
+            "keep": s.keep, "max_age_s": s.max_age_s, "max_bytes": s.max_bytes,
+            "next_run_at": _when(s.next_run_at),
+            "last_run": {"started_at": _when(last[s.id].started_at),
+                         "outcome": last[s.id].outcome, "error": last[s.id].error}
+            if s.id in last else None} for s in rows]))
+        return
     click.echo(f"{'ID':>3} {'CRON':15} {'TARGET':28} {'ENGINE':6} {'LAST RUN (UTC)':19} "
                f"{'OUTCOME':9} {'NEXT RUN (UTC)':19} RETENTION")
-    for s in schedules.all_schedules(store):
+    for s in rows:
         t = str(targets.Target(s.target_kind, s.target)).removeprefix("the ")
         lr = last.get(s.id)
         when = f"{lr.started_at:%Y-%m-%d %H:%M:%S}" if lr else "-"
@@ -226,30 +246,41 @@ def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: fl
 
 @click.group(epilog=EPILOG_IMAGES, invoke_without_command=True)
 @db_option
+@json_option
 @click.pass_context
-def images(ctx: click.Context, db: Optional[str]) -> None:
+def images(ctx: click.Context, db: Optional[str], as_json: bool) -> None:
     """List the images recorded in the store (`pos images ls`), or prune them."""
     if ctx.invoked_subcommand is None:
-        ctx.invoke(images_ls, db=db)
+        ctx.invoke(images_ls, db=db, as_json=as_json)
 
 
 @images.command("ls", epilog=EPILOG_IMAGES_LS)
 @db_option
-def images_ls(db: Optional[str]) -> None:
+@json_option
+def images_ls(db: Optional[str], as_json: bool) -> None:
     """List the images recorded in the store, newest first."""
     from pathlib import Path
 
     from pos.store.images import list_images
 
     rows = list_images(db)
+
+    def state(r: Any) -> str:
+        return "restored" if r.restored_at else ("ok" if Path(r.path).is_dir() else "missing")
+
+    if as_json:
+        click.echo(json.dumps([{
+            "id": r.id, "created_at": _when(r.created_at), "pid": r.pid, "comm": r.comm,
+            "gpu": r.gpu, "size_bytes": r.size_bytes, "stall_s": r.stall_s, "state": state(r),
+            "restored_at": _when(r.restored_at), "path": r.path} for r in rows]))
+        return
     click.echo(f"{'ID':>4} {'CREATED (UTC)':19} {'PID':>7} {'GPU':3} {'SIZE':>10} {'STALL':>8} "
                f"{'STATE':9} PATH")
     for r in rows:
         stall = "-" if r.stall_s is None else f"{r.stall_s:.2f}s"
-        state = "restored" if r.restored_at else ("ok" if Path(r.path).is_dir() else "missing")
         click.echo(f"{r.id:>4} {r.created_at:%Y-%m-%d %H:%M:%S} {r.pid:>7} "
                    f"{'yes' if r.gpu else 'no':3} {r.size_bytes / 2**20:>8.1f}Mi {stall:>8} "
-                   f"{state:9} {r.path}")
+                   f"{state(r):9} {r.path}")
 
 
 @images.command("prune", epilog=EPILOG_IMAGES_PRUNE)
@@ -257,7 +288,9 @@ def images_ls(db: Optional[str]) -> None:
               help="Only this schedule's images [default: every schedule's].")
 @click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
 @db_option
-def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str]) -> None:
+@json_option
+def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str],
+                 as_json: bool) -> None:
     """Apply the schedules' retention now (the daemon does after each snapshot)."""
     from pathlib import Path
 
@@ -265,19 +298,30 @@ def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str]) -
     from pos.cron.times import SystemClock
     from pos.store import images as image_rows
     from pos.store import schedules
-    from pos.store.db import open_store
+    from pos.store.db import open_existing
 
-    store = open_store(db)
-    rows = ([schedules.get(store, schedule_id)] if schedule_id is not None
-            else schedules.all_schedules(store))
+    store = open_existing(db)      # none yet: no schedules, nothing to prune, no store made
+    if schedule_id is None:
+        rows = schedules.all_schedules(store) if store else []
+    elif store is None:
+        raise schedules.no_such(schedule_id)
+    else:
+        rows = [schedules.get(store, schedule_id)]
     now = SystemClock().now()
+    report = []
     for s in rows:
         policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
         gone = retention.prune(Path(s.root) / str(s.id), policy, now, dry_run)
         if not dry_run and gone:
             image_rows.forget(db, [str(k.path) for k in gone])
+        report.append({"schedule": s.id, "retention": str(policy),
+                       "images": [{"path": str(k.path), "bytes": k.size} for k in gone]})
+        if as_json:
+            continue
         for k in gone:
             click.echo(f"{'would delete' if dry_run else 'deleted'} {k.path} "
                        f"({retention.format_bytes(k.size)})")
         click.echo(f"schedule {s.id}: {len(gone)} image(s) "
                    f"{'to delete' if dry_run else 'deleted'} ({policy})")
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, "schedules": report}))

@@ -140,9 +140,10 @@ def _nothing(_done: int) -> None:
     """The `hashed` of callers that show no progress."""
 
 
-def _hash_range(fd: int, offset: int, length: int) -> bytes:
-    """sha256 of `length` bytes at `offset` of `fd`, read into this thread's reusable buffer.
-    A file that ends early (truncated meanwhile) hashes what is there: the digest differs."""
+def _hash_range(fd: int, offset: int, length: int, hashed: Hashed = _nothing) -> bytes:
+    """sha256 of `length` bytes at `offset` of `fd`, read into this thread's reusable buffer;
+    `hashed` told each read's bytes. A file that ends early (truncated meanwhile) hashes what
+    is there: the digest differs."""
     buf = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = bytearray(READ_BYTES)
@@ -154,6 +155,7 @@ def _hash_range(fd: int, offset: int, length: int) -> bytes:
         if n == 0:
             break
         h.update(view[:n])
+        hashed(n)
         offset += n
     return h.digest()
 
@@ -167,15 +169,13 @@ def chunk_digests(folder: Path, sizes: dict[str, int], chunk_bytes: int,
                   ) -> dict[str, list[bytes]]:
     """name -> the sha256 of each `chunk_bytes` chunk of the first `sizes[name]` bytes of the
     file, every chunk of every file hashed by a pool of `workers()` threads; `hashed` is told
-    the bytes of each chunk done (progress on a terminal). Once `stop` is set no chunk is
+    the bytes of each read done (progress on a terminal). Once `stop` is set no chunk is
     begun, and Stopped is raised (a restore that ends does not wait for gigabytes hashed)."""
 
     def one(task: tuple[str, int, int]) -> bytes:
         if stop is not None and stop.is_set():
             raise Stopped()
-        digest = _hash_range(fds[task[0]], task[1], task[2])
-        hashed(task[2])
-        return digest
+        return _hash_range(fds[task[0]], task[1], task[2], hashed)
 
     fds: dict[str, int] = {}
     try:

@@ -43,6 +43,19 @@ def open_store(path: Optional[str]) -> Engine:
     return open_db(path or default_db_path())
 
 
+def open_existing(path: Optional[str]) -> Optional[Engine]:
+    """The store at `path` (or the default path) if there is one, else None: the commands that
+    only read the store (`pos images`, `pos schedule ls`) must not make one."""
+    p = path or default_db_path()
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        return None
+    except OSError:     # cannot tell (a folder this user may not search): open_db says why
+        pass
+    return open_db(p)
+
+
 def _pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")

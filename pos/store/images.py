@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from pos.store.db import open_store
+from pos.store.db import open_existing, open_store
 from pos.store.models import Image
 
 
@@ -37,8 +37,11 @@ def mark_restored(db: Optional[str], path: str) -> None:
 
 
 def list_images(db: Optional[str]) -> Sequence[Image]:
-    """Every recorded image, newest first (an empty store lists nothing)."""
-    engine = open_store(db)
+    """Every recorded image, newest first (an empty store lists nothing, and no store is made
+    where there is none)."""
+    engine = open_existing(db)
+    if engine is None:
+        return []
     with Session(engine) as s:
         return s.scalars(select(Image).order_by(Image.created_at.desc(), Image.id.desc())).all()
 

@@ -39,9 +39,12 @@ def get(store: Engine, schedule_id: int) -> Schedule:
     with Session(store) as s:
         row = s.get(Schedule, schedule_id)
     if row is None:
-        raise BadInput(f"no schedule has ID {schedule_id}",
-                       "see `pos schedule ls` for the IDs there are")
+        raise no_such(schedule_id)
     return row
+
+
+def no_such(schedule_id: int) -> BadInput:
+    return BadInput(f"no schedule has ID {schedule_id}", "see `pos schedule ls` for the IDs there are")
 
 
 def remove(store: Engine, schedule_id: int) -> Schedule:

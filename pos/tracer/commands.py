@@ -13,7 +13,6 @@ Examples:
   pos trace 4242                      # trace PID 4242 until Ctrl-C or until it exits
   pos trace 4242 --duration 30 --db /tmp/t.db
   pos trace 4242 --lib /usr/lib/x86_64-linux-gnu/libcuda.so.1
-  pos trace --ebpf                    # print the BPF programs and exit
 """
 
 EPILOG_EXPORT = """\b
@@ -48,6 +47,8 @@ def trace(pid: Optional[int], db: Optional[str], duration: Optional[float], lib:
     from pos.tracer.probes import FAMILIES, bpf_text
 
     pages = 1 << (ringbuf_mb * 256 - 1).bit_length()
+    # --ebpf (hidden from --help, as in bcc's tools): the C text as bcc compiles it, placeholders
+    # filled; for whoever debugs a probe.
     if ebpf:
         for family in FAMILIES:
             click.echo(f"// ---- {family.name}: {family.source}\n{bpf_text(family, pages)}")

@@ -17,6 +17,8 @@ FUNCTION = struct.Struct("<QQ")         # handle, module; the name follows
 LAUNCH_PARAMS_AT = HDR.size + LAUNCH.size
 FUNCTION_NAME_AT = HDR.size + FUNCTION.size
 SMALL_SIZE = HDR.size + SMALL.size
+MAX_PARAMS = 64                         # POS_MAX_PARAMS
+LAYOUT = struct.Struct(f"<HH{MAX_PARAMS}H{MAX_PARAMS}H")   # struct pos_layout: count, total, offsets, sizes
 
 ALLOC, FREE, LAUNCH_KIND, MEMCPY, MEMSET, SYNC, MODULE, FUNCTION_KIND = range(1, 9)
 RESERVE, UNRESERVE, CREATE, RELEASE = range(9, 13)

@@ -6,8 +6,11 @@ the C text of each family defines `on_<symbol>` (entry) and, for symbols in `RET
 drivers lack the newer entry points.
 """
 
+import re
 from dataclasses import dataclass
 from importlib import resources
+
+DEFAULT_RINGBUF_PAGES = 16384    # 64 MiB: --ringbuf-mb's default
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,17 @@ API_NAMES: tuple[str, ...] = tuple(s for f in FAMILIES for s in f.symbols)
 API_IDS: dict[str, int] = {name: i for i, name in enumerate(API_NAMES)}
 
 
+# a C comment, or a word in capitals: the placeholders are filled in code, never in comments
+_TOKEN = re.compile(r"/\*.*?\*/|//[^\n]*|\b[A-Z][A-Z_]+\b", re.S)
+
+
 def bpf_text(family: Family, ringbuf_pages: int) -> str:
     """The family's C program with its placeholders filled, ready for bcc."""
     src = resources.files("pos.bpf").joinpath(family.source).read_text()
-    defines = "\n".join(f"#define API_{name} {i}" for name, i in API_IDS.items())
+    values = {"API_DEFINES": "\n".join(f"#define API_{name} {i}" for name, i in API_IDS.items()),
+              "RINGBUF_PAGES": str(ringbuf_pages)}
     common = resources.files("pos.bpf").joinpath("common.h").read_text()
-    common = common.replace("API_DEFINES", defines).replace("RINGBUF_PAGES", str(ringbuf_pages))
+    common = _TOKEN.sub(lambda m: values.get(m.group(0), m.group(0)), common)
     return src.replace('#include "common.h"', common)
 
 

@@ -16,6 +16,7 @@ from pos import host
 from pos.store.db import default_db_path, open_db
 from pos.store.models import Trace
 from pos.tracer import late
+from pos.tracer.probes import DEFAULT_RINGBUF_PAGES
 from pos.tracer.session import Tracer
 from pos.tracer.sink import Sink
 from pos.tracer.target import find_libraries, process_exists
@@ -23,7 +24,7 @@ from pos.tracer.view import LiveView
 
 
 def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
-           lib: Optional[str] = None, quiet: bool = False, ringbuf_pages: int = 16384,
+           lib: Optional[str] = None, quiet: bool = False, ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
            interval: float = 0.02) -> int:
     """Trace PID until Ctrl-C/SIGTERM, `duration`, or its exit; returns the trace id."""
     libraries = find_libraries(pid, lib)   # bad PID or no GPU library: BadInput first
@@ -44,19 +45,23 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, transient=False) \
         if not quiet and console.is_terminal else None
-    # Ctrl-C and SIGTERM only set a flag: raised as an exception they could land inside the
-    # ring buffer's callback (bcc swallows it there) and lose an event or the stop itself.
+    # Ctrl-C and SIGTERM only set a flag: raised as an exception they could land between the
+    # copy of a drained batch and its hand-off to the sink, and lose it, or break the stop.
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def say(line: str) -> None:
+        console.print(f"pos: {line}", highlight=False, soft_wrap=True)
+
     try:
-        tracer = Tracer(pid, libraries, sink, ringbuf_pages=ringbuf_pages)
+        tracer = Tracer(pid, libraries, sink, ringbuf_pages=ringbuf_pages, say=say)
         sink.update_trace(probes=tracer.attached)
-        console.print(f"pos: tracing {pid} ({comm}): {tracer.attached} probes on "
-                      f"{', '.join(lib.path for lib in libraries)}; trace {trace_id} in {engine.url.database}",
-                      highlight=False, soft_wrap=True)
+        say(f"tracing {pid} ({comm}): {tracer.attached} probes on "
+            f"{', '.join(lib.path for lib in libraries)}; trace {trace_id} in {engine.url.database}")
         if live:
             live.start()
-        deadline = time.monotonic() + duration if duration else None
+        view.started = tracer.attached_at
+        deadline = tracer.attached_at + duration if duration else None
         while not stop.wait(interval):
             tracer.poll()
             if live:
@@ -77,10 +82,11 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
         if live:
             live.stop()
         if tracer is not None:
-            tracer.poll()          # what the probes wrote before detaching
+            tracer.detach()        # nothing is recorded after this...
+            tracer.poll()          # ...and everything before it is drained
             if tracer.layouts_pending():
-                console.print("pos: finishing the kernel layouts still being read, to complete "
-                              "the launches recorded before them", highlight=False)
+                say("finishing the kernel layouts still being read, to complete the launches "
+                    "recorded before them")
             tracer.close()
         sink.update_trace(status=status, ended_at=datetime.now(timezone.utc),
                           lost_events=tracer.stats.lost if tracer else 0,
@@ -91,6 +97,6 @@ def record(pid: int, db: Optional[str] = None, duration: Optional[float] = None,
     if tracer is not None:
         tracer.stats.completion = late.complete(engine, trace_id)
         tracer.stats.layout_known += tracer.stats.completion.completed
-    print(view.summary(tracer.stats, str(Path(db)), status)
+    print(view.summary(tracer.stats, tracer.seconds(), str(Path(db)), status)
           if tracer else "", file=sys.stderr)
     return trace_id

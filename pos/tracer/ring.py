@@ -32,7 +32,16 @@ WORD_AT = 24                     # first u64 after the header: launch function, 
 LAUNCH_KNOWN_AT = 24 + 46        # pos_launch.layout_known (u8)
 
 
-@njit(nogil=True)
+def _compiled(f):  # type: ignore[no-untyped-def]
+    """numba's compilation of `f`, kept in __pycache__ (0.6 s at every start else); not kept
+    where numba finds no writable place (a user without a home directory)."""
+    try:
+        return njit(nogil=True, cache=True)(f)
+    except RuntimeError:
+        return njit(nogil=True)(f)
+
+
+@_compiled
 def _walk(u8: np.ndarray, mask: int, cons: int, prod: int, offsets: np.ndarray,
           kinds: np.ndarray, words: np.ndarray) -> tuple[int, int]:
     """Committed records from `cons` up to the first busy one: (records, new consumer pos).
@@ -63,6 +72,14 @@ def _walk(u8: np.ndarray, mask: int, cons: int, prod: int, offsets: np.ndarray,
     return n, pos
 
 
+def warm_up() -> None:
+    """Compile the walk (or load it from numba's cache) now, not in the first drain: meanwhile
+    the probes would fill the ring and the kernels looked up first would wait for their
+    layouts. The tracer runs this in a thread while the kernel loads the probes."""
+    _walk(np.zeros(16, np.uint8), 15, 0, 0, np.empty(1, np.int64), np.empty(1, np.int64),
+          np.empty((1, 3), np.uint64))
+
+
 @dataclass
 class Batch:
     """Records drained in one walk: `data` holds them back to back as they lay in the ring."""
@@ -91,10 +108,7 @@ class RingReader:
         self._offsets = np.empty(MAX_RECORDS, np.int64)
         self._kinds = np.empty(MAX_RECORDS, np.int64)
         self._words = np.empty((MAX_RECORDS, 3), np.uint64)
-        # Compile the walk now (0.3 s on a development VM), not in the first drain: meanwhile
-        # the probes would fill the ring and the kernels looked up first would wait for their
-        # layouts.
-        _walk(self._data, self.size - 1, 0, 0, self._offsets, self._kinds, self._words)
+        warm_up()
 
     def read(self) -> Batch:
         """The records committed since the last read (up to MAX_RECORDS), consumed."""

@@ -17,19 +17,24 @@ flood the ring.
 import json
 import mmap
 import os
+import struct
+import threading
+import time
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from pos.errors import PosError
-from pos.tracer import fatbin
-from pos.tracer.events import (ALLOC, FREE, FUNCTION_KIND, LAUNCH_KIND, MEMCPY, MEMORY_KINDS,
-                               MEMSET, MODULE, SYNC, Row, decode)
+from pos.tracer import fatbin, ring
+from pos.tracer.events import (ALLOC, FREE, FUNCTION_KIND, LAUNCH_KIND, LAYOUT, MAX_PARAMS,
+                               MEMCPY, MEMORY_KINDS, MEMSET, MODULE, SYNC, Row, decode)
 from pos.tracer.late import Completion
-from pos.tracer.probes import RETURNS, Family, bpf_include_dir, bpf_text
+from pos.tracer.bpfsys import Map
+from pos.tracer.probes import DEFAULT_RINGBUF_PAGES, Family, bpf_include_dir, bpf_text
+from pos.tracer.program import Loaded, compiled
 from pos.tracer.ring import LAUNCH_KNOWN_AT, MAX_RECORDS, Batch, RingReader
 from pos.tracer.sink import Sink
 from pos.tracer.target import MappedLibrary, mapped_files
@@ -50,6 +55,7 @@ SHARED_PARSE_BYTES = 16 << 20
 CAPTURE_CREDIT = 1 << 20
 CAPTURE_RING_SHARE = 16
 NAME_LEN = 1024                  # POS_NAME_LEN of pos/bpf/events.h
+_U32, _U64, _S64 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<q")
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
 
@@ -166,62 +172,49 @@ def _scan_files(paths: list[str]) -> dict[str, fatbin.KernelLayout]:
 
 
 class _Probes:
-    """One family's BPF program attached to one library of the target."""
+    """One family's BPF program attached to one library of the target (pos/tracer/program.py)."""
 
-    def __init__(self, library: MappedLibrary, pid: int, ringbuf_pages: int) -> None:
-        from bcc import BPF
-
+    def __init__(self, library: MappedLibrary, pid: int, ringbuf_pages: int,
+                 say: Callable[[str], None]) -> None:
         self.family: Family = library.family
-        self.bpf = BPF(text=bpf_text(self.family, ringbuf_pages), cflags=[f"-I{bpf_include_dir()}"])
-        self.attached: list[str] = []
-        for sym in self.family.symbols:
-            try:
-                self.bpf.attach_uprobe(name=library.host_path, sym=sym, fn_name=f"on_{sym}", pid=pid)
-                if sym in RETURNS:
-                    self.bpf.attach_uretprobe(name=library.host_path, sym=sym,
-                                              fn_name=f"ret_{sym}", pid=pid)
-            except Exception as e:  # bcc raises plain Exception, also for a symbol the library lacks
-                if "Failed to load BPF program" in str(e):   # the verifier refused it: a pos bug
-                    self.bpf.cleanup()
-                    raise PosError(f"the kernel's BPF verifier refused pos's probe for {sym} ({e})",
-                                   "report this with `uname -r` and `pos doctor`'s output") from None
-                continue
-            self.attached.append(sym)
-        self.layouts = self.bpf["layouts"]
-        self.named = self.bpf["named_layouts"]
+        # compiled with the default ring size (the size is only the map's, set at load): one
+        # cached program for every --ringbuf-mb
+        program = compiled(self.family, bpf_text(self.family, DEFAULT_RINGBUF_PAGES),
+                           [f"-I{bpf_include_dir()}"], say)
+        self.loaded = Loaded(program, self.family, library.host_path, pid,
+                             ringbuf_pages * mmap.PAGESIZE)
+        self.attached: list[str] = self.loaded.attached
+        maps = self.loaded.maps
+        self.layouts, self.named, self.awaiting = maps["layouts"], maps["named_layouts"], \
+            maps["awaiting"]
         self.awaited: set[int] = set()   # handles the probes mark `awaiting`, read, not resolved
         self.full = False        # a layouts map ran full: later kernels go without layouts
-        self.ring = RingReader(self.bpf["events"].map_fd, ringbuf_pages * mmap.PAGESIZE)
-        self._credit = self.bpf["capture_credit"]
+        self.ring = RingReader(maps["events"].fd, ringbuf_pages * mmap.PAGESIZE)
+        self._credit = maps["capture_credit"]
         self._budget = min(CAPTURE_CREDIT, self.ring.size // CAPTURE_RING_SHARE)
         self.refill()
 
     def refill(self) -> None:
         """Give the probes the next drain's capture credit (what is left of the last is
         forgotten: the credit bounds the bytes between two drains)."""
-        self._credit[self._credit.Key(0)] = self._credit.Leaf(self._budget)
+        self._credit.update(_U32.pack(0), _S64.pack(self._budget))
 
     def release(self) -> None:
         """Unmark the awaited handles: no layout can come for them any more, so their launches
         stop keeping a capture (pos/tracer/late.py)."""
-        table = self.bpf["awaiting"]
         for handle in self.awaited:
-            try:
-                del table[table.Key(handle)]
-            except KeyError:    # evicted already (the map is an LRU)
-                pass
+            self.awaiting.delete(_U64.pack(handle))   # False: evicted already (an LRU map)
         self.awaited.clear()
 
-    def _leaf(self, layout: fatbin.KernelLayout) -> Optional[Any]:
-        leaf = self.layouts.Leaf()
-        if len(layout.params) > len(leaf.offset):
+    @staticmethod
+    def _leaf(layout: fatbin.KernelLayout) -> Optional[bytes]:
+        n = len(layout.params)
+        if n > MAX_PARAMS:
             return None
-        leaf.count = len(layout.params)
-        leaf.total = min(layout.total_size, 0xFFFF)
-        for i, p in enumerate(layout.params):
-            leaf.offset[i] = min(p.offset, 0xFFFF)
-            leaf.size[i] = min(p.size, 0xFFFF)
-        return leaf
+        pad = [0] * (MAX_PARAMS - n)
+        return LAYOUT.pack(n, min(layout.total_size, 0xFFFF),
+                           *[min(p.offset, 0xFFFF) for p in layout.params], *pad,
+                           *[min(p.size, 0xFFFF) for p in layout.params], *pad)
 
     def push_layout(self, handle: int, layout: fatbin.KernelLayout) -> bool:
         """False when the layout cannot be given (too many parameters, map full): that
@@ -236,30 +229,40 @@ class _Probes:
             if leaf is not None and not self._update(self.named, name_hash(name), leaf):
                 return
 
-    def _update(self, table: Any, key: int, leaf: Any) -> bool:
+    def _update(self, table: Map, key: int, leaf: bytes) -> bool:
         try:
-            table[table.Key(key)] = leaf
-        except Exception:   # bcc raises plain Exception; E2BIG when the map is full
+            table.update(_U64.pack(key), leaf)
+        except OSError:   # E2BIG when the map is full
             self.full = True
             return False
         return True
 
+    def _count(self, name: str) -> int:
+        """The sum over CPUs of a one-entry per-CPU counter map."""
+        raw = self.loaded.maps[name].lookup(_U32.pack(0)) or b""
+        return sum(v for (v,) in _U64.iter_unpack(raw))
+
     def lost(self) -> int:
-        return sum(sum(v) for v in self.bpf["lost"].values())
+        return self._count("lost")
 
     def captures_dropped(self) -> int:
-        return sum(sum(v) for v in self.bpf["captures_dropped"].values())
+        return self._count("captures_dropped")
+
+    def detach(self) -> None:
+        self.loaded.detach()
 
     def close(self) -> None:
         self.ring.close()
-        self.bpf.cleanup()
+        self.loaded.close()
 
 
 class Tracer:
     """Probes attached to one process; `poll` moves what they saw into the sink."""
 
     def __init__(self, pid: int, libraries: list[MappedLibrary], sink: Sink,
-                 ringbuf_pages: int = 16384, scan_libraries: bool = True) -> None:
+                 ringbuf_pages: int = DEFAULT_RINGBUF_PAGES, scan_libraries: bool = True,
+                 say: Callable[[str], None] = lambda _: None) -> None:
+        """`say`: where a line goes that tells what the start waits for (a compilation)."""
         self.pid = pid
         self.sink = sink
         self.stats = Stats()
@@ -268,11 +271,19 @@ class Tracer:
         self._workers = min(8, len(os.sched_getaffinity(0)))
         self._pool = ProcessPoolExecutor(max_workers=self._workers)
         self._pool.submit(os.getpid).result()
+        warm = threading.Thread(target=ring.warm_up, name="pos-ring-warm-up")
+        warm.start()
         try:
-            self._probes = [_Probes(lib, pid, ringbuf_pages) for lib in libraries]
+            self._probes: list[_Probes] = []
+            for lib in libraries:
+                self._probes.append(_Probes(lib, pid, ringbuf_pages, say))
         except BaseException:
-            self._pool.shutdown(wait=False)
+            self.close()
             raise
+        finally:
+            warm.join()
+        self.attached_at = time.monotonic()
+        self.detached_at: Optional[float] = None
         self.attached = sum(len(p.attached) for p in self._probes)
         if not self.attached:
             self.close()
@@ -495,8 +506,22 @@ class Tracer:
         return bool(self._parses or self._queue or self._scan or
                     (self._unresolved and self._scan_enabled))
 
+    def detach(self) -> None:
+        """Detach every probe: nothing is recorded after this; what the probes wrote before
+        stays in the ring for the last `poll`."""
+        if hasattr(self, "attached_at") and self.detached_at is None:
+            self.detached_at = time.monotonic()    # the first probe goes now
+        for p in getattr(self, "_probes", []):
+            p.detach()
+
+    def seconds(self) -> float:
+        """How long the probes were (or have been) attached."""
+        return (self.detached_at or time.monotonic()) - self.attached_at
+
     def close(self) -> None:
-        """Detach the probes (after a last drain by the caller) and free what the session holds."""
+        """Detach the probes if `detach` did not, and free what the session holds (after a
+        last drain by the caller)."""
+        self.detach()
         if hasattr(self, "_parses") and self.layouts_pending():
             self._settle(wait=True)   # module rows still being parsed, layouts still missing
         for p in getattr(self, "_probes", []):

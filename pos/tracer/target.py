@@ -21,6 +21,14 @@ def process_exists(pid: int) -> bool:
     return Path(f"/proc/{pid}").is_dir()
 
 
+def is_elf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
 def mapped_files(pid: int) -> list[str]:
     """Distinct file paths mapped by the process, in first-mapped order."""
     try:
@@ -51,9 +59,13 @@ def find_libraries(pid: int, lib: Optional[str] = None) -> list[MappedLibrary]:
     if lib:
         if lib not in files and not os.path.exists(lib):
             raise BadInput(f"{lib} does not exist", "give the path of the driver library to probe")
+        host_path = root + lib if lib in files else lib
+        if not is_elf(host_path):
+            raise BadInput(f"{lib} is not an ELF file, so not a driver library",
+                           "give --lib the GPU driver library (libcuda.so.1 or libamdhip64.so)")
         family = next((f for f in FAMILIES if any(Path(lib).name.startswith(p)
                                                    for p in f.library_prefixes)), FAMILIES[0])
-        return [MappedLibrary(family, lib, root + lib if lib in files else lib)]
+        return [MappedLibrary(family, lib, host_path)]
     found = []
     for family in FAMILIES:
         for path in files:

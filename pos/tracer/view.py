@@ -51,7 +51,8 @@ class LiveView:
             table.add_row(f"{n:,}", name)
         return Group(head, table)
 
-    def summary(self, stats: Stats, db: str, status: Optional[str] = None) -> str:
+    def summary(self, stats: Stats, seconds: float, db: str, status: Optional[str] = None) -> str:
+        """The last line: `seconds` is how long the probes were attached."""
         e = stats.events
         known = f"{100 * stats.layout_known / e['launches']:.1f}%" if e["launches"] else "n/a"
         known += " with layout"
@@ -65,7 +66,7 @@ class LiveView:
                 f"{n:,} {REASONS[r]}" + (f" (by up to {done.missing_outside_bytes:,} B)"
                                              if r == OUTSIDE else "")
                 for r, n in missing.items())
-        return (f"traced {self.pid} for {time.monotonic() - self.started:.1f} s"
+        return (f"traced {self.pid} for {seconds:.1f} s"
                 f"{' (' + status + ')' if status else ''}: {e['launches']:,} launches "
                 f"({known}), {e['allocations']:,} allocation events, "
                 f"{e['copies']:,} copies/sets, {e['syncs']:,} syncs, {e['functions']:,} "

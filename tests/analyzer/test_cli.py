@@ -91,6 +91,17 @@ def test_report_and_json_of_a_written_store(tmp_path: Path) -> None:
     assert buffers["0x1000"]["writes_per_iteration"] == 1.0
     assert buffers[f"0x{hi:x}"]["writes_per_iteration"] == 0.0
     assert doc["checkpoint"]["copy_order"] == ["0x1000", f"0x{hi:x}"]
-    report = run(db)
+    report = CliRunner(env={"COLUMNS": "80"}).invoke(cli, ["analyze", db])
     assert report.exit_code == 0
     assert "12 launches" in report.output and "axpy" in report.output
+    # 80 columns: lines wrap between words, the parameters' types are whole
+    assert max(len(line.rstrip()) for line in report.output.splitlines()) <= 80, report.output
+    assert "scalar const-pointer pointer scalar" in report.output, report.output
+    unvalidated = [ln for ln in report.output.splitlines() if "validation" in ln or "validator" in ln]
+    assert unvalidated[-1].rstrip().endswith("run-time validator)"), report.output
+    # --dot is checked before the analysis: one sentence, no report
+    r = run(db, "--dot", str(tmp_path / "no" / "dag.svg"))
+    assert r.exit_code == 2
+    assert r.output == (f"Error: cannot write {tmp_path / 'no' / 'dag.svg'} (no folder "
+                        f"{tmp_path / 'no'}): give a writable path to --dot.\n")
+    assert_bad_input(run(db, "--dot", str(tmp_path)), "is a directory: give a file, not a folder")

@@ -140,7 +140,8 @@ def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> N
 
     r = run("daemon", "--metrics-port", "70000")
     assert r.exit_code == 2 and r.stderr.strip().endswith(
-        "Invalid value for '--metrics-port': 70000 is not in the range 0<=x<=65535."), r.output
+        "invalid value for '--metrics-port': 70000 is not in the range 0<=x<=65535: give a "
+        "value in that range."), r.output
     held = lock(str(tmp_path / "pos.db"))
     try:
         fails(run("daemon", "--metrics-port", "0"), 2,
@@ -150,8 +151,10 @@ def test_daemon_refuses_a_bad_port_and_a_second_daemon(run, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--grace", "-1"], "Invalid value for '--grace': -1.0 is not in the range x>=0."),
-    (["--poll", "0"], "Invalid value for '--poll': 0.0 is not in the range x>0."),
+    (["--grace", "-1"], "invalid value for '--grace': -1.0 is not in the range x>=0: give a "
+                        "value in that range."),
+    (["--poll", "0"], "invalid value for '--poll': 0.0 is not in the range x>0: give a value "
+                      "in that range."),
 ])
 def test_daemon_refuses_a_negative_grace_or_poll(run, args, fragment) -> None:
     r = run("daemon", "--metrics-port", "0", *args)
@@ -188,3 +191,51 @@ def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
             str(SCHEMA_VERSION),)
+
+
+def test_the_listings_make_no_store(run, tmp_path: Path) -> None:
+    """`pos images`, `pos schedule ls` and `pos images prune` only read: where there is no
+    store they list nothing and leave none behind."""
+    for args in (("images",), ("images", "ls", "--json"), ("schedule", "ls"),
+                 ("images", "prune", "--dry-run"), ("images", "prune")):
+        r = run(*args)
+        assert r.exit_code == 0, (args, r.output)
+    assert json.loads(run("images", "--json").output) == []
+    assert json.loads(run("schedule", "ls", "--json").output) == []
+    assert json.loads(run("images", "prune", "--json").output) == {"dry_run": False,
+                                                                   "schedules": []}
+    fails(run("images", "prune", "--schedule", "4"), 2, "no schedule has ID 4")
+    assert not (tmp_path / "pos.db").exists()
+
+
+def test_listings_as_json(run, sleeper, tmp_path: Path) -> None:
+    from pos.store.images import record
+
+    root = tmp_path / "snaps"
+    assert run("schedule", "add", "--cron", "0 * * * *", "--pid", str(sleeper), "-D", str(root),
+               "--keep", "2", "--leave-running").exit_code == 0
+    (rows,) = [json.loads(run("schedule", "ls", "--json").output)]
+    assert len(rows) == 1 and rows[0]["id"] == 1 and rows[0]["cron"] == "0 * * * *"
+    assert rows[0]["target"] == str(sleeper) and rows[0]["keep"] == 2
+    assert rows[0]["last_run"] is None and rows[0]["next_run_at"].endswith("Z")
+    image = tmp_path / "img"
+    image.mkdir()
+    record(str(tmp_path / "pos.db"), str(image), json.dumps({
+        "pid": 42, "comm": "train", "cmdline": "python train.py", "gpu_pids": [42],
+        "created_at": "2026-11-27T10:00:00+00:00", "size_bytes": 1 << 20, "stall_s": 1.5}))
+    (img,) = json.loads(run("images", "ls", "--json").output)
+    assert img == {"id": 1, "created_at": "2026-11-27T10:00:00Z", "pid": 42, "comm": "train",
+                   "gpu": True, "size_bytes": 1 << 20, "stall_s": 1.5, "state": "ok",
+                   "restored_at": None, "path": str(image)}
+    assert json.loads(run("images", "--json").output) == [img]
+    pruned = json.loads(run("images", "prune", "--dry-run", "--json").output)
+    assert pruned == {"dry_run": True, "schedules": [
+        {"schedule": 1, "retention": "keep 2", "images": []}]}
+
+
+def test_doctor_as_json(run) -> None:
+    r = run("doctor", "--json")
+    report = json.loads(r.stdout)
+    assert set(report) == {"ok", "checks"} and r.exit_code == (0 if report["ok"] else 1)
+    assert {c["status"] for c in report["checks"]} <= {"ok", "missing", "n/a", "unknown"}
+    assert any(c["check"].startswith("Linux") for c in report["checks"])

@@ -1,5 +1,5 @@
-"""GPU tests: they run on the lent H100 (see bench/ for the measurements) and are skipped
-wherever no NVIDIA GPU with PyTorch is present -- a skip is reported, never counted as a pass."""
+"""GPU tests: they need an NVIDIA GPU with PyTorch (bench/ has the measurements) and are
+skipped wherever none is present -- a skip is reported, never counted as a pass."""
 
 import shutil
 import subprocess
@@ -24,5 +24,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in gpu_items:
         item.add_marker(pytest.mark.gpu)
         if not ok:
-            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU and PyTorch "
-                                                    "(run on the lent H100)"))
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU with PyTorch"))

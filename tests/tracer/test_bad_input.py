@@ -1,6 +1,7 @@
 """`pos trace` on bad input: one sentence naming the cause and the fix, exit 2, no traceback."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,11 +124,44 @@ def test_missing_kernel_headers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_trace_without_pid_is_a_usage_error() -> None:
     r = CliRunner().invoke(cli, ["trace"])
-    assert r.exit_code == 2 and "Missing argument 'PID'" in r.output
+    assert r.exit_code == 2 and r.output == (
+        "Error: pos trace needs the argument PID (the process to trace): give it, as the "
+        "examples of `pos trace --help` do.\n")
+
+
+def test_lib_that_is_not_elf(tmp_path: Path, sleeper: subprocess.Popen) -> None:
+    """A --lib that is not a library is bad input (exit 2), said before anything is set up."""
+    text = tmp_path / "notes.txt"
+    text.write_text("not a library\n")
+    r = CliRunner().invoke(cli, ["trace", str(sleeper.pid), "--lib", str(text), "--db",
+                                 str(tmp_path / "t.db")])
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"Error: {text} is not an ELF file, so not a driver library: "
+                                "give --lib the GPU driver library (libcuda.so.1 or "
+                                "libamdhip64.so).")
+    assert not (tmp_path / "t.db").exists()
 
 
 def test_ebpf_prints_both_programs() -> None:
     r = CliRunner().invoke(cli, ["trace", "--ebpf"])
     assert r.exit_code == 0
     assert "LAUNCH(cuLaunchKernel)" in r.output and "int on_hipModuleLaunchKernel(" in r.output
-    assert "RINGBUF_PAGES" not in r.output and "API_DEFINES" not in r.output
+    code = re.sub(r"/\*.*?\*/|//[^\n]*", "", r.output, flags=re.S)
+    assert "RINGBUF_PAGES" not in code and "API_DEFINES" not in code
+    assert "BPF_RINGBUF_OUTPUT(events, 16384);" in code
+
+
+def test_ebpf_leaves_the_comments_as_written() -> None:
+    """The placeholders are filled in code only: common.h's opening comment, which names them,
+    reaches the printed program unchanged."""
+    common = (Path(ROOT) / "pos" / "bpf" / "common.h").read_text()
+    first_comment = common[:common.index("*/") + 2]
+    assert "RINGBUF_PAGES" in first_comment
+    out = CliRunner().invoke(cli, ["trace", "--ebpf"]).output
+    assert first_comment in out
+
+
+def test_ebpf_is_kept_out_of_the_help() -> None:
+    """As bcc's tools do: --ebpf works, and --help does not show it."""
+    r = CliRunner().invoke(cli, ["trace", "--help"])
+    assert r.exit_code == 0 and "--ebpf" not in r.output

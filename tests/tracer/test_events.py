@@ -15,9 +15,10 @@ typedef unsigned long long u64; typedef unsigned int u32; typedef unsigned short
 typedef unsigned char u8;
 #include "events.h"
 int main(void) {
-  printf("%zu %zu %zu %zu %zu %d\n", sizeof(struct pos_hdr), sizeof(struct pos_small),
+  printf("%zu %zu %zu %zu %zu %d %zu\n", sizeof(struct pos_hdr), sizeof(struct pos_small),
          offsetof(struct pos_launch, params), offsetof(struct pos_function, name),
-         sizeof(((struct pos_layout *)0)->offset) / sizeof(u16), POS_CAPTURE_WINDOWS);
+         sizeof(((struct pos_layout *)0)->offset) / sizeof(u16), POS_CAPTURE_WINDOWS,
+         sizeof(struct pos_layout));
   return 0;
 }
 """
@@ -30,12 +31,13 @@ def test_layouts_match(tmp_path: Path) -> None:
     include = Path(events.__file__).parent.parent / "bpf"
     subprocess.run(["gcc", f"-I{include}", str(src), "-o", str(tmp_path / "probe")], check=True)
     out = subprocess.run([str(tmp_path / "probe")], capture_output=True, text=True, check=True)
-    hdr, small, params_at, name_at, max_params, windows = map(int, out.stdout.split())
+    hdr, small, params_at, name_at, max_params, windows, layout = map(int, out.stdout.split())
     assert hdr == events.HDR.size
     assert small == events.SMALL_SIZE
     assert params_at == events.LAUNCH_PARAMS_AT
     assert name_at == events.FUNCTION_NAME_AT
-    assert max_params == 64
+    assert max_params == events.MAX_PARAMS
+    assert layout == events.LAYOUT.size
     assert windows == late.WINDOWS      # the capture's layout (pos/tracer/late.py: rebuild)
 
 

@@ -228,9 +228,9 @@ def test_a_kernel_whose_layout_cannot_come_stops_being_captured(
         tracer = Tracer(job.pid, find_libraries(job.pid), _Rows(),  # type: ignore[arg-type]
                         scan_libraries=False)
         try:
-            awaiting = tracer._probes[0].bpf["awaiting"]
+            awaiting = tracer._probes[0].awaiting
             functions = set(int(h, 16) for h in job.run("lookup")["functions"].values())
-            assert {k.value for k in awaiting.keys()} == functions
+            assert {int.from_bytes(k, "little") for k in awaiting.keys()} == functions
             tracer.poll()
             assert list(awaiting.keys()) == []
         finally:
@@ -263,7 +263,8 @@ def test_a_large_image_is_parsed_in_shares_by_the_workers_and_its_layouts_reach_
             assert len(modules) == 1 and modules[0]["kernels"] == KERNELS, modules
             functions = job.run("lookup")["functions"]
             layouts = tracer._probes[0].layouts
-            assert {k.value for k in layouts.keys()} >= {int(h, 16) for h in functions.values()}
+            assert {int.from_bytes(k, "little") for k in layouts.keys()} >= \
+                {int(h, 16) for h in functions.values()}
         finally:
             tracer.close()
     finally:
