@@ -18,12 +18,11 @@
 #include <unistd.h>
 
 #include "app_common.h"
+#define POS_JOB_OWN_CHECK
+#include "job_common.h"
 
 /* ---- the driver API used here (x86-64 ABI of cuda.h, CUDA 13) ---------------------------- */
-typedef int CUresult;
 typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUlib_st *CUlibrary;
@@ -41,19 +40,6 @@ typedef struct {
     unsigned int numAttrs;
 } CUlaunchConfig;
 
-typedef struct {
-    int type, id;
-} CUmemLocation;
-typedef struct {
-    int type, requestedHandleTypes;
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    unsigned char allocFlags[8];
-} CUmemAllocationProp;
-typedef struct {
-    CUmemLocation location;
-    int flags;
-} CUmemAccessDesc;
 
 CUresult cuInit(unsigned int);
 CUresult cuDriverGetVersion(int *);

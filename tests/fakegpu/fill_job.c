@@ -21,8 +21,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
+#include "job_common.h"
+
 typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, int);
@@ -34,14 +34,6 @@ CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsi
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 
-#define CHECK(x)                                                                                  \
-    do {                                                                                           \
-        CUresult r_ = (x);                                                                         \
-        if (r_) {                                                                                  \
-            fprintf(stderr, "%s -> %d\n", #x, r_);                                                 \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 static void *slurp(const char *path) {
     FILE *f = fopen(path, "rb");

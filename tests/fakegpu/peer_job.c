@@ -25,26 +25,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
+#include "job_common.h"
+
 typedef void *CUcontext;
-typedef struct {
-    int type, id;
-} CUmemLocation;
-typedef struct {
-    int type, requestedHandleTypes;
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    unsigned long long allocFlags;
-} CUmemAllocationProp;
-typedef struct {
-    CUmemLocation location;
-    int flags;
-} CUmemAccessDesc;
-typedef struct {
-    char reserved[64];
-} CUipcMemHandle;
 
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, int);
@@ -65,14 +48,6 @@ CUresult cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
 CUresult cuIpcGetMemHandle(CUipcMemHandle *, CUdeviceptr);
 CUresult cuIpcCloseMemHandle(CUdeviceptr);
 
-#define CHECK(x)                                                                                   \
-    do {                                                                                           \
-        CUresult r_ = (x);                                                                         \
-        if (r_) {                                                                                  \
-            fprintf(stderr, "%s -> %d\n", #x, r_);                                                 \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 #define VMM_BYTES (2u << 20)
 #define IPC_BYTES (1u << 20)

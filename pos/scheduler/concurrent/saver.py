@@ -138,11 +138,15 @@ class Saver:
         PID of one process of several, whose files are named after it)."""
         return Taken(self, folder, rank)
 
-    def close(self) -> None:
-        self.use()
+    def drop_shadow(self) -> None:
+        """The device shadow given back (its copies are done, or the checkpoint ends)."""
         if self.shadow is not None:
             self.shadow.close()
             self.shadow = None
+
+    def close(self) -> None:
+        self.use()
+        self.drop_shadow()
         if self.host is not None:
             self.host.close()
             self.host = None
@@ -271,9 +275,7 @@ class Taken:
         if self.mem is not None:
             self.mem.close()
             self.mem = None
-        if s.shadow is not None:
-            s.shadow.close()
-            s.shadow = None
+        s.drop_shadow()
         for fd in self.fds:
             os.close(fd)
         self.fds = []
