@@ -13,7 +13,7 @@ from pos.options import (criu_options, criu_options_from, db_option, json_option
 if TYPE_CHECKING:      # imported by the commands that draw progress
     from pos.progress import Progress
     from pos.scheduler.gpumap import Onto
-    from pos.scheduler.report import Report
+    from pos.scheduler.operation import Report
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -273,7 +273,12 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
 
         host.require_root("receiving a migration")
         with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
-            pid_here = mig.listen(address, port, Path(directory), settings,
+            def restore(image: Path) -> Optional[int]:
+                """The received image back, by the engine its kind asks for."""
+                return engines.for_image(image, settings, _lines(as_json, progress),
+                                         progress).restore(image, engines.Load()).restored_pid
+
+            pid_here = mig.listen(address, port, Path(directory), settings, restore,
                                   echo=_lines(as_json, progress), progress=progress)
         click.echo(json.dumps({"restored_pid": pid_here}) if as_json
                    else f"restored PID {pid_here}")

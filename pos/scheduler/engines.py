@@ -1,7 +1,7 @@
 """The engines behind one small interface: `pos checkpoint`, `pos restore`, `pos migrate` and
 the daemon choose an engine once (`for_checkpoint`, `for_image`, `by_name`) and then only call
 it. Each one checkpoints, restores and moves a job onto other GPUs, and answers with one
-`Report` (pos/scheduler/report.py):
+`Report` (pos/scheduler/operation.py, with the requests and the protocol):
 
   StopTheWorld   the CUDA driver's checkpoint, then CRIU (any process; stopworld.py)
   Concurrent     a `pos run` job saved whole while it runs (concurrent/)
@@ -11,60 +11,19 @@ it. Each one checkpoints, restores and moves a job onto other GPUs, and answers 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 from pos import image
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
-from pos.scheduler.criu import Options, PageServer
-from pos.scheduler.report import Report
+from pos.scheduler.operation import Engine, Load, Report, Save
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo
 
 if TYPE_CHECKING:
     from pos.scheduler.gpumap import Onto
-
-DEFAULT_LOCK_TIMEOUT_MS = 10_000
-
-
-@dataclass(frozen=True)
-class Save:
-    """How to checkpoint: what the user asked for, whichever engine does it."""
-
-    options: Options = field(default_factory=Options)
-    leave_running: bool = False
-    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
-    streams: Optional[int] = None          # the concurrent engines' copy threads
-    chunk_mb: Optional[int] = None
-    page_server: Optional[PageServer] = None   # stop-the-world: the pages go there
-
-
-@dataclass(frozen=True)
-class Load:
-    """How to restore."""
-
-    inherit_fds: tuple[str, ...] = ()
-    to_gpu: Optional[Onto] = None
-    pid: Optional[int] = None              # GPU-only: the live job rolled back
-    streams: Optional[int] = None
-
-
-class Engine(Protocol):
-    name: str
-    sends_pages: bool     # its checkpoint can stream the pages to a page server (Save)
-    echo: Echo
-
-    def checkpoint(self, pid: int, directory: Path, save: Save) -> Report: ...
-
-    def restore(self, directory: Path, load: Load) -> Report: ...
-
-    def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
-        """The job onto the GPUs `onto` names, on this host (`keep`: where an engine that goes
-        through an image keeps it)."""
-        ...
-
 
 @dataclass
 class _Base:

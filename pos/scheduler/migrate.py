@@ -9,7 +9,7 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos import image
 from pos.errors import BadInput, PosError
@@ -24,7 +24,7 @@ from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan
 
 if TYPE_CHECKING:     # the engines call this module, which is handed one
-    from pos.scheduler.engines import Engine, Save
+    from pos.scheduler.operation import Engine, Save
 
 
 def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: None,
@@ -195,11 +195,10 @@ def _wait_listening(port: int, proc: Any) -> None:
 
 
 def listen(address: str, port: int, directory: Path, settings: Settings,
-           echo: Echo = lambda _: None, progress: Progress = QUIET) -> int:
-    """Receive one migrating process into `directory` and restore it with the engine its
-    image's kind asks for; its PID."""
-    from pos.scheduler import engines
-
+           restore: Callable[[Path], Optional[int]], echo: Echo = lambda _: None,
+           progress: Progress = QUIET) -> int:
+    """Receive one migrating process into `directory` and `restore` it (with the engine its
+    image's kind asks for: the caller's choice); its PID."""
     criu = criu_mod.find(settings)
     partial = image.prepare(directory.absolute(), 0)
     try:
@@ -248,8 +247,7 @@ def listen(address: str, port: int, directory: Path, settings: Settings,
                 progress.phase("checksum", total=folder_bytes(partial))
                 final = image.seal(partial, manifest, progress.advance)
             echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
-            restored = engines.for_image(final, settings, echo, progress).restore(
-                final, engines.Load()).restored_pid
+            restored = restore(final)
         except Exception as e:      # the sender learns why, whatever failed here
             image.discard(partial)
             _send(conn, {"error": e.message if isinstance(e, PosError) else repr(e),

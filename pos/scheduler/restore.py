@@ -21,7 +21,7 @@ from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
 from pos.scheduler.criu import Options
-from pos.scheduler.report import Report
+from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan

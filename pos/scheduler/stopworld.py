@@ -17,7 +17,7 @@ from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs, restorable
 from pos.scheduler.criu import Options, PageServer
 from pos.scheduler.manifest import new_manifest
-from pos.scheduler.report import Report
+from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard, folder_bytes
 from pos.scheduler.watchdog import Plan

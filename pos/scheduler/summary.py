@@ -2,7 +2,7 @@
 was saved or restored and its size, how long the job stood still, where the time went). Every
 field stays in the command's `--json` report, and a checkpoint's in `pos inspect`.
 
-Built from the engines' one report (pos.scheduler.report.Report) and nothing else.
+Built from the engines' one report (pos.scheduler.operation.Report) and nothing else.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -11,7 +11,7 @@ from pos.scheduler.steps import UNITS
 
 if TYPE_CHECKING:
     from pos.agent.control import Gate
-    from pos.scheduler.report import DeviceCopy, Report
+    from pos.scheduler.operation import DeviceCopy, Report
 
 SHOWN_STEPS = 3
 # timings that are not a step's duration: a sum over threads, a moment since the start

@@ -25,7 +25,7 @@ from pos.image.kinds import ImageKind, kind
 from pos.scheduler import concurrent, engines, staging
 from pos.scheduler.criu import Options
 from pos.scheduler.gpumap import Onto
-from pos.scheduler.report import Report
+from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
 from tests.conftest import ROOT
 from tests.scheduler.conftest import one_sentence, pos, wait_for

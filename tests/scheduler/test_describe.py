@@ -5,7 +5,7 @@ the short summaries (the stall, the size, where the time went) in place of every
 from pos.agent.control import Gate, Wait
 from pos.image import Manifest
 from pos.scheduler import summary
-from pos.scheduler.report import DeviceCopy, Report
+from pos.scheduler.operation import DeviceCopy, Report
 from pos.scheduler.steps import describe
 from pos.scheduler.summary import longest_wait
 

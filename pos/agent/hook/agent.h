@@ -201,9 +201,9 @@ void set_phase(int p); /* caller holds mu */
 #define STATS_CAP 8192
 int stats_json(char *out, size_t cap); /* caller holds mu */
 
-extern long nccl_launches; /* (mu) */
-int is_nccl(const struct touch *t);
-void nccl_arrive(void);
+extern long nccl_launches; /* NCCL kernels launched (mu) */
+extern long hold_at;       /* a cut waits for the launch past this count (mu); -1: none */
+void begin_hold(void);     /* caller holds mu; the phase is idle */
 
 /* ---- owned memory (vmm.c) ------------------------------------------------------------------ */
 extern int owning;

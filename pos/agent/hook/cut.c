@@ -12,60 +12,6 @@
 
 #include "agent.h"
 
-long nccl_launches;       /* NCCL kernels launched (mu) */
-static long hold_at = -1; /* a cut waits for the launch past this count (mu); -1: none */
-
-/* Whether a kernel is NCCL's, remembered per function: a launch asks the driver for a name
- * once per kernel (NCCL's are ncclDevKernel_* or, before 2.19, ncclKernel_*, mangled or not). */
-#define KINDS 4096
-static struct {
-    _Atomic(uintptr_t) f;
-    _Atomic int nccl; /* 0: being learnt, 1: not NCCL's, 2: NCCL's */
-} kinds[KINDS];
-
-static int named_nccl(const struct touch *t) {
-    const char *n = call_name(t);
-    return strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel");
-}
-
-int is_nccl(const struct touch *t) {
-    uintptr_t f = (uintptr_t)t->f;
-    size_t h = (size_t)((f >> 4) * 0x9E3779B97F4A7C15ull) % KINDS;
-    for (int probe = 0; f && probe < 64; probe++, h = (h + 1) % KINDS) {
-        uintptr_t seen = atomic_load(&kinds[h].f);
-        if (!seen && atomic_compare_exchange_strong(&kinds[h].f, &seen, f)) {
-            int yes = named_nccl(t);
-            atomic_store(&kinds[h].nccl, yes ? 2 : 1);
-            return yes;
-        }
-        if (seen == f) {
-            int k = atomic_load(&kinds[h].nccl);
-            if (k)
-                return k == 2;
-            break; /* being learnt by another thread: ask the driver here too */
-        }
-    }
-    return named_nccl(t);
-}
-
-static void begin_hold(void) { /* caller holds mu; the phase is idle */
-    memset(&st, 0, sizeof(st));
-    st.started_ns = now_ns();
-    set_phase(P_HOLD);
-}
-
-/* An NCCL launch arrives: counted, and the hold a cut armed for this point begins (this
- * launch then waits in the gate with every other call). */
-void nccl_arrive(void) {
-    pthread_mutex_lock(&mu);
-    if (hold_at >= 0 && nccl_launches >= hold_at && atomic_load(&phase) == P_IDLE) {
-        hold_at = -1;
-        begin_hold();
-    }
-    nccl_launches++;
-    pthread_mutex_unlock(&mu);
-}
-
 /* Arm the hold for the launch past NCCL launch `at` and wait (up to timeout_ms) for a launch
  * to begin it; 0 once held. A job already past `at` is refused with its count (`past`), as is
  * one that does not come there in time: pos then asks every rank again, further on. */

@@ -10,6 +10,64 @@
 struct stats st;
 __thread int in_agent;
 
+/* ---- NCCL's launches: counted, for the collective cut (cut.c) ---------------------------------
+ * A job of several processes is cut where every rank stands before the same collective, so the
+ * gate counts each rank's NCCL kernel launches and begins a hold a cut armed at that count. */
+long nccl_launches;       /* NCCL kernels launched (mu) */
+long hold_at = -1;        /* a cut waits for the launch past this count (mu); -1: none */
+
+/* Whether a kernel is NCCL's, remembered per function: a launch asks the driver for a name
+ * once per kernel (NCCL's are ncclDevKernel_* or, before 2.19, ncclKernel_*, mangled or not). */
+#define KINDS 4096
+static struct {
+    _Atomic(uintptr_t) f;
+    _Atomic int nccl; /* 0: being learnt, 1: not NCCL's, 2: NCCL's */
+} kinds[KINDS];
+
+static int named_nccl(const struct touch *t) {
+    const char *n = call_name(t);
+    return strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel");
+}
+
+static int is_nccl(const struct touch *t) {
+    uintptr_t f = (uintptr_t)t->f;
+    size_t h = (size_t)((f >> 4) * 0x9E3779B97F4A7C15ull) % KINDS;
+    for (int probe = 0; f && probe < 64; probe++, h = (h + 1) % KINDS) {
+        uintptr_t seen = atomic_load(&kinds[h].f);
+        if (!seen && atomic_compare_exchange_strong(&kinds[h].f, &seen, f)) {
+            int yes = named_nccl(t);
+            atomic_store(&kinds[h].nccl, yes ? 2 : 1);
+            return yes;
+        }
+        if (seen == f) {
+            int k = atomic_load(&kinds[h].nccl);
+            if (k)
+                return k == 2;
+            break; /* being learnt by another thread: ask the driver here too */
+        }
+    }
+    return named_nccl(t);
+}
+
+void begin_hold(void) { /* caller holds mu; the phase is idle */
+    memset(&st, 0, sizeof(st));
+    st.started_ns = now_ns();
+    set_phase(P_HOLD);
+}
+
+/* An NCCL launch arrives: counted, and the hold a cut armed for this point begins (this
+ * launch then waits in the gate with every other call). */
+static void nccl_arrive(void) {
+    pthread_mutex_lock(&mu);
+    if (hold_at >= 0 && nccl_launches >= hold_at && atomic_load(&phase) == P_IDLE) {
+        hold_at = -1;
+        begin_hold();
+    }
+    nccl_launches++;
+    pthread_mutex_unlock(&mu);
+}
+
+
 static int pending(CUdeviceptr p) {
     long i = find(p);
     return i >= 0 && tab[i].status == ST_PENDING;

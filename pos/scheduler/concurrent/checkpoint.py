@@ -32,7 +32,7 @@ from pos.scheduler import cudackpt, procs, restorable, staging
 from pos.scheduler.concurrent.saver import STALL_S, Saver, Taken, timings_of
 from pos.scheduler.criu import Options
 from pos.scheduler.manifest import new_manifest
-from pos.scheduler.report import DeviceCopy, Report
+from pos.scheduler.operation import DeviceCopy, Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan

@@ -21,7 +21,7 @@ from pos.scheduler.concurrent.fill import FILL_DEPTH, fill
 from pos.scheduler.concurrent.prefetch import Prefetch
 from pos.scheduler.concurrent.saver import STALL_S
 from pos.scheduler.handout import Handout
-from pos.scheduler.report import DeviceCopy, Report
+from pos.scheduler.operation import DeviceCopy, Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard
 

@@ -1,11 +1,60 @@
-"""What one checkpoint, restore or move did, whichever engine did it: one typed report, whose
+"""What an operation on a job is asked and what it answers, whichever engine runs it: the
+requests (`Save`: how to checkpoint; `Load`: how to restore), the `Engine` protocol the engines
+implement (pos/scheduler/engines.py), and the one typed `Report` they all answer with, whose
 JSON (`--json`, the daemon's records) holds every field of every engine, absent ones null."""
 
+from __future__ import annotations
+
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from pos.agent.control import Cut, Gate
 from pos.image import Manifest
+from pos.scheduler.criu import Options, PageServer
+
+if TYPE_CHECKING:
+    from pos.scheduler.gpumap import Onto
+    from pos.scheduler.steps import Echo
+
+DEFAULT_LOCK_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Save:
+    """How to checkpoint: what the user asked for, whichever engine does it."""
+
+    options: Options = field(default_factory=Options)
+    leave_running: bool = False
+    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
+    streams: Optional[int] = None          # the concurrent engines' copy threads
+    chunk_mb: Optional[int] = None
+    page_server: Optional[PageServer] = None   # stop-the-world: the pages go there
+
+
+@dataclass(frozen=True)
+class Load:
+    """How to restore."""
+
+    inherit_fds: tuple[str, ...] = ()
+    to_gpu: Optional[Onto] = None
+    pid: Optional[int] = None              # GPU-only: the live job rolled back
+    streams: Optional[int] = None
+
+
+class Engine(Protocol):
+    name: str
+    sends_pages: bool     # its checkpoint can stream the pages to a page server (Save)
+    echo: Echo
+
+    def checkpoint(self, pid: int, directory: Path, save: Save) -> Report: ...
+
+    def restore(self, directory: Path, load: Load) -> Report: ...
+
+    def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
+        """The job onto the GPUs `onto` names, on this host (`keep`: where an engine that goes
+        through an image keeps it)."""
+        ...
 
 
 @dataclass
