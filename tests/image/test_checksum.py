@@ -50,7 +50,7 @@ def test_fold_continues_from_a_hash() -> None:
 
 
 @pytest.mark.parametrize("n", [0, 5, 64, 1000, 4096 + 13, (1 << 20) + 7, 3 * (1 << 20) + 40])
-def test_the_reader_hashing_piece_by_piece_equals_the_whole(tmp_path, monkeypatch,
+def test_the_reader_hashing_piece_by_piece_equals_the_whole(tmp_path, monkeypatch, fds,
                                                              n: int) -> None:
     """What a restore does: read a chunk in pieces, hashing each as it comes; the same hash as
     checksum() of the whole (small pieces here, to cross many of them)."""
@@ -61,5 +61,5 @@ def test_the_reader_hashing_piece_by_piece_equals_the_whole(tmp_path, monkeypatc
     for piece in (32, 96, 1 << 20):
         monkeypatch.setattr(gpuimage, "PIECE", piece)
         out = np.zeros(n + 3, np.uint8)
-        gpuimage.read_chunk_into(tmp_path, chunk, out, {})
+        gpuimage.read_chunk_into(tmp_path, chunk, out, fds)
         assert (out[:n] == data).all()

@@ -19,7 +19,7 @@ CHUNK = 1 << 16
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_chunks_written_out_of_order_by_several_threads_read_back_in_place(
-        tmp_path: Path, compress: bool) -> None:
+        tmp_path: Path, compress: bool, fds: dict[str, int]) -> None:
     rng = np.random.default_rng(3)
     buffers = {0x7000_0000: rng.integers(0, 256, 5 * CHUNK + 123, np.uint8),
                0x7100_0000: rng.integers(0, 256, 3 * CHUNK, np.uint8)}
@@ -41,7 +41,6 @@ def test_chunks_written_out_of_order_by_several_threads_read_back_in_place(
         t.join()
     w.close()
     assert len(list(tmp_path.glob(names.data_prefix() + "*"))) == 3
-    fds: dict[str, int] = {}
     for base, data in buffers.items():
         chunks = w.chunks_of(base)
         assert [c.offset for c in chunks] == list(range(0, len(data), CHUNK))
@@ -59,14 +58,14 @@ def test_chunks_written_out_of_order_by_several_threads_read_back_in_place(
     path.write_bytes(bytes(raw))
     expected = Exception if compress else BadInput     # zstd may refuse the frame itself
     with pytest.raises(expected):
-        gpuimage.read_chunk_into(tmp_path, c, np.empty(CHUNK, np.uint8), {})
+        gpuimage.read_chunk_into(tmp_path, c, np.empty(CHUNK, np.uint8), fds)
     if not compress:
         with pytest.raises(BadInput, match="does not match its checksum"):
-            gpuimage.read_chunk_into(tmp_path, c, np.empty(CHUNK, np.uint8), {})
+            gpuimage.read_chunk_into(tmp_path, c, np.empty(CHUNK, np.uint8), fds)
 
 
 def test_a_chunk_read_in_pieces_by_compiled_code_is_exact_and_checked(
-        tmp_path: Path, monkeypatch) -> None:
+        tmp_path: Path, monkeypatch, fds: dict[str, int]) -> None:
     """Pieces smaller than the chunk, a tail short of a hash group: the bytes and the checksum
     come out as when read whole; a file cut short is refused in one sentence."""
     monkeypatch.setattr(gpuimage, "PIECE", 4096)
@@ -76,17 +75,18 @@ def test_a_chunk_read_in_pieces_by_compiled_code_is_exact_and_checked(
     w.close()
     chunk, = w.chunks_of(0x7000_0000)
     out = np.zeros(len(data), np.uint8)
-    gpuimage.read_chunk_into(tmp_path, chunk, out, {})
+    gpuimage.read_chunk_into(tmp_path, chunk, out, fds)
     assert (out == data).all()
     path = tmp_path / chunk.file
     os.truncate(path, path.stat().st_size - 100)
     with pytest.raises(BadInput, match="is truncated"):
-        gpuimage.read_chunk_into(tmp_path, chunk, out, {})
+        gpuimage.read_chunk_into(tmp_path, chunk, out, fds)
 
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, monkeypatch,
-                                                              compress: bool) -> None:
+                                                              compress: bool,
+                                                              fds: dict[str, int]) -> None:
     """Addresses inside buffers 0 and 2 (their start, an interior one, in different pieces),
     one just past the end of buffer 1, small numbers and floats: buffers 0 and 2 are named."""
     monkeypatch.setattr(gpuimage, "PIECE", 4096)
@@ -106,9 +106,9 @@ def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, mo
     w.close()
     chunk, = w.chunks_of(0x7000_0000)
     out = np.zeros(len(data), np.uint8)
-    assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {}, targets)) == [0, 2]
+    assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, fds, targets)) == [0, 2]
     assert (out == data).all()
-    assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, {})) == []   # no targets given
+    assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, fds)) == []   # no targets given
 
 
 # a ring whose "device" is host memory: the C loop's copy is a memmove, its events are no-ops

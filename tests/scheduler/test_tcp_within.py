@@ -1,7 +1,6 @@
 """When CRIU may skip its network lock: every TCP connection of the tree has its other end in the
 tree (pos/scheduler/procs.py tcp_within, criu.Options.fitted)."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -89,4 +88,9 @@ def test_a_deleted_file_over_criu_s_ghost_limit_raises_the_limit(tmp_path) -> No
     finally:
         p.kill()
         p.wait()
-    assert Options().fitted([os.getpid()]).ghost_limit is None
+    quiet = subprocess.Popen(["sleep", "60"])       # a process that holds no deleted file
+    try:
+        assert Options().fitted([quiet.pid]).ghost_limit is None
+    finally:
+        quiet.kill()
+        quiet.wait()
