@@ -1,6 +1,7 @@
 """`pos doctor`: every prerequisite of pos on this host, and how to get what is missing."""
 
 import ctypes.util
+import errno
 import platform
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -35,6 +36,24 @@ def _criu() -> Optional[PosError]:
     return None
 
 
+def _soft_dirty() -> Optional[PosError]:
+    """Whether CRIU can copy a job's host memory before the freeze (pos/scheduler/predump.py)."""
+    from pos.scheduler import criu, predump
+
+    try:
+        path = criu.find().path
+    except PosError:
+        return PosError("no CRIU to ask whether this kernel tracks dirty pages",
+                        "install CRIU (the line above)")
+    tracks = predump.tracks_dirty_pages(path)
+    if tracks is None:           # CRIU checks as root only: `unknown`, as for a file
+        raise PermissionError(errno.EPERM, "CRIU could not check", path)
+    if tracks:
+        return None
+    return PosError(f"{predump.NO_SOFT_DIRTY}, and a whole-process concurrent checkpoint dumps "
+                    "all of it while the job is frozen", predump.FIX_SOFT_DIRTY)
+
+
 def _hook() -> Optional[PosError]:
     from pos.agent.hook import build
 
@@ -53,8 +72,11 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("tracefs", host.check_tracefs),
     ("NVIDIA driver library", _nvidia_driver),
     ("CRIU >= 4.0 (checkpoint/restore)", _criu),
+    ("soft-dirty tracking (CRIU's pre-dump, of jobs that map no device)", _soft_dirty),
     ("pos run's preload library (libposhook.so, built with gcc)", _hook),
 )
+
+OPTIONAL = (_nvidia_driver, _soft_dirty)     # what pos can do without: n/a when absent
 
 
 @dataclass
@@ -82,7 +104,7 @@ def results() -> list[Result]:
         if problem is None:
             out.append(Result(label, "ok"))
         else:
-            out.append(Result(label, "n/a" if check is _nvidia_driver else "missing",
+            out.append(Result(label, "n/a" if check in OPTIONAL else "missing",
                               problem.message))
     return out
 

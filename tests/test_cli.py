@@ -1,10 +1,12 @@
-"""`pos`: every command's and subcommand's --help ends with examples (an epilog)."""
+"""`pos`: every command's and subcommand's --help ends with examples (an epilog); errors in one
+sentence; `pos doctor`'s line on CRIU's pre-dump."""
 
 import click
 import pytest
 from click.testing import CliRunner
 
 from pos.cli import cli
+from tests.scheduler.conftest import criu_ready, kernel_keeps_soft_dirty  # noqa: F401 (a fixture)
 
 
 def _commands(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -88,3 +90,19 @@ def test_every_listing_command_takes_json() -> None:
     for path in listing:
         r = CliRunner().invoke(cli, [*path, "--help"])
         assert "--json" in r.output, path
+
+
+def test_doctor_says_whether_criu_can_copy_memory_before_the_freeze(criu_ready) -> None:
+    """The line of the kernel's soft-dirty tracking, as CRIU answers (as root) and the kernel
+    says."""
+    r = CliRunner().invoke(cli, ["doctor"])
+    (line,) = [ln for ln in r.output.splitlines() if "soft-dirty tracking" in ln]
+    label = "soft-dirty tracking (CRIU's pre-dump, of jobs that map no device)"
+    if kernel_keeps_soft_dirty():
+        assert line == f"ok       {label}"
+    else:
+        assert line == (
+            f"n/a      {label}: this kernel does not track dirty pages (soft-dirty), so CRIU "
+            "cannot copy a job's host memory before the freeze, and a whole-process concurrent "
+            "checkpoint dumps all of it while the job is frozen: run a kernel built with "
+            "CONFIG_MEM_SOFT_DIRTY=y.")

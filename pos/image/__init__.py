@@ -57,6 +57,10 @@ class Manifest:
     size_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)    # seconds per step
     stall_s: Optional[float] = None           # how long the process could not run
+    predumped: Optional[bool] = None          # whole-process concurrent images: CRIU copied the
+                                              # host memory before the freeze (names.PARENT);
+                                              # None: another engine, which never pre-dumps
+    predump_note: str = ""                    # why it did not, or how its pre-dump failed
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -216,10 +220,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def listing(folder: Path) -> list[str]:
+    """What an image's folder holds but its manifest, by name: its files, and the files of a
+    pre-dump's folder as PARENT/NAME (names.PARENT); anything else by its own name."""
+    out = []
+    for p in folder.iterdir():
+        if p.name == names.PARENT and p.is_dir() and not p.is_symlink():
+            out += [f"{names.PARENT}/{q.name}" for q in p.iterdir()]
+        elif p.name != names.MANIFEST:
+            out.append(p.name)
+    return sorted(out)
+
+
 def seal(partial: Path, manifest: Manifest, hashed: Hashed = _nothing) -> Path:
     """Make every file root-only, checksum it, write the manifest, then rename DIR.partial to
     DIR: the image appears complete or not at all."""
-    files = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != names.MANIFEST)
+    files = [n for n in listing(partial) if (partial / n).is_file()]
     for n in files:
         os.chmod(partial / n, 0o600)
     manifest.chunk_bytes = CHUNK_BYTES
@@ -362,8 +378,7 @@ def _same_files(folder: Path, manifest: Manifest) -> None:
         if path.stat().st_size != want["size"]:
             raise BadInput(f"image {folder} is corrupt: {name} has {path.stat().st_size} bytes, "
                            f"the manifest says {want['size']}", "take a new checkpoint")
-    extra = sorted(p.name for p in folder.iterdir() if p.name != names.MANIFEST
-                   and p.name not in manifest.files)
+    extra = [n for n in listing(folder) if n not in manifest.files]
     if extra:
         raise BadInput(f"image {folder} holds {', '.join(extra)}, which its manifest does not "
                        "list", "remove what was added, or take a new checkpoint")

@@ -6,6 +6,10 @@ by one part of pos is found by every other.
 A whole-process image of a job of several CUDA processes (DDP's ranks) holds one GPU index per
 process, gpu-index-PID.json, and each process's data files are named after it too,
 gpu-data-PID-NN.bin; an image of one job holds gpu-index.json and gpu-data-NN.bin.
+
+A whole-process image whose memory CRIU pre-dumped while the job ran (pos/scheduler/predump.py)
+holds the pre-dump's files in the folder PARENT, named PARENT/NAME in the manifest: the one
+folder an image has.
 """
 
 import re
@@ -20,6 +24,10 @@ STATS_DUMP = "stats-dump"            # CRIU's: where its dump's time went (pos/i
 DUMP_LOG = "criu-dump.log"           # CRIU's log of the dump, kept in the image
 RESTORE_LOG = "criu-restore.log"     # of a restore, in its work folder
 PAGE_SERVER_LOG = "criu-page-server.log"   # of `pos migrate --listen`'s page server
+PREDUMP_LOG = "criu-predump.log"     # of a pre-dump, in PARENT
+PARENT = "parent"                    # CRIU's name for the images an incremental dump's pages
+                                     # refer to (a link it makes to --prev-images-dir, unless
+                                     # a folder of that name is there: pos's pre-dump's)
 
 INDEX = "gpu-index.json"             # the GPU index of an image of one job
 _RANK_INDEX = re.compile(r"gpu-index-(\d+)\.json")
@@ -34,6 +42,13 @@ def partial(final: Path) -> Path:
 def is_partial(name: str) -> bool:
     """The folder `name` is an unfinished image (never restored, kept or counted)."""
     return name.endswith(PARTIAL_SUFFIX)
+
+
+def is_file_name(sent: str) -> bool:
+    """`sent` (a name another pos gave) names a file of an image: NAME, or PARENT/NAME for a
+    pre-dump's file; nothing else, which could reach outside the image."""
+    head, _, name = sent.rpartition("/")
+    return head in ("", PARENT) and name not in ("", ".", "..")
 
 
 def index_name(pid: Optional[int] = None) -> str:

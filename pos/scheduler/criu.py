@@ -196,16 +196,29 @@ class Criu:
         return argv
 
     def dump_argv(self, pid: int, images: Path, opts: Options, leave_running: bool,
-                  page_server: Optional[PageServer] = None) -> list[str]:
+                  page_server: Optional[PageServer] = None, parent: Optional[str] = None
+                  ) -> list[str]:
         """Without `leave_running` the tree stays, stopped, for the caller to end once the
         image is sealed: a pos that dies before then leaves it to run on (CRIU never ends it
-        itself, or a pos that died between the dump and the seal would lose the job)."""
+        itself, or a pos that died between the dump and the seal would lose the job).
+        `parent`: a pre-dump's folder, relative to `images` (predump_argv): the dump writes
+        only the pages written since (CRIU takes the rest from there only with --track-mem)."""
         argv = self._base("dump", images, names.DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
         argv.append("--leave-running" if leave_running else "--leave-stopped")
+        if parent is not None:
+            argv += ["--track-mem", "--prev-images-dir", parent]
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
                      "--port", str(page_server.port)]
         return argv
+
+    def predump_argv(self, pid: int, images: Path, opts: Options) -> list[str]:
+        """CRIU's pre-dump of the running tree: its memory into `images`, the kernel's
+        soft-dirty bits cleared, for a dump_argv with `parent`. The tree runs on. Read mode:
+        the tree is frozen only while CRIU finds its pages, and runs while they are read
+        (process_vm_readv) and written; splice, CRIU's default, drains them frozen."""
+        return self._base("pre-dump", images, names.PREDUMP_LOG, None) + [
+            "-t", str(pid), *opts.argv(), "--track-mem", "--pre-dump-mode", "read"]
 
     def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
                      inherit_fds: tuple[str, ...] = (), leave_stopped: bool = False) -> list[str]:

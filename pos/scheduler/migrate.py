@@ -106,10 +106,12 @@ class _Reader:
                 n -= len(piece)
 
 
-def _send_file(sock: socket.socket, path: Path) -> int:
-    """A file's header and its bytes (sendfile: no copy through pos); its size."""
+def _send_file(sock: socket.socket, image: Path, name: str) -> int:
+    """The header and the bytes of the image's file `name` (sendfile: no copy through pos);
+    its size."""
+    path = image / name
     size = path.stat().st_size
-    _send(sock, {"file": path.name, "size": size})
+    _send(sock, {"file": name, "size": size})
     with open(path, "rb") as f:
         if size and sock.sendfile(f, count=size) != size:
             raise PosError(f"{path} shrank while it was being sent", "migrate again")
@@ -160,7 +162,7 @@ def to_host(pid: int, host: str, engine: "Engine", save: "Save", local: Optional
         t1 = time.monotonic()
         progress.phase("send", total=manifest.size_bytes)
         for name in sorted(manifest.files):
-            progress.advance(_send_file(sock, path / name))
+            progress.advance(_send_file(sock, path, name))
         progress.phase(f"restore on {address}")
         text = manifest.to_json().encode()
         _send(sock, {"manifest": len(text)}, text)
@@ -231,10 +233,11 @@ def listen(address: str, port: int, directory: Path, settings: Settings,
             while not manifest_text:
                 msg = reader.message()
                 if "file" in msg:
-                    name = Path(msg["file"]).name
-                    if name in ("", ".", ".."):
+                    name = msg["file"]
+                    if not isinstance(name, str) or not names.is_file_name(name):
                         raise PosError(f"the other side of the migration sent a file named "
-                                       f"{msg['file']!r}", "migrate again")
+                                       f"{name!r}", "migrate again")
+                    (partial / name).parent.mkdir(mode=0o700, exist_ok=True)
                     reader.into(partial / name, msg["size"])
                 else:
                     manifest_text = reader.exactly(msg["manifest"])

@@ -106,6 +106,7 @@ class Report:
             "gpu_pids": m.gpu_pids if m else [], "restored_pid": self.restored_pid,
             "size_bytes": m.size_bytes if m else 0, "files": len(m.files) if m else 0,
             "timings": self.timings, "stall_s": m.stall_s if m else None,
+            "predumped": m.predumped if m else None, "predump_note": m.predump_note if m else "",
             "logs": m.logs if m else {}}
         device = asdict(self.device) if self.device else {
             f: None for f in DeviceCopy.__dataclass_fields__}

@@ -337,6 +337,28 @@ def _socket_inodes(pid: int) -> set[str]:
     return out
 
 
+DEV_ZERO = os.makedev(1, 5)
+
+
+def device_mapping(pid: int) -> Optional[str]:
+    """A file the process maps that is neither a regular file nor /dev/zero (/dev/nvidia0, say):
+    CRIU tells mappings apart so (criu/proc_parse.c, handle_vma) and saves such a one only
+    through a plugin for its device. None when there is none (or the mappings cannot be read)."""
+    try:
+        entries = list(os.scandir(f"/proc/{pid}/map_files"))
+    except OSError:
+        return None
+    for e in entries:
+        try:
+            st = os.stat(e.path)
+            if not stat.S_ISREG(st.st_mode) and not (stat.S_ISCHR(st.st_mode)
+                                                     and st.st_rdev == DEV_ZERO):
+                return os.readlink(e.path)
+        except OSError:
+            continue
+    return None
+
+
 def largest_deleted_file(pids: list[int]) -> int:
     """The size of the largest deleted file the tree holds open or mapped (NCCL's 34 MB
     /dev/shm/nccl-* segment, say): CRIU saves such a ghost file whole into the image, and

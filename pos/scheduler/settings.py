@@ -10,6 +10,7 @@ Every setting, its variable and its default:
   criu_log_max_bytes  POS_CRIU_LOG_MAX_MB   a restore's CRIU is ended when its log passes this
   keep_restore_log    POS_KEEP_RESTORE_LOG  1: CRIU's restore log is kept on success too
   dump_staging        POS_DUMP_STAGING      0: CRIU writes straight into the image's folder
+  predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/scheduler/predump.py)
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
@@ -48,6 +49,7 @@ class Settings:
     criu_log_max_bytes: int = DEFAULT_CRIU_LOG_MAX_MB << 20
     keep_restore_log: bool = False
     dump_staging: bool = True
+    predump: bool = True
     pin_max_bytes: Optional[int] = None
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
@@ -102,6 +104,7 @@ class Settings:
                                    f"bounded at {DEFAULT_CRIU_LOG_MAX_MB} MiB)") << 20,
             keep_restore_log=env.get("POS_KEEP_RESTORE_LOG") == "1",
             dump_staging=env.get("POS_DUMP_STAGING") != "0",
+            predump=env.get("POS_PREDUMP") != "0",
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
             frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],

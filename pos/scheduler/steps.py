@@ -120,11 +120,15 @@ class Guard:
     def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
                  pass_fds: tuple[int, ...] = (), terminal: bool = False,
                  stop: Callable[[], Optional[BaseException]] = lambda: None) -> None:
-        """CRIU, with the watchdog told of it (`stop`: see Criu.finish)."""
+        """CRIU, with the watchdog told of it, and told when it ended, failed or not (a
+        failure the caller goes on from, a pre-dump's, leaves no CRIU to wait for; `stop`: see
+        Criu.finish)."""
         proc = criu.start(argv, pass_fds, terminal)
         self.step(self.plan.step, criu_pid=proc.pid, criu_log=str(log))
-        criu.finish(proc, what, log, stop)
-        self.step(self.plan.step, criu_pid=None)
+        try:
+            criu.finish(proc, what, log, stop)
+        finally:
+            self.step(self.plan.step, criu_pid=None)
 
     def end(self, **changes: Any) -> None:
         """The image is sealed: end the tree that CRIU left stopped, as the checkpoint was to.

@@ -96,6 +96,8 @@ def _device(r: "Report", d: "DeviceCopy") -> list[str]:
     if "all_back_at" in r.timings:
         copy += f", all of it back {r.timings['all_back_at']:.3f} s after the restore began"
     out = [first, held, copy, longest_steps(r.timings)]
+    if r.manifest is not None and r.manifest.predumped is not None and not restoring:
+        out.append(_host_memory(r.manifest.predumped, r.manifest.predump_note))
     if d.foreign_bytes:
         out.append(f"{size_text(d.foreign_bytes)} the agent could not own (stream-ordered pools, "
                    "managed or pitched memory, the job's own VMM mappings) went through the "
@@ -103,6 +105,14 @@ def _device(r: "Report", d: "DeviceCopy") -> list[str]:
     out.append("every field: --json" if restoring else f"every field: pos inspect {r.path} "
                "(or --json)")
     return out
+
+
+def _host_memory(predumped: bool, note: str) -> str:
+    """How CRIU saved the job's host memory in a whole-process concurrent checkpoint."""
+    if predumped:
+        return ("host memory: CRIU's pre-dump copied it before the freeze, the frozen dump "
+                "only what the job wrote since")
+    return f"host memory: dumped while the job was frozen; no pre-dump: {note}"
 
 
 def migration(report: dict[str, Any]) -> list[str]:

@@ -22,13 +22,13 @@ from pos.image import gpu as gpuimage
 from pos.image import gpuindex, names
 from pos.image.gpuindex import ChunkRecord
 from pos.image.kinds import ImageKind, kind
-from pos.scheduler import concurrent, engines, staging
-from pos.scheduler.criu import Options
+from pos.scheduler import concurrent, engines, predump, staging
+from pos.scheduler.criu import Criu, Options
 from pos.scheduler.gpumap import Onto
 from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
 from tests.conftest import ROOT
-from tests.scheduler.conftest import one_sentence, pos, wait_for
+from tests.scheduler.conftest import kernel_keeps_soft_dirty, one_sentence, pos, wait_for
 from workloads.fill_job import image_values, torn
 
 
@@ -504,6 +504,82 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     time.sleep(0.2)
     second = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
+
+
+def test_a_whole_process_checkpoint_says_whether_criu_predumped(fill_job, tmp_path: Path,
+                                                               criu_ready, gpu_env) -> None:
+    """Where the kernel keeps soft-dirty bits CRIU pre-dumps the running job (the fake driver
+    maps no device) and the frozen dump is incremental, its parent inside the image; on every
+    other kernel (all that pos was tested on) the report and the manifest say why not. Either
+    way the image restores and the job goes on from it."""
+    job = fill_job()
+    time.sleep(0.3)
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--json", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    manifest = json.loads((img / names.MANIFEST).read_text())
+    assert (manifest["predumped"], manifest["predump_note"]) == (report["predumped"],
+                                                                report["predump_note"])
+    dump_log = (img / names.DUMP_LOG).read_text()
+    if kernel_keeps_soft_dirty():
+        assert report["predumped"] is True and report["predump_note"] == ""
+        assert {"predump", "predump_frozen", "predump_mib"} <= set(report["timings"])
+        assert f"{names.PARENT}/{names.INVENTORY}" in manifest["files"]
+        assert "Will do snapshot from parent" in dump_log      # CRIU's incremental dump
+    else:
+        assert report["predumped"] is False
+        assert "does not track dirty pages (soft-dirty)" in report["predump_note"]
+        assert "predump" not in report["timings"] and not (img / names.PARENT).exists()
+        assert "Will do snapshot from" not in dump_log
+    job.proc.wait(timeout=30)                   # CRIU ended it after the dump
+    saved = image_values(img)
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    time.sleep(0.3)
+    later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_a_predump_that_fails_leaves_the_frozen_dump_whole(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's answer forced to yes: pos runs CRIU's pre-dump of the running job with the
+    command line of predump_argv. On a kernel without soft-dirty bits CRIU refuses it, and the
+    checkpoint goes on with the whole memory dumped while frozen, the job unharmed; on a kernel
+    with them the pre-dump is used."""
+    monkeypatch.setattr(predump, "tracks_dirty_pages", lambda _path: True)
+    monkeypatch.setenv("POS_LOG_DIR", str(tmp_path / "logs"))
+    ran: list[list[str]] = []
+    real = Criu.predump_argv
+    monkeypatch.setattr(Criu, "predump_argv",
+                        lambda self, *a: ran.append(real(self, *a)) or ran[-1])
+    job = fill_job()
+    img = tmp_path / own("img")
+    report = concurrent.checkpoint_full(job.pid, img, Options(), leave_running=True)
+    assert report.manifest is not None
+    (argv,) = ran                                # into the folder CRIU then dumps into
+    assert argv[1:3] == ["pre-dump", "-D"] and Path(argv[3]).name == names.PARENT
+    assert argv[argv.index("-t") + 1] == str(job.pid)
+    assert argv[-3:] == ["--track-mem", "--pre-dump-mode", "read"]
+    assert "predump" in report.timings           # it ran, failed or not
+    dump_log = (img / names.DUMP_LOG).read_text()
+    if kernel_keeps_soft_dirty():
+        assert report.manifest.predumped is True
+        assert "Will do snapshot from parent" in dump_log
+    else:
+        assert report.manifest.predumped is False
+        note = report.manifest.predump_note
+        assert note.startswith("criu pre-dump failed: ") and \
+            "Tracking memory is not available" in note
+        assert not (img / names.PARENT).exists() and "Will do snapshot from" not in dump_log
+        assert list((tmp_path / "logs").glob(f"*-{names.PREDUMP_LOG}"))   # CRIU's log kept
+    assert not torn(image_values(img))
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle"
+    first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
+    time.sleep(0.2)
+    second = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
+    assert max(second) > max(first)             # the job runs on
 
 
 @pytest.mark.parametrize("step,leave_running", [

@@ -6,8 +6,10 @@ machines never reaps them (a zombie keeps its PID, and a restore needs that PID 
 """
 
 import ctypes
+import mmap
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -34,6 +36,23 @@ def criu_ready() -> None:
     except PosError as e:
         need(False, e.message)
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def kernel_keeps_soft_dirty() -> bool:
+    """The kernel's own answer, read as CRIU reads it (criu/kerndat.c): a page written after
+    its soft-dirty bits were cleared shows bit 55 in /proc/self/pagemap."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    page[0] = 1
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("4")
+    except OSError:
+        return False
+    page[0] = 2
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // mmap.PAGESIZE * 8)
+        return bool(struct.unpack("<Q", f.read(8))[0] >> 55 & 1)
 
 
 def lines(path: Path) -> list[int]:

@@ -101,6 +101,22 @@ def test_a_concurrent_checkpoint_and_restore() -> None:
         "every field: --json"]
 
 
+def test_a_whole_process_checkpoint_says_how_criu_saved_the_host_memory() -> None:
+    device = DeviceCopy(12, 2**30, None, None, release_s=1.1, d2h_gbps=50.0)
+    m = _manifest(stall_s=1.1)
+    m.predumped, m.predump_note = False, "turned off (POS_PREDUMP=0)"
+    lines = summary.of(Report("concurrent", "/img/full", m, timings=m.timings, device=device))
+    assert lines[4] == ("host memory: dumped while the job was frozen; no pre-dump: turned off "
+                        "(POS_PREDUMP=0)")
+    m.predumped, m.predump_note = True, ""
+    lines = summary.of(Report("concurrent", "/img/full", m, timings=m.timings, device=device))
+    assert lines[4] == ("host memory: CRIU's pre-dump copied it before the freeze, the frozen "
+                        "dump only what the job wrote since")
+    m.predumped = None          # an engine that never pre-dumps: no such line
+    assert len(summary.of(Report("concurrent", "/img/full", m, timings=m.timings,
+                                 device=device))) == 5
+
+
 def test_a_migration() -> None:
     assert summary.migration({"pid": 4242, "gpu": 1, "timings": {"lock": 0.01, "restore": 2.5}}) \
         == ["moved PID 4242 onto GPU 1", "longest steps: restore 2.500 s, lock 0.010 s",

@@ -16,7 +16,7 @@ def test_a_file_is_sent_and_received_byte_for_byte(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(data)
     (tmp_path / "in").mkdir()
     tx, rx = socket.socketpair()
-    sender = threading.Thread(target=lambda: (migrate._send_file(tx, tmp_path / "a.bin"),
+    sender = threading.Thread(target=lambda: (migrate._send_file(tx, tmp_path, "a.bin"),
                                               migrate._send(tx, {"manifest": 2}, b"{}")))
     sender.start()
     reader = migrate._Reader(rx)

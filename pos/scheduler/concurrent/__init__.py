@@ -9,9 +9,11 @@ Checkpoint (GPU state only, or the whole process: checkpoint.py):
     and the image's files (pos/scheduler/copier.py) on threads of its own;
  4. whole process: the job gives its physical memory up (pos holds it), the driver checkpoints
     the now small CUDA context, CRIU dumps the process (into pos's huge-page tmpfs,
-    pos/scheduler/staging.py), the driver restores and unlocks it, and the job maps its memory
-    again at the same addresses; without --leave-running CRIU leaves the job stopped instead,
-    and pos ends it once the image is sealed (until then a failure lets it run on);
+    pos/scheduler/staging.py; only what changed since its pre-dump before the cut, where the
+    kernel and the job allow one: pos/scheduler/predump.py), the driver restores and unlocks
+    it, and the job maps its memory again at the same addresses; without --leave-running CRIU
+    leaves the job stopped instead, and pos ends it once the image is sealed (until then a
+    failure lets it run on);
  5. the job is released: a call waits only if it may write a buffer not saved yet
     (pos/scheduler/handout.py says when each is safe to write);
  6. once every buffer is in host memory pos lets go of the job's memory and its shadow, and

@@ -4,6 +4,8 @@
   refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
              restore (pos/scheduler/restorable.py)
   prepare    each job's page-locked arena and device shadow (saver.Saver.prepare)
+  predump    where the kernel and the tree let it, CRIU copies the tree's host memory while
+             it runs (pos/scheduler/predump.py), for an incremental frozen dump
   cut        every job held, on a connection made just before it (saver.Saver.reconnect; a
              job of several: each just before the same collective,
              pos/scheduler/collective.py), asked again whether it maps a peer's memory
@@ -27,8 +29,9 @@ from typing import TYPE_CHECKING, Optional
 from pos import image, nvml
 from pos.agent.control import Agent, Cut, Gate
 from pos.errors import BadInput
+from pos.image import names
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import cudackpt, procs, restorable, staging
+from pos.scheduler import cudackpt, predump, procs, restorable, staging
 from pos.scheduler.concurrent.saver import STALL_S, Saver, Taken, timings_of
 from pos.scheduler.criu import Options
 from pos.scheduler.manifest import new_manifest
@@ -131,6 +134,7 @@ class _Whole:
             with Guard(self.plan, self.echo, fault_at=self.settings.fault_at) as g:
                 stage = staging.directory(self.directory.name, self.partial, self.resident,
                                           self.settings.dump_staging)
+                self.predump(g, stage)
                 t0 = self.cut(g, stage)
                 self.take(g)
                 self.hoist(g)
@@ -191,6 +195,17 @@ class _Whole:
                   f"{owned / 2**30:.2f} GiB of device memory"
                   + (f" in {len(self.savers)} processes" if self.several else ""))
 
+    def predump(self, g: Guard, stage: Optional[Path]) -> None:
+        """CRIU's pre-dump of the running tree into the folder CRIU will dump into, where it
+        can be (predump.why_not); whether it was used, and why not, in the manifest."""
+        why = predump.why_not(self.criu, self.pids, self.settings.predump)
+        if why is None:
+            g.step("predump", staging=str(stage or ""))
+            self.pre = predump.run(g, self.criu, self.pid, stage or self.partial, self.options)
+        else:
+            self.pre = predump.Predump(False, why)
+        self.manifest.predumped, self.manifest.predump_note = self.pre.used, self.pre.note
+
     def cut(self, g: Guard, stage: Optional[Path]) -> float:
         """Every job held, each on a connection made just now; when the cut began (the jobs'
         stall counts from there)."""
@@ -232,8 +247,9 @@ class _Whole:
         g.each("checkpoint", self.cuda,
                lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
         g.step("dump")
-        g.dump(self.criu, self.criu.dump_argv(self.pid, dumped, self.options,
-                                              self.leave_running), dumped)
+        g.dump(self.criu, self.criu.dump_argv(
+            self.pid, dumped, self.options, self.leave_running,
+            parent=names.PARENT if self.pre.used else None), dumped)
 
     def thaw(self, g: Guard) -> None:
         """--leave-running: the jobs back on the GPU with their memory, released. Otherwise
