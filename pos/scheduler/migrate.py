@@ -41,8 +41,7 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
     pairs = of_process(cuda, where)
 
     plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
-    fault_at = (settings or Settings.from_env()).fault_at
-    with Guard(plan, echo, progress=progress, fault_at=fault_at) as g:
+    with Guard(plan, echo, settings or Settings.from_env(), progress) as g:
         for step, fn in (("lock", lambda p: cudackpt.lock(p, lock_timeout_ms)),
                          ("checkpoint", cudackpt.checkpoint),
                          ("restore", lambda p: cudackpt.restore(p, pairs)),

@@ -113,7 +113,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     plan.work = str(work)
     try:
-        with Guard(plan, echo, progress=progress, fault_at=settings.fault_at) as g:
+        with Guard(plan, echo, settings, progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
             g.timings["prepare_check"] = checked               # of which the driver's checks
             g.step("criu-restore")

@@ -18,6 +18,7 @@ Every setting, its variable and its default:
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
   hoist_stack         POS_HOIST_STACK       the stack a hoisted context keeps (off: as it is)
+  criu_wait_s         POS_CRIU_WAIT_S       how long an undo waits for a CRIU still running
   fault_at            POS_FAULT_AT          STEP=SIGNAL: pos signals itself there (the tests)
 """
 
@@ -40,6 +41,7 @@ FILL_FROMS = ("pause", "start", "release")
 # (pos/image/chunks.c; bench/results/2026-11-26.md)
 DEFAULT_FILL_PIECE_KIB = 2048
 DEFAULT_HOIST_STACK = 0
+DEFAULT_CRIU_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Settings:
     fill_mapped: bool = True
     fill_from: str = FILL_FROMS[0]
     hoist_stack: Optional[int] = DEFAULT_HOIST_STACK
+    criu_wait_s: float = DEFAULT_CRIU_WAIT_S
     fault_at: str = ""
 
     @classmethod
@@ -90,6 +93,12 @@ class Settings:
                 raise ValueError(raw)
             return kib << 10
 
+        def seconds(raw: str) -> float:
+            value = float(raw)
+            if value <= 0:
+                raise ValueError(raw)
+            return value
+
         def gib(raw: str) -> int:
             value = float(raw)
             if value <= 0:
@@ -122,5 +131,8 @@ class Settings:
             hoist_stack=get("POS_HOIST_STACK", lambda raw: None if raw == "off" else int(raw),
                             DEFAULT_HOIST_STACK, "a number of bytes or off",
                             "unset it (the hoisted context then keeps no stack)"),
+            criu_wait_s=get("POS_CRIU_WAIT_S", seconds, DEFAULT_CRIU_WAIT_S,
+                            "a number of seconds above 0", "unset it (an undo then waits up "
+                            f"to {DEFAULT_CRIU_WAIT_S:.0f} s for CRIU)"),
             fault_at=env.get("POS_FAULT_AT", ""),
         )

@@ -16,6 +16,7 @@ from pos.image import criustats, names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
+from pos.scheduler.settings import Settings
 from pos.scheduler.watchdog import Plan, Watchdog, discard_leftovers, end_tree, recover
 
 Echo = Callable[[str], None]
@@ -63,12 +64,15 @@ def uninterrupted() -> Iterator[None]:
 class Guard:
     """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
 
-    def __init__(self, plan: Plan, echo: Echo, progress: Progress = QUIET,
-                 fault_at: str = "") -> None:
-        """`fault_at`: fault injection, as CRIU's CRIU_FAULT (Settings.fault_at): "STEP=SIGNAL"
-        (STEP:criu while CRIU runs) makes pos send itself SIGNAL when that step begins, so
-        that tests can kill pos at every step."""
-        self.plan, self.echo, self.progress, self.fault_at = plan, echo, progress, fault_at
+    def __init__(self, plan: Plan, echo: Echo, settings: Settings,
+                 progress: Progress = QUIET) -> None:
+        """`settings`: the operation's; its `fault_at` is fault injection, as CRIU's
+        CRIU_FAULT: "STEP=SIGNAL" (STEP:criu while CRIU runs) makes pos send itself SIGNAL
+        when that step begins, so that tests can kill pos at every step; how long the undo
+        waits for a running CRIU goes into the plan."""
+        self.plan, self.echo, self.progress = plan, echo, progress
+        self.fault_at = settings.fault_at
+        plan.criu_wait_s = settings.criu_wait_s
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
         self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory

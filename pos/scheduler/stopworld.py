@@ -51,7 +51,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                 stopped=[p for p in pids if procs.state(p) in ("T", "t")],
                 criu_options=options.to_json())
     partial = image.prepare(directory, needed)    # just before the watchdog, which knows it
-    with Guard(plan, echo, progress, fault_at=settings.fault_at) as g:
+    with Guard(plan, echo, settings, progress) as g:
         echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
              "CUDA state")
         start = time.monotonic()

@@ -41,12 +41,10 @@ from typing import Any, Callable, Optional
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
 from pos.scheduler import procs
-from pos.scheduler.settings import DEFAULT_CRIU_LOG_MAX_MB
+from pos.scheduler.settings import DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_CRIU_WAIT_S
 
 LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
-CRIU_WAIT_ENV = "POS_CRIU_WAIT_S"     # how long recovery waits for a running CRIU
-DEFAULT_CRIU_WAIT_S = 3600.0
 
 
 @dataclass
@@ -74,6 +72,7 @@ class Plan:
     verify: Optional[list[str]] = None        # restore: the files checked before the restored
                                               # tree may run (None: all)
     criu_log_max: int = DEFAULT_CRIU_LOG_MAX_MB << 20   # restore: CRIU's log bound (Criu.log_max)
+    criu_wait_s: float = DEFAULT_CRIU_WAIT_S  # how long the undo waits for a running CRIU
 
     def to_json(self) -> str:
         return json.dumps({"plan": asdict(self)})
@@ -108,7 +107,7 @@ def _wait_criu(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
     endable = plan.op == "restore"
     bound = plan.criu_log_max if endable else 0
     if not (endable and stopped):
-        limit = float(os.environ.get(CRIU_WAIT_ENV, DEFAULT_CRIU_WAIT_S))
+        limit = plan.criu_wait_s
         log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")
         deadline = time.monotonic() + limit
         while procs.alive(pid) and time.monotonic() < deadline:

@@ -131,7 +131,7 @@ class _Whole:
         self.refuse()
         try:
             self.prepare()
-            with Guard(self.plan, self.echo, fault_at=self.settings.fault_at) as g:
+            with Guard(self.plan, self.echo, self.settings) as g:
                 stage = staging.directory(self.directory.name, self.partial, self.resident,
                                           self.settings.dump_staging)
                 self.predump(g, stage)
