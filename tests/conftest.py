@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Union
 
 import pytest
 
@@ -71,20 +71,32 @@ def fakegpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build(tmp_path_factory.mktemp("fakegpu"))
 
 
+def wait_for(cond: Callable[[], object], timeout: float = 20.0,
+             what: Union[str, Callable[[], str]] = "condition", every: float = 0.05) -> None:
+    """Until `cond()` is true, asked every `every` s: the one way the suite waits for something
+    to happen, never for a time that should be long enough. After `timeout` s, AssertionError
+    naming `what` (or what `what()` says then). `cond` may raise to give up early (the process
+    that was to do it ended)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{what() if callable(what) else what}")
+        time.sleep(every)
+
+
 # ---- tracing the fake driver's workload (tests/tracer, tests/analyzer) ----
 
 def wait_for_rows(db: Path, sql: str, n: int, what: str, timeout: float = 20.0) -> None:
     """Until the count query `sql` on the store gives at least `n`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def enough() -> bool:
         try:
             with sqlite3.connect(db) as c:
-                if c.execute(sql).fetchone()[0] >= n:
-                    return
+                return c.execute(sql).fetchone()[0] >= n
         except sqlite3.OperationalError:   # tables not there yet
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {n} {what} within {timeout} s")
+            return False
+
+    wait_for(enough, timeout, f"{n} {what} in the store")
 
 
 def wait_for_layouts(db: Path, n: int) -> None:

@@ -5,13 +5,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from pos.agent.control import Agent, Buffer
+from tests.conftest import ROOT, wait_for
 from tests.scheduler.conftest import criu_ready  # noqa: F401  (a fixture)
 
 
@@ -30,14 +31,17 @@ class Job:
         self.pid = self.proc.pid
         self.printed("READY")
 
-    def printed(self, word: str, timeout: float = 30) -> str:
-        """The job's output once it holds `word` (the job still running)."""
-        deadline = time.monotonic() + timeout
-        while word not in (text := self.out.read_text()):
-            assert self.proc.poll() is None, text
-            assert time.monotonic() < deadline, f"the job did not print {word}: {text}"
-            time.sleep(0.05)
-        return text
+    def printed(self, word: str, timeout: float = 30, times: int = 1) -> str:
+        """The job's output once it holds `word` (`times` times), the job still running."""
+        def there() -> bool:
+            text = self.out.read_text()
+            if text.count(word) >= times:
+                return True
+            assert self.proc.poll() is None, f"the job ended before it printed {word}: {text}"
+            return False
+
+        wait_for(there, timeout, lambda: f"the job to print {word}: {self.out.read_text()}")
+        return self.out.read_text()
 
     def alive(self) -> bool:
         try:
@@ -63,6 +67,43 @@ class FillJob(Job):
         self.pause = folder / "pause"
         super().__init__([str(fakegpu["fill_job"]), str(fakegpu["cubin"]), str(buffers),
                           str(size), str(self.pause)], folder / "job.out", env, name)
+
+    def hold(self) -> int:
+        """Pause the job (its pause file) and return once it says it makes no more CUDA calls:
+        the operations it made. `pause.unlink()` lets it go on."""
+        times = self.out.read_text().count("PAUSED") + 1
+        self.pause.touch()
+        return int(self.printed("PAUSED", times=times).rsplit("PAUSED", 1)[1].split()[0])
+
+
+def operations(pid: int, table: list[Buffer]) -> int:
+    """How many operations the fill_job `pid` has begun: the highest value in its buffers
+    (`table`, its agent's), operation k writing k into one; read from its memory, which is the
+    fake driver's device memory."""
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        return max(int(np.frombuffer(os.pread(mem.fileno(), b.size & ~3, b.va), np.uint32)
+                       .max()) for b in table)
+
+
+def ran_past(pid: int, done: Optional[int] = None, timeout: float = 20) -> int:
+    """Until the fill_job `pid` has begun an operation past its `done`-th (None: past those it
+    began by now), so that an exact image taken next holds more than `done`; how many it had
+    begun then."""
+    with Agent(pid) as a:
+        table = a.table()
+    seen = [operations(pid, table)]
+    done = seen[0] if done is None else done
+
+    def past() -> bool:
+        try:
+            seen[0] = operations(pid, table)
+        except OSError as e:
+            raise AssertionError(f"process {pid} ended before operation {done + 1}: {e}") from e
+        return seen[0] > done
+
+    wait_for(past, timeout, lambda: f"process {pid} to compute past operation {done} "
+             f"(at {seen[0]})")
+    return seen[0]
 
 
 @pytest.fixture

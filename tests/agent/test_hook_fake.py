@@ -27,8 +27,10 @@ from pos.scheduler.criu import Criu, Options
 from pos.scheduler.gpumap import Onto
 from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
+from tests.agent.conftest import ran_past
 from tests.conftest import ROOT
-from tests.scheduler.conftest import kernel_keeps_soft_dirty, one_sentence, pos, wait_for
+from tests.scheduler.conftest import (kernel_keeps_soft_dirty, listening, one_sentence, pos,
+                                      wait_for)
 from workloads.fill_job import image_values, torn
 
 
@@ -82,7 +84,7 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
     job = fill_job()
     ops = []
     for i in range(3):
-        time.sleep(0.2)
+        ran_past(job.pid, max(ops, default=0))
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
         v = image_values(Path(r.path))
         assert not torn(v), v        # the memset (dlsym) is gated: the cut is exact
@@ -90,14 +92,13 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
         assert r.device.release_s < 5 and r.device.bytes == 12 << 20
         assert r.device.shadow_bytes == r.device.bytes
     assert ops == sorted(ops) and ops[0] > 0
-    job.pause.touch()
-    time.sleep(0.1)
+    made = job.hold()
     rr = concurrent.restore_gpu(job.pid, tmp_path / "img0")
     assert rr.device.bytes == 12 << 20
     back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
     assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
     job.pause.unlink()
-    time.sleep(0.2)
+    ran_past(job.pid, made)                     # it computes on where it was
     assert job.alive()
 
 
@@ -120,12 +121,15 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
 
     monkeypatch.setattr(gpucopy.Order, "take", recorded)
     job = fill_job()
+    done = 0
     for i in range(3):
-        time.sleep(0.2)
+        ran_past(job.pid, done)
         taken.clear()
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", streams=1)
         assert r.device.shadow_bytes == 3 << 20 and r.device.bytes == 12 << 20
-        assert not torn(image_values(Path(r.path)))
+        values = image_values(Path(r.path))
+        assert not torn(values)
+        done = max(values)
         # the table's first three fit; the copy begins (before the job's release) with the
         # others, and then takes first what the job's calls wait for
         assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2), taken
@@ -185,11 +189,14 @@ def test_an_arena_smaller_than_the_job_streams_an_exact_image(
     monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
     monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
     job = fill_job()
+    done = 0
     for i in range(2):
-        time.sleep(0.2)
+        ran_past(job.pid, done)
         r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", chunk_mb=1)
         assert r.timings["pinned_peak_bytes"] == 2 << 20 and r.device.bytes == 12 << 20
-        assert not torn(image_values(Path(r.path)))
+        values = image_values(Path(r.path))
+        assert not torn(values)
+        done = max(values)
 
 
 @pytest.mark.parametrize("where", ["write", "scan"])
@@ -220,7 +227,7 @@ def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
     with Agent(job.pid) as a:
         assert a.status().phase == "idle"
     first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a", chunk_mb=1).path))
-    time.sleep(0.3)
+    ran_past(job.pid, max(first))
     then = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b", chunk_mb=1).path))
     assert job.alive() and not torn(then) and max(then) > max(first)
 
@@ -249,12 +256,14 @@ def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
             others = [b.va for b in a.table() if b.va != first]
             assert len(others) == 3
             a.done(others[:2])
+            # a time, not a wait: no launch may pass in it (the gate's account of the wait is
+            # checked against it below)
             time.sleep(0.2)
             assert a.status().gate.passed == 0   # its own buffer is still pending
             assert a.wanted() == ([first] if layout_known else [])   # pos copies it first
             a.done([first])                      # others[2] still pending
             if not layout_known:
-                time.sleep(0.2)
+                time.sleep(0.2)                  # as above: none may pass in it
                 assert a.status().gate.passed == 0
                 a.done(others[2:])
             wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
@@ -299,7 +308,7 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
                                                                 fill_from: str, mapped: str,
                                                                 piece: str) -> None:
     job = fill_job()
-    time.sleep(0.3)
+    ran_past(job.pid, 0)
     img = tmp_path / "full"
     r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -312,7 +321,7 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
                                             "POS_FILL_PIECE_KIB": piece})
     assert r.returncode == 0, r.stderr
     assert f"restored PID {job.pid}" in r.stdout
-    time.sleep(0.3)
+    ran_past(job.pid, max(saved))
     assert job.alive()
     now = concurrent.checkpoint_gpu(job.pid, tmp_path / "after")
     later = image_values(Path(now.path))
@@ -325,7 +334,7 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
     sent whole to `pos migrate --listen` (here the same machine, over TCP), restored there in
     a new process that goes on from the image."""
     job = fill_job()
-    time.sleep(0.3)
+    ran_past(job.pid, 0)
     # "the other host" shares this PID namespace: the job's PID is free for its restore there
     # once this test, its parent, has reaped the original
     threading.Thread(target=job.proc.wait, daemon=True).start()
@@ -335,9 +344,7 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
                           cwd=ROOT, env=gpu_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
     try:
-        wait_for(lambda: b"LISTEN" in subprocess.run(
-            ["ss", "-ltn", f"sport = :{port}"], capture_output=True).stdout or
-            rx.poll() is not None, what="the listener")
+        wait_for(lambda: listening(port) or rx.poll() is not None, what="the listener")
         tx = pos("migrate", str(job.pid), "--to", f"127.0.0.1:{port}", "--concurrent", "--json",
                  env=gpu_env)
         out, err = rx.communicate(timeout=120)
@@ -354,6 +361,7 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
     saved = image_values(tmp_path / "in")       # what was sent, as received and sealed there
     assert not torn(saved)
     wait_for(job.alive, what="the migrated job")
+    ran_past(job.pid, max(saved))
     later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert not torn(later) and max(later) > max(saved)   # it went on from the image
 
@@ -410,7 +418,7 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     (the driver's restore is given the pair), its memory made on GPU 1; a temporary image is
     removed, one in -D kept."""
     job = fill_job()
-    time.sleep(0.2)
+    ran_past(job.pid, 0)
     before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     reaper = threading.Thread(target=job.proc.wait)   # pos's CLI is not the job's parent
     reaper.start()
@@ -419,7 +427,7 @@ def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_proces
     reaper.join(timeout=30)
     assert moved.restored_pid == job.pid
     assert moved.timings["restore"] > 0 and moved.timings["checkpoint"] > 0
-    time.sleep(0.3)
+    ran_past(job.pid, max(before))
     after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert job.alive() and not torn(after) and max(after) > max(before)
     assert not (tmp_path / f"pos-migrate-{job.pid}").exists()
@@ -435,7 +443,7 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
     from pos.errors import PosError
 
     job = fill_job()
-    time.sleep(0.2)
+    ran_past(job.pid, 0)
     reaper = threading.Thread(target=job.proc.wait)
     reaper.start()
     monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuCheckpointProcessRestore")
@@ -450,7 +458,7 @@ def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fa
     monkeypatch.delenv("POS_FAKECUDA_FAIL")
     r = pos("restore", "-D", str(kept), env={**gpu_env, "POS_FAKECUDA_FAIL": ""})
     assert r.returncode == 0, r.stderr
-    time.sleep(0.3)
+    ran_past(job.pid)
     assert job.alive() and not torn(image_values(Path(
         concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path)))
 
@@ -501,7 +509,7 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     with Agent(job.pid) as a:
         assert a.status().phase == "idle"
     first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
-    time.sleep(0.2)
+    ran_past(job.pid, max(first))
     second = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
 
@@ -591,7 +599,7 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
     """Also without --leave-running: the job ends only once its image is sealed; until then
     CRIU leaves it stopped and its memory is pos's, so pos dying gives it back and it runs on."""
     job = fill_job()
-    time.sleep(0.2)
+    ran_past(job.pid, 0)
     before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     img = tmp_path / own("img")
     r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
@@ -697,7 +705,7 @@ def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
     goes on, through a later image and a restore into a new process."""
     gpu_env["POS_FAKECUDA_STALE_EXPORT"] = "1"          # the job's driver refuses such exports
     job = fill_job()
-    time.sleep(0.2)
+    ran_past(job.pid, 0)
     before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
     for i in range(2):
         r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / f"stw{i}"), "--leave-running",
@@ -725,7 +733,7 @@ def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
     job.proc.wait(timeout=30)
     r = pos("restore", "-D", str(last), env=gpu_env)
     assert r.returncode == 0, r.stderr
-    time.sleep(0.3)
+    ran_past(job.pid, max(saved))
     values = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "later").path))
     assert job.alive() and not torn(values) and max(values) > max(saved)
 
@@ -753,14 +761,13 @@ def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
     with Agent(job.pid) as a:
         st = a.status()
     assert st.buffers == 1 and st.owned_bytes == 2 << 20
-    time.sleep(0.3)
+    ran_past(job.pid, 64)                       # every allocation written
     img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
     (_base, (where, size, chunks)), = gpuindex.saved(img).items()
     words = np.concatenate([_chunk(where, c) for c in chunks])
     held = sorted(set(words.tolist()) - {0})
     assert size == 2 << 20 and len(held) == 64 and not torn(held)
-    job.pause.touch()
-    time.sleep(0.1)
+    job.hold()
     concurrent.restore_gpu(job.pid, img)
     back = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "back").path)
     (_b, (where2, _s, chunks2)), = gpuindex.saved(back).items()

@@ -10,6 +10,7 @@ job's end of it shut down by other code of the job) happens where it did there."
 
 import ctypes
 import os
+import select
 import socket
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def slow_pin(monkeypatch, seconds: float, then: Callable[[], None] = lambda: Non
 
     def pin(self, *a, **k):    # type: ignore[no-untyped-def]
         pinned(self, *a, **k)
-        time.sleep(seconds / 2)
+        time.sleep(seconds / 2)     # a time, not a wait: the pin's length is what is tested
         then()
         time.sleep(seconds / 2)
 
@@ -103,15 +104,23 @@ def test_an_idle_connection_ended_in_the_job_during_the_pin_still_reaches_the_cu
     assert job.alive()
 
 
-def cut_refused(pid: int, meanwhile: Callable[[], None]) -> str:
+def cut_refused(pid: int, meanwhile: Callable[[Agent], None]) -> str:
     """What pos says when the cut's request finds its connection gone: the connection asked
-    the status, then `meanwhile` ran."""
+    the status, then `meanwhile` ran (given the connection)."""
     with Agent(pid) as a:
         a.status()
-        meanwhile()
+        meanwhile(a)
         with pytest.raises(PosError) as e:
             a.cut(5)
     return e.value.message
+
+
+def ended_by_the_agent(a: Agent, timeout: float = 10) -> None:
+    """Until the agent ends the connection `a`, on which pos sends nothing (its limit's end:
+    the time this takes is what the test is about)."""
+    assert select.select([a.sock], [], [], timeout)[0], \
+        f"the agent did not end a connection silent for {timeout} s"
+    assert a.sock.recv(1, socket.MSG_PEEK) == b"", "the agent said something unasked"
 
 
 def test_a_connection_ended_by_the_agents_limit_is_named_so(fill_job, gpu_env) -> None:
@@ -120,7 +129,7 @@ def test_a_connection_ended_by_the_agents_limit_is_named_so(fill_job, gpu_env) -
     the job's standard error only where the agent wrote there."""
     gpu_env["POS_AGENT_STALL_S"] = "1"
     job = fill_job(buffers=BUFFERS)
-    msg = cut_refused(job.pid, lambda: time.sleep(1.6))
+    msg = cut_refused(job.pid, ended_by_the_agent)
     assert "still running" in msg and "after the agent last answered" in msg, msg
     assert "POS_AGENT_STALL_S=1" in msg and "sent nothing for 1 s" in msg, msg
     assert job.alive()
@@ -128,12 +137,9 @@ def test_a_connection_ended_by_the_agents_limit_is_named_so(fill_job, gpu_env) -
 
 def test_a_connection_ended_in_the_job_is_named_so(fill_job, gpu_env) -> None:
     job = fill_job(buffers=BUFFERS)
-
-    def shut() -> None:
-        shut_down_in_job(job.pid, connection_fd(job.pid))
-        time.sleep(0.3)
-
-    msg = cut_refused(job.pid, shut)
+    # the cut then meets the shut connection at once; the agent serves one connection at a
+    # time, so pos's question on a new one comes only after it recorded how this one ended
+    msg = cut_refused(job.pid, lambda _a: shut_down_in_job(job.pid, connection_fd(job.pid)))
     assert "still running" in msg and "the job's end of the connection ended" in msg, msg
     assert "standard error" not in msg, msg         # the agent wrote nothing there
     with Agent(job.pid) as b:                        # and the job can still be checkpointed

@@ -6,7 +6,6 @@ page-locked memory of the (fake) driver's."""
 import ctypes
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +14,7 @@ import pytest
 from pos.errors import PosError
 from pos.scheduler import concurrent
 from pos.scheduler.criu import Options
+from tests.conftest import wait_for
 from workloads.fill_job import image_values, torn
 
 EVERY_RANGE = 0xFF        # tests/fakegpu/fake_common.h: every kind of range
@@ -49,10 +49,8 @@ def on_a_thread(work: Callable[[], object]) -> object:
 def settled(fakegpu: dict[str, Path], before: tuple, timeout: float = 5.0) -> None:
     """Everything the operations took is let go (threads that ended may take a moment to be
     gone from threading.enumerate)."""
-    deadline = time.monotonic() + timeout
-    while held(fakegpu) != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert held(fakegpu) == before
+    wait_for(lambda: held(fakegpu) == before, timeout,
+             lambda: f"what the operations held to be let go: {held(fakegpu)} != {before}")
 
 
 def test_checkpoints_and_restores_on_a_worker_thread_hold_nothing_after(

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -18,6 +17,7 @@ import pytest
 from pos.agent.control import Agent, Refused
 from pos.image import gpuindex, names
 from pos.scheduler import concurrent
+from tests.agent.conftest import ran_past
 from tests.conftest import ROOT
 from tests.scheduler.conftest import pos, wait_for
 from workloads.fill_job import image_values, torn
@@ -36,12 +36,17 @@ class Ranks:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         self.root = self.proc.pid
-        deadline = time.monotonic() + 30
-        while not all(o.exists() and "READY" in o.read_text() for o in self.outs):
-            assert self.proc.poll() is None and time.monotonic() < deadline, \
-                [o.read_text() for o in self.outs if o.exists()]
-            time.sleep(0.05)
+        wait_for(self.ready, 30, lambda: f"every rank to print READY: {self.said()}")
         self.pids = [int(o.read_text().split("READY")[1].split()[0]) for o in self.outs]
+
+    def said(self) -> list[str]:
+        return [o.read_text() for o in self.outs if o.exists()]
+
+    def ready(self) -> bool:
+        if all(o.exists() and "READY" in o.read_text() for o in self.outs):
+            return True
+        assert self.proc.poll() is None, f"the job ended: {self.said()}"
+        return False
 
     def kill(self) -> None:
         for p in [*self.pids, self.root]:
@@ -85,8 +90,8 @@ def alive(pid: int) -> bool:
 
 def test_the_cut_at_an_nccl_launch_refuses_a_point_passed_or_not_reached(fill_job) -> None:
     job = fill_job(nccl=True)
-    time.sleep(0.1)
     with Agent(job.pid) as agent:
+        wait_for(lambda: agent.status().nccl_launches > 0, what="an NCCL launch")
         made = agent.status().nccl_launches
         assert made > 0
         with pytest.raises(Refused) as passed:
@@ -106,7 +111,8 @@ def test_the_cut_at_an_nccl_launch_refuses_a_point_passed_or_not_reached(fill_jo
 @pytest.mark.parametrize("leave_running", [False, True])
 def test_ranks_are_cut_before_the_same_collective_and_each_restored(
         ranks: Ranks, tmp_path: Path, criu_ready, gpu_env, leave_running: bool) -> None:
-    time.sleep(0.3)
+    for p in ranks.pids:
+        ran_past(p, 0)
     img = tmp_path / "ddp"
     r = pos("checkpoint", str(ranks.root), "-D", str(img), "--concurrent", "--json",
             *(["--leave-running"] if leave_running else []), env=gpu_env)
@@ -124,13 +130,12 @@ def test_ranks_are_cut_before_the_same_collective_and_each_restored(
         return
     ranks.proc.wait(timeout=30)                   # CRIU's dump, then the tree ended
     for p in ranks.pids:       # gone, and reaped where this process became their parent
-        while not gone(p):
-            time.sleep(0.02)
+        wait_for(lambda: gone(p), what=f"rank {p}'s end")
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
     try:
-        time.sleep(0.3)
         for p, before in zip(ranks.pids, saved):
+            ran_past(p, max(before))
             assert alive(p)
             now = image_values(Path(concurrent.checkpoint_gpu(p, tmp_path / f"after-{p}").path))
             assert not torn(now) and max(now) > max(before)    # it went on from the image
@@ -143,7 +148,7 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
     """The tree's root (a shell) is not the CUDA process: the image's one GPU index names the
     job, and the restore maps its memory back through the job's agent, not the root's."""
     job = one_under_a_shell
-    time.sleep(0.2)
+    ran_past(job.pids[0], 0)
     img = tmp_path / "one"
     r = pos("checkpoint", str(job.root), "-D", str(img), "--concurrent", env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -151,12 +156,11 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
     saved = image_values(img)
     assert not torn(saved)
     job.proc.wait(timeout=30)
-    while not gone(job.pids[0]):
-        time.sleep(0.02)
+    wait_for(lambda: gone(job.pids[0]), what="the job's end")
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
     try:
-        time.sleep(0.3)
+        ran_past(job.pids[0], max(saved))
         now = image_values(Path(concurrent.checkpoint_gpu(job.pids[0], tmp_path / "after").path))
         assert not torn(now) and max(now) > max(saved)
     finally:
@@ -167,7 +171,8 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
 def test_pos_killed_at_each_step_leaves_every_rank_running_with_its_memory(
         ranks: Ranks, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
     """The watchdog holds each rank's hoisted memory and gives each its own back."""
-    time.sleep(0.2)
+    for p in ranks.pids:
+        ran_past(p, 0)
     r = pos("checkpoint", str(ranks.root), "-D", str(tmp_path / "img"), "--concurrent",
             "--leave-running", env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
     assert r.returncode == -9, (r.returncode, r.stderr)

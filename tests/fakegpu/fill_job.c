@@ -3,8 +3,9 @@
  * and launches a kernel, so that the state after exactly K operations is known (fill_job.torn).
  * It reaches the driver the three ways a real job does: cuMemAlloc through cuGetProcAddress
  * (as a runtime), cuMemsetD32 through dlsym on libcuda, and cuLaunchKernel linked directly.
- * While PAUSE_FILE exists it makes no CUDA call. FILL_JOB_POOL_BYTES=N also takes N bytes from the
- * stream-ordered pool (cuMemAllocAsync), which pos cannot own. FILL_JOB_AXPY=NAME makes every
+ * While PAUSE_FILE exists it makes no CUDA call (it prints "PAUSED K", K operations made, as
+ * it finds the file). FILL_JOB_POOL_BYTES=N also takes N bytes from the stream-ordered pool
+ * (cuMemAllocAsync), which pos cannot own. FILL_JOB_AXPY=NAME makes every
  * operation a launch of the kernel NAME with axpy's parameters on the first buffer instead
  * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
  * before READY. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel named as NCCL's
@@ -96,8 +97,12 @@ int main(int argc, char **argv) {
     fflush(stdout);
     struct stat sb;
     for (uint32_t k = 1;; k++) {
-        while (pause && stat(pause, &sb) == 0)
-            usleep(1000);
+        if (pause && stat(pause, &sb) == 0) {
+            printf("PAUSED %u\n", k - 1);
+            fflush(stdout);
+            while (stat(pause, &sb) == 0)
+                usleep(1000);
+        }
         if (launches_only) {
             float alpha = 1.0f;
             int count = (int)(bytes / 4);

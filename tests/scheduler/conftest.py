@@ -13,13 +13,12 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
 import pytest
 
-from tests.conftest import ROOT, need
+from tests.conftest import ROOT, need, wait_for
 
 PR_SET_CHILD_SUBREAPER = 36
 COUNTER = Path(__file__).with_name("counter.py")
@@ -62,13 +61,20 @@ def lines(path: Path) -> list[int]:
         return []
 
 
-def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+def counts_on(files: list[Path], more: int = 1, what: str = "the count to go on",
+              timeout: float = 10.0) -> None:
+    """Until each counter file (counter.py's, io_uring_job's) holds `more` lines more than now:
+    its process runs, not frozen."""
+    before = [len(lines(f)) for f in files]
+    wait_for(lambda: all(len(lines(f)) >= b + more for f, b in zip(files, before)), timeout,
+             what)
+
+
+def listening(port: int, prefix: tuple[str, ...] = ()) -> bool:
+    """Whether a TCP socket listens on `port` (`prefix`: a command that enters the network
+    namespace to look in, nsenter)."""
+    return b"LISTEN" in subprocess.run([*prefix, "ss", "-ltn", f"sport = :{port}"],
+                                       capture_output=True).stdout
 
 
 def alive(pid: int) -> bool:
@@ -129,10 +135,11 @@ class Counter:
         return procs.tree(self.pid)
 
     def running(self) -> bool:
-        """Alive and still counting."""
-        before = [len(lines(f)) for f in self.files]
-        time.sleep(0.3)
-        return alive(self.pid) and all(len(lines(f)) > b for f, b in zip(self.files, before))
+        """Alive and still counting (AssertionError if it counts no more)."""
+        if not alive(self.pid):
+            return False
+        counts_on(self.files, what=f"counter {self.pid} to count on")
+        return True
 
     def reap_original(self) -> None:
         """Wait for the original tree (killed by a dump) so that its PIDs are free: the root

@@ -14,6 +14,7 @@ from pos.errors import BadInput
 from pos.scheduler import copier, gpucopy
 from pos.scheduler.handout import Handout
 from pos.scheduler.settings import Settings
+from tests.conftest import wait_for
 
 GIB, CHUNK = 1 << 30, 64 << 20
 
@@ -119,11 +120,9 @@ def test_while_frozen_only_what_pos_could_not_shadow_is_copied() -> None:
     c.hold_shadowed()
     c.start()
     try:
-        deadline = time.monotonic() + 10
-        while 1 not in handout.kept_at and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)
-        assert 1 in handout.kept_at and 0 not in handout.kept_at
+        wait_for(lambda: 1 in handout.kept_at, 10, "the copy of buffer 1")
+        time.sleep(0.2)         # a time, not a wait: buffer 0, held, is not copied in it
+        assert 0 not in handout.kept_at
         c.release_shadowed()
         c.wait_copied()
         assert c.join().bytes == 4 * chunk

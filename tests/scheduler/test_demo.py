@@ -90,5 +90,5 @@ def test_demo_ended_half_way_ends_what_it_started(tmp_path: Path, demo_ready: No
     assert demo.returncode == 1 and "demo: interrupted" in rest, "".join(seen) + rest
     assert "Traceback" not in rest, rest
     wait_for(lambda: left_running(out) == [], timeout=10, what="the demo's processes to end")
-    time.sleep(0.5)
+    time.sleep(0.5)     # a time, not a wait: nothing it started comes back in it
     assert left_running(out) == []

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +15,7 @@ import pytest
 
 from pos.image import names
 from tests.conftest import need
-from tests.scheduler.conftest import lines, one_sentence, pos, wait_for
+from tests.scheduler.conftest import counts_on, lines, one_sentence, pos, wait_for
 
 SOURCE = Path(__file__).with_name("io_uring_job.c")
 
@@ -40,16 +39,18 @@ class Job:
                                      start_new_session=True)
         self.pid = self.proc.pid
         self.files = [out] + ([Path(f"{out}.1")] if "--child" in args else [])
-        deadline = time.monotonic() + 20
-        while not all(len(lines(f)) >= 5 for f in self.files):
-            if self.proc.poll() == 3:      # the kernel refuses io_uring here: nothing to refuse
-                pytest.skip(f"no io_uring on this host: {self.proc.stderr.read().decode()}")
-            assert self.proc.poll() is None, self.proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "io_uring_job did not start counting"
-            time.sleep(0.02)
+        wait_for(self.counting, what="io_uring_job to start counting")
         from pos.scheduler import procs
 
         self.tree = procs.tree(self.pid)
+
+    def counting(self) -> bool:
+        if all(len(lines(f)) >= 5 for f in self.files):
+            return True
+        if self.proc.poll() == 3:      # the kernel refuses io_uring here: nothing to refuse
+            pytest.skip(f"no io_uring on this host: {self.proc.stderr.read().decode()}")
+        assert self.proc.poll() is None, self.proc.stderr.read().decode()
+        return False
 
     def untouched(self) -> None:
         """Every process alive, none stopped (pos never froze them), and still counting."""
@@ -57,9 +58,7 @@ class Job:
 
         assert all(procs.state(p) in ("R", "S", "D") for p in self.tree), \
             [(p, procs.state(p)) for p in self.tree]
-        counts = [len(lines(f)) for f in self.files]
-        wait_for(lambda: all(len(lines(f)) > c + 2 for f, c in zip(self.files, counts)),
-                 what="the job counting on")
+        counts_on(self.files, 3, "the job counting on")
 
     def end(self) -> None:
         try:

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from pos.image import names
 from tests.conftest import ROOT
-from tests.scheduler.conftest import COUNTER, Counter, lines, wait_for
+from tests.scheduler.conftest import COUNTER, Counter, lines, listening, wait_for
 
 
 @pytest.fixture
@@ -65,7 +64,8 @@ def test_migrate_to_another_host(tmp_path: Path, hosts, counters) -> None:
     rx = subprocess.Popen([*in_ns(b), *pos, "--listen", "-D", str(tmp_path / "in"), "--address",
                            "10.77.0.2", "--port", "7070"], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    wait_for(lambda: listening(7070, tuple(in_ns(b))) or rx.poll() is not None,
+             what="the listener in host b")
     tx = subprocess.run([*in_ns(a), *pos, str(c.pid), "--to", "10.77.0.2:7070", "--json"],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     out, err = rx.communicate(timeout=120)

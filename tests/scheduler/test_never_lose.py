@@ -16,7 +16,8 @@ import pytest
 from pos import image
 from pos.image import names
 from pos.scheduler import procs
-from tests.scheduler.conftest import COUNTER, alive, lines, one_sentence, pos, wait_for
+from tests.scheduler.conftest import (COUNTER, alive, counts_on, lines, one_sentence, pos,
+                                      wait_for)
 
 # a supervisor busy elsewhere: it starts the job and never waits for it
 LAUNCHER = """import subprocess, sys, time
@@ -45,8 +46,7 @@ class Unreaped:
         """Alive, not stopped, and its count goes on."""
         if not alive(self.pid) or procs.state(self.pid) in ("T", "t"):
             return False
-        n = len(lines(self.path))
-        wait_for(lambda: len(lines(self.path)) > n + 3, timeout=10, what="the count to go on")
+        counts_on([self.path], 4)
         return True
 
     def free(self) -> None:

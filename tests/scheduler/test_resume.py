@@ -16,6 +16,12 @@ def sleeper() -> subprocess.Popen:
     return subprocess.Popen(["sleep", "60"], start_new_session=True)
 
 
+def continued(pid: int) -> bool:
+    """Whether the child `pid` was continued after a stop (left for its reaper to see)."""
+    seen = os.waitid(os.P_PID, pid, os.WCONTINUED | os.WNOHANG | os.WNOWAIT)
+    return seen is not None and seen.si_code == os.CLD_CONTINUED
+
+
 def test_a_stop_that_lands_after_the_look_is_continued_too() -> None:
     p = sleeper()
     try:
@@ -23,8 +29,10 @@ def test_a_stop_that_lands_after_the_look_is_continued_too() -> None:
         late.start()
         procs.resume([p.pid])
         late.join()
-        time.sleep(0.05)
-        assert procs.state(p.pid) == "S"
+        # the stop landed and was continued (the kernel tells the parent, this process), and
+        # it sleeps on, not stopped
+        wait_for(lambda: continued(p.pid) and procs.state(p.pid) == "S", 5,
+                 lambda: f"the late stop to be continued (state {procs.state(p.pid)})")
     finally:
         p.kill()
         p.wait()

@@ -22,7 +22,8 @@ def left_in_time_wait() -> int:
     client = socket.create_connection(("127.0.0.1", port))
     conn, _ = srv.accept()
     conn.close()
-    time.sleep(0.05)
+    client.settimeout(10)
+    assert client.recv(1) == b""      # the server's close reached the client: it closed first
     client.close()
     srv.close()
     return port

@@ -7,7 +7,6 @@ the trace with it. The fake driver proves the plumbing, not GPU behaviour (tests
 
 import re
 import sqlite3
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 from pos.store.db import open_db
 from pos.store.export import json_events
-from tests.conftest import KERNELS, trace_app, wait_for_layouts, wait_for_rows
+from tests.conftest import KERNELS, trace_app, wait_for, wait_for_layouts, wait_for_rows
 from workloads.harness import Job, PosTrace
 
 pytestmark = pytest.mark.bpf
@@ -255,10 +254,12 @@ def test_a_large_image_is_parsed_in_shares_by_the_workers_and_its_layouts_reach_
         tracer = session.Tracer(job.pid, find_libraries(job.pid), sink)  # type: ignore[arg-type]
         try:
             job.run("load")
-            deadline = time.monotonic() + 20
-            while not [r for t, r in sink.rows if t == "modules"] and time.monotonic() < deadline:
+
+            def module_row() -> bool:
                 tracer.poll()
-                time.sleep(0.02)
+                return any(t == "modules" for t, _ in sink.rows)
+
+            wait_for(module_row, what="the module's row", every=0.02)
             modules = [r for t, r in sink.rows if t == "modules"]
             assert len(modules) == 1 and modules[0]["kernels"] == KERNELS, modules
             functions = job.run("lookup")["functions"]
