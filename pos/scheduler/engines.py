@@ -25,6 +25,7 @@ from pos.scheduler.steps import Echo
 if TYPE_CHECKING:
     from pos.scheduler.gpumap import Onto
 
+
 @dataclass
 class _Base:
     settings: Settings

@@ -82,14 +82,6 @@ def ancestors(pid: int) -> list[int]:
     return out
 
 
-def maps_libcuda(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return any("/libcuda.so" in line for line in f)
-    except OSError:
-        return False
-
-
 def maps_library(pid: int, name: str) -> bool:
     """Whether the process maps a library whose file name starts with `name` (libnccl.so)."""
     try:
@@ -97,6 +89,10 @@ def maps_library(pid: int, name: str) -> bool:
             return any(f"/{name}" in line for line in f)
     except OSError:
         return False
+
+
+def maps_libcuda(pid: int) -> bool:
+    return maps_library(pid, "libcuda.so")
 
 
 def environment(pid: int) -> dict[str, str]:

@@ -197,5 +197,5 @@ def require(cuda: list[int], mapped_back_fix: str) -> dict[int, Optional[Status]
 def recheck_locked(cuda: list[int], before: Mapping[int, Optional[Status]]) -> None:
     """Once the driver holds the processes nothing new can be mapped: ask the agents again
     (a job that was still setting NCCL up may have mapped its peers since `require`)."""
-    peer_memory([p for p in cuda if before.get(p) is not None],
-                {p: agent_status(p) for p in cuda if before.get(p) is not None})
+    with_agents = [p for p in cuda if before.get(p) is not None]
+    peer_memory(with_agents, {p: agent_status(p) for p in with_agents})
