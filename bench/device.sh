@@ -28,6 +28,10 @@
 #                                # engines, default stw,concurrent); then over sockets, concurrent,
 #                                # at POS_NCCL_SOCKET_RANKS (default "4 1") ranks: the stall's
 #                                # growth with the ranks, each rank's host memory (~8 min)
+#   bench/device.sh serve        # inference servers started warm: bench/serve_gpu.py
+#                                # (POS_SERVE_MODELS, default gpt2-large,llama-7b;
+#                                # POS_SERVE_CASES, default stw,concurrent,clone;
+#                                # POS_SERVE_CLONES: instances of the clone case, default 0)
 #   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
 #                                # of ballast, default 4; POS_MULTI_PARTS; POS_MULTI_DDP_CASES
@@ -40,7 +44,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl serve}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -149,9 +153,17 @@ nccl)
     for n in ${POS_NCCL_SOCKET_RANKS-4 1}; do ddp "ddp-sockets-$n" sockets "$n" concurrent; done
     cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt 2>/dev/null) ;;
+serve)
+    step native python3 -m pos.native
+    step serve python3 bench/serve_gpu.py --out "$out" \
+        --models "${POS_SERVE_MODELS:-gpt2-large,llama-7b}" \
+        --cases "${POS_SERVE_CASES:-stw,concurrent,clone}" --clones "${POS_SERVE_CLONES:-0}"
+    grep '^row' "$out/serve.log"
+    cp /var/log/pos/*criu-restore.log "$out/" 2>/dev/null
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log 2>/dev/null) ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl serve" >&2
     exit 2 ;;
 esac
