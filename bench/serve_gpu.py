@@ -383,7 +383,7 @@ class Bench:
                      driver_alone=alone or None, checkpoint_s=ckpt.get("s"))
 
     def saved(self, model: str, mdir: Path, case: str, prefix: tuple[str, ...],
-              args: tuple[str, ...], clonable: bool = False) -> tuple[Path, dict[str, Any]]:
+              args: tuple[str, ...]) -> tuple[Path, dict[str, Any]]:
         """Start a server (under `prefix`), wait for its warm-up, save it with `pos
         checkpoint ARGS`; the server is gone afterwards."""
         image = self.work / f"{model}-{case}"
@@ -392,11 +392,8 @@ class Bench:
         p = spawn(mdir, self.req, self.out / f"{model}-{case}-server.log", prefix)
         pid = p.pid
         try:
-            ready = self.req.ready()
-            if clonable:     # the job is PID 1 of its namespaces, under pos run's wrapper
-                pid = next(q for q in tree_pids(p.pid)[1:]
-                           if Path(f"/proc/{q}/cmdline").read_bytes().find(b"serve_lm") >= 0)
-            time.sleep(1.0)    # idle, as a server between requests
+            ready = self.req.ready()   # (pos run --clonable: pos checkpoints its job, PID 1
+            time.sleep(1.0)            # of the namespaces under the PID it is given)    # idle, as a server between requests
             t0 = time.time()
             c = finish(pos_async("checkpoint", str(pid), "-D", str(image), "--json", *args), t0)
             c["s"], c["ready"] = c["exit_s"], ready
@@ -425,7 +422,7 @@ class Bench:
                 elif case == "clone" and clones:
                     image, c = self.saved(model, mdir, case,
                                           (*POS, "run", "--clonable", "--"),
-                                          ("--concurrent", "--leave-running"), clonable=True)
+                                          ("--concurrent", "--leave-running"))
                     self.clone(model, info, image, cold, clones, c)
                 else:
                     continue

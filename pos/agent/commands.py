@@ -10,13 +10,18 @@ Examples:
   pos run -- python train.py --epochs 3        # any program: Python, a C++ server, a script
   pos run --name job1 -- ./serve.sh            # the scheduler finds it by --name job1
   POS_OWN=0 pos run -- python train.py         # the agent without owning memory (a baseline)
+  pos run --clonable -- python serve.py        # one image of it restores many times at once
 """
 
 
 @click.command(epilog=EPILOG_RUN, context_settings={"ignore_unknown_options": True})
 @click.option("--name", help="A name for the job (POS_RUN_NAME; the scheduler finds it by it).")
+@click.option("--clonable", is_flag=True,
+              help="Run COMMAND in PID and network namespaces of its own, as a container's "
+                   "process is, so that one image of it can be restored many times at once, "
+                   "each copy in new namespaces (COMMAND is PID 1 there).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(name: Optional[str], command: tuple[str, ...]) -> None:
+def run(name: Optional[str], clonable: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with pos's agent preloaded (LD_PRELOAD), so that `pos checkpoint
     --concurrent` can save it while it runs, and the driver's engines can checkpoint it. Every
     process of COMMAND that uses CUDA gets its own agent. Exits with COMMAND's exit status."""
@@ -34,5 +39,9 @@ def run(name: Optional[str], command: tuple[str, ...]) -> None:
     env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD")) if p)
     if name:
         env[RUN_NAME_ENV] = name
+    if clonable:
+        from pos.agent import namespaces
+
+        namespaces.enter()          # returns in the job's new namespaces
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.execvpe(prog, list(command), env)

@@ -61,6 +61,10 @@ class Manifest:
                                               # host memory before the freeze (names.PARENT);
                                               # None: another engine, which never pre-dumps
     predump_note: str = ""                    # why it did not, or how its pre-dump failed
+    inner_pids: list[int] = field(default_factory=list)   # each of `pids` as the tree sees it,
+                                              # where it has PID and network namespaces of its
+                                              # own (pos run --clonable): each restore makes new
+                                              # ones, so the image restores many times at once
     format: int = FORMAT
 
     def to_json(self) -> str:

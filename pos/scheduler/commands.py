@@ -127,6 +127,11 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     options = criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks, external)
     settings = Settings.from_env()
     procs.require_checkpointable(pid)   # a bad PID or no privileges is said first,
+    job = procs.job_in_namespaces(pid)
+    if job is not None:
+        _lines(as_json)(f"PID {pid} runs its job in namespaces of its own: checkpointing the "
+                        f"job, PID {job}")
+        pid = job
     open_store(db)                      # then a bad --db, before the process is touched
     save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams, chunk_mb)
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:

@@ -134,11 +134,17 @@ class Options:
     external: tuple[str, ...] = ()   # --external RES: files, mounts ... that CRIU leaves alone
     network_lock: Optional[str] = None   # "skip": every TCP connection is inside the tree
     ghost_limit: Optional[int] = None    # bytes: the largest deleted file CRIU may save
+    empty_netns: bool = False        # --empty-ns net: the tree's network namespace of its own
+                                     # (pos run --clonable) is saved empty, each restore makes
+                                     # a new one: no addresses, routes or firewall to save, and
+                                     # copies of one image do not share one
 
     def argv(self) -> list[str]:
         out = ["--network-lock", self.network_lock] if self.network_lock else []
         if self.ghost_limit:
             out += ["--ghost-limit", str(self.ghost_limit)]
+        if self.empty_netns:
+            out += ["--empty-ns", "net"]
         for flag, on in (("--shell-job", self.shell_job), ("--tcp-established", self.tcp_established),
                          ("--ext-unix-sk", self.ext_unix_sk), ("--file-locks", self.file_locks)):
             if on:
@@ -150,7 +156,8 @@ class Options:
     def fitted(self, pids: list[int]) -> "Options":
         """These options for the tree `pids`: with --tcp-established, no network lock where
         every connection has both ends in the tree (procs.tcp_within); a ghost limit that
-        takes the largest deleted file the tree holds, where one is over CRIU's 1 MiB."""
+        takes the largest deleted file the tree holds, where one is over CRIU's 1 MiB; the
+        network namespace saved empty for a tree of its own namespaces."""
         from pos.scheduler import procs
 
         out = self
@@ -159,6 +166,8 @@ class Options:
         ghost = procs.largest_deleted_file(pids)
         if ghost > GHOST_LIMIT_DEFAULT:
             out = replace(out, ghost_limit=ghost + (1 << 20))
+        if procs.own_namespaces(pids) and procs.own_netns(pids[0]):
+            out = replace(out, empty_netns=True)
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
         driver_version=nvml.driver_version() if cuda else None,
         cuda_version=cudackpt.driver_version() if cuda else None,
         tcp_listen=procs.listening_ports(pids) if options.tcp_established else [],
+        inner_pids=procs.own_namespaces(pids),
         gpus=[{"uuid": u, "name": here[u].name if u in here else "n/a", "memory_used": m,
                **({"index": here[u].index} if u in here else {})}    # `--to-gpu 0=1` names it
               for u, m in gpu_use.items()])

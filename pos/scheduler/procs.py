@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from pos import host
-from pos.errors import BadInput
+from pos.errors import BadInput, PosError
 
 
 def _stat(pid: int) -> Optional[list[str]]:
@@ -71,6 +71,68 @@ def tree(root: int) -> list[int]:
         out.append(pid)
         todo.extend(sorted(children.get(pid, [])))
     return out
+
+
+def ns_pids(pid: int) -> list[int]:
+    """PID as each PID namespace it is in sees it, outermost (this host's) first (NSpid)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("NSpid:"):
+                return [int(v) for v in line.split()[1:]]
+    except OSError:
+        pass
+    return [pid]
+
+
+def _ns_inode(pid: str, kind: str) -> Optional[int]:
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def own_namespaces(pids: list[int]) -> list[int]:
+    """The tree `pids` as it sees itself where its root is PID 1 of a PID namespace of its own
+    (`pos run --clonable`): each one's PID in there, in the order of `pids`. Such a tree is
+    restored into new namespaces, so that one image restores as often as wanted at once; []
+    for a tree that shares this host's PIDs."""
+    root = ns_pids(pids[0]) if pids else []
+    if len(root) < 2 or root[-1] != 1:
+        return []
+    return [ns_pids(p)[-1] for p in pids]
+
+
+def job_in_namespaces(pid: int) -> Optional[int]:
+    """The job that `pid` runs in namespaces of its own (`pos run --clonable`'s parent, or
+    unshare(1)'s): its only child, PID 1 of a PID namespace; None for any other process."""
+    if own_namespaces([pid]):
+        return None
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return None
+    return kids[0] if len(kids) == 1 and own_namespaces(kids) else None
+
+
+def own_netns(pid: int) -> bool:
+    """`pid` has a network namespace other than pos's own."""
+    theirs = _ns_inode(str(pid), "net")
+    return theirs is not None and theirs != _ns_inode("self", "net")
+
+
+def restored_pids(root: int, dumped: list[int], inner: list[int]) -> dict[int, int]:
+    """Each dumped PID -> the PID its process has now, for a tree that CRIU restored at `root`:
+    the same PIDs, or, for a tree of its own namespaces (`inner`: their PIDs in there, in the
+    order of `dumped`), the host's PIDs of the new namespace's processes that have those PIDs
+    there."""
+    if not inner:
+        return {p: p for p in dumped}
+    now = {ns_pids(p)[-1]: p for p in tree(root)}
+    missing = [i for i in inner if i not in now]
+    if missing:
+        raise PosError(f"the restored tree of PID {root} lacks the processes {missing} of its "
+                       "namespace", "see CRIU's restore log")
+    return {d: now[i] for d, i in zip(dumped, inner)}
 
 
 def ancestors(pid: int) -> list[int]:

@@ -30,8 +30,9 @@ PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't 
 
 
 def check_restorable(directory: Path, manifest: Manifest) -> None:
-    """Refuse an image whose PIDs are taken or whose driver differs from this host's."""
-    for pid in manifest.pids:
+    """Refuse an image whose PIDs are taken (unless it restores into namespaces of its own)
+    or whose driver differs from this host's."""
+    for pid in [] if manifest.inner_pids else manifest.pids:
         if Path(f"/proc/{pid}").exists():
             comm = host.describe(pid)[0] or "a process"
             if procs.state(pid) == "Z":
@@ -68,7 +69,7 @@ def _failed(checking: Future[float]) -> Optional[BaseException]:
 def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
             gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
             progress: Progress = QUIET, hoisted: bool = False,
-            finish: Optional[Callable[[Guard, int], None]] = None,
+            finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
             before_driver: Callable[[], None] = lambda: None,
             settings: Optional[Settings] = None) -> Report:
     """Restore the image in `directory` and resume its processes; `check`: the files whose
@@ -76,8 +77,9 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     file's presence and size are checked before CRIU starts; the checksums while CRIU
     restores, which leaves the tree stopped: it runs only once the image is known good, and a
     check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
-    `finish` (until then the undo ends a restored job rather than run it). `finish(g, root)`
-    runs last under the same guard (the concurrent engine puts the job's device memory back
+    `finish` (until then the undo ends a restored job rather than run it). `finish(g, pids)`
+    (each PID of the image -> its process's PID now: the same, or new ones for a tree of its
+    own namespaces, restored into new ones) runs last under the same guard (the concurrent engine puts the job's device memory back
     there: a failure then ends the restored tree, never leaves it half-restored);
     `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
     there). The work folder goes whatever happens (CRIU's log of a failure is kept in
@@ -97,12 +99,14 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
         if now != size:
             echo(f"{path} changed since the dump ({size} bytes then, {now} now): the restored "
                  "process appends to it")
-    plan = Plan("restore", manifest.pids, manifest.gpu_pids, criu_path=criu.path,
+    own = bool(manifest.inner_pids)     # its PIDs are known once CRIU has made them
+    plan = Plan("restore", [] if own else manifest.pids, [] if own else manifest.gpu_pids,
+                criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
                 gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check,
                 criu_log_max=criu.log_max)
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
-    if manifest.tcp_listen:
+    if manifest.tcp_listen and not own:     # a new network namespace has no old connections
         from pos.scheduler import timewait     # pyroute2: imported only where needed
 
         timewait.free(manifest.tcp_listen, PORTS_WAIT_S, echo)
@@ -129,14 +133,17 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
                 checking.result()       # a corrupt image explains CRIU's failure best
                 raise
             root = int((work / "pidfile").read_text())
-            g.step("verify")             # the tree is stopped until its image is known good
+            live = procs.restored_pids(root, manifest.pids, manifest.inner_pids)
+            cuda = [live[p] for p in manifest.gpu_pids]
+            # the tree is stopped until its image is known good
+            g.step("verify", pids=[live[p] for p in manifest.pids], gpu_pids=cuda)
             g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.resume(procs.tree(root))
             before_driver()
-            g.each("restore", manifest.gpu_pids, lambda p: cudackpt.restore(p, gpu_pairs))
-            g.each("unlock", manifest.gpu_pids, cudackpt.unlock)
+            g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
+            g.each("unlock", cuda, cudackpt.unlock)
             if finish is not None:
-                finish(g, root)
+                finish(g, live)
     finally:
         stop.set()
         pool.shutdown()

@@ -149,7 +149,7 @@ class Guard:
             return False
         stopped = isinstance(exc, KeyboardInterrupt)
         with uninterrupted():
-            self.echo(f"undoing {self.plan.op} of PID {self.plan.pids[0]} "
+            self.echo(f"undoing {self.plan.op} of {self.plan.who()} "
                       f"({'stopped' if stopped else 'failed'} at step {self.plan.step})")
             try:
                 recover(self.plan, self.echo, self.memory, stopped)
@@ -160,11 +160,12 @@ class Guard:
                 discard_leftovers(self.plan)
                 self.watchdog.done()
         if stopped and self.plan.op == "restore":
-            raise PosError(f"restore of PID {self.plan.pids[0]} from {self.plan.images} "
+            what = f"of PID {self.plan.pids[0]} " if self.plan.pids else ""
+            raise PosError(f"restore {what}from {self.plan.images} "
                            "stopped, nothing of it left running", "the image is untouched; "
                            "restore it again when you want") from None
         if stopped:
-            raise PosError(f"{self.plan.op} of PID {self.plan.pids[0]} interrupted and undone",
+            raise PosError(f"{self.plan.op} of {self.plan.who()} interrupted and undone",
                            "the processes run as before") from None
         return False
 

@@ -74,6 +74,11 @@ class Plan:
     criu_log_max: int = DEFAULT_CRIU_LOG_MAX_MB << 20   # restore: CRIU's log bound (Criu.log_max)
     criu_wait_s: float = DEFAULT_CRIU_WAIT_S  # how long the undo waits for a running CRIU
 
+    def who(self) -> str:
+        """The operation's process for a person: its PID, or, for a restore into new
+        namespaces before CRIU has made them, its image."""
+        return f"PID {self.pids[0]}" if self.pids else f"the image {self.images}"
+
     def to_json(self) -> str:
         return json.dumps({"plan": asdict(self)})
 

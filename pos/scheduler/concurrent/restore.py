@@ -127,7 +127,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
         [Prefetch(directory, streams, settings, None, rank, moved) for rank in ranks]
     back = _Back()
 
-    def put_back(g: Guard, _root: int) -> None:
+    def put_back(g: Guard, live: dict[int, int]) -> None:
         """The restored jobs map the memory pos made for them, and run; the fill goes on."""
         g.step("remap")
         for pre in pres:      # pos's new device memory (made during CRIU's part)
@@ -137,7 +137,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
         agents: list[Agent] = []
         try:
             for pre in pres:
-                agents.append(Agent(pre.pid))
+                agents.append(Agent(live[pre.pid]))
                 table = agents[-1].table()
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match {directory}'s "
