@@ -251,6 +251,24 @@ def tree_pids(root: int) -> list[int]:
     return found
 
 
+def host_memory(pid: int) -> dict[str, Any]:
+    """What CRIU will write of the server's tree: its anonymous memory, by mapping."""
+    from scale_gpu import anon_top
+
+    out: dict[str, Any] = {}
+    for p in tree_pids(pid):
+        roll = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+        fields = {ln.split()[0].rstrip(":"): int(ln.split()[1]) for ln in roll[1:]
+                  if len(ln.split()) >= 2 and ln.split()[1].isdigit()}
+        out[str(p)] = {"anon_mib": round(fields.get("Anonymous", 0) / 1024, 1),
+                       "rss_mib": round(fields.get("Rss", 0) / 1024, 1),
+                       "private_dirty_mib": round(fields.get("Private_Dirty", 0) / 1024, 1),
+                       "mappings": len(Path(f"/proc/{p}/maps").read_text().splitlines()),
+                       "threads": len(os.listdir(f"/proc/{p}/task")),
+                       "top": anon_top(p, 12)}
+    return out
+
+
 # ----------------------------------------------------------------------------- the driver alone
 
 def driver_alone(pid: int, under_pos: bool) -> dict[str, float]:
@@ -393,10 +411,11 @@ class Bench:
         pid = p.pid
         try:
             ready = self.req.ready()   # (pos run --clonable: pos checkpoints its job, PID 1
-            time.sleep(1.0)            # of the namespaces under the PID it is given)    # idle, as a server between requests
+            time.sleep(1.0)            # of the namespaces under the PID it is given; idle)
+            memory = host_memory(pid)
             t0 = time.time()
             c = finish(pos_async("checkpoint", str(pid), "-D", str(image), "--json", *args), t0)
-            c["s"], c["ready"] = c["exit_s"], ready
+            c["s"], c["ready"], c["memory"] = c["exit_s"], ready, memory
             if c["rc"]:
                 raise RuntimeError(f"pos checkpoint failed: {c['err'][-800:]}")
         finally:
