@@ -5,11 +5,12 @@ place before a restore starts (pos/scheduler/preflight.py).
 CRIU records every file once in files.img (a `file_entry` with its `reg_file_entry`: the path,
 and the size CRIU checks at the restore), and what refers to it by its id: each process's
 descriptors (fdinfo-N.img of its table, named in ids-PID.img), mappings and executable
-(mm-PID.img), working directory and root (fs-PID.img). CRIU reopens by path every regular file
-but those it was told are external (`ext`: the restore is handed them, --inherit-fd), those it
-brings back itself (remap-fpath.img: a file deleted at the dump, kept in the image as a
-"ghost", or linked back; a dead process's /proc folder) and those of a mount namespace of the
-tree's own (`mnt_id`: not this host's paths).
+(mm-PID.img), working directory and root (fs-PID.img). CRIU reopens those by path, but those it
+was told are external (`ext`: the restore is handed them, --inherit-fd), those it brings back
+itself (remap-fpath.img: a file deleted at the dump, kept in the image as a "ghost", or linked
+back; a dead process's /proc folder) and those of a mount namespace of the tree's own
+(`mnt_id`: not this host's paths). A file that only another of CRIU's objects names (a
+terminal's /dev/pts/N, which a restore gives a terminal of its own; a FIFO) is left to CRIU.
 """
 
 import functools
@@ -53,12 +54,12 @@ def messages() -> dict[str, Any]:
 class OpenFile:
     """A file CRIU's restore reopens at `path`: `size` at the dump where CRIU checks it (None:
     it does not, as for a file opened to append to, a folder or a device); `pid`, the first
-    process of the tree that used it (None: no process's image names it), `mapped`: that
-    process had it mapped (or ran it) rather than open."""
+    process of the tree that used it; `mapped`: that process had it mapped (or ran it) rather
+    than open."""
 
     path: str
     size: Optional[int]
-    pid: Optional[int]
+    pid: int
     mapped: bool = False
 
 
@@ -68,7 +69,7 @@ def _read(images: Path, name: str, magic: int, message: str) -> list[Any]:
 
 def _users(images: Path, pids: list[int]) -> dict[int, tuple[int, bool]]:
     """File id -> the first of `pids` that used it, and whether it had it mapped; a process
-    whose images are not there names none."""
+    whose images cannot be read names none."""
     out: dict[int, tuple[int, bool]] = {}
     for pid in pids:
         try:
@@ -94,8 +95,8 @@ def _users(images: Path, pids: list[int]) -> dict[int, tuple[int, bool]]:
 
 def reopened(images: Path, pids: list[int]) -> list[OpenFile]:
     """The files CRIU's restore of the dump in `images` (of the processes `pids`) reopens at
-    their paths, in CRIU's order (a file opened twice is there twice); OSError or
-    criuimg.Unreadable when its files.img cannot be read."""
+    their paths for those processes, in CRIU's order (a file opened twice is there twice);
+    OSError or criuimg.Unreadable when its files.img cannot be read."""
     images = Path(images)
     files = _read(images, names.FILES, FILES_MAGIC, "file_entry")
     try:
@@ -108,8 +109,8 @@ def reopened(images: Path, pids: list[int]) -> list[OpenFile]:
     for f in files:
         reg = f.reg
         if f.type != REG or not f.HasField("reg") or reg.ext or reg.HasField("mnt_id") \
-                or reg.id in remapped:
+                or reg.id in remapped or reg.id not in users:
             continue
-        pid, mapped = users.get(reg.id, (None, False))
+        pid, mapped = users[reg.id]
         out.append(OpenFile(reg.name, reg.size if reg.HasField("size") else None, pid, mapped))
     return out

@@ -130,8 +130,7 @@ def _sizes(paths: set[str]) -> dict[str, Optional[int]]:
 
 def _who(f: criufiles.OpenFile) -> str:
     """Who had the file `f`, and how: "PID 123 had open"."""
-    who = f"PID {f.pid}" if f.pid is not None else "a process of the image"
-    return f"{who} had {'mapped' if f.mapped else 'open'}"
+    return f"PID {f.pid} had {'mapped' if f.mapped else 'open'}"
 
 
 def gpus_fit(directory: Path, manifest: Manifest, moved: dict[str, str]) -> None:

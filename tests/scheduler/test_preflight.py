@@ -44,10 +44,12 @@ def criu_file(folder: Path, name: str, magic: int, entries: list[Any]) -> None:
 
 def criu_images(folder: Path, pid: int, opened: dict[str, Optional[int]],
                 mapped: dict[str, Optional[int]], ghosts: tuple[str, ...] = (),
-                external: tuple[str, ...] = (), own_mount: tuple[str, ...] = ()) -> None:
+                external: tuple[str, ...] = (), own_mount: tuple[str, ...] = (),
+                terminals: tuple[str, ...] = ()) -> None:
     """CRIU's images of the files of a one-process tree: `opened` and `mapped` (path -> the
     size CRIU recorded, None: none), files deleted at the dump (`ghosts`), files the dump was
-    told are external, files of a mount namespace of the tree's own."""
+    told are external, files of a mount namespace of the tree's own, terminals (a path no
+    descriptor names: CRIU's terminal entry does)."""
     m = criufiles.messages()
     files, fds, vmas, remaps = [], [], [], []
 
@@ -71,6 +73,8 @@ def criu_images(folder: Path, pid: int, opened: dict[str, Optional[int]],
         fds.append(m["fdinfo_entry"](id=add(key, ext=True), fd=3 + len(fds)))
     for path in own_mount:
         fds.append(m["fdinfo_entry"](id=add(path, 10, mnt_id=1000), fd=3 + len(fds)))
+    for path in terminals:
+        add(path)
     criu_file(folder, names.FILES, criufiles.FILES_MAGIC, files)
     if remaps:
         criu_file(folder, names.REMAP_FPATH, criufiles.REMAP_FPATH_MAGIC, remaps)
@@ -237,13 +241,15 @@ def test_a_file_of_another_size_is_refused(tmp_path: Path) -> None:
 
 def test_what_criu_does_not_reopen_at_its_path_is_not_looked_for(tmp_path: Path) -> None:
     """Files deleted at the dump (CRIU keeps them), external ones, a mount namespace's own,
-    /proc, a file handed with --inherit-fd; and a size CRIU does not check."""
+    a terminal (the restore gives it one of its own), /proc, a file handed with --inherit-fd;
+    and a size CRIU does not check."""
     log, handed = tmp_path / "job.log", tmp_path / "handed.bin"
     log.write_text("grew since the dump\n")
     img = make_image(tmp_path, opened={"/proc/4000000/status": 0, str(handed): 1,
                                        str(log): 4, "/dev/null": None},
                      ghosts=(str(tmp_path / "deleted.tmp"),), external=("file[2a:1f]",),
-                     own_mount=("/only/in/its/namespace",), logs={str(log): 4})
+                     own_mount=("/only/in/its/namespace",), terminals=("/dev/pts/999",),
+                     logs={str(log): 4})
     check(img, inherit=(f"fd[3]:{str(handed).lstrip('/')}",))
     log.unlink()                                     # a log must be there; its size may change
     assert refusal(img, inherit=(f"fd[3]:{str(handed).lstrip('/')}",)).startswith(
