@@ -46,7 +46,9 @@ def check(directory: Path, manifest: Manifest, gpu_pairs: Sequence[tuple[str, st
         same_driver(directory, manifest)
     files_in_place(directory, manifest, inherit_fds)
     if manifest.gpu_pids:
-        gpus_fit(directory, manifest, dict(gpu_pairs))
+        here = {g.uuid: g for g in nvml.gpus()}     # none without NVML
+        same_model(directory, manifest, here, dict(gpu_pairs))
+        memory_free(directory, manifest, here, dict(gpu_pairs))
 
 
 def pids_free(manifest: Manifest) -> None:
@@ -133,13 +135,11 @@ def _who(f: criufiles.OpenFile) -> str:
     return f"PID {f.pid} had {'mapped' if f.mapped else 'open'}"
 
 
-def gpus_fit(directory: Path, manifest: Manifest, moved: dict[str, str]) -> None:
+def same_model(directory: Path, manifest: Manifest, here: dict[str, nvml.Gpu],
+               moved: dict[str, str]) -> None:
     """Refuse an image whose GPUs would go, as `moved` says (old UUID -> new UUID; a GPU not
-    named stays), onto GPUs of this host of another model than those it was taken on, or with
-    less device memory free than it needs there."""
-    here = {g.uuid: g for g in nvml.gpus()}
-    if not here:
-        return
+    named stays), onto GPUs of this host (`here`, by UUID) of another model than those it was
+    taken on. An image that did not record the model is not refused."""
     for g in manifest.gpus:
         was, onto = g.get("name"), here.get(moved.get(g["uuid"], g["uuid"]))
         if onto is None or not was or was == NO_NAME or onto.name == was:
@@ -150,11 +150,17 @@ def gpus_fit(directory: Path, manifest: Manifest, moved: dict[str, str]) -> None
                        "restore it onto a GPU of the same model with --to-gpu (GPU "
                        f"{' or '.join(same)} of this host)" if same else
                        f"restore it on a host with {_a(was)}")
+
+
+def memory_free(directory: Path, manifest: Manifest, here: dict[str, nvml.Gpu],
+                moved: dict[str, str]) -> None:
+    """Refuse an image whose GPUs would go, as `moved` says, onto GPUs of this host (`here`)
+    with less device memory free than it needs there (device_memory)."""
     needed: dict[str, int] = {}
     for uuid, size in device_memory(directory, manifest).items():
-        onto_uuid = moved.get(uuid, uuid)
-        if onto_uuid in here:
-            needed[onto_uuid] = needed.get(onto_uuid, 0) + size
+        onto = moved.get(uuid, uuid)
+        if onto in here:
+            needed[onto] = needed.get(onto, 0) + size
     free = nvml.memory_free() if needed else {}
     for uuid, need in needed.items():
         if uuid in free and free[uuid] < need:

@@ -154,8 +154,8 @@ def test_a_gpu_of_another_model_is_refused(tmp_path: Path, host_gpus) -> None:
 
 def test_a_model_this_host_lacks_names_another_host(tmp_path: Path, host_gpus) -> None:
     img = make_image(tmp_path, gpus=(on("GPU-x", "NVIDIA A100-SXM4-40GB"),))
-    assert refusal(img, (("GPU-x", "GPU-a"),)).endswith("(its target) is an NVIDIA H200: restore it on a host with "
-                                 "an NVIDIA A100-SXM4-40GB.")
+    assert refusal(img, (("GPU-x", "GPU-a"),)).endswith(
+        "(its target) is an NVIDIA H200: restore it on a host with an NVIDIA A100-SXM4-40GB.")
 
 
 @pytest.mark.parametrize("name", [None, "n/a"])
