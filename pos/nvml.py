@@ -1,5 +1,6 @@
 """The one place that talks to NVML (nvidia-ml-py), for what the CUDA driver API does not say:
-the driver's version string, GPU UUIDs and which GPUs a process uses.
+the driver's version string, GPU UUIDs and names, which GPUs a process uses, and how much
+device memory each GPU has free (a context is not needed to ask).
 
 Like nvitop: NVML is initialised lazily and once; every query goes through `_query`, which
 answers None instead of raising when NVML is missing (no driver, a CI machine) or the query is
@@ -93,5 +94,16 @@ def gpus_of(pids: list[int]) -> dict[str, int]:
                 if p.pid in wanted:
                     uuid = _text(nv.nvmlDeviceGetUUID(h))
                     out[uuid] = out.get(uuid, 0) + int(p.usedGpuMemory or 0)
+        return out
+    return _query(query) or {}
+
+
+def memory_free() -> dict[str, int]:
+    """UUID -> device memory free now, for every GPU of the host (empty without NVML)."""
+    def query(nv: Any) -> dict[str, int]:
+        out = {}
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            out[_text(nv.nvmlDeviceGetUUID(h))] = int(nv.nvmlDeviceGetMemoryInfo(h).free)
         return out
     return _query(query) or {}

@@ -1,49 +1,37 @@
 """CRIU's stats-dump: how long its last dump kept the tree frozen, and where that time went.
 
-The file is a CRIU service image: two u32 magics (service, stats), then one entry, a u32
-length and a protobuf `stats_entry` (CRIU's images/stats.proto). The messages are described
-here once, as protobuf describes messages (a FileDescriptorProto: CRIU's names, numbers and
-types, for the fields pos reads), and decoded by the `protobuf` library, which keeps CRIU's
-other fields as unknown ones. protobuf is imported at the first read, after a dump: a restore
-never loads it.
+The file is a CRIU service image (pos/image/criuimg.py) of one entry, a protobuf `stats_entry`
+(CRIU's images/stats.proto), described here for the fields pos reads. protobuf is imported at
+the first read, after a dump.
 """
 
 import functools
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pos.image import names
+from pos.image import criuimg, names
+from pos.image.criuimg import IMG_SERVICE_MAGIC, Field
 
-IMG_SERVICE_MAGIC, STATS_MAGIC = 0x55105940, 0x57093306
-_HEAD = struct.Struct("<III")       # the two magics, then the entry's length
+STATS_MAGIC = 0x57093306
 
-# CRIU's dump_stats_entry, the fields pos reads: name, number, type; times in microseconds.
-# Freezing and frozen are required (a dump without them says nothing); the rest read 0 if absent.
-_DUMP_FIELDS = (("freezing_time", 1, "uint32", True), ("frozen_time", 2, "uint32", True),
-                ("memdump_time", 3, "uint32", False), ("memwrite_time", 4, "uint32", False),
-                ("pages_scanned", 5, "uint64", False), ("pages_written", 7, "uint64", False))
+# CRIU's dump_stats_entry, the fields pos reads; times in microseconds. Freezing and frozen are
+# required (a dump without them says nothing); the rest read 0 if absent.
+_STATS = {
+    "dump_stats_entry": (Field("freezing_time", 1, "uint32", "required"),
+                         Field("frozen_time", 2, "uint32", "required"),
+                         Field("memdump_time", 3, "uint32"), Field("memwrite_time", 4, "uint32"),
+                         Field("pages_scanned", 5, "uint64"),
+                         Field("pages_written", 7, "uint64")),
+    "stats_entry": (Field("dump", 1, "dump_stats_entry"),),
+}
 
 
 @functools.cache
 def stats_entry() -> Any:
-    """CRIU's stats_entry (its field 1, `dump`, a dump_stats_entry), as a protobuf message class
-    built in a descriptor pool of its own."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    field = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="pos-criu-stats.proto", syntax="proto2")
-    dump = proto.message_type.add(name="dump_stats_entry")
-    for name, number, kind, required in _DUMP_FIELDS:
-        dump.field.add(name=name, number=number, type=getattr(field, f"TYPE_{kind.upper()}"),
-                       label=field.LABEL_REQUIRED if required else field.LABEL_OPTIONAL)
-    proto.message_type.add(name="stats_entry").field.add(
-        name="dump", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
-        type_name=".dump_stats_entry")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("stats_entry"))
+    """CRIU's stats_entry (its field 1, `dump`, a dump_stats_entry), as a protobuf message
+    class."""
+    return criuimg.messages("pos-criu-stats.proto", _STATS)["stats_entry"]
 
 
 @dataclass(frozen=True)
@@ -66,19 +54,13 @@ class DumpStats:
 def dump_stats(images: Path) -> Optional[DumpStats]:
     """The stats-dump of the dump in `images`, None when there is none or it cannot be read
     (the timings then lack CRIU's split; the dump itself is not in doubt)."""
-    from google.protobuf.message import DecodeError
-
     try:
-        raw = (Path(images) / names.STATS_DUMP).read_bytes()
-        magic, kind, size = _HEAD.unpack_from(raw)
-        body = raw[_HEAD.size:_HEAD.size + size]
-        if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC) or len(body) != size:
-            return None
-        entry = stats_entry().FromString(body)
-    except (OSError, struct.error, DecodeError):
+        found = criuimg.entries(Path(images) / names.STATS_DUMP,
+                                (IMG_SERVICE_MAGIC, STATS_MAGIC), stats_entry())
+    except (OSError, criuimg.Unreadable):
         return None
-    if not entry.HasField("dump") or not entry.IsInitialized():    # parsing leaves that to us
+    if len(found) != 1 or not found[0].HasField("dump") or not found[0].IsInitialized():
         return None
-    d = entry.dump
+    d = found[0].dump
     return DumpStats(d.freezing_time / 1e6, d.frozen_time / 1e6, d.memdump_time / 1e6,
                      d.memwrite_time / 1e6, d.pages_scanned, d.pages_written)

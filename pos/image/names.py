@@ -21,6 +21,8 @@ PARTIAL_SUFFIX = ".partial"          # DIR.partial: an image being written, or a
 
 INVENTORY = "inventory.img"          # CRIU's: every dump of a process tree writes one
 STATS_DUMP = "stats-dump"            # CRIU's: where its dump's time went (pos/image/criustats.py)
+FILES = "files.img"                  # CRIU's: every file the tree had open or mapped (criufiles.py)
+REMAP_FPATH = "remap-fpath.img"      # CRIU's: the files it brings back itself (deleted at the dump)
 DUMP_LOG = "criu-dump.log"           # CRIU's log of the dump, kept in the image
 RESTORE_LOG = "criu-restore.log"     # of a restore, in its work folder
 PAGE_SERVER_LOG = "criu-page-server.log"   # of `pos migrate --listen`'s page server
@@ -49,6 +51,12 @@ def is_file_name(sent: str) -> bool:
     pre-dump's file; nothing else, which could reach outside the image."""
     head, _, name = sent.rpartition("/")
     return head in ("", PARENT) and name not in ("", ".", "..")
+
+
+def criu_image(kind: str, n: int) -> str:
+    """CRIU's image `kind` ("ids", "mm", "fs": of the process `n`; "fdinfo": of the table of
+    descriptors `n`)."""
+    return f"{kind}-{n}.img"
 
 
 def index_name(pid: Optional[int] = None) -> str:

@@ -9,6 +9,8 @@ from pos.image import Manifest
 from pos.scheduler import cudackpt, procs
 from pos.scheduler.criu import Options
 
+NO_NAME = "n/a"     # the name of a GPU the checkpoint saw used but NVML did not list
+
 
 def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
                  options: Options, leave_running: bool, gpu_use: dict[str, int]) -> Manifest:
@@ -25,6 +27,6 @@ def new_manifest(pid: int, pids: list[int], cuda: list[int], criu_version: str,
         cuda_version=cudackpt.driver_version() if cuda else None,
         tcp_listen=procs.listening_ports(pids) if options.tcp_established else [],
         inner_pids=procs.own_namespaces(pids),
-        gpus=[{"uuid": u, "name": here[u].name if u in here else "n/a", "memory_used": m,
+        gpus=[{"uuid": u, "name": here[u].name if u in here else NO_NAME, "memory_used": m,
                **({"index": here[u].index} if u in here else {})}    # `--to-gpu 0=1` names it
               for u, m in gpu_use.items()])

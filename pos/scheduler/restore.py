@@ -1,8 +1,9 @@
 """A process tree back from a whole-process image, by either engine: every file's presence and
-size checked first, CRIU's restore (the tree left stopped) beside the checksums' check, the tree
-resumed once the image is known good, the driver's restore (onto other GPUs if asked) and
-unlock; the concurrent engine puts the job's device memory back at the end (`finish`). All of
-it as steps with their undo (pos/scheduler/steps.py): a tree is never left half restored.
+size checked first, then what this host must hold (pos/scheduler/preflight.py), CRIU's restore
+(the tree left stopped) beside the checksums' check, the tree resumed once the image is known
+good, the driver's restore (onto other GPUs if asked) and unlock; the concurrent engine puts
+the job's device memory back at the end (`finish`). All of it as steps with their undo
+(pos/scheduler/steps.py): a tree is never left half restored.
 """
 
 import os
@@ -14,12 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
-from pos import host, image, nvml
-from pos.errors import BadInput, PosError
-from pos.image import Manifest, names
+from pos import image
+from pos.errors import PosError
+from pos.image import names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import cudackpt, procs
+from pos.scheduler import cudackpt, preflight, procs
 from pos.scheduler.criu import Options
 from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
@@ -27,31 +28,6 @@ from pos.scheduler.steps import Echo, Guard
 from pos.scheduler.watchdog import Plan
 
 PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
-
-
-def check_restorable(directory: Path, manifest: Manifest) -> None:
-    """Refuse an image whose PIDs are taken (unless it restores into namespaces of its own)
-    or whose driver differs from this host's."""
-    for pid in [] if manifest.inner_pids else manifest.pids:
-        if Path(f"/proc/{pid}").exists():
-            comm = host.describe(pid)[0] or "a process"
-            if procs.state(pid) == "Z":
-                comm += ", a zombie its parent has not reaped"
-            raise BadInput(f"PID {pid} of the image is taken ({comm})",
-                           "stop that process (after a --leave-running checkpoint: the "
-                           "original), then restore again")
-    if not manifest.gpu_pids:
-        return
-    here = nvml.driver_version()
-    if manifest.driver_version and here and here != manifest.driver_version:
-        raise BadInput(f"{directory} was taken with NVIDIA driver {manifest.driver_version} "
-                       f"and this host runs {here}", "restore it on a host with driver "
-                       f"{manifest.driver_version} (driver checkpoints are tied to the driver)")
-    cuda_here = cudackpt.driver_version()
-    if manifest.cuda_version and cuda_here and cuda_here != manifest.cuda_version:
-        raise BadInput(f"{directory} was taken with a CUDA {manifest.cuda_version} driver and "
-                       f"this host's driver is CUDA {cuda_here}", "restore it on a host with "
-                       "the same driver (driver checkpoints are tied to the driver)")
 
 
 def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
@@ -70,6 +46,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
             progress: Progress = QUIET, hoisted: bool = False,
             finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
+            before_criu: Callable[[], None] = lambda: None,
             before_driver: Callable[[], None] = lambda: None,
             settings: Optional[Settings] = None) -> Report:
     """Restore the image in `directory` and resume its processes; `check`: the files whose
@@ -81,6 +58,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     (each PID of the image -> its process's PID now: the same, or new ones for a tree of its
     own namespaces, restored into new ones) runs last under the same guard (the concurrent engine puts the job's device memory back
     there: a failure then ends the restored tree, never leaves it half-restored);
+    `before_criu()` once the image and this host passed every check (preflight.py), before
+    anything else starts (the concurrent engine starts making the job's device memory there);
     `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
     there). The work folder goes whatever happens (CRIU's log of a failure is kept in
     Settings.log_dir, and the error names it)."""
@@ -91,8 +70,9 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find(settings)
     checked = time.monotonic()
-    check_restorable(directory, manifest)
+    preflight.check(directory, manifest, gpu_pairs, inherit_fds)
     checked = time.monotonic() - checked
+    before_criu()
     options = Options.from_json(manifest.criu_options)
     for path, size in manifest.logs.items():
         now = os.stat(path).st_size if os.path.exists(path) else size
@@ -119,7 +99,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     try:
         with Guard(plan, echo, settings, progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
-            g.timings["prepare_check"] = checked               # of which the driver's checks
+            g.timings["prepare_check"] = checked               # of which the host's checks
             g.step("criu-restore")
             argv = criu.restore_argv(directory, options, work, work / "pidfile",
                                      inherit_fds + tuple(logs.values()), leave_stopped=True)

@@ -58,7 +58,7 @@ def test_a_log_that_grew_since_the_dump_is_appended_to(redirect: str, tmp_path: 
     assert resumed[0] <= grown[-1]           # it went on from the dump's value
 
 
-def test_a_file_changed_since_the_dump_is_named(tmp_path: Path, counters, env) -> None:
+def test_a_file_changed_or_gone_since_the_dump_is_named(tmp_path: Path, counters, env) -> None:
     data = tmp_path / "data.bin"
     data.write_bytes(b"\0" * 100)
     c = Counter(tmp_path / "count", extra=("--hold", str(data)))
@@ -68,10 +68,14 @@ def test_a_file_changed_since_the_dump_is_named(tmp_path: Path, counters, env) -
     c.reap_original()
     data.write_bytes(b"\0" * 150)
     r = pos("restore", "-D", str(img), env=env)
-    one_sentence(r, 2, f"the file {data} changed since the dump (100 bytes then, 150 now)",
+    one_sentence(r, 2, f"the file {data} that PID {c.pid} had open changed size since the "
+                 "checkpoint (100 bytes then, 150 now)",
                  f"--inherit-fd 'fd[N]:{str(data).lstrip('/')}'")
-    reap(c.pid)                               # the undo's victim, reparented to pytest
-    assert not alive(c.pid)
+    assert not alive(c.pid)                   # refused before CRIU started
+    data.unlink()
+    one_sentence(pos("restore", "-D", str(img), env=env), 2,
+                 f"the file {data} that PID {c.pid} had open is not there any more",
+                 "put it back at that path")
     data.write_bytes(b"\0" * 100)             # put back as it was: the restore goes through
     r = pos("restore", "-D", str(img), env=env)
     assert r.returncode == 0, r.stderr

@@ -122,10 +122,16 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
         pairs, where = gpumap.onto(directory, to_gpu)
     ranks = ranks_of(directory)
     moved = dict(pairs)
-    pres = [Prefetch(directory, streams, settings, where[0] if where else None)] \
-        if ranks == [None] else \
-        [Prefetch(directory, streams, settings, None, rank, moved) for rank in ranks]
+    pres: list[Prefetch] = []
     back = _Back()
+
+    def make_memory() -> None:
+        """Each job's new device memory, made and filled beside CRIU: only once the image and
+        this host passed every check, so that a refusal leaves no GPU work behind."""
+        for rank in ranks:
+            pres.append(Prefetch(directory, streams, settings, where[0] if where else None)
+                        if rank is None else
+                        Prefetch(directory, streams, settings, None, rank, moved))
 
     def put_back(g: Guard, live: dict[int, int]) -> None:
         """The restored jobs map the memory pos made for them, and run; the fill goes on."""
@@ -161,8 +167,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     try:
         result = tree_restore.restore_tree(
             directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
-            finish=put_back, before_driver=lambda: [pre.pause() for pre in pres],
-            settings=settings)
+            finish=put_back, before_criu=make_memory,
+            before_driver=lambda: [pre.pause() for pre in pres], settings=settings)
     finally:
         t1 = time.monotonic()
         for pre in pres:
