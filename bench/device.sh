@@ -30,7 +30,9 @@
 #                                # growth with the ranks, each rank's host memory (~8 min)
 #   bench/device.sh serve        # inference servers started warm: bench/serve_gpu.py
 #                                # (POS_SERVE_MODELS, default gpt2-large,llama-7b;
-#                                # POS_SERVE_CASES, default stw,concurrent,clone;
+#                                # POS_SERVE_CASES, default stw,concurrent,concurrent-lazy,
+#                                # concurrent-service,clone; POS_SERVE_SERVICE_ENV: the
+#                                # restore service's settings, e.g. POS_LAZY_PAGES=1;
 #                                # POS_SERVE_CLONES: instances of the clone case, default 0)
 #   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
@@ -157,7 +159,8 @@ serve)
     step native python3 -m pos.native
     step serve python3 bench/serve_gpu.py --out "$out" \
         --models "${POS_SERVE_MODELS:-gpt2-large,llama-7b}" \
-        --cases "${POS_SERVE_CASES:-stw,concurrent,clone}" --clones "${POS_SERVE_CLONES:-0}"
+        --cases "${POS_SERVE_CASES:-stw,concurrent,concurrent-lazy,concurrent-service,clone}" \
+        --clones "${POS_SERVE_CLONES:-0}" --service-env "${POS_SERVE_SERVICE_ENV:-}"
     grep '^row' "$out/serve.log"
     cp /var/log/pos/*criu-restore.log "$out/" 2>/dev/null
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log 2>/dev/null) ;;

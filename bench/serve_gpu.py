@@ -217,9 +217,42 @@ def spawn(model_dir: Path, req: Requests, log: Path, prefix: tuple[str, ...] = (
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def pos_async(*args: str) -> subprocess.Popen:
+def pos_async(*args: str, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     return subprocess.Popen([*POS, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+# how each case restores a concurrent image: `pos restore`'s extra arguments and environment
+# (concurrent: in pos's own process, as before; -lazy: CRIU's lazy pages; -service: through
+# `pos restore-service`, which has its imports, NVML and CUDA contexts made before)
+VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "concurrent": ((), {}),
+    "concurrent-lazy": ((), {"POS_LAZY_PAGES": "1"}),
+    "concurrent-service": ((), {}),
+}
+
+
+class Service:
+    """`pos restore-service` on a socket of this run's own, started once, stopped at the end;
+    `env`: its settings (POS_LAZY_PAGES ...)."""
+
+    def __init__(self, socket: Path, log: Path, env: dict[str, str]) -> None:
+        self.socket = socket
+        self.proc = subprocess.Popen([*POS, "restore-service", "--socket", str(socket)],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "ab"),
+                                     text=True, env={**os.environ, **env},
+                                     start_new_session=True)
+        line = self.proc.stdout.readline()
+        if "ready" not in line:
+            raise SystemExit(f"pos restore-service did not start: {line!r} (see {log})")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def finish(p: subprocess.Popen, t0: float, timeout: float = 600) -> dict[str, Any]:
@@ -300,6 +333,7 @@ class Bench:
         self.rows: list[dict[str, Any]] = []
         self.runs: list[dict[str, Any]] = []
         self.req = Requests(work / "requests")
+        self.service: Optional[Service] = None
 
     def save(self) -> None:
         (self.out / "serve.json").write_text(json.dumps(
@@ -356,6 +390,9 @@ class Bench:
     # -- an image, restored twice
     def restores(self, model: str, info: dict[str, Any], case: str, image: Path,
                  cold: dict[str, Any], under_pos: bool, ckpt: dict[str, Any]) -> None:
+        args, env = VARIANTS.get(case, ((), {}))
+        if self.service is not None and case != "concurrent-service":
+            args = (*args, "--no-service")      # in pos's own process
         image_gib = round(sum(f.stat().st_size for f in image.rglob("*") if f.is_file())
                           / GIB, 2)
         for cache in ("dropped", "warm"):
@@ -364,7 +401,7 @@ class Bench:
             if cache == "dropped":
                 drop_caches()
             t0 = time.time()
-            p = pos_async("restore", "-D", str(image), "--json")
+            p = pos_async("restore", "-D", str(image), "--json", *args, env=env)
             server = None
             run: dict[str, Any] = {"model": model, "case": case, "cache": cache,
                                    "checkpoint": ckpt}
@@ -429,26 +466,28 @@ class Bench:
         info = write_model(model, mdir)
         print(model, json.dumps(info), flush=True)
         cold = self.cold(model, mdir, info)
-        for case in cases:
+        variants = [c for c in cases if c in VARIANTS]
+        steps = (["stw"] if "stw" in cases else []) + (["concurrent"] if variants else []) + \
+            (["clone"] if "clone" in cases and clones else [])
+        for step in steps:
             try:
-                if case == "stw":
-                    image, c = self.saved(model, mdir, case, (), ())
+                if step == "stw":
+                    image, c = self.saved(model, mdir, step, (), ())
                     self.restores(model, info, "stw", image, cold, False, c)
-                elif case == "concurrent":
-                    image, c = self.saved(model, mdir, case, (*POS, "run", "--"),
+                elif step == "concurrent":      # one image, restored by each variant
+                    image, c = self.saved(model, mdir, step, (*POS, "run", "--"),
                                           ("--concurrent", "--leave-running"))
-                    self.restores(model, info, "concurrent", image, cold, True, c)
-                elif case == "clone" and clones:
-                    image, c = self.saved(model, mdir, case,
+                    for case in variants:
+                        self.restores(model, info, case, image, cold, True, c)
+                else:
+                    image, c = self.saved(model, mdir, step,
                                           (*POS, "run", "--clonable", "--"),
                                           ("--concurrent", "--leave-running"))
                     self.clone(model, info, image, cold, clones, c)
-                else:
-                    continue
                 shutil.rmtree(image, ignore_errors=True)
             except Exception as e:
-                self.runs.append({"model": model, "case": case, "error": repr(e)})
-                self.row(model, info, case, "warm", None, cold["warm"]["ttft"], False,
+                self.runs.append({"model": model, "case": step, "error": repr(e)})
+                self.row(model, info, step, "warm", None, cold["warm"]["ttft"], False,
                          error=repr(e)[:600])
 
     # -- one image, several instances
@@ -498,8 +537,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/var/tmp/pos-serve")
     ap.add_argument("--models", default="gpt2-large,llama-7b")
-    ap.add_argument("--cases", default="stw,concurrent,clone")
+    ap.add_argument("--cases", default="stw,concurrent,concurrent-lazy,concurrent-service,clone")
     ap.add_argument("--clones", type=int, default=0, help="instances of the clone case")
+    ap.add_argument("--service-env", default="",
+                    help="NAME=VALUE,... for pos restore-service (e.g. POS_LAZY_PAGES=1)")
     a = ap.parse_args()
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -512,8 +553,19 @@ def main() -> None:
     disk = disk_read_gbps(sorted((work / models[-1]).glob("*.safetensors")))
     print("disk", json.dumps(disk), flush=True)
     bench = Bench(out, work, facts, disk)
-    for m in models:
-        bench.model(m, a.cases.split(","), a.clones)
+    cases = a.cases.split(",")
+    if "concurrent-service" in cases:
+        env = dict(kv.split("=", 1) for kv in a.service_env.split(",") if kv)
+        sock = work / "restore.sock"
+        bench.service = Service(sock, out / "restore-service.log", env)
+        os.environ["POS_RESTORE_SOCKET"] = str(sock)     # pos restore finds it there
+        facts["service_env"] = env
+    try:
+        for m in models:
+            bench.model(m, cases, a.clones)
+    finally:
+        if bench.service is not None:
+            bench.service.stop()
 
 
 if __name__ == "__main__":
