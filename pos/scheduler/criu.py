@@ -47,8 +47,15 @@ class KnownFailure:
     action: str = ""
 
 
+LAZY_OFF = "set POS_LAZY_PAGES=0 (CRIU then restores all of the memory before the job runs)"
 # First match wins, so the narrow entries come before the broad ones.
 KNOWN_FAILURES: tuple[KnownFailure, ...] = (
+    # a lazy restore (POS_LAZY_PAGES=1, pos/scheduler/lazypages.py): `criu check --feature
+    # uffd-noncoop`'s answer when its daemon ended at once, or the restore's own refusal.
+    # Docker's default seccomp profile refuses userfaultfd(2), as kernels built without it do.
+    KnownFailure(r"UFFD is not supported|userfaultfd descriptor|lazy-pages: register",
+                 "this kernel, or the sandbox pos runs in (a container's seccomp profile), "
+                 "refuses CRIU the userfaultfd that a lazy restore needs", LAZY_OFF),
     # Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets and CRIU 4.1 treats that as
     # fatal (checkpoint-restore/criu#2718, fixed after 4.1): no process with a TCP/UDP socket
     # can be dumped by it, whatever the options.
@@ -230,15 +237,41 @@ class Criu:
             "-t", str(pid), *opts.argv(), "--track-mem", "--pre-dump-mode", "read"]
 
     def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
-                     inherit_fds: tuple[str, ...] = (), leave_stopped: bool = False) -> list[str]:
-        """`leave_stopped`: the restored tree stays stopped (SIGSTOP) for the caller to resume."""
+                     inherit_fds: tuple[str, ...] = (), leave_stopped: bool = False,
+                     lazy_pages: bool = False) -> list[str]:
+        """`leave_stopped`: the restored tree stays stopped (SIGSTOP) for the caller to resume.
+        `lazy_pages`: the memory that may be lazy is left to the daemon of lazy_pages_argv with
+        the same `workdir`, where CRIU's socket between the two is."""
         argv = self._base("restore", images, names.RESTORE_LOG, workdir) + [
             "-d", "--pidfile", str(pidfile), *opts.argv()]
         if leave_stopped:
             argv.append("--leave-stopped")
+        if lazy_pages:
+            argv.append("--lazy-pages")
         for spec in inherit_fds:
             argv += ["--inherit-fd", spec]
         return argv
+
+    def lazy_pages_argv(self, images: Path, workdir: Path, status_fd: int) -> list[str]:
+        """CRIU's lazy-pages daemon for the image in `images`, in the foreground: it listens on
+        lazy-pages.socket in `workdir` (CRIU's fixed name, relative to its work folder: criu/
+        uffd.c), writes a byte to `status_fd` once it does, serves the pages of the restore
+        that connects there, and exits once every page is in."""
+        return self._base("lazy-pages", images, names.LAZY_PAGES_LOG, workdir) + [
+            "--status-fd", str(status_fd)]
+
+    def lacks(self, feature: str) -> str:
+        """What CRIU says this kernel lacks of `feature` (`criu check --feature`), "" when
+        it has it."""
+        try:
+            p = subprocess.run([self.path, "check", "--feature", feature], capture_output=True,
+                               text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            return f"criu check --feature {feature} did not answer within 60 s"
+        said = (p.stdout + p.stderr).strip().splitlines()
+        if p.returncode == 0:
+            return ""
+        return _plain(said[-1]) if said else f"criu check --feature {feature} failed"
 
     def page_server_argv(self, images: Path, address: str, port: int, workdir: Path) -> list[str]:
         return self._base("page-server", images, names.PAGE_SERVER_LOG, workdir) + [
@@ -368,17 +401,28 @@ def reopen_logs(logs: dict[str, int]) -> dict[int, str]:
     return out
 
 
-def log_tail(log: Path, lines: int = 6) -> list[str]:
-    """The last error lines of a CRIU log (or its last lines when it names no error), from
-    its last MiB (a log that ran away holds gigabytes)."""
+def _last_lines(log: Path) -> list[str]:
+    """The lines of a CRIU log's last MiB (a log that ran away holds gigabytes)."""
     try:
         with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
-            text = f.read().decode("utf-8", "replace").splitlines()
+            return f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return []
+
+
+def log_tail(log: Path, lines: int = 6) -> list[str]:
+    """The last error lines of a CRIU log (or its last lines when it names no error), from
+    its last MiB."""
+    text = _last_lines(log)
     errors = [ln for ln in text if "Error" in ln or "error" in ln]
     return (errors or text)[-lines:]
+
+
+def logged_error(log: Path) -> bool:
+    """Whether CRIU logged an error in the last MiB of `log`: a line of its pr_err, which
+    starts "Error (FILE:LINE): " (its debug lines may name errors it recovered from)."""
+    return any("Error (" in ln for ln in _last_lines(log))
 
 
 def keep_log(log: Path, log_dir: Path) -> Optional[Path]:
@@ -405,17 +449,26 @@ def keep_log(log: Path, log_dir: Path) -> Optional[Path]:
         return None
 
 
+def known(what: str, said: str, log: Path) -> Optional[BadInput]:
+    """The failure of `criu what` in one sentence, when what CRIU said (`said`) is of a
+    KNOWN_FAILURES class; `log`: where its log is kept."""
+    for entry in KNOWN_FAILURES:
+        m = re.search(entry.pattern, said)
+        if m and entry.action in ("", what):
+            groups = m.groups()
+            return BadInput(f"criu {what} failed: {entry.cause.format(*groups)}",
+                            f"{entry.fix.format(*groups)} (CRIU's log: {log})")
+    return None
+
+
 def failure(what: str, log: Path, log_dir: Path, output: str = "") -> PosError:
     """One PosError for a failed CRIU run: a known cause with its fix, else CRIU's last error
     before its closing lines (never "Restoring FAILED" alone); its log kept in `log_dir`."""
     errors = log_tail(log) or output.strip().splitlines()[-6:]
     log = keep_log(log, log_dir) or log
-    for known in KNOWN_FAILURES:
-        m = re.search(known.pattern, "\n".join(errors))
-        if m and known.action in ("", what):
-            groups = m.groups()
-            return BadInput(f"criu {what} failed: {known.cause.format(*groups)}",
-                            f"{known.fix.format(*groups)} (CRIU's log: {log})")
+    found = known(what, "\n".join(errors), log)
+    if found is not None:
+        return found
     causes = [ln for ln in errors if not SUMMARY.search(ln)] or errors or ["no log"]
     cause = _plain(causes[-1])
     return PosError(f"criu {what} failed: {cause}", f"see CRIU's log {log}")

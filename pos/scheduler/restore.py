@@ -20,7 +20,7 @@ from pos.errors import PosError
 from pos.image import names
 from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
-from pos.scheduler import cudackpt, preflight, procs
+from pos.scheduler import cudackpt, lazypages, preflight, procs
 from pos.scheduler.criu import Options
 from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
@@ -62,7 +62,9 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     anything else starts (the concurrent engine starts making the job's device memory there);
     `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
     there). The work folder goes whatever happens (CRIU's log of a failure is kept in
-    Settings.log_dir, and the error names it)."""
+    Settings.log_dir, and the error names it). With Settings.lazy_pages, CRIU's lazy-pages
+    daemon serves the memory CRIU leaves lazy, and the restore ends once it has served every
+    page (pos/scheduler/lazypages.py)."""
     settings = settings or Settings.from_env()      # a bad setting: said before CRIU starts
     directory = Path(directory).absolute()
     t = time.monotonic()
@@ -96,13 +98,17 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     checking = pool.submit(_verify_timed, directory, check, stop)
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     plan.work = str(work)
+    lazy: Optional[lazypages.Daemon] = None
     try:
         with Guard(plan, echo, settings, progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
             g.timings["prepare_check"] = checked               # of which the host's checks
             g.step("criu-restore")
+            if settings.lazy_pages:
+                lazy = lazypages.start(g, criu, directory, work)
             argv = criu.restore_argv(directory, options, work, work / "pidfile",
-                                     inherit_fds + tuple(logs.values()), leave_stopped=True)
+                                     inherit_fds + tuple(logs.values()), leave_stopped=True,
+                                     lazy_pages=lazy is not None)
             terminal = options.shell_job and os.isatty(0)
             try:
                 g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
@@ -124,6 +130,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             g.each("unlock", cuda, cudackpt.unlock)
             if finish is not None:
                 finish(g, live)
+            if lazy is not None:        # the job runs; the rest of its memory comes in
+                lazy.wait(g, t)
     finally:
         stop.set()
         pool.shutdown()
@@ -131,6 +139,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             os.close(fd)
         if settings.keep_restore_log:
             criu_mod.keep_log(work / names.RESTORE_LOG, criu.log_dir)
+            if lazy is not None:
+                criu_mod.keep_log(lazy.log, criu.log_dir)
         shutil.rmtree(work, ignore_errors=True)
     return Report("stop-the-world", str(directory), manifest, timings=g.timings,
                   restored_pid=root)

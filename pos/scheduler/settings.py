@@ -18,7 +18,11 @@ Every setting, its variable and its default:
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
   hoist_stack         POS_HOIST_STACK       the stack a hoisted context keeps (off: as it is)
-  criu_wait_s         POS_CRIU_WAIT_S       how long an undo waits for a CRIU still running
+  criu_wait_s         POS_CRIU_WAIT_S       how long an undo waits for a CRIU still running,
+                                            and a restore for its lazy-pages daemon
+  lazy_pages          POS_LAZY_PAGES        1: CRIU restores private anonymous memory on demand
+                                            (pos/scheduler/lazypages.py); 0, the default: all
+                                            of it before the job runs
   fault_at            POS_FAULT_AT          STEP=SIGNAL: pos signals itself there (the tests)
 """
 
@@ -42,6 +46,8 @@ FILL_FROMS = ("pause", "start", "release")
 DEFAULT_FILL_PIECE_KIB = 2048
 DEFAULT_HOIST_STACK = 0
 DEFAULT_CRIU_WAIT_S = 3600.0
+# off until it is measured against the full restore on the GPU machines
+LAZY_PAGES = ("0", "1")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Settings:
     fill_from: str = FILL_FROMS[0]
     hoist_stack: Optional[int] = DEFAULT_HOIST_STACK
     criu_wait_s: float = DEFAULT_CRIU_WAIT_S
+    lazy_pages: bool = False
     fault_at: str = ""
 
     @classmethod
@@ -134,5 +141,8 @@ class Settings:
             criu_wait_s=get("POS_CRIU_WAIT_S", seconds, DEFAULT_CRIU_WAIT_S,
                             "a number of seconds above 0", "unset it (an undo then waits up "
                             f"to {DEFAULT_CRIU_WAIT_S:.0f} s for CRIU)"),
+            lazy_pages=get("POS_LAZY_PAGES", one_of(LAZY_PAGES), LAZY_PAGES[0], "0 or 1",
+                           "unset it (CRIU then restores all of the memory before the job "
+                           "runs)") == "1",
             fault_at=env.get("POS_FAULT_AT", ""),
         )

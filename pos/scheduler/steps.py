@@ -69,10 +69,10 @@ class Guard:
         """`settings`: the operation's; its `fault_at` is fault injection, as CRIU's
         CRIU_FAULT: "STEP=SIGNAL" (STEP:criu while CRIU runs) makes pos send itself SIGNAL
         when that step begins, so that tests can kill pos at every step; how long the undo
-        waits for a running CRIU goes into the plan."""
+        waits for a running CRIU, and where CRIU's logs are kept, go into the plan."""
         self.plan, self.echo, self.progress = plan, echo, progress
         self.fault_at = settings.fault_at
-        plan.criu_wait_s = settings.criu_wait_s
+        plan.criu_wait_s, plan.log_dir = settings.criu_wait_s, str(settings.log_dir)
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
         self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory

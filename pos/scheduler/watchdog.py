@@ -21,8 +21,10 @@ twice (pos died during its own undo) without harm:
     the checkpoint was to, never continued;
   - restore: a tree that CRIU restored stopped beside the image's check runs on only if the
     image is good (killed otherwise); forward, a restored tree is finished (driver restore
-    onto the planned GPUs, unlock); a tree that cannot be finished is killed, never left
-    half-restored; a restore that the user stopped (SIGINT/SIGTERM) is ended, not finished;
+    onto the planned GPUs, unlock, the rest of its memory from CRIU's lazy-pages daemon); a
+    tree that cannot be finished is killed, never left half-restored; a restore that the user
+    stopped (SIGINT/SIGTERM) is ended, not finished; the lazy-pages daemon is ended last,
+    once the tree it served is gone or has every page;
   - hoisted memory (`Plan.hoisted`) is mapped back into the job, which then runs on.
 """
 
@@ -41,7 +43,8 @@ from typing import Any, Callable, Optional
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
 from pos.scheduler import procs
-from pos.scheduler.settings import DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_CRIU_WAIT_S
+from pos.scheduler.settings import (DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_CRIU_WAIT_S,
+                                     DEFAULT_LOG_DIR)
 
 LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
@@ -73,6 +76,12 @@ class Plan:
                                               # tree may run (None: all)
     criu_log_max: int = DEFAULT_CRIU_LOG_MAX_MB << 20   # restore: CRIU's log bound (Criu.log_max)
     criu_wait_s: float = DEFAULT_CRIU_WAIT_S  # how long the undo waits for a running CRIU
+    log_dir: str = DEFAULT_LOG_DIR            # where CRIU's logs of failed runs are kept
+    lazy_pid: Optional[int] = None            # restore: CRIU's lazy-pages daemon (its own
+                                              # process group; pos/scheduler/lazypages.py)
+    lazy_log: str = ""                        # and its log
+    lazy_deadline: float = 0.0                # time.monotonic() by which it must have served
+                                              # every page, or the tree is killed
 
     def who(self) -> str:
         """The operation's process for a person: its PID, or, for a restore into new
@@ -191,6 +200,36 @@ def end_tree(plan: Plan) -> None:
     procs.thaw([plan.parent])
 
 
+def _recover_restore(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
+    """`recover` of a restore: its tree finished and running on, or killed."""
+    if not plan.pids or not procs.alive(plan.pids[0]):
+        return                      # CRIU failed and cleaned up: nothing was restored
+    if stopped:
+        log(f"the restore was stopped: ending the tree of PID {plan.pids[0]}")
+        procs.kill_tree(procs.tree(plan.pids[0]))
+        return
+    if plan.step in ("criu-restore", "verify") and not _verified(plan, log):
+        return
+    try:
+        _finish_gpu(plan, [tuple(p) for p in plan.gpu_pairs], log)
+    except PosError as e:
+        log(f"cannot finish the restore ({e.message}): killing the restored tree")
+        procs.kill_tree(procs.tree(plan.pids[0]))
+        raise
+    if plan.hoisted:       # its device memory is not all back: it must not run on
+        log(f"the device memory of PID {plan.pids[0]} is not back: killing the tree")
+        procs.kill_tree(procs.tree(plan.pids[0]))
+        return
+    if plan.lazy_pid:      # its memory is not all in before the lazy-pages daemon ends
+        from pos.scheduler import lazypages
+
+        log(f"waiting for CRIU's lazy-pages daemon (PID {plan.lazy_pid}) to serve the rest "
+            f"of the memory of PID {plan.pids[0]}")
+        why = lazypages.settle(plan)
+        if why is not None:
+            log(f"{why.message}: the restored tree was killed")
+
+
 def recover(plan: Plan, log: Callable[[str], None],
             memory: Optional[dict[int, list[int]]] = None, stopped: bool = False) -> None:
     """Bring the plan's processes back to running (see the module docstring); `memory`: the
@@ -198,23 +237,13 @@ def recover(plan: Plan, log: Callable[[str], None],
     stopped the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
     _wait_criu(plan, log, stopped)
     if plan.op == "restore":
-        if not plan.pids or not procs.alive(plan.pids[0]):
-            return                      # CRIU failed and cleaned up: nothing was restored
-        if stopped:
-            log(f"the restore was stopped: ending the tree of PID {plan.pids[0]}")
-            procs.kill_tree(procs.tree(plan.pids[0]))
-            return
-        if plan.step in ("criu-restore", "verify") and not _verified(plan, log):
-            return
         try:
-            _finish_gpu(plan, [tuple(p) for p in plan.gpu_pairs], log)
-        except PosError as e:
-            log(f"cannot finish the restore ({e.message}): killing the restored tree")
-            procs.kill_tree(procs.tree(plan.pids[0]))
-            raise
-        if plan.hoisted:       # its device memory is not all back: it must not run on
-            log(f"the device memory of PID {plan.pids[0]} is not back: killing the tree")
-            procs.kill_tree(procs.tree(plan.pids[0]))
+            _recover_restore(plan, log, stopped)
+        finally:
+            if plan.lazy_pid:    # after the tree, which it served or which is gone
+                from pos.scheduler import lazypages
+
+                lazypages.end(plan.lazy_pid)
         return
     if plan.op == "checkpoint" and plan.step == "end":
         log(f"the image is sealed: ending the tree of PID {plan.pids[0]}, as asked")

@@ -300,13 +300,15 @@ def test_the_buffers_the_job_uses_once_released_are_marked_hot_in_its_image(
 
 
 # the restore's fill: beside CRIU and paused for the driver's restore (the default), never
-# paused (read with pread, not mapped), or only from the job's release; pieces of several sizes
-@pytest.mark.parametrize("fill_from,mapped,piece", [("pause", "1", "2048"), ("start", "0", "256"),
-                                                    ("release", "1", "1024")])
+# paused (read with pread, not mapped), or only from the job's release; pieces of several sizes;
+# the job's host memory from CRIU's lazy-pages daemon (POS_LAZY_PAGES=1) while the fill runs
+@pytest.mark.parametrize("fill_from,mapped,piece,lazy", [
+    ("pause", "1", "2048", "0"), ("start", "0", "256", "0"), ("release", "1", "1024", "0"),
+    ("pause", "1", "2048", "1")])
 def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,
                                                                 criu_ready, gpu_env,
                                                                 fill_from: str, mapped: str,
-                                                                piece: str) -> None:
+                                                                piece: str, lazy: str) -> None:
     job = fill_job()
     ran_past(job.pid, 0)
     img = tmp_path / "full"
@@ -316,11 +318,13 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     job.proc.wait(timeout=30)                   # CRIU ended it after the dump
     saved = image_values(img)
     assert not torn(saved)
-    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FILL_FROM": fill_from,
-                                            "POS_FILL_MAPPED": mapped,
-                                            "POS_FILL_PIECE_KIB": piece})
+    r = pos("restore", "-D", str(img), "--json", env={
+        **gpu_env, "POS_FILL_FROM": fill_from, "POS_FILL_MAPPED": mapped,
+        "POS_FILL_PIECE_KIB": piece, "POS_LAZY_PAGES": lazy})
     assert r.returncode == 0, r.stderr
-    assert f"restored PID {job.pid}" in r.stdout
+    report = json.loads(r.stdout)
+    assert report["restored_pid"] == job.pid
+    assert ("lazy_done_at" in report["timings"]) == (lazy == "1")
     ran_past(job.pid, max(saved))
     assert job.alive()
     now = concurrent.checkpoint_gpu(job.pid, tmp_path / "after")
