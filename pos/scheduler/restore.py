@@ -137,6 +137,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
         pool.shutdown()
         for fd in logs:
             os.close(fd)
+        if lazy is not None:        # ended by now, served or by the undo: its thread goes too
+            lazy.ended(criu_mod.END_S)
         if settings.keep_restore_log:
             criu_mod.keep_log(work / names.RESTORE_LOG, criu.log_dir)
             if lazy is not None:

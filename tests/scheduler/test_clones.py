@@ -82,7 +82,9 @@ def test_pos_run_clonable_makes_the_job_pid_1_and_passes_its_status_and_signals(
             p.wait()
 
 
-def test_one_image_restores_three_times_at_once(tmp_path: Path, counters: list) -> None:
+@pytest.mark.parametrize("lazy", ["0", "1"])     # 1: each copy served by a lazy-pages daemon
+def test_one_image_restores_three_times_at_once(tmp_path: Path, counters: list,
+                                                lazy: str) -> None:
     c = Counter(tmp_path / "count", prefix=CLONABLE)
     counters.append(c)
     job = procs.job_in_namespaces(c.pid)
@@ -98,13 +100,16 @@ def test_one_image_restores_three_times_at_once(tmp_path: Path, counters: list) 
     before = len(lines(c.path))
     runs = [subprocess.Popen([sys.executable, "-m", "pos.cli", "restore", "-D", str(img),
                               "--json"], cwd=ROOT, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "POS_LAZY_PAGES": lazy})
             for _ in range(3)]
     restored = []
     for run in runs:
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err
-        restored.append(json.loads(out.strip().splitlines()[-1])["restored_pid"])
+        report = json.loads(out.strip().splitlines()[-1])
+        restored.append(report["restored_pid"])
+        assert ("lazy_done_at" in report["timings"]) == (lazy == "1")
     try:
         assert len(set(restored)) == 3 and job not in restored
         for pid in restored:
