@@ -25,6 +25,7 @@ FILES = "files.img"                  # CRIU's: every file the tree had open or m
 REMAP_FPATH = "remap-fpath.img"      # CRIU's: the files it brings back itself (deleted at the dump)
 DUMP_LOG = "criu-dump.log"           # CRIU's log of the dump, kept in the image
 RESTORE_LOG = "criu-restore.log"     # of a restore, in its work folder
+RESTORE_PIDFILE = "pidfile"          # of a restore, in its work folder: its root's PID
 LAZY_PAGES_LOG = "criu-lazy-pages.log"   # of a lazy restore's daemon, beside it
 PAGE_SERVER_LOG = "criu-page-server.log"   # of `pos migrate --listen`'s page server
 PREDUMP_LOG = "criu-predump.log"     # of a pre-dump, in PARENT

@@ -106,7 +106,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             g.step("criu-restore")
             if settings.lazy_pages:
                 lazy = lazypages.start(g, criu, directory, work)
-            argv = criu.restore_argv(directory, options, work, work / "pidfile",
+            argv = criu.restore_argv(directory, options, work, work / names.RESTORE_PIDFILE,
                                      inherit_fds + tuple(logs.values()), leave_stopped=True,
                                      lazy_pages=lazy is not None)
             terminal = options.shell_job and os.isatty(0)
@@ -118,7 +118,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             except PosError:
                 checking.result()       # a corrupt image explains CRIU's failure best
                 raise
-            root = int((work / "pidfile").read_text())
+            root = int((work / names.RESTORE_PIDFILE).read_text())
             live = procs.restored_pids(root, manifest.pids, manifest.inner_pids)
             cuda = [live[p] for p in manifest.gpu_pids]
             # the tree is stopped until its image is known good

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
+from pos.image import names
 from pos.scheduler import procs
 from pos.scheduler.settings import (DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_CRIU_WAIT_S,
                                      DEFAULT_LOG_DIR)
@@ -200,9 +201,25 @@ def end_tree(plan: Plan) -> None:
     procs.thaw([plan.parent])
 
 
+def _end_unnamed(plan: Plan, log: Callable[[str], None]) -> None:
+    """A tree restored into new namespaces whose PIDs pos had not sent yet (it died between
+    CRIU's end and the next step): CRIU's pidfile in the work folder names its root, which
+    never ran (it is restored stopped): it is killed."""
+    try:
+        root = int((Path(plan.work) / names.RESTORE_PIDFILE).read_text())
+    except (OSError, ValueError):
+        return                      # CRIU had not finished: nothing was restored
+    if procs.alive(root):
+        log(f"ending the tree of PID {root}, restored into new namespaces, which never ran")
+        procs.kill_tree(procs.tree(root))
+
+
 def _recover_restore(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
     """`recover` of a restore: its tree finished and running on, or killed."""
-    if not plan.pids or not procs.alive(plan.pids[0]):
+    if not plan.pids:
+        _end_unnamed(plan, log)
+        return
+    if not procs.alive(plan.pids[0]):
         return                      # CRIU failed and cleaned up: nothing was restored
     if stopped:
         log(f"the restore was stopped: ending the tree of PID {plan.pids[0]}")
