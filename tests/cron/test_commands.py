@@ -82,7 +82,8 @@ def test_criu_options_are_stored_with_the_schedule(run, sleeper, tmp_path: Path)
     row = schedules.all_schedules(open_db(str(tmp_path / "pos.db")))[0]
     assert json.loads(row.criu_options) == {
         "shell_job": True, "tcp_established": False, "ext_unix_sk": False, "file_locks": False,
-        "external": ["file[2a:1234]", "unix[99]"], "network_lock": None, "ghost_limit": None}
+        "external": ["file[2a:1234]", "unix[99]"], "network_lock": None, "ghost_limit": None,
+        "empty_netns": False}
 
 
 def test_target_errors(run, sleeper, tmp_path: Path) -> None:
