@@ -2,7 +2,8 @@
 root's alone; a bad image or GPU is said as the in-process restore says it, with its exit code;
 a stale socket, --no-service and a service that gives no outcome; SIGTERM and SIGINT; a peer
 other than root. With real CRIU (root): plain processes restored by the service, two at once,
-one whose client went away, a shell job left to a client on a terminal; and a `pos run` job on
+one whose client went away, one running at SIGTERM, a shell job left to a client on a terminal;
+and a `pos run` job on
 the fake GPU, whose report says the service ran it and gives the client's start-up."""
 
 import json
@@ -23,8 +24,8 @@ from typing import Callable, Iterator, Optional
 import pytest
 
 from pos.scheduler import concurrent
-from pos.scheduler.service_protocol import (Accepted, Failed, InProcess, Request, decode,
-                                            encode)
+from pos.scheduler.service_protocol import (Accepted, Echo, Failed, InProcess, Request,
+                                            Restored, decode, encode)
 from tests.agent.conftest import fill_job, gpu_env, ran_past  # noqa: F401  (fixtures)
 from tests.conftest import ROOT, need, wait_for
 from tests.scheduler.conftest import Counter, lines, one_sentence, pos
@@ -266,6 +267,26 @@ def test_a_restore_goes_on_when_its_client_goes_away(service, counters, env, tmp
     wait_for(lambda: len(lines(c.path)) > at_dump + 10, what="the restored counter")
     wait_for(lambda: len(s.log()) == 2, what="the service's line for the restore")
     assert s.log()[1].startswith(f"restored PID {c.pid} ") and "which went away" in s.log()[1]
+
+
+def test_sigterm_lets_a_running_restore_finish(service, counters, env, tmp_path: Path) -> None:
+    s = service()
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    at_dump = checkpointed(c, tmp_path / "img", env)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(s.path))
+        answers = conn.makefile("rb")
+        assert decode(answers.readline()) == Accepted()
+        conn.sendall(encode(Request(str(tmp_path / "img"), None, 0.1, False)))
+        begun = decode(answers.readline())      # the restore's first line: it has begun
+        assert isinstance(begun, Echo) and begun.text.startswith(f"restoring PID {c.pid} ")
+        s.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: not s.path.exists(), what="the socket to go at once")
+        outcome = decode(answers.readline())
+    assert isinstance(outcome, Restored) and outcome.report["restored_pid"] == c.pid
+    assert s.proc.wait(timeout=60) == 0
+    wait_for(lambda: len(lines(c.path)) > at_dump + 10, what="the restored counter")
 
 
 def test_a_shell_job_asked_for_from_a_terminal_is_left_to_the_client(service, counters, env,
