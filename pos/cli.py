@@ -3,7 +3,8 @@
     pos/tracer/commands.py               trace, export
     pos/analyzer/commands.py             analyze
     pos/agent/commands.py                run
-    pos/scheduler/commands.py            checkpoint, restore, inspect, migrate
+    pos/scheduler/commands.py            checkpoint, restore, restore-service, inspect,
+                                         migrate
     pos/cron/commands.py   schedule (add, ls, rm), daemon, images (ls, prune)
     pos/cli.py                           doctor (its checks: pos/doctor.py)
     pos/options.py                       options shared by several commands (--db, CRIU's)
@@ -25,7 +26,7 @@ from pos.agent.commands import run
 from pos.analyzer.commands import analyze
 from pos.errors import PosError, denied
 from pos.options import json_option
-from pos.scheduler.commands import checkpoint, inspect, migrate, restore
+from pos.scheduler.commands import checkpoint, inspect, migrate, restore, restore_service
 from pos.cron.commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
 from pos.usage import said, wants_json
@@ -110,6 +111,7 @@ cli.add_command(analyze)
 cli.add_command(run)
 cli.add_command(checkpoint)
 cli.add_command(restore)
+cli.add_command(restore_service)
 cli.add_command(inspect)
 cli.add_command(migrate)
 cli.add_command(schedule)

@@ -29,6 +29,24 @@ def describe(pid: int) -> tuple[str, str]:
     return comm, cmdline
 
 
+def stat_fields(pid: int) -> Optional[list[str]]:
+    """/proc/PID/stat fields after the command name (index 0 = state), None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def age(pid: int) -> Optional[float]:
+    """Seconds since the process started (10 ms steps), None when gone."""
+    st = stat_fields(pid)
+    if st is None:
+        return None
+    up = float(Path("/proc/uptime").read_text().split()[0])
+    return max(0.0, up - int(st[19]) / os.sysconf("SC_CLK_TCK"))
+
+
 def memory_available() -> int:
     """MemAvailable in bytes: what the host can give without swapping or taking back memory in
     use (pos's page-locked arena and its staging tmpfs are sized from it)."""

@@ -2,11 +2,23 @@
 
 Only click is imported here: `pos --help` must stay light, so what the options turn into is
 built inside the commands (`criu_options_from` imports the scheduler's CRIU module when called).
+The restore service's socket is here too: `pos restore-service --socket` and `pos restore`
+(through POS_RESTORE_SOCKET) name the same one.
 """
 
+import os
 from typing import Any
 
 import click
+
+SERVICE_SOCKET = "/run/pos/restore.sock"
+SERVICE_SOCKET_ENV = "POS_RESTORE_SOCKET"
+
+
+def service_socket() -> str:
+    """Where `pos restore` looks for `pos restore-service`: POS_RESTORE_SOCKET, else the
+    service's default socket."""
+    return os.environ.get(SERVICE_SOCKET_ENV) or SERVICE_SOCKET
 
 
 def db_option(f: Any) -> Any:

@@ -51,6 +51,20 @@ def fake_driver_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         os.environ["POS_FAKECUDA_STATE_DIR"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_restore_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`pos restore` restores in its own process, with the test's settings, even on a host where
+    `pos restore-service` runs: POS_RESTORE_SOCKET names a socket that is not there (the tests
+    of the service start their own)."""
+    previous = os.environ.get("POS_RESTORE_SOCKET")
+    os.environ["POS_RESTORE_SOCKET"] = str(tmp_path_factory.mktemp("no-service") / "none.sock")
+    yield
+    if previous is None:
+        os.environ.pop("POS_RESTORE_SOCKET", None)
+    else:
+        os.environ["POS_RESTORE_SOCKET"] = previous
+
+
 @pytest.fixture(scope="session")
 def bpf_ready() -> None:
     from pos import host

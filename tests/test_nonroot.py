@@ -72,6 +72,7 @@ CASES: dict[tuple[str, ...], list[tuple[tuple[str, ...], str]]] = {
                       (("{pid}", "-D", "{shared}/img", "--concurrent"), ROOT_ONLY)],
     ("restore",): [(("-D", "{img}"), ROOT_ONLY),
                    (("-D", "{img}", "--gpu-only", "{pid}"), ROOT_ONLY)],
+    ("restore-service",): [(("--socket", "{shared}/restore.sock"), ROOT_ONLY)],
     ("inspect",): [(("{img}",), "cannot read {img} (images are readable by root only): run pos "
                                 "with sudo.")],
     ("migrate",): [(("{pid}", "--to-gpu", "0"), ROOT_ONLY),

@@ -1,5 +1,6 @@
-"""`pos checkpoint`, `pos restore`, `pos inspect` and `pos migrate`: the scheduler's
-checkpoint/restore. The engine, CRIU and the store are imported inside the commands."""
+"""`pos checkpoint`, `pos restore`, `pos restore-service`, `pos inspect` and `pos migrate`: the
+scheduler's checkpoint/restore. The engine, CRIU and the store are imported inside the
+commands."""
 
 import json
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -7,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import click
 
 
-from pos.options import (criu_options, criu_options_from, db_option, json_option,
-                         to_gpu_option)
+from pos.options import (SERVICE_SOCKET, SERVICE_SOCKET_ENV, criu_options, criu_options_from,
+                         db_option, json_option, service_socket, to_gpu_option)
 
 if TYPE_CHECKING:      # imported by the commands that draw progress
     from pos.progress import Progress
@@ -35,6 +36,18 @@ Examples:
   pos restore -D /tmp/job1 --inherit-fd 'fd[1]:pipe:[12345]'
   pos restore -D /tmp/job1 --to-gpu 1           # onto GPU 1 of this host (nvidia-smi's index)
   pos restore -D /tmp/g1 --gpu-only 4242        # roll `pos run` job 4242 back to a GPU image
+  pos restore -D /tmp/job1 --no-service         # in this process, even where
+                                                # `pos restore-service` runs
+"""
+
+EPILOG_RESTORE_SERVICE = """\b
+Examples:
+  pos restore-service                      # every GPU kept warm; on /run/pos/restore.sock
+  pos restore-service --gpus 0,1           # only GPUs 0 and 1 (nvidia-smi's indexes)
+  pos restore-service --socket /run/pos/b.sock   # another socket: clients need
+                                           # POS_RESTORE_SOCKET=/run/pos/b.sock
+  systemctl enable --now pos-restore       # contrib/pos-restore.service
+  pos restore -D /var/lib/pos/images/job1  # then restored by the service
 """
 
 EPILOG_INSPECT = """\b
@@ -153,17 +166,21 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 @click.option("--streams", type=click.IntRange(1, 64), default=None,
               help="With --gpu-only: restorer streams (threads) [default: 16].")
 @to_gpu_option("Restore")
+@click.option("--no-service", is_flag=True,
+              help="Restore in this process even where `pos restore-service` answers (on "
+                   f"{SERVICE_SOCKET}, or ${SERVICE_SOCKET_ENV}).")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            streams: Optional[int], to_gpu: Optional["Onto"], db: Optional[str],
-            as_json: bool) -> None:
-    """Restore a process tree from an image and resume it once the image's checksums match."""
+            streams: Optional[int], to_gpu: Optional["Onto"], no_service: bool,
+            db: Optional[str], as_json: bool) -> None:
+    """Restore a process tree from an image and resume it once the image's checksums match.
+
+    Where `pos restore-service` runs, the restore runs there, with its modules, NVML and GPU
+    contexts ready; --inherit-fd and --gpu-only restore in this process."""
     from pathlib import Path
 
     from pos import host
-    from pos.progress import Progress
-    from pos.scheduler import engines
     from pos.scheduler.settings import Settings
     from pos.store import db as store
 
@@ -177,6 +194,13 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         # a bad --db is refused before anything is restored; the restore is recorded once the
         # job runs (SQLAlchemy's import would hold it up)
         store.check(db or store.default_db_path())
+    if not (no_service or inherit_fd or gpu_only_pid is not None) and \
+            _served(directory, to_gpu, db, as_json):
+        return
+
+    from pos.progress import Progress
+    from pos.scheduler import engines
+
     load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
         engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
@@ -189,10 +213,52 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     _report(r, as_json)
 
 
+def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json: bool) -> bool:
+    """The restore done by `pos restore-service`, recorded and printed as one done here is;
+    False where no service answers, or the restore is this process's to do."""
+    from pos.scheduler import service_client    # socket and json: before the engines' imports,
+                                                # which the service spares the client
+    served = service_client.restore(service_socket(), directory,
+                                    None if to_gpu is None else str(to_gpu), _lines(as_json))
+    if served is None:
+        return False
+    _mark_restored(db, served.path)
+    if as_json:
+        click.echo(json.dumps(served.report))
+    else:
+        _summary(served.summary)
+    return True
+
+
 def _mark_restored(db: Optional[str], directory: Any) -> None:
     from pos.store import images
 
     images.mark_restored(db, str(directory))
+
+
+@click.command("restore-service", epilog=EPILOG_RESTORE_SERVICE)
+@click.option("--socket", "socket_path", default=SERVICE_SOCKET, envvar=SERVICE_SOCKET_ENV,
+              show_default=True, show_envvar=True, type=click.Path(dir_okay=False),
+              help="Where `pos restore` asks for restores (made 0600; its folder 0700).")
+@click.option("--gpus", metavar="N,N,...", default=None,
+              help="The GPUs to keep a CUDA context on (nvidia-smi's indexes) [default: every "
+                   "GPU].")
+def restore_service(socket_path: str, gpus: Optional[str]) -> None:
+    """Restore images for `pos restore`, with everything a restore sets up first made once.
+
+    At its start it imports the restore's modules, initialises NVML and retains a CUDA
+    context on each GPU, then says `pos restore-service: ready on SOCKET (GPUs ...)`. Each
+    request's restore runs on a thread of its own, guarded by its own watchdog: a client that
+    goes away does not stop it. SIGTERM or SIGINT: the socket goes, running restores finish,
+    exit 0."""
+    from pathlib import Path
+
+    from pos import host
+    from pos.scheduler import service
+
+    host.require_root("the restore service")
+    wanted = service.parse_gpus(gpus) if gpus is not None else None
+    service.run(Path(socket_path), wanted, click.echo)
 
 
 @click.command(epilog=EPILOG_INSPECT)

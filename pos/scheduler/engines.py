@@ -81,7 +81,8 @@ class Concurrent(_Base):
         from pos.scheduler import concurrent
 
         return concurrent.restore_full(directory, load.inherit_fds, echo=self.echo,
-                                       to_gpu=load.to_gpu, settings=self.settings)
+                                       to_gpu=load.to_gpu, settings=self.settings,
+                                       started_s=load.started_s)
 
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
         """A whole-process image (the job frozen only for the driver's small checkpoint and

@@ -31,10 +31,12 @@ C = ctypes
 
 
 class Context:
-    """pos's hold on one GPU's primary context for one operation: retained and made current on
-    the thread that makes it, current again on another by `use()`, let go by `close()` once
-    everything pos made in it is freed (a long-lived process, the daemon or a restore service,
-    holds no context between operations)."""
+    """pos's hold on one GPU's primary context: retained and made current on the thread that
+    makes it, current again on another by `use()`, let go by `close()` once everything pos made
+    in it is freed. An operation's hold ends with the operation; the restore service
+    (pos/scheduler/service.py) keeps one of its own on each GPU for its whole life, which makes
+    its operations' holds cheap (the first retain of a process makes the context, later ones
+    count)."""
 
     def __init__(self, device: int = 0) -> None:
         self.drv, self.device = driver(), device
@@ -67,14 +69,20 @@ def current(drv: Driver) -> C.c_void_p:
     return ctx
 
 
-def ordinal(uuid: str) -> int:
-    """This process's CUDA device number of the GPU named `uuid` (NVML's form, GPU-...): CUDA
-    and NVML may number the GPUs of one host differently."""
+def device_count() -> int:
+    """How many GPUs the CUDA driver shows this process."""
     drv = driver()
     drv.init()
     count = C.c_int()
     drv.cuDeviceGetCount(C.byref(count))
-    for i in range(count.value):
+    return count.value
+
+
+def ordinal(uuid: str) -> int:
+    """This process's CUDA device number of the GPU named `uuid` (NVML's form, GPU-...): CUDA
+    and NVML may number the GPUs of one host differently."""
+    drv = driver()
+    for i in range(device_count()):
         dev, raw = CUdevice(), CUuuid()
         drv.cuDeviceGet(C.byref(dev), i)
         drv.cuDeviceGetUuid_v2(C.byref(raw), dev)

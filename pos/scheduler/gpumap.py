@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from pos import image, nvml
+from pos import nvml
 from pos.errors import BadInput
 
 FORMS = "give a GPU index (--to-gpu 1) or a map of every GPU the job uses (--to-gpu 0=1,1=0)"
@@ -122,6 +122,8 @@ def of_process(pids: list[int], onto: Onto) -> list[tuple[str, str]]:
 def onto(directory: Path, where: Onto) -> tuple[list[tuple[str, str]], list[str]]:
     """The driver's mapping that restores the image in `directory` as `where` says, and the
     UUIDs of this host's GPUs that the image's GPUs go to, in the image's order."""
+    from pos import image     # here: `pos restore --to-gpu N` parses its option without it
+
     gpus = functools.cache(lambda: image.load(directory).gpus)    # once the host is checked
     pairs = move(where, lambda: [g["uuid"] for g in gpus()],
                  lambda: {g["uuid"]: g["index"] for g in gpus() if "index" in g})

@@ -40,6 +40,9 @@ class Load:
     to_gpu: Optional[Onto] = None
     pid: Optional[int] = None              # GPU-only: the live job rolled back
     streams: Optional[int] = None
+    started_s: Optional[float] = None      # the start-up of the command that asked for the
+                                           # restore (`pos restore`, served by the restore
+                                           # service); None: this process's age at its start
 
 
 class Engine(Protocol):
@@ -83,6 +86,7 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     restored_pid: Optional[int] = None   # a restore into a new process: the job's PID there
     device: Optional[DeviceCopy] = None
+    served: bool = False           # run by `pos restore-service` for a `pos restore` client
 
     @property
     def held_s(self) -> Optional[float]:
@@ -105,7 +109,7 @@ class Report:
             "pid": m.pid if m else None, "pids": m.pids if m else [],
             "gpu_pids": m.gpu_pids if m else [], "restored_pid": self.restored_pid,
             "size_bytes": m.size_bytes if m else 0, "files": len(m.files) if m else 0,
-            "timings": self.timings, "stall_s": m.stall_s if m else None,
+            "timings": self.timings, "served": self.served, "stall_s": m.stall_s if m else None,
             "predumped": m.predumped if m else None, "predump_note": m.predump_note if m else "",
             "logs": m.logs if m else {}}
         device = asdict(self.device) if self.device else {

@@ -15,44 +15,26 @@ from pos import host
 from pos.errors import BadInput, PosError
 
 
-def _stat(pid: int) -> Optional[list[str]]:
-    """/proc/PID/stat fields after the command name (index 0 = state), None when gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
 def alive(pid: int) -> bool:
     """Exists and is not a zombie."""
-    st = _stat(pid)
+    st = host.stat_fields(pid)
     return st is not None and st[0] not in ("Z", "X")
 
 
 def state(pid: int) -> Optional[str]:
     """The one-letter state (R, S, T, Z, ...), None when gone."""
-    st = _stat(pid)
+    st = host.stat_fields(pid)
     return st[0] if st else None
 
 
-def age(pid: int) -> Optional[float]:
-    """Seconds since the process started (10 ms steps), None when gone."""
-    st = _stat(pid)
-    if st is None:
-        return None
-    up = float(Path("/proc/uptime").read_text().split()[0])
-    return max(0.0, up - int(st[19]) / os.sysconf("SC_CLK_TCK"))
-
-
 def parent(pid: int) -> Optional[int]:
-    st = _stat(pid)
+    st = host.stat_fields(pid)
     return int(st[1]) if st else None
 
 
 def is_kernel_thread(pid: int) -> bool:
     """Kernel threads have no memory map (flags PF_KTHREAD); their cmdline is empty too."""
-    st = _stat(pid)
+    st = host.stat_fields(pid)
     return st is not None and int(st[6]) & 0x00200000 != 0
 
 

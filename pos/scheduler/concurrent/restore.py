@@ -101,18 +101,22 @@ class _Back:
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
                  streams: int = DEFAULT_STREAMS, echo: Echo = lambda _: None,
-                 to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None) -> Report:
+                 to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
+                 started_s: Optional[float] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet). A job
     of several CUDA processes gets each one's memory back beside the others'. `to_gpu`: onto
-    that GPU of this host (NVML's index), or that map of GPUs, rather than where it was taken."""
-    from pos.scheduler import procs
+    that GPU of this host (NVML's index), or that map of GPUs, rather than where it was taken.
+    `started_s`: the start-up of the command that asked for the restore, reported as
+    timings["pos_started_s"] (the restore service's client's; None: this process's age)."""
+    from pos import host
 
     settings = settings or Settings.from_env()
     directory = Path(directory).absolute()
     t0 = time.monotonic()
-    started = procs.age(os.getpid())     # pos's own start-up, before the restore's clock
+    # pos's own start-up, before the restore's clock
+    started = host.age(os.getpid()) if started_s is None else started_s
     check = kinds.checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
     where: list[str] = []         # the UUIDs of the GPUs it moves to
