@@ -46,8 +46,10 @@ class Prefetch:
     mapping and descriptors go (the job holds its own) whatever happened."""
 
     def __init__(self, directory: Path, streams: int, settings: Settings,
-                 onto: Optional[str] = None, rank: Optional[int] = None,
-                 moved: Optional[dict[str, str]] = None) -> None:
+                 checked: threading.Event, onto: Optional[str] = None,
+                 rank: Optional[int] = None, moved: Optional[dict[str, str]] = None) -> None:
+        """`checked`: set once the restore's checks passed (the context is made before, the
+        memory after)."""
         index = gpuindex.read(directory, rank)
         self.directory, self.streams, self.settings = directory, streams, settings
         self.rank = rank        # one process of several: its PID (None: the image's one job)
@@ -67,6 +69,7 @@ class Prefetch:
         self.fds: list[int] = []
         self.copy: Optional[gpucopy.Copy] = None
         self.error: Optional[BaseException] = None
+        self.checked = checked
         self.ready = threading.Event()        # the memory exists (or creating it failed)
         self.go = threading.Event()           # the fill may go on
         self.released = False                 # the job was released (its restore succeeded)
@@ -91,6 +94,9 @@ class Prefetch:
             self.context = gpucopy.Context(device)
             drv = self.context.drv
             self.context_at = time.monotonic()
+            self.checked.wait()
+            if self.cancelled:
+                return
             mine = [replace(b, device=device) for b in self.table]
             self.mem, self.fds = gpucopy.Imported.create(drv, mine)
             self.memory_at = time.monotonic()
@@ -152,6 +158,7 @@ class Prefetch:
         own); after a failure the memory is freed."""
         if not self.released:      # the restore failed: the rest of the fill is not done
             self.cancelled = True
+        self.checked.set()
         self.go.set()
         self.thread.join()
         if self.context is not None:

@@ -6,6 +6,7 @@ waiting only for the buffers not back yet)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -126,16 +127,13 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
         pairs, where = gpumap.onto(directory, to_gpu)
     ranks = ranks_of(directory)
     moved = dict(pairs)
-    pres: list[Prefetch] = []
+    # each job's CUDA context is made at once, beside the checks; its device memory only once
+    # the image and this host passed them (make_memory), so that a refusal leaves none behind
+    checked = threading.Event()
+    pres = [Prefetch(directory, streams, settings, checked, where[0] if where else None)] \
+        if ranks == [None] else \
+        [Prefetch(directory, streams, settings, checked, None, rank, moved) for rank in ranks]
     back = _Back()
-
-    def make_memory() -> None:
-        """Each job's new device memory, made and filled beside CRIU: only once the image and
-        this host passed every check, so that a refusal leaves no GPU work behind."""
-        for rank in ranks:
-            pres.append(Prefetch(directory, streams, settings, where[0] if where else None)
-                        if rank is None else
-                        Prefetch(directory, streams, settings, None, rank, moved))
 
     def put_back(g: Guard, live: dict[int, int]) -> None:
         """The restored jobs map the memory pos made for them, and run; the fill goes on."""
@@ -171,7 +169,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     try:
         result = tree_restore.restore_tree(
             directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
-            finish=put_back, before_criu=make_memory,
+            finish=put_back, before_criu=checked.set,
             before_driver=lambda: [pre.pause() for pre in pres], settings=settings)
     finally:
         t1 = time.monotonic()
