@@ -14,7 +14,8 @@ fold64-mmap: the way of reading not taken: each chunk folded in one call straigh
 The synthetic image lives in a temporary folder: one pages-1.img of --gib GiB and 40 small files
 (CRIU's core-*, mm-*, ...). Contents are random blocks (neither hash's speed depends on them).
 Rounds alternate the methods; the median of each is reported, and fold64's speed-up over sha256
-as the ratio of the medians. Warm by default (the files are in the page cache, as right after a
+as the ratio of the medians, in wall-clock seconds and in the CPU seconds of the process (all its
+threads: on a machine that other work shares, the cost of the method itself). Warm by default (the files are in the page cache, as right after a
 dump); --cold drops the page cache before every measurement (root), as a restore from disk
 sees it.
 
@@ -118,12 +119,13 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def timed(fn: Callable[[], object], cold: bool) -> float:
+def timed(fn: Callable[[], object], cold: bool) -> tuple[float, float]:
+    """fn's wall-clock and CPU seconds (the process's, every thread's)."""
     if cold:
         drop_caches()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - cpu
 
 
 def cpu_model() -> str:
@@ -149,6 +151,7 @@ def main() -> int:
         p.error("--cold drops the page cache, which needs root")
     load_before = os.getloadavg()
     seconds: dict[str, list[float]] = {m: [] for m in METHODS}
+    cpu: dict[str, list[float]] = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory(prefix="pos-bench-image-", dir=a.dir) as tmp:
         folder = Path(tmp)
         names = make_image(folder, a.gib)
@@ -158,8 +161,11 @@ def main() -> int:
             raise SystemExit("fold64 from an mmap gave other digests than through preadv")
         for _ in range(a.rounds):
             for m, (_what, run) in METHODS.items():
-                seconds[m].append(timed(lambda: run(folder, names), a.cold))
+                wall, used = timed(lambda: run(folder, names), a.cold)
+                seconds[m].append(wall)
+                cpu[m].append(used)
     medians = {m: statistics.median(s) for m, s in seconds.items()}
+    cpu_medians = {m: statistics.median(s) for m, s in cpu.items()}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip() or "n/a"
     out = {
@@ -174,16 +180,20 @@ def main() -> int:
         "chunk_bytes": image.CHUNK_BYTES, "read_bytes": filehash.READ_BYTES,
         "workers": filehash.workers(),
         "methods": {m: {"what": what, "seconds": seconds[m], "median_s": medians[m],
-                        "gb_per_s": total / medians[m] / 1e9}
+                        "gb_per_s": total / medians[m] / 1e9, "cpu_seconds": cpu[m],
+                        "cpu_median_s": cpu_medians[m]}
                     for m, (what, _run) in METHODS.items()},
         "fold64_over_sha256": medians["sha256"] / medians["fold64"],
+        "fold64_over_sha256_cpu": cpu_medians["sha256"] / cpu_medians["fold64"],
         "mmap_over_preadv": medians["fold64"] / medians["fold64-mmap"],
+        "mmap_over_preadv_cpu": cpu_medians["fold64"] / cpu_medians["fold64-mmap"],
     }
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     speeds = ", ".join(f"{m} {v['gb_per_s']:.2f} GB/s" for m, v in out["methods"].items())
     print(f"{total / 2**30:.2f} GiB in {len(names)} files, {os.cpu_count()} cores, page cache "
-          f"{out['page_cache']}: {speeds}; fold64 x{out['fold64_over_sha256']:.2f} sha256, "
-          f"mmap x{out['mmap_over_preadv']:.2f} preadv -> {a.out}")
+          f"{out['page_cache']}: {speeds}; fold64 x{out['fold64_over_sha256']:.2f} sha256 "
+          f"(CPU x{out['fold64_over_sha256_cpu']:.2f}), mmap x{out['mmap_over_preadv']:.2f} "
+          f"preadv (CPU x{out['mmap_over_preadv_cpu']:.2f}) -> {a.out}")
     return 0
 
 
