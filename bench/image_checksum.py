@@ -12,7 +12,9 @@ fold64-mmap: the way of reading not taken: each chunk folded in one call straigh
 (The whole-file sha256 of format 1 against format 2's chunks: bench/results/2026-11-23.)
 
 The synthetic image lives in a temporary folder: one pages-1.img of --gib GiB and 40 small files
-(CRIU's core-*, mm-*, ...). Contents are random blocks (neither hash's speed depends on them).
+(CRIU's core-*, mm-*, ...). Contents are random blocks (neither hash's speed depends on them),
+pages-1.img written --write-kib at a time: how a file was written decides how the page cache
+holds it, which changes what reading it from an mmap costs.
 Rounds alternate the methods; the median of each is reported, and fold64's speed-up over sha256
 as the ratio of the medians, in wall-clock seconds and in the CPU seconds of the process (all its
 threads: on a machine that other work shares, the cost of the method itself). Warm by default (the files are in the page cache, as right after a
@@ -20,7 +22,7 @@ dump); --cold drops the page cache before every measurement (root), as a restore
 sees it.
 
 USAGE: .venv/bin/python bench/image_checksum.py [--gib 4] [--rounds 5] [--cold] [--dir TMPDIR]
-       [--out bench/results/image-checksum-<host>.json]
+       [--read-kib N] [--write-kib 16384] [--out bench/results/image-checksum-<host>.json]
 """
 
 import argparse
@@ -98,14 +100,16 @@ METHODS: dict[str, tuple[str, Callable[[Path, list[str]], Digests]]] = {
 }
 
 
-def make_image(folder: Path, gib: float) -> list[str]:
-    """pages-1.img of `gib` GiB plus 40 small files; their names."""
+def make_image(folder: Path, gib: float, write_bytes: int) -> list[str]:
+    """pages-1.img of `gib` GiB, written `write_bytes` at a time, plus 40 small files; their
+    names."""
     block = os.urandom(16 << 20)
     size = int(gib * (1 << 30))
     with open(folder / "pages-1.img", "wb", buffering=0) as f:
-        left = size
+        left, at = size, 0
         while left:
-            left -= f.write(block[:min(len(block), left)])
+            n = f.write(block[at:at + min(write_bytes, left, len(block) - at)])
+            left, at = left - n, (at + n) % len(block)
     names = ["pages-1.img"]
     for i in range(40):
         name = f"small-{i:02d}.img"
@@ -143,18 +147,25 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="alternations of the methods [5]")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     p.add_argument("--dir", help="where the temporary image goes [the system's temp folder]")
+    p.add_argument("--read-kib", type=int, default=filehash.READ_BYTES >> 10,
+                   help=f"the preadv buffer of a worker [{filehash.READ_BYTES >> 10}]")
+    p.add_argument("--write-kib", type=int, default=16 << 10,
+                   help="the writes that make pages-1.img [16384]")
     p.add_argument("--out", default=str(ROOT / f"bench/results/image-checksum-{host}.json"))
     a = p.parse_args()
-    if a.gib <= 0 or a.rounds < 1:
-        p.error("--gib must be positive and --rounds at least 1")
+    if a.gib <= 0 or a.rounds < 1 or a.read_kib < 1 or a.read_kib % 4 \
+            or not 1 <= a.write_kib <= 16 << 10:
+        p.error("--gib must be positive, --rounds at least 1, --read-kib a multiple of 4, "
+                "--write-kib 1 to 16384")
     if a.cold and os.geteuid() != 0:
         p.error("--cold drops the page cache, which needs root")
+    filehash.READ_BYTES = a.read_kib << 10
     load_before = os.getloadavg()
     seconds: dict[str, list[float]] = {m: [] for m in METHODS}
     cpu: dict[str, list[float]] = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory(prefix="pos-bench-image-", dir=a.dir) as tmp:
         folder = Path(tmp)
-        names = make_image(folder, a.gib)
+        names = make_image(folder, a.gib, a.write_kib << 10)
         total = sum((folder / n).stat().st_size for n in names)
         first = {m: run(folder, names) for m, (_what, run) in METHODS.items()}   # warm all
         if first["fold64"] != first["fold64-mmap"]:
@@ -175,7 +186,8 @@ def main() -> int:
         "machine": {"host": host, "cpu": cpu_model(), "cores": os.cpu_count(),
                     "kernel": platform.release(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "image": {"bytes": total, "files": len(names), "largest": "pages-1.img"},
+        "image": {"bytes": total, "files": len(names), "largest": "pages-1.img",
+                  "written_bytes_at_a_time": a.write_kib << 10},
         "page_cache": "cold" if a.cold else "warm",
         "chunk_bytes": image.CHUNK_BYTES, "read_bytes": filehash.READ_BYTES,
         "workers": filehash.workers(),
