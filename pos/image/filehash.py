@@ -10,7 +10,8 @@ digests, so a mismatch names the bytes.
 A file's record names the hash that made it, and one verify serves every hash:
 - fold64 (format 3, written): pos's 64-bit word hash (pos/image/chunks.c, 19-20 GB/s a core),
   the one of GPU chunks; a restore waits for this check before the restored tree may run, and
-  sha256 took 9.4 s for a 14 GB image on the H200 host.
+  sha256 took 9.4 s for a 14 GB image on the H200 host. From the page cache of the 2-core VM:
+  11.1 GB/s against sha256's 3.2, x3.5 (bench/results/2026-11-27/image-checksum-vm.json).
 - sha256 (format 2, read): the record has no `hash`; its `sha256` is the file's digest.
 """
 
@@ -27,10 +28,10 @@ import numpy as np
 from pos.image.checksum import Folding, fold
 
 # One preadv into a worker's reusable buffer (a whole number of the fold's groups). 1 MiB stays in
-# the core's cache between the copy and the hash: on the 2-core VM fold64 ran 4-10% faster than
-# through 8 MiB, and than straight from an mmap of a file written a few KiB at a time (the mmap
-# won by 5% for one written 16 MiB at a time); a read, unlike a mapping, cannot SIGBUS when a
-# file is cut short meanwhile.
+# the core's cache between the copy and the hash: on the 2-core VM fold64 ran 4-5% faster than
+# through 8 MiB, and 23% faster than straight from an mmap of a file written 4 KiB at a time (the
+# mmap won by 10% for one written 16 MiB at a time; bench/results/2026-11-27/image-checksum-*);
+# and a read, unlike a mapping, cannot SIGBUS when a file is cut short meanwhile.
 READ_BYTES = 1 << 20
 
 Hashed = Callable[[int], None]
