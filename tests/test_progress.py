@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import pos.image as image
+from pos.image import filehash
 from pos.progress import _bar
 
 
@@ -22,10 +22,11 @@ def test_the_checksum_counter_advances_with_every_read(tmp_path: Path,
     """Chunks are hashed at once by a pool of threads: counted per chunk, every chunk of a
     large file ended together and the counter jumped from nothing to the end. It counts each
     read now."""
-    monkeypatch.setattr(image, "READ_BYTES", 4096)
+    monkeypatch.setattr(filehash, "READ_BYTES", 4096)
     size = 10 * 4096 + 7
     (tmp_path / "pages.img").write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
     told: list[int] = []
-    digests = image.chunk_digests(tmp_path, {"pages.img": size}, 64 << 20, told.append)
+    files = {"pages.img": (size, filehash.WRITTEN)}
+    digests = filehash.chunk_digests(tmp_path, files, 64 << 20, told.append)
     assert sum(told) == size and len(told) == 11
-    assert digests == image.chunk_digests(tmp_path, {"pages.img": size}, 64 << 20)
+    assert digests == filehash.chunk_digests(tmp_path, files, 64 << 20)

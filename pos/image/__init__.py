@@ -5,31 +5,25 @@ pos/image/names.py; what kind of image a directory holds: pos/image/kinds.py).
 The image is written into DIR.partial and renamed to DIR only once the manifest (with the
 checksums of every file) is on disk, so that a directory named DIR is always complete; anything
 else is an interrupted checkpoint and says so in its name. `verify` is what restore trusts.
-
-Checksums: each file is cut into chunks of `CHUNK_BYTES`, every chunk gets its sha256, and the
-file's digest is the sha256 of its chunk digests (in order). CRIU puts nearly all of an image in
-one pages-*.img, so hashing whole files in parallel would leave one thread doing the work (0.85
-GB/s on the H100 host: 21 s for 17 GiB); chunks spread one file over every core (hashlib drops
-the GIL while it hashes). The manifest keeps the chunk digests, so a mismatch names the bytes.
+Every file's checksums, chunk by chunk on every core: pos/image/filehash.py.
 """
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from pos.errors import BadInput
-from pos.image import names
+from pos.image import filehash, names
+from pos.image.filehash import Hashed
 
-FORMAT = 2                     # 1: whole-file sha256 (no longer written or read)
+FORMAT = 3                     # files hashed by fold64 (filehash.py)
+READS = (2, 3)                 # 2: by sha256, still read; 1: whole-file sha256, no longer
 CHUNK_BYTES = 64 << 20         # hashed by one worker
-READ_BYTES = 8 << 20           # one pread into a worker's reusable buffer
 
 
 @dataclass
@@ -52,7 +46,7 @@ class Manifest:
     gpus: list[dict[str, Any]] = field(default_factory=list)   # uuid, name, memory_used, index
     logs: dict[str, int] = field(default_factory=dict)   # path -> size at the dump (procs.logs)
     tcp_listen: list[int] = field(default_factory=list)  # the TCP ports the tree listened on
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> size, sha256, chunks
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)   # filehash.record by name
     chunk_bytes: int = CHUNK_BYTES            # what files[*].chunks were computed over
     size_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)    # seconds per step
@@ -66,6 +60,11 @@ class Manifest:
                                               # own (pos run --clonable): each restore makes new
                                               # ones, so the image restores many times at once
     format: int = FORMAT
+
+    def hashes(self) -> list[str]:
+        """The names of the hashes its files' checksums were made with."""
+        return sorted({named[0].name for rec in self.files.values()
+                       if (named := filehash.named(rec)) is not None})
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -135,87 +134,6 @@ def writable_root(root: str) -> str:
     return str(path)
 
 
-def workers() -> int:
-    """Threads that hash: one per core (the work is sha256 over the page cache or a disk)."""
-    return os.cpu_count() or 1
-
-
-_local = threading.local()
-Hashed = Callable[[int], None]
-
-
-def _nothing(_done: int) -> None:
-    """The `hashed` of callers that show no progress."""
-
-
-def _hash_range(fd: int, offset: int, length: int, hashed: Hashed = _nothing) -> bytes:
-    """sha256 of `length` bytes at `offset` of `fd`, read into this thread's reusable buffer;
-    `hashed` told each read's bytes. A file that ends early (truncated meanwhile) hashes what
-    is there: the digest differs."""
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = bytearray(READ_BYTES)
-    view = memoryview(buf)
-    h = hashlib.sha256()
-    end = offset + length
-    while offset < end:
-        n = os.preadv(fd, [view[:min(READ_BYTES, end - offset)]], offset)
-        if n == 0:
-            break
-        h.update(view[:n])
-        hashed(n)
-        offset += n
-    return h.digest()
-
-
-class Stopped(Exception):
-    """A check stopped before its end (its `stop` was set): it says nothing of the image."""
-
-
-def chunk_digests(folder: Path, sizes: dict[str, int], chunk_bytes: int,
-                  hashed: Hashed = _nothing, stop: Optional[threading.Event] = None
-                  ) -> dict[str, list[bytes]]:
-    """name -> the sha256 of each `chunk_bytes` chunk of the first `sizes[name]` bytes of the
-    file, every chunk of every file hashed by a pool of `workers()` threads; `hashed` is told
-    the bytes of each read done (progress on a terminal). Once `stop` is set no chunk is
-    begun, and Stopped is raised (a restore that ends does not wait for gigabytes hashed)."""
-
-    def one(task: tuple[str, int, int]) -> bytes:
-        if stop is not None and stop.is_set():
-            raise Stopped()
-        return _hash_range(fds[task[0]], task[1], task[2], hashed)
-
-    fds: dict[str, int] = {}
-    try:
-        for n in sizes:
-            fds[n] = os.open(folder / n, os.O_RDONLY)
-        tasks = [(n, at, min(chunk_bytes, size - at))
-                 for n, size in sizes.items() for at in range(0, max(size, 1), chunk_bytes)]
-        with ThreadPoolExecutor(max_workers=workers()) as pool:
-            digests = list(pool.map(one, tasks))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    out: dict[str, list[bytes]] = {n: [] for n in sizes}
-    for (n, _at, _len), d in zip(tasks, digests):
-        out[n].append(d)
-    return out
-
-
-def file_digest(chunks: list[bytes]) -> str:
-    """A file's digest: the sha256 of its chunk digests, in order."""
-    return hashlib.sha256(b"".join(chunks)).hexdigest()
-
-
-def checksums(folder: Path, files: list[str], chunk_bytes: int,
-              hashed: Hashed = _nothing) -> dict[str, dict[str, Any]]:
-    """name -> {size, sha256 (of the chunk digests), chunks (hex digest of each chunk)}."""
-    sizes = {n: (folder / n).stat().st_size for n in files}
-    digests = chunk_digests(folder, sizes, chunk_bytes, hashed)
-    return {n: {"size": sizes[n], "sha256": file_digest(digests[n]),
-                "chunks": [d.hex() for d in digests[n]]} for n in files}
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -236,14 +154,14 @@ def listing(folder: Path) -> list[str]:
     return sorted(out)
 
 
-def seal(partial: Path, manifest: Manifest, hashed: Hashed = _nothing) -> Path:
+def seal(partial: Path, manifest: Manifest, hashed: Hashed = filehash.no_progress) -> Path:
     """Make every file root-only, checksum it, write the manifest, then rename DIR.partial to
     DIR: the image appears complete or not at all."""
     files = [n for n in listing(partial) if (partial / n).is_file()]
     for n in files:
         os.chmod(partial / n, 0o600)
     manifest.chunk_bytes = CHUNK_BYTES
-    manifest.files = checksums(partial, files, manifest.chunk_bytes, hashed)
+    manifest.files = filehash.checksums(partial, files, manifest.chunk_bytes, hashed)
     manifest.size_bytes = sum(f["size"] for f in manifest.files.values())
     write_manifest(partial, manifest)
     return _publish(partial)
@@ -307,9 +225,10 @@ def load(folder: Path) -> Manifest:
     except (ValueError, TypeError):
         raise BadInput(f"{path} is not a valid pos manifest",
                        "the image is corrupt: take a new checkpoint") from None
-    if manifest.format != FORMAT:
+    if manifest.format not in READS:
         raise BadInput(f"{folder} is an image of format {manifest.format}, this pos reads "
-                       f"{FORMAT}", "restore it with the pos version that wrote it")
+                       f"{' and '.join(map(str, READS))}",
+                       "restore it with the pos version that wrote it")
     if not _well_formed(manifest):
         raise BadInput(f"{path} is not a valid pos manifest (its file list is malformed)",
                        "the image is corrupt: take a new checkpoint")
@@ -317,7 +236,8 @@ def load(folder: Path) -> Manifest:
 
 
 def _well_formed(m: Manifest) -> bool:
-    """Every file has a size, a digest and one chunk digest per chunk (an empty file: one)."""
+    """Every file has a size, a hash this pos knows, a digest and one chunk digest per chunk
+    (an empty file: one)."""
     if not isinstance(m.chunk_bytes, int) or m.chunk_bytes <= 0 or not isinstance(m.files, dict):
         return False
     for rec in m.files.values():
@@ -325,7 +245,7 @@ def _well_formed(m: Manifest) -> bool:
             return False
         size, chunks = rec.get("size"), rec.get("chunks")
         if not isinstance(size, int) or size < 0 or not isinstance(chunks, list) \
-                or not isinstance(rec.get("sha256"), str) \
+                or filehash.named(rec) is None \
                 or len(chunks) != max(1, -(-size // m.chunk_bytes)):
             return False
     return True
@@ -342,10 +262,12 @@ def check_files(folder: Path) -> Manifest:
 
 
 def verify(folder: Path, digests: Optional[list[str]] = None,
-           hashed: Hashed = _nothing, stop: Optional[threading.Event] = None) -> Manifest:
+           hashed: Hashed = filehash.no_progress, stop: Optional[threading.Event] = None
+           ) -> Manifest:
     """check_files + the chunk checksums of the listed files (only the files named in
-    `digests`, when given: the rest is checked by whoever reads it); `hashed` is told the
-    bytes of each chunk checked; `stop`: see chunk_digests."""
+    `digests`, when given: the rest is checked by whoever reads it), each by the hash its
+    entry names; `hashed` is told the bytes of each read checked; `stop`: see
+    filehash.chunk_digests."""
     folder = Path(folder)
     manifest = check_files(folder)
     checked = list(manifest.files) if digests is None else digests
@@ -353,10 +275,17 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
     if missing:
         raise BadInput(f"image {folder} lacks {', '.join(missing)} in its manifest",
                        "take a new checkpoint")
-    got = chunk_digests(folder, {n: manifest.files[n]["size"] for n in checked},
-                        manifest.chunk_bytes, hashed, stop)
+    how: dict[str, tuple[filehash.Hash, str]] = {}
+    for n in checked:
+        named = filehash.named(manifest.files[n])
+        assert named is not None                   # load refuses a hash this pos does not know
+        how[n] = named
+    got = filehash.chunk_digests(
+        folder, {n: (manifest.files[n]["size"], how[n][0]) for n in checked},
+        manifest.chunk_bytes, hashed, stop)
     for name in checked:
         want = manifest.files[name]
+        algorithm, digest = how[name]
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):
             if have.hex() != rec:
                 first = i * manifest.chunk_bytes
@@ -364,7 +293,7 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
                 raise BadInput(f"image {folder} is corrupt: bytes {first}-{last} of {name} do "
                                "not match their checksum in the manifest",
                                "take a new checkpoint")
-        if file_digest(got[name]) != want["sha256"]:
+        if algorithm.file(got[name], want["size"]) != digest:
             raise BadInput(f"image {folder} is corrupt: the checksum of {name} does not match "
                            "its manifest", "take a new checkpoint")
     return manifest

@@ -1,5 +1,6 @@
-/* The GPU image's chunk checksum and reader (pos/image/checksum.py and gpu.py are their Python
- * fronts, through ctypes, which lets go of the GIL for each call).
+/* The checksum of GPU chunks and of an image's files, and the GPU image's chunk reader
+ * (pos/image/checksum.py and gpu.py are their Python fronts, through ctypes, which lets go of
+ * the GIL for each call).
  *
  * Why C and not numba: a restore must start filling the job's memory within a moment of the
  * job's release, and numba's import took 0.6-1.4 s of the GIL on the H100 host beside CRIU;
@@ -129,6 +130,23 @@ EXPORT uint64_t pos_fold(const unsigned char *buf, size_t n, uint64_t h) {
     start(h, lanes);
     pass((unsigned char *)buf, buf, n / GROUP, 0, lanes, NULL, NULL, 0, NULL);
     return close_hash(lanes, buf + n / GROUP * GROUP, n);
+}
+
+/* pos_fold of a chunk taken piece by piece as it is read (an image's files, pos/image/filehash.py:
+ * a small reusable buffer, not the whole chunk, in memory): the lanes started from h, each
+ * piece's whole groups folded in (every piece but the last is a whole number of groups), then
+ * closed over the last piece's rest (its bytes from the chunk's n / GROUP * GROUP on). Bit for
+ * bit pos_fold(chunk, n, h). */
+EXPORT void pos_fold_start(uint64_t h, uint64_t lanes[4]) {
+    start(h, lanes);
+}
+
+EXPORT void pos_fold_groups(const unsigned char *buf, size_t groups, uint64_t lanes[4]) {
+    pass((unsigned char *)buf, buf, groups, 0, lanes, NULL, NULL, 0, NULL);
+}
+
+EXPORT uint64_t pos_fold_close(const uint64_t lanes[4], const unsigned char *rest, size_t n) {
+    return close_hash(lanes, rest, n);
 }
 
 /* A chunk's checksum (pos_fold from n), marking hits[j] for each of the k sorted ranges its

@@ -5,7 +5,7 @@ GIL); the index alone is pos/image/gpuindex.py, the files' names pos/image/names
 The GPU index lists every buffer saved at the cut (base, size) and its chunks (ChunkRecord:
 data file, position, stored and raw length, 64-bit checksum of the raw bytes, whether
 zstd-compressed); the chunks live in data files, one per writer thread. The directory is
-written as DIR.partial and sealed by pos/image/__init__.py (chunked sha256 of every file in
+written as DIR.partial and sealed by pos/image/__init__.py (chunked checksums of every file in
 the manifest, root-only, renamed to DIR when complete): the same trust as a full image.
 An incremental image names its parent; a buffer not written since the parent is listed with
 `in_parent` and read from there (recursively).

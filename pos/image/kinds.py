@@ -31,5 +31,5 @@ def kind(directory: Path) -> ImageKind:
 
 def checked_by_restore(directory: Path) -> list[str]:
     """The files whose checksums a restore verifies: all but the GPU data, each of whose chunks
-    is checked as it is read (a restore does not wait for a sha256 of gigabytes first)."""
+    is checked as it is read (a restore does not wait for a hash of gigabytes first)."""
     return [n for n in image.load(directory).files if not names.is_gpu_data(n)]

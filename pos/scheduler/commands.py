@@ -53,7 +53,7 @@ Examples:
 EPILOG_INSPECT = """\b
 Examples:
   pos inspect /tmp/job1            # what the image holds and how long each step took
-  pos inspect /tmp/job1 --verify   # and check every file's sha256
+  pos inspect /tmp/job1 --verify   # and check every file's checksums
   pos inspect /tmp/job1 --json     # the manifest itself
 """
 
@@ -263,7 +263,7 @@ def restore_service(socket_path: str, gpus: Optional[str]) -> None:
 
 @click.command(epilog=EPILOG_INSPECT)
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--verify", is_flag=True, help="Also check every file's size and sha256.")
+@click.option("--verify", is_flag=True, help="Also check every file's size and checksums.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(directory: str, verify: bool, as_json: bool) -> None:
     """Show what an image holds: process, GPUs, driver, files, the time of each step."""
@@ -290,7 +290,8 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
             ("stall", stall)):
         click.echo(f"{key:8} {value}")
     if verify:
-        click.echo("verify   every file matches its sha256")
+        click.echo(f"verify   every file matches its checksums ({', '.join(m.hashes())} of "
+                   f"each {m.chunk_bytes / 2**20:g} MiB chunk)")
 
 
 @click.command(epilog=EPILOG_MIGRATE)

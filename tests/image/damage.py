@@ -5,8 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from pos import image
-from pos.image import names
+from pos.image import filehash, names
 
 DAMAGES = ("truncate", "flip", "missing")
 
@@ -44,5 +43,5 @@ def record_as_is(img: Path, name: str, sizes_only: bool = False) -> None:
         rec, size = manifest["files"][name], (img / name).stat().st_size
         rec["size"], rec["chunks"] = size, rec["chunks"][:max(1, -(-size // chunk))]
     else:
-        manifest["files"][name] = image.checksums(img, [name], chunk)[name]
+        manifest["files"][name] = filehash.checksums(img, [name], chunk)[name]
     path.write_text(json.dumps(manifest))

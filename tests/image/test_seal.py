@@ -1,57 +1,45 @@
-"""Image checksums (pos/image/__init__.py): sha256 per chunk, computed by a thread pool, and
-verification that names the bad file (and its bytes) for a flipped byte, a truncated file, an
-extra or missing file, and refuses a manifest format it does not read. No CRIU needed: the
-images here are folders of plain files sealed by the same writer as every image."""
+"""Image checksums (pos/image/__init__.py, filehash.py): a digest per chunk, computed by a
+thread pool, and verification that names the bad file (and its bytes) for a flipped byte, a
+truncated file, an extra or missing file, and refuses a manifest format it does not read. No
+CRIU needed: the images here are folders of plain files sealed by the same writer as every
+image. Each hash's own cases, and images of format 2: tests/image/test_filehash.py."""
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pos.errors import BadInput
 from pos import image
-from pos.image import names
+from pos.image import filehash, names
+from pos.image.checksum import fold
+from tests.image.conftest import make_image
 
-MiB = 1 << 20
 DATA = names.data_name(names.data_prefix(), 0)     # a GPU data file
 
 
-def manifest() -> image.Manifest:
-    return image.Manifest(pid=1, pids=[1], gpu_pids=[], comm="t", cmdline="t",
-                          created_at="2026-11-23T00:00:00+00:00", host="h", kernel="k",
-                          criu_version="n/a", criu_options={}, leave_running=True)
-
-
-def make_image(tmp_path: Path, files: dict[str, int]) -> Path:
-    """An image of files with random contents of the given sizes, sealed as pos seals one."""
-    partial = image.prepare(tmp_path / "img", 0)
-    for name, size in files.items():
-        (partial / name).write_bytes(os.urandom(size))
-    return image.seal(partial, manifest())
-
-
-@pytest.fixture
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
-    """1 MiB chunks read 256 KiB at a time, so that small files span many chunks and reads."""
-    monkeypatch.setattr(image, "CHUNK_BYTES", MiB)
-    monkeypatch.setattr(image, "READ_BYTES", 256 << 10)
-    return MiB
+def fold_of(data: bytes, seed: int) -> int:
+    return fold(np.frombuffer(data, np.uint8), seed)
 
 
 def test_manifest_records_chunk_digests_and_their_digest(tmp_path: Path, small_chunks: int):
+    """fold64: each chunk's fold seeded with its index and length, the file's the fold of the
+    chunk digests (8 bytes each, as their hex reads) seeded with its size."""
     size = 5 * small_chunks + 123
     img = make_image(tmp_path, {"pages-1.img": size, "core-1.img": 10, "empty.img": 0})
     m = image.verify(img)
-    assert m.format == image.FORMAT and m.chunk_bytes == small_chunks
+    assert m.format == image.FORMAT == 3 and m.chunk_bytes == small_chunks
     data = (img / "pages-1.img").read_bytes()
-    want = [hashlib.sha256(data[i:i + small_chunks]).digest()
-            for i in range(0, size, small_chunks)]
+    want = [fold_of(data[at:at + small_chunks], i << 40 | len(data[at:at + small_chunks]))
+            for i, at in enumerate(range(0, size, small_chunks))]
     rec = m.files["pages-1.img"]
-    assert rec["size"] == size and rec["chunks"] == [d.hex() for d in want]
-    assert rec["sha256"] == hashlib.sha256(b"".join(want)).hexdigest()
-    assert m.files["empty.img"]["chunks"] == [hashlib.sha256(b"").hexdigest()]
+    assert rec["size"] == size and rec["hash"] == "fold64" and "sha256" not in rec
+    assert rec["chunks"] == [f"{d:016x}" for d in want]
+    assert rec["digest"] == f"{fold_of(b''.join(d.to_bytes(8, 'big') for d in want), size):016x}"
+    assert m.files["empty.img"]["chunks"] == [f"{fold_of(b'', 0):016x}"]
+    assert m.hashes() == ["fold64"]
     assert json.loads((img / names.MANIFEST).read_text())["chunk_bytes"] == small_chunks
     assert {p.stat().st_mode & 0o777 for p in img.iterdir()} == {0o600}
 
@@ -118,9 +106,8 @@ def test_a_manifest_of_another_format_is_refused_in_one_sentence(tmp_path: Path)
         (img / names.MANIFEST).write_text(json.dumps(d))
         with pytest.raises(BadInput) as e:
             image.verify(img)
-        assert e.value.message == (f"{img} is an image of format {fmt}, this pos reads "
-                                   f"{image.FORMAT}: restore it with the pos version that wrote "
-                                   "it.")
+        assert e.value.message == (f"{img} is an image of format {fmt}, this pos reads 2 and "
+                                   "3: restore it with the pos version that wrote it.")
 
 
 @pytest.mark.parametrize("edit", [
@@ -128,6 +115,9 @@ def test_a_manifest_of_another_format_is_refused_in_one_sentence(tmp_path: Path)
     lambda d: d["files"]["core-1.img"].pop("chunks"),
     lambda d: d["files"]["core-1.img"]["chunks"].append("00"),
     lambda d: d["files"].update({"core-1.img": "x"}),
+    lambda d: d["files"]["core-1.img"].update(hash="md5"),
+    lambda d: d["files"]["core-1.img"].pop("digest"),
+    lambda d: d["files"]["core-1.img"].pop("hash"),      # format 2's form, with no sha256
 ])
 def test_a_malformed_manifest_is_refused_in_one_sentence(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
     img = make_image(tmp_path, {"core-1.img": 10})
@@ -142,9 +132,9 @@ def test_a_malformed_manifest_is_refused_in_one_sentence(tmp_path: Path, edit) -
 
 def test_hashing_uses_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert image.workers() == 16
+    assert filehash.workers() == 16
     monkeypatch.setattr(os, "cpu_count", lambda: None)
-    assert image.workers() == 1
+    assert filehash.workers() == 1
 
 
 def received(tmp_path: Path, small_chunks: int) -> tuple[Path, image.Manifest]:

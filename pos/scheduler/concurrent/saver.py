@@ -21,10 +21,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from pos import image
 from pos.agent.control import Agent, Buffer, Cut, Refused
 from pos.errors import BadInput, PosError
-from pos.image import gpuindex, names
+from pos.image import filehash, gpuindex, names
 from pos.scheduler import steps
 from pos.scheduler.concurrent import devices
 from pos.scheduler.handout import Handout
@@ -223,7 +222,7 @@ class Taken:
         self.writer: gpuimage.Writer = gpuimage.Writer(
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
-                                    s.streams, self.writer, self.handout, image.workers(),
+                                    s.streams, self.writer, self.handout, filehash.workers(),
                                     s.settings.frozen_copy)
         self.copier.start()
 
