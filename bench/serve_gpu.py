@@ -230,6 +230,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "concurrent-lazy": ((), {"POS_LAZY_PAGES": "1"}),
     "concurrent-service": ((), {}),
 }
+# concurrent-notrim: an image of its own, taken with POS_TRIM_HEAP=0 (the job's heap as it
+# is), restored as `concurrent` is
 
 
 class Service:
@@ -282,6 +284,13 @@ def tree_pids(root: int) -> list[int]:
             kids = []
         todo += [int(k) for k in kids]
     return found
+
+
+def ckpt_split(ckpt: dict[str, Any]) -> dict[str, float]:
+    """What the checkpoint's report says of CRIU's part: the heap's trim, CRIU's pages."""
+    tim = (ckpt.get("report") or {}).get("timings") or {}
+    return {k: round(tim[k], 3) for k in ("trim", "hoist", "dump", "frozen", "criu_written_mib",
+                                          "criu_pages_written_n") if k in tim}
 
 
 def host_memory(pid: int) -> dict[str, Any]:
@@ -435,10 +444,12 @@ class Bench:
             self.row(model, info, case, cache, ttft, cold[cache]["ttft"],
                      full["tokens"] == cold["warm"]["tokens"], image_gib,
                      alone.get("restore") if alone else None, split,
-                     driver_alone=alone or None, checkpoint_s=ckpt.get("s"))
+                     driver_alone=alone or None, checkpoint_s=ckpt.get("s"),
+                     checkpoint_split=ckpt_split(ckpt))
 
     def saved(self, model: str, mdir: Path, case: str, prefix: tuple[str, ...],
-              args: tuple[str, ...]) -> tuple[Path, dict[str, Any]]:
+              args: tuple[str, ...], env: Optional[dict[str, str]] = None
+              ) -> tuple[Path, dict[str, Any]]:
         """Start a server (under `prefix`), wait for its warm-up, save it with `pos
         checkpoint ARGS`; the server is gone afterwards."""
         image = self.work / f"{model}-{case}"
@@ -451,7 +462,8 @@ class Bench:
             time.sleep(1.0)            # of the namespaces under the PID it is given; idle)
             memory = host_memory(pid)
             t0 = time.time()
-            c = finish(pos_async("checkpoint", str(pid), "-D", str(image), "--json", *args), t0)
+            c = finish(pos_async("checkpoint", str(pid), "-D", str(image), "--json", *args,
+                                 env=env), t0)
             c["s"], c["ready"], c["memory"] = c["exit_s"], ready, memory
             if c["rc"]:
                 raise RuntimeError(f"pos checkpoint failed: {c['err'][-800:]}")
@@ -468,6 +480,7 @@ class Bench:
         cold = self.cold(model, mdir, info)
         variants = [c for c in cases if c in VARIANTS]
         steps = (["stw"] if "stw" in cases else []) + (["concurrent"] if variants else []) + \
+            (["notrim"] if "concurrent-notrim" in cases else []) + \
             (["clone"] if "clone" in cases and clones else [])
         for step in steps:
             try:
@@ -479,6 +492,11 @@ class Bench:
                                           ("--concurrent", "--leave-running"))
                     for case in variants:
                         self.restores(model, info, case, image, cold, True, c)
+                elif step == "notrim":          # the baseline of the heap's trim at the hoist
+                    image, c = self.saved(model, mdir, step, (*POS, "run", "--"),
+                                          ("--concurrent", "--leave-running"),
+                                          {"POS_TRIM_HEAP": "0"})
+                    self.restores(model, info, "concurrent-notrim", image, cold, True, c)
                 else:
                     image, c = self.saved(model, mdir, step,
                                           (*POS, "run", "--clonable", "--"),

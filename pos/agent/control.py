@@ -95,6 +95,8 @@ class Hoist:
     bytes: int         # released: held by pos alone until the remap
     stack: int         # the context's per-thread stack before, kept for the remap (0: unchanged)
     stack_rc: int      # the driver's answer to setting it smaller (-1: not asked, or no need)
+    trim_s: float = -1.0   # the job's heap gave its free memory back in this long (-1: not
+                           # asked, or an agent or libc without it)
 
 
 @dataclass(frozen=True)
@@ -359,12 +361,15 @@ class Agent:
                         int(r.get("reseated_bytes", 0)), float(r.get("reseat_s", 0.0)),
                         int(r.get("leaked", 0)))
 
-    def hoist(self, stack: Optional[int] = None) -> Hoist:
+    def hoist(self, stack: Optional[int] = None, trim: bool = False) -> Hoist:
         """The job gives its physical memory up (pos must hold it); `stack`: and its context's
         per-thread stack is set to that many bytes (less local memory for the driver's
-        checkpoint to copy)."""
-        r = self._ask("hoist" if stack is None else f"hoist {stack}")
-        return Hoist(int(r["bytes"]), int(r.get("stack", 0)), int(r.get("stack_rc", -1)))
+        checkpoint to copy); `trim`: and its heap gives back the memory it freed (less for
+        CRIU to dump and each restore to read)."""
+        words = ["hoist"] + ([str(stack)] if stack is not None else []) + (["trim"] if trim else [])
+        r = self._ask(" ".join(words))
+        return Hoist(int(r["bytes"]), int(r.get("stack", 0)), int(r.get("stack_rc", -1)),
+                     float(r.get("trim_s", -1.0)))
 
     def remap(self, fds: list[int], restore: bool = False) -> "Remap":
         """The job maps these descriptors (table order) at its addresses again, and its

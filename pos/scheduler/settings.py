@@ -18,6 +18,9 @@ Every setting, its variable and its default:
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
   hoist_stack         POS_HOIST_STACK       the stack a hoisted context keeps (off: as it is)
+  trim_heap           POS_TRIM_HEAP         1, the default: a hoisted job's heap gives the
+                                            memory it freed back first (smaller dumps and
+                                            restores); 0: as it is
   criu_wait_s         POS_CRIU_WAIT_S       how long an undo waits for a CRIU still running,
                                             and a restore for its lazy-pages daemon
   lazy_pages          POS_LAZY_PAGES        1: CRIU restores private anonymous memory on demand
@@ -65,6 +68,7 @@ class Settings:
     fill_mapped: bool = True
     fill_from: str = FILL_FROMS[0]
     hoist_stack: Optional[int] = DEFAULT_HOIST_STACK
+    trim_heap: bool = True
     criu_wait_s: float = DEFAULT_CRIU_WAIT_S
     lazy_pages: bool = False
     fault_at: str = ""
@@ -138,6 +142,9 @@ class Settings:
             hoist_stack=get("POS_HOIST_STACK", lambda raw: None if raw == "off" else int(raw),
                             DEFAULT_HOIST_STACK, "a number of bytes or off",
                             "unset it (the hoisted context then keeps no stack)"),
+            trim_heap=get("POS_TRIM_HEAP", one_of(("0", "1")), "1", "0 or 1",
+                          "unset it (a hoisted job's heap then gives its free memory back)")
+            == "1",
             criu_wait_s=get("POS_CRIU_WAIT_S", seconds, DEFAULT_CRIU_WAIT_S,
                             "a number of seconds above 0", "unset it (an undo then waits up "
                             f"to {DEFAULT_CRIU_WAIT_S:.0f} s for CRIU)"),

@@ -168,6 +168,24 @@ def test_the_hoist_shrinks_the_context_stack_and_the_remap_puts_it_back(fill_job
             os.close(fd)
 
 
+def test_the_hoist_trims_the_heap_only_when_asked(fill_job) -> None:
+    """A hoist asked to trim has the job's heap give its free memory back (glibc's
+    malloc_trim: less for CRIU to dump), and says how long it took; one not asked says -1.
+    Either way the job runs on after the remap."""
+    job = fill_job(buffers=2)
+    with Agent(job.pid) as a:
+        for trim in (True, False):
+            a.cut(5)
+            fds = a.export().fds
+            h = a.hoist(trim=trim)
+            assert (h.trim_s >= 0) if trim else h.trim_s == -1.0, h
+            a.remap(fds)
+            a.end()
+            for fd in fds:
+                os.close(fd)
+    ran_past(job.pid, 0)
+
+
 def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
     job = fill_job()
     a = Agent(job.pid)

@@ -261,3 +261,17 @@ def test_the_buffers_the_job_used_after_its_checkpoint_are_filled_first(tmp_path
     _chunks, work = fill_order(table, saved)
     firsts = list(dict.fromkeys(i for i, _off, _n in work))
     assert firsts == [1, 2, 3, 0]      # then the smaller buffers first, as before
+
+
+@pytest.mark.parametrize("raw, trim", [(None, True), ("1", True), ("0", False)])
+def test_the_heap_trim_from_the_environment(raw: str, trim: bool) -> None:
+    from pos.scheduler.settings import Settings
+
+    assert Settings.from_env({} if raw is None else {"POS_TRIM_HEAP": raw}).trim_heap is trim
+
+
+def test_a_bad_heap_trim_is_one_sentence() -> None:
+    from pos.scheduler.settings import Settings
+
+    with pytest.raises(BadInput, match="POS_TRIM_HEAP=yes is not 0 or 1"):
+        Settings.from_env({"POS_TRIM_HEAP": "yes"})

@@ -234,8 +234,10 @@ class _Whole:
         g.step("hoist", hoisted=True)
         for s in self.savers:
             agent = s.connected()
-            h = g.timed("hoist", lambda: agent.hoist(self.settings.hoist_stack))
+            h = g.timed("hoist", lambda: agent.hoist(self.settings.hoist_stack,
+                                                     self.settings.trim_heap))
             g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
+            g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
 
     def freeze(self, g: Guard, dumped: Path) -> None:
         """The driver's checkpoint of every job at once, then CRIU's dump into `dumped`."""
