@@ -160,7 +160,8 @@ serve)
     step serve python3 bench/serve_gpu.py --out "$out" \
         --models "${POS_SERVE_MODELS:-gpt2-large,llama-7b}" \
         --cases "${POS_SERVE_CASES:-stw,concurrent,concurrent-lazy,concurrent-service,clone}" \
-        --clones "${POS_SERVE_CLONES:-0}" --service-env "${POS_SERVE_SERVICE_ENV:-}"
+        --clones "${POS_SERVE_CLONES:-0}" --service-env "${POS_SERVE_SERVICE_ENV:-}" \
+        --cold "${POS_SERVE_COLD:-dropped,warm}"
     grep '^row' "$out/serve.log"
     cp /var/log/pos/*criu-restore.log "$out/" 2>/dev/null
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log 2>/dev/null) ;;

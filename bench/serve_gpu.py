@@ -343,6 +343,7 @@ class Bench:
         self.runs: list[dict[str, Any]] = []
         self.req = Requests(work / "requests")
         self.service: Optional[Service] = None
+        self.cold_caches = ("dropped", "warm")
 
     def save(self) -> None:
         (self.out / "serve.json").write_text(json.dumps(
@@ -374,7 +375,7 @@ class Bench:
     # -- cold
     def cold(self, model: str, mdir: Path, info: dict[str, Any]) -> dict[str, Any]:
         res: dict[str, Any] = {}
-        for cache in ("dropped", "warm"):
+        for cache in self.cold_caches:
             self.req.clear()
             self.req.ask("first", 1)
             if cache == "dropped":
@@ -392,7 +393,8 @@ class Bench:
             res[cache] = {"ttft": ttft, "tokens": full["tokens"]}
             stages = {k: round(ready[k] - t0, 3) for k in ("t_start", "t_imported", "t_loaded",
                                                              "t_warm")}
-            exact = None if cache == "dropped" else full["tokens"] == res["dropped"]["tokens"]
+            exact = full["tokens"] == res["dropped"]["tokens"] if "dropped" in res and \
+                cache == "warm" else None
             self.row(model, info, "cold", cache, ttft, ttft, exact, split=stages)
         return res
 
@@ -557,6 +559,8 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2-large,llama-7b")
     ap.add_argument("--cases", default="stw,concurrent,concurrent-lazy,concurrent-service,clone")
     ap.add_argument("--clones", type=int, default=0, help="instances of the clone case")
+    ap.add_argument("--cold", default="dropped,warm",
+                    help="the page cache of the cold starts (warm alone for the clone case)")
     ap.add_argument("--service-env", default="",
                     help="NAME=VALUE,... for pos restore-service (e.g. POS_LAZY_PAGES=1)")
     a = ap.parse_args()
@@ -571,6 +575,7 @@ def main() -> None:
     disk = disk_read_gbps(sorted((work / models[-1]).glob("*.safetensors")))
     print("disk", json.dumps(disk), flush=True)
     bench = Bench(out, work, facts, disk)
+    bench.cold_caches = tuple(a.cold.split(","))
     cases = a.cases.split(",")
     if "concurrent-service" in cases:
         env = dict(kv.split("=", 1) for kv in a.service_env.split(",") if kv)
