@@ -200,12 +200,17 @@ class Requests:
             time.sleep(0.002)
         raise RuntimeError(f"no answer to {rid} within {timeout:.0f} s")
 
-    def ready(self, timeout: float = 600) -> dict[str, Any]:
+    def ready(self, p: Optional[subprocess.Popen] = None, timeout: float = 600
+              ) -> dict[str, Any]:
+        """The server's ready file; RuntimeError once `p` (the server or its launcher) ended
+        without one."""
         t = time.monotonic()
         while time.monotonic() - t < timeout:
             found = list(self.folder.glob("ready-*"))
             if found:
                 return json.loads(found[0].read_text())
+            if p is not None and p.poll() is not None:
+                raise RuntimeError(f"the server ended (exit {p.returncode}) before it was ready")
             time.sleep(0.05)
         raise RuntimeError("the server did not get ready")
 
@@ -460,7 +465,7 @@ class Bench:
         p = spawn(mdir, self.req, self.out / f"{model}-{case}-server.log", prefix)
         pid = p.pid
         try:
-            ready = self.req.ready()   # (pos run --clonable: pos checkpoints its job, PID 1
+            ready = self.req.ready(p)  # (pos run --clonable: pos checkpoints its job, PID 1
             time.sleep(1.0)            # of the namespaces under the PID it is given; idle)
             memory = host_memory(pid)
             t0 = time.time()

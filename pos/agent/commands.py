@@ -19,7 +19,8 @@ Examples:
 @click.option("--clonable", is_flag=True,
               help="Run COMMAND in PID and network namespaces of its own, as a container's "
                    "process is, so that one image of it can be restored many times at once, "
-                   "each copy in new namespaces (COMMAND is PID 1 there).")
+                   "each copy in new namespaces (COMMAND is PID 1 there). CUDA did not start "
+                   "in them with driver 580 (docs/warm-starts.md).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(name: Optional[str], clonable: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with pos's agent preloaded (LD_PRELOAD), so that `pos checkpoint

@@ -8,6 +8,11 @@ process it was taken of. A tree that is PID 1 of namespaces of its own is restor
 new ones each time (its network namespace saved empty, `--empty-ns net`), so one image gives as
 many instances as wanted, at once.
 
+Not for CUDA jobs yet: on four H100s with driver 580.159.04, a job started so failed at
+CUDA's start (cuInit: CUDA_ERROR_OPERATING_SYSTEM, 304; the agent says so on its standard
+error). A container's process also has a mount namespace with a /proc of its own, which this
+does not make (CRIU would then have to save and restore that namespace too).
+
 The job is PID 1 of its PID namespace: as in a container without an init, a signal it has no
 handler for is not delivered (SIGKILL aside), and it reaps orphans of its namespace if it
 waits for them. `pos run` stays outside as its parent, passes the usual signals on and exits

@@ -271,10 +271,21 @@ static void after_fork_child(void) {
 
 static void start_control(void) { pthread_once(&control_once, control_start_once); }
 
+/* CUDA_ERROR_OPERATING_SYSTEM, which cuInit answered a job that `pos run --clonable` started
+ * as PID 1 of PID and network namespaces of its own (four H100s, driver 580.159.04): the job
+ * fails on its own terms, so the agent says what pos did to it, once. */
+#define OS_CALL_FAILED 304
+
 EXPORT CUresult cuInit(unsigned flags) {
     CUresult r = DRV(cuInit)(flags);
+    static atomic_int said;
     if (r == CUDA_SUCCESS)
         start_control();
+    else if ((int)r == OS_CALL_FAILED && getpid() == 1 && !atomic_exchange(&said, 1))
+        fprintf(stderr, "pos: CUDA did not start (cuInit: error %d, an OS call failed) in the PID "
+                        "and network namespaces of `pos run --clonable`: run this job without "
+                        "--clonable\n",
+                (int)r);
     return r;
 }
 
