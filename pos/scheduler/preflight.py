@@ -51,6 +51,13 @@ def check(directory: Path, manifest: Manifest, gpu_pairs: Sequence[tuple[str, st
         memory_free(directory, manifest, here, dict(gpu_pairs))
 
 
+# how to run several copies of one image at once, by what the image holds
+SEVERAL = "for several copies of one image at once, checkpoint a job started with `pos run " \
+    "--clonable`"
+SEVERAL_GPU = "copies of a CUDA job's image cannot run side by side yet (CUDA did not start " \
+    "in the namespaces of `pos run --clonable`: docs/warm-starts.md)"
+
+
 def pids_free(manifest: Manifest) -> None:
     """Refuse an image one of whose PIDs a live process (or a zombie) holds, unless it is
     restored into new namespaces (a tree of its own, `pos run --clonable`): then it restores
@@ -63,8 +70,7 @@ def pids_free(manifest: Manifest) -> None:
                 comm += ", a zombie its parent has not reaped"
             raise BadInput(f"PID {pid} of the image is taken ({comm})",
                            "stop that process (after a --leave-running checkpoint: the "
-                           "original), then restore again; for several copies of one image at "
-                           "once, checkpoint a job started with `pos run --clonable`")
+                           f"original), then restore again; {SEVERAL_GPU if manifest.gpu_pids else SEVERAL}")
 
 
 def same_driver(directory: Path, manifest: Manifest) -> None:

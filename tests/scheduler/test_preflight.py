@@ -270,8 +270,14 @@ def test_a_taken_pid_and_another_driver_are_refused(tmp_path: Path, host_gpus,
     img = make_image(tmp_path, gpus=(on("GPU-a"),))
     m = image.check_files(img)
     m.pids = [os.getpid()]
-    with pytest.raises(BadInput, match=f"PID {os.getpid()} of the image is taken"):
+    with pytest.raises(BadInput, match=f"PID {os.getpid()} of the image is taken") as e:
         preflight.check(img, m)
+    assert ("cannot run side by side" in e.value.fix) == bool(m.gpu_pids)
+    m.gpu_pids = []           # a job without CUDA is told how to take an image of many copies
+    with pytest.raises(BadInput, match="checkpoint a job started with `pos run --clonable`"):
+        preflight.check(img, m)
+    m.inner_pids = [1]        # ... and such an image is not refused for its PIDs
+    preflight.pids_free(m)
     m = image.check_files(img)
     m.driver_version = "570.1"
     monkeypatch.setattr(nvml, "driver_version", lambda: "580.159.04")
@@ -323,11 +329,31 @@ def test_a_refused_concurrent_restore_makes_no_device_memory(tmp_path: Path, hos
     from pos.scheduler.concurrent import restore as concurrent_restore
     from pos.scheduler.gpumap import Onto
 
-    monkeypatch.setattr(concurrent_restore, "Prefetch",
-                        lambda *a, **k: pytest.fail("device memory was made"))
+    from pos.scheduler import gpucopy
+    from pos.scheduler.concurrent import prefetch
+
+    class Context:        # the CUDA context is made beside the checks: here, none
+        drv = None
+
+        def __init__(self, _device: int) -> None:
+            pass
+
+        def use(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    made: list[int] = []
+    monkeypatch.setattr(prefetch, "fill_device", lambda *_: 0)
+    monkeypatch.setattr(gpucopy, "Context", Context)
+    monkeypatch.setattr(gpucopy.Imported, "create",
+                        staticmethod(lambda *a: made.append(1) or pytest.fail("memory made")))
+    assert concurrent_restore.Prefetch is prefetch.Prefetch
     img = make_image(tmp_path, gpus=(on("GPU-b", H100, used=1),), buffers=[70 * GiB])
     with pytest.raises(BadInput, match="GPU 2 of this host has 60.0 GiB free"):
         concurrent.restore_full(img, to_gpu=Onto.parse("2"))
+    assert not made, "device memory was made"
     nothing_left(tmp_path, fake_criu)
 
 
