@@ -149,7 +149,7 @@ def listing(folder: Path) -> list[str]:
     for p in folder.iterdir():
         if p.name == names.PARENT and p.is_dir() and not p.is_symlink():
             out += [f"{names.PARENT}/{q.name}" for q in p.iterdir()]
-        elif p.name != names.MANIFEST:
+        elif p.name not in (names.MANIFEST, names.MANIFEST_TMP):
             out.append(p.name)
     return sorted(out)
 
@@ -187,7 +187,7 @@ def _publish(partial: Path) -> Path:
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
-    tmp = folder / (names.MANIFEST + ".tmp")
+    tmp = folder / names.MANIFEST_TMP
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(manifest.to_json())

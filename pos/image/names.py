@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 MANIFEST = "pos-manifest.json"       # written last: a folder holding it is a sealed image
+MANIFEST_TMP = MANIFEST + ".tmp"   # its rewrite before the rename; a pos killed between
+                                   # the two leaves it, which is no part of the image
 PARTIAL_SUFFIX = ".partial"          # DIR.partial: an image being written, or an interrupted one
 
 INVENTORY = "inventory.img"          # CRIU's: every dump of a process tree writes one

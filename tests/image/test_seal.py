@@ -176,3 +176,15 @@ def test_an_image_received_short_is_refused_before_it_is_sealed(tmp_path: Path,
     with pytest.raises(BadInput, match=says):
         image.adopt(partial, sent)
     assert partial.exists() and not (tmp_path / "in").exists()
+
+
+def test_a_manifest_rewrite_cut_short_leaves_the_image_whole(tmp_path: Path) -> None:
+    """A pos killed while it rewrote a sealed image's manifest (the checkpoint's own timings)
+    leaves the rewrite's temporary beside it: the image is still whole, and still verifies;
+    anything else that was not sealed is still refused."""
+    final = make_image(tmp_path, {"a.img": 1000})
+    (final / names.MANIFEST_TMP).write_text('{"partly": ')
+    image.verify(final)
+    (final / "b.img").write_bytes(b"x")
+    with pytest.raises(BadInput, match="holds b.img"):
+        image.verify(final)
