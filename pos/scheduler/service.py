@@ -60,6 +60,7 @@ used, so that `pos --help` stays fast): imported once here."""
 
 BACKLOG = 64
 REQUEST_S = 10.0     # how long an accepted client may take to send its request
+ACCEPT_S = 0.2       # how often the accepting loop looks for a signal another thread received
 SEND_S = 10.0        # how long a line to a client may wait: one that does not read is gone
 
 
@@ -267,9 +268,17 @@ class Service:
         """Until SIGTERM or SIGINT (KeyboardInterrupt: pos/cli.py turns SIGTERM into it)."""
         from pos.scheduler.steps import uninterrupted
 
+        # the kernel may hand SIGTERM to any thread that does not block it, and then accept()
+        # on this one is not interrupted: Python would run the handler only at the next
+        # connection. So the wait comes back every ACCEPT_S for the handler to run.
+        self.listener.settimeout(ACCEPT_S)
         try:
             while True:
-                conn, _ = self.listener.accept()
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(None)
                 t = threading.Thread(target=self._one, args=(conn,), name="pos-restore")
                 with self.lock:
                     self.running.add(t)
