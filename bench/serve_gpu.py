@@ -40,6 +40,8 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent_gpu import POS, PY, ROOT, machine  # noqa: E402
 
+from pos.scheduler import procs  # noqa: E402
+
 GIB = 2**30
 SERVER = str(ROOT / "workloads" / "serve_lm.py")
 PROMPT = list(range(100, 164))         # 64 token ids
@@ -278,19 +280,6 @@ def finish(p: subprocess.Popen, t0: float, timeout: float = 600) -> dict[str, An
     return res
 
 
-def tree_pids(root: int) -> list[int]:
-    found, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            kids = []
-        todo += [int(k) for k in kids]
-    return found
-
-
 def ckpt_split(ckpt: dict[str, Any]) -> dict[str, float]:
     """What the checkpoint's report says of CRIU's part: the heap's trim, CRIU's pages."""
     tim = (ckpt.get("report") or {}).get("timings") or {}
@@ -303,7 +292,7 @@ def host_memory(pid: int) -> dict[str, Any]:
     from scale_gpu import anon_top
 
     out: dict[str, Any] = {}
-    for p in tree_pids(pid):
+    for p in procs.tree(pid):
         roll = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
         fields = {ln.split()[0].rstrip(":"): int(ln.split()[1]) for ln in roll[1:]
                   if len(ln.split()) >= 2 and ln.split()[1].isdigit()}
@@ -475,7 +464,7 @@ class Bench:
             if c["rc"]:
                 raise RuntimeError(f"pos checkpoint failed: {c['err'][-800:]}")
         finally:
-            for q in reversed(tree_pids(p.pid)):
+            for q in reversed(procs.tree(p.pid)):
                 kill_pid(q)
             p.wait()
         return image, c

@@ -47,6 +47,17 @@ def age(pid: int) -> Optional[float]:
     return max(0.0, up - int(st[19]) / os.sysconf("SC_CLK_TCK"))
 
 
+def ns_pids(pid: int) -> list[int]:
+    """PID as each PID namespace it is in sees it, outermost (this host's) first (NSpid)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("NSpid:"):
+                return [int(v) for v in line.split()[1:]]
+    except OSError:
+        pass
+    return [pid]
+
+
 def memory_available() -> int:
     """MemAvailable in bytes: what the host can give without swapping or taking back memory in
     use (pos's page-locked arena and its staging tmpfs are sized from it)."""

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pos import host
 from pos.errors import BadInput, PosError
 
 MAX_FDS = 250   # descriptors per message (the kernel takes up to 253): the agent's, the watchdog's
@@ -146,13 +147,7 @@ class Gate:
 
 def agent_pid(pid: int) -> int:
     """PID as the job itself sees it (its innermost PID namespace names the socket)."""
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    except OSError:
-        pass
-    return pid
+    return host.ns_pids(pid)[-1]
 
 
 def _connect_in_netns(pid: int, address: bytes) -> socket.socket:

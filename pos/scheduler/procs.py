@@ -55,17 +55,6 @@ def tree(root: int) -> list[int]:
     return out
 
 
-def ns_pids(pid: int) -> list[int]:
-    """PID as each PID namespace it is in sees it, outermost (this host's) first (NSpid)."""
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("NSpid:"):
-                return [int(v) for v in line.split()[1:]]
-    except OSError:
-        pass
-    return [pid]
-
-
 def _ns_inode(pid: str, kind: str) -> Optional[int]:
     try:
         return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
@@ -78,10 +67,10 @@ def own_namespaces(pids: list[int]) -> list[int]:
     (`pos run --clonable`): each one's PID in there, in the order of `pids`. Such a tree is
     restored into new namespaces, so that one image restores as often as wanted at once; []
     for a tree that shares this host's PIDs."""
-    root = ns_pids(pids[0]) if pids else []
+    root = host.ns_pids(pids[0]) if pids else []
     if len(root) < 2 or root[-1] != 1:
         return []
-    return [ns_pids(p)[-1] for p in pids]
+    return [host.ns_pids(p)[-1] for p in pids]
 
 
 def job_in_namespaces(pid: int) -> Optional[int]:
@@ -109,7 +98,7 @@ def restored_pids(root: int, dumped: list[int], inner: list[int]) -> dict[int, i
     there."""
     if not inner:
         return {p: p for p in dumped}
-    now = {ns_pids(p)[-1]: p for p in tree(root)}
+    now = {host.ns_pids(p)[-1]: p for p in tree(root)}
     missing = [i for i in inner if i not in now]
     if missing:
         raise PosError(f"the restored tree of PID {root} lacks the processes {missing} of its "

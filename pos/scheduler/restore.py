@@ -56,8 +56,9 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
     `finish` (until then the undo ends a restored job rather than run it). `finish(g, pids)`
     (each PID of the image -> its process's PID now: the same, or new ones for a tree of its
-    own namespaces, restored into new ones) runs last under the same guard (the concurrent engine puts the job's device memory back
-    there: a failure then ends the restored tree, never leaves it half-restored);
+    own namespaces, restored into new ones) runs last under the same guard (the concurrent
+    engine puts the job's device memory back there: a failure then ends the restored tree,
+    never leaves it half-restored);
     `before_criu()` once the image and this host passed every check (preflight.py), before
     anything else starts (the concurrent engine starts making the job's device memory there);
     `before_driver()` just before the driver's restore (the concurrent engine pauses its fill

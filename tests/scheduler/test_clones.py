@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pos import host
 from pos.image import names
 from pos.scheduler import procs
 from tests.scheduler.conftest import ROOT, Counter, lines, one_sentence, pos, wait_for
@@ -32,7 +33,7 @@ def test_a_tree_in_namespaces_of_its_own_is_seen_as_such(criu_ready: None) -> No
     try:
         job = procs.job_in_namespaces(p.pid)
         assert job is not None and job != p.pid
-        assert procs.ns_pids(job)[-1] == 1 and procs.ns_pids(job)[0] == job
+        assert host.ns_pids(job)[-1] == 1 and host.ns_pids(job)[0] == job
         assert procs.own_namespaces([job]) == [1]
         assert procs.own_netns(job) and not procs.own_netns(os.getpid())
         # the wrapper itself is not in them, and a plain process has no such job
@@ -113,7 +114,7 @@ def test_one_image_restores_three_times_at_once(tmp_path: Path, counters: list,
     try:
         assert len(set(restored)) == 3 and job not in restored
         for pid in restored:
-            assert procs.alive(pid) and procs.ns_pids(pid)[-1] == 1
+            assert procs.alive(pid) and host.ns_pids(pid)[-1] == 1
         assert len({os.stat(f"/proc/{p}/ns/pid").st_ino for p in restored}) == 3
         # all three count on, into the same file: three times as fast as one
         t = time.monotonic()

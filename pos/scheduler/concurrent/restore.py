@@ -128,7 +128,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     ranks = ranks_of(directory)
     moved = dict(pairs)
     # each job's CUDA context is made at once, beside the checks; its device memory only once
-    # the image and this host passed them (make_memory), so that a refusal leaves none behind
+    # the image and this host passed them (before_criu), so that a refusal leaves none behind
     checked = threading.Event()
     pres = [Prefetch(directory, streams, settings, checked, where[0] if where else None)] \
         if ranks == [None] else \
