@@ -50,7 +50,8 @@ group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurr
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
-        SQLAlchemy==2.0.44 greenlet pyelftools lz4 zstandard cxxfilt croniter pyroute2 protobuf
+        SQLAlchemy==2.0.44 greenlet pyelftools lz4 zstandard cxxfilt croniter pyroute2 protobuf \
+        pyseccomp
 fi
 out=${OUT:?run this through the device tool: it sets OUT}
 

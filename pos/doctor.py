@@ -64,6 +64,18 @@ def _hook() -> Optional[PosError]:
     return None
 
 
+def _seccomp() -> Optional[PosError]:
+    """`pos run`'s filter that turns io_uring off for a job (pos/agent/seccomp.py)."""
+    from pos.agent.seccomp import ALLOW_FLAG, library
+
+    try:
+        library()
+    except PosError as e:
+        return PosError(e.cause, f"{e.fix}; until then start jobs with `pos run {ALLOW_FLAG}`, "
+                        "and `pos checkpoint` refuses one that opens an io_uring (torchrun)")
+    return None
+
+
 CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("privileges (root or CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON)", host.check_privileges),
     ("Linux >= 5.8", _kernel),
@@ -74,6 +86,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("CRIU >= 4.0 (checkpoint/restore)", _criu),
     ("soft-dirty tracking (CRIU's pre-dump, of jobs that map no device)", _soft_dirty),
     ("pos run's preload library (libposhook.so, built with gcc)", _hook),
+    ("pos run's io_uring filter (pyseccomp over libseccomp2)", _seccomp),
 )
 
 OPTIONAL = (_nvidia_driver, _soft_dirty)     # what pos can do without: n/a when absent

@@ -15,7 +15,9 @@ kernel=$(uname -r)
 
 # ---- system packages -----------------------------------------------------------------------
 # iptables: CRIU locks established TCP connections with it during a dump (--tcp-established)
-pkgs=(python3-bpfcc python3-venv python3-dev gcc make iproute2 iptables debian-archive-keyring)
+# libseccomp2: `pos run`'s filter that turns io_uring off for the job (pyseccomp loads it)
+pkgs=(python3-bpfcc python3-venv python3-dev gcc make iproute2 iptables libseccomp2
+      debian-archive-keyring)
 if apt-cache show "linux-headers-$kernel" >/dev/null 2>&1; then
   pkgs+=("linux-headers-$kernel")
 elif [ "${ID:-}" = ubuntu ]; then

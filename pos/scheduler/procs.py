@@ -275,13 +275,28 @@ IO_URING = "anon_inode:[io_uring]"
 # torchrun's launcher creates that store without reading USE_LIBUV (PyTorch 2.13, 2026-11-27).
 TCPSTORE_UV_THREAD = "pt_tcpstore_uv"
 # Either makes io_uring_setup fail, and libuv then runs on epoll alone (it ignores the failure).
+# `pos run` does it for the whole tree it starts (pos/agent/seccomp.py), unless --allow-io-uring.
 REFUSE_IO_URING = ("io_uring_setup refused (a seccomp filter that fails it, as Docker's default "
                    "profile does since Docker 25, or sysctl kernel.io_uring_disabled=2 while it "
                    "starts)")
-FIX_IO_URING = f"start the job again with {REFUSE_IO_URING}, if it runs without one"
-FIX_TCPSTORE = (f"start torchrun with {REFUSE_IO_URING}, or the ranks without torchrun with "
-                "USE_LIBUV=0 (rank 0 then hosts a store without libuv); UV_USE_IO_URING=0 and "
-                "USE_LIBUV=0 do not reach torchrun's own store")
+UNDER_POS_RUN = ("`pos run -- CMD`, which makes io_uring_setup fail for every process of the "
+                 "job (libuv then runs on epoll)")
+
+
+def fix_io_uring(pid: int, torchrun: bool) -> str:
+    """What to do about the io_uring of `pid`: start it under `pos run` (without
+    --allow-io-uring, if that is how it was started)."""
+    from pos.agent import IO_URING_ENV
+
+    if environment(pid).get(IO_URING_ENV) == "allowed":
+        return ("start the job again with `pos run` without --allow-io-uring (io_uring_setup "
+                "then fails for every process of the job, and libuv runs on epoll)"
+                + ("" if torchrun else ", if it runs without one"))
+    if torchrun:
+        return (f"start torchrun with {UNDER_POS_RUN}, or with {REFUSE_IO_URING}; "
+                "UV_USE_IO_URING=0 and USE_LIBUV=0 do not reach torchrun's own store")
+    return f"start the job again with {UNDER_POS_RUN}, or with {REFUSE_IO_URING}, if it runs " \
+           "without one"
 
 
 def program(pid: int) -> str:
@@ -462,9 +477,9 @@ def require_dumpable(pid: int) -> None:
         if TCPSTORE_UV_THREAD in threads(p):
             raise BadInput(f"{who} holds {held} that libuv opened for PyTorch's TCPStore "
                            "server (torchrun's rendezvous store), and CRIU cannot checkpoint an "
-                           "io_uring", FIX_TCPSTORE)
+                           "io_uring", fix_io_uring(p, torchrun=True))
         raise BadInput(f"{who} holds {held}, and CRIU cannot checkpoint an io_uring",
-                       FIX_IO_URING)
+                       fix_io_uring(p, torchrun=False))
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

@@ -7,25 +7,40 @@
  *   io_uring_job OUT --child         a child holds it (counting into OUT.1), the parent none
  *   io_uring_job OUT --thread NAME   a thread named NAME made it (pt_tcpstore_uv: torchrun's
  *                                    store on libuv)
+ *   io_uring_job OUT --fallback      as libuv does: when io_uring_setup fails with ENOSYS, an
+ *                                    epoll instance instead (printed "EPOLL" on stderr), whose
+ *                                    epoll_wait times its counting, as libuv's timers
  *
- * Exits 3 when the kernel refuses io_uring_setup (a seccomp filter, io_uring_disabled). */
+ * Exits 3 when the kernel refuses io_uring_setup (a seccomp filter, io_uring_disabled) and
+ * there is no --fallback. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <linux/io_uring.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static int close_fd;
+static int close_fd, fallback, epfd = -1;
 
 static void ring(void) {
   struct io_uring_params p;
   memset(&p, 0, sizeof p);
   int fd = (int)syscall(__NR_io_uring_setup, 8, &p);
+  if (fd < 0 && errno == ENOSYS && fallback) { /* libuv: no io_uring here, epoll alone */
+    epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (epfd < 0) {
+      perror("io_uring_job: epoll_create1");
+      exit(2);
+    }
+    fprintf(stderr, "EPOLL\n");
+    return;
+  }
   if (fd < 0) {
     perror("io_uring_job: io_uring_setup");
     exit(3);
@@ -60,7 +75,12 @@ static void count(const char *path) {
     int len = snprintf(line, sizeof line, "%d\n", n);
     if (write(fd, line, len) != len)
       exit(2);
-    usleep(20000);
+    if (epfd >= 0) { /* the 20 ms tick as libuv's timers: epoll_wait's timeout */
+      struct epoll_event ev;
+      epoll_wait(epfd, &ev, 1, 20);
+    } else {
+      usleep(20000);
+    }
   }
 }
 
@@ -68,12 +88,14 @@ int main(int argc, char **argv) {
   const char *thread = NULL;
   int child = 0;
   if (argc < 2) {
-    fprintf(stderr, "usage: io_uring_job OUT [--close-fd] [--child] [--thread NAME]\n");
+    fprintf(stderr, "usage: io_uring_job OUT [--close-fd] [--child] [--thread NAME] [--fallback]\n");
     return 2;
   }
   for (int i = 2; i < argc; i++) {
     if (!strcmp(argv[i], "--close-fd"))
       close_fd = 1;
+    else if (!strcmp(argv[i], "--fallback"))
+      fallback = 1;
     else if (!strcmp(argv[i], "--child"))
       child = 1;
     else if (!strcmp(argv[i], "--thread") && i + 1 < argc)
