@@ -38,6 +38,15 @@
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
 #                                # of ballast, default 4; POS_MULTI_PARTS; POS_MULTI_DDP_CASES
 #                                # POS_MULTI_DDP_ENGINES, POS_MULTI_DDP_GIB: bench/ddp.py's) (~8 min)
+#   bench/device.sh torchrun     # (two GPUs, four for POS_TORCHRUN_RANKS=4) DDP and FSDP2 as
+#                                # users start them: `pos run -- torchrun --standalone ...`,
+#                                # bench/torchrun_gpu.py's cases (POS_TORCHRUN_CASES, default
+#                                # all: torchrun-sockets-concurrent, torchrun-defaults-concurrent,
+#                                # torchrun-defaults-leave-running,
+#                                # fsdp-torchrun-defaults-concurrent, stw-defaults), checkpointed
+#                                # at a random step, the tree SIGKILLed and restored, every loss
+#                                # against an uninterrupted run's (POS_TORCHRUN_GIB of ballast a
+#                                # rank, default 2) (~6 min at 2 ranks)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
@@ -46,7 +55,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl serve}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl torchrun serve}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -156,6 +165,19 @@ nccl)
     for n in ${POS_NCCL_SOCKET_RANKS-4 1}; do ddp "ddp-sockets-$n" sockets "$n" concurrent; done
     cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt 2>/dev/null) ;;
+torchrun)
+    step native python3 -m pos.native
+    python3 -c 'import pyseccomp' ||
+        echo "torchrun: pyseccomp is missing: run bench/device.sh wheels here and carry .whl" >&2
+    step torchrun python3 bench/torchrun_gpu.py --out "$out" --python python3 \
+        --ranks "${POS_TORCHRUN_RANKS:-2}" --ballast-gib "${POS_TORCHRUN_GIB:-2}" \
+        --cases "${POS_TORCHRUN_CASES:-torchrun-sockets-concurrent,torchrun-defaults-concurrent,torchrun-defaults-leave-running,fsdp-torchrun-defaults-concurrent,stw-defaults}"
+    grep '^row' "$out/torchrun.log"
+    cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
+    for f in /tmp/pos-torchrun/*/job.log; do   # torchrun's and the ranks' output, the agents'
+        [ -f "$f" ] && cp "$f" "$out/$(basename "$(dirname "$f")").log"
+    done
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt 2>/dev/null) ;;
 serve)
     step native python3 -m pos.native
     step serve python3 bench/serve_gpu.py --out "$out" \
@@ -169,6 +191,6 @@ serve)
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl serve" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl torchrun serve" >&2
     exit 2 ;;
 esac

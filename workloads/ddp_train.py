@@ -3,6 +3,8 @@ rank over NCCL, for checkpointing a whole multi-process job.
 
   torchrun --nproc_per_node=2 workloads/ddp_train.py OUTDIR --steps 40 [--sleep 0.2]
   torchrun --nproc_per_node=2 workloads/ddp_train.py OUTDIR --backend nccl [--width 4096]
+  torchrun --standalone --nproc-per-node 2 workloads/ddp_train.py OUTDIR --backend nccl \
+      --parallel fsdp                  # PyTorch's FSDP2 (fully_shard) instead of DDP
 
 Each rank appends `STEP LOSS` (float.hex(), exact to the bit) to OUTDIR/rank-R.txt, opened
 O_APPEND so that a restored rank appends where it left off. Same seed and data on every run, one
@@ -32,6 +34,9 @@ def main() -> None:
     a.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     a.add_argument("--width", type=int, default=64, help="the hidden layer's width")
     a.add_argument("--ballast-gib", type=float, default=0.0)
+    a.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="DDP, or FSDP2 (each layer's parameters sharded over the ranks: "
+                        "all-gathers before each layer, reduce-scatters of its gradients)")
     args = a.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -43,8 +48,15 @@ def main() -> None:
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
     torch.manual_seed(0)               # the same initial weights on every rank
-    model = DDP(nn.Sequential(nn.Linear(32, args.width), nn.Tanh(),
-                              nn.Linear(args.width, 4)).to(dev))
+    net = nn.Sequential(nn.Linear(32, args.width), nn.Tanh(), nn.Linear(args.width, 4)).to(dev)
+    if args.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard   # PyTorch >= 2.6
+
+        for layer in (net[0], net[2], net):
+            fully_shard(layer)
+        model = net
+    else:
+        model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + rank)    # each rank its own shard of the data
     x, y = torch.randn(64, 32, generator=g).to(dev), torch.randint(0, 4, (64,), generator=g).to(dev)

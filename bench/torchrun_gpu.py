@@ -1,0 +1,296 @@
+"""DDP and FSDP as users start them (issue 42): `pos run -- torchrun --standalone
+--nproc-per-node N workloads/ddp_train.py ...`, checkpointed from outside at a random step with
+`pos checkpoint ROOT --concurrent --leave-running --tcp-established`, the whole tree SIGKILLed,
+`pos restore`d into new processes, and every rank's every loss compared (float.hex()) with an
+uninterrupted run's. One row per case in OUT/multigpu.json, with the keys of
+bench/results/2026-11-27-multigpu/multigpu.json plus `launcher`, `nccl_version`, `workload`.
+
+USAGE: python3 bench/torchrun_gpu.py --out DIR [--ranks 2] [--cases A,B] [--ballast-gib 2]
+
+Cases (--cases, default all, in this order):
+  torchrun-sockets-concurrent       DDP, NCCL over sockets (bench/ddp.py NCCL_ENV): saved,
+                                    killed, restored;
+  torchrun-defaults-concurrent      DDP, NCCL's defaults (P2P and SHM on cuMem; NVLS off as on
+                                    these hosts: NCCL_NVLS_ENABLE=0): saved, killed, restored,
+                                    or refused before the job is touched (`refused`; the job
+                                    then runs to its end: `job_ran_on`, `bit_exact`);
+  torchrun-defaults-leave-running   the same, not killed: the job goes on after the putback in
+                                    place, and must end exact; then its image is restored too
+                                    (`restored_bit_exact`);
+  fsdp-torchrun-defaults-concurrent PyTorch's FSDP2 (fully_shard) instead of DDP, as the second;
+  stw-defaults                      NCCL's defaults, the stop-the-world engine (no agent in the
+                                    cut): must be refused untouched, the job running on exact.
+
+Examples:
+  python3 bench/torchrun_gpu.py --out /tmp/tr                    # 2 ranks, every case (~7 min)
+  python3 bench/torchrun_gpu.py --out /tmp/tr --ranks 4 --cases torchrun-defaults-concurrent
+  bench/device.sh torchrun                                       # on a GPU machine ($OUT)
+
+stall_s: the longest gap between rank 0's lines around the checkpoint less the median gap before
+it (the job's own view); pos_held_s: pos's (its report's release_s). first_step_s: from `pos
+restore`'s start to the first new line. Needs root, CRIU, PyTorch with CUDA, N GPUs.
+"""
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+import ddp  # noqa: E402  (bench/ddp.py: its job, its readers, its comparison)
+
+CASES = ("torchrun-sockets-concurrent", "torchrun-defaults-concurrent",
+         "torchrun-defaults-leave-running", "fsdp-torchrun-defaults-concurrent", "stw-defaults")
+# NCCL's defaults as the GPU hosts run them: NVLink SHARP (multicast) off, which pos refuses
+DEFAULTS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def torchrun(python: str) -> list[str]:
+    """torchrun as users type it (its script), else the module it runs."""
+    found = shutil.which("torchrun") or (str(Path(python).parent / "torchrun")
+                                         if (Path(python).parent / "torchrun").exists() else None)
+    return [found] if found else [python, "-m", "torch.distributed.run"]
+
+
+class Case:
+    """One row's job: its NCCL setting, workload, engine, and whether it is killed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nccl = "sockets" if "sockets" in name else "defaults"
+        self.workload = "fsdp2" if name.startswith("fsdp") else "ddp"
+        self.engine = "stw" if name.startswith("stw") else "concurrent"
+        self.kill = name.endswith("concurrent")
+        self.restore_after = name.endswith("leave-running")   # its image too, once it ended
+        self.ref_key = f"{self.workload}-{self.nccl}"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **(ddp.NCCL_ENV if self.nccl == "sockets" else DEFAULTS_ENV)}
+
+    def command(self, python: str, outdir: Path, a: argparse.Namespace, pos_run: bool
+                ) -> list[str]:
+        job = [*torchrun(python), "--standalone", f"--nproc-per-node={a.ranks}", str(ddp.JOB),
+               str(outdir), "--steps", str(a.steps), "--sleep", str(a.sleep), "--backend",
+               "nccl", "--width", str(a.width), "--ballast-gib", str(a.ballast_gib),
+               "--parallel", "fsdp" if self.workload == "fsdp2" else "ddp"]
+        return [sys.executable, "-m", "pos.cli", "run", "--", *job] if pos_run else job
+
+
+def start(cmd: list[str], outdir: Path, env: dict[str, str]) -> subprocess.Popen:
+    outdir.mkdir(parents=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=open(outdir / "job.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def reference(case: Case, a: argparse.Namespace, work: Path) -> list[list[tuple[int, str]]]:
+    """An uninterrupted run (under `pos run` too: the same agent, the same filter)."""
+    d = work / f"ref-{case.ref_key}"
+    say(f"{case.ref_key}: reference run ({a.steps} steps)")
+    job = start(case.command(a.python, d, a, pos_run=True), d, case.env())
+    rc = job.wait(timeout=a.steps * a.sleep + 300)
+    lines = ddp.read(d)
+    if rc != 0 or min(map(len, lines)) != a.steps:
+        raise RuntimeError(f"{case.ref_key}: the reference run failed (exit {rc}): "
+                           f"{(d / 'job.log').read_text()[-2000:]}")
+    return lines
+
+
+def frozen(pids: list[int]) -> bool:
+    return any(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+               for p in pids if Path(f"/proc/{p}").exists())
+
+
+def kill_all(pids: list[int], job: subprocess.Popen) -> None:
+    for p in reversed(pids):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait()
+    for p in pids:
+        while os.path.exists(f"/proc/{p}"):        # reaped by their parents or by us
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.01)
+
+
+def restore(row: dict[str, Any], img: Path, outdir: Path, root: int, a: argparse.Namespace,
+            ref: list[list[tuple[int, str]]], prefix: str = "") -> None:
+    """`pos restore`, the first new line's time, the job to its end, every line compared."""
+    before = ddp.read(outdir)
+    t0 = time.monotonic()
+    code, wall, report, err = ddp.pos("restore", "-D", str(img))
+    row.update({f"{prefix}restore_exit": code, f"{prefix}restore_wall_s": round(wall, 3),
+                f"{prefix}restore_timings": report.get("timings")})
+    if code != 0:
+        row[f"{prefix}restore_error"] = err
+        row[f"{prefix}bit_exact"] = False
+        return
+    while ddp.read(outdir) == before and time.monotonic() - t0 < 120:
+        time.sleep(0.005)
+    row[f"{prefix}first_step_s"] = round(time.monotonic() - t0, 3)
+    now = ddp.read(outdir)
+    row[f"{prefix}resumed_at_step"] = min(
+        (r[len(b)][0] for r, b in zip(now, before) if len(r) > len(b)), default=None)
+    row[f"{prefix}job_exit"] = ddp.reap(root, a.steps * a.sleep + 300)
+    cmp = ddp.compare(ref, ddp.read(outdir))
+    row[f"{prefix}bit_exact"] = cmp["bit_exact"]
+    row[f"{prefix}lines"] = cmp["lines"]
+    row[f"{prefix}wrong"] = cmp["wrong"]
+
+
+def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int, str]]]
+        ) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": case.name, "ranks": a.ranks, "gpus": a.ranks,
+                           "launcher": "torchrun", "nccl": case.nccl, "workload": case.workload,
+                           "engine": case.engine, "ballast_gib_per_rank": a.ballast_gib,
+                           "steps": a.steps, "refused": None, "job_ran_on": None,
+                           "untouched": None, "stall_s": None, "stw_stall_s": None,
+                           "one_rank_stall_s": None, "first_step_s": None}
+    outdir = work / case.name
+    job = start(case.command(a.python, outdir, a, pos_run=True), outdir, case.env())
+    ddp.wait_lines(outdir, a.at, 240)
+    pids = ddp.tree(job.pid)
+    row["processes"] = len(pids)
+    from pos.scheduler import procs
+
+    row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
+    img = work / f"img-{case.name}"
+    watch = ddp.Watch(outdir)
+    time.sleep(random.uniform(0.5, 1.5))          # a moment the job does not choose
+    row["checkpoint_at_step"] = min(map(len, ddp.read(outdir)))
+    say(f"{case.name}: pos checkpoint {job.pid} ({len(pids)} processes, {case.engine}) at step "
+        f"{row['checkpoint_at_step']}")
+    t = time.monotonic()
+    code, wall, report, err = ddp.pos(
+        "checkpoint", str(job.pid), "-D", str(img), "--leave-running", "--tcp-established",
+        *(["--concurrent"] if case.engine == "concurrent" else []))
+    row.update(checkpoint_exit=code, checkpoint_wall_s=round(wall, 3))
+    if code != 0:
+        row["refused"] = err.removeprefix("Error: ") if code == 2 else None
+        row["error"] = None if code == 2 else err
+        row["untouched"] = ddp.tree(job.pid) == pids and not frozen(pids)
+        say(f"{case.name}: exit {code}: {err}")
+        rc = job.wait(timeout=a.steps * a.sleep + 300)
+        cmp = ddp.compare(ref, ddp.read(outdir))
+        row.update(job_exit=rc, job_ran_on=rc == 0 and cmp["bit_exact"], lines=cmp["lines"],
+                   bit_exact=cmp["bit_exact"] if code == 2 else False, wrong=cmp["wrong"])
+        return row
+    timings = report.get("timings") or {}
+    ddp.wait_lines(outdir, min(row["checkpoint_at_step"] + 5, a.steps), 120)   # it runs on
+    row.update(stall_s=watch.stall(t, t + wall), pos_held_s=report.get("release_s"),
+               image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
+               frozen_s=timings.get("frozen"), criu_written_mib=timings.get("criu_written_mib"),
+               criu_memdump_s=timings.get("criu_memdump"),
+               driver_checkpoint_s=timings.get("checkpoint"),
+               driver_restore_s=timings.get("restore"), cut_s=timings.get("cut"),
+               checkpoint_timings=timings, ranks_report=report.get("ranks"))
+    if not case.kill:               # on to its end after the putback in place, then the image
+        rc = job.wait(timeout=a.steps * a.sleep + 300)
+        cmp = ddp.compare(ref, ddp.read(outdir))
+        row.update(job_exit=rc, job_ran_on=rc == 0, bit_exact=rc == 0 and cmp["bit_exact"],
+                   lines=cmp["lines"], wrong=cmp["wrong"])
+        say(f"{case.name}: ran on, exit {rc}, bit-exact {row['bit_exact']}")
+        if case.restore_after:
+            wait_gone(pids)
+            say(f"{case.name}: pos restore of its image")
+            restore(row, img, outdir, job.pid, a, ref, prefix="restored_")
+        return row
+    kill_all(pids, job)
+    row["killed_at_step"] = min(map(len, ddp.read(outdir)))
+    say(f"{case.name}: killed at step {row['killed_at_step']}; pos restore")
+    restore(row, img, outdir, job.pid, a, ref)
+    say(f"{case.name}: restored, exit {row.get('job_exit')}, bit-exact {row['bit_exact']}")
+    return row
+
+
+def wait_gone(pids: list[int], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+
+
+def nccl_version(python: str) -> Optional[str]:
+    r = subprocess.run([python, "-c", "import torch; print('.'.join(map(str, "
+                        "torch.cuda.nccl.version())))"], capture_output=True, text=True)
+    return r.stdout.strip() or None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__[__doc__.index("Examples:"):])
+    ap.add_argument("--out", required=True, help="folder for multigpu.json and the logs")
+    ap.add_argument("--python", default=sys.executable, help="a Python with torch (CUDA)")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--ranks", type=int, default=2, help="ranks (one GPU each)")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--sleep", type=float, default=0.1, help="between steps")
+    ap.add_argument("--at", type=int, default=20, help="checkpoint once every rank made this "
+                    "many steps (then 0.5-1.5 s more)")
+    ap.add_argument("--width", type=int, default=4096, help="the model's hidden width")
+    ap.add_argument("--ballast-gib", type=float, default=2.0, help="on each rank")
+    ap.add_argument("--work", default="/tmp/pos-torchrun", help="scratch folder (emptied)")
+    a = ap.parse_args()
+    cases = [Case(c) for c in a.cases.split(",")]
+    unknown = [c.name for c in cases if c.name not in CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}: choose from {', '.join(CASES)}")
+    if os.geteuid() != 0:
+        sys.exit("bench/torchrun_gpu.py: run as root (CRIU)")
+    ddp.RANKS = a.ranks
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # restored roots become ours
+    out, work = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "gpu": ddp.gpu_names(), "driver": ddp.driver(), "nccl_version": nccl_version(a.python),
+            "commit": os.environ.get("POS_BENCH_COMMIT") or ddp.git("rev-parse", "--short",
+                                                                    "HEAD"),
+            "command": " ".join(["bench/torchrun_gpu.py", *sys.argv[1:]])}
+    refs: dict[str, list[list[tuple[int, str]]]] = {}
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        t = time.monotonic()
+        try:
+            if case.ref_key not in refs:
+                refs[case.ref_key] = reference(case, a, work)
+            got = run(case, a, work, refs[case.ref_key])
+        except Exception as e:       # keep the other rows
+            got = {"case": case.name, "ranks": a.ranks, "bit_exact": False, "error": repr(e)}
+            say(f"{case.name}: {e!r}")
+        got.update(info, case_s=round(time.monotonic() - t, 1))
+        rows.append(got)
+        (out / "multigpu.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print("row " + json.dumps({k: got.get(k) for k in (
+            "case", "ranks", "bit_exact", "refused", "job_ran_on", "stall_s", "first_step_s",
+            "restored_bit_exact")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
