@@ -57,12 +57,39 @@ class Status:
     peer_maps: Optional[int] = None
     peer_bytes: Optional[int] = None
     ipc_maps: Optional[int] = None
+    # Of those, the mappings pos took down (peer-down) and has not put back; and the records the
+    # agent could not keep (its memory ran short): then it cannot say what the job maps
+    peer_down: Optional[int] = None
+    peer_lost: Optional[int] = None
     # How long the agent waits for a request (POS_AGENT_STALL_S), and how the connection
     # before this one ended, in its words; None: the agent is too old to say (or, last_end,
     # no connection has ended yet)
     stall_s: Optional[float] = None
     last_end: Optional[str] = None
     last_end_said: bool = False    # the agent wrote that end to the job's standard error too
+
+
+@dataclass(frozen=True)
+class PeerMap:
+    """A mapping of another process's memory in the job: [va, va+size) maps the owner's
+    allocation from `offset`; `released`: the job released its handle (the mapping holds the
+    memory); `down`: pos took it down and has not put it back."""
+
+    va: int
+    size: int
+    offset: int
+    released: bool
+    down: bool
+
+
+@dataclass(frozen=True)
+class OwnAlloc:
+    """One of the job's own cuMem allocations, mapped at va (its peers may import it);
+    `released`: the job released its handle, so it cannot be exported again."""
+
+    va: int
+    size: int
+    released: bool
 
 
 @dataclass(frozen=True)
@@ -312,7 +339,8 @@ class Agent:
     # -- requests ---------------------------------------------------------------------------
     def status(self) -> Status:
         r = self._ask("status")
-        told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps") if k in r}
+        told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps", "peer_down",
+                                       "peer_lost") if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
                       int(r.get("nccl_launches", 0)), **told,
@@ -390,6 +418,45 @@ class Agent:
 
     def end(self) -> Gate:
         return Gate.from_reply(self._ask("end"))
+
+    # -- other processes' memory (hook/peer.c; pos/agent/peers.py uses these) ---------------
+    def peers(self) -> list["PeerMap"]:
+        """The job's live mappings of memory it imported from other processes."""
+        return [PeerMap(int(m["va"]), int(m["size"]), int(m["offset"]), bool(m["released"]),
+                        bool(m.get("down", False))) for m in self._ask("peers")["maps"]]
+
+    def exports(self) -> list["OwnAlloc"]:
+        """The job's own cuMem allocations (those its peers may have imported)."""
+        return [OwnAlloc(int(a["va"]), int(a["size"]), bool(a["released"]))
+                for a in self._ask("exports")["allocs"]]
+
+    def stamp(self, va: int, nonce: bytes) -> None:
+        """Write a 16-byte nonce at `va` of one of the job's own allocations (bytes kept)."""
+        self._ask(f"stamp {va} {nonce.hex()}")
+
+    def unstamp(self) -> None:
+        self._ask("unstamp")
+
+    def peek(self, va: int) -> bytes:
+        """The 16 bytes at `va` of one of the job's imports."""
+        return bytes.fromhex(self._ask(f"peek {va}")["bytes"])
+
+    def peer_down(self) -> int:
+        """Every import unmapped and released (addresses kept); the bytes taken down."""
+        return int(self._ask("peer-down")["bytes"])
+
+    def peer_export(self, va: int) -> int:
+        """A fresh export of the job's own allocation at `va`: a descriptor the caller owns."""
+        self._ask(f"peer-export {va}")
+        return self._take_fds(1)[0]
+
+    def peer_up(self, fds: list[int]) -> int:
+        """The imports that are down mapped back, one descriptor each in `peers` order."""
+        self._request = "peer-up"
+        self._send(f"peer-up {len(fds)}\n".encode())
+        for at in range(0, len(fds), MAX_FDS):
+            self._send(b"+", fds[at:at + MAX_FDS])
+        return int(self._line()["up"])
 
 
 def _running(pid: int) -> bool:

@@ -166,6 +166,11 @@ def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]]) -> No
     one that can say, predicted from NCCL's settings otherwise."""
     for p in cuda:
         s = statuses.get(p)
+        if s is not None and s.peer_lost:
+            raise BadInput(f"the agent of PID {p} lost track of {s.peer_lost} of the job's "
+                           "mappings of other processes' GPU memory (its memory ran short), so "
+                           "pos cannot tell what the driver would fail to restore",
+                           "restart the job with more memory free, or " + WORKING_SETTINGS)
         if s is not None and s.peer_maps is not None:
             if s.peer_maps or s.ipc_maps:
                 raise BadInput(f"PID {p} maps another process's GPU memory ("

@@ -145,19 +145,23 @@ def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
 def peer_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
              ) -> Iterator[Callable[..., Job]]:
     """`pos run -- peer_job MODE DIR` (tests/fakegpu/peer_job.c), every one of a test with the
-    same DIR; `own` (False: POS_OWN=0, pos owns none of its memory)."""
-    exchange = tmp_path / "peers"
-    exchange.mkdir()
+    same DIR unless `folder` names another (an importer maps the owner of its folder); `own`
+    (False: POS_OWN=0, pos owns none of its memory)."""
+    folders: set[Path] = set()
     started: list[Job] = []
 
-    def start(mode: str, own: bool = True) -> Job:
+    def start(mode: str, own: bool = True, folder: str = "peers") -> Job:
+        exchange = tmp_path / folder
+        exchange.mkdir(exist_ok=True)
+        folders.add(exchange)
         env = gpu_env if own else {**gpu_env, "POS_OWN": "0"}
         job = Job([str(fakegpu["peer_job"]), mode, str(exchange)],
-                  tmp_path / f"{mode}.out", env)
+                  tmp_path / f"{mode}-{folder}.out", env)
         started.append(job)
         return job
     yield start
-    (exchange / "stop").touch()
+    for exchange in folders:
+        (exchange / "stop").touch()
     for job in started:
         try:
             job.proc.wait(timeout=10)

@@ -574,7 +574,17 @@ struct vmm_handle {
     int fd; /* memfd holding the "physical" memory, so that mappings share it */
     size_t size;
     long restores; /* the driver's restores of this process before the handle was made */
+    int imported;  /* made by cuMemImportFromShareableHandle: another process's memory */
 };
+
+/* Live mappings of imported memory, by address: the driver's restore of a process that had one
+ * at its checkpoint fails with CUDA_ERROR_NOT_SUPPORTED (801), measured on two H200s (driver
+ * 580.159.04, bench/peer_probe.py). Their count goes to the state directory ("peer-PID"), where
+ * the restore, called by another process, reads it. */
+#define MAX_PEER_MAPS 1024
+static uintptr_t peer_vas[MAX_PEER_MAPS];
+static int npeer_vas;
+static void peer_maps_publish(void);
 
 /* POS_FAKECUDA_STALE_EXPORT=1: memory made before the driver's last restore of this process is
  * not exported (CUDA_ERROR_INVALID_VALUE), as two H200s (driver 580.159.04) did after a
@@ -654,6 +664,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     h->magic = MAGIC_VMM;
     h->size = size;
     h->restores = stale_exports() ? restores_of_self() : 0;
+    h->imported = 0;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
@@ -689,6 +700,10 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
         return CUDA_ERROR_OUT_OF_MEMORY;
     if (range_add(ptr, size, RANGE_MAPPED) != 0)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    if (h->imported && npeer_vas < MAX_PEER_MAPS) {
+        peer_vas[npeer_vas++] = ptr;
+        peer_maps_publish();
+    }
     return CUDA_SUCCESS;
 }
 
@@ -704,6 +719,12 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     NEED_CONTEXT();
     if (range_remove(ptr, RANGE_MAPPED) != size)
         return CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < npeer_vas; i++)
+        if (peer_vas[i] == ptr) {
+            peer_vas[i] = peer_vas[--npeer_vas];
+            peer_maps_publish();
+            break;
+        }
     /* back to reserved, inaccessible addresses */
     mmap((void *)(uintptr_t)ptr, size, PROT_NONE,
          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
@@ -810,6 +831,7 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
     h->magic = MAGIC_VMM;
     h->size = (size_t)sb.st_size;
     h->restores = stale_exports() ? restores_of_self() : 0;
+    h->imported = 1;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
@@ -1463,9 +1485,22 @@ API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *
                       CU_PROCESS_STATE_CHECKPOINTED);
 }
 
+static void peer_maps_publish(void) {
+    char file[64];
+    snprintf(file, sizeof(file), "peer-%d", (int)getpid());
+    long now = counter(file, 0);
+    counter(file, npeer_vas - now);
+}
+
 API CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
     int valid = !args || ((args->gpuPairs || !args->gpuPairsCount) &&
                           all_zero(args->reserved, sizeof(args->reserved)) && !args->reserved1);
+    char peers[64];
+    snprintf(peers, sizeof(peers), "peer-%d", pid);
+    int state;
+    if (valid && counter(peers, 0) > 0 && checkpoint_begin(__func__, pid, 1, &state) == 0 &&
+        state == CU_PROCESS_STATE_CHECKPOINTED)
+        return CUDA_ERROR_NOT_SUPPORTED; /* stays checkpointed: the driver's undo fails too */
     CUresult r = transition(__func__, pid, valid, CU_PROCESS_STATE_CHECKPOINTED,
                             CU_PROCESS_STATE_LOCKED);
     if (r == CUDA_SUCCESS) {

@@ -215,6 +215,7 @@ int own_free(CUdeviceptr p, CUresult *r);
 int is_owned(CUdeviceptr p);
 
 /* ---- peer memory (peer.c): what the job maps of other processes' memory ---------------- */
+struct conn;
 /* The job's own calls, once the driver said yes (each takes mu). */
 void peer_imported(CUmemGenericAllocationHandle h);
 void peer_released(CUmemGenericAllocationHandle h);
@@ -226,9 +227,21 @@ void ipc_closed(CUdeviceptr va);
 /* Caller holds mu. */
 struct peer_count {
     size_t maps, bytes, ipc;
+    size_t down; /* maps taken down by pos, not yet put back */
+    size_t lost; /* records the agent could not keep: pos refuses the job */
 };
 struct peer_count peer_count(void);
 void build_peers(FILE *f);
+void build_exports(FILE *f);
+int unstamp_all(void);
+void peers_fail_closed(const char *why);
+/* pos's requests (peer.c) */
+void do_stamp(struct conn *c, const char *args);
+void do_unstamp(struct conn *c);
+void do_peek(struct conn *c, const char *args);
+void do_peer_down(struct conn *c);
+void do_peer_export(struct conn *c, const char *args);
+void do_peer_up(struct conn *c, size_t want);
 
 /* ---- the control socket (wire.c) ------------------------------------------------------------ */
 enum { MAX_FDS = 250 }; /* file descriptors per message (SCM_MAX_FD is 253) */

@@ -68,11 +68,11 @@ static void do_status(struct conn *c) {
           "{\"ok\":true,\"pid\":%d,\"phase\":\"%s\",\"buffers\":%zu,\"owned_bytes\":%zu,"
           "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
           "\"imported\":%zu,\"nccl_launches\":%ld,\"peer_maps\":%zu,\"peer_bytes\":%zu,"
-          "\"ipc_maps\":%zu,\"stall_s\":%.3f%s,%s}",
+          "\"ipc_maps\":%zu,\"peer_down\":%zu,\"peer_lost\":%zu,\"stall_s\":%.3f%s,%s}",
           getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
           (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
           atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, peers.maps,
-          peers.bytes, peers.ipc, stall_ms() / 1000.0, end, s);
+          peers.bytes, peers.ipc, peers.down, peers.lost, stall_ms() / 1000.0, end, s);
     pthread_mutex_unlock(&mu);
 }
 
@@ -107,6 +107,7 @@ static void build_table(FILE *f) {
  * held until a remap (the watchdog's). */
 static void abandon(const char *why) {
     pthread_mutex_lock(&mu);
+    peers_fail_closed("the control connection ended"); /* never a run with an import down */
     int ph = atomic_load(&phase);
     if (ph == P_HOLD || ph == P_COPY)
         set_phase(P_IDLE);
@@ -177,6 +178,20 @@ static void serve(int fd) {
             reply_built(c, build_wanted);
         else if (!strcmp(cmd, "peers"))
             reply_built(c, build_peers);
+        else if (!strcmp(cmd, "exports"))
+            reply_built(c, build_exports);
+        else if (!strcmp(cmd, "stamp"))
+            do_stamp(c, args);
+        else if (!strcmp(cmd, "unstamp"))
+            do_unstamp(c);
+        else if (!strcmp(cmd, "peek"))
+            do_peek(c, args);
+        else if (!strcmp(cmd, "peer-down"))
+            do_peer_down(c);
+        else if (!strcmp(cmd, "peer-export"))
+            do_peer_export(c, args);
+        else if (!strcmp(cmd, "peer-up"))
+            do_peer_up(c, args ? strtoul(args, NULL, 10) : 0);
         else if (!strcmp(cmd, "export"))
             do_export(c);
         else if (!strcmp(cmd, "hoist"))

@@ -36,6 +36,16 @@ void do_move(struct conn *c, int from, int to) {
 void do_end(struct conn *c) {
     char s[STATS_CAP];
     pthread_mutex_lock(&mu);
+    int bad = unstamp_all();
+    size_t down = peer_count().down;
+    pthread_mutex_unlock(&mu);
+    if (bad || down) { /* the job must not run so: pos puts them back, or ends it */
+        reply(c, "{\"ok\":false,\"error\":\"%s\"}",
+              down ? "imports of other processes' memory are down: put them back first (peer-up)"
+                   : "pos's marks could not be taken out of the job's memory");
+        return;
+    }
+    pthread_mutex_lock(&mu);
     int ph = atomic_load(&phase);
     if (ph != P_HOISTED) {
         set_phase(P_IDLE);

@@ -16,14 +16,33 @@
  * and keeps for each live mapping what taking it down before the driver's checkpoint and
  * putting it back after its restore need: the address, the size, the offset into the
  * allocation and the access given to it (the handle itself is gone by then: the putback maps a
- * fresh import of the owner's export). Neither is done yet: `status` says how many there are,
- * `peers` lists them (protocol.md). */
+ * fresh import of the owner's export). `status` says how many there are, `peers` lists them.
+ *
+ * The job's own cuMem mappings (cuMemCreate memory it mapped itself: NCCL's buffers, which its
+ * peers import) are kept too, so that pos can find each import's owner exactly and have the
+ * owner export it again: `exports` lists them, `stamp` writes a nonce into one (its bytes kept)
+ * and `unstamp` puts the bytes back, `peek` reads an import's first bytes: the owner of an
+ * import is the allocation whose nonce the importer reads through its mapping (sizes are no
+ * guide: NCCL's buffers are often of one size). With the job held, `peer-down` unmaps every
+ * import and releases its handle (the address range kept), `peer-export VA` sends a fresh
+ * export of the job's own allocation at VA, and `peer-up` maps such exports at the old
+ * addresses with the old access (protocol.md).
+ *
+ * Fail closed: a record the agent could not keep (its memory ran short, or more access
+ * settings than it keeps) is counted (`peer_lost`), and pos then refuses the job, which would
+ * otherwise look as if it mapped less than it does; while any import is down the job never
+ * runs: `end` is refused, and a connection that ends then ends the process (its image, taken
+ * with the imports down, restores it). */
+#define _GNU_SOURCE
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "agent.h"
 
 #define MAX_ACCESS 16
+#define STAMP 16 /* bytes of a nonce */
 
 /* A live mapping of imported memory. */
 struct peer_map {
@@ -33,6 +52,21 @@ struct peer_map {
     int released;                       /* the job released h: the mapping alone holds the memory */
     CUmemAccessDesc access[MAX_ACCESS]; /* what cuMemSetAccess gave its range, by location */
     int naccess;
+    int down; /* taken down by pos (peer-down): unmapped, h released, until peer-up */
+};
+
+/* A live mapping of the job's own cuMem memory (an allocation its peers may import). */
+struct own_map {
+    CUdeviceptr va;
+    size_t size;
+    CUmemGenericAllocationHandle h;
+    int released; /* the job released h: it cannot be exported again */
+};
+
+/* A nonce written over the job's bytes (stamp), for unstamp. */
+struct stamp {
+    CUdeviceptr va;
+    unsigned char saved[STAMP];
 };
 
 /* A live legacy IPC mapping: the owner's handle and the flags it was opened with, for opening
@@ -51,6 +85,20 @@ static struct peer_map *maps;
 static size_t nmaps, capmaps;
 static struct ipc_map *ipcs;
 static size_t nipcs, capipcs;
+static struct own_map *owns;
+static size_t nowns, capowns;
+static struct stamp *stamps;
+static size_t nstamps, capstamps;
+static size_t lost; /* records not kept: pos must refuse the job */
+static long max_records = -1; /* POS_AGENT_PEER_MAX: a bound on the records kept (-1: none) */
+
+static int room(void) {
+    if (max_records == -1) {
+        const char *v = getenv("POS_AGENT_PEER_MAX");
+        max_records = v && *v ? atol(v) : -2;
+    }
+    return max_records < 0 || (long)(nimports + nmaps + nipcs + nowns) < max_records;
+}
 
 /* Room for one more of `size` bytes in *list (n used, *cap allocated); 0 when none. */
 static int grow(void **list, size_t n, size_t *cap, size_t size) {
@@ -73,8 +121,12 @@ static long imported_at(CUmemGenericAllocationHandle h) {
 
 void peer_imported(CUmemGenericAllocationHandle h) {
     pthread_mutex_lock(&mu);
-    if (imported_at(h) < 0 && grow((void **)&imports, nimports, &capimports, sizeof(*imports)))
-        imports[nimports++] = h;
+    if (imported_at(h) < 0) {
+        if (room() && grow((void **)&imports, nimports, &capimports, sizeof(*imports)))
+            imports[nimports++] = h;
+        else
+            lost++;
+    }
     pthread_mutex_unlock(&mu);
 }
 
@@ -87,14 +139,31 @@ void peer_released(CUmemGenericAllocationHandle h) {
         imports[i] = imports[--nimports];
         for (size_t k = 0; k < nmaps; k++)
             maps[k].released |= maps[k].h == h;
+    } else {
+        for (size_t k = 0; k < nowns; k++)
+            owns[k].released |= owns[k].h == h;
     }
     pthread_mutex_unlock(&mu);
 }
 
 void peer_mapped(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h) {
+    CUcontext cur = NULL; /* the agent's own calls on this memory need the job's context */
+    if (DRV(cuCtxGetCurrent)(&cur) != CUDA_SUCCESS)
+        cur = NULL;
     pthread_mutex_lock(&mu);
-    if (imported_at(h) >= 0 && grow((void **)&maps, nmaps, &capmaps, sizeof(*maps)))
-        maps[nmaps++] = (struct peer_map){.va = va, .size = size, .offset = offset, .h = h};
+    if (cur)
+        remember_ctx(cur);
+    if (imported_at(h) >= 0) {
+        if (room() && grow((void **)&maps, nmaps, &capmaps, sizeof(*maps)))
+            maps[nmaps++] = (struct peer_map){.va = va, .size = size, .offset = offset, .h = h};
+        else
+            lost++;
+    } else if (offset == 0) { /* the job's own allocation, from its start */
+        if (room() && grow((void **)&owns, nowns, &capowns, sizeof(*owns)))
+            owns[nowns++] = (struct own_map){.va = va, .size = size, .h = h};
+        else
+            lost++;
+    }
     pthread_mutex_unlock(&mu);
 }
 
@@ -113,6 +182,8 @@ void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n
             if (a < MAX_ACCESS) {
                 m->access[a] = d[j];
                 m->naccess += a == m->naccess;
+            } else {
+                lost++; /* a putback could not give the range all its access */
             }
         }
     }
@@ -126,6 +197,11 @@ void peer_unmapped(CUdeviceptr va, size_t size) {
             maps[k] = maps[--nmaps];
         else
             k++;
+    for (size_t k = 0; k < nowns;)
+        if (owns[k].va >= va && owns[k].va < va + size)
+            owns[k] = owns[--nowns];
+        else
+            k++;
     pthread_mutex_unlock(&mu);
 }
 
@@ -136,8 +212,10 @@ void ipc_opened(CUdeviceptr va, const CUipcMemHandle *h, unsigned flags) {
     if (!range || range(&base, &size, va) != CUDA_SUCCESS)
         size = 0;
     pthread_mutex_lock(&mu);
-    if (grow((void **)&ipcs, nipcs, &capipcs, sizeof(*ipcs)))
+    if (room() && grow((void **)&ipcs, nipcs, &capipcs, sizeof(*ipcs)))
         ipcs[nipcs++] = (struct ipc_map){.va = va, .size = size, .handle = *h, .flags = flags};
+    else
+        lost++;
     pthread_mutex_unlock(&mu);
 }
 
@@ -152,9 +230,11 @@ void ipc_closed(CUdeviceptr va) {
 }
 
 struct peer_count peer_count(void) {
-    struct peer_count c = {.maps = nmaps, .ipc = nipcs};
-    for (size_t k = 0; k < nmaps; k++)
+    struct peer_count c = {.maps = nmaps, .ipc = nipcs, .lost = lost};
+    for (size_t k = 0; k < nmaps; k++) {
         c.bytes += maps[k].size;
+        c.down += maps[k].down;
+    }
     return c;
 }
 
@@ -162,8 +242,11 @@ void build_peers(FILE *f) {
     fputs("{\"ok\":true,\"maps\":[", f);
     for (size_t k = 0; k < nmaps; k++) {
         const struct peer_map *m = &maps[k];
-        fprintf(f, "%s{\"va\":%llu,\"size\":%zu,\"offset\":%zu,\"released\":%s,\"access\":[",
-                k ? "," : "", m->va, m->size, m->offset, m->released ? "true" : "false");
+        fprintf(f,
+                "%s{\"va\":%llu,\"size\":%zu,\"offset\":%zu,\"released\":%s,\"down\":%s,"
+                "\"access\":[",
+                k ? "," : "", m->va, m->size, m->offset, m->released ? "true" : "false",
+                m->down ? "true" : "false");
         for (int a = 0; a < m->naccess; a++)
             fprintf(f, "%s{\"type\":%d,\"id\":%d,\"flags\":%d}", a ? "," : "",
                     m->access[a].location.type, m->access[a].location.id, m->access[a].flags);
@@ -174,4 +257,250 @@ void build_peers(FILE *f) {
         fprintf(f, "%s{\"va\":%llu,\"size\":%zu,\"flags\":%u}", k ? "," : "", ipcs[k].va,
                 ipcs[k].size, ipcs[k].flags);
     fputs("]}", f);
+}
+
+/* ---- finding owners, taking imports down, putting them back (pos's requests) ---------------- */
+
+void build_exports(FILE *f) {
+    fputs("{\"ok\":true,\"allocs\":[", f);
+    for (size_t k = 0; k < nowns; k++)
+        fprintf(f, "%s{\"va\":%llu,\"size\":%zu,\"released\":%s}", k ? "," : "", owns[k].va,
+                owns[k].size, owns[k].released ? "true" : "false");
+    fputs("]}", f);
+}
+
+static int held(struct conn *c, const char *what) {
+    if (atomic_load(&phase) == P_HOLD)
+        return 1;
+    char msg[160];
+    snprintf(msg, sizeof(msg), "%s: the job is in phase %s, not hold (cut it first)", what,
+             phase_name[atomic_load(&phase)]);
+    fail(c, msg);
+    return 0;
+}
+
+static int hex_bytes(const char *hex, unsigned char *out, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1)
+            return -1;
+        out[i] = (unsigned char)v;
+    }
+    return 0;
+}
+
+static long own_at(CUdeviceptr va) {
+    for (size_t k = 0; k < nowns; k++)
+        if (va >= owns[k].va && va + STAMP <= owns[k].va + owns[k].size)
+            return (long)k;
+    return -1;
+}
+
+/* `stamp VA HEX`: the 16 bytes at VA (inside one of the job's own allocations) kept, the nonce
+ * written there. */
+void do_stamp(struct conn *c, const char *args) {
+    char hex[2 * STAMP + 1] = "";
+    unsigned long long va = 0;
+    unsigned char nonce[STAMP];
+    if (!args || sscanf(args, "%llu %32s", &va, hex) != 2 || hex_bytes(hex, nonce, STAMP)) {
+        fail(c, "stamp: give VA and 32 hex digits");
+        return;
+    }
+    if (!held(c, "stamp"))
+        return;
+    pthread_mutex_lock(&mu);
+    CUresult r = own_at(va) < 0 ? CUDA_ERROR_INVALID_VALUE : use_context();
+    struct stamp s = {.va = va};
+    if (r == CUDA_SUCCESS && !grow((void **)&stamps, nstamps, &capstamps, sizeof(*stamps)))
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (r == CUDA_SUCCESS)
+        r = DRV(cuMemcpyDtoH_v2)(s.saved, va, STAMP);
+    if (r == CUDA_SUCCESS) {
+        stamps[nstamps++] = s; /* kept before the write: an unstamp puts back what it saw */
+        r = DRV(cuMemcpyHtoD_v2)(va, nonce, STAMP);
+    }
+    pthread_mutex_unlock(&mu);
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true}");
+    else
+        reply(c, "{\"ok\":false,\"error\":\"stamp: the driver answered %d\",\"rc\":%d}", (int)r,
+              (int)r);
+}
+
+/* Every stamped range gets its bytes back (the latest stamp first: the oldest bytes win); one
+ * the driver would not write stays listed. Caller holds mu. */
+int unstamp_all(void) {
+    if (nstamps && use_context() != CUDA_SUCCESS)
+        return (int)nstamps;
+    for (size_t i = nstamps; i-- > 0;)
+        if (DRV(cuMemcpyHtoD_v2)(stamps[i].va, stamps[i].saved, STAMP) == CUDA_SUCCESS)
+            stamps[i].va = 0; /* put back */
+    size_t kept = 0;
+    for (size_t i = 0; i < nstamps; i++)
+        if (stamps[i].va)
+            stamps[kept++] = stamps[i];
+    nstamps = kept;
+    return (int)kept;
+}
+
+void do_unstamp(struct conn *c) {
+    pthread_mutex_lock(&mu);
+    int bad = unstamp_all();
+    pthread_mutex_unlock(&mu);
+    if (bad)
+        reply(c, "{\"ok\":false,\"error\":\"unstamp: %d ranges not put back\"}", bad);
+    else
+        reply(c, "{\"ok\":true}");
+}
+
+/* `peek VA`: the 16 bytes at VA of one of the job's live imports, in hex. */
+void do_peek(struct conn *c, const char *args) {
+    unsigned long long va = args ? strtoull(args, NULL, 0) : 0;
+    if (!held(c, "peek"))
+        return;
+    unsigned char b[STAMP];
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (size_t k = 0; k < nmaps; k++)
+        found |= !maps[k].down && va >= maps[k].va && va + STAMP <= maps[k].va + maps[k].size;
+    CUresult r = found ? use_context() : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS)
+        r = DRV(cuMemcpyDtoH_v2)(b, va, STAMP);
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS) {
+        reply(c, "{\"ok\":false,\"error\":\"peek: the driver answered %d\",\"rc\":%d}", (int)r,
+              (int)r);
+        return;
+    }
+    char hex[2 * STAMP + 1];
+    for (int i = 0; i < STAMP; i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    reply(c, "{\"ok\":true,\"bytes\":\"%s\"}", hex);
+}
+
+/* `peer-down`: every live import unmapped (its address range kept) and its handle released. */
+void do_peer_down(struct conn *c) {
+    if (!held(c, "peer-down"))
+        return;
+    pthread_mutex_lock(&mu);
+    CUresult r = use_context();
+    size_t n = 0, bytes = 0;
+    for (size_t k = 0; k < nmaps && r == CUDA_SUCCESS; k++) {
+        struct peer_map *m = &maps[k];
+        if (m->down)
+            continue;
+        r = DRV(cuMemUnmap)(m->va, m->size);
+        if (r != CUDA_SUCCESS)
+            break;
+        m->down = 1, n++, bytes += m->size; /* from here on it must come back before a run */
+        if (!m->released) {
+            long i = imported_at(m->h);
+            r = DRV(cuMemRelease)(m->h);
+            if (i >= 0)
+                imports[i] = imports[--nimports];
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true,\"down\":%zu,\"bytes\":%zu}", n, bytes);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"peer-down: the driver answered %d\",\"rc\":%d}",
+              (int)r, (int)r);
+}
+
+/* `peer-export VA`: a fresh export of the job's own allocation at VA, as one descriptor. The
+ * driver's own export (DRV): no gate, so that it works while the job is held. */
+void do_peer_export(struct conn *c, const char *args) {
+    unsigned long long va = args ? strtoull(args, NULL, 0) : 0;
+    if (!held(c, "peer-export"))
+        return;
+    pthread_mutex_lock(&mu);
+    long k = -1;
+    for (size_t i = 0; i < nowns; i++)
+        if (owns[i].va == va)
+            k = (long)i;
+    CUresult r = k < 0 || owns[k].released ? CUDA_ERROR_INVALID_VALUE : use_context();
+    int fd = -1;
+    if (r == CUDA_SUCCESS)
+        r = DRV(cuMemExportToShareableHandle)(&fd, owns[k].h, HANDLE_POSIX_FD, 0);
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS) {
+        reply(c, "{\"ok\":false,\"error\":\"peer-export: %s\",\"rc\":%d}",
+              k < 0 ? "no allocation of the job's own starts there"
+                    : "the driver did not export it", (int)r);
+        return;
+    }
+    reply(c, "{\"ok\":true,\"fds\":1}");
+    send_fds(c, &fd, 1);
+    close(fd);
+}
+
+/* `peer-up N` + N descriptors: the imports that are down, in the order `peers` lists them,
+ * each imported, mapped at its old address and offset, given its old access; its handle
+ * released again where the job had released it, kept (as the job's) otherwise. A failure
+ * leaves the rest down and the job held. */
+void do_peer_up(struct conn *c, size_t want) {
+    while (c->nfds < want) {
+        if (rx(c, 30000) <= 0) {
+            fail(c, "peer-up: fewer descriptors came than announced");
+            return;
+        }
+    }
+    if (!held(c, "peer-up"))
+        return;
+    pthread_mutex_lock(&mu);
+    size_t down = 0, up = 0, fd_at = 0;
+    for (size_t k = 0; k < nmaps; k++)
+        down += maps[k].down;
+    CUresult r = down == want ? use_context() : CUDA_ERROR_INVALID_VALUE;
+    for (size_t k = 0; k < nmaps && r == CUDA_SUCCESS; k++) {
+        struct peer_map *m = &maps[k];
+        if (!m->down)
+            continue;
+        int fd = c->fds[fd_at++];
+        CUmemGenericAllocationHandle h = 0;
+        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
+        if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(m->va, m->size, m->offset, h, 0)))
+            DRV(cuMemRelease)(h);
+        if (r == CUDA_SUCCESS && m->naccess &&
+            (r = DRV(cuMemSetAccess)(m->va, m->size, m->access, (size_t)m->naccess))) {
+            DRV(cuMemUnmap)(m->va, m->size);
+            DRV(cuMemRelease)(h);
+        }
+        if (r != CUDA_SUCCESS)
+            break;
+        m->down = 0, up++;
+        if (m->released) {
+            DRV(cuMemRelease)(h); /* the mapping alone holds it, as before */
+        } else {
+            m->h = h; /* the job's handle now (NCCL frees from the pointer) */
+            if (grow((void **)&imports, nimports, &capimports, sizeof(*imports)))
+                imports[nimports++] = h;
+            else
+                lost++;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    for (size_t i = 0; i < c->nfds; i++)
+        close(c->fds[i]);
+    c->nfds = 0;
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true,\"up\":%zu}", up);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"peer-up: the driver answered %d after %zu of %zu\","
+                 "\"rc\":%d}", (int)r, up, want, (int)r);
+}
+
+/* The connection ended, or pos asked the job to go on, with imports down: the job must never
+ * run with a mapping missing. Caller holds mu. */
+void peers_fail_closed(const char *why) {
+    int bad = unstamp_all();
+    struct peer_count n = peer_count();
+    if (!n.down && !bad)
+        return;
+    fprintf(stderr,
+            "pos: %s with %zu of this process's mappings of other processes' memory taken down%s; "
+            "ending the process (pos's image restores it)\n",
+            why, n.down, bad ? " and pos's marks not taken out of its memory" : "");
+    kill(getpid(), SIGKILL);
 }
