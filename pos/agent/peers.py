@@ -12,15 +12,18 @@ kept by its agent) and each importer reads one through its mapping; then every b
 Every rank must be held (cut) for all of it: nothing of the job runs while pos writes its nonces
 or while an import is down. The agent never lets a rank run with an import down: it refuses
 `end` then, and a connection that ends then ends the process (hook/peer.c), whose image, taken
-with the imports down, restores it. What is not here yet: the engines do not call this (a job
-that maps a peer's memory is still refused before it is touched: restorable.py), and the image
-does not record the links for a restore into new processes.
+with the imports down, restores it. The concurrent engine calls this at its cut, records the
+links in the image (`write`), and puts the imports back after the driver's restore, in place
+(--leave-running) or in the restored processes (`read`, `renamed`); the stop-the-world engine,
+which has no agent in the cut, refuses such a job (pos/scheduler/restorable.py).
 """
 
+import json
 import os
 import secrets
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from pos.agent.control import Agent, OwnAlloc, PeerMap
 from pos.errors import BadInput, PosError
@@ -39,6 +42,32 @@ class Link:
     offset: int
     owner: int
     owner_va: int
+
+
+def write(folder: Path, links: Sequence[Link]) -> None:
+    """The links into an image being written (none: no file)."""
+    from pos.image import names
+
+    if links:
+        (folder / names.PEER_LINKS).write_text(json.dumps([asdict(k) for k in links]) + "\n")
+
+
+def read(folder: Path) -> list[Link]:
+    """An image's links ([] when its checkpoint took nothing down)."""
+    from pos.image import names
+
+    path = folder / names.PEER_LINKS
+    if not path.exists():
+        return []
+    try:
+        return [Link(**{f: int(v) for f, v in k.items()}) for k in json.loads(path.read_text())]
+    except (ValueError, TypeError) as e:
+        raise BadInput(f"{path} is damaged ({e})", "restore another image of the job") from None
+
+
+def renamed(links: Sequence[Link], live: Mapping[int, int]) -> list[Link]:
+    """The links with the PIDs the restored processes have (`live`: saved PID -> PID now)."""
+    return [replace(k, importer=live[k.importer], owner=live[k.owner]) for k in links]
 
 
 def match(agents: Sequence[Agent]) -> list[Link]:

@@ -161,9 +161,12 @@ def predicted_sharing(pid: int) -> list[str]:
     return NcclSettings.of(env).sharing()
 
 
-def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]]) -> None:
+def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]],
+                taken_down: bool = False) -> None:
     """Refuse a process that maps another process's GPU memory: seen by its agent where it has
-    one that can say, predicted from NCCL's settings otherwise."""
+    one that can say, predicted from NCCL's settings otherwise. `taken_down`: the concurrent
+    engine takes cuMem imports down at its cut and puts them back (pos/agent/peers.py), so
+    only what it cannot take down is refused: legacy IPC, and an agent that lost track."""
     for p in cuda:
         s = statuses.get(p)
         if s is not None and s.peer_lost:
@@ -172,6 +175,15 @@ def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]]) -> No
                            "pos cannot tell what the driver would fail to restore",
                            "restart the job with more memory free, or " + WORKING_SETTINGS)
         if s is not None and s.peer_maps is not None:
+            if taken_down and s.ipc_maps:
+                raise BadInput(f"PID {p} has {s.ipc_maps} legacy CUDA IPC mappings of another "
+                               "process's GPU memory (NCCL's P2P without cuMem), which pos "
+                               "cannot take down before the driver's checkpoint (its restore "
+                               "fails and the job is lost)", "start the job without "
+                               "NCCL_CUMEM_ENABLE=0 (cuMem imports pos takes down), or with "
+                               + WORKING_SETTINGS.removeprefix("start the job with "))
+            if taken_down:
+                continue
             if s.peer_maps or s.ipc_maps:
                 raise BadInput(f"PID {p} maps another process's GPU memory ("
                                f"{s.peer_maps + (s.ipc_maps or 0)} mappings, "

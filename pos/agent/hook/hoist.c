@@ -96,6 +96,13 @@ void do_hoist(struct conn *c, const char *args) {
  * with `restore` straight into the restore gate (memory that pos is still filling: should pos
  * go away at any moment after this, the job must not run on it). */
 void do_remap(struct conn *c, size_t want, int then_restore) {
+    pthread_mutex_lock(&mu);
+    size_t down = peer_count().down;
+    pthread_mutex_unlock(&mu);
+    if (then_restore && down) { /* the restore gate lets calls run: not without every import */
+        fail(c, "imports of other processes' memory are down: put them back first (peer-up)");
+        return;
+    }
     while (c->nfds < want) {
         int r = rx(c, 30000);
         if (r <= 0) {

@@ -269,12 +269,15 @@ void build_exports(FILE *f) {
     fputs("]}", f);
 }
 
+/* The job's calls are held: cut (hold), or its memory given up (hoisted, as a restored job
+ * starts). */
 static int held(struct conn *c, const char *what) {
-    if (atomic_load(&phase) == P_HOLD)
+    int ph = atomic_load(&phase);
+    if (ph == P_HOLD || ph == P_HOISTED)
         return 1;
     char msg[160];
     snprintf(msg, sizeof(msg), "%s: the job is in phase %s, not hold (cut it first)", what,
-             phase_name[atomic_load(&phase)]);
+             phase_name[ph]);
     fail(c, msg);
     return 0;
 }
@@ -491,9 +494,13 @@ void do_peer_up(struct conn *c, size_t want) {
                  "\"rc\":%d}", (int)r, up, want, (int)r);
 }
 
-/* The connection ended, or pos asked the job to go on, with imports down: the job must never
- * run with a mapping missing. Caller holds mu. */
+/* The connection ended with imports down, the job's calls no longer held by a hoist: it must
+ * never run with a mapping missing. Hoisted, its calls stay held until a remap, which leaves it
+ * held (a remap for a restore is refused then: hoist.c), so it waits for pos's next connection.
+ * Caller holds mu. */
 void peers_fail_closed(const char *why) {
+    if (atomic_load(&phase) == P_HOISTED)
+        return;
     int bad = unstamp_all();
     struct peer_count n = peer_count();
     if (!n.down && !bad)

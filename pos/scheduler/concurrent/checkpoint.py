@@ -8,13 +8,15 @@
              it runs (pos/scheduler/predump.py), for an incremental frozen dump
   cut        every job held, on a connection made just before it (saver.Saver.reconnect; a
              job of several: each just before the same collective,
-             pos/scheduler/collective.py), asked again whether it maps a peer's memory
+             pos/scheduler/collective.py), asked again whether it maps a peer's memory; each
+             import of another's memory matched with its owner (pos/agent/peers.py)
   take       each job's memory exported, imported by pos, shadowed; its copy begins; the
              descriptors handed to the watchdog
-  hoist      the jobs give their physical memory up (pos holds it)
+  hoist      the imports taken down, the jobs give their physical memory up (pos holds it)
   freeze     the driver locks and checkpoints the now small contexts; CRIU dumps the tree
-  thaw       --leave-running: the driver restores and unlocks, each job maps its memory again
-             and is released, gated; otherwise CRIU left the tree stopped
+  thaw       --leave-running: the driver restores and unlocks, each job maps its memory again,
+             the imports are put back, and it is released, gated; otherwise CRIU left the
+             tree stopped
   seal       the copy ends, the GPU indexes and the manifest are written, the image sealed;
              without --leave-running the tree ends
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from pos import image, nvml
+from pos.agent import peers
 from pos.agent.control import Agent, Cut, Gate
 from pos.errors import BadInput
 from pos.image import names
@@ -126,6 +129,7 @@ class _Whole:
         self.gates: list[Optional[Gate]] = []
         self.copies: list[Copied] = []
         self.release_s = 0.0
+        self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
 
     def run(self) -> Report:
         self.refuse()
@@ -171,7 +175,8 @@ class _Whole:
         try:
             for p in self.cuda:            # no agent: one sentence, before anything is touched
                 self.agents.append(Agent(p))
-            restorable.peer_memory(self.cuda, {a.pid: a.status() for a in self.agents})
+            restorable.peer_memory(self.cuda, {a.pid: a.status() for a in self.agents},
+                                   taken_down=True)
         except BaseException:
             self.close()
             raise
@@ -221,7 +226,10 @@ class _Whole:
         else:
             self.cuts = [self.savers[0].cut()]
         # held now, every rank: nothing maps a peer's memory until they go on
-        restorable.peer_memory(self.cuda, {a.pid: a.status() for a in self.agents})
+        statuses = {a.pid: a.status() for a in self.agents}
+        restorable.peer_memory(self.cuda, statuses, taken_down=True)
+        if any(s.peer_maps for s in statuses.values()):
+            self.links = g.timed("peers_match", lambda: peers.match(self.agents))
         return t0
 
     def take(self, g: Guard) -> None:
@@ -231,6 +239,11 @@ class _Whole:
             g.hold(t.pid, t.fds)       # while the job is held, its memory still
 
     def hoist(self, g: Guard) -> None:
+        if self.links:
+            agents = [s.connected() for s in self.savers]
+            g.timings["peers_down_bytes"] = g.timed(
+                "peers_down", lambda: peers.take_down(agents, self.links))
+            peers.write(self.partial, self.links)
         g.step("hoist", hoisted=True)
         for s in self.savers:
             agent = s.connected()
@@ -270,6 +283,9 @@ class _Whole:
             s.agent = Agent(s.pid)
             back = g.timed("remap", lambda: s.connected().remap(t.fds))
             g.timings["stack_back"] = back.stack_s
+        if self.links:         # every job held still: none runs before its imports are back
+            agents = [s.connected() for s in self.savers]
+            g.timed("peers_up", lambda: peers.put_back(agents, self.links))
         g.step("copy", hoisted=False)
         for t in self.taken:
             t.thaw()

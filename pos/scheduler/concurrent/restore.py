@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from pos import image
+from pos.agent import peers
 from pos.agent.control import Agent, Gate
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex, kinds
@@ -136,7 +137,8 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     back = _Back()
 
     def put_back(g: Guard, live: dict[int, int]) -> None:
-        """The restored jobs map the memory pos made for them, and run; the fill goes on."""
+        """The restored jobs map the other processes' memory they imported (its owners export
+        it again) and the memory pos made for them, and run; the fill goes on."""
         g.step("remap")
         for pre in pres:      # pos's new device memory (made during CRIU's part)
             g.timed("memory", pre.ready.wait)
@@ -150,6 +152,9 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match {directory}'s "
                                    "GPU index", "take a new checkpoint")
+            links = peers.renamed(peers.read(directory), live)
+            if links:          # every job held still (hoisted): none runs before they are back
+                g.timed("peers_up", lambda: peers.put_back(agents, links))
             for pre, agent in zip(pres, agents):
                 remapped = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
                 g.timings["stack_back"] = remapped.stack_s
