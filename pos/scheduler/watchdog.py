@@ -163,18 +163,39 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], N
 
 
 def _give_back(plan: Plan, memory: dict[int, list[int]], log: Callable[[str], None]) -> None:
-    """Map the hoisted memory back into each job (its calls wait for it) and release it
-    (`memory`: each job's descriptors, in its agent's table order)."""
+    """Map the hoisted memory back into each job (its calls wait for it), put back the imports
+    of each other's memory that the checkpoint took down (its image's links: each owner
+    exports again, each importer maps), and release them (`memory`: each job's descriptors,
+    in its agent's table order). An importer whose imports cannot come back is not released:
+    its agent ends it once let go (hook/peer.c), never running without them."""
+    from pos.agent import peers
     from pos.agent.control import Agent
 
     if not plan.hoisted:
         return
-    for pid, fds in memory.items():
-        if procs.alive(pid):
-            log(f"PID {pid}: giving its device memory back ({len(fds)} buffers)")
-            with Agent(pid) as agent:
-                agent.remap(fds)
+    agents: list[Agent] = []
+    try:
+        for pid, fds in memory.items():
+            if procs.alive(pid):
+                log(f"PID {pid}: giving its device memory back ({len(fds)} buffers)")
+                agents.append(Agent(pid))
+                agents[-1].remap(fds)
+        links = peers.read(Path(plan.images)) if plan.op == "checkpoint" and plan.images else []
+        if links:
+            log(f"putting back {len(links)} imports of other processes' memory")
+            try:
+                peers.put_back(agents, links)
+            except PosError as e:
+                log(f"the imports could not all come back ({e.message}): the processes that "
+                    "lack one end")
+        for agent in agents:
+            try:
                 agent.end()
+            except PosError as e:
+                log(f"PID {agent.pid} is not released ({e.message})")
+    finally:
+        for agent in agents:
+            agent.close()
 
 
 def _verified(plan: Plan, log: Callable[[str], None]) -> bool:

@@ -146,15 +146,19 @@ def peer_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
              ) -> Iterator[Callable[..., Job]]:
     """`pos run -- peer_job MODE DIR` (tests/fakegpu/peer_job.c), every one of a test with the
     same DIR unless `folder` names another (an importer maps the owner of its folder); `own`
-    (False: POS_OWN=0, pos owns none of its memory)."""
+    (False: POS_OWN=0, pos owns none of its memory); `stall_s`: the agent's bound on a silent
+    pos (POS_AGENT_STALL_S), which is also how long it keeps a job held whose imports pos took
+    down and did not put back."""
     folders: set[Path] = set()
     started: list[Job] = []
 
-    def start(mode: str, own: bool = True, folder: str = "peers") -> Job:
+    def start(mode: str, own: bool = True, folder: str = "peers",
+              stall_s: Optional[float] = None) -> Job:
         exchange = tmp_path / folder
         exchange.mkdir(exist_ok=True)
         folders.add(exchange)
-        env = gpu_env if own else {**gpu_env, "POS_OWN": "0"}
+        env = {**gpu_env, **({} if own else {"POS_OWN": "0"}),
+               **({} if stall_s is None else {"POS_AGENT_STALL_S": str(stall_s)})}
         job = Job([str(fakegpu["peer_job"]), mode, str(exchange)],
                   tmp_path / f"{mode}-{folder}.out", env)
         started.append(job)

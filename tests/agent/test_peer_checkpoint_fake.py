@@ -140,3 +140,74 @@ def test_the_stop_the_world_engine_still_refuses_untouched(pair: Pair, tmp_path:
     assert r.returncode == 2 and "maps another process's GPU memory" in r.stderr, r.stderr
     assert not (tmp_path / "img").exists()
     shares_the_owners_memory(pair)
+
+
+def state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+@pytest.mark.parametrize("step", ["cut", "hoist", "checkpoint", "dump", "restore", "copy"])
+def test_pos_killed_at_each_step_leaves_each_process_running_whole_or_ended(
+        pair: Pair, tmp_path: Path, gpu_env, step: str) -> None:
+    """The watchdog gives each job its memory back and puts the import back (the image's
+    links), so both run on whole: the owner with its bytes, the importer with its import
+    mapped (where that fails it ends instead: the test below)."""
+    with Agent(pair.owner) as a:
+        owner_va = a.exports()[0].va
+    r = pos("checkpoint", str(pair.root), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running", env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo" in log.read_text() and (
+        "undo done" in log.read_text() or "undo failed" in log.read_text()), timeout=60,
+        what="the watchdog's undo")
+    with Agent(pair.owner) as a:
+        wait_for(lambda: a.status().phase == "idle", what="the owner's release")
+    with open(f"/proc/{pair.owner}/mem", "rb", buffering=0) as mem:
+        assert os.pread(mem.fileno(), 16, owner_va) == SEVEN
+    wait_for(lambda: state(pair.importer) in "XZ" or _idle(pair.importer), timeout=30,
+             what=f"the importer running on or ended: {log.read_text()}")
+    assert state(pair.importer) not in "XZ", pair.said()
+    with Agent(pair.importer) as a:
+        st = a.status()
+    assert (st.peer_maps, st.peer_down) == (1, 0)
+    shares_the_owners_memory(pair)
+    if step not in ("cut", "copy"):             # the import was down when pos died
+        assert "putting back 1 imports" in log.read_text()
+
+
+def test_an_import_that_cannot_come_back_ends_its_process_never_held(
+        tmp_path: Path, fakegpu, gpu_env, criu_ready) -> None:
+    """pos dies with the import down, and the owner dies too: the watchdog cannot put it back,
+    and the importer, let go, stays held for its stall bound, then ends itself rather than run
+    without it."""
+    pair = Pair(fakegpu, tmp_path, {**gpu_env, "POS_AGENT_STALL_S": "5"})
+    try:
+        cannot_come_back(pair, tmp_path, gpu_env)
+    finally:
+        pair.kill()
+
+
+def cannot_come_back(pair: Pair, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    r = pos("checkpoint", str(pair.root), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running", env={**gpu_env, "POS_FAULT_AT": "dump=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    os.kill(pair.owner, signal.SIGKILL)
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo" in log.read_text() and (
+        "undo done" in log.read_text() or "undo failed" in log.read_text()), timeout=60,
+        what="the watchdog's undo")
+    wait_for(lambda: state(pair.importer) in "XZ", timeout=30,
+             what=f"the importer's end: {log.read_text()} {pair.said()}")
+    assert "ending the process" in pair.outs[1].read_text()
+
+
+def _idle(pid: int) -> bool:
+    try:
+        with Agent(pid, timeout=5) as a:
+            return a.status().phase == "idle"
+    except Exception:
+        return False

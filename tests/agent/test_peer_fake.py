@@ -195,7 +195,7 @@ def test_imports_taken_down_survive_the_drivers_restore_and_are_put_back(peer_jo
 def test_an_export_failing_mid_putback_never_lets_an_importer_run_without_its_mapping(
         peer_job) -> None:
     owners = [peer_job("own", folder=f) for f in ("a", "b")]
-    importers = [peer_job("import", folder=f) for f in ("a", "b")]
+    importers = [peer_job("import", folder=f, stall_s=5) for f in ("a", "b")]
     agents = held(*importers, *owners)
     links = peers.match(agents)
     peers.take_down(agents, links)
@@ -207,8 +207,9 @@ def test_an_export_failing_mid_putback_never_lets_an_importer_run_without_its_ma
     with pytest.raises(Refused, match="put them back first"):
         agents[1].end()
     let_go([agents[0], agents[2]])
-    agents[1].close()                           # pos lets b's importer go: it ends itself
-    gone(importers[1].pid)
+    agents[1].close()          # pos lets b's importer go: held until its stall bound, then ended
+    assert Agent(importers[1].pid).status().phase == "hold"
+    gone(importers[1].pid, timeout=15)
     assert "ending the process" in importers[1].out.read_text()
     assert importers[0].alive() and owners[0].alive()
 
@@ -217,9 +218,10 @@ def test_an_export_failing_mid_putback_never_lets_an_importer_run_without_its_ma
 def test_pos_killed_at_each_step_leaves_every_process_running_or_ended(
         peer_job, gpu_env, step) -> None:
     """The owner always runs on with its bytes; the importer runs on with its mapping, or, if
-    pos died while it was down, ends (its image would restore it): never held."""
+    pos died while it was down (and nothing put it back within its stall bound), ends (its
+    image would restore it): never held for good."""
     owner = peer_job("own")
-    importer = peer_job("import")
+    importer = peer_job("import", stall_s=5)
     with Agent(owner.pid) as a:
         owner_va = a.exports()[0].va
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("peer_steps.py")), step,
@@ -230,8 +232,8 @@ def test_pos_killed_at_each_step_leaves_every_process_running_or_ended(
         wait_for(lambda: a.status().phase == "idle", what="the owner's release")
     with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
         assert os.pread(mem.fileno(), 16, owner_va) == SEVEN     # its bytes back
-    if step in ("down", "exported"):
-        gone(importer.pid)
+    if step in ("down", "exported"):            # held for its stall bound, then ended
+        gone(importer.pid, timeout=15)
         return
     with Agent(importer.pid) as a:
         wait_for(lambda: a.status().phase == "idle", what="the importer's release")

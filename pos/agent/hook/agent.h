@@ -234,7 +234,7 @@ struct peer_count peer_count(void);
 void build_peers(FILE *f);
 void build_exports(FILE *f);
 int unstamp_all(void);
-void peers_fail_closed(const char *why);
+int peers_fail_closed(double limit_s);
 /* pos's requests (peer.c) */
 void do_stamp(struct conn *c, const char *args);
 void do_unstamp(struct conn *c);

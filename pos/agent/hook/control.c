@@ -107,9 +107,10 @@ static void build_table(FILE *f) {
  * held until a remap (the watchdog's). */
 static void abandon(const char *why) {
     pthread_mutex_lock(&mu);
-    peers_fail_closed("the control connection ended"); /* never a run with an import down */
     int ph = atomic_load(&phase);
-    if (ph == P_HOLD || ph == P_COPY)
+    /* never a run with an import down: held until another connection puts it back, or ended */
+    int keep = ph != P_HOISTED && peers_fail_closed(stall_ms() / 1000.0);
+    if (!keep && (ph == P_HOLD || ph == P_COPY))
         set_phase(P_IDLE);
     pthread_mutex_unlock(&mu);
     if (ph == P_RESTORE) {

@@ -31,8 +31,9 @@
  * Fail closed: a record the agent could not keep (its memory ran short, or more access
  * settings than it keeps) is counted (`peer_lost`), and pos then refuses the job, which would
  * otherwise look as if it mapped less than it does; while any import is down the job never
- * runs: `end` is refused, and a connection that ends then ends the process (its image, taken
- * with the imports down, restores it). */
+ * runs: `end` is refused, and a connection that ends then leaves the job held for the stall
+ * bound (pos's watchdog puts the imports back on a new connection), then ends the process
+ * (its image, taken with the imports down, restores it). */
 #define _GNU_SOURCE
 #include <signal.h>
 #include <stdlib.h>
@@ -411,12 +412,11 @@ void do_peer_down(struct conn *c) {
               (int)r, (int)r);
 }
 
-/* `peer-export VA`: a fresh export of the job's own allocation at VA, as one descriptor. The
+/* `peer-export VA`: a fresh export of the job's own allocation at VA, as one descriptor, in any
+ * phase (an owner that pos let go still exports, as NCCL's own proxy does at any time). The
  * driver's own export (DRV): no gate, so that it works while the job is held. */
 void do_peer_export(struct conn *c, const char *args) {
     unsigned long long va = args ? strtoull(args, NULL, 0) : 0;
-    if (!held(c, "peer-export"))
-        return;
     pthread_mutex_lock(&mu);
     long k = -1;
     for (size_t i = 0; i < nowns; i++)
@@ -494,20 +494,65 @@ void do_peer_up(struct conn *c, size_t want) {
                  "\"rc\":%d}", (int)r, up, want, (int)r);
 }
 
-/* The connection ended with imports down, the job's calls no longer held by a hoist: it must
- * never run with a mapping missing. Hoisted, its calls stay held until a remap, which leaves it
- * held (a remap for a restore is refused then: hoist.c), so it waits for pos's next connection.
- * Caller holds mu. */
-void peers_fail_closed(const char *why) {
-    if (atomic_load(&phase) == P_HOISTED)
-        return;
-    int bad = unstamp_all();
-    struct peer_count n = peer_count();
-    if (!n.down && !bad)
-        return;
+static int waiting_grace;
+static void grace_done(void) {
+    pthread_mutex_lock(&mu);
+    waiting_grace = 0;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Ends the process unless its imports come back (another connection: the watchdog's) within
+ * the agent's stall bound; meanwhile the job stays held. */
+static void *grace(void *arg) {
+    double limit_s = *(double *)arg;
+    free(arg);
+    uint64_t until = now_ns() + (uint64_t)(limit_s * 1e9);
+    for (;;) {
+        pthread_mutex_lock(&mu);
+        size_t down = peer_count().down + nstamps;
+        pthread_mutex_unlock(&mu);
+        if (!down) {
+            grace_done();
+            return NULL;
+        }
+        if (now_ns() >= until)
+            break;
+        usleep(100000);
+    }
     fprintf(stderr,
-            "pos: %s with %zu of this process's mappings of other processes' memory taken down%s; "
-            "ending the process (pos's image restores it)\n",
-            why, n.down, bad ? " and pos's marks not taken out of its memory" : "");
+            "pos: this process's mappings of other processes' memory stayed taken down for "
+            "%g s after pos went away; ending the process (pos's image restores it)\n",
+            limit_s);
     kill(getpid(), SIGKILL);
+    return NULL;
+}
+
+/* The connection ended with imports down (or pos's marks not taken out): the job must never
+ * run with a mapping missing. It stays held (1: the caller must not release it) while another
+ * connection may still put them back (pos's watchdog, which has the image's links), for the
+ * stall bound `limit_s`; then it ends. Hoisted, its calls stay held until a remap anyway, which
+ * leaves it held (a remap for a restore is refused then: hoist.c). Caller holds mu. */
+int peers_fail_closed(double limit_s) {
+    int bad = unstamp_all();
+    size_t down = peer_count().down;
+    if (!down && !bad)
+        return 0;
+    if (!waiting_grace) {
+        double *arg = malloc(sizeof(*arg));
+        pthread_t t;
+        if (arg) {
+            *arg = limit_s;
+            pthread_attr_t at;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            waiting_grace = pthread_create(&t, &at, grace, arg) == 0;
+            pthread_attr_destroy(&at);
+        }
+        if (!waiting_grace) { /* no thread to wait with: end now rather than risk a run */
+            fprintf(stderr, "pos: imports of other processes' memory taken down and pos gone; "
+                            "ending the process\n");
+            kill(getpid(), SIGKILL);
+        }
+    }
+    return 1;
 }
