@@ -153,12 +153,12 @@ def peer_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
     started: list[Job] = []
 
     def start(mode: str, own: bool = True, folder: str = "peers",
-              stall_s: Optional[float] = None) -> Job:
+              stall_s: Optional[float] = None, env: Optional[dict[str, str]] = None) -> Job:
         exchange = tmp_path / folder
         exchange.mkdir(exist_ok=True)
         folders.add(exchange)
         env = {**gpu_env, **({} if own else {"POS_OWN": "0"}),
-               **({} if stall_s is None else {"POS_AGENT_STALL_S": str(stall_s)})}
+               **({} if stall_s is None else {"POS_AGENT_STALL_S": str(stall_s)}), **(env or {})}
         job = Job([str(fakegpu["peer_job"]), mode, str(exchange)],
                   tmp_path / f"{mode}-{folder}.out", env)
         started.append(job)

@@ -208,7 +208,8 @@ def test_an_export_failing_mid_putback_never_lets_an_importer_run_without_its_ma
         agents[1].end()
     let_go([agents[0], agents[2]])
     agents[1].close()          # pos lets b's importer go: held until its stall bound, then ended
-    assert Agent(importers[1].pid).status().phase == "hold"
+    with Agent(importers[1].pid) as a:
+        assert a.status().phase == "hold"
     gone(importers[1].pid, timeout=15)
     assert "ending the process" in importers[1].out.read_text()
     assert importers[0].alive() and owners[0].alive()
@@ -239,3 +240,26 @@ def test_pos_killed_at_each_step_leaves_every_process_running_or_ended(
         wait_for(lambda: a.status().phase == "idle", what="the importer's release")
         st = a.status()
     assert importer.alive() and (st.peer_maps, st.peer_down) == (1, 0)
+
+
+@pytest.mark.parametrize("engine", [("--concurrent",), ()], ids=["concurrent", "stw"])
+def test_a_record_the_agent_could_not_keep_makes_pos_refuse_the_job(
+        peer_job, tmp_path, gpu_env, engine) -> None:
+    """Issue 45: an agent short of memory used to drop a record silently, and the job then
+    looked as if it mapped nothing of another's. POS_AGENT_PEER_MAX=0 makes it keep none."""
+    owner = peer_job("own")
+    importer = peer_job("import", env={"POS_AGENT_PEER_MAX": "0"})
+    with Agent(importer.pid) as a:
+        st = a.status()
+    assert st.peer_lost and st.peer_maps == 0
+    r = subprocess.run([sys.executable, "-m", "pos.cli", "checkpoint", str(importer.pid), "-D",
+                        str(tmp_path / "img"), "--leave-running", *engine], cwd=ROOT,
+                       env=gpu_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and (
+        f"Error: the agent of PID {importer.pid} lost track of {st.peer_lost} of the job's "
+        "mappings of other processes' GPU memory") in r.stderr
+    assert not (tmp_path / "img").exists()
+    assert importer.alive() and owner.alive()
+    with Agent(importer.pid) as a:
+        assert a.status().phase == "idle"
