@@ -18,7 +18,10 @@ first, in one sentence, and leave the job running:
 The last is seen exactly by a `pos run` job's agent (it follows the job's imports and maps).
 Without an agent pos predicts it from outside, from what NCCL will do: NCCL is loaded, other
 ranks are on this host, and the settings the process runs with now (its live environment,
-which NCCL's config file joins at its start) leave P2P or cuMem sharing on.
+which NCCL's config file joins at its start) leave P2P or cuMem sharing on. The concurrent
+engine takes cuMem imports down at its cut and puts them back (pos/agent/peers.py, issue 42):
+it refuses only what it cannot take down (legacy IPC, NVLink SHARP's multicast, an agent that
+lost track); the stop-the-world engine, with no agent in its cut, refuses them all.
 """
 
 from dataclasses import dataclass
@@ -149,6 +152,15 @@ def nccl_peers(pid: int) -> list[int]:
     return peers
 
 
+def nvls_on(pid: int) -> bool:
+    """NCCL is loaded in `pid` and its settings, as the process has them now, leave NVLink SHARP
+    (multicast) on: NCCL uses it where the GPUs' NVSwitches offer it, which pos cannot tell."""
+    if not procs.maps_library(pid, NCCL_LIBRARY):
+        return False
+    s = NcclSettings.of(nccl_config(pid, procs.environment(pid)))
+    return s.cumem and s.nvls
+
+
 def predicted_sharing(pid: int) -> list[str]:
     """Without an agent: the ways by which `pid` maps another rank's GPU memory, as NCCL will
     share it (none when NCCL is not loaded, or the process has no other rank on this host)."""
@@ -182,6 +194,12 @@ def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]],
                                "fails and the job is lost)", "start the job without "
                                "NCCL_CUMEM_ENABLE=0 (cuMem imports pos takes down), or with "
                                + WORKING_SETTINGS.removeprefix("start the job with "))
+            if taken_down and s.peer_maps and nvls_on(p):
+                raise BadInput(f"PID {p} maps another process's GPU memory and is a rank of an "
+                               "NCCL job whose settings leave NVLink SHARP on (NCCL_NVLS_ENABLE "
+                               "not 0), whose multicast memory pos cannot take down before the "
+                               "driver's checkpoint", "start the job with NCCL_NVLS_ENABLE=0 "
+                               "(P2P and SHM on cuMem stay on: pos takes those down)")
             if taken_down:
                 continue
             if s.peer_maps or s.ipc_maps:

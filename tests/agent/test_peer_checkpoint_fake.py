@@ -211,3 +211,36 @@ def _idle(pid: int) -> bool:
             return a.status().phase == "idle"
     except Exception:
         return False
+
+
+@pytest.fixture(scope="module")
+def libnccl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty library named as NCCL's: what pos looks for in a rank's mappings."""
+    folder = tmp_path_factory.mktemp("nccl")
+    (folder / "empty.c").write_text("int pos_test_nccl_stand_in;\n")
+    out = folder / "libnccl.so.2"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(folder / "empty.c")],
+                   check=True, timeout=60)
+    return out
+
+
+@pytest.mark.parametrize("nvls", ["", "0"], ids=["nvls-default", "nvls-off"])
+def test_nvlink_sharp_left_on_is_refused_untouched(tmp_path: Path, fakegpu, gpu_env, criu_ready,
+                                                   libnccl: Path, nvls: str) -> None:
+    """NCCL's multicast memory is not a cuMem import pos can take down: a rank whose settings
+    leave NVLS on is refused before the cut; with NCCL_NVLS_ENABLE=0 the job is saved."""
+    env = {**gpu_env, "LD_PRELOAD": str(libnccl), "LOCAL_WORLD_SIZE": "2",
+           **({"NCCL_NVLS_ENABLE": nvls} if nvls else {})}
+    pair = Pair(fakegpu, tmp_path, env)
+    try:
+        r = pos("checkpoint", str(pair.root), "-D", str(tmp_path / "img"), "--concurrent",
+                "--leave-running", env=gpu_env)
+        if nvls == "0":
+            assert r.returncode == 0, r.stderr
+        else:
+            assert r.returncode == 2 and "leave NVLink SHARP on" in r.stderr and \
+                "NCCL_NVLS_ENABLE=0" in r.stderr, r.stderr
+            assert not (tmp_path / "img").exists()
+        shares_the_owners_memory(pair)
+    finally:
+        pair.kill()
