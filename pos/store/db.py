@@ -31,6 +31,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         *(f"ALTER TABLE traces ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0" for c in (
             "completed", "missing_no_layout", "missing_ambiguous", "missing_no_capture",
             "missing_outside", "missing_outside_bytes", "missing_few_addresses"))),
+    # the highest schedule ID ever given, so that an ID is never given twice; a store of
+    # version 7 knows only the IDs it still holds
+    7: ("ALTER TABLE runs ADD COLUMN directory TEXT",
+        "INSERT OR REPLACE INTO meta (key, value) SELECT 'schedule_id_high', CAST(MAX("
+        "COALESCE((SELECT MAX(id) FROM schedules), 0), COALESCE((SELECT MAX(schedule_id) "
+        "FROM runs), 0)) AS TEXT)"),
 }
 
 
