@@ -16,6 +16,7 @@ kernel=$(uname -r)
 # ---- system packages -----------------------------------------------------------------------
 # iptables: CRIU locks established TCP connections with it during a dump (--tcp-established)
 pkgs=(python3-bpfcc python3-venv python3-dev gcc make iproute2 iptables debian-archive-keyring)
+pkgs+=(openssl)   # makes the key two hosts hold to migrate between them (pos migrate --new-key)
 if apt-cache show "linux-headers-$kernel" >/dev/null 2>&1; then
   pkgs+=("linux-headers-$kernel")
 elif [ "${ID:-}" = ubuntu ]; then
