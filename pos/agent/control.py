@@ -189,8 +189,7 @@ class Agent:
         try:
             self.sock = _connect_in_netns(pid, address)
         except ConnectionRefusedError:
-            raise BadInput(f"process {pid} has no pos agent", "start the job with "
-                           "`pos run -- CMD` (the agent starts with its first CUDA call)") from None
+            raise _no_agent(pid) from None
         except PermissionError:
             raise BadInput(f"cannot reach the agent of process {pid}",
                            "run pos as root (sudo)") from None
@@ -390,6 +389,30 @@ class Agent:
 
     def end(self) -> Gate:
         return Gate.from_reply(self._ask("end"))
+
+
+def _preloaded(pid: int) -> bool:
+    """Whether process `pid` was started with the agent preloaded (`pos run`)."""
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return any(v.startswith(b"LD_PRELOAD=") and b"libposhook" in v for v in environ)
+
+
+def _no_agent(pid: int) -> PosError:
+    """Why no agent answers in process `pid`: it ended, it has not used CUDA yet (the agent
+    starts with the first CUDA call of a `pos run` job), or it was not started with `pos run`."""
+    if not _running(pid):
+        return PosError(f"process {pid} ended before pos could reach its agent",
+                        "see how the job ended (its exit status, its standard error)")
+    if _preloaded(pid):
+        return BadInput(f"process {pid} was started with `pos run`, but has not used CUDA yet "
+                        "(its agent starts with its first CUDA call)",
+                        "checkpoint it once it uses the GPU, or, until then, without "
+                        "--concurrent")
+    return BadInput(f"process {pid} has no pos agent", "start the job with `pos run -- CMD` "
+                    "(the agent starts with its first CUDA call)")
 
 
 def _running(pid: int) -> bool:

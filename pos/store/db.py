@@ -112,6 +112,11 @@ def check(path: str, create: bool = True) -> None:
 
 
 def _create(p: Path) -> None:
+    """A new store file at `p`. Only the default store's folder is made: any other path names a
+    folder that must exist (a mistyped --db must not leave folders behind)."""
+    if not p.parent.is_dir() and p.absolute() != Path(DEFAULT_DB):
+        raise BadInput(f"the folder of the store {p} does not exist",
+                       "create it first, or give --db a file in an existing folder")
     try:
         p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 from pos import image, nvml
 from pos.agent.control import Agent, Cut, Gate
-from pos.errors import BadInput
+from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, predump, procs, restorable, staging
@@ -128,6 +128,18 @@ class _Whole:
         self.release_s = 0.0
 
     def run(self) -> Report:
+        try:
+            return self._run()
+        except PosError as e:
+            if procs.alive(self.pid):
+                raise
+            step = self.plan.step if hasattr(self, "plan") and self.plan.step else "prepare"
+            raise PosError(f"PID {self.pid} ended while pos was checkpointing it (at step "
+                           f"{step}), so nothing was saved",
+                           "see how the job ended (its exit status, its standard error), and "
+                           "checkpoint a job that runs on") from None
+
+    def _run(self) -> Report:
         self.refuse()
         try:
             self.prepare()
