@@ -1,17 +1,21 @@
-"""One checkpoint of a process at a time: each pos that checkpoints (or moves) a process claims
-it first, with an exclusive lock on a file named after the process and its start time, held
-until that pos exits. A second pos is told who holds it, instead of failing half-way in CRIU or
-the agent ("Unable to detach from N"). The kernel drops the lock of a pos that dies."""
+"""One checkpoint of a process at a time: each engine's checkpoint (or move) of a process holds
+an exclusive lock on a file named after the process and its start time while it runs. A second
+pos is told who holds it, instead of failing half-way in CRIU or the agent ("Unable to detach
+from N"). The kernel drops the lock of a pos that dies."""
 
 import fcntl
+import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
 
 from pos import host
 from pos.errors import BadInput
 
 LOCK_DIR = Path("/run/pos/checkpoints")
-_held: dict[str, int] = {}       # lock file -> its descriptor, for the life of this pos
+_held: dict[str, int] = {}       # lock file -> its descriptor, while this pos's operation runs
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _name(pid: int) -> str:
@@ -21,12 +25,16 @@ def _name(pid: int) -> str:
     return f"{pid}-{started}.lock"
 
 
-def claim(pid: int) -> None:
-    """Claim process `pid` for this pos's checkpoint; BadInput when another pos holds it. A
-    second claim by the same pos is a no-op (a move checkpoints, then restores)."""
-    path = LOCK_DIR / _name(pid)
-    if str(path) in _held:
+@contextmanager
+def held(pid: int) -> Iterator[None]:
+    """Process `pid` claimed by this pos for the block; BadInput when another pos holds it. A
+    claim inside a claim of the same process is the outer one's (a move checkpoints, then
+    restores)."""
+    path = str(LOCK_DIR / _name(pid))
+    if path in _held:
+        yield
         return
+    host.require_root(f"checkpointing PID {pid}")
     LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -38,4 +46,18 @@ def claim(pid: int) -> None:
                        "wait for that checkpoint to end, then try again") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[str(path)] = fd
+    _held[path] = fd
+    try:
+        yield
+    finally:
+        del _held[path]
+        os.close(fd)
+
+
+def one_at_a_time(method: F) -> F:
+    """An engine's operation on the process given as its first argument, under `held`."""
+    @functools.wraps(method)
+    def run(self: Any, pid: int, *args: Any, **kwargs: Any) -> Any:
+        with held(pid):
+            return method(self, pid, *args, **kwargs)
+    return run  # type: ignore[return-value]

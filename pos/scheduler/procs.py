@@ -13,7 +13,6 @@ from typing import Optional
 
 from pos import host
 from pos.errors import BadInput, PosError
-from pos.scheduler import oplock
 
 
 def alive(pid: int) -> bool:
@@ -256,8 +255,7 @@ def logs(pids: list[int]) -> dict[str, int]:
 
 
 def require_checkpointable(pid: int) -> None:
-    """Refuse, with one sentence, what pos must not or cannot checkpoint, and what another pos
-    checkpoints now; then claim it for this pos (oplock)."""
+    """Refuse, with one sentence, what pos must not or cannot checkpoint."""
     if not alive(pid):
         raise BadInput(f"no process has PID {pid}", "give the PID of a running process")
     if pid == 1 or is_kernel_thread(pid):
@@ -268,7 +266,6 @@ def require_checkpointable(pid: int) -> None:
         raise BadInput(f"PID {pid} is pos itself or one of its parents",
                        "run pos from outside the process tree to checkpoint")
     host.require_root(f"checkpointing PID {pid}")
-    oplock.claim(pid)
 
 
 IO_URING = "anon_inode:[io_uring]"
