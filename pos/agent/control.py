@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -193,6 +194,13 @@ class Agent:
         except PermissionError:
             raise BadInput(f"cannot reach the agent of process {pid}",
                            "run pos as root (sudo)") from None
+        holder = _listener(self.sock)
+        if holder != pid:      # an abstract name can be taken by any process of the namespace
+            self.sock.close()
+            who = f"process {holder}" if holder else "a process outside this PID namespace"
+            raise PosError(f"the socket named for process {pid}'s agent is held by {who}, not "
+                           "by the job, so pos does not talk to it",
+                           "end that process, then start the job again with `pos run`")
         self.sock.settimeout(timeout)
         self._sending = threading.Lock()    # `done` comes from the copier's threads too
         self._buf = b""
@@ -389,6 +397,13 @@ class Agent:
 
     def end(self) -> Gate:
         return Gate.from_reply(self._ask("end"))
+
+
+def _listener(sock: socket.socket) -> int:
+    """The PID (in pos's namespace; 0 where it has none) of the process that listens at the
+    other end of a connected unix socket: SO_PEERCRED, the kernel's word, not the peer's."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[0])
 
 
 def _preloaded(pid: int) -> bool:

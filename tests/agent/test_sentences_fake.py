@@ -52,3 +52,24 @@ def test_a_job_that_ends_during_a_concurrent_checkpoint_is_said_so(
                          "cut), so nothing was saved: see how the job ended (its exit status, "
                          "its standard error), and checkpoint a job that runs on."), err
     assert not img.exists() and not Path(f"{img}.partial").exists()
+
+
+def test_an_agent_socket_held_by_another_process_is_not_talked_to(sleeper, tmp_path: Path,
+                                                                 gpu_env) -> None:
+    """Any process of the network namespace can take the abstract name of a job's agent before
+    the agent does: pos asks the kernel who listens there and talks only to the job itself."""
+    import socket
+
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(b"\0pos-agent-%d" % sleeper)
+    squatter.listen(4)
+    try:
+        r = pos("checkpoint", str(sleeper), "-D", str(tmp_path / "img"), "--concurrent",
+                env=gpu_env)
+        assert one_sentence(r, 1) == (
+            f"Error: the socket named for process {sleeper}'s agent is held by process "
+            f"{os.getpid()}, not by the job, so pos does not talk to it: end that process, then "
+            "start the job again with `pos run`.")
+        assert not (tmp_path / "img").exists()
+    finally:
+        squatter.close()
