@@ -10,7 +10,9 @@
  * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
  * before READY. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel named as NCCL's
  * are, one operation every 2 ms, as a rank of a DDP job makes a collective now and then: two
- * such jobs cut before the same NCCL launch hold the same state.
+ * such jobs cut before the same NCCL launch hold the same state. FILL_JOB_COPY=NAME looks the
+ * driver's copy NAME up (cuGetProcAddress) and, every operation, copies the first buffer onto
+ * itself through it (nothing changes), as a runtime newer than pos would.
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -86,6 +88,10 @@ int main(int argc, char **argv) {
         CHECK(alloc(&buf[i], bytes));
         CHECK(memset32(buf[i], 0, bytes / 4));
     }
+    CUresult (*copy)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = NULL;
+    const char *copy_name = getenv("FILL_JOB_COPY");
+    if (copy_name)
+        CHECK(cuGetProcAddress_v2(copy_name, (void **)&copy, 13000, 0, NULL));
     const char *pool = getenv("FILL_JOB_POOL_BYTES");
     if (pool) {
         CUdeviceptr p;
@@ -111,6 +117,8 @@ int main(int argc, char **argv) {
             continue;
         }
         CHECK(memset32(buf[(k - 1) % (uint32_t)n], k, bytes / 4));
+        if (copy)
+            CHECK(copy(buf[0], buf[0], bytes, NULL));
         CHECK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
         if (nccl)
             usleep(2000);

@@ -103,6 +103,15 @@ struct touch {
     X(cuMemGetAddressRange_v2)
 #define DECLARE_OWN(name) extern void *volatile real_##name;
 OWN(DECLARE_OWN)
+/* Those of OWN with a wrapper of their own, which the lookups hand out as hooks.h's. */
+#define OWN_WRAPPERS(X)                                                                            \
+    X(cuInit)                                                                                      \
+    X(cuMemAlloc_v2)                                                                               \
+    X(cuMemFree_v2)                                                                                \
+    X(cuMemFreeAsync)                                                                              \
+    X(cuMemFreeAsync_ptsz)                                                                         \
+    X(cuGetProcAddress)                                                                            \
+    X(cuGetProcAddress_v2)
 
 EXPORT CUresult cuInit(unsigned flags);
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
@@ -200,6 +209,13 @@ const char *call_name(const struct touch *t);
 void set_phase(int p); /* caller holds mu */
 #define STATS_CAP 8192
 int stats_json(char *out, size_t cap); /* caller holds mu */
+
+/* An entry point of gated.h's families that the job looked up and the agent does not wrap:
+ * kept (the first, and how many lookups), so that every later cut is refused; a lookup made
+ * while an operation runs waits as a call that may touch every buffer. */
+extern char ungated[64]; /* the first one's name, "" while none (mu) */
+extern long nungated;    /* such lookups (mu) */
+void ungated_lookup(const char *name);
 
 extern long nccl_launches; /* NCCL kernels launched (mu) */
 extern long hold_at;       /* a cut waits for the launch past this count (mu); -1: none */

@@ -57,6 +57,16 @@ void do_cut(struct conn *c, long timeout_ms, long at) {
         fail(c, "another checkpoint or restore is running");
         return;
     }
+    if (nungated) { /* a call the gate cannot see may touch the memory (gated.h) */
+        char name[sizeof(ungated)];
+        memcpy(name, ungated, sizeof(name));
+        pthread_mutex_unlock(&mu);
+        reply(c,
+              "{\"ok\":false,\"error\":\"the job looked up %s, which the gate does not "
+              "know\",\"ungated\":\"%s\"}",
+              name, name);
+        return;
+    }
     if (at < 0)
         begin_hold();
     pthread_mutex_unlock(&mu);
