@@ -23,6 +23,7 @@
  * is built with -fvisibility=hidden, and only the driver's entry points, EXPORT, are seen):
  *   abi.h       the driver's types           resolve.c   the driver's own functions
  *   hooks.h/.c  the gated wrappers           interpose.c dlsym and cuGetProcAddress
+ *   gated.h     which entry points the gate must know (held to cuda.h by a test)
  *   table.c     owned and foreign memory     gate.c      the gate, phases, its statistics
  *   cut.c       the cut, the collective cut  vmm.c       owned memory
  *   alloc.c     cuMemAlloc/Free, slabs       wire.c      the socket's lines and descriptors
