@@ -63,9 +63,9 @@ class Status:
     stall_s: Optional[float] = None
     last_end: Optional[str] = None
     last_end_said: bool = False    # the agent wrote that end to the job's standard error too
-    # A driver entry point that touches device memory, which the job looked up and the gate
-    # does not know (hook/gated.h): no cut of the job is taken. "": none, or an agent too old
-    # to say
+    # A driver entry point that touches device memory, which the job can call (looked up, or
+    # linked to) and the gate does not know (hook/gated.h): no cut of the job is taken. "":
+    # none, or an agent too old to say
     ungated: str = ""
 
 
@@ -87,7 +87,7 @@ class NoAnswer(PosError):
 class Refused(PosError):
     """The agent said no; `need`: the device memory it lacked for a reseat (0: not that);
     `past`: a cut at an NCCL launch found the job past it, or not come to it in time: the
-    job's count then (-1: not that); `ungated`: a cut refused because the job looked up this
+    job's count then (-1: not that); `ungated`: a cut refused because the job can call this
     driver entry point, which touches device memory and which the gate does not know
     (hook/gated.h; "": not that)."""
 
@@ -97,7 +97,7 @@ class Refused(PosError):
         self.ungated = str(reply.get("ungated", ""))
         if self.ungated:
             super().__init__(
-                f"pos cannot checkpoint or restore process {pid} while it runs: it looked up "
+                f"pos cannot checkpoint or restore process {pid} while it runs: it can call "
                 f"{self.ungated}, a driver entry point that reads or writes device memory and "
                 "that pos's agent cannot gate (the job runs on as it was)", "this driver or "
                 "CUDA version is newer than this pos: update pos, or checkpoint the job "

@@ -12,7 +12,8 @@
  * are, one operation every 2 ms, as a rank of a DDP job makes a collective now and then: two
  * such jobs cut before the same NCCL launch hold the same state. FILL_JOB_COPY=NAME looks the
  * driver's copy NAME up (cuGetProcAddress) and, every operation, copies the first buffer onto
- * itself through it (nothing changes), as a runtime newer than pos would.
+ * itself through it (nothing changes), as a runtime newer than pos would; FILL_JOB_LINKED=LIB
+ * copies so through LIB's future_copy instead (a library linked to such an entry point).
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -90,8 +91,14 @@ int main(int argc, char **argv) {
     }
     CUresult (*copy)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = NULL;
     const char *copy_name = getenv("FILL_JOB_COPY");
+    const char *linked = getenv("FILL_JOB_LINKED");
     if (copy_name)
         CHECK(cuGetProcAddress_v2(copy_name, (void **)&copy, 13000, 0, NULL));
+    else if (linked) {
+        void *future = dlopen(linked, RTLD_NOW);
+        copy = future ? dlsym(future, "future_copy") : NULL;
+        CHECK(copy ? 0 : 1);
+    }
     const char *pool = getenv("FILL_JOB_POOL_BYTES");
     if (pool) {
         CUdeviceptr p;

@@ -211,12 +211,14 @@ void set_phase(int p); /* caller holds mu */
 #define STATS_CAP 8192
 int stats_json(char *out, size_t cap); /* caller holds mu */
 
-/* An entry point of gated.h's families that the job looked up and the agent does not wrap:
+/* An entry point of gated.h's families that the job looked up (or links to) and the agent
+ * does not wrap:
  * kept (the first, and how many lookups), so that every later cut is refused; a lookup made
  * while an operation runs waits as a call that may touch every buffer. */
 extern char ungated[64]; /* the first one's name, "" while none (mu) */
 extern long nungated;    /* such lookups (mu) */
 void ungated_lookup(const char *name);
+void scan_linked(void); /* the same for what the job's objects link to (interpose.c) */
 
 extern long nccl_launches; /* NCCL kernels launched (mu) */
 extern long hold_at;       /* a cut waits for the launch past this count (mu); -1: none */

@@ -51,6 +51,7 @@ static int hold_at_launch(struct conn *c, long at, long timeout_ms) {
 /* The cut: hold new calls (now, or with `at` >= 0 at the launch past NCCL launch `at`), wait
  * for those inside the driver, synchronise every context. */
 void do_cut(struct conn *c, long timeout_ms, long at) {
+    scan_linked();
     pthread_mutex_lock(&mu);
     if (atomic_load(&phase) != P_IDLE) {
         pthread_mutex_unlock(&mu);
@@ -62,7 +63,7 @@ void do_cut(struct conn *c, long timeout_ms, long at) {
         memcpy(name, ungated, sizeof(name));
         pthread_mutex_unlock(&mu);
         reply(c,
-              "{\"ok\":false,\"error\":\"the job looked up %s, which the gate does not "
+              "{\"ok\":false,\"error\":\"the job can call %s, which the gate does not "
               "know\",\"ungated\":\"%s\"}",
               name, name);
         return;

@@ -1,11 +1,14 @@
 /* Interposing the lookups. Calls reach the driver three ways: direct linking (this library's
  * exported symbols come first), dlsym on libcuda (ours replaces the libc one) and
  * cuGetProcAddress (runtimes and frameworks: the pointer it returns is named with dladdr and
- * swapped for our wrapper of it, whose driver slot it fills). A looked-up entry point of
- * gated.h's families that has no wrapper here, and that the gate does not let through, is kept
- * (ungated_lookup): the gate cannot see its calls. */
+ * swapped for our wrapper of it, whose driver slot it fills). An entry point of gated.h's
+ * families that has no wrapper here, and that the gate does not let through, is kept
+ * (ungated_lookup) when the job looks it up, or links to it (scan_linked): the gate cannot see
+ * its calls. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
 #include <string.h>
 
 #include "agent.h"
@@ -57,6 +60,68 @@ static void *swap(void *p, const char *asked, int driver) {
     if (p && name && needs_gate(name))
         ungated_lookup(name);
     return p;
+}
+
+/* ---- the job's links to the driver: its objects' undefined symbols ------------------------- */
+/* The dynamic linker binds a name the job's code calls to this library's wrapper, or, where
+ * there is none, to libcuda's function, which no lookup of ours sees. So the undefined symbols
+ * of every loaded object are read (those the GNU hash table leaves out, which are all of them,
+ * or every symbol where there is only the SysV table) whenever the loaded set has changed. */
+static ElfW(Addr) dyn_ptr(const struct dl_phdr_info *o, ElfW(Addr) p) {
+    return p < o->dlpi_addr ? p + o->dlpi_addr : p; /* relocated by ld.so, or not (vdso) */
+}
+
+/* The first of the object's undefined symbols that needs the gate and has no wrapper, into
+ * `found` (64 bytes) unless it holds one already. */
+static int scan_object(struct dl_phdr_info *o, size_t size, void *found) {
+    (void)size;
+    const ElfW(Dyn) *dyn = NULL;
+    for (int i = 0; i < o->dlpi_phnum && !dyn; i++)
+        if (o->dlpi_phdr[i].p_type == PT_DYNAMIC)
+            dyn = (const ElfW(Dyn) *)(o->dlpi_addr + o->dlpi_phdr[i].p_vaddr);
+    const ElfW(Sym) *sym = NULL;
+    const char *str = NULL;
+    size_t n = 0;
+    for (; dyn && dyn->d_tag != DT_NULL; dyn++) {
+        if (dyn->d_tag == DT_SYMTAB)
+            sym = (const ElfW(Sym) *)dyn_ptr(o, dyn->d_un.d_ptr);
+        else if (dyn->d_tag == DT_STRTAB)
+            str = (const char *)dyn_ptr(o, dyn->d_un.d_ptr);
+        else if (dyn->d_tag == DT_GNU_HASH) /* nbuckets, symoffset: the unhashed come first */
+            n = ((const uint32_t *)dyn_ptr(o, dyn->d_un.d_ptr))[1];
+        else if (dyn->d_tag == DT_HASH && !n) /* nbucket, nchain: every symbol */
+            n = ((const uint32_t *)dyn_ptr(o, dyn->d_un.d_ptr))[1];
+    }
+    for (size_t i = 1; sym && str && i < n && !*(char *)found; i++) {
+        const char *name = str + sym[i].st_name;
+        if (sym[i].st_shndx != SHN_UNDEF || name[0] != 'c' || name[1] != 'u' || !needs_gate(name))
+            continue;
+        int wrapped = 0;
+        for (size_t k = 0; k < sizeof(entries) / sizeof(*entries) && !wrapped; k++)
+            wrapped = !strcmp(entries[k].name, name);
+        if (!wrapped)
+            snprintf(found, 64, "%s", name);
+    }
+    return 0;
+}
+
+static int adds_now(struct dl_phdr_info *o, size_t size, void *out) {
+    (void)size;
+    *(unsigned long long *)out = o->dlpi_adds;
+    return 1;
+}
+
+void scan_linked(void) {
+    static unsigned long long scanned; /* the loaded set last read (dlpi_adds) */
+    unsigned long long adds = 0;
+    dl_iterate_phdr(adds_now, &adds);
+    if (adds == scanned)
+        return;
+    char found[64] = "";
+    dl_iterate_phdr(scan_object, found);
+    scanned = adds;
+    if (*found) /* kept once the loader's lock is let go: the gate's lock is taken after it */
+        ungated_lookup(found);
 }
 
 EXPORT void *dlsym(void *handle, const char *name) {
