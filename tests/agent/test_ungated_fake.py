@@ -10,6 +10,7 @@ import pytest
 from pos.agent.control import Agent, Refused
 from pos.scheduler import concurrent
 from tests.agent.conftest import ran_past
+from tests.conftest import wait_for
 from tests.scheduler.conftest import one_sentence, pos
 
 FUTURE = "cuMemcpyFutureAsync"
@@ -55,3 +56,25 @@ def test_a_job_that_links_to_an_unknown_copy_is_not_cut(
         st = a.status()
     assert st.ungated == FUTURE and st.phase == "idle" and st.gate.held == 0
     ran_past(job.pid, done)
+
+
+def test_a_lookup_made_while_the_job_is_held_waits_for_the_operation_to_end(
+        fill_job, tmp_path: Path) -> None:
+    """The job may call what it looked up at once: the lookup waits in the gate as a call that
+    may touch every buffer, and the next cut is refused."""
+    trigger = tmp_path / "look-up"
+    job = fill_job(copy=FUTURE, copy_when=trigger)
+    job.hold()
+    with Agent(job.pid) as a:
+        a.cut(10.0)
+        trigger.touch()
+        job.pause.unlink()                 # its next operation looks FUTURE up first
+        wait_for(lambda: a.status().ungated == FUTURE, 10, f"the job to look {FUTURE} up")
+        assert "LOOKED UP" not in job.out.read_text()     # held with every other call
+        gate = a.end()
+    assert FUTURE in [w.what for w in gate.waits], gate
+    job.printed("LOOKED UP")
+    with Agent(job.pid) as a, pytest.raises(Refused) as refused:
+        a.cut(10.0)
+    assert refused.value.ungated == FUTURE
+    ran_past(job.pid)

@@ -12,8 +12,10 @@
  * are, one operation every 2 ms, as a rank of a DDP job makes a collective now and then: two
  * such jobs cut before the same NCCL launch hold the same state. FILL_JOB_COPY=NAME looks the
  * driver's copy NAME up (cuGetProcAddress) and, every operation, copies the first buffer onto
- * itself through it (nothing changes), as a runtime newer than pos would; FILL_JOB_LINKED=LIB
- * copies so through LIB's future_copy instead (a library linked to such an entry point).
+ * itself through it (nothing changes), as a runtime newer than pos would; with
+ * FILL_JOB_COPY_WHEN=FILE, it looks it up (and prints "LOOKED UP") at the first operation that
+ * finds FILE. FILL_JOB_LINKED=LIB copies so through LIB's future_copy instead (a library linked
+ * to such an entry point).
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -91,10 +93,9 @@ int main(int argc, char **argv) {
     }
     CUresult (*copy)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = NULL;
     const char *copy_name = getenv("FILL_JOB_COPY");
+    const char *copy_when = getenv("FILL_JOB_COPY_WHEN");
     const char *linked = getenv("FILL_JOB_LINKED");
-    if (copy_name)
-        CHECK(cuGetProcAddress_v2(copy_name, (void **)&copy, 13000, 0, NULL));
-    else if (linked) {
+    if (linked) {
         void *future = dlopen(linked, RTLD_NOW);
         copy = future ? dlsym(future, "future_copy") : NULL;
         CHECK(copy ? 0 : 1);
@@ -115,6 +116,13 @@ int main(int argc, char **argv) {
             fflush(stdout);
             while (stat(pause, &sb) == 0)
                 usleep(1000);
+        }
+        if (copy_name && !copy && (!copy_when || stat(copy_when, &sb) == 0)) {
+            CHECK(cuGetProcAddress_v2(copy_name, (void **)&copy, 13000, 0, NULL));
+            if (copy_when) {
+                printf("LOOKED UP\n");
+                fflush(stdout);
+            }
         }
         if (launches_only) {
             float alpha = 1.0f;
