@@ -212,11 +212,9 @@ void set_phase(int p); /* caller holds mu */
 int stats_json(char *out, size_t cap); /* caller holds mu */
 
 /* An entry point of gated.h's families that the job looked up (or links to) and the agent
- * does not wrap:
- * kept (the first, and how many lookups), so that every later cut is refused; a lookup made
- * while an operation runs waits as a call that may touch every buffer. */
-extern char ungated[64]; /* the first one's name, "" while none (mu) */
-extern long nungated;    /* such lookups (mu) */
+ * does not wrap: the first one is kept, so that every later cut is refused; a lookup made while
+ * an operation runs waits as a call that may touch every buffer. */
+extern char ungated[64]; /* its name, "" while none (mu) */
 void ungated_lookup(const char *name);
 void scan_linked(void); /* the same for what the job's objects link to (interpose.c) */
 

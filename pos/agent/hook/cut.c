@@ -58,7 +58,7 @@ void do_cut(struct conn *c, long timeout_ms, long at) {
         fail(c, "another checkpoint or restore is running");
         return;
     }
-    if (nungated) { /* a call the gate cannot see may touch the memory (gated.h) */
+    if (ungated[0]) { /* a call the gate cannot see may touch the memory (gated.h) */
         char name[sizeof(ungated)];
         memcpy(name, ungated, sizeof(name));
         pthread_mutex_unlock(&mu);

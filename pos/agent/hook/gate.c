@@ -51,13 +51,11 @@ static int is_nccl(const struct touch *t) {
 
 /* ---- entry points the gate does not know (gated.h) ------------------------------------------ */
 char ungated[64];
-long nungated;
 
 void ungated_lookup(const char *name) {
     pthread_mutex_lock(&mu);
-    for (size_t k = 0; !nungated && k < sizeof(ungated) - 1 && name[k]; k++)
+    for (size_t k = 0, first = !ungated[0]; first && k < sizeof(ungated) - 1 && name[k]; k++)
         ungated[k] = isalnum((unsigned char)name[k]) || name[k] == '_' ? name[k] : '?';
-    nungated++;
     pthread_mutex_unlock(&mu);
     /* the job may call it as soon as it has it: during an operation, not before the operation
      * needs no buffer any more (all saved, or all back) */

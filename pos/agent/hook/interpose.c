@@ -23,6 +23,14 @@ struct entry {
 #define ENTRY_OWN(name) {#name, (void *)name, &real_##name},
 static const struct entry entries[] = {HOOKS(ENTRY) OWN_WRAPPERS(ENTRY_OWN)};
 
+/* The entry of our wrapper of the driver's `name`, or NULL. */
+static const struct entry *entry_of(const char *name) {
+    for (size_t i = 0; i < sizeof(entries) / sizeof(*entries); i++)
+        if (!strcmp(entries[i].name, name))
+            return &entries[i];
+    return NULL;
+}
+
 #define NAME(name) #name,
 static const char *const families[] = {FAMILIES(NAME)};
 static const char *const passes[] = {PASSES(NAME)};
@@ -50,12 +58,12 @@ static void *swap(void *p, const char *asked, int driver) {
     if (p && dladdr(p, &info) && info.dli_sname && info.dli_saddr == p && info.dli_fname &&
         strstr(info.dli_fname, "libcuda")) {
         name = info.dli_sname;
-        for (size_t i = 0; i < sizeof(entries) / sizeof(*entries); i++)
-            if (!strcmp(entries[i].name, name)) {
-                if (!*entries[i].real)
-                    *entries[i].real = p;
-                return entries[i].wrapper;
-            }
+        const struct entry *e = entry_of(name);
+        if (e) {
+            if (!*e->real)
+                *e->real = p;
+            return e->wrapper;
+        }
     }
     if (p && name && needs_gate(name))
         ungated_lookup(name);
@@ -72,7 +80,7 @@ static ElfW(Addr) dyn_ptr(const struct dl_phdr_info *o, ElfW(Addr) p) {
 }
 
 /* The first of the object's undefined symbols that needs the gate and has no wrapper, into
- * `found` (64 bytes) unless it holds one already. */
+ * `found` (sizeof(ungated) bytes) unless it holds one already. */
 static int scan_object(struct dl_phdr_info *o, size_t size, void *found) {
     (void)size;
     const ElfW(Dyn) *dyn = NULL;
@@ -94,13 +102,9 @@ static int scan_object(struct dl_phdr_info *o, size_t size, void *found) {
     }
     for (size_t i = 1; sym && str && i < n && !*(char *)found; i++) {
         const char *name = str + sym[i].st_name;
-        if (sym[i].st_shndx != SHN_UNDEF || name[0] != 'c' || name[1] != 'u' || !needs_gate(name))
-            continue;
-        int wrapped = 0;
-        for (size_t k = 0; k < sizeof(entries) / sizeof(*entries) && !wrapped; k++)
-            wrapped = !strcmp(entries[k].name, name);
-        if (!wrapped)
-            snprintf(found, 64, "%s", name);
+        if (sym[i].st_shndx == SHN_UNDEF && name[0] == 'c' && name[1] == 'u' &&
+            needs_gate(name) && !entry_of(name))
+            snprintf(found, sizeof(ungated), "%s", name);
     }
     return 0;
 }
@@ -117,7 +121,7 @@ void scan_linked(void) {
     dl_iterate_phdr(adds_now, &adds);
     if (adds == scanned)
         return;
-    char found[64] = "";
+    char found[sizeof(ungated)] = "";
     dl_iterate_phdr(scan_object, found);
     scanned = adds;
     if (*found) /* kept once the loader's lock is let go: the gate's lock is taken after it */
