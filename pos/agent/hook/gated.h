@@ -2,14 +2,14 @@
  *
  * FAMILIES: the entry points that read or write device memory, or make or unmake it, by the
  * beginning of their names (every version and per-thread variant of each). Of those, every one
- * that cuda.h declares is wrapped (hooks.h, or OWN_WRAPPERS in agent.h), lets through (PASSES),
- * or is refused (LEGACY); tests/fakegpu/test_hook_list.py holds this file and hooks.h to
- * cuda.h, so an entry point a newer header adds fails that test until someone decides.
+ * that cuda.h declares is wrapped (hooks.h, or OWN_WRAPPERS in agent.h), let through (PASSES),
+ * or refused (LEGACY); tests/fakegpu/test_hook_list.py holds this file and hooks.h to cuda.h,
+ * so an entry point a newer header adds fails that test until someone decides.
  *
  * At run time an entry point of a family that the agent neither wraps nor lets through, which
- * the job looks up (dlsym, cuGetProcAddress: interpose.c), is kept (gate.c, ungated_lookup):
- * every later cut is refused, so that no checkpoint or refill of the job runs while a call the
- * gate cannot see may read or write its memory. */
+ * the job looks up (dlsym, cuGetProcAddress) or links to (interpose.c), is kept (gate.c,
+ * ungated_lookup): every later cut is refused, so that no checkpoint or refill of the job runs
+ * while a call the gate cannot see may read or write its memory (protocol.md). */
 #ifndef POS_AGENT_GATED_H
 #define POS_AGENT_GATED_H
 
