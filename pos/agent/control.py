@@ -100,7 +100,7 @@ class Refused(PosError):
                 f"pos cannot checkpoint or restore process {pid} while it runs: it can call "
                 f"{self.ungated}, a driver entry point that reads or writes device memory and "
                 "that pos's agent cannot gate (the job runs on as it was)", "this driver or "
-                "CUDA version is newer than this pos: update pos, or checkpoint the job "
+                "CUDA version is newer than this pos; update pos, or checkpoint the job "
                 "stop-the-world (without --concurrent)")
         else:
             super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
