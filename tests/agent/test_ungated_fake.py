@@ -1,7 +1,7 @@
 """A driver entry point that touches device memory and that the agent's gate does not know
 (hook/gated.h), looked up by the job or linked to: pos takes no cut of it, for a checkpoint or
-a refill, and says so in one sentence; the job runs on. The fake driver's cuMemcpyFutureAsync stands for
-the copy of a driver newer than pos."""
+a refill, and says so in one sentence; the job runs on. The fake driver's cuMemcpyFutureAsync
+stands for the copy of a driver newer than pos."""
 
 from pathlib import Path
 

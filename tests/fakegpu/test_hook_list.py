@@ -20,7 +20,8 @@ from tests.conftest import ROOT, need
 from tests.fakegpu.test_driver import CHECK, _same
 
 HOOK = ROOT / "pos" / "agent" / "hook"
-READINGS = (["-D__CUDA_API_VERSION_INTERNAL"], [], ["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"])
+READINGS: tuple[list[str], ...] = (["-D__CUDA_API_VERSION_INTERNAL"], [],
+                                   ["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"])
 
 
 def listed(header: str, macro: str) -> list[str]:
@@ -70,6 +71,7 @@ def cuda_h(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def in_family(name: str) -> bool:
+    """Whether `name` is of a family that reads or writes device memory (gated.h)."""
     return name.startswith(FAMILIES)
 
 
