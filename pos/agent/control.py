@@ -64,6 +64,10 @@ class Status:
     stall_s: Optional[float] = None
     last_end: Optional[str] = None
     last_end_said: bool = False    # the agent wrote that end to the job's standard error too
+    # A driver entry point that touches device memory, which the job can call (looked up, or
+    # linked to) and the gate does not know (hook/gated.h): no cut of the job is taken. "":
+    # none, or an agent too old to say
+    ungated: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,12 +88,23 @@ class NoAnswer(PosError):
 class Refused(PosError):
     """The agent said no; `need`: the device memory it lacked for a reseat (0: not that);
     `past`: a cut at an NCCL launch found the job past it, or not come to it in time: the
-    job's count then (-1: not that)."""
+    job's count then (-1: not that); `ungated`: a cut refused because the job can call this
+    driver entry point, which touches device memory and which the gate does not know
+    (hook/gated.h; "": not that)."""
 
     def __init__(self, pid: int, reply: dict[str, Any]) -> None:
-        super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
         self.need = int(reply.get("need", 0))
         self.past = int(reply.get("past", -1))
+        self.ungated = str(reply.get("ungated", ""))
+        if self.ungated:
+            super().__init__(
+                f"pos cannot checkpoint or restore process {pid} while it runs: it can call "
+                f"{self.ungated}, a driver entry point that reads or writes device memory and "
+                "that pos's agent cannot gate (the job runs on as it was)", "this driver or "
+                "CUDA version is newer than this pos; update pos, or checkpoint the job "
+                "stop-the-world (without --concurrent)")
+        else:
+            super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
 
 
 @dataclass(frozen=True)
@@ -324,7 +339,8 @@ class Agent:
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
                       int(r.get("nccl_launches", 0)), **told,
                       stall_s=float(r["stall_s"]) if "stall_s" in r else None,
-                      last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")))
+                      last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")),
+                      ungated=str(r.get("ungated", "")))
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the

@@ -925,8 +925,8 @@ API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
  * (here: the _v2 of a name when there is one), per-thread-stream variants when asked. */
 static void *self_handle(void) {
     static void *self;
-    Dl_info info;
-    if (!self && dladdr((void *)cuInit, &info) && info.dli_fname)
+    Dl_info info; /* named by a function of its own: an exported one may be an interposer's */
+    if (!self && dladdr((void *)self_handle, &info) && info.dli_fname)
         self = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
     return self;
 }
@@ -1216,6 +1216,11 @@ API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream 
     return copy(dst, EITHER, src, EITHER, n, s);
 }
 API CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, EITHER, src, EITHER, n, s);
+}
+/* An entry point of a driver newer than pos (a name of the copies' family that no cuda.h
+ * declares): a job that looks it up cannot be gated, and pos must refuse to cut it. */
+API CUresult cuMemcpyFutureAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     return copy(dst, EITHER, src, EITHER, n, s);
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
