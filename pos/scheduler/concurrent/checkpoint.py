@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from pos import image, nvml
 from pos.agent.control import Agent, Cut, Gate
@@ -42,6 +42,10 @@ from pos.scheduler.watchdog import Plan
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.scheduler.copier import Copied
+
+# What dumps the tree once its jobs are small: `dump(guard, folder)` writes into `folder` (the
+# default is pos's CRIU; a container's runtime dumps its container instead: pos/container/)
+Dump = Callable[[Guard, Path], None]
 
 DEFAULT_STREAMS = 8
 DEFAULT_CHUNK_MB = 64
@@ -102,11 +106,14 @@ def _reconnect(saver: Saver, echo: Echo) -> Agent:
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
                     lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
                     chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
-                    settings: Optional[Settings] = None) -> Report:
+                    settings: Optional[Settings] = None, dump: Optional[Dump] = None) -> Report:
     """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (see
-    the module docstring), restorable into new processes by concurrent.restore.restore_full."""
-    return _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
-                  chunk_mb << 20, echo, settings or Settings.from_env()).run()
+    the module docstring), restorable into new processes by concurrent.restore.restore_full.
+    `dump`: what dumps the tree in place of pos's CRIU (see Dump)."""
+    whole = _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
+                   chunk_mb << 20, echo, settings or Settings.from_env())
+    whole.dump = dump
+    return whole.run()
 
 
 class _Whole:
@@ -126,6 +133,7 @@ class _Whole:
         self.gates: list[Optional[Gate]] = []
         self.copies: list[Copied] = []
         self.release_s = 0.0
+        self.dump: Optional[Dump] = None
 
     def run(self) -> Report:
         self.refuse()
@@ -249,6 +257,9 @@ class _Whole:
         g.each("checkpoint", self.cuda,
                lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
         g.step("dump")
+        if self.dump is not None:
+            g.timed("dump", lambda: self.dump(g, dumped))
+            return
         g.dump(self.criu, self.criu.dump_argv(
             self.pid, dumped, self.options, self.leave_running,
             parent=names.PARENT if self.pre.used else None), dumped)

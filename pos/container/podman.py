@@ -1,0 +1,91 @@
+"""The one module that drives podman (rootful): every call pos makes of it, each failure one
+sentence naming podman's own words and a fix.
+
+podman checkpoints and restores a container through its OCI runtime (runc here: Debian 12's
+crun is built without CRIU), which runs CRIU; the runtime finds CRIU as `criu` on the PATH
+(scripts/setup.sh links pos's CRIU there)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from pos.errors import BadInput, PosError
+
+CALL_S = 300.0      # the longest one podman call may take (a checkpoint of a big container)
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container as podman inspects it."""
+
+    id: str
+    name: str
+    pid: int            # its first process on this host (0: not running)
+    running: bool
+
+
+def binary() -> str:
+    found = shutil.which("podman")
+    if found is None:
+        raise BadInput("podman is not installed", "install it (scripts/setup.sh does, with "
+                       "runc and its configuration)")
+    return found
+
+
+def _podman(*argv: str, timeout: float = CALL_S) -> str:
+    """podman ARGV's standard output; its failure as one PosError with its last line."""
+    try:
+        p = subprocess.run([binary(), *argv], capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise PosError(f"`podman {argv[0]} {argv[1] if len(argv) > 1 else ''}` did not end "
+                       f"within {timeout:.0f} s", "see `podman ps -a` and its logs") from None
+    if p.returncode != 0:
+        said = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        raise PosError(f"`podman {' '.join(argv[:2])}` failed: {said.removeprefix('Error: ')}",
+                       "see podman's message; `pos doctor` checks runc and CRIU")
+    return p.stdout
+
+
+def inspect(name: str) -> Container:
+    """The container NAME (or ID); BadInput when podman knows none."""
+    try:
+        out = _podman("container", "inspect", name)
+    except PosError:
+        raise BadInput(f"podman has no container {name}", "see `podman ps -a`") from None
+    c = json.loads(out)[0]
+    state = c.get("State", {})
+    return Container(c["Id"], c["Name"], int(state.get("Pid") or 0),
+                     bool(state.get("Running")))
+
+
+def exists(name: str) -> bool:
+    return subprocess.run([binary(), "container", "exists", name], capture_output=True,
+                          stdin=subprocess.DEVNULL).returncode == 0
+
+
+def checkpoint(name: str, archive: Path) -> None:
+    """The container's processes and files into `archive` (podman's export: CRIU's image, the
+    container's configuration and its changed files), the container left running."""
+    _podman("container", "checkpoint", "--leave-running", "--export", str(archive), name)
+
+
+def restore(archive: Path, name: str) -> Container:
+    """A new container NAME from `archive`, its processes running where they were dumped."""
+    _podman("container", "restore", "--import", str(archive), "--name", name)
+    return inspect(name)
+
+
+def stop(name: str) -> None:
+    """Stop the container (SIGKILL at once: its state is saved by then)."""
+    _podman("container", "stop", "--time", "0", name)
+
+
+def remove(name: str) -> None:
+    """Remove the container, running or not; nothing when there is none."""
+    subprocess.run([binary(), "container", "rm", "--force", "--ignore", name],
+                   capture_output=True, stdin=subprocess.DEVNULL, timeout=CALL_S)
