@@ -35,8 +35,13 @@ def checkpoint(name: str, directory: Path, leave_running: bool, settings: Settin
     # podman dumps once, into its own archive: no pre-dump of pos's, no staging of CRIU's files
     settings = replace(settings, predump=False, dump_staging=False)
 
-    def dump(_g: Guard, folder: Path) -> None:
-        podman.checkpoint(c.id, folder / ARCHIVE)
+    def dump(g: Guard, folder: Path) -> None:
+        # the undo waits for a running podman as for pos's own CRIU (pos/scheduler/watchdog.py)
+        try:
+            podman.checkpoint(c.id, folder / ARCHIVE,
+                              lambda pid: g.step(g.plan.step, criu_pid=pid))
+        finally:
+            g.step(g.plan.step, criu_pid=None)
 
     # podman's checkpoint leaves the container running (the engine's thaw), and pos stops it
     # only once the image is sealed: until then a failure lets it run on

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from pos.errors import BadInput, PosError
 
@@ -36,19 +37,26 @@ def binary() -> str:
     return found
 
 
-def _podman(*argv: str, timeout: float = CALL_S) -> str:
-    """podman ARGV's standard output; its failure as one PosError with its last line."""
+def _podman(*argv: str, timeout: float = CALL_S,
+            started: Callable[[int], None] = lambda _pid: None) -> str:
+    """podman ARGV's standard output; its failure as one PosError with its last line.
+    `started(pid)`: podman runs, as PID, in a process group of its own (a Ctrl-C to pos does
+    not cut its checkpoint short: pos's undo waits for it instead)."""
+    p = subprocess.Popen([binary(), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started(p.pid)
     try:
-        p = subprocess.run([binary(), *argv], capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise PosError(f"`podman {argv[0]} {argv[1] if len(argv) > 1 else ''}` did not end "
-                       f"within {timeout:.0f} s", "see `podman ps -a` and its logs") from None
+        p.kill()
+        p.communicate()
+        raise PosError(f"`podman {' '.join(argv[:2])}` did not end within {timeout:.0f} s",
+                       "see `podman ps -a` and its logs") from None
     if p.returncode != 0:
-        said = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        said = (err.strip().splitlines() or [f"exit {p.returncode}"])[-1]
         raise PosError(f"`podman {' '.join(argv[:2])}` failed: {said.removeprefix('Error: ')}",
                        "see podman's message; `pos doctor` checks runc and CRIU")
-    return p.stdout
+    return out
 
 
 def inspect(name: str) -> Container:
@@ -68,10 +76,13 @@ def exists(name: str) -> bool:
                           stdin=subprocess.DEVNULL).returncode == 0
 
 
-def checkpoint(name: str, archive: Path) -> None:
+def checkpoint(name: str, archive: Path, started: Callable[[int], None] = lambda _pid: None
+               ) -> None:
     """The container's processes and files into `archive` (podman's export: CRIU's image, the
-    container's configuration and its changed files), the container left running."""
-    _podman("container", "checkpoint", "--leave-running", "--export", str(archive), name)
+    container's configuration and its changed files), the container left running; `started`:
+    see _podman."""
+    _podman("container", "checkpoint", "--leave-running", "--export", str(archive), name,
+            started=started)
 
 
 def restore(archive: Path, name: str) -> Container:
@@ -87,5 +98,5 @@ def stop(name: str) -> None:
 
 def remove(name: str) -> None:
     """Remove the container, running or not; nothing when there is none."""
-    subprocess.run([binary(), "container", "rm", "--force", "--ignore", name],
+    subprocess.run([binary(), "container", "rm", "--force", "--ignore", "--time", "0", name],
                    capture_output=True, stdin=subprocess.DEVNULL, timeout=CALL_S)

@@ -1,0 +1,191 @@
+"""GPU jobs in containers (issue 44), with real podman, runc and CRIU and the fake driver in the
+container: the agent put in through CDI, a container saved while its job runs and restored
+exact, one image restored as four containers at once, a damaged image refused, pos killed
+mid-way."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from pos.agent.control import Agent
+from pos.container import ARCHIVE, podman
+from pos.image import names
+from tests.conftest import ROOT, wait_for
+from tests.container.conftest import BUFFERS, SIZE, Containers, running, values
+from tests.scheduler.conftest import one_sentence, pos
+from workloads.fill_job import image_values, torn
+
+
+def ran_past(c: Containers, name: str, done: int) -> int:
+    """Until the job in container NAME has made an operation past its `done`-th."""
+    seen = [0]
+
+    def past() -> bool:
+        seen[0] = max(values(c.pid(name), held=False))
+        return seen[0] > done
+
+    wait_for(past, 20, lambda: f"container {name} to compute past operation {done} "
+             f"(at {seen[0]})")
+    return seen[0]
+
+
+def test_the_cdi_spec_puts_the_agent_into_a_container(containers: Containers) -> None:
+    r = pos("cdi", "-o", "-")
+    spec = json.loads(r.stdout)
+    assert spec["kind"] == "pos.dev/agent" and spec["devices"][0]["name"] == "hook"
+    name = containers.start()
+    pid = containers.pid(name)
+    with Agent(pid) as a:          # pos reaches it in the container's network namespace
+        st = a.status()
+    assert st.pid == 1 and st.owning      # the job is PID 1 in there, its memory the agent's
+    assert st.buffers == BUFFERS and st.owned_bytes == BUFFERS * SIZE
+    ran_past(containers, name, 0)
+
+
+def test_a_running_container_is_saved_while_it_runs_and_restored(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    name = containers.start()
+    done = ran_past(containers, name, 0)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), "--leave-running", "--json",
+            env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    saved = image_values(img)
+    assert not torn(saved) and max(saved) > done     # an exact cut, taken while it ran
+    assert report["engine"] == "concurrent" and report["bytes"] == BUFFERS * SIZE
+    assert (img / ARCHIVE).is_file()
+    assert running(name)
+    ran_past(containers, name, max(saved))           # the original computes on
+    podman.remove(name)
+
+    copy = containers.name("copy")
+    r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    made = containers.hold(copy)
+    now = values(containers.pid(copy))
+    assert not torn(now) and max(now) == made >= max(saved)   # on from where it was saved
+    containers.go_on(copy)
+    ran_past(containers, copy, made)
+
+
+def test_one_image_restores_as_four_containers_at_once_each_exact(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """The job paused before the checkpoint, so each copy can be read before it moves: every
+    copy holds the image's buffers bit for bit, then computes on from there."""
+    name = containers.start()
+    ran_past(containers, name, 0)
+    made = containers.hold(name)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert not running(name)                         # without --leave-running: stopped
+    saved = image_values(img)
+    assert max(saved) == made and not torn(saved)
+
+    copies = [containers.name(f"copy{i}") for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-m", "pos.cli", "container", "restore", "-D",
+                               str(img), "--name", c], cwd=ROOT, env=gpu_env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in copies]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    pids = [containers.pid(c) for c in copies]
+    assert len(set(pids)) == 4
+    for c, pid in zip(copies, pids):
+        assert running(c)
+        assert values(pid) == saved, c               # bit-exact, each one
+    for c in copies:
+        containers.go_on(c)
+    for c in copies:
+        again = ran_past(containers, c, made)
+        assert again > made
+
+
+def test_a_damaged_image_is_refused_in_one_sentence(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    name = containers.start()
+    containers.hold(name)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    with open(img / ARCHIVE, "r+b") as f:       # one byte of podman's export flipped
+        f.seek(os.path.getsize(img / ARCHIVE) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    copy = containers.name("copy")
+    r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
+    one_sentence(r, 1, ARCHIVE)
+    assert not podman.exists(copy)
+    r = pos("container", "restore", "-D", str(tmp_path), "--name", copy, env=gpu_env)
+    one_sentence(r, 2)
+    assert not podman.exists(copy)
+
+
+def test_damaged_gpu_memory_leaves_no_container_behind(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """The GPU data's chunks are checked as they are read, after podman made the container:
+    the failure then removes it."""
+    name = containers.start()
+    containers.hold(name)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    data = sorted(p for p in img.iterdir() if names.is_gpu_data(p.name))[0]
+    with open(data, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 64)
+    copy = containers.name("copy")
+    r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert not podman.exists(copy)
+
+
+def _kill_pos_at(step_seen: str, containers: Containers, name: str, img: Path,
+                 env: dict[str, str]) -> None:
+    """`pos container checkpoint` killed (SIGKILL) as soon as it is at `step_seen`: 'podman'
+    while podman's checkpoint runs, else a step of the engine's (POS_FAULT_AT)."""
+    argv = [sys.executable, "-m", "pos.cli", "container", "checkpoint", name, "-D", str(img),
+            "--leave-running"]
+    if step_seen != "podman":
+        r = subprocess.run(argv, cwd=ROOT, env={**env, "POS_FAULT_AT": f"{step_seen}=KILL"},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+        return
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    found = threading.Event()
+
+    def podman_child() -> bool:
+        kids = Path(f"/proc/{p.pid}/task/{p.pid}/children")
+        for k in kids.read_text().split() if kids.exists() else []:
+            if Path(f"/proc/{k}/comm").read_text().strip() == "podman":
+                found.set()
+        return found.is_set() or p.poll() is not None
+
+    wait_for(podman_child, 60, "pos to start podman's checkpoint", every=0.002)
+    p.kill()
+    p.wait()
+    assert found.is_set(), "pos ended before it started podman"
+
+
+def test_pos_killed_mid_way_leaves_the_container_running(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    name = containers.start()
+    done = ran_past(containers, name, 0)
+    for i, step in enumerate(("cut", "hoist", "dump", "podman", "copy", "seal")):
+        _kill_pos_at(step, containers, name, tmp_path / f"img{i}", gpu_env)
+        # the watchdog gives the job its memory back: it computes on, in a running container
+        wait_for(lambda: running(name), 30, f"container {name} running after pos died at {step}")
+        done = ran_past(containers, name, done)
+        assert not (tmp_path / f"img{i}").exists()
+    # and it can be saved again
+    r = pos("container", "checkpoint", name, "-D", str(tmp_path / "last"), "--leave-running",
+            env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert not torn(image_values(tmp_path / "last"))
