@@ -120,7 +120,7 @@ def test_a_damaged_image_is_refused_in_one_sentence(
         f.write(bytes([b[0] ^ 0xFF]))
     copy = containers.name("copy")
     r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
-    one_sentence(r, 1, ARCHIVE)
+    one_sentence(r, 2, "corrupt", ARCHIVE)
     assert not podman.exists(copy)
     r = pos("container", "restore", "-D", str(tmp_path), "--name", copy, env=gpu_env)
     one_sentence(r, 2)
