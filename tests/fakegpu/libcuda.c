@@ -10,7 +10,9 @@
  *
  * The checkpoint API of driver 580 (cuCheckpointProcess*) keeps each process's state in
  * $POS_FAKECUDA_STATE_DIR/<pid> (default /tmp/pos-fakecuda) so that the state survives across
- * the processes that call it; cuInit marks the calling process as a CUDA process there.
+ * the processes that call it; cuInit marks the calling process as a CUDA process there (a
+ * process of another PID namespace, a container's, is found as it names itself: see
+ * state_path).
  * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
  * named in $POS_FAKECUDA_FAIL (comma-separated) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
  * the first N calls of that name, counted across processes in the state directory (a transient
@@ -1324,21 +1326,40 @@ static int inner_pid(int pid) {
     return inner;
 }
 
+/* When PID started, in clock ticks after boot (/proc/PID/stat's 22nd field), 0 if unknown. */
+static unsigned long long start_ticks(const char *pid) {
+    char path[64], buf[1024] = {0};
+    snprintf(path, sizeof(path), "/proc/%s/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && field < 22; field++)
+        p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
 /* A process in the caller's PID namespace is known by its PID; one in another (a container's
- * process, seen from the host) by that namespace's inode and its PID there, which is what it
- * can name itself by (state_mark_cuda_process writes both). */
+ * process, seen from the host) by that namespace's inode, its PID there and its start, which
+ * is what it can name itself by (state_mark_cuda_process writes both): the inodes of ended
+ * namespaces come back, so the start tells a new process from the stale file of an old one. */
 static void state_path(char *out, size_t len, int pid) {
     char proc[16];
     snprintf(proc, sizeof(proc), "%d", pid);
     unsigned long theirs = pidns_inode(proc), mine = pidns_inode("self");
     if (theirs && mine && theirs != mine)
-        snprintf(out, len, "%s/ns%lu-%d", state_dir(), theirs, inner_pid(pid));
+        snprintf(out, len, "%s/ns%lu-%d-%llu", state_dir(), theirs, inner_pid(pid),
+                 start_ticks(proc));
     else
         snprintf(out, len, "%s/%d", state_dir(), pid);
 }
 
 static void state_alias_path(char *out, size_t len) {
-    snprintf(out, len, "%s/ns%lu-%d", state_dir(), pidns_inode("self"), (int)getpid());
+    snprintf(out, len, "%s/ns%lu-%d-%llu", state_dir(), pidns_inode("self"), (int)getpid(),
+             start_ticks("self"));
 }
 
 /* -1 when the process never called cuInit (no state file). */
@@ -1477,7 +1498,7 @@ static int all_zero(const void *p, size_t n) {
 /* Common prologue: log, injected failure, argument and target checks; on success *state is
  * the target's state. */
 /* A process of another PID namespace with no state that maps this library: it cannot have
- * called cuInit there (that writes its state), so CRIU restored it there from a checkpointed
+ * called cuInit as itself (that writes its state), so CRIU restored it from a checkpointed
  * process, as the driver finds such a copy (the state of one image's copies, each in new
  * namespaces, is each copy's own from then on). */
 static int restored_elsewhere(int pid) {
