@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pos import image, nvml
+from pos.driver import driver
 from pos.container import ARCHIVE, podman
 from pos.errors import BadInput
 from pos.scheduler import cudackpt, preflight, procs
@@ -57,6 +58,7 @@ class _Tree:
         t = time.monotonic()
         manifest = image.verify(directory, check)        # podman runs only a sound image
         if manifest.gpu_pids:
+            driver()                        # no driver here: said before podman starts
             preflight.same_driver(directory, manifest)
             preflight.same_model(directory, manifest, {g.uuid: g for g in nvml.gpus()},
                                  dict(gpu_pairs))
