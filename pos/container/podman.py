@@ -8,6 +8,7 @@ crun is built without CRIU), which runs CRIU; the runtime finds CRIU as `criu` o
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ def _podman(*argv: str, timeout: float = CALL_S,
     if p.returncode != 0:
         said = (err.strip().splitlines() or [f"exit {p.returncode}"])[-1]
         raise PosError(f"`podman {' '.join(argv[:2])}` failed: {said.removeprefix('Error: ')}",
-                       "see podman's message; `pos doctor` checks runc and CRIU")
+                       "see podman's message (it runs CRIU through runc: scripts/setup.sh sets both "
+                       "up)")
     return out
 
 
@@ -100,3 +102,42 @@ def remove(name: str) -> None:
     """Remove the container, running or not; nothing when there is none."""
     subprocess.run([binary(), "container", "rm", "--force", "--ignore", "--time", "0", name],
                    capture_output=True, stdin=subprocess.DEVNULL, timeout=CALL_S)
+
+
+# The guard of a restore (see Guard): until pos says "done" on its standard input it waits; if
+# pos ends without saying it, it removes the container, again and again until none has been
+# there for 10 s (podman's restore, in a process group of its own, may still be making it).
+GUARD = """read -r said || true
+[ "$said" = done ] && exit 0
+gone=0
+while [ "$gone" -lt 20 ]; do
+  "$0" container rm --force --ignore --time 0 "$1" >/dev/null 2>&1
+  if "$0" container exists "$1"; then gone=0; else gone=$((gone + 1)); fi
+  sleep 0.5
+done"""
+
+
+class Guard:
+    """The new container NAME removed if pos ends before `done()`, killed or not: a process
+    of its own that outlives pos (pos's watchdog knows processes, not containers, and podman's
+    restore runs the container's processes at once, their device memory not back yet)."""
+
+    def __init__(self, name: str) -> None:
+        read, self._write = os.pipe()
+        try:
+            self._proc = subprocess.Popen(["sh", "-c", GUARD, binary(), name], stdin=read,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True)
+        finally:
+            os.close(read)
+
+    def done(self) -> None:
+        """The container is whole: the guard goes without touching it."""
+        os.write(self._write, b"done\n")
+        self.close()
+
+    def close(self) -> None:
+        """Without done(): the guard removes the container (pos's own undo does it too)."""
+        if self._write >= 0:
+            os.close(self._write)
+            self._write = -1

@@ -5,7 +5,7 @@ The concurrent engine's restore does it (pos/scheduler/concurrent/restore.py); o
 differs: podman makes the new container from its export (CRIU underneath) in new namespaces,
 so one image gives as many containers as wanted, at once, each under its own name. The image's
 checksums are verified before podman starts; anything that fails after removes the new
-container: none is left half restored."""
+container, and so does a guard (podman.Guard) if pos is killed: none is left half restored."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class _Tree:
         before_criu()
         echo(f"restoring container {self.name} from {directory}")
         plan = Plan("restore", [], [], images=str(directory), hoisted=hoisted, verify=check)
+        guard = podman.Guard(self.name)
         try:
             with Guard(plan, echo, settings) as g:
                 g.timings["prepare"] = time.monotonic() - t
@@ -79,8 +80,11 @@ class _Tree:
                 g.each("unlock", cuda, cudackpt.unlock)
                 if finish is not None:
                     finish(g, live)
+            guard.done()
         except BaseException:
             podman.remove(self.name)
             raise
+        finally:
+            guard.close()
         return Report("concurrent", str(directory), manifest, timings=g.timings,
                       restored_pid=c.pid)

@@ -151,12 +151,10 @@ def test_damaged_gpu_memory_leaves_no_container_behind(
     assert not podman.exists(copy)
 
 
-def _kill_pos_at(step_seen: str, containers: Containers, name: str, img: Path,
-                 env: dict[str, str]) -> None:
-    """`pos container checkpoint` killed (SIGKILL) as soon as it is at `step_seen`: 'podman'
-    while podman's checkpoint runs, else a step of the engine's (POS_FAULT_AT)."""
-    argv = [sys.executable, "-m", "pos.cli", "container", "checkpoint", name, "-D", str(img),
-            "--leave-running"]
+def _kill_pos_at(step_seen: str, argv: list[str], env: dict[str, str]) -> None:
+    """pos ARGV killed (SIGKILL) as soon as it is at `step_seen`: 'podman' while podman runs,
+    else a step of the engine's (POS_FAULT_AT)."""
+    argv = [sys.executable, "-m", "pos.cli", *argv]
     if step_seen != "podman":
         r = subprocess.run(argv, cwd=ROOT, env={**env, "POS_FAULT_AT": f"{step_seen}=KILL"},
                            capture_output=True, text=True, timeout=120)
@@ -173,7 +171,7 @@ def _kill_pos_at(step_seen: str, containers: Containers, name: str, img: Path,
                 found.set()
         return found.is_set() or p.poll() is not None
 
-    wait_for(podman_child, 60, "pos to start podman's checkpoint", every=0.002)
+    wait_for(podman_child, 60, "pos to start podman", every=0.002)
     p.kill()
     p.wait()
     assert found.is_set(), "pos ended before it started podman"
@@ -184,7 +182,8 @@ def test_pos_killed_mid_way_leaves_the_container_running(
     name = containers.start()
     done = ran_past(containers, name, 0)
     for i, step in enumerate(("cut", "hoist", "dump", "podman", "copy", "seal")):
-        _kill_pos_at(step, containers, name, tmp_path / f"img{i}", gpu_env)
+        _kill_pos_at(step, ["container", "checkpoint", name, "-D", str(tmp_path / f"img{i}"),
+                            "--leave-running"], gpu_env)
         # the watchdog gives the job its memory back: it computes on, in a running container
         wait_for(lambda: running(name), 30, f"container {name} running after pos died at {step}")
         done = ran_past(containers, name, done)
@@ -194,3 +193,23 @@ def test_pos_killed_mid_way_leaves_the_container_running(
             env=gpu_env)
     assert r.returncode == 0, r.stderr
     assert not torn(image_values(tmp_path / "last"))
+
+
+def test_pos_killed_while_restoring_leaves_no_container(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """podman's restore runs the container's processes at once, their device memory not back:
+    pos killed then, or later, must not leave that container running."""
+    name = containers.start()
+    made = containers.hold(name)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    for step in ("podman", "remap", "fill"):
+        copy = containers.name(f"copy-{step}")
+        _kill_pos_at(step, ["container", "restore", "-D", str(img), "--name", copy], gpu_env)
+        wait_for(lambda: not podman.exists(copy), 30, f"container {copy} to go ({step})")
+    # the image is whole: it restores
+    copy = containers.name("copy")
+    r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert values(containers.pid(copy)) == image_values(img) and max(image_values(img)) == made
