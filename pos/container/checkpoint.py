@@ -32,8 +32,8 @@ def checkpoint(name: str, directory: Path, leave_running: bool, settings: Settin
     if not c.running or not c.pid:
         raise BadInput(f"container {name} is not running", "start it, or restore it from an "
                        "image with `pos container restore`")
-    # podman dumps once, into its own archive: no pre-dump of pos's, no staging of CRIU's files
-    settings = replace(settings, predump=False, dump_staging=False)
+    # podman writes its archive, not CRIU's files: no staging of them in pos's tmpfs
+    settings = replace(settings, dump_staging=False)
 
     def dump(g: Guard, folder: Path) -> None:
         # the undo waits for a running podman as for pos's own CRIU (pos/scheduler/watchdog.py)

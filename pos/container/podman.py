@@ -56,8 +56,8 @@ def _podman(*argv: str, timeout: float = CALL_S,
     if p.returncode != 0:
         said = (err.strip().splitlines() or [f"exit {p.returncode}"])[-1]
         raise PosError(f"`podman {' '.join(argv[:2])}` failed: {said.removeprefix('Error: ')}",
-                       "see podman's message (it runs CRIU through runc: scripts/setup.sh sets both "
-                       "up)")
+                       "see podman's message (it runs CRIU through runc: scripts/setup.sh "
+                       "sets both up)")
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from pos import image, nvml
 from pos.driver import driver
@@ -48,7 +48,7 @@ class _Tree:
         self.name = name
 
     def restore(self, directory: Path, _inherit_fds: tuple[str, ...] = (),
-                echo: Echo = lambda _: None, gpu_pairs: list[tuple[str, str]] = (),
+                echo: Echo = lambda _: None, gpu_pairs: Sequence[tuple[str, str]] = (),
                 check: Optional[list[str]] = None, hoisted: bool = False,
                 finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
                 before_criu: Callable[[], None] = lambda: None,

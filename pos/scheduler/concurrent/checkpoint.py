@@ -110,10 +110,8 @@ def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: 
     """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (see
     the module docstring), restorable into new processes by concurrent.restore.restore_full.
     `dump`: what dumps the tree in place of pos's CRIU (see Dump)."""
-    whole = _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
-                   chunk_mb << 20, echo, settings or Settings.from_env())
-    whole.dump = dump
-    return whole.run()
+    return _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
+                  chunk_mb << 20, echo, settings or Settings.from_env(), dump).run()
 
 
 class _Whole:
@@ -121,7 +119,7 @@ class _Whole:
 
     def __init__(self, pid: int, directory: Path, options: Options, leave_running: bool,
                  lock_timeout_ms: int, streams: int, chunk: int, echo: Echo,
-                 settings: Settings) -> None:
+                 settings: Settings, dump: Optional[Dump] = None) -> None:
         self.pid, self.directory, self.options = pid, directory, options
         self.leave_running, self.lock_timeout_ms = leave_running, lock_timeout_ms
         self.streams, self.chunk, self.echo, self.settings = streams, chunk, echo, settings
@@ -133,7 +131,7 @@ class _Whole:
         self.gates: list[Optional[Gate]] = []
         self.copies: list[Copied] = []
         self.release_s = 0.0
-        self.dump: Optional[Dump] = None
+        self.dump = dump
 
     def run(self) -> Report:
         self.refuse()
@@ -206,7 +204,8 @@ class _Whole:
     def predump(self, g: Guard, stage: Optional[Path]) -> None:
         """CRIU's pre-dump of the running tree into the folder CRIU will dump into, where it
         can be (predump.why_not); whether it was used, and why not, in the manifest."""
-        why = predump.why_not(self.criu, self.pids, self.settings.predump)
+        why = predump.why_not(self.criu, self.pids, self.settings.predump) \
+            if self.dump is None else "the container's runtime dumps it whole, once"
         if why is None:
             g.step("predump", staging=str(stage or ""))
             self.pre = predump.run(g, self.criu, self.pid, stage or self.partial, self.options)
@@ -257,8 +256,9 @@ class _Whole:
         g.each("checkpoint", self.cuda,
                lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
         g.step("dump")
-        if self.dump is not None:
-            g.timed("dump", lambda: self.dump(g, dumped))
+        dump = self.dump
+        if dump is not None:
+            g.timed("dump", lambda: dump(g, dumped))
             return
         g.dump(self.criu, self.criu.dump_argv(
             self.pid, dumped, self.options, self.leave_running,
