@@ -15,7 +15,8 @@ from pos.agent.control import Agent
 from pos.container import ARCHIVE, podman
 from pos.image import names
 from tests.conftest import ROOT, wait_for
-from tests.container.conftest import BUFFERS, SIZE, Containers, running, values
+from tests.container.conftest import (BUFFERS, IMAGE, SIZE, ULIMITS, Containers, running,
+                                      values)
 from tests.scheduler.conftest import one_sentence, pos
 from workloads.fill_job import image_values, torn
 
@@ -44,6 +45,21 @@ def test_the_cdi_spec_puts_the_agent_into_a_container(containers: Containers) ->
     assert st.pid == 1 and st.owning      # the job is PID 1 in there, its memory the agent's
     assert st.buffers == BUFFERS and st.owned_bytes == BUFFERS * SIZE
     ran_past(containers, name, 0)
+
+
+def test_a_container_pos_cannot_save_is_refused_in_one_sentence(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    plain = containers.name("plain")          # started without the agent's device
+    subprocess.run(["podman", "run", "-d", "--name", plain, *ULIMITS, "-v", "/usr:/usr:ro",
+                    IMAGE, "/usr/bin/sleep", "600"], check=True, capture_output=True)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", plain, "-D", str(img), env=gpu_env)
+    one_sentence(r, 2, f"container {plain} has no pos agent", "--device pos.dev/agent=hook")
+    assert running(plain) and not img.exists()
+    r = pos("container", "checkpoint", containers.name("none"), "-D", str(img), env=gpu_env)
+    one_sentence(r, 2, "podman has no container")
+    r = pos("container", "restore", "-D", str(tmp_path), "--name", plain, env=gpu_env)
+    one_sentence(r, 2)
 
 
 def test_a_running_container_is_saved_while_it_runs_and_restored(
