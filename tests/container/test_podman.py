@@ -5,6 +5,7 @@ mid-way."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -229,3 +230,28 @@ def test_pos_killed_while_restoring_leaves_no_container(
     r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
     assert r.returncode == 0, r.stderr
     assert values(containers.pid(copy)) == image_values(img) and max(image_values(img)) == made
+
+
+def test_a_runtime_that_fails_its_checkpoint_leaves_the_container_running(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """podman's checkpoint failing at pos's step dump, the job's memory hoisted and its driver
+    checkpointed: a `criu` first on pos's PATH (podman inherits it) that refuses `criu swrk`,
+    the service podman asks CRIU's version of first ("checkpoint/restore requires at least
+    CRIU 31100"). pos says so in one sentence and undoes its part: the container runs on,
+    its job computing, and can be saved after."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = shutil.which("criu")
+    assert real is not None
+    (bin_dir / "criu").write_text(f'#!/bin/sh\n[ "$1" = swrk ] && exit 1\nexec {real} "$@"\n')
+    (bin_dir / "criu").chmod(0o755)
+    name = containers.start()
+    done = ran_past(containers, name, 0)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), "--leave-running",
+            env={**gpu_env, "PATH": f"{bin_dir}:{gpu_env['PATH']}"})
+    one_sentence(r, 1, "`podman container checkpoint` failed", "CRIU")
+    assert running(name) and not img.exists()
+    ran_past(containers, name, done)
+    r = pos("container", "checkpoint", name, "-D", str(img), "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
