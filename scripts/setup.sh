@@ -75,7 +75,7 @@ fi
 # built without CRIU, so podman runs containers through runc, which runs `criu` from the PATH:
 # pos's CRIU is linked there. Without systemd as PID 1 podman needs cgroupfs and a file for its
 # events. `pos cdi` (run by the tests) writes the agent's CDI spec into /etc/cdi.
-cpkgs=(podman runc conmon uidmap containernetworking-plugins)
+cpkgs=(podman runc conmon netavark aardvark-dns)   # netavark: podman 4.3's network backend
 cmissing=()
 for p in "${cpkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || cmissing+=("$p"); done
 if [ ${#cmissing[@]} -gt 0 ]; then
