@@ -78,9 +78,8 @@ def test_a_running_container_is_saved_while_it_runs_and_restored(
     assert (img / ARCHIVE).is_file()
     assert running(name)
     ran_past(containers, name, max(saved))           # the original computes on
-    podman.remove(name)
 
-    copy = containers.name("copy")
+    copy = containers.name("copy")                   # beside the original, still running
     r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
     assert r.returncode == 0, r.stderr
     made = containers.hold(copy)
@@ -88,6 +87,8 @@ def test_a_running_container_is_saved_while_it_runs_and_restored(
     assert not torn(now) and max(now) == made >= max(saved)   # on from where it was saved
     containers.go_on(copy)
     ran_past(containers, copy, made)
+    assert running(name)
+    ran_past(containers, name, max(saved))
 
 
 def test_one_image_restores_as_four_containers_at_once_each_exact(
