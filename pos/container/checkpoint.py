@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pos.container import ARCHIVE, podman
-from pos.container.cdi import LIBRARY, QUALIFIED
+from pos.container.cdi import AGENT, QUALIFIED
 from pos.errors import BadInput
 from pos.scheduler import procs
 from pos.scheduler.criu import Options
@@ -34,7 +34,7 @@ def checkpoint(name: str, directory: Path, leave_running: bool, settings: Settin
     if not c.running or not c.pid:
         raise BadInput(f"container {name} is not running", "start it, or restore it from an "
                        "image with `pos container restore`")
-    if not any(procs.maps_library(p, LIBRARY.name) for p in procs.tree(c.pid)):
+    if not any(procs.maps_library(p, AGENT) for p in procs.tree(c.pid)):
         raise BadInput(f"container {name} has no pos agent", f"start it with `--device "
                        f"{QUALIFIED}` (after `pos cdi`)")
     # podman writes its archive, not CRIU's files: no staging of them in pos's tmpfs

@@ -42,19 +42,21 @@ def cdi(output: Optional[str]) -> None:
     """Write the CDI spec of pos's agent: the device pos.dev/agent=hook mounts libposhook.so
     into a container and preloads it, so that a container started with `--device
     pos.dev/agent=hook` can be saved by `pos container checkpoint` while it runs. The library
-    is installed at /opt/pos/lib/libposhook.so."""
+    is installed in /opt/pos/lib, one file per version, each kept: a container's image
+    restores only with the agent it was taken with."""
     from pathlib import Path
 
     from pos.agent.hook import build
     from pos.container import cdi as spec
 
+    built = Path(build())
     if output == "-":
-        click.echo(spec.spec().to_json(), nl=False)
+        click.echo(spec.spec(spec.library_for(built)).to_json(), nl=False)
         return
     _root()
-    spec.install_library(Path(build()))
+    library = spec.install_library(built)
     path = Path(output) if output else spec.SPEC
-    spec.write(path)
+    spec.write(path, library)
     click.echo(f"wrote {path}: start containers with --device {spec.QUALIFIED}")
 
 

@@ -256,3 +256,32 @@ def test_a_runtime_that_fails_its_checkpoint_leaves_the_container_running(
     ran_past(containers, name, done)
     r = pos("container", "checkpoint", name, "-D", str(img), "--leave-running", env=gpu_env)
     assert r.returncode == 0, r.stderr
+
+
+def test_an_image_restores_after_pos_cdi_installed_another_agent(
+        containers: Containers, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """CRIU restores a mapped file only if it is the one of the dump: each agent pos cdi
+    installs is a file of its own, kept, so that a newer agent leaves older images whole."""
+    from pos.agent.hook import build
+    from pos.container import cdi
+
+    name = containers.start()
+    made = containers.hold(name)
+    img = tmp_path / "img"
+    r = pos("container", "checkpoint", name, "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    newer = tmp_path / "libposhook.so"         # another agent: other bytes, another size
+    newer.write_bytes(Path(build()).read_bytes() + b"\0" * 4096)
+    installed = cdi.install_library(newer)
+    try:
+        cdi.write(cdi.SPEC, installed)
+        assert json.loads(cdi.SPEC.read_text())["devices"][0]["containerEdits"]["mounts"][0][
+            "hostPath"] == str(installed)
+        copy = containers.name("copy")
+        r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
+        assert r.returncode == 0, r.stderr
+        assert values(containers.pid(copy)) == image_values(img)
+        assert max(image_values(img)) == made
+    finally:
+        assert pos("cdi").returncode == 0       # the agent of this pos again
+        installed.unlink(missing_ok=True)
