@@ -54,7 +54,9 @@ def _podman(*argv: str, timeout: float = CALL_S,
         raise PosError(f"`podman {' '.join(argv[:2])}` did not end within {timeout:.0f} s",
                        "see `podman ps -a` and its logs") from None
     if p.returncode != 0:
-        said = (err.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        # podman's own error line (a line after it names a log that a failed restore removes)
+        lines = err.strip().splitlines() or [f"exit {p.returncode}"]
+        said = next((ln for ln in lines if ln.startswith("Error: ")), lines[-1])
         raise PosError(f"`podman {' '.join(argv[:2])}` failed: {said.removeprefix('Error: ')}",
                        "see podman's message (it runs CRIU through runc: scripts/setup.sh "
                        "sets both up)")
