@@ -24,6 +24,7 @@ import click
 from pos import __version__
 from pos.agent.commands import run
 from pos.analyzer.commands import analyze
+from pos.container.commands import cdi, container
 from pos.errors import PosError, denied
 from pos.options import json_option
 from pos.scheduler.commands import checkpoint, inspect, migrate, restore, restore_service
@@ -117,6 +118,8 @@ cli.add_command(migrate)
 cli.add_command(schedule)
 cli.add_command(daemon)
 cli.add_command(images)
+cli.add_command(cdi)
+cli.add_command(container)
 
 
 def _terminate(_signum: int, _frame: Any) -> None:

@@ -76,6 +76,24 @@ def _seccomp() -> Optional[PosError]:
     return None
 
 
+def _migrate_key() -> Optional[PosError]:
+    """`pos migrate --to HOST` and `--listen` speak TLS, and hear only a host that holds the
+    same key (pos/scheduler/migrate_key.py): without one, migration between hosts is off."""
+    from pos.scheduler import migrate_key
+
+    folder = migrate_key.default_dir()
+    if not folder.exists():
+        return PosError(f"no migration key in {folder}: `pos migrate --to` and `--listen` "
+                        "refuse to run (each end must prove it holds the key, over TLS)",
+                        "make one with `pos migrate --new-key` and copy it to the other host "
+                        f"(scp -rp {folder} HOST:{folder}) if this host migrates jobs")
+    try:
+        migrate_key.load(folder)
+    except PosError as e:
+        return e
+    return None
+
+
 CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("privileges (root or CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON)", host.check_privileges),
     ("Linux >= 5.8", _kernel),
@@ -87,9 +105,10 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("soft-dirty tracking (CRIU's pre-dump, of jobs that map no device)", _soft_dirty),
     ("pos run's preload library (libposhook.so, built with gcc)", _hook),
     ("pos run's io_uring filter (pyseccomp over libseccomp2)", _seccomp),
+    ("the migration key (hosts authenticate each other over TLS)", _migrate_key),
 )
 
-OPTIONAL = (_nvidia_driver, _soft_dirty)     # what pos can do without: n/a when absent
+OPTIONAL = (_nvidia_driver, _soft_dirty, _migrate_key)     # what pos can do without: n/a when absent
 
 
 @dataclass

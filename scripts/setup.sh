@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this host for pos, idempotently: system packages (bcc, kernel headers, compiler),
-# the kernel-headers link bcc looks for, tracefs, CRIU >= 4 in /opt/pos/criu, the virtual
-# environment .venv with pos installed in it, and pos's preload library (libposhook.so).
+# the kernel-headers link bcc looks for, tracefs, CRIU >= 4 in /opt/pos/criu, podman and runc
+# using that CRIU (for containers), the virtual environment .venv with pos installed in it,
+# and pos's preload library (libposhook.so).
 # Needs root (apt-get, /lib/modules, mount).
 # Debian 12+ and Ubuntu 22.04+.
 #
@@ -18,6 +19,7 @@ kernel=$(uname -r)
 # libseccomp2: `pos run`'s filter that turns io_uring off for the job (pyseccomp loads it)
 pkgs=(python3-bpfcc python3-venv python3-dev gcc make iproute2 iptables libseccomp2
       debian-archive-keyring)
+pkgs+=(openssl)   # makes the key two hosts hold to migrate between them (pos migrate --new-key)
 if apt-cache show "linux-headers-$kernel" >/dev/null 2>&1; then
   pkgs+=("linux-headers-$kernel")
 elif [ "${ID:-}" = ubuntu ]; then
@@ -69,6 +71,35 @@ if ! criu_ok; then
   rm -rf "$criu_home" && mv "$criu_home.new" "$criu_home"
   criu_ok || { echo "setup: $criu_home/criu does not run (criu --version failed)" >&2; exit 1; }
   log "CRIU: $("$criu_home/criu" --version | head -1)"
+fi
+
+# ---- containers: rootful podman through runc, with the CRIU above ------------------------------
+# pos saves containers through podman's own checkpoint (pos/container/). Debian 12's crun is
+# built without CRIU, so podman runs containers through runc, which runs `criu` from the PATH:
+# pos's CRIU is linked there. Without systemd as PID 1 podman needs cgroupfs and a file for its
+# events. `pos cdi` (run by the tests) writes the agent's CDI spec into /etc/cdi.
+cpkgs=(podman runc conmon netavark aardvark-dns)   # netavark: podman 4.3's network backend
+cmissing=()
+for p in "${cpkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || cmissing+=("$p"); done
+if [ ${#cmissing[@]} -gt 0 ]; then
+  log "installing ${cmissing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq || true
+  apt-get install -y -qq --no-install-recommends "${cmissing[@]}" >/dev/null
+fi
+[ "$(readlink /usr/local/sbin/criu 2>/dev/null)" = "$criu_home/criu" ] \
+  || { mkdir -p /usr/local/sbin && ln -sfn "$criu_home/criu" /usr/local/sbin/criu; }
+conf=/etc/containers/containers.conf.d/50-pos.conf
+want='[engine]
+runtime = "runc"'
+if [ "$(cat /proc/1/comm 2>/dev/null)" != systemd ]; then
+  want="$want
+cgroup_manager = \"cgroupfs\"
+events_logger = \"file\""
+fi
+if [ "$(cat "$conf" 2>/dev/null)" != "$want" ]; then
+  mkdir -p "$(dirname "$conf")" && printf '%s\n' "$want" > "$conf"
+  log "wrote $conf"
 fi
 
 # ---- the virtual environment -----------------------------------------------------------------

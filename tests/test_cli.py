@@ -1,6 +1,8 @@
 """`pos`: every command's and subcommand's --help ends with examples (an epilog); errors in one
 sentence; `pos doctor`'s line on CRIU's pre-dump."""
 
+from pathlib import Path
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -106,3 +108,35 @@ def test_doctor_says_whether_criu_can_copy_memory_before_the_freeze(criu_ready) 
             "cannot copy a job's host memory before the freeze, and a whole-process concurrent "
             "checkpoint dumps all of it while the job is frozen: run a kernel built with "
             "CONFIG_MEM_SOFT_DIRTY=y.")
+
+
+def test_doctor_and_the_migration_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a key, migration between hosts is off and the doctor says how to make one; a key
+    that others can read is refused, by the doctor and by `pos migrate` alike; a second
+    --new-key never replaces the first."""
+    key = tmp_path / "key"
+    monkeypatch.setenv("POS_MIGRATE_KEY", str(key))
+
+    def line() -> str:
+        r = CliRunner().invoke(cli, ["doctor"])
+        (found,) = [ln for ln in r.output.splitlines() if "the migration key" in ln]
+        return found
+
+    assert line().startswith(f"n/a      the migration key (hosts authenticate each other over "
+                             f"TLS): no migration key in {key}: ")
+    r = CliRunner().invoke(cli, ["migrate", "--listen", "-D", str(tmp_path / "in")])
+    assert r.exit_code == 2 and r.stderr.startswith(f"Error: there is no migration key in {key}")
+    assert not (tmp_path / "in").exists()
+    r = CliRunner().invoke(cli, ["migrate", "--new-key"])
+    assert r.exit_code == 0, r.output
+    assert line() == "ok       the migration key (hosts authenticate each other over TLS)"
+    before = (key / "key.pem").read_bytes()
+    r = CliRunner().invoke(cli, ["migrate", "--new-key"])
+    assert (r.exit_code, r.stderr) == (2, f"Error: {key} already holds a migration key: copy "
+                                          "that one to the other host, or give another folder "
+                                          "with --key.\n")
+    assert (key / "key.pem").read_bytes() == before
+    (key / "key.pem").chmod(0o644)
+    assert "can be read by others than its owner (mode -rw-r--r--" in line()
+    r = CliRunner().invoke(cli, ["migrate", "1", "--to", "127.0.0.1:7070"])
+    assert r.exit_code == 2 and "chmod 600" in r.stderr and len(r.stderr.splitlines()) == 1

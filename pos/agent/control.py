@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ class Status:
     stall_s: Optional[float] = None
     last_end: Optional[str] = None
     last_end_said: bool = False    # the agent wrote that end to the job's standard error too
+    # A driver entry point that touches device memory, which the job can call (looked up, or
+    # linked to) and the gate does not know (hook/gated.h): no cut of the job is taken. "":
+    # none, or an agent too old to say
+    ungated: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,12 +115,23 @@ class NoAnswer(PosError):
 class Refused(PosError):
     """The agent said no; `need`: the device memory it lacked for a reseat (0: not that);
     `past`: a cut at an NCCL launch found the job past it, or not come to it in time: the
-    job's count then (-1: not that)."""
+    job's count then (-1: not that); `ungated`: a cut refused because the job can call this
+    driver entry point, which touches device memory and which the gate does not know
+    (hook/gated.h; "": not that)."""
 
     def __init__(self, pid: int, reply: dict[str, Any]) -> None:
-        super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
         self.need = int(reply.get("need", 0))
         self.past = int(reply.get("past", -1))
+        self.ungated = str(reply.get("ungated", ""))
+        if self.ungated:
+            super().__init__(
+                f"pos cannot checkpoint or restore process {pid} while it runs: it can call "
+                f"{self.ungated}, a driver entry point that reads or writes device memory and "
+                "that pos's agent cannot gate (the job runs on as it was)", "this driver or "
+                "CUDA version is newer than this pos; update pos, or checkpoint the job "
+                "stop-the-world (without --concurrent)")
+        else:
+            super().__init__(f"the agent of process {pid} refused: {reply.get('error')}")
 
 
 @dataclass(frozen=True)
@@ -216,11 +232,17 @@ class Agent:
         try:
             self.sock = _connect_in_netns(pid, address)
         except ConnectionRefusedError:
-            raise BadInput(f"process {pid} has no pos agent", "start the job with "
-                           "`pos run -- CMD` (the agent starts with its first CUDA call)") from None
+            raise _no_agent(pid) from None
         except PermissionError:
             raise BadInput(f"cannot reach the agent of process {pid}",
                            "run pos as root (sudo)") from None
+        holder = _listener(self.sock)
+        if holder != pid:      # an abstract name can be taken by any process of the namespace
+            self.sock.close()
+            who = f"process {holder}" if holder else "a process outside this PID namespace"
+            raise PosError(f"the socket named for process {pid}'s agent is held by {who}, not "
+                           "by the job, so pos does not talk to it",
+                           "end that process, then start the job again with `pos run`")
         self.sock.settimeout(timeout)
         self._sending = threading.Lock()    # `done` comes from the copier's threads too
         self._buf = b""
@@ -345,7 +367,8 @@ class Agent:
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
                       int(r.get("nccl_launches", 0)), **told,
                       stall_s=float(r["stall_s"]) if "stall_s" in r else None,
-                      last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")))
+                      last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")),
+                      ungated=str(r.get("ungated", "")))
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the
@@ -457,6 +480,37 @@ class Agent:
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
         return int(self._line()["up"])
+
+
+def _listener(sock: socket.socket) -> int:
+    """The PID (in pos's namespace; 0 where it has none) of the process that listens at the
+    other end of a connected unix socket: SO_PEERCRED, the kernel's word, not the peer's."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[0])
+
+
+def _preloaded(pid: int) -> bool:
+    """Whether process `pid` was started with the agent preloaded (`pos run`)."""
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return any(v.startswith(b"LD_PRELOAD=") and b"libposhook" in v for v in environ)
+
+
+def _no_agent(pid: int) -> PosError:
+    """Why no agent answers in process `pid`: it ended, it has not used CUDA yet (the agent
+    starts with the first CUDA call of a `pos run` job), or it was not started with `pos run`."""
+    if not _running(pid):
+        return PosError(f"process {pid} ended before pos could reach its agent",
+                        "see how the job ended (its exit status, its standard error)")
+    if _preloaded(pid):
+        return BadInput(f"process {pid} was started with `pos run`, but has not used CUDA yet "
+                        "(its agent starts with its first CUDA call)",
+                        "checkpoint it once it uses the GPU, or, until then, without "
+                        "--concurrent")
+    return BadInput(f"process {pid} has no pos agent", "start the job with `pos run -- CMD` "
+                    "(the agent starts with its first CUDA call)")
 
 
 def _running(pid: int) -> bool:

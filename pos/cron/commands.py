@@ -311,7 +311,8 @@ def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str],
     report = []
     for s in rows:
         policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
-        gone = retention.prune(Path(s.root) / str(s.id), policy, now, dry_run)
+        gone = retention.prune(Path(s.root) / str(s.id), schedules.made_by(store, s.id),
+                               policy, now, dry_run)
         if not dry_run and gone:
             image_rows.forget(db, [str(k.path) for k in gone])
         report.append({"schedule": s.id, "retention": str(policy),

@@ -203,7 +203,7 @@ class Daemon:
         argv = ["--pid", str(pid), "--dir", str(directory), "--engine", s.engine,
                 "--criu-options", s.criu_options or "{}", "--db", self.db] \
             + (["--leave-running"] if s.leave_running else [])
-        run_id = schedules.start_run(self.store, s.id, due, now, coalesced, pid)
+        run_id = schedules.start_run(self.store, s.id, due, now, coalesced, pid, str(directory))
         self.jobs[s.id] = Job(s, run_id, pid, procs.tree(pid), directory, now,
                               self.launcher(argv))
         self.log(f"schedule {s.id}: snapshot of PID {pid} into {directory}"
@@ -249,19 +249,20 @@ class Daemon:
 
     def _retain(self, s: Schedule, now: datetime) -> None:
         folder = Path(s.root) / str(s.id)
-        self._adopt(s, folder)
+        owned = schedules.made_by(self.store, s.id)
+        self._adopt(s, folder, owned)
         policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
-        gone = retention.prune(folder, policy, now)
+        gone = retention.prune(folder, owned, policy, now)
         if gone:
             images.forget(self.db, [str(k.path) for k in gone])
             self.log(f"schedule {s.id}: pruned {len(gone)} image(s) ({policy})")
 
-    def _adopt(self, s: Schedule, folder: Path) -> None:
-        """Record the sealed images of the schedule's folder that the store lacks: the agent
+    def _adopt(self, s: Schedule, folder: Path, owned: set[str]) -> None:
+        """Record the sealed images of the schedule's runs that the store lacks: the agent
         of an abandoned concurrent snapshot finishes and seals its image after the daemon
         stopped waiting for it (pos/cron/snapshot.py), so no run recorded it."""
         try:
-            kept = [str(k.path) for k in retention.images_in(folder)]
+            kept = [str(k.path) for k in retention.images_in(folder, owned)]
             known = images.recorded(self.db, kept)
             for path in (p for p in kept if p not in known):
                 images.record(self.db, path, image.load(Path(path)).to_json())

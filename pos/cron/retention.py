@@ -1,7 +1,8 @@
 """Which images of a schedule to keep: the N newest, none older than an age, at most so many
 bytes in all (sizes from the manifests). Only complete images count and only they are deleted:
-a DIR.partial is a snapshot in progress (or an interrupted one, for its owner to clean up), and
-a folder without a manifest is not pos's to remove.
+a DIR.partial is a snapshot in progress (or an interrupted one, for its owner to clean up), a
+folder without a manifest is not pos's to remove, and an image the store does not record as the
+schedule's own (`owned`: pos.store.schedules.made_by) is neither counted nor deleted.
 """
 
 import re
@@ -75,13 +76,16 @@ def format_bytes(n: int) -> str:
     return f"{n}B"
 
 
-def images_in(folder: Path) -> list[Kept]:
-    """The complete images directly under `folder`, oldest first."""
-    out = []
+def images_in(folder: Path, owned: Optional[set[str]] = None) -> list[Kept]:
+    """The complete images directly under `folder` (of those, only the paths in `owned` when
+    given), oldest first."""
+    out: list[Kept] = []
     if not folder.is_dir():
         return out
     for entry in folder.iterdir():
         if not entry.is_dir() or names.is_partial(entry.name):
+            continue
+        if owned is not None and str(entry) not in owned:
             continue
         try:
             m = image.load(entry)
@@ -112,9 +116,11 @@ def select(images: list[Kept], policy: Policy, now: datetime) -> list[Kept]:
     return [k for k in reversed(newest_first) if k.path in drop]
 
 
-def prune(folder: Path, policy: Policy, now: datetime, dry_run: bool = False) -> list[Kept]:
-    """Delete what `select` picks under `folder`; the deleted (or, dry, the doomed) images."""
-    doomed = select(images_in(folder), policy, now)
+def prune(folder: Path, owned: set[str], policy: Policy, now: datetime,
+          dry_run: bool = False) -> list[Kept]:
+    """Delete what `select` picks among the images under `folder` that are in `owned`; the
+    deleted (or, dry, the doomed) images."""
+    doomed = select(images_in(folder, owned), policy, now)
     if not dry_run:
         for k in doomed:
             shutil.rmtree(k.path)

@@ -213,7 +213,7 @@ def load(folder: Path) -> Manifest:
     try:
         if not folder.is_dir():
             raise BadInput(f"{folder} is not a directory", "give the -D of a `pos checkpoint`")
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise BadInput(f"{folder} is not a complete pos image (no {names.MANIFEST})",
                        "give the -D of a finished `pos checkpoint`") from None
@@ -221,8 +221,8 @@ def load(folder: Path) -> Manifest:
         raise BadInput(f"cannot read {e.filename} (images are readable by root only)",
                        "run pos with sudo") from None
     try:
-        manifest = Manifest.from_json(text)
-    except (ValueError, TypeError):
+        manifest = Manifest.from_json(raw.decode())
+    except (ValueError, TypeError):       # UnicodeDecodeError is a ValueError
         raise BadInput(f"{path} is not a valid pos manifest",
                        "the image is corrupt: take a new checkpoint") from None
     if manifest.format not in READS:

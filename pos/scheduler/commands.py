@@ -60,7 +60,10 @@ Examples:
 EPILOG_MIGRATE = """\b
 Examples:
   pos migrate 4242 --to-gpu 1                 # move PID 4242's GPU state onto GPU 1
-  pos migrate --listen -D /tmp/in --port 7070 # on the destination host: receive and restore
+  pos migrate --new-key                       # once: the key both hosts hold (/etc/pos/migrate);
+                                              # then scp -rp /etc/pos/migrate HOST:/etc/pos/
+  pos migrate --listen -D /tmp/in --address 10.0.0.2   # on the destination host: receive
+                                                       # from a holder of the key, and restore
   pos migrate 4242 --to 10.0.0.2:7070         # on the source: stream PID 4242 there
   pos migrate 4242 --to 10.0.0.2:7070 --concurrent   # a `pos run` job, frozen about a second
   pos migrate 4242 --to-gpu 1 --concurrent    # a `pos run` job: its image restored on GPU 1
@@ -302,8 +305,15 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
 @click.option("--listen", is_flag=True, help="Receive a migrating process and restore it here.")
 @click.option("--port", type=click.IntRange(1, 65534), default=7070, show_default=True,
               help="With --listen: the control port (CRIU's page server uses PORT+1).")
-@click.option("--address", default="0.0.0.0", show_default=True,
-              help="With --listen: the address to listen on.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="With --listen: the address to listen on (this host's own by default: give "
+                   "the address the other host reaches; only a holder of the key is heard).")
+@click.option("--key", "key_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="With --to, --listen or --new-key: the folder of the migration key that "
+                   "both hosts hold [default: $POS_MIGRATE_KEY, else /etc/pos/migrate].")
+@click.option("--new-key", is_flag=True,
+              help="Make a migration key (a certificate and its private key, root's alone) "
+                   "for two hosts to share, then copy its folder to the other host.")
 @click.option("-D", "--dir", "directory", type=click.Path(file_okay=False),
               help="With --listen: where the received image goes; with --to: the local part "
                    "of the image; with --to-gpu --concurrent: the image, kept [default: a "
@@ -317,8 +327,8 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
 @criu_options
 @json_option
 def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str], listen: bool,
-            port: int, address: str, directory: Optional[str], lock_timeout: float,
-            concurrent: bool,
+            port: int, address: str, key_dir: Optional[str], new_key: bool,
+            directory: Optional[str], lock_timeout: float, concurrent: bool,
             shell_job: bool, tcp_established: bool, ext_unix_sk: bool, file_locks: bool,
             external: tuple[str, ...], as_json: bool) -> None:
     """Move a process onto another GPU of this host, or to another host."""
@@ -327,11 +337,22 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
     from pos.progress import Progress
     from pos.scheduler import engines
     from pos.scheduler import migrate as mig
+    from pos.scheduler import migrate_key
     from pos.scheduler.settings import Settings
 
-    modes = sum((to_gpu is not None, to_host is not None, listen))
+    modes = sum((to_gpu is not None, to_host is not None, listen, new_key))
     if modes != 1:
-        raise click.UsageError("give exactly one of --to-gpu N, --to HOST or --listen.")
+        raise click.UsageError("give exactly one of --to-gpu N, --to HOST, --listen or "
+                               "--new-key.")
+    if key_dir is not None and to_gpu is not None:
+        raise click.UsageError("--key goes with --to HOST, --listen or --new-key.")
+    folder = Path(key_dir) if key_dir else migrate_key.default_dir()
+    if new_key:
+        made = migrate_key.create(folder)
+        click.echo(json.dumps({"key": str(made.folder)}) if as_json else
+                   f"made the migration key {made.folder}; copy it to the other host as root, "
+                   f"e.g. scp -rp {made.folder} HOST:{made.folder}")
+        return
     if concurrent and listen:
         raise click.UsageError("--concurrent goes with --to HOST or --to-gpu N.")
     if directory is not None and to_gpu is not None and not concurrent:
@@ -350,7 +371,8 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
                 return engines.for_image(image, settings, _lines(as_json, progress),
                                          progress).restore(image, engines.Load()).restored_pid
 
-            pid_here = mig.listen(address, port, Path(directory), settings, restore,
+            pid_here = mig.listen(address, port, Path(directory), settings,
+                                  migrate_key.load(folder), restore,
                                   echo=_lines(as_json, progress), progress=progress)
         click.echo(json.dumps({"restored_pid": pid_here}) if as_json
                    else f"restored PID {pid_here}")
@@ -369,7 +391,8 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
                                       "timings": moved.timings}
         else:
             there, timings = mig.to_host(pid, to_host or "", engine, save,
-                                         Path(directory) if directory else None, progress)
+                                         Path(directory) if directory else None, folder,
+                                         progress)
             report = {"pid": pid, "host": to_host, "restored_pid": there, "timings": timings}
     if as_json:
         click.echo(json.dumps(report))

@@ -191,10 +191,12 @@ class Options:
 
 @dataclass(frozen=True)
 class PageServer:
-    """Where `criu dump` sends memory pages instead of writing pages-*.img locally."""
+    """Where `criu dump` sends memory pages instead of writing pages-*.img locally; `tls`:
+    CRIU's options that authenticate both ends (pos/scheduler/migrate_key.py)."""
 
     address: str
     port: int
+    tls: tuple[str, ...] = ()
 
 
 @dataclass
@@ -225,7 +227,7 @@ class Criu:
             argv += ["--track-mem", "--prev-images-dir", parent]
         if page_server is not None:
             argv += ["--page-server", "--address", page_server.address,
-                     "--port", str(page_server.port)]
+                     "--port", str(page_server.port), *page_server.tls]
         return argv
 
     def predump_argv(self, pid: int, images: Path, opts: Options) -> list[str]:
@@ -273,9 +275,9 @@ class Criu:
             return ""
         return _plain(said[-1]) if said else f"criu check --feature {feature} failed"
 
-    def page_server_argv(self, images: Path, address: str, port: int, workdir: Path) -> list[str]:
+    def page_server_argv(self, images: Path, server: PageServer, workdir: Path) -> list[str]:
         return self._base("page-server", images, names.PAGE_SERVER_LOG, workdir) + [
-            "--address", address, "--port", str(port)]
+            "--address", server.address, "--port", str(server.port), *server.tls]
 
     def start(self, argv: list[str], pass_fds: tuple[int, ...] = (),
               terminal: bool = False) -> subprocess.Popen:

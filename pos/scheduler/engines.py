@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 from pos import image
 from pos.errors import BadInput, PosError
 from pos.progress import QUIET, Progress
+from pos.scheduler.oplock import one_at_a_time
 from pos.scheduler.operation import Engine, Load, Report, Save
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo
@@ -37,6 +38,7 @@ class StopTheWorld(_Base):
     name = "stop-the-world"
     sends_pages = True
 
+    @one_at_a_time
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos.scheduler import stopworld
 
@@ -55,6 +57,7 @@ class StopTheWorld(_Base):
         return restore_tree(directory, load.inherit_fds, self.echo, gpu_pairs=pairs,
                             progress=self.progress, settings=self.settings)
 
+    @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
         """The driver's own move: checkpoint, then restore onto the other GPUs; no image."""
         from pos.scheduler import migrate
@@ -68,6 +71,7 @@ class Concurrent(_Base):
     name = "concurrent"
     sends_pages = False
 
+    @one_at_a_time
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos.scheduler import concurrent
         from pos.scheduler.concurrent.checkpoint import DEFAULT_CHUNK_MB, DEFAULT_STREAMS
@@ -84,6 +88,7 @@ class Concurrent(_Base):
                                        to_gpu=load.to_gpu, settings=self.settings,
                                        started_s=load.started_s)
 
+    @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
         """A whole-process image (the job frozen only for the driver's small checkpoint and
         CRIU's dump), restored onto the GPUs in a new process, its memory filled there while it
@@ -124,6 +129,7 @@ class GpuOnly(_Base):
     name = "gpu-only"
     sends_pages = False
 
+    @one_at_a_time
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos.scheduler import concurrent
         from pos.scheduler.concurrent.checkpoint import DEFAULT_CHUNK_MB, DEFAULT_STREAMS

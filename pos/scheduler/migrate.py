@@ -2,10 +2,10 @@
 pos/scheduler/gpumap.py, no CRIU needed), or to another host (CRIU's page server streams the memory, a control connection
 carries the rest of the image; the receiver verifies and restores it)."""
 
-import json
 import os
 import shutil
 import socket
+import ssl
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +17,9 @@ from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.image import names
 from pos.scheduler import cudackpt, procs, restorable
+from pos.scheduler import migrate_protocol as proto
+from pos.scheduler import migrate_key
+from pos.scheduler.migrate_key import HANDSHAKE_S, MigrateKey
 from pos.scheduler.criu import PageServer
 from pos.scheduler.gpumap import Onto, of_process
 from pos.scheduler.settings import Settings
@@ -59,11 +62,12 @@ def image_dir(pid: int) -> Path:
 
 
 # ---- to another host ---------------------------------------------------------------------
-# Control connection: one JSON line each way per message; files follow their header as raw
-# bytes. The page server listens on the control port + 1.
+# The control connection is TLS with the hosts' migration key (migrate_key.py) and carries the
+# messages of migrate_protocol.py; files follow their message as raw bytes. CRIU's page server
+# listens on the control port + 1, with the same key.
 
-def _send(sock: socket.socket, msg: dict[str, Any], payload: bytes = b"") -> None:
-    sock.sendall(json.dumps(msg).encode() + b"\n" + payload)
+def _send(sock: socket.socket, msg: proto.Message, payload: bytes = b"") -> None:
+    sock.sendall(proto.encode(msg) + payload)
 
 
 class _Reader:
@@ -77,11 +81,11 @@ class _Reader:
                            "see its output for the reason")
         self.buf += chunk
 
-    def message(self) -> dict[str, Any]:
+    def message(self) -> proto.Message:
         while b"\n" not in self.buf:
             self._fill()
         line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
+        return proto.decode(line)
 
     def exactly(self, n: int) -> bytes:
         while len(self.buf) < n:
@@ -106,11 +110,10 @@ class _Reader:
 
 
 def _send_file(sock: socket.socket, image: Path, name: str) -> int:
-    """The header and the bytes of the image's file `name` (sendfile: no copy through pos);
-    its size."""
+    """The header and the bytes of the image's file `name`; its size."""
     path = image / name
     size = path.stat().st_size
-    _send(sock, {"file": name, "size": size})
+    _send(sock, proto.File(name, size))
     with open(path, "rb") as f:
         if size and sock.sendfile(f, count=size) != size:
             raise PosError(f"{path} shrank while it was being sent", "migrate again")
@@ -126,37 +129,54 @@ def _split(host: str) -> tuple[str, int]:
                    "e.g. --to 10.0.0.2:7070")
 
 
+def _not_trusted(e: Exception) -> str:
+    """Why a TLS handshake failed, in a few words (the peer's certificate was refused, or ours)."""
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+    return str(reason).lower().replace("_", " ")
+
+
 def to_host(pid: int, host: str, engine: "Engine", save: "Save", local: Optional[Path],
-            progress: Progress = QUIET) -> tuple[int, dict[str, float]]:
+            key_folder: Path, progress: Progress = QUIET) -> tuple[int, dict[str, float]]:
     """Checkpoint PID with `engine` and send its image to HOST, then wait until HOST has
     restored it; the PID it has there, and the seconds of each part (the checkpoint's own steps
-    as `checkpoint.*`), to say where a migration's downtime goes. Stop-the-world: the pages
-    stream to HOST's page server during the dump. Concurrent (a `pos run` job): the
-    whole-process image, taken here (the job frozen only for the driver's small checkpoint and
-    CRIU's dump, its device memory copied by pos), then sent whole."""
+    as `checkpoint.*`), to say where a migration's downtime goes. Both hosts prove that they
+    hold `key` before anything of the process leaves. Stop-the-world: the pages stream to
+    HOST's page server during the dump. Concurrent (a `pos run` job): the whole-process image,
+    taken here (the job frozen only for the driver's small checkpoint and CRIU's dump, its
+    device memory copied by pos), then sent whole."""
     address, port = _split(host)
+    key = migrate_key.load(key_folder)
     procs.require_checkpointable(pid)
     procs.require_dumpable(pid)
     try:
-        sock = socket.create_connection((address, port), timeout=30)
+        raw = socket.create_connection((address, port), timeout=30)
     except OSError as e:
         raise BadInput(f"cannot reach {address}:{port} ({e.strerror or e})",
                        "start `pos migrate --listen` there first") from None
+    try:
+        sock = key.client().wrap_socket(raw)
+    except (ssl.SSLError, OSError) as e:
+        raw.close()
+        raise PosError(f"{address}:{port} did not authenticate as a holder of this host's "
+                       f"migration key ({_not_trusted(e)})",
+                       "give both hosts the same key folder (`pos migrate --new-key` on one, "
+                       "copied to the other), then migrate again") from None
     sock.settimeout(None)
     reader = _Reader(sock)
     with sock:
         whole = not engine.sends_pages    # no page server: the image goes whole
-        _send(sock, {"pids": procs.tree(pid), "concurrent": whole})
+        _send(sock, proto.Hello(procs.tree(pid), whole))
         reply = reader.message()
-        if "error" in reply:
-            raise BadInput(f"{address} refused the migration: {reply['error']}",
+        if isinstance(reply, proto.Failed):
+            raise BadInput(f"{address} refused the migration: {reply.cause}",
                            "fix that there, then migrate again")
+        proto.expect(reply, proto.Ready)
         keep = local is not None
         local = local or image_dir(pid)
         t0 = time.monotonic()
         saved = engine.checkpoint(pid, local, replace(
             save, leave_running=False,
-            page_server=None if whole else PageServer(address, port + 1)))
+            page_server=None if whole else PageServer(address, port + 1, tuple(key.criu_argv()))))
         path, manifest = Path(saved.path), saved.manifest or image.load(Path(saved.path))
         t1 = time.monotonic()
         progress.phase("send", total=manifest.size_bytes)
@@ -164,19 +184,21 @@ def to_host(pid: int, host: str, engine: "Engine", save: "Save", local: Optional
             progress.advance(_send_file(sock, path, name))
         progress.phase(f"restore on {address}")
         text = manifest.to_json().encode()
-        _send(sock, {"manifest": len(text)}, text)
+        _send(sock, proto.Manifest(len(text)), text)
         t2 = time.monotonic()
         reply = reader.message()
         timings = {"checkpoint": t1 - t0, "send": t2 - t1, "there": time.monotonic() - t2,
                    "sent_bytes": float(manifest.size_bytes),
                    **{f"checkpoint.{k}": v for k, v in manifest.timings.items()}}
-    if "error" in reply:
-        raise PosError(f"{address} could not restore PID {pid}: {reply['error']}",
-                       f"its image stays there for `pos restore` ({reply.get('path', '?')})")
+    if isinstance(reply, proto.Failed):
+        raise PosError(f"{address} could not restore PID {pid}: {reply.cause}",
+                       f"its image stays there for `pos restore` ({reply.path or '?'})")
+    restored = proto.expect(reply, proto.Restored)
+    assert isinstance(restored, proto.Restored)
     if not keep:     # HOST has the image now
         shutil.rmtree(path, ignore_errors=True)
-    engine.echo(f"PID {pid} migrated to {address}: restored there as PID {reply['pid']}")
-    return int(reply["pid"]), timings
+    engine.echo(f"PID {pid} migrated to {address}: restored there as PID {restored.pid}")
+    return restored.pid, timings
 
 
 def _wait_listening(port: int, proc: Any) -> None:
@@ -195,65 +217,90 @@ def _wait_listening(port: int, proc: Any) -> None:
                    f"see {names.PAGE_SERVER_LOG} next to the image")
 
 
-def listen(address: str, port: int, directory: Path, settings: Settings,
+def _authenticated(server: socket.socket, key: MigrateKey,
+                   echo: Echo) -> tuple[ssl.SSLSocket, str]:
+    """The first connection whose peer proves it holds `key`; every other one is closed at its
+    handshake, before a byte of it is read, and said in one line."""
+    ctx = key.server()
+    while True:
+        conn, peer = server.accept()
+        conn.settimeout(HANDSHAKE_S)
+        try:
+            tls = ctx.wrap_socket(conn, server_side=True)
+        except (ssl.SSLError, OSError) as e:
+            conn.close()
+            echo(f"refused a connection from {peer[0]}: it did not authenticate with this "
+                 f"host's migration key ({_not_trusted(e)})")
+            continue
+        tls.settimeout(None)
+        return tls, peer[0]
+
+
+def listen(address: str, port: int, directory: Path, settings: Settings, key: MigrateKey,
            restore: Callable[[Path], Optional[int]], echo: Echo = lambda _: None,
            progress: Progress = QUIET) -> int:
     """Receive one migrating process into `directory` and `restore` it (with the engine its
-    image's kind asks for: the caller's choice); its PID."""
+    image's kind asks for: the caller's choice); its PID. Only a peer that holds `key` is heard:
+    nothing is written before one has connected and proved it."""
     criu = criu_mod.find(settings)
-    partial = image.prepare(directory.absolute(), 0)
+    directory = directory.absolute()
+    if directory.exists() or names.partial(directory).exists():
+        raise BadInput(f"{directory} already exists", "give a new directory with -D")
     try:
         server = socket.create_server((address, port))
     except OSError as e:
-        image.discard(partial)
         raise BadInput(f"cannot listen on {address}:{port} ({e.strerror})",
                        "give another --port or --address") from None
-    echo(f"listening on {address}:{port} (page server on {port + 1})")
+    echo(f"listening on {address}:{port} (page server on {port + 1}), for a host that holds "
+         f"the migration key of {key.folder}")
     with server:
-        conn, peer = server.accept()
+        conn, peer = _authenticated(server, key, echo)
     with conn:
         reader = _Reader(conn)
+        hello = proto.expect(reader.message(), proto.Hello)
+        assert isinstance(hello, proto.Hello)
+        partial = image.prepare(directory, 0)
         try:
             # the PIDs are checked at the restore: the dump frees them when both "hosts"
             # share one PID namespace (as in the tests)
-            hello = reader.message()
-            echo(f"PIDs {hello['pids']} announced")
-            concurrent = bool(hello.get("concurrent"))
+            echo(f"PIDs {hello.pids} announced by {peer}")
             work = partial.parent
             # a whole-process concurrent image comes whole; otherwise the pages stream to
             # CRIU's page server during the dump
-            ps = None if concurrent else criu.start(
-                criu.page_server_argv(partial, address, port + 1, work))
+            page_server = PageServer(address, port + 1, tuple(key.criu_argv()))
+            ps = None if hello.concurrent else criu.start(
+                criu.page_server_argv(partial, page_server, work))
             if ps is not None:
                 _wait_listening(port + 1, ps)
-            _send(conn, {"ready": True})
+            _send(conn, proto.Ready())
             progress.phase("receive", poll=lambda: folder_bytes(partial))
             manifest_text = b""
             while not manifest_text:
                 msg = reader.message()
-                if "file" in msg:
-                    name = msg["file"]
-                    if not isinstance(name, str) or not names.is_file_name(name):
+                if isinstance(msg, proto.File):
+                    if not names.is_file_name(msg.name):
                         raise PosError(f"the other side of the migration sent a file named "
-                                       f"{name!r}", "migrate again")
-                    (partial / name).parent.mkdir(mode=0o700, exist_ok=True)
-                    reader.into(partial / name, msg["size"])
+                                       f"{msg.name!r}", "migrate again")
+                    (partial / msg.name).parent.mkdir(mode=0o700, exist_ok=True)
+                    reader.into(partial / msg.name, msg.size)
                 else:
-                    manifest_text = reader.exactly(msg["manifest"])
+                    size = proto.expect(msg, proto.Manifest)
+                    assert isinstance(size, proto.Manifest)
+                    manifest_text = reader.exactly(size.size)
             if ps is not None:
                 criu.finish(ps, "page-server", work / names.PAGE_SERVER_LOG)
             manifest = image.Manifest.from_json(manifest_text.decode())
-            if concurrent:      # sent whole: its sender's checksums, checked by the restore
+            if hello.concurrent:     # sent whole: its sender's checksums, checked by the restore
                 final = image.adopt(partial, manifest)
             else:               # pages came through CRIU's page server: checksummed here
                 progress.phase("checksum", total=folder_bytes(partial))
                 final = image.seal(partial, manifest, progress.advance)
-            echo(f"received PID {manifest.pid} from {peer[0]} into {final}")
+            echo(f"received PID {manifest.pid} from {peer} into {final}")
             restored = restore(final)
         except Exception as e:      # the sender learns why, whatever failed here
             image.discard(partial)
-            _send(conn, {"error": e.message if isinstance(e, PosError) else repr(e),
-                         "path": str(directory)})
+            failure = e if isinstance(e, PosError) else PosError(repr(e), "see the receiver")
+            _send(conn, proto.Failed.of(failure, str(directory)))
             raise
-        _send(conn, {"pid": restored})
+        _send(conn, proto.Restored(restored or 0))
     return restored or 0

@@ -31,6 +31,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         *(f"ALTER TABLE traces ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0" for c in (
             "completed", "missing_no_layout", "missing_ambiguous", "missing_no_capture",
             "missing_outside", "missing_outside_bytes", "missing_few_addresses"))),
+    # the highest schedule ID ever given, so that an ID is never given twice; a store of
+    # version 7 knows only the IDs it still holds
+    7: ("ALTER TABLE runs ADD COLUMN directory TEXT",
+        "INSERT OR REPLACE INTO meta (key, value) SELECT 'schedule_id_high', CAST(MAX("
+        "COALESCE((SELECT MAX(id) FROM schedules), 0), COALESCE((SELECT MAX(schedule_id) "
+        "FROM runs), 0)) AS TEXT)"),
 }
 
 
@@ -106,6 +112,11 @@ def check(path: str, create: bool = True) -> None:
 
 
 def _create(p: Path) -> None:
+    """A new store file at `p`. Only the default store's folder is made: any other path names a
+    folder that must exist (a mistyped --db must not leave folders behind)."""
+    if not p.parent.is_dir() and p.absolute() != Path(DEFAULT_DB):
+        raise BadInput(f"the folder of the store {p} does not exist",
+                       "create it first, or give --db a file in an existing folder")
     try:
         p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))

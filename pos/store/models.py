@@ -13,9 +13,10 @@ from typing import Any, Optional
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 7   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
+SCHEMA_VERSION = 8   # 2: images; 3: schedules, runs; 4: schedules.criu_options;
                      # 5: launches.capture; 6: traces.captures_dropped;
-                     # 7: launches.missing(_bytes), traces.completed and missing_*
+                     # 7: launches.missing(_bytes), traces.completed and missing_*;
+                     # 8: runs.directory, meta's schedule_id_high
 
 
 def to_signed(value: Any) -> Any:
@@ -231,6 +232,8 @@ class Run(Base):
     # running, ok, failed, bad-input, no-target, abandoned
     outcome: Mapped[str] = mapped_column(String(16))
     path: Mapped[Optional[str]] = mapped_column(Text)
+    # where the run was told to write its image: what proves an image there is the schedule's
+    directory: Mapped[Optional[str]] = mapped_column(Text)
     bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
     stall_s: Mapped[Optional[float]]
     error: Mapped[Optional[str]] = mapped_column(Text)

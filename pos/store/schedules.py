@@ -12,7 +12,9 @@ from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from pos.errors import BadInput
-from pos.store.models import Run, Schedule
+from pos.store.models import Meta, Run, Schedule
+
+ID_HIGH = "schedule_id_high"     # meta's key: the highest schedule ID ever given
 
 
 def utc(t: Optional[datetime]) -> Optional[datetime]:
@@ -25,10 +27,17 @@ def _plain(t: datetime) -> datetime:
 
 
 def add(store: Engine, **fields: Any) -> Schedule:
-    """Insert a schedule (the columns of `Schedule` as keywords, times aware); the new row."""
+    """Insert a schedule (the columns of `Schedule` as keywords, times aware); the new row.
+
+    Its ID was never given before, not even to a schedule since removed: images go to
+    ROOT/<id>, and a reused ID would make one schedule's folder another's."""
     fields = {k: _plain(v) if isinstance(v, datetime) else v for k, v in fields.items()}
     with Session(store, expire_on_commit=False) as s:
-        row = Schedule(**fields)
+        high = s.get(Meta, ID_HIGH)
+        given = int(high.value) if high is not None else 0
+        new_id = max(given, s.scalar(select(func.max(Schedule.id))) or 0) + 1
+        s.merge(Meta(key=ID_HIGH, value=str(new_id)))
+        row = Schedule(id=new_id, **fields)
         s.add(row)
         s.commit()
         return row
@@ -70,12 +79,13 @@ def set_next(store: Engine, schedule_id: int, when: datetime) -> None:
 
 
 def start_run(store: Engine, schedule_id: int, scheduled_for: datetime, started_at: datetime,
-              coalesced: int, pid: Optional[int]) -> int:
-    """Record a run as it starts (outcome `running`); its id."""
+              coalesced: int, pid: Optional[int], directory: Optional[str] = None) -> int:
+    """Record a run as it starts (outcome `running`), with the directory its image goes to;
+    its id."""
     with Session(store) as s:
         row = Run(schedule_id=schedule_id, scheduled_for=_plain(scheduled_for),
                   started_at=_plain(started_at), coalesced=coalesced, pid=pid,
-                  outcome="running")
+                  outcome="running", directory=directory)
         s.add(row)
         s.commit()
         return row.id
@@ -107,6 +117,15 @@ def runs(store: Engine, schedule_id: Optional[int] = None) -> Sequence[Run]:
         q = q.where(Run.schedule_id == schedule_id)
     with Session(store) as s:
         return s.scalars(q).all()
+
+
+def made_by(store: Engine, schedule_id: int) -> set[str]:
+    """The image directories the store records as written by the schedule's runs: the only
+    images its retention may delete (a folder holds what it holds; the store proves whose)."""
+    with Session(store) as s:
+        rows = s.execute(select(Run.directory, Run.path)
+                         .where(Run.schedule_id == schedule_id)).all()
+    return {p for row in rows for p in row if p}
 
 
 @dataclass

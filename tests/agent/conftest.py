@@ -125,14 +125,23 @@ def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
     started: list[FillJob] = []
 
     def start(buffers: int = 12, size: int = 1 << 20, name: Optional[str] = None,
-              pool_bytes: int = 0, launches: str = "", nccl: bool = False) -> FillJob:
+              pool_bytes: int = 0, launches: str = "", nccl: bool = False,
+              copy: str = "", copy_when: Optional[Path] = None,
+              linked: bool = False) -> FillJob:
         """`launches`: every operation launches this kernel with axpy's parameters on the
-        first buffer (FILL_JOB_AXPY); `nccl`: an NCCL-named kernel, every 2 ms."""
+        first buffer (FILL_JOB_AXPY); `nccl`: an NCCL-named kernel, every 2 ms; `copy`: every
+        operation also copies through the driver's entry point of that name, looked up with
+        cuGetProcAddress (FILL_JOB_COPY), looked up once `copy_when` exists
+        (FILL_JOB_COPY_WHEN); `linked`: through the fake's cuMemcpyFutureAsync,
+        which a library it loads links to (FILL_JOB_LINKED)."""
         d = tmp_path / f"job{len(started)}"
         d.mkdir(exist_ok=True)
         env = {**gpu_env, **({"FILL_JOB_POOL_BYTES": str(pool_bytes)} if pool_bytes else {}),
                **({"FILL_JOB_AXPY": launches} if launches else {}),
-               **({"FILL_JOB_NCCL": "1"} if nccl else {})}
+               **({"FILL_JOB_NCCL": "1"} if nccl else {}),
+               **({"FILL_JOB_COPY": copy} if copy else {}),
+               **({"FILL_JOB_COPY_WHEN": str(copy_when)} if copy_when else {}),
+               **({"FILL_JOB_LINKED": str(fakegpu["future_copy"])} if linked else {})}
         job = FillJob(fakegpu, d, env, buffers, size, name)
         started.append(job)
         return job

@@ -361,6 +361,8 @@ def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
     # once this test, its parent, has reaped the original
     threading.Thread(target=job.proc.wait, daemon=True).start()
     port = 7170 + os.getpid() % 500
+    gpu_env = {**gpu_env, "POS_MIGRATE_KEY": str(tmp_path / "key")}
+    assert pos("migrate", "--new-key", env=gpu_env).returncode == 0
     rx = subprocess.Popen([sys.executable, "-m", "pos.cli", "migrate", "--listen", "-D",
                            str(tmp_path / "in"), "--address", "127.0.0.1", "--port", str(port)],
                           cwd=ROOT, env=gpu_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

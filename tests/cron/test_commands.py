@@ -183,6 +183,7 @@ def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None
             c.execute(f"ALTER TABLE traces DROP COLUMN {column}")
         c.execute("ALTER TABLE launches DROP COLUMN missing")
         c.execute("ALTER TABLE launches DROP COLUMN missing_bytes")
+        c.execute("ALTER TABLE runs DROP COLUMN directory")
         c.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
         c.execute("INSERT INTO schedules (cron, target_kind, target, root, engine, leave_running,"
                   " created_at, next_run_at) VALUES ('* * * * *', 'pid', '1', '/r', 'auto', 1,"
@@ -192,6 +193,56 @@ def test_a_schema_3_store_is_migrated_with_its_schedules(tmp_path: Path) -> None
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
             str(SCHEMA_VERSION),)
+    assert schedules.add(open_db(db), **new_schedule("/r")).id == 2
+
+
+def new_schedule(root: str) -> dict:
+    """The columns of a schedule, as `pos schedule add` would fill them."""
+    from datetime import datetime, timezone
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    return dict(cron="* * * * *", target_kind="pid", target="1", root=root, engine="auto",
+                leave_running=True, keep=1, max_age_s=None, max_bytes=None, created_at=now,
+                next_run_at=now)
+
+
+def test_schedule_ids_are_never_reused_and_a_removed_schedules_images_stay(
+        run, tmp_path: Path) -> None:
+    """Schedule 1 made two images and was removed; the next schedule, with --keep 1 under the
+    same root, is schedule 2, and pruning (every schedule's, and its own) deletes neither of
+    schedule 1's images, which the store no longer records as anyone's."""
+    from datetime import datetime, timedelta, timezone
+
+    from pos import image
+    from pos.image import Manifest
+    from pos.store import schedules
+    from pos.store.db import open_db
+
+    root = tmp_path / "snaps"
+    store = open_db(str(tmp_path / "pos.db"))
+    first = schedules.add(store, **new_schedule(str(root)))
+    made = []
+    for minutes in (2, 1):
+        when = datetime.now(timezone.utc) - timedelta(minutes=minutes)
+        d = root / "1" / when.strftime("%Y%m%dT%H%M%SZ")
+        d.mkdir(parents=True)
+        image.write_manifest(d, Manifest(
+            pid=1, pids=[1], gpu_pids=[], comm="c", cmdline="c",
+            created_at=when.isoformat(timespec="seconds"), host="h", kernel="k",
+            criu_version="4", criu_options={}, leave_running=True, size_bytes=1))
+        schedules.start_run(store, first.id, when, when, 1, 1, str(d))
+        made.append(d)
+    r = run("images", "prune", "--schedule", "1", "--dry-run", "--json")
+    assert [i["path"] for i in json.loads(r.output)["schedules"][0]["images"]] == [str(made[0])]
+    assert run("schedule", "rm", "1").exit_code == 0
+    second = schedules.add(store, **new_schedule(str(root)))
+    assert second.id == 2
+    for args in (("images", "prune"), ("images", "prune", "--schedule", "2")):
+        r = run(*args)
+        assert r.exit_code == 0, r.output
+    assert all(d.is_dir() for d in made)
+    assert run("schedule", "rm", "2").exit_code == 0
+    assert schedules.add(store, **new_schedule(str(root))).id == 3
 
 
 def test_the_listings_make_no_store(run, tmp_path: Path) -> None:

@@ -33,29 +33,34 @@ def five(tmp_path: Path) -> list[Path]:
     return [make_image(tmp_path, age, 100) for age in (50, 40, 30, 20, 10)]
 
 
+def owned(folder: Path) -> set[str]:
+    """Every image under `folder`, as the store would record them for their schedule."""
+    return {str(p) for p in folder.iterdir()}
+
+
 def named(kept: list[retention.Kept]) -> list[str]:
     return [k.path.name for k in kept]
 
 
 def test_keep_newest(tmp_path: Path, five: list[Path]) -> None:
-    gone = retention.prune(tmp_path, Policy(keep=2), NOW)
+    gone = retention.prune(tmp_path, owned(tmp_path), Policy(keep=2), NOW)
     assert named(gone) == [p.name for p in five[:3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in five[3:]]
 
 
 def test_max_age(tmp_path: Path, five: list[Path]) -> None:
-    gone = retention.prune(tmp_path, Policy(max_age_s=25 * 60), NOW)
+    gone = retention.prune(tmp_path, owned(tmp_path), Policy(max_age_s=25 * 60), NOW)
     assert named(gone) == [p.name for p in five[:3]]
 
 
 def test_max_bytes_counts_from_the_newest(tmp_path: Path, five: list[Path]) -> None:
-    gone = retention.prune(tmp_path, Policy(max_bytes=250), NOW)
+    gone = retention.prune(tmp_path, owned(tmp_path), Policy(max_bytes=250), NOW)
     assert named(gone) == [p.name for p in five[:3]]
 
 
 def test_the_newest_image_is_always_kept(tmp_path: Path) -> None:
     only = make_image(tmp_path, 600, 10_000)
-    assert retention.prune(tmp_path, Policy(keep=1, max_age_s=60, max_bytes=1), NOW) == []
+    assert retention.prune(tmp_path, owned(tmp_path), Policy(keep=1, max_age_s=60, max_bytes=1), NOW) == []
     assert only.is_dir()
 
 
@@ -64,13 +69,23 @@ def test_partials_and_foreign_folders_are_never_touched(tmp_path: Path, five) ->
     partial.mkdir()
     foreign = tmp_path / "notes"
     foreign.mkdir()
-    retention.prune(tmp_path, Policy(keep=1), NOW)
+    retention.prune(tmp_path, owned(tmp_path), Policy(keep=1), NOW)
     assert partial.is_dir() and foreign.is_dir()
     assert len(retention.images_in(tmp_path)) == 1
 
 
+def test_images_the_schedule_did_not_make_are_neither_counted_nor_deleted(
+        tmp_path: Path, five: list[Path]) -> None:
+    """Images of the folder that the store does not record as the schedule's (left by a removed
+    schedule, or put there by hand) stay, and do not count against its retention."""
+    mine = {str(p) for p in five[3:]}
+    assert named(retention.prune(tmp_path, mine, Policy(keep=1), NOW)) == [five[3].name]
+    assert all(p.is_dir() for p in five[:3]) and five[4].is_dir() and not five[3].exists()
+    assert retention.prune(tmp_path, set(), Policy(keep=1), NOW) == []
+
+
 def test_dry_run_deletes_nothing(tmp_path: Path, five: list[Path]) -> None:
-    assert len(retention.prune(tmp_path, Policy(keep=1), NOW, dry_run=True)) == 4
+    assert len(retention.prune(tmp_path, owned(tmp_path), Policy(keep=1), NOW, dry_run=True)) == 4
     assert all(p.is_dir() for p in five)
 
 

@@ -206,15 +206,17 @@ def test_an_image_sealed_after_its_snapshot_was_abandoned_is_recorded(rig, sleep
     said: list[str] = []
     d.log = said.append
     sid = add(db, "* * * * *", "pid", str(sleeper), tmp_path / "imgs")
-    late = tmp_path / "imgs" / str(sid) / "20250302T115900Z"
-    late.mkdir(parents=True)
-    image.write_manifest(late, Manifest(
-        pid=sleeper, pids=[sleeper], gpu_pids=[sleeper], comm="sleep", cmdline="sleep",
-        created_at="2025-03-02T11:59:00+00:00", host="h", kernel="k", criu_version="",
-        criu_options={}, leave_running=True, size_bytes=4096))
     for _ in range(2):
         clock.advance(minutes=1)
         d.tick()
+        if len(workers) == 1:      # the first run's agent seals its image in the run's folder
+            argv = workers[0].argv
+            late = Path(argv[argv.index("--dir") + 1])
+            late.mkdir()
+            image.write_manifest(late, Manifest(
+                pid=sleeper, pids=[sleeper], gpu_pids=[sleeper], comm="sleep", cmdline="sleep",
+                created_at="2025-03-02T11:59:00+00:00", host="h", kernel="k",
+                criu_version="", criu_options={}, leave_running=True, size_bytes=4096))
         workers[-1].result = (0, {"engine": "concurrent", "path": "/x", "bytes": 1,
                                   "stall_s": 0.0})
         d.tick()

@@ -51,6 +51,7 @@ def build(out: Path) -> dict[str, Path]:
         "hip_app": out / "hip_app",
         "fill_job": out / "fill_job",
         "peer_job": out / "peer_job",
+        "future_copy": out / "libfuturecopy.so",
     }
     _run([nvcc, "-cubin", "-arch=sm_90", "-o", str(paths["cubin"]), cu], out)
     _run([nvcc, "-fatbin", *GENCODE, "-o", str(paths["fatbin"]), cu], out)
@@ -77,4 +78,6 @@ def build(out: Path) -> dict[str, Path]:
     _run([*gcc, "-o", str(paths["fill_job"]), str(HERE / "fill_job.c"), *rpath, "-lcuda", "-ldl"],
          out)
     _run([*gcc, "-o", str(paths["peer_job"]), str(HERE / "peer_job.c"), *rpath, "-lcuda"], out)
+    _run([*gcc, *LIBFLAGS, "-o", str(paths["future_copy"]), str(HERE / "future_copy.c"), *rpath,
+          "-lcuda"], out)
     return paths

@@ -10,7 +10,12 @@
  * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
  * before READY. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel named as NCCL's
  * are, one operation every 2 ms, as a rank of a DDP job makes a collective now and then: two
- * such jobs cut before the same NCCL launch hold the same state.
+ * such jobs cut before the same NCCL launch hold the same state. FILL_JOB_COPY=NAME looks the
+ * driver's copy NAME up (cuGetProcAddress) and, every operation, copies the first buffer onto
+ * itself through it (nothing changes), as a runtime newer than pos would; with
+ * FILL_JOB_COPY_WHEN=FILE, it looks it up (and prints "LOOKED UP") at the first operation that
+ * finds FILE. FILL_JOB_LINKED=LIB copies so through LIB's future_copy instead (a library linked
+ * to such an entry point).
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
@@ -86,6 +91,15 @@ int main(int argc, char **argv) {
         CHECK(alloc(&buf[i], bytes));
         CHECK(memset32(buf[i], 0, bytes / 4));
     }
+    CUresult (*copy)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = NULL;
+    const char *copy_name = getenv("FILL_JOB_COPY");
+    const char *copy_when = getenv("FILL_JOB_COPY_WHEN");
+    const char *linked = getenv("FILL_JOB_LINKED");
+    if (linked) {
+        void *future = dlopen(linked, RTLD_NOW);
+        copy = future ? dlsym(future, "future_copy") : NULL;
+        CHECK(copy ? 0 : 1);
+    }
     const char *pool = getenv("FILL_JOB_POOL_BYTES");
     if (pool) {
         CUdeviceptr p;
@@ -103,6 +117,13 @@ int main(int argc, char **argv) {
             while (stat(pause, &sb) == 0)
                 usleep(1000);
         }
+        if (copy_name && !copy && (!copy_when || stat(copy_when, &sb) == 0)) {
+            CHECK(cuGetProcAddress_v2(copy_name, (void **)&copy, 13000, 0, NULL));
+            if (copy_when) {
+                printf("LOOKED UP\n");
+                fflush(stdout);
+            }
+        }
         if (launches_only) {
             float alpha = 1.0f;
             int count = (int)(bytes / 4);
@@ -111,6 +132,8 @@ int main(int argc, char **argv) {
             continue;
         }
         CHECK(memset32(buf[(k - 1) % (uint32_t)n], k, bytes / 4));
+        if (copy)
+            CHECK(copy(buf[0], buf[0], bytes, NULL));
         CHECK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
         if (nccl)
             usleep(2000);

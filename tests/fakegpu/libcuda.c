@@ -10,7 +10,9 @@
  *
  * The checkpoint API of driver 580 (cuCheckpointProcess*) keeps each process's state in
  * $POS_FAKECUDA_STATE_DIR/<pid> (default /tmp/pos-fakecuda) so that the state survives across
- * the processes that call it; cuInit marks the calling process as a CUDA process there.
+ * the processes that call it; cuInit marks the calling process as a CUDA process there (a
+ * process of another PID namespace, a container's, is found as it names itself: see
+ * state_path).
  * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
  * named in $POS_FAKECUDA_FAIL (comma-separated) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
  * the first N calls of that name, counted across processes in the state directory (a transient
@@ -947,8 +949,8 @@ API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
  * (here: the _v2 of a name when there is one), per-thread-stream variants when asked. */
 static void *self_handle(void) {
     static void *self;
-    Dl_info info;
-    if (!self && dladdr((void *)cuInit, &info) && info.dli_fname)
+    Dl_info info; /* named by a function of its own: an exported one may be an interposer's */
+    if (!self && dladdr((void *)self_handle, &info) && info.dli_fname)
         self = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
     return self;
 }
@@ -1240,6 +1242,11 @@ API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream 
 API CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     return copy(dst, EITHER, src, EITHER, n, s);
 }
+/* An entry point of a driver newer than pos (a name of the copies' family that no cuda.h
+ * declares): a job that looks it up cannot be gated, and pos must refuse to cut it. */
+API CUresult cuMemcpyFutureAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, EITHER, src, EITHER, n, s);
+}
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     return copy(dst, DEVICE, H(src), HOST, n, 0);
 }
@@ -1320,8 +1327,66 @@ static const char *state_dir(void) {
     return d && *d ? d : "/tmp/pos-fakecuda";
 }
 
+/* The inode of PID's PID namespace ("pid:[N]" -> N), 0 where it cannot be read. */
+static unsigned long pidns_inode(const char *pid) {
+    char link[64], target[64] = {0};
+    snprintf(link, sizeof(link), "/proc/%s/ns/pid", pid);
+    if (readlink(link, target, sizeof(target) - 1) < 0)
+        return 0;
+    return strtoul(target + strcspn(target, "[") + 1, NULL, 10);
+}
+
+/* PID as its own PID namespace sees it (the last NSpid field). */
+static int inner_pid(int pid) {
+    char path[64], line[256];
+    int inner = pid;
+    snprintf(path, sizeof(path), "/proc/%d/status", pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return pid;
+    while (fgets(line, sizeof(line), f))
+        if (strncmp(line, "NSpid:", 6) == 0) {
+            char *last = strrchr(line, '\t');
+            inner = atoi(last ? last + 1 : line + 6);
+        }
+    fclose(f);
+    return inner;
+}
+
+/* When PID started, in clock ticks after boot (/proc/PID/stat's 22nd field), 0 if unknown. */
+static unsigned long long start_ticks(const char *pid) {
+    char path[64], buf[1024] = {0};
+    snprintf(path, sizeof(path), "/proc/%s/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && field < 22; field++)
+        p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+/* A process in the caller's PID namespace is known by its PID; one in another (a container's
+ * process, seen from the host) by that namespace's inode, its PID there and its start, which
+ * is what it can name itself by (state_mark_cuda_process writes both): the inodes of ended
+ * namespaces come back, so the start tells a new process from the stale file of an old one. */
 static void state_path(char *out, size_t len, int pid) {
-    snprintf(out, len, "%s/%d", state_dir(), pid);
+    char proc[16];
+    snprintf(proc, sizeof(proc), "%d", pid);
+    unsigned long theirs = pidns_inode(proc), mine = pidns_inode("self");
+    if (theirs && mine && theirs != mine)
+        snprintf(out, len, "%s/ns%lu-%d-%llu", state_dir(), theirs, inner_pid(pid),
+                 start_ticks(proc));
+    else
+        snprintf(out, len, "%s/%d", state_dir(), pid);
+}
+
+static void state_alias_path(char *out, size_t len) {
+    snprintf(out, len, "%s/ns%lu-%d-%llu", state_dir(), pidns_inode("self"), (int)getpid(),
+             start_ticks("self"));
 }
 
 /* -1 when the process never called cuInit (no state file). */
@@ -1341,12 +1406,11 @@ static int state_read(int pid) {
     return CU_PROCESS_STATE_FAILED;
 }
 
-static int state_write(int pid, int state) {
-    char path[4096], tmp[4200];
+static int state_write_path(const char *path, int state) {
+    char tmp[4200];
     const char *dir = state_dir();
     if (mkdir(dir, 0777) == 0)
         chmod(dir, 01777); /* shared by every user's processes, like /tmp */
-    state_path(path, sizeof(path), pid);
     snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
     FILE *f = fopen(tmp, "w");
     if (!f)
@@ -1360,20 +1424,30 @@ static int state_write(int pid, int state) {
     return 0;
 }
 
+static int state_write(int pid, int state) {
+    char path[4096];
+    state_path(path, sizeof(path), pid);
+    return state_write_path(path, state);
+}
+
 /* The state file this process created at cuInit, removed when it exits normally. */
-static char marked_path[4096];
+static char marked_path[4096], marked_alias[4096];
 static int marked_pid;
 
 static void state_mark_cuda_process(void) {
     if (state_write((int)getpid(), CU_PROCESS_STATE_RUNNING) == 0) {
         marked_pid = (int)getpid();
         state_path(marked_path, sizeof(marked_path), marked_pid);
+        state_alias_path(marked_alias, sizeof(marked_alias));
+        state_write_path(marked_alias, CU_PROCESS_STATE_RUNNING);
     }
 }
 
 __attribute__((destructor)) static void state_unmark(void) {
-    if (marked_pid && marked_pid == (int)getpid()) /* not in a forked child */
+    if (marked_pid && marked_pid == (int)getpid()) { /* not in a forked child */
         unlink(marked_path);
+        unlink(marked_alias);
+    }
 }
 
 static void checkpoint_log(const char *name, int pid) {
@@ -1450,6 +1524,26 @@ static int all_zero(const void *p, size_t n) {
 
 /* Common prologue: log, injected failure, argument and target checks; on success *state is
  * the target's state. */
+/* A process of another PID namespace with no state that maps this library: it cannot have
+ * called cuInit as itself (that writes its state), so CRIU restored it from a checkpointed
+ * process, as the driver finds such a copy (the state of one image's copies, each in new
+ * namespaces, is each copy's own from then on). */
+static int restored_elsewhere(int pid) {
+    char proc[16], path[64], line[4096];
+    snprintf(proc, sizeof(proc), "%d", pid);
+    unsigned long theirs = pidns_inode(proc), mine = pidns_inode("self");
+    if (!theirs || !mine || theirs == mine)
+        return 0;
+    snprintf(path, sizeof(path), "/proc/%d/maps", pid);
+    FILE *f = fopen(path, "r");
+    int found = 0;
+    while (f && !found && fgets(line, sizeof(line), f))
+        found = strstr(line, "/libcuda.so") != NULL;
+    if (f)
+        fclose(f);
+    return found;
+}
+
 static CUresult checkpoint_begin(const char *name, int pid, int args_valid, int *state) {
     checkpoint_log(name, pid);
     if (injected_failure(name))
@@ -1457,6 +1551,8 @@ static CUresult checkpoint_begin(const char *name, int pid, int args_valid, int 
     if (!args_valid || pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
         return CUDA_ERROR_INVALID_VALUE;
     *state = state_read(pid);
+    if (*state < 0 && restored_elsewhere(pid)) /* a copy CRIU made in a new PID namespace */
+        *state = CU_PROCESS_STATE_CHECKPOINTED;
     if (*state < 0) /* alive but never initialised CUDA */
         return CUDA_ERROR_NOT_INITIALIZED;
     return CUDA_SUCCESS;

@@ -183,3 +183,20 @@ def test_bad_store_is_refused_before_the_process_is_touched(tmp_path, counter, e
     assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
     r = pos("restore", "-D", str(tmp_path / "img"), "--db", str(junk), env=env)
     one_sentence(r, 2, "junk.db")
+
+
+def test_a_manifest_of_bytes_that_are_not_utf8_is_refused_in_one_sentence(tmp_path, env) -> None:
+    """`pos restore` and `pos inspect` (and their --json) on an image whose manifest is not text:
+    one sentence, exit 2; with --json one JSON object on stdout."""
+    import json
+
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / names.MANIFEST).write_bytes(b'{"pid": 1, "comm": "\xff\xfe\x80"}')
+    want = (f"Error: {img / names.MANIFEST} is not a valid pos manifest: the image is corrupt: "
+            "take a new checkpoint.")
+    for args in (("restore", "-D", str(img)), ("inspect", str(img))):
+        assert one_sentence(pos(*args, env=env), 2) == want
+        r = pos(*args, "--json", env=env)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert json.loads(r.stdout) == {"error": want.removeprefix("Error: "), "exit": 2}

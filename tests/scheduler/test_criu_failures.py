@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pos.image import names
+from pos.scheduler import procs
 from tests.scheduler.conftest import (COUNTER, ROOT, Counter, alive, lines, one_sentence, pos,
                                       reap, wait_for)
 
@@ -179,3 +180,36 @@ def test_pids_in_use_and_an_unknown_failure(tmp_path: Path, counters, env,
     said = criu_restore(broken, tmp_path / "w2")
     assert said.startswith("criu restore failed: ") and "see CRIU's log" in said, said
     assert "FAILED" not in said, said
+
+
+def test_a_second_checkpoint_of_a_process_being_checkpointed_is_refused(
+        tmp_path: Path, counters, env) -> None:
+    """While one pos checkpoints a process (held at its dump step), a second is refused in one
+    sentence that names the first, and touches nothing; the first then completes, and the
+    counter runs on."""
+    import signal
+
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    first = subprocess.Popen([sys.executable, "-m", "pos.cli", "checkpoint", str(c.pid), "-D",
+                              str(tmp_path / "one"), "--leave-running"], cwd=ROOT,
+                             env={**os.environ, **env, "POS_FAULT_AT": "dump=STOP"},
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: procs.state(first.pid) == "T" or first.poll() is not None,
+                 what="the first checkpoint to reach its dump")
+        assert first.poll() is None, first.communicate()
+        r = pos("checkpoint", str(c.pid), "-D", str(tmp_path / "two"), "--leave-running",
+                env=env)
+        assert one_sentence(r, 2) == (f"Error: PID {c.pid} is being checkpointed by another "
+                                      f"pos now (PID {first.pid}): wait for that checkpoint to "
+                                      "end, then try again.")
+        assert not (tmp_path / "two").exists() and c.running()
+    finally:      # the dump step begins twice (before CRIU starts, and as it does): each stops
+        wait_for(lambda: first.poll() is not None or os.kill(first.pid, signal.SIGCONT),
+                 timeout=120, what="the first checkpoint to end", every=0.2)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, (out, err)
+    at = len(lines(c.path))
+    wait_for(lambda: len(lines(c.path)) > at + 3, what="the counter after both")

@@ -195,3 +195,20 @@ def test_cli_export_writes_a_file(recorded, tmp_path: Path) -> None:
                                  "-o", str(tmp_path / "p.json")])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "p.json").read_text())["displayTimeUnit"] == "ns"
+
+
+def test_a_store_in_a_missing_folder_is_refused_and_no_folder_is_made(tmp_path: Path) -> None:
+    """`pos trace --db`, `pos daemon --db`, `pos schedule add --db` with a mistyped folder: one
+    sentence, and no folder left behind (only the default store's folder is made)."""
+    missing = tmp_path / "no" / "such" / "t.db"
+    with pytest.raises(BadInput, match="the folder of the store .* does not exist"):
+        open_db(str(missing))
+    for args in (["daemon", "--db", str(missing)],
+                 ["schedule", "add", "--cron", "* * * * *", "--name", "nothing-runs-this", "-D",
+                  str(tmp_path), "--db", str(missing)]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 2, r.output
+        assert r.output.strip() == (f"Error: the folder of the store {missing} does not exist: "
+                                    "create it first, or give --db a file in an existing "
+                                    "folder.")
+    assert not (tmp_path / "no").exists()

@@ -9,7 +9,7 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef int CUdevice;
-typedef void *CUcontext, *CUstream, *CUfunction, *CUgraphExec;
+typedef void *CUcontext, *CUstream, *CUfunction, *CUgraphExec, *CUarray;
 typedef struct {
     int type, id;
 } CUmemLocation;

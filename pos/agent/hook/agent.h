@@ -23,6 +23,7 @@
  * is built with -fvisibility=hidden, and only the driver's entry points, EXPORT, are seen):
  *   abi.h       the driver's types           resolve.c   the driver's own functions
  *   hooks.h/.c  the gated wrappers           interpose.c dlsym and cuGetProcAddress
+ *   gated.h     which entry points the gate must know (held to cuda.h by a test)
  *   table.c     owned and foreign memory     gate.c      the gate, phases, its statistics
  *   cut.c       the cut, the collective cut  vmm.c       owned memory
  *   alloc.c     cuMemAlloc/Free, slabs       wire.c      the socket's lines and descriptors
@@ -103,6 +104,15 @@ struct touch {
     X(cuMemGetAddressRange_v2)
 #define DECLARE_OWN(name) extern void *volatile real_##name;
 OWN(DECLARE_OWN)
+/* Those of OWN with a wrapper of their own, which the lookups hand out as hooks.h's. */
+#define OWN_WRAPPERS(X)                                                                            \
+    X(cuInit)                                                                                      \
+    X(cuMemAlloc_v2)                                                                               \
+    X(cuMemFree_v2)                                                                                \
+    X(cuMemFreeAsync)                                                                              \
+    X(cuMemFreeAsync_ptsz)                                                                         \
+    X(cuGetProcAddress)                                                                            \
+    X(cuGetProcAddress_v2)
 
 EXPORT CUresult cuInit(unsigned flags);
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
@@ -200,6 +210,13 @@ const char *call_name(const struct touch *t);
 void set_phase(int p); /* caller holds mu */
 #define STATS_CAP 8192
 int stats_json(char *out, size_t cap); /* caller holds mu */
+
+/* An entry point of gated.h's families that the job looked up (or links to) and the agent
+ * does not wrap: the first one is kept, so that every later cut is refused; a lookup made while
+ * an operation runs waits as a call that may touch every buffer. */
+extern char ungated[64]; /* its name, "" while none (mu) */
+void ungated_lookup(const char *name);
+void scan_linked(void); /* the same for what the job's objects link to (interpose.c) */
 
 extern long nccl_launches; /* NCCL kernels launched (mu) */
 extern long hold_at;       /* a cut waits for the launch past this count (mu); -1: none */

@@ -51,10 +51,21 @@ static int hold_at_launch(struct conn *c, long at, long timeout_ms) {
 /* The cut: hold new calls (now, or with `at` >= 0 at the launch past NCCL launch `at`), wait
  * for those inside the driver, synchronise every context. */
 void do_cut(struct conn *c, long timeout_ms, long at) {
+    scan_linked();
     pthread_mutex_lock(&mu);
     if (atomic_load(&phase) != P_IDLE) {
         pthread_mutex_unlock(&mu);
         fail(c, "another checkpoint or restore is running");
+        return;
+    }
+    if (ungated[0]) { /* a call the gate cannot see may touch the memory (gated.h) */
+        char name[sizeof(ungated)];
+        memcpy(name, ungated, sizeof(name));
+        pthread_mutex_unlock(&mu);
+        reply(c,
+              "{\"ok\":false,\"error\":\"the job can call %s, which the gate does not "
+              "know\",\"ungated\":\"%s\"}",
+              name, name);
         return;
     }
     if (at < 0)

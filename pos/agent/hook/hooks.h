@@ -4,9 +4,14 @@
 
 /* HOOKS(X): X(name, params, args, touch, after). Each becomes an exported wrapper that enters
  * the gate with `touch`, calls the driver's own function, runs `after` (with its result r)
- * and leaves the gate. The memory calls at the end keep account of the memory pos does not own
- * (table.c: foreign) and of other processes' memory that the job maps (peer.c); the cut holds
- * them too, so that neither account changes while the job is held. */
+ * and leaves the gate. Every version and per-thread variant of a name is listed: cuda.h maps a
+ * name to its newest version (cuMemcpyBatchAsync to cuMemcpyBatchAsync_v2), and a runtime gets
+ * the one of its own CUDA version. gated.h says which entry points must be here (held to cuda.h
+ * by tests/fakegpu/test_hook_list.py, which checks these parameters against cuda.h's too).
+ * T_NONE: touches none of pos's buffers (CUDA arrays, managed memory, which pos never owns),
+ * held by the cut alone. The memory calls at the end keep account of the memory pos does not
+ * own (table.c: foreign) and of other processes' memory that the job maps (peer.c); the cut
+ * holds them too, so that neither account changes while the job is held. */
 #define HOOKS(X)                                                                                   \
     X(cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)          \
     X(cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n), T_WR(d, s), NOAFTER)     \
@@ -47,9 +52,72 @@
     X(cuMemcpy3DAsync_v2_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                \
     X(cuMemcpy3DPeer, (const void *p), (p), T_ALL, NOAFTER)                                        \
     X(cuMemcpy3DPeerAsync, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)                    \
+    X(cuMemcpyPeer_ptds, (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n),     \
+      (d, dc, s, sc, n), T_WR(d, s), NOAFTER)                                                      \
+    X(cuMemcpyPeerAsync_ptsz,                                                                      \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st),           \
+      (d, dc, s, sc, n, st), T_WR(d, s), NOAFTER)                                                  \
+    X(cuMemcpy2D_v2_ptds, (const void *p), (p), T_ALL, NOAFTER)                                    \
+    X(cuMemcpy2DUnaligned_v2_ptds, (const void *p), (p), T_ALL, NOAFTER)                           \
+    X(cuMemcpy3D_v2_ptds, (const void *p), (p), T_ALL, NOAFTER)                                    \
+    X(cuMemcpy3DPeer_ptds, (const void *p), (p), T_ALL, NOAFTER)                                   \
+    X(cuMemcpy3DPeerAsync_ptsz, (const void *p, CUstream s), (p, s), T_ALL, NOAFTER)               \
+    X(cuMemcpyAtoD_v2, (CUdeviceptr d, CUarray a, size_t o, size_t n), (d, a, o, n), T_W(d),       \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyAtoD_v2_ptds, (CUdeviceptr d, CUarray a, size_t o, size_t n), (d, a, o, n), T_W(d),  \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyDtoA_v2, (CUarray a, size_t o, CUdeviceptr s, size_t n), (a, o, s, n), T_R(s),       \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyDtoA_v2_ptds, (CUarray a, size_t o, CUdeviceptr s, size_t n), (a, o, s, n), T_R(s),  \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyHtoA_v2, (CUarray a, size_t o, const void *h, size_t n), (a, o, h, n), T_NONE,       \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyHtoA_v2_ptds, (CUarray a, size_t o, const void *h, size_t n), (a, o, h, n), T_NONE,  \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyHtoAAsync_v2, (CUarray a, size_t o, const void *h, size_t n, CUstream s),            \
+      (a, o, h, n, s), T_NONE, NOAFTER)                                                            \
+    X(cuMemcpyHtoAAsync_v2_ptsz, (CUarray a, size_t o, const void *h, size_t n, CUstream s),       \
+      (a, o, h, n, s), T_NONE, NOAFTER)                                                            \
+    X(cuMemcpyAtoH_v2, (void *h, CUarray a, size_t o, size_t n), (h, a, o, n), T_NONE, NOAFTER)    \
+    X(cuMemcpyAtoH_v2_ptds, (void *h, CUarray a, size_t o, size_t n), (h, a, o, n), T_NONE,        \
+      NOAFTER)                                                                                     \
+    X(cuMemcpyAtoHAsync_v2, (void *h, CUarray a, size_t o, size_t n, CUstream s), (h, a, o, n, s), \
+      T_NONE, NOAFTER)                                                                             \
+    X(cuMemcpyAtoHAsync_v2_ptsz, (void *h, CUarray a, size_t o, size_t n, CUstream s),             \
+      (h, a, o, n, s), T_NONE, NOAFTER)                                                            \
+    X(cuMemcpyAtoA_v2, (CUarray d, size_t od, CUarray s, size_t os, size_t n), (d, od, s, os, n),  \
+      T_NONE, NOAFTER)                                                                             \
+    X(cuMemcpyAtoA_v2_ptds, (CUarray d, size_t od, CUarray s, size_t os, size_t n),                \
+      (d, od, s, os, n), T_NONE, NOAFTER)                                                          \
     X(cuMemcpyBatchAsync,                                                                          \
-      (void *d, void *s, void *n, size_t c, void *a, void *ai, size_t na, size_t *f, CUstream st), \
+      (CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t c, void *a, size_t *ai, size_t na,        \
+       size_t *f, CUstream st),                                                                    \
       (d, s, n, c, a, ai, na, f, st), T_ALL, NOAFTER)                                              \
+    X(cuMemcpyBatchAsync_ptsz,                                                                     \
+      (CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t c, void *a, size_t *ai, size_t na,        \
+       size_t *f, CUstream st),                                                                    \
+      (d, s, n, c, a, ai, na, f, st), T_ALL, NOAFTER)                                              \
+    X(cuMemcpyBatchAsync_v2,                                                                       \
+      (CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t c, void *a, size_t *ai, size_t na,        \
+       CUstream st),                                                                               \
+      (d, s, n, c, a, ai, na, st), T_ALL, NOAFTER)                                                 \
+    X(cuMemcpyBatchAsync_v2_ptsz,                                                                  \
+      (CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t c, void *a, size_t *ai, size_t na,        \
+       CUstream st),                                                                               \
+      (d, s, n, c, a, ai, na, st), T_ALL, NOAFTER)                                                 \
+    X(cuMemcpy3DBatchAsync, (size_t n, void *ops, size_t *f, unsigned long long fl, CUstream s),   \
+      (n, ops, f, fl, s), T_ALL, NOAFTER)                                                          \
+    X(cuMemcpy3DBatchAsync_ptsz,                                                                   \
+      (size_t n, void *ops, size_t *f, unsigned long long fl, CUstream s), (n, ops, f, fl, s),     \
+      T_ALL, NOAFTER)                                                                              \
+    X(cuMemcpy3DBatchAsync_v2, (size_t n, void *ops, unsigned long long fl, CUstream s),           \
+      (n, ops, fl, s), T_ALL, NOAFTER)                                                             \
+    X(cuMemcpy3DBatchAsync_v2_ptsz, (size_t n, void *ops, unsigned long long fl, CUstream s),      \
+      (n, ops, fl, s), T_ALL, NOAFTER)                                                             \
+    X(cuMemBatchDecompressAsync, (void *p, size_t c, unsigned f, size_t *e, CUstream s),           \
+      (p, c, f, e, s), T_ALL, NOAFTER)                                                             \
+    X(cuMemBatchDecompressAsync_ptsz, (void *p, size_t c, unsigned f, size_t *e, CUstream s),      \
+      (p, c, f, e, s), T_ALL, NOAFTER)                                                             \
     X(cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n), T_W(d), NOAFTER)       \
     X(cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n), T_W(d), NOAFTER)     \
     X(cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n), T_W(d), NOAFTER)       \
@@ -84,6 +152,21 @@
     X(cuMemsetD2D32Async,                                                                          \
       (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h, CUstream s),                   \
       (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
+    X(cuMemsetD2D8_v2_ptds, (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h),        \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                            \
+    X(cuMemsetD2D8Async_ptsz,                                                                      \
+      (CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h, CUstream s),                  \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
+    X(cuMemsetD2D16_v2_ptds, (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h),      \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                            \
+    X(cuMemsetD2D16Async_ptsz,                                                                     \
+      (CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h, CUstream s),                 \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
+    X(cuMemsetD2D32_v2_ptds, (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h),        \
+      (d, p, v, w, h), T_W(d), NOAFTER)                                                            \
+    X(cuMemsetD2D32Async_ptsz,                                                                     \
+      (CUdeviceptr d, size_t p, unsigned int v, size_t w, size_t h, CUstream s),                   \
+      (d, p, v, w, h, s), T_W(d), NOAFTER)                                                         \
     X(cuLaunchKernel,                                                                              \
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp, void **ex),                                             \
@@ -104,6 +187,11 @@
       (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
        unsigned sm, CUstream s, void **kp),                                                        \
       (f, gx, gy, gz, bx, by, bz, sm, s, kp), T_LAUNCH(f, kp, NULL), NOAFTER)                      \
+    X(cuLaunch, (CUfunction f), (f), T_ALL, NOAFTER)                                               \
+    X(cuLaunchGrid, (CUfunction f, int w, int h), (f, w, h), T_ALL, NOAFTER)                       \
+    X(cuLaunchGridAsync, (CUfunction f, int w, int h, CUstream s), (f, w, h, s), T_ALL, NOAFTER)   \
+    X(cuLaunchCooperativeKernelMultiDevice, (void *l, unsigned n, unsigned f), (l, n, f), T_ALL,   \
+      NOAFTER)                                                                                     \
     X(cuGraphLaunch, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                          \
     X(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream s), (g, s), T_ALL, NOAFTER)                     \
     X(cuStreamWriteValue32_v2, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),  \
@@ -112,6 +200,73 @@
       (s, a, v, f), T_W(a), NOAFTER)                                                               \
     X(cuStreamBatchMemOp_v2, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL,   \
       NOAFTER)                                                                                     \
+    X(cuStreamWriteValue32, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),     \
+      T_W(a), NOAFTER)                                                                             \
+    X(cuStreamWriteValue64, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),         \
+      (s, a, v, f), T_W(a), NOAFTER)                                                               \
+    X(cuStreamWriteValue32_ptsz, (CUstream s, CUdeviceptr a, unsigned v, unsigned f),              \
+      (s, a, v, f), T_W(a), NOAFTER)                                                               \
+    X(cuStreamWriteValue64_ptsz, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),    \
+      (s, a, v, f), T_W(a), NOAFTER)                                                               \
+    X(cuStreamWriteValue32_v2_ptsz, (CUstream s, CUdeviceptr a, unsigned v, unsigned f),           \
+      (s, a, v, f), T_W(a), NOAFTER)                                                               \
+    X(cuStreamWriteValue64_v2_ptsz, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f), \
+      (s, a, v, f), T_W(a), NOAFTER)                                                               \
+    X(cuStreamWaitValue32, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),      \
+      T_R(a), NOAFTER)                                                                             \
+    X(cuStreamWaitValue64, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),          \
+      (s, a, v, f), T_R(a), NOAFTER)                                                               \
+    X(cuStreamWaitValue32_ptsz, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f), \
+      T_R(a), NOAFTER)                                                                             \
+    X(cuStreamWaitValue64_ptsz, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),     \
+      (s, a, v, f), T_R(a), NOAFTER)                                                               \
+    X(cuStreamWaitValue32_v2, (CUstream s, CUdeviceptr a, unsigned v, unsigned f), (s, a, v, f),   \
+      T_R(a), NOAFTER)                                                                             \
+    X(cuStreamWaitValue64_v2, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),       \
+      (s, a, v, f), T_R(a), NOAFTER)                                                               \
+    X(cuStreamWaitValue32_v2_ptsz, (CUstream s, CUdeviceptr a, unsigned v, unsigned f),            \
+      (s, a, v, f), T_R(a), NOAFTER)                                                               \
+    X(cuStreamWaitValue64_v2_ptsz, (CUstream s, CUdeviceptr a, unsigned long long v, unsigned f),  \
+      (s, a, v, f), T_R(a), NOAFTER)                                                               \
+    X(cuStreamBatchMemOp, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL,      \
+      NOAFTER)                                                                                     \
+    X(cuStreamBatchMemOp_ptsz, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f), T_ALL, \
+      NOAFTER)                                                                                     \
+    X(cuStreamBatchMemOp_v2_ptsz, (CUstream s, unsigned c, void *p, unsigned f), (s, c, p, f),     \
+      T_ALL, NOAFTER)                                                                              \
+    X(cuMemPrefetchAsync, (CUdeviceptr p, size_t n, CUdevice d, CUstream s), (p, n, d, s), T_NONE, \
+      NOAFTER)                                                                                     \
+    X(cuMemPrefetchAsync_ptsz, (CUdeviceptr p, size_t n, CUdevice d, CUstream s), (p, n, d, s),    \
+      T_NONE, NOAFTER)                                                                             \
+    X(cuMemPrefetchAsync_v2, (CUdeviceptr p, size_t n, CUmemLocation l, unsigned f, CUstream s),   \
+      (p, n, l, f, s), T_NONE, NOAFTER)                                                            \
+    X(cuMemPrefetchAsync_v2_ptsz,                                                                  \
+      (CUdeviceptr p, size_t n, CUmemLocation l, unsigned f, CUstream s), (p, n, l, f, s), T_NONE, \
+      NOAFTER)                                                                                     \
+    X(cuMemPrefetchBatchAsync,                                                                     \
+      (CUdeviceptr *p, size_t *n, size_t c, CUmemLocation *l, size_t *li, size_t nl,               \
+       unsigned long long f, CUstream s),                                                          \
+      (p, n, c, l, li, nl, f, s), T_NONE, NOAFTER)                                                 \
+    X(cuMemPrefetchBatchAsync_ptsz,                                                                \
+      (CUdeviceptr *p, size_t *n, size_t c, CUmemLocation *l, size_t *li, size_t nl,               \
+       unsigned long long f, CUstream s),                                                          \
+      (p, n, c, l, li, nl, f, s), T_NONE, NOAFTER)                                                 \
+    X(cuMemDiscardBatchAsync,                                                                      \
+      (CUdeviceptr *p, size_t *n, size_t c, unsigned long long f, CUstream s), (p, n, c, f, s),    \
+      T_NONE, NOAFTER)                                                                             \
+    X(cuMemDiscardBatchAsync_ptsz,                                                                 \
+      (CUdeviceptr *p, size_t *n, size_t c, unsigned long long f, CUstream s), (p, n, c, f, s),    \
+      T_NONE, NOAFTER)                                                                             \
+    X(cuMemDiscardAndPrefetchBatchAsync,                                                           \
+      (CUdeviceptr *p, size_t *n, size_t c, CUmemLocation *l, size_t *li, size_t nl,               \
+       unsigned long long f, CUstream s),                                                          \
+      (p, n, c, l, li, nl, f, s), T_NONE, NOAFTER)                                                 \
+    X(cuMemDiscardAndPrefetchBatchAsync_ptsz,                                                      \
+      (CUdeviceptr *p, size_t *n, size_t c, CUmemLocation *l, size_t *li, size_t nl,               \
+       unsigned long long f, CUstream s),                                                          \
+      (p, n, c, l, li, nl, f, s), T_NONE, NOAFTER)                                                 \
+    X(cuMemMapArrayAsync, (void *m, unsigned c, CUstream s), (m, c, s), T_NONE, NOAFTER)           \
+    X(cuMemMapArrayAsync_ptsz, (void *m, unsigned c, CUstream s), (m, c, s), T_NONE, NOAFTER)      \
     X(cuMemAllocAsync, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE,                 \
       IF_OK(foreign_add(*p, n)))                                                                   \
     X(cuMemAllocAsync_ptsz, (CUdeviceptr * p, size_t n, CUstream s), (p, n, s), T_NONE,            \

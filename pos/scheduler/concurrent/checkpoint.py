@@ -26,12 +26,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from pos import image, nvml
 from pos.agent import peers
 from pos.agent.control import Agent, Cut, Gate
-from pos.errors import BadInput
+from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, predump, procs, restorable, staging
@@ -45,6 +45,10 @@ from pos.scheduler.watchdog import Plan
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.scheduler.copier import Copied
+
+# What dumps the tree once its jobs are small: `dump(guard, folder)` writes into `folder` (the
+# default is pos's CRIU; a container's runtime dumps its container instead: pos/container/)
+Dump = Callable[[Guard, Path], None]
 
 DEFAULT_STREAMS = 8
 DEFAULT_CHUNK_MB = 64
@@ -105,11 +109,12 @@ def _reconnect(saver: Saver, echo: Echo) -> Agent:
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
                     lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
                     chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
-                    settings: Optional[Settings] = None) -> Report:
+                    settings: Optional[Settings] = None, dump: Optional[Dump] = None) -> Report:
     """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (see
-    the module docstring), restorable into new processes by concurrent.restore.restore_full."""
+    the module docstring), restorable into new processes by concurrent.restore.restore_full.
+    `dump`: what dumps the tree in place of pos's CRIU (see Dump)."""
     return _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
-                  chunk_mb << 20, echo, settings or Settings.from_env()).run()
+                  chunk_mb << 20, echo, settings or Settings.from_env(), dump).run()
 
 
 class _Whole:
@@ -117,7 +122,7 @@ class _Whole:
 
     def __init__(self, pid: int, directory: Path, options: Options, leave_running: bool,
                  lock_timeout_ms: int, streams: int, chunk: int, echo: Echo,
-                 settings: Settings) -> None:
+                 settings: Settings, dump: Optional[Dump] = None) -> None:
         self.pid, self.directory, self.options = pid, directory, options
         self.leave_running, self.lock_timeout_ms = leave_running, lock_timeout_ms
         self.streams, self.chunk, self.echo, self.settings = streams, chunk, echo, settings
@@ -130,8 +135,21 @@ class _Whole:
         self.copies: list[Copied] = []
         self.release_s = 0.0
         self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
+        self.dump = dump
 
     def run(self) -> Report:
+        try:
+            return self._run()
+        except PosError as e:
+            if procs.alive(self.pid):
+                raise
+            step = self.plan.step if hasattr(self, "plan") and self.plan.step else "prepare"
+            raise PosError(f"PID {self.pid} ended while pos was checkpointing it (at step "
+                           f"{step}), so nothing was saved",
+                           "see how the job ended (its exit status, its standard error), and "
+                           "checkpoint a job that runs on") from None
+
+    def _run(self) -> Report:
         self.refuse()
         try:
             self.prepare()
@@ -203,7 +221,8 @@ class _Whole:
     def predump(self, g: Guard, stage: Optional[Path]) -> None:
         """CRIU's pre-dump of the running tree into the folder CRIU will dump into, where it
         can be (predump.why_not); whether it was used, and why not, in the manifest."""
-        why = predump.why_not(self.criu, self.pids, self.settings.predump)
+        why = predump.why_not(self.criu, self.pids, self.settings.predump) \
+            if self.dump is None else "the container's runtime dumps it whole, once"
         if why is None:
             g.step("predump", staging=str(stage or ""))
             self.pre = predump.run(g, self.criu, self.pid, stage or self.partial, self.options)
@@ -262,6 +281,10 @@ class _Whole:
         g.each("checkpoint", self.cuda,
                lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
         g.step("dump")
+        dump = self.dump
+        if dump is not None:
+            g.timed("dump", lambda: dump(g, dumped))
+            return
         g.dump(self.criu, self.criu.dump_argv(
             self.pid, dumped, self.options, self.leave_running,
             parent=names.PARENT if self.pre.used else None), dumped)

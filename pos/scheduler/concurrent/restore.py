@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from pos import image
 from pos.agent import peers
@@ -104,14 +104,17 @@ class _Back:
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
                  streams: int = DEFAULT_STREAMS, echo: Echo = lambda _: None,
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
-                 started_s: Optional[float] = None) -> Report:
+                 started_s: Optional[float] = None,
+                 tree: Callable[..., Report] = tree_restore.restore_tree) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet). A job
     of several CUDA processes gets each one's memory back beside the others'. `to_gpu`: onto
     that GPU of this host (NVML's index), or that map of GPUs, rather than where it was taken.
     `started_s`: the start-up of the command that asked for the restore, reported as
-    timings["pos_started_s"] (the restore service's client's; None: this process's age)."""
+    timings["pos_started_s"] (the restore service's client's; None: this process's age).
+    `tree`: what brings the processes back, with restore_tree's arguments and hooks (a
+    container's runtime does for a container: pos/container/)."""
     from pos import host
 
     settings = settings or Settings.from_env()
@@ -172,7 +175,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
                 agent.close()
 
     try:
-        result = tree_restore.restore_tree(
+        result = tree(
             directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
             finish=put_back, before_criu=checked.set,
             before_driver=lambda: [pre.pause() for pre in pres], settings=settings)

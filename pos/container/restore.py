@@ -1,0 +1,90 @@
+"""`pos container restore`: a container image (pos/container/checkpoint.py) back as a new
+container, its job running at once and its GPU memory filled while it runs.
+
+The concurrent engine's restore does it (pos/scheduler/concurrent/restore.py); only the tree
+differs: podman makes the new container from its export (CRIU underneath) in new namespaces,
+so one image gives as many containers as wanted, at once, each under its own name. The image's
+checksums are verified before podman starts; anything that fails after removes the new
+container, and so does a guard (podman.Guard) if pos is killed: none is left half restored."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from pos import image, nvml
+from pos.driver import driver
+from pos.container import ARCHIVE, podman
+from pos.errors import BadInput
+from pos.scheduler import cudackpt, preflight, procs
+from pos.scheduler.operation import Report
+from pos.scheduler.settings import Settings
+from pos.scheduler.steps import Echo, Guard
+from pos.scheduler.watchdog import Plan
+
+
+def restore(directory: Path, name: str, settings: Settings, echo: Echo = lambda _: None
+            ) -> Report:
+    """The image in `directory` as the new container NAME."""
+    from pos.scheduler import concurrent
+
+    directory = Path(directory).absolute()
+    if not (directory / ARCHIVE).is_file():
+        image.check_files(directory)        # not an image at all: that is the sentence
+        raise BadInput(f"{directory} is not a container's image (it has no {ARCHIVE})",
+                       "restore it with `pos restore -D DIR`")
+    if podman.exists(name):
+        raise BadInput(f"a container named {name} exists", "choose another --name, or remove "
+                       f"it with `podman rm -f {name}`")
+    return concurrent.restore_full(directory, echo=echo, settings=settings,
+                                   tree=_Tree(name).restore)
+
+
+class _Tree:
+    """The processes back as the container NAME, with restore_tree's hooks (see there)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def restore(self, directory: Path, _inherit_fds: tuple[str, ...] = (),
+                echo: Echo = lambda _: None, gpu_pairs: Sequence[tuple[str, str]] = (),
+                check: Optional[list[str]] = None, hoisted: bool = False,
+                finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
+                before_criu: Callable[[], None] = lambda: None,
+                before_driver: Callable[[], None] = lambda: None,
+                settings: Optional[Settings] = None) -> Report:
+        settings = settings or Settings.from_env()
+        t = time.monotonic()
+        manifest = image.verify(directory, check)        # podman runs only a sound image
+        if manifest.gpu_pids:
+            driver()                        # no driver here: said before podman starts
+            preflight.same_driver(directory, manifest)
+            preflight.same_model(directory, manifest, {g.uuid: g for g in nvml.gpus()},
+                                 dict(gpu_pairs))
+        before_criu()
+        echo(f"restoring container {self.name} from {directory}")
+        plan = Plan("restore", [], [], images=str(directory), hoisted=hoisted, verify=check)
+        guard = podman.Guard(self.name)
+        try:
+            with Guard(plan, echo, settings) as g:
+                g.timings["prepare"] = time.monotonic() - t
+                g.step("podman-restore")
+                c = g.timed("podman_restore", lambda: podman.restore(directory / ARCHIVE,
+                                                                     self.name))
+                live = procs.restored_pids(c.pid, manifest.pids, manifest.inner_pids)
+                cuda = [live[p] for p in manifest.gpu_pids]
+                g.step("verify", pids=list(live.values()), gpu_pids=cuda)
+                before_driver()
+                g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
+                g.each("unlock", cuda, cudackpt.unlock)
+                if finish is not None:
+                    finish(g, live)
+            guard.done()
+        except BaseException:
+            podman.remove(self.name)
+            raise
+        finally:
+            guard.close()
+        return Report("concurrent", str(directory), manifest, timings=g.timings,
+                      restored_pid=c.pid)
