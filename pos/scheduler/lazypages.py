@@ -44,8 +44,7 @@ from pos.errors import PosError
 from pos.image import names
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import procs
-from pos.scheduler.steps import Guard
-from pos.scheduler.watchdog import Plan
+from pos.scheduler.plan import Plan
 
 READY_S = 60.0    # what the daemon may take to listen: CRIU's start and the image's tree read
 FEATURE = "uffd-noncoop"   # CRIU's check of what the daemon needs of the kernel
@@ -70,36 +69,19 @@ class Daemon:
         self._reaper.join(timeout)
         return self.proc.returncode
 
-    def wait(self, g: Guard, since: float) -> None:
-        """The restore's step "lazy-pages", its tree running: until the daemon has served
-        every page (`settle`), timed (lazy_wait), and when it ended (lazy_done_at, seconds
-        from `since`); PosError if it cannot have, the restored tree killed by then."""
-        g.step("lazy-pages")
-        why = g.timed("lazy_wait", lambda: settle(g.plan, self.ended))
-        if why is not None:
-            raise why
-        assert self.ended_at is not None
-        g.timings["lazy_done_at"] = self.ended_at - since
 
-
-def start(g: Guard, criu: criu_mod.Criu, images: Path, work: Path) -> Daemon:
+def start(criu: criu_mod.Criu, images: Path, work: Path, named: Callable[[Daemon], None]
+          ) -> Daemon:
     """The daemon for the image in `images`, in the restore's work folder `work`, listening
-    when this returns (timed: lazy_start); the plan names it from the moment it exists, and
-    gives it the plan's wait for a CRIU (POS_CRIU_WAIT_S) to serve every page. BadInput when
-    the kernel refuses what it needs."""
-    return g.timed("lazy_start", lambda: _start(g, criu, images, work))
-
-
-def _start(g: Guard, criu: criu_mod.Criu, images: Path, work: Path) -> Daemon:
+    when this returns; `named` is told the daemon the moment it exists (the restore's plan
+    names it from then on). BadInput when the kernel refuses what it needs."""
     status, theirs = os.pipe()
     try:
         proc = criu.start(criu.lazy_pages_argv(images, work, theirs), pass_fds=(theirs,))
     finally:
         os.close(theirs)
     daemon = Daemon(proc, work / names.LAZY_PAGES_LOG)
-    # CLOCK_MONOTONIC, which time.monotonic reads, is one clock for every process of the host
-    g.step(g.plan.step, lazy_pid=proc.pid, lazy_log=str(daemon.log),
-           lazy_deadline=time.monotonic() + g.plan.criu_wait_s)
+    named(daemon)
     try:
         listening = select.select([status], [], [], READY_S)[0] and os.read(status, 1) == b"\0"
     finally:

@@ -21,7 +21,7 @@ from pos.scheduler.criu import PageServer
 from pos.scheduler.gpumap import Onto, of_process
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard, folder_bytes
-from pos.scheduler.watchdog import Plan
+from pos.scheduler.plan import Plan
 
 if TYPE_CHECKING:     # the engines call this module, which is handed one
     from pos.scheduler.operation import Engine, Save

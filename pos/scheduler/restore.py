@@ -25,7 +25,7 @@ from pos.scheduler.criu import Options
 from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard
-from pos.scheduler.watchdog import Plan
+from pos.scheduler.plan import Plan
 
 PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
 
@@ -40,6 +40,30 @@ def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.E
 def _failed(checking: Future[float]) -> Optional[BaseException]:
     """Why the image's check beside CRIU failed, None while it runs or when it passed."""
     return checking.exception() if checking.done() else None
+
+
+def _lazy_start(g: Guard, criu: criu_mod.Criu, images: Path, work: Path) -> lazypages.Daemon:
+    """CRIU's lazy-pages daemon for the image, listening (timed: lazy_start); the plan names it
+    from the moment it exists, and gives it the plan's wait for a CRIU (POS_CRIU_WAIT_S) to
+    serve every page."""
+    def named(daemon: lazypages.Daemon) -> None:
+        # CLOCK_MONOTONIC, which time.monotonic reads, is one clock for every process of a host
+        g.step(g.plan.step, lazy_pid=daemon.proc.pid, lazy_log=str(daemon.log),
+               lazy_deadline=time.monotonic() + g.plan.criu_wait_s)
+
+    return g.timed("lazy_start", lambda: lazypages.start(criu, images, work, named))
+
+
+def _lazy_wait(g: Guard, daemon: lazypages.Daemon, since: float) -> None:
+    """The step "lazy-pages", the tree running: until the daemon has served every page
+    (`lazypages.settle`), timed (lazy_wait), and when it ended (lazy_done_at, seconds from
+    `since`); PosError if it cannot have, the restored tree killed by then."""
+    g.step("lazy-pages")
+    why = g.timed("lazy_wait", lambda: lazypages.settle(g.plan, daemon.ended))
+    if why is not None:
+        raise why
+    assert daemon.ended_at is not None
+    g.timings["lazy_done_at"] = daemon.ended_at - since
 
 
 def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
@@ -106,7 +130,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             g.timings["prepare_check"] = checked               # of which the host's checks
             g.step("criu-restore")
             if settings.lazy_pages:
-                lazy = lazypages.start(g, criu, directory, work)
+                lazy = _lazy_start(g, criu, directory, work)
             argv = criu.restore_argv(directory, options, work, work / names.RESTORE_PIDFILE,
                                      inherit_fds + tuple(logs.values()), leave_stopped=True,
                                      lazy_pages=lazy is not None)
@@ -132,7 +156,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             if finish is not None:
                 finish(g, live)
             if lazy is not None:        # the job runs; the rest of its memory comes in
-                lazy.wait(g, t)
+                _lazy_wait(g, lazy, t)
     finally:
         stop.set()
         pool.shutdown()

@@ -17,7 +17,8 @@ from pos.progress import QUIET, Progress
 from pos.scheduler import criu as criu_mod
 from pos.scheduler import cudackpt, procs
 from pos.scheduler.settings import Settings
-from pos.scheduler.watchdog import Plan, Watchdog, discard_leftovers, end_tree, recover
+from pos.scheduler.plan import Plan
+from pos.scheduler.watchdog import Watchdog, discard_leftovers, end_tree, recover
 
 Echo = Callable[[str], None]
 

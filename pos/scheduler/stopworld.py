@@ -20,7 +20,7 @@ from pos.scheduler.manifest import new_manifest
 from pos.scheduler.operation import Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard, folder_bytes
-from pos.scheduler.watchdog import Plan
+from pos.scheduler.plan import Plan
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 MAPPED_BACK_FIX = ("checkpoint it with `pos checkpoint --concurrent` (to move it: copy that image "

@@ -141,7 +141,8 @@ def test_pos_run_clonable_without_root_says_so(tmp_path: Path) -> None:
 def test_a_dead_pos_leaves_no_stopped_copy_behind(tmp_path: Path) -> None:
     """pos died after CRIU restored a copy into new namespaces but before it sent the copy's
     PIDs: the watchdog finds the root in CRIU's pidfile and ends the tree, which never ran."""
-    from pos.scheduler.watchdog import Plan, recover
+    from pos.scheduler.plan import Plan
+    from pos.scheduler.watchdog import recover
 
     p = subprocess.Popen(["sleep", "60"], start_new_session=True)
     os.kill(p.pid, signal.SIGSTOP)

@@ -20,7 +20,7 @@ from pos.scheduler import criu as criu_mod
 from pos.scheduler import lazypages
 from pos.scheduler.criu import Criu, Options
 from pos.scheduler.settings import Settings
-from pos.scheduler.watchdog import Plan
+from pos.scheduler.plan import Plan
 from tests.image.damage import damage, largest
 from tests.scheduler.conftest import alive, one_sentence, pos, reap, wait_for
 from tests.scheduler.test_restore_bounds import nothing_left

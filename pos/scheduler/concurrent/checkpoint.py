@@ -38,7 +38,7 @@ from pos.scheduler.manifest import new_manifest
 from pos.scheduler.operation import DeviceCopy, Report
 from pos.scheduler.settings import Settings
 from pos.scheduler.steps import Echo, Guard
-from pos.scheduler.watchdog import Plan
+from pos.scheduler.plan import Plan
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.scheduler.copier import Copied
