@@ -3,7 +3,7 @@
     pos/tracer/commands.py               trace, export
     pos/analyzer/commands.py             analyze
     pos/agent/commands.py                run
-    pos/scheduler/commands.py            checkpoint, restore, restore-service, inspect,
+    pos/engines/commands.py            checkpoint, restore, restore-service, inspect,
                                          migrate
     pos/cron/commands.py   schedule (add, ls, rm), daemon, images (ls, prune)
     pos/cli.py                           doctor (its checks: pos/doctor.py)
@@ -24,10 +24,10 @@ import click
 from pos import __version__
 from pos.agent.commands import run
 from pos.analyzer.commands import analyze
+from pos.cron.commands import daemon, images, schedule
+from pos.engines.commands import checkpoint, inspect, migrate, restore, restore_service
 from pos.errors import PosError, denied
 from pos.options import json_option
-from pos.scheduler.commands import checkpoint, inspect, migrate, restore, restore_service
-from pos.cron.commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
 from pos.usage import said, wants_json
 

@@ -27,7 +27,7 @@ def _nvidia_driver() -> Optional[PosError]:
 
 
 def _criu() -> Optional[PosError]:
-    from pos.scheduler import criu
+    from pos.process import criu
 
     try:
         criu.find()
@@ -37,8 +37,9 @@ def _criu() -> Optional[PosError]:
 
 
 def _soft_dirty() -> Optional[PosError]:
-    """Whether CRIU can copy a job's host memory before the freeze (pos/scheduler/predump.py)."""
-    from pos.scheduler import criu, predump
+    """Whether CRIU can copy a job's host memory before the freeze (pos/concurrent/predump.py)."""
+    from pos.concurrent import predump
+    from pos.process import criu
 
     try:
         path = criu.find().path

@@ -54,20 +54,20 @@ def criu_options(f: Any) -> Any:
 
 def criu_options_from(shell_job: bool, tcp_established: bool, ext_unix_sk: bool,
                       file_locks: bool, external: tuple[str, ...]) -> Any:
-    """The values of `criu_options` as a pos.scheduler.criu.Options."""
-    from pos.scheduler.criu import Options
+    """The values of `criu_options` as a pos.process.criu.Options."""
+    from pos.process.criu import Options
 
     return Options(shell_job, tcp_established, ext_unix_sk, file_locks, tuple(external))
 
 
 class _GpuTarget(click.ParamType):
-    """`--to-gpu`'s value: N, or OLD=NEW,... (pos.scheduler.gpumap.Onto)."""
+    """`--to-gpu`'s value: N, or OLD=NEW,... (pos.operation.gpumap.Onto)."""
 
     name = "N|OLD=NEW,..."
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         from pos.errors import BadInput
-        from pos.scheduler.gpumap import Onto
+        from pos.operation.gpumap import Onto
         from pos.usage import PosBadParameter
 
         if isinstance(value, Onto):

@@ -5,7 +5,7 @@ Settings, not as a bare path)."""
 import stat
 from pathlib import Path
 
-from pos.scheduler import criu
+from pos.process import criu
 from tests.scheduler.conftest import pos
 from workloads.fill_job import image_values, torn
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pos import concurrent
 from pos import image
 from pos.image import names
-from pos.scheduler import concurrent
 from tests.image.damage import DAMAGES, damage, largest
 from tests.scheduler.conftest import one_sentence, pos, wait_for
 from workloads.fill_job import image_values, torn

@@ -16,17 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pos import concurrent
 from pos.agent.control import Agent
+from pos.concurrent import predump, staging
+from pos.engines import engines
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
 from pos.image import gpuindex, names
 from pos.image.gpuindex import ChunkRecord
 from pos.image.kinds import ImageKind, kind
-from pos.scheduler import concurrent, engines, predump, staging
-from pos.scheduler.criu import Criu, Options
-from pos.scheduler.gpumap import Onto
-from pos.scheduler.operation import Report
-from pos.scheduler.settings import Settings
+from pos.operation.engine import Report
+from pos.operation.gpumap import Onto
+from pos.process.criu import Criu, Options
+from pos.settings import Settings
 from tests.agent.conftest import ran_past
 from tests.conftest import ROOT
 from tests.scheduler.conftest import (kernel_keeps_soft_dirty, listening, one_sentence, pos,
@@ -107,7 +109,7 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
     """With room for 3 of 12 buffers in the shadow, the other 9 are copied from the job's own
     memory, first (its writes to them wait for each; then what they wait for comes first): the
     image is exact all the same."""
-    from pos.scheduler import gpucopy
+    from pos.concurrent import gpucopy
 
     monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
     taken: list[int] = []
@@ -201,7 +203,7 @@ def test_an_arena_smaller_than_the_job_streams_an_exact_image(
     """Two 1 MiB slots of page-locked memory for a job of 12 MiB (3 shadowed): the copy waits
     for the disk to give slots back, and the image is the state after one exact operation all
     the same."""
-    from pos.scheduler import copier
+    from pos.concurrent import copier
 
     monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
     monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
@@ -223,7 +225,7 @@ def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
     """A chunk's write (a full disk) or its scan failing on one of the copy's threads, with a
     small arena whose slots the failed chunk held: the checkpoint ends in that error, not a
     hang; no image is left; the job computes on, its agent idle."""
-    from pos.scheduler import copier
+    from pos.concurrent import copier
 
     monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
     monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
@@ -403,8 +405,8 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake driver's own device, so that a restore "onto GPU 1" reaches it; a migration's
     temporary image goes into tmp_path."""
     from pos import nvml
-    from pos.scheduler import migrate
-    from pos.scheduler.concurrent import devices
+    from pos.concurrent import devices
+    from pos.engines import migrate
 
     here = [nvml.Gpu(0, JOB_GPU, "fake", 16 << 30), nvml.Gpu(1, FAKE_GPU, "fake", 16 << 30)]
     monkeypatch.setattr(nvml, "available", lambda: True)
@@ -503,7 +505,7 @@ def test_plain_migrate_to_gpu_refuses_memory_pos_mapped_back(fill_job, tmp_path:
                                                              two_gpus) -> None:
     """The driver cannot restore memory that pos mapped back into the job (after a concurrent
     checkpoint): its own move would fail half way, so pos names the --concurrent form."""
-    from pos.scheduler import migrate
+    from pos.engines import migrate
 
     job = fill_job()
     assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c"), "--concurrent",

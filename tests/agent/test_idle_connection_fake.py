@@ -18,10 +18,11 @@ from typing import Callable
 
 import pytest
 
+from pos import concurrent
 from pos.agent.control import Agent
+from pos.concurrent import gpucopy
 from pos.errors import PosError
-from pos.scheduler import concurrent, gpucopy
-from pos.scheduler.criu import Options
+from pos.process.criu import Options
 from tests.agent.test_hook_fake import own
 from workloads.fill_job import image_values, torn
 

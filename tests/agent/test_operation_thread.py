@@ -11,9 +11,9 @@ from typing import Callable
 
 import pytest
 
+from pos import concurrent
 from pos.errors import PosError
-from pos.scheduler import concurrent
-from pos.scheduler.criu import Options
+from pos.process.criu import Options
 from tests.conftest import wait_for
 from workloads.fill_job import image_values, torn
 

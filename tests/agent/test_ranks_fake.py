@@ -14,9 +14,9 @@ from typing import Iterator
 
 import pytest
 
+from pos import concurrent
 from pos.agent.control import Agent, Refused
 from pos.image import gpuindex, names
-from pos.scheduler import concurrent
 from tests.agent.conftest import ran_past
 from tests.conftest import ROOT
 from tests.scheduler.conftest import pos, wait_for

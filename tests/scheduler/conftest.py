@@ -28,7 +28,7 @@ COUNTER = Path(__file__).with_name("counter.py")
 def criu_ready() -> None:
     need(os.geteuid() == 0, "CRIU needs root")
     from pos.errors import PosError
-    from pos.scheduler import criu
+    from pos.process import criu
 
     try:
         criu.find()
@@ -78,7 +78,7 @@ def listening(port: int, prefix: tuple[str, ...] = ()) -> bool:
 
 
 def alive(pid: int) -> bool:
-    from pos.scheduler import procs
+    from pos.process import procs
 
     return procs.alive(pid)
 
@@ -130,7 +130,7 @@ class Counter:
         self.tree = self.pids()
 
     def pids(self) -> list[int]:
-        from pos.scheduler import procs
+        from pos.process import procs
 
         return procs.tree(self.pid)
 

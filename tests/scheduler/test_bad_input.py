@@ -34,7 +34,7 @@ def test_no_such_pid(tmp_path, criu_ready, env) -> None:
 
 def kernel_thread() -> int:
     """A kernel thread's PID (kthreadd is 2 only where this PID namespace is the host's)."""
-    from pos.scheduler import procs
+    from pos.process import procs
 
     pids = sorted(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
     found = [pid for pid in pids if procs.is_kernel_thread(pid)]
@@ -136,7 +136,7 @@ def test_restore_of_something_else(tmp_path, criu_ready, env) -> None:
 def test_session_begun_outside_its_pid_namespace(tmp_path, criu_ready, env) -> None:
     """A container's first process that never called setsid: --shell-job cannot help, a
     session of its own does (CI itself may run so)."""
-    from pos.scheduler import procs
+    from pos.process import procs
 
     count = tmp_path / "count"
     outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable,

@@ -14,7 +14,7 @@ import pytest
 
 from pos import host
 from pos.image import names
-from pos.scheduler import procs
+from pos.process import procs
 from tests.scheduler.conftest import ROOT, Counter, lines, one_sentence, pos, wait_for
 
 CLONABLE = (sys.executable, "-m", "pos.cli", "run", "--clonable", "--")
@@ -47,7 +47,7 @@ def test_a_tree_in_namespaces_of_its_own_is_seen_as_such(criu_ready: None) -> No
 
 
 def test_the_options_save_its_network_namespace_empty(criu_ready: None) -> None:
-    from pos.scheduler.criu import Options
+    from pos.process.criu import Options
 
     p = unshared()
     try:
@@ -141,8 +141,8 @@ def test_pos_run_clonable_without_root_says_so(tmp_path: Path) -> None:
 def test_a_dead_pos_leaves_no_stopped_copy_behind(tmp_path: Path) -> None:
     """pos died after CRIU restored a copy into new namespaces but before it sent the copy's
     PIDs: the watchdog finds the root in CRIU's pidfile and ends the tree, which never ran."""
-    from pos.scheduler.plan import Plan
-    from pos.scheduler.watchdog import recover
+    from pos.operation.plan import Plan
+    from pos.operation.watchdog import recover
 
     p = subprocess.Popen(["sleep", "60"], start_new_session=True)
     os.kill(p.pid, signal.SIGSTOP)

@@ -1,4 +1,4 @@
-"""The collective cut's choice of the point and its tries (pos/scheduler/collective.py), with
+"""The collective cut's choice of the point and its tries (pos/concurrent/collective.py), with
 stand-in agents: every rank cut at the same point, the ranks held let go when one is past it,
 and one sentence when they never come there."""
 
@@ -8,8 +8,8 @@ from typing import Optional
 import pytest
 
 from pos.agent.control import Cut, Refused
+from pos.concurrent import collective
 from pos.errors import PosError
-from pos.scheduler import collective
 
 
 @dataclass

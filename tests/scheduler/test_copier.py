@@ -1,4 +1,4 @@
-"""The checkpoint's copy (pos/scheduler/copier.py): how much page-locked host memory it sets
+"""The checkpoint's copy (pos/concurrent/copier.py): how much page-locked host memory it sets
 aside, its order, and what it copies while the job is frozen."""
 
 import ctypes
@@ -10,10 +10,10 @@ import pytest
 
 from pos import host as pos_host
 from pos.agent.control import Buffer
+from pos.concurrent import copier, gpucopy
+from pos.concurrent.handout import Handout
 from pos.errors import BadInput
-from pos.scheduler import copier, gpucopy
-from pos.scheduler.handout import Handout
-from pos.scheduler.settings import Settings
+from pos.settings import Settings
 from tests.conftest import wait_for
 
 GIB, CHUNK = 1 << 30, 64 << 20

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pos.image import criustats, names
-from pos.scheduler import procs
+from pos.process import procs
 
 from tests.scheduler.conftest import Counter, lines, one_sentence, pos, reap, wait_for
 

@@ -146,9 +146,9 @@ def test_a_missing_external_socket_on_restore(tmp_path: Path, counters, env) -> 
 def criu_restore(img: Path, work: Path) -> str:
     """CRIU's own restore of `img` (pos's pre-checks bypassed), failing: pos's sentence."""
     from pos.errors import PosError
-    from pos.scheduler import criu
+    from pos.process import criu
 
-    from pos.scheduler.settings import Settings
+    from pos.settings import Settings
 
     c = criu.find(Settings(log_dir=work.parent / "logs"))
     work.mkdir()

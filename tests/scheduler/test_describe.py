@@ -3,11 +3,11 @@ the short summaries (the stall, the size, where the time went) in place of every
 
 
 from pos.agent.control import Gate, Wait
+from pos.engines import summary
+from pos.engines.summary import longest_wait
 from pos.image import Manifest
-from pos.scheduler import summary
-from pos.scheduler.operation import DeviceCopy, Report
-from pos.scheduler.steps import describe
-from pos.scheduler.summary import longest_wait
+from pos.operation.engine import DeviceCopy, Report
+from pos.operation.steps import describe
 
 
 def test_timings_memory_and_driver_answers_each_read_in_their_unit() -> None:

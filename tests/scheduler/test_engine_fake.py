@@ -106,7 +106,7 @@ def test_failure_the_undo_cannot_fix_is_said(tmp_path, gpu, target) -> None:
 
 def test_criu_failure_after_the_driver_checkpoint_is_undone(tmp_path, gpu, target) -> None:
     fake = tmp_path / "criu"
-    from pos.scheduler import criu
+    from pos.process import criu
 
     real = criu.find().path
     fake.write_text(f"#!/bin/sh\n[ \"$1\" = dump ] && {{ echo 'Error (fake): dump refused' "
@@ -236,8 +236,8 @@ def test_restore_to_gpu_needs_nvml_and_a_whole_process_image(gpu, tmp_path: Path
 
 
 def test_the_driver_numbers_a_gpu_named_by_nvml(gpu, monkeypatch) -> None:
+    from pos.concurrent import gpucopy
     from pos.errors import PosError
-    from pos.scheduler import gpucopy
 
     monkeypatch.setenv("POS_LIBCUDA", gpu["POS_LIBCUDA"])
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", gpu["POS_FAKECUDA_STATE_DIR"])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pos.agent.control import Exported, Refused
-from pos.scheduler.concurrent.saver import export
+from pos.concurrent.saver import export
 
 NEED = 4 << 20
 
@@ -32,9 +32,9 @@ class RefusingAgent:
 def saver(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
-    from pos.scheduler import gpucopy
-    from pos.scheduler.concurrent.saver import Saver
-    from pos.scheduler.settings import Settings
+    from pos.concurrent import gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.settings import Settings
 
     def make(agent: RefusingAgent) -> Saver:
         s = Saver(agent, Settings(), 2, 1 << 20)   # type: ignore[arg-type]

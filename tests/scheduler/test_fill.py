@@ -24,7 +24,7 @@ SIZES = [5 * CHUNK + 123, 3 * CHUNK + 40, 77, CHUNK]   # tails: 123, 40, 77 byte
 def drv(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
-    from pos.scheduler import gpucopy
+    from pos.concurrent import gpucopy
 
     return gpucopy.Context(0).drv
 
@@ -56,9 +56,9 @@ def device_memory(drv, table: list[Buffer]) -> list[int]:
 
 def fill(drv, table: list[Buffer], saved: dict[int, Saved], piece: int, depth: int,
          mapped: bool = False, threads: int = 3):
-    from pos.scheduler import gpucopy
-    from pos.scheduler.concurrent.fill import fill
-    from pos.scheduler.handout import Handout
+    from pos.concurrent import gpucopy
+    from pos.concurrent.fill import fill
+    from pos.concurrent.handout import Handout
 
     dest = device_memory(drv, table)
     handout = Handout(table)
@@ -95,7 +95,7 @@ def test_the_ring_fill_puts_every_byte_back(drv, tmp_path: Path, piece: int, dep
 
 
 def test_a_piece_that_does_not_divide_the_arena_is_refused(drv) -> None:
-    from pos.scheduler import gpucopy
+    from pos.concurrent import gpucopy
 
     with pytest.raises(ValueError):
         gpucopy.Rings(drv, 2, 96, 1)
@@ -126,10 +126,10 @@ def test_a_short_data_file_is_refused_as_truncated(drv, tmp_path: Path, mapped: 
 
 def test_a_gate_that_raises_stops_the_fill(drv, tmp_path: Path) -> None:
     """The restore's gate raises once the restore has failed: no more chunks are copied."""
+    from pos.concurrent import gpucopy
+    from pos.concurrent.fill import fill
+    from pos.concurrent.handout import Handout
     from pos.errors import PosError
-    from pos.scheduler import gpucopy
-    from pos.scheduler.concurrent.fill import fill
-    from pos.scheduler.handout import Handout
 
     table, saved, _datas = image(tmp_path)
     calls = []
@@ -172,7 +172,7 @@ def test_the_failure_said_is_the_one_that_stopped_the_fill(drv, tmp_path: Path,
     it; the caller waits for the chunks in submission order, so the first error it meets is
     that "stopped". The chunks run here last to first (the corrupt one, last, fails first):
     the user is told of the corrupt chunk, not of a stop."""
-    from pos.scheduler import gpucopy
+    from pos.concurrent import gpucopy
 
     table, saved, _datas = image(tmp_path)
     last = max(range(len(table)), key=lambda i: table[i].size)    # filled last
@@ -204,7 +204,7 @@ def test_the_failure_said_is_the_one_that_stopped_the_fill(drv, tmp_path: Path,
 def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
     import threading
 
-    from pos.scheduler import gpucopy
+    from pos.concurrent import gpucopy
 
     rings = gpucopy.Rings(drv, 1, 4096, 2)
     errors: list[BaseException] = []
@@ -228,7 +228,7 @@ def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
 
 
 def test_an_unknown_fill_start_is_one_sentence(tmp_path: Path, monkeypatch) -> None:
-    from pos.scheduler import concurrent
+    from pos import concurrent
 
     monkeypatch.setenv("POS_FILL_FROM", "later")
     with pytest.raises(BadInput, match="POS_FILL_FROM=later is not one of pause, start"):
@@ -237,7 +237,7 @@ def test_an_unknown_fill_start_is_one_sentence(tmp_path: Path, monkeypatch) -> N
 
 @pytest.mark.parametrize("kib", ["100", "3000", "8192", "2m"])
 def test_a_bad_fill_piece_is_one_sentence(tmp_path: Path, monkeypatch, kib: str) -> None:
-    from pos.scheduler import concurrent
+    from pos import concurrent
 
     monkeypatch.setenv("POS_FILL_PIECE_KIB", kib)
     with pytest.raises(BadInput, match=f"POS_FILL_PIECE_KIB={kib} is not a power of two"):
@@ -246,7 +246,7 @@ def test_a_bad_fill_piece_is_one_sentence(tmp_path: Path, monkeypatch, kib: str)
 
 @pytest.mark.parametrize("kib, piece", [("2048", 2 << 20), ("256", 256 << 10), ("4096", 4 << 20)])
 def test_the_fill_piece_from_the_environment(kib: str, piece: int) -> None:
-    from pos.scheduler.settings import Settings
+    from pos.settings import Settings
 
     assert Settings.from_env({"POS_FILL_PIECE_KIB": kib}).fill_piece_bytes == piece
 
@@ -254,7 +254,7 @@ def test_the_fill_piece_from_the_environment(kib: str, piece: int) -> None:
 def test_the_buffers_the_job_used_after_its_checkpoint_are_filled_first(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from pos.scheduler.concurrent.fill import fill_order
+    from pos.concurrent.fill import fill_order
 
     table, saved, _ = image(tmp_path)
     table[1] = replace(table[1], touched=True)        # the second biggest, used at once
@@ -265,13 +265,13 @@ def test_the_buffers_the_job_used_after_its_checkpoint_are_filled_first(tmp_path
 
 @pytest.mark.parametrize("raw, trim", [(None, True), ("1", True), ("0", False)])
 def test_the_heap_trim_from_the_environment(raw: str, trim: bool) -> None:
-    from pos.scheduler.settings import Settings
+    from pos.settings import Settings
 
     assert Settings.from_env({} if raw is None else {"POS_TRIM_HEAP": raw}).trim_heap is trim
 
 
 def test_a_bad_heap_trim_is_one_sentence() -> None:
-    from pos.scheduler.settings import Settings
+    from pos.settings import Settings
 
     with pytest.raises(BadInput, match="POS_TRIM_HEAP=yes is not 0 or 1"):
         Settings.from_env({"POS_TRIM_HEAP": "yes"})

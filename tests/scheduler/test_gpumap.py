@@ -1,4 +1,4 @@
-"""Which GPUs of this host a process or an image goes onto (pos/scheduler/gpumap.py)."""
+"""Which GPUs of this host a process or an image goes onto (pos/operation/gpumap.py)."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ import pytest
 
 from pos import image, nvml
 from pos.errors import BadInput
-from pos.scheduler import gpumap
-from pos.scheduler.gpumap import Onto, gpu_pairs
+from pos.operation import gpumap
+from pos.operation.gpumap import Onto, gpu_pairs
 
 HERE = [nvml.Gpu(0, "GPU-a", "H100", 80 << 30), nvml.Gpu(1, "GPU-b", "H100", 80 << 30),
         nvml.Gpu(2, "GPU-c", "H100", 80 << 30)]

@@ -2,7 +2,7 @@
 to buffers that are back too, through any chain or cycle."""
 
 from pos.agent.control import Buffer
-from pos.scheduler.handout import Handout, usable
+from pos.concurrent.handout import Handout, usable
 
 
 def test_a_buffer_without_pointers_is_usable_once_back() -> None:

@@ -40,7 +40,7 @@ class Job:
         self.pid = self.proc.pid
         self.files = [out] + ([Path(f"{out}.1")] if "--child" in args else [])
         wait_for(self.counting, what="io_uring_job to start counting")
-        from pos.scheduler import procs
+        from pos.process import procs
 
         self.tree = procs.tree(self.pid)
 
@@ -54,7 +54,7 @@ class Job:
 
     def untouched(self) -> None:
         """Every process alive, none stopped (pos never froze them), and still counting."""
-        from pos.scheduler import procs
+        from pos.process import procs
 
         assert all(procs.state(p) in ("R", "S", "D") for p in self.tree), \
             [(p, procs.state(p)) for p in self.tree]
@@ -144,7 +144,7 @@ def test_concurrent_engine_refuses_too(start, tmp_path, env) -> None:
 def test_tree_without_a_ring_passes() -> None:
     """No false alarm: a process without a ring passes the check (its dump is tested
     elsewhere)."""
-    from pos.scheduler import procs
+    from pos.process import procs
 
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:

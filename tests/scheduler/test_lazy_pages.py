@@ -1,4 +1,4 @@
-"""CRIU's lazy restore (POS_LAZY_PAGES=1, pos/scheduler/lazypages.py): the setting, the command
+"""CRIU's lazy restore (POS_LAZY_PAGES=1, pos/operation/lazypages.py): the setting, the command
 lines and the daemon's end without CRIU; then, through real CRIU and userfaultfd, a job of 200
 MiB of private memory restored with and without it, its memory whole; the kernel's refusal in
 one sentence; a damaged image, and pos killed while the daemon serves, with nothing left."""
@@ -16,11 +16,11 @@ import pytest
 
 from pos.errors import BadInput
 from pos.image import names
-from pos.scheduler import criu as criu_mod
-from pos.scheduler import lazypages
-from pos.scheduler.criu import Criu, Options
-from pos.scheduler.settings import Settings
-from pos.scheduler.plan import Plan
+from pos.operation import lazypages
+from pos.operation.plan import Plan
+from pos.process import criu as criu_mod
+from pos.process.criu import Criu, Options
+from pos.settings import Settings
 from tests.image.damage import damage, largest
 from tests.scheduler.conftest import alive, one_sentence, pos, reap, wait_for
 from tests.scheduler.test_restore_bounds import nothing_left

@@ -1,4 +1,4 @@
-"""The migration's file stream (pos/scheduler/migrate.py): a file's bytes arrive whole, in
+"""The migration's file stream (pos/engines/migrate.py): a file's bytes arrive whole, in
 pieces, with the next message intact behind them; a size that is no size is refused."""
 
 import socket
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pos.engines import migrate
 from pos.errors import PosError
-from pos.scheduler import migrate
 
 
 def test_a_file_is_sent_and_received_byte_for_byte(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from pos import image
 from pos.image import names
-from pos.scheduler import procs
+from pos.process import procs
 from tests.scheduler.conftest import (COUNTER, alive, counts_on, lines, one_sentence, pos,
                                       wait_for)
 
@@ -78,7 +78,7 @@ def watchdogs(parent: int) -> list[int]:
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and procs.parent(int(d.name)) == parent and \
-                    b"pos.scheduler.watchdog" in (d / "cmdline").read_bytes():
+                    b"pos.operation.watchdog" in (d / "cmdline").read_bytes():
                 found.append(int(d.name))
         except OSError:
             continue

@@ -1,4 +1,4 @@
-"""CRIU's pre-dump (pos/scheduler/predump.py): when pos tries it, the command lines CRIU gets
+"""CRIU's pre-dump (pos/concurrent/predump.py): when pos tries it, the command lines CRIU gets
 for it and for the incremental dump after it, and an image that holds the pre-dump's folder.
 No kernel these tests run on keeps soft-dirty bits, so no pre-dump runs here: the answers are
 checked against the kernel's own, and the tests of a run pre-dump and its fallback are in
@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from pos import image
+from pos.concurrent import predump
 from pos.errors import BadInput
 from pos.image import names
-from pos.scheduler import criu, predump, procs
-from pos.scheduler.criu import Options
-from pos.scheduler.settings import Settings
+from pos.process import criu, procs
+from pos.process.criu import Options
+from pos.settings import Settings
 from tests.conftest import need
 from tests.scheduler.conftest import kernel_keeps_soft_dirty
 

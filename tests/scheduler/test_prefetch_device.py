@@ -6,9 +6,9 @@ from typing import Optional
 
 import pytest
 
+from pos.concurrent import devices, prefetch
+from pos.concurrent import gpucopy
 from pos.errors import PosError
-from pos.scheduler import gpucopy
-from pos.scheduler.concurrent import devices, prefetch
 
 HERE = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 ELSEWHERE = "GPU-bbbbbbbb-0000-0000-0000-000000000002"

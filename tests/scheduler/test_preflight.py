@@ -1,4 +1,4 @@
-"""What a restore refuses before it starts (pos/scheduler/preflight.py): a GPU of another model,
+"""What a restore refuses before it starts (pos/restore/preflight.py): a GPU of another model,
 a GPU with too little free memory, a file of the tree moved or changed, as well as the PIDs and
 the driver; each in one sentence, and nothing behind: no CRIU run, no work folder, no device
 memory made. No CRIU, no GPU: the images are folders sealed as pos seals one, CRIU's files in
@@ -18,8 +18,9 @@ from pos.errors import BadInput
 from pos.image import Manifest, criufiles, gpuindex, names
 from pos.image.criuimg import IMG_COMMON_MAGIC
 from pos.image.gpuindex import BufferRecord, GpuIndex
-from pos.scheduler import cudackpt, preflight
-from pos.scheduler.preflight import CONTEXT_BYTES, GiB
+from pos.process import cudackpt
+from pos.restore import preflight
+from pos.restore.preflight import CONTEXT_BYTES, GiB
 from tests.conftest import need
 from tests.scheduler.conftest import one_sentence, pos
 
@@ -309,7 +310,7 @@ def nothing_left(tmp_path: Path, calls: Path) -> None:
 
 @pytest.mark.parametrize("case", ["model", "memory", "file"])
 def test_a_refused_restore_starts_nothing(tmp_path: Path, host_gpus, fake_criu, case) -> None:
-    from pos.scheduler.restore import restore_tree
+    from pos.restore.tree import restore_tree
 
     pairs: list[tuple[str, str]] = []
     if case == "model":
@@ -325,12 +326,12 @@ def test_a_refused_restore_starts_nothing(tmp_path: Path, host_gpus, fake_criu, 
 
 def test_a_refused_concurrent_restore_makes_no_device_memory(tmp_path: Path, host_gpus,
                                                              fake_criu, monkeypatch) -> None:
-    from pos.scheduler import concurrent
-    from pos.scheduler.concurrent import restore as concurrent_restore
-    from pos.scheduler.gpumap import Onto
+    from pos import concurrent
+    from pos.concurrent import restore as concurrent_restore
+    from pos.operation.gpumap import Onto
 
-    from pos.scheduler import gpucopy
-    from pos.scheduler.concurrent import prefetch
+    from pos.concurrent import gpucopy
+    from pos.concurrent import prefetch
 
     class Context:        # the CUDA context is made beside the checks: here, none
         drv = None

@@ -12,8 +12,9 @@ import pytest
 from pos.agent.control import Gate, Status
 from pos.errors import BadInput
 from pos.image import names
-from pos.scheduler import procs, restorable
-from pos.scheduler.restorable import NcclSettings
+from pos.operation import restorable
+from pos.operation.restorable import NcclSettings
+from pos.process import procs
 from tests.scheduler.conftest import Counter, one_sentence, pos
 from tests.scheduler.test_engine_fake import calls, gpu, runs_unlocked  # noqa: F401  (fixture)
 

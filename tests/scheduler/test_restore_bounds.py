@@ -16,7 +16,7 @@ import pytest
 
 from pos import image
 from pos.image import names
-from pos.scheduler import procs
+from pos.process import procs
 from tests.conftest import ROOT
 from tests.image.damage import DAMAGES, damage, largest, record_as_is
 from tests.scheduler.conftest import Counter, alive, lines, one_sentence, pos, wait_for

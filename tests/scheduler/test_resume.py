@@ -8,7 +8,7 @@ import subprocess
 import threading
 import time
 
-from pos.scheduler import procs
+from pos.process import procs
 from tests.scheduler.conftest import wait_for
 
 

@@ -23,8 +23,8 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 
-from pos.scheduler import concurrent
-from pos.scheduler.service_protocol import (Accepted, Echo, Failed, InProcess, Request,
+from pos import concurrent
+from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Request,
                                             Restored, decode, encode)
 from tests.agent.conftest import fill_job, gpu_env, ran_past  # noqa: F401  (fixtures)
 from tests.conftest import ROOT, need, wait_for

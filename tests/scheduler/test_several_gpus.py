@@ -1,5 +1,5 @@
 """A process on several GPUs is refused before it is touched: the driver cannot restore it
-(pos/scheduler/restorable.py several_gpus), with either stop-the-world command."""
+(pos/operation/restorable.py several_gpus), with either stop-the-world command."""
 
 import subprocess
 from pathlib import Path
@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from pos import nvml
+from pos.engines import migrate, stopworld
 from pos.errors import BadInput
-from pos.scheduler import cudackpt, migrate, restorable, stopworld
-from pos.scheduler.criu import Options
-from pos.scheduler.gpumap import Onto
+from pos.operation import restorable
+from pos.operation.gpumap import Onto
+from pos.process import cudackpt
+from pos.process.criu import Options
 
 TWO = {"GPU-a": 1 << 30, "GPU-b": 4 << 30}
 

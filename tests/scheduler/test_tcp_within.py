@@ -1,12 +1,12 @@
 """When CRIU may skip its network lock: every TCP connection of the tree has its other end in the
-tree (pos/scheduler/procs.py tcp_within, criu.Options.fitted)."""
+tree (pos/process/procs.py tcp_within, criu.Options.fitted)."""
 
 import socket
 import subprocess
 import sys
 
-from pos.scheduler import procs
-from pos.scheduler.criu import Options
+from pos.process import procs
+from pos.process.criu import Options
 
 # a process holding a connection to PORT (argv[1]; 0: a listener of its own, connected to itself)
 HOLD = """

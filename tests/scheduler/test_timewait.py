@@ -1,5 +1,5 @@
 """A killed job's closed connections (TIME_WAIT) hold its listening ports for a minute; the
-restore ends them (pos/scheduler/timewait.py) so that it can listen there again at once."""
+restore ends them (pos/restore/timewait.py) so that it can listen there again at once."""
 
 import os
 import socket
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pos.scheduler import timewait
+from pos.restore import timewait
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SOCK_DESTROY needs root")
 
