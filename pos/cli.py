@@ -3,11 +3,11 @@
     pos/tracer/commands.py               trace, export
     pos/analyzer/commands.py             analyze
     pos/agent/commands.py                run
-    pos/engines/commands.py            checkpoint, restore, restore-service, inspect,
-                                         migrate
-    pos/cron/commands.py   schedule (add, ls, rm), daemon, images (ls, prune)
+    pos/engines/commands.py              checkpoint, restore, restore-service, inspect,
+                                         migrate (their options: pos/engines/options.py)
+    pos/cron/commands.py                 schedule (add, ls, rm), daemon, images (ls, prune)
     pos/cli.py                           doctor (its checks: pos/doctor.py)
-    pos/options.py                       options shared by several commands (--db, CRIU's)
+    pos/options.py                       options shared by several packages (--db, --json)
 
 Command modules import only click at the top and their packages' modules inside the commands,
 so that `pos --help` stays fast. Errors travel as PosError and leave as one sentence with the

@@ -1,12 +1,13 @@
 """`pos schedule` (add, ls, rm), `pos daemon` and `pos images` (ls, prune): scheduled snapshots
-and the images they keep. The scheduler and the store are imported inside the commands."""
+and the images they keep. The engines and the store are imported inside the commands."""
 
 import json
 from typing import Any, Optional
 
 import click
 
-from pos.options import criu_options, criu_options_from, db_option, json_option
+from pos.engines.options import criu_options, criu_options_from
+from pos.options import db_option, json_option
 
 EPILOG_SCHEDULE_ADD = """\b
 Examples:

@@ -1,5 +1,5 @@
 """`pos checkpoint`, `pos restore`, `pos restore-service`, `pos inspect` and `pos migrate`: the
-scheduler's checkpoint/restore. The engine, CRIU and the store are imported inside the
+engines' checkpoint and restore. The engine, CRIU and the store are imported inside the
 commands."""
 
 import json
@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import click
 
 
-from pos.options import (SERVICE_SOCKET, SERVICE_SOCKET_ENV, criu_options, criu_options_from,
-                         db_option, json_option, service_socket, to_gpu_option)
+from pos.engines.options import (SERVICE_SOCKET, SERVICE_SOCKET_ENV, criu_options,
+                                 criu_options_from, service_socket, to_gpu_option)
+from pos.options import db_option, json_option
 
 if TYPE_CHECKING:      # imported by the commands that draw progress
     from pos.operation.engine import Report

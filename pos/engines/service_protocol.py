@@ -8,7 +8,7 @@ the service's unix socket: one JSON object a line, each one of the messages belo
                         Failed, or InProcess (the restore is the client's to run)
 
 Only json and dataclasses are imported here: the client reads this module before pos's heavy
-ones, whose import the service is there to spare it. Where the socket is: pos/options.py.
+ones, whose import the service is there to spare it. Where the socket is: pos/engines/options.py.
 """
 
 import json
