@@ -20,7 +20,7 @@ from pos.process import procs
 from pos.store import schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT
-from tests.scheduler.conftest import Counter, lines, pos, wait_for
+from tests.engines.conftest import Counter, lines, pos, wait_for
 
 
 @pytest.fixture
