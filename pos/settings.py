@@ -47,7 +47,7 @@ FILL_FROMS = ("pause", "start", "release")
 # 2 MiB beat 1 MiB on the H100 and the H200 once each piece was made in one pass
 # (pos/image/chunks.c; bench/results/2026-11-26.md)
 DEFAULT_FILL_PIECE_KIB = 2048
-DEFAULT_HOIST_STACK = 0
+DEFAULT_HOIST_STACK: Optional[int] = 0
 DEFAULT_CRIU_WAIT_S = 3600.0
 # off until it is measured against the full restore on the GPU machines
 LAZY_PAGES = ("0", "1")
@@ -110,6 +110,9 @@ class Settings:
                 raise ValueError(raw)
             return value
 
+        def stack(raw: str) -> Optional[int]:
+            return None if raw == "off" else int(raw)
+
         def gib(raw: str) -> int:
             value = float(raw)
             if value <= 0:
@@ -139,8 +142,8 @@ class Settings:
             fill_from=get("POS_FILL_FROM", one_of(FILL_FROMS), FILL_FROMS[0],
                           f"one of {', '.join(FILL_FROMS)}",
                           "unset it (the fill then pauses for the driver's restore)"),
-            hoist_stack=get("POS_HOIST_STACK", lambda raw: None if raw == "off" else int(raw),
-                            DEFAULT_HOIST_STACK, "a number of bytes or off",
+            hoist_stack=get("POS_HOIST_STACK", stack, DEFAULT_HOIST_STACK,
+                            "a number of bytes or off",
                             "unset it (the hoisted context then keeps no stack)"),
             trim_heap=get("POS_TRIM_HEAP", one_of(("0", "1")), "1", "0 or 1",
                           "unset it (a hoisted job's heap then gives its free memory back)")

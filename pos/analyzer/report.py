@@ -61,8 +61,8 @@ def to_json(a: Analysis, trace_id: int, validation: Optional[dict[str, Any]] = N
     ops, ev = a.ops, a.evidence
     base = [_hex(b) for b in ops.alloc_base]
     launches, copies = [], []
-    for i in np.flatnonzero((ops.kind == OP_LAUNCH) | (ops.kind == OP_MEMCPY) | (ops.kind == OP_MEMSET)):
-        i = int(i)
+    for i in map(int, np.flatnonzero((ops.kind == OP_LAUNCH) | (ops.kind == OP_MEMCPY)
+                                     | (ops.kind == OP_MEMSET))):
         reads, writes = ev.sets(i)
         e: dict[str, Any] = {"index": i, "ts_ns": int(ops.ts[i]), "api": ops.api[i],
                              "reads": [base[r] for r in reads], "writes": [base[w] for w in writes]}

@@ -149,8 +149,8 @@ class Imported:
                 fds.append(fd.value)
             return cls(drv, buffers, fds), fds
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            for exported in fds:
+                os.close(exported)
             raise
 
     def close(self) -> None:

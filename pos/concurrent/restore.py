@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pos import image
 from pos.agent.control import Agent, Gate
@@ -166,11 +166,15 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
             for agent in agents:
                 agent.close()
 
+    def pause_fill() -> None:
+        for pre in pres:
+            pre.pause()
+
     try:
         result = tree_restore.restore_tree(
             directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
-            finish=put_back, before_criu=checked.set,
-            before_driver=lambda: [pre.pause() for pre in pres], settings=settings)
+            finish=put_back, before_criu=checked.set, before_driver=pause_fill,
+            settings=settings)
     finally:
         t1 = time.monotonic()
         for pre in pres:
@@ -192,7 +196,8 @@ def _report(result: Report, pres: list[Prefetch], back: _Back, t0: float,
         return at - t0
 
     rest = [pre.handout.rest_at(t0) for pre in pres]
-    timings = {**result.timings, "pos_started_s": started, "h2d": copy.seconds,
+    # pos_started_s is None where no command started the restore (JSON's null)
+    timings: dict[str, Any] = {**result.timings, "pos_started_s": started, "h2d": copy.seconds,
                "read_threads": copy.read_thread_s, "fill_paused": max(paused),
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of

@@ -77,7 +77,7 @@ def format_bytes(n: int) -> str:
 
 def images_in(folder: Path) -> list[Kept]:
     """The complete images directly under `folder`, oldest first."""
-    out = []
+    out: list[Kept] = []
     if not folder.is_dir():
         return out
     for entry in folder.iterdir():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from pos import image
 from pos.errors import BadInput, PosError
@@ -151,7 +151,9 @@ class GpuOnly(_Base):
                        "--to-gpu N` (with --concurrent for a `pos run` job)")
 
 
-ENGINES = {e.name: e for e in (StopTheWorld, Concurrent, GpuOnly)}
+# each engine by its name, which is also the kind of image it makes (pos.image.kinds.ImageKind)
+ENGINES: dict[str, Callable[[Settings, Echo, Progress], Engine]] = {
+    e.name: e for e in (StopTheWorld, Concurrent, GpuOnly)}
 
 
 def for_checkpoint(concurrent: bool, gpu_only: bool, settings: Settings,
@@ -169,8 +171,6 @@ def by_name(name: str, settings: Settings, echo: Echo = lambda _: None,
 def for_image(directory: Path, settings: Settings, echo: Echo = lambda _: None,
               progress: Progress = QUIET) -> Engine:
     """The engine that restores the image in `directory`: its kind decides."""
-    from pos.image.kinds import ImageKind, kind
+    from pos.image.kinds import kind
 
-    engine = {ImageKind.GPU_ONLY: GpuOnly, ImageKind.CONCURRENT: Concurrent,
-              ImageKind.STOP_THE_WORLD: StopTheWorld}[kind(Path(directory))]
-    return engine(settings, echo, progress)
+    return ENGINES[kind(Path(directory)).value](settings, echo, progress)

@@ -85,7 +85,7 @@ class Writer:
         if self.compress:
             import zstandard
 
-            payload = zstandard.ZstdCompressor(level=self.level).compress(data)
+            payload = zstandard.ZstdCompressor(level=self.level).compress(data.data)
         f, name = self._file()
         at = f.tell()
         view = memoryview(payload).cast("B")

@@ -48,7 +48,11 @@ class Load:
 class Engine(Protocol):
     name: str
     sends_pages: bool     # its checkpoint can stream the pages to a page server (Save)
-    echo: Echo
+
+    @property
+    def echo(self) -> Echo:
+        """Where its steps' lines go (a field of the engine, read-only for its callers)."""
+        ...
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report: ...
 

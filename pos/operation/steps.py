@@ -9,7 +9,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 from pos.errors import PosError
 from pos.image import criustats, names
@@ -143,7 +143,7 @@ class Guard:
             self.step("end", **changes)
             end_tree(self.plan)
 
-    def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> Literal[False]:
         assert self.watchdog is not None
         if exc_type is None:
             self.watchdog.done()

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
@@ -180,7 +180,7 @@ def _recover_restore(plan: Plan, log: Callable[[str], None], stopped: bool) -> N
     if plan.step in ("criu-restore", "verify") and not _verified(plan, log):
         return
     try:
-        _finish_gpu(plan, [tuple(p) for p in plan.gpu_pairs], log)
+        _finish_gpu(plan, [(old, new) for old, new in plan.gpu_pairs], log)
     except PosError as e:
         log(f"cannot finish the restore ({e.message}): killing the restored tree")
         procs.kill_tree(procs.tree(plan.pids[0]))
@@ -232,7 +232,7 @@ class Watchdog:
         self.sock, theirs = socket.socketpair()
         self.send(plan)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pos.operation.watchdog"], stdin=theirs,
+            [sys.executable, "-m", "pos.operation.watchdog"], stdin=theirs.fileno(),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "PYTHONPATH": _import_path()})
         theirs.close()
@@ -274,7 +274,7 @@ def _log_to(path: str) -> Callable[[str], None]:
     return log
 
 
-def _messages(sock: socket.socket, fds: list[int]):  # type: ignore[no-untyped-def]
+def _messages(sock: socket.socket, fds: list[int]) -> Iterator[dict[str, Any]]:
     """pos's JSON lines, collecting the descriptors that come with them into `fds`."""
     buf = b""
     while True:

@@ -158,6 +158,7 @@ def _live_environment(pid: int) -> dict[str, str]:
     it copied into its own data (a copy relocation, as python3 does), so the executable's
     definition comes before libc's."""
     from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
 
     exe = os.readlink(f"/proc/{pid}/exe")
     first: dict[str, str] = {}           # file -> its mapping at offset 0
@@ -175,7 +176,7 @@ def _live_environment(pid: int) -> dict[str, str]:
         with open(f"/proc/{pid}/map_files/{first[path]}", "rb") as f:
             elf = ELFFile(f)
             dynsym = elf.get_section_by_name(".dynsym")
-            found = dynsym and (dynsym.get_symbol_by_name("environ")
+            found = isinstance(dynsym, SymbolTableSection) and (dynsym.get_symbol_by_name("environ")
                                 or dynsym.get_symbol_by_name("__environ"))
             if found and found[0]["st_shndx"] != "SHN_UNDEF":
                 pie = elf.header["e_type"] == "ET_DYN"
@@ -338,7 +339,7 @@ def io_urings(pid: int) -> list[str]:
 
 def threads(pid: int) -> list[str]:
     """The names of `pid`'s threads (/proc/PID/task/*/comm)."""
-    out = []
+    out: list[str] = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:

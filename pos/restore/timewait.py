@@ -28,7 +28,7 @@ def _words(family: int, address: str) -> tuple[int, int, int, int]:
 def held(ports: list[int]) -> list[tuple[int, dict]]:
     """The connections in TIME_WAIT whose local port is one of `ports` (this network
     namespace), as (family, sock_diag's message)."""
-    out = []
+    out: list[tuple[int, dict]] = []
     with DiagSocket() as ds:
         ds.bind()
         for family in (socket.AF_INET, socket.AF_INET6):

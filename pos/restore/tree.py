@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from pos import image
 from pos.errors import PosError
@@ -69,7 +69,7 @@ def _lazy_wait(g: Guard, daemon: lazypages.Daemon, since: float) -> None:
 
 
 def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
-            gpu_pairs: list[tuple[str, str]] = (), check: Optional[list[str]] = None,
+            gpu_pairs: Sequence[tuple[str, str]] = (), check: Optional[list[str]] = None,
             progress: Progress = QUIET, hoisted: bool = False,
             finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
             before_criu: Callable[[], None] = lambda: None,
