@@ -37,6 +37,8 @@ from typing import Callable, Mapping, Optional, TypeVar
 from pos.errors import BadInput
 
 T = TypeVar("T")
+DEFAULT_LOCK_TIMEOUT_MS = 10_000   # how long the driver may take to lock a CUDA process
+                                   # (`--lock-timeout`)
 DEFAULT_LOG_DIR = "/var/log/pos"
 DEFAULT_CRIU_LOG_MAX_MB = 256
 FROZEN_COPIES = ("unshadowed", "all")

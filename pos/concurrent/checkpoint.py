@@ -40,16 +40,16 @@ from pos.operation.steps import Echo, Guard
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
 from pos.process.criu import Options
-from pos.settings import Settings
+from pos.settings import DEFAULT_LOCK_TIMEOUT_MS, Settings
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.concurrent.copier import Copied
 
-DEFAULT_STREAMS = 8
+SAVE_STREAMS = 8        # a checkpoint's copy threads: device to host memory, then to disk
 DEFAULT_CHUNK_MB = 64
 
 
-def checkpoint_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
+def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
                    chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
                    settings: Optional[Settings] = None) -> Report:
     """The GPU state of `pid` at one instant, taken while it runs (rolls back only into a live
@@ -102,7 +102,7 @@ def _reconnect(saver: Saver, echo: Echo) -> Agent:
 
 
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
-                    lock_timeout_ms: int = 10_000, streams: int = DEFAULT_STREAMS,
+                    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, streams: int = SAVE_STREAMS,
                     chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
                     settings: Optional[Settings] = None) -> Report:
     """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (see

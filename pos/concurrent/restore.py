@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     from pos.concurrent import gpucopy
     from pos.operation.gpumap import Onto
 
-DEFAULT_STREAMS = 16
+FILL_STREAMS = 16       # a restore's fill threads: host to device memory
 
 
-def restore_gpu(pid: int, directory: Path, streams: int = DEFAULT_STREAMS,
+def restore_gpu(pid: int, directory: Path, streams: int = FILL_STREAMS,
                 echo: Echo = lambda _: None, settings: Optional[Settings] = None) -> Report:
     """Put a GPU image back into the live job `pid`, on demand (the chunks as they were
     saved, each through a fill thread's ring)."""
@@ -101,7 +101,7 @@ class _Back:
 
 
 def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
-                 streams: int = DEFAULT_STREAMS, echo: Echo = lambda _: None,
+                 streams: int = FILL_STREAMS, echo: Echo = lambda _: None,
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
                  started_s: Optional[float] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the

@@ -9,7 +9,8 @@ import click
 
 
 from pos.engines.options import (SERVICE_SOCKET, SERVICE_SOCKET_ENV, criu_options,
-                                 criu_options_from, service_socket, to_gpu_option)
+                                 criu_options_from, lock_timeout_option, service_socket,
+                                 to_gpu_option)
 from pos.options import db_option, json_option
 
 if TYPE_CHECKING:      # imported by the commands that draw progress
@@ -98,8 +99,7 @@ def _report(r: "Report", as_json: bool) -> None:
 @click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
               help="Directory of the new image (must not exist; written as DIR.partial first).")
 @click.option("--leave-running", is_flag=True, help="Resume the process after the dump.")
-@click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
-              show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@lock_timeout_option
 @click.option("--concurrent", is_flag=True,
               help="A `pos run` job, saved while it runs: held only for the cut and the "
                    "driver's and CRIU's short frozen part; its device memory is copied by pos.")
@@ -310,8 +310,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
               help="With --listen: where the received image goes; with --to: the local part "
                    "of the image; with --to-gpu --concurrent: the image, kept [default: a "
                    "temporary folder, removed once the job runs again].")
-@click.option("--lock-timeout", type=click.FloatRange(0.001, 3600), default=10.0,
-              show_default=True, help="Seconds the driver may take to lock the CUDA process.")
+@lock_timeout_option
 @click.option("--concurrent", is_flag=True,
               help="A `pos run` job, frozen only for the driver's small checkpoint and CRIU's "
                    "dump (its device memory copied by pos): with --to, its image is sent "

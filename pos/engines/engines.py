@@ -70,11 +70,11 @@ class Concurrent(_Base):
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos import concurrent
-        from pos.concurrent.checkpoint import DEFAULT_CHUNK_MB, DEFAULT_STREAMS
+        from pos.concurrent.checkpoint import DEFAULT_CHUNK_MB, SAVE_STREAMS
 
         return concurrent.checkpoint_full(
             pid, directory, save.options, save.leave_running, save.lock_timeout_ms,
-            save.streams or DEFAULT_STREAMS, save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
+            save.streams or SAVE_STREAMS, save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
             self.settings)
 
     def restore(self, directory: Path, load: Load) -> Report:
@@ -128,22 +128,22 @@ class GpuOnly(_Base):
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos import concurrent
-        from pos.concurrent.checkpoint import DEFAULT_CHUNK_MB, DEFAULT_STREAMS
+        from pos.concurrent.checkpoint import DEFAULT_CHUNK_MB, SAVE_STREAMS
 
-        return concurrent.checkpoint_gpu(pid, directory, save.streams or DEFAULT_STREAMS,
+        return concurrent.checkpoint_gpu(pid, directory, save.streams or SAVE_STREAMS,
                                          save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
                                          self.settings)
 
     def restore(self, directory: Path, load: Load) -> Report:
         from pos import concurrent
-        from pos.concurrent.restore import DEFAULT_STREAMS
+        from pos.concurrent.restore import FILL_STREAMS
 
         if load.pid is None:
             image.check_files(directory)    # or a whole-process one missing its inventory
             raise BadInput(f"{directory} is a GPU-only image (no process in it)",
                            "roll a live `pos run` job back to it with `pos restore --gpu-only "
                            "PID -D DIR`")
-        return concurrent.restore_gpu(load.pid, directory, load.streams or DEFAULT_STREAMS,
+        return concurrent.restore_gpu(load.pid, directory, load.streams or FILL_STREAMS,
                                       self.echo, self.settings)
 
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:

@@ -3,14 +3,16 @@
 service listens (`pos restore-service --socket` and `pos restore`, through POS_RESTORE_SOCKET,
 name the same socket).
 
-Only click is imported here: `pos --help` must stay light, so what the options turn into is
-built when a command runs (`criu_options_from` imports CRIU's module then).
+Only click and pos's settings are imported here: `pos --help` must stay light, so what the
+options turn into is built when a command runs (`criu_options_from` imports CRIU's module then).
 """
 
 import os
 from typing import Any
 
 import click
+
+from pos.settings import DEFAULT_LOCK_TIMEOUT_MS
 
 SERVICE_SOCKET = "/run/pos/restore.sock"
 SERVICE_SOCKET_ENV = "POS_RESTORE_SOCKET"
@@ -20,6 +22,13 @@ def service_socket() -> str:
     """Where `pos restore` looks for `pos restore-service`: POS_RESTORE_SOCKET, else the
     service's default socket."""
     return os.environ.get(SERVICE_SOCKET_ENV) or SERVICE_SOCKET
+
+
+def lock_timeout_option(f: Any) -> Any:
+    """`--lock-timeout S`: how long the driver may take to lock the CUDA processes."""
+    return click.option("--lock-timeout", type=click.FloatRange(0.001, 3600),
+                        default=DEFAULT_LOCK_TIMEOUT_MS / 1000, show_default=True,
+                        help="Seconds the driver may take to lock the CUDA process.")(f)
 
 
 def criu_options(f: Any) -> Any:

@@ -21,9 +21,8 @@ from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
 from pos.process.criu import Options, PageServer
 from pos.progress import QUIET, Progress
-from pos.settings import Settings
+from pos.settings import DEFAULT_LOCK_TIMEOUT_MS, Settings
 
-DEFAULT_LOCK_TIMEOUT_MS = 10_000
 MAPPED_BACK_FIX = ("checkpoint it with `pos checkpoint --concurrent` (to move it: copy that image "
                    "and `pos restore -D` it on the other host)")
 

@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from pos.agent.control import Cut, Gate
 from pos.image import Manifest
 from pos.process.criu import Options, PageServer
+from pos.settings import DEFAULT_LOCK_TIMEOUT_MS
 
 if TYPE_CHECKING:
     from pos.operation.gpumap import Onto
     from pos.operation.steps import Echo
-
-DEFAULT_LOCK_TIMEOUT_MS = 10_000
 
 
 @dataclass(frozen=True)
