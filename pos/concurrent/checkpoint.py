@@ -32,6 +32,7 @@ from pos.concurrent import predump, staging
 from pos.concurrent.saver import STALL_S, Saver, Taken, timings_of
 from pos.errors import BadInput
 from pos.image import names
+from pos.image.kinds import ImageKind
 from pos.operation import restorable
 from pos.operation.engine import DeviceCopy, Report
 from pos.operation.manifest import new_manifest
@@ -86,9 +87,11 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
             saver.close()
             if saver.agent is not None:
                 saver.agent.close()
-    return Report("gpu-only", str(final), manifest, timings=saver.timings, device=DeviceCopy(
-        len(taken.table), copy.bytes, cut, gate, taken.shadow_bytes, release_s,
-        copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None, saver.foreign_bytes))
+    device = DeviceCopy(len(taken.table), copy.bytes, cut, gate, taken.shadow_bytes, release_s,
+                        copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None,
+                        saver.foreign_bytes)
+    return Report(ImageKind.GPU_ONLY.value, str(final), manifest, timings=saver.timings,
+                  device=device)
 
 
 def _reconnect(saver: Saver, echo: Echo) -> Agent:
@@ -312,8 +315,8 @@ class _Whole:
                    "gate": asdict(x) if x is not None else None}
                   for s, c, k, x in zip(self.savers, self.copies, self.cuts, self.gates)]
                  if self.several else [])
-        return Report("concurrent", str(final), self.manifest, timings=self.manifest.timings,
-                      device=DeviceCopy(
+        return Report(ImageKind.CONCURRENT.value, str(final), self.manifest,
+                      timings=self.manifest.timings, device=DeviceCopy(
                           sum(len(t.table) for t in self.taken), copied, self.cuts[0], worst,
                           sum(t.shadow_bytes for t in self.taken), self.release_s,
                           copied / d2h_s / 1e9 if d2h_s else None, None,

@@ -21,6 +21,7 @@ from pos.concurrent.prefetch import Prefetch
 from pos.concurrent.saver import STALL_S
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex, kinds
+from pos.image.kinds import ImageKind
 from pos.operation.engine import DeviceCopy, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
@@ -76,7 +77,7 @@ def restore_gpu(pid: int, directory: Path, streams: int = FILL_STREAMS,
                 mem.close()   # on failure the agent ends a half-restored job as pos goes
         finally:
             rings.close()
-    return Report("gpu-only", str(directory), manifest, timings={"h2d": copy.seconds},
+    return Report(ImageKind.GPU_ONLY.value, str(directory), manifest, timings={"h2d": copy.seconds},
                   device=DeviceCopy(len(table), copy.bytes, cut, gate, 0, release_s, None,
                                     copy.gbps))
 
@@ -211,7 +212,7 @@ def _report(result: Report, pres: list[Prefetch], back: _Back, t0: float,
     worst = max(back.gates, key=lambda x: x.held_max_s)
     several = [{"pid": pre.rank, "gpu": pre.onto, "bytes": c.bytes, "gate": asdict(x)}
                for pre, c, x in zip(pres, back.copies, back.gates)] if len(pres) > 1 else []
-    return Report("concurrent", result.path, result.manifest, timings=timings,
+    return Report(ImageKind.CONCURRENT.value, result.path, result.manifest, timings=timings,
                   restored_pid=result.restored_pid, device=DeviceCopy(
                       sum(len(pre.table) for pre in pres), copy.bytes, None, worst, 0,
                       back.release_s, None, copy.gbps, 0, several))

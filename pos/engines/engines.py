@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from pos import image
+from pos.image.kinds import ImageKind
 from pos.errors import BadInput, PosError
 from pos.operation.engine import Engine, Load, Report, Save
 from pos.operation.steps import Echo
@@ -34,7 +35,7 @@ class _Base:
 
 
 class StopTheWorld(_Base):
-    name = "stop-the-world"
+    name = ImageKind.STOP_THE_WORLD.value
     sends_pages = True
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
@@ -65,7 +66,7 @@ class StopTheWorld(_Base):
 
 
 class Concurrent(_Base):
-    name = "concurrent"
+    name = ImageKind.CONCURRENT.value
     sends_pages = False
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
@@ -123,7 +124,7 @@ class Concurrent(_Base):
 
 
 class GpuOnly(_Base):
-    name = "gpu-only"
+    name = ImageKind.GPU_ONLY.value
     sends_pages = False
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
@@ -151,7 +152,7 @@ class GpuOnly(_Base):
                        "--to-gpu N` (with --concurrent for a `pos run` job)")
 
 
-# each engine by its name, which is also the kind of image it makes (pos.image.kinds.ImageKind)
+# each engine by its name, which is the kind of image it makes
 ENGINES: dict[str, Callable[[Settings, Echo, Progress], Engine]] = {
     e.name: e for e in (StopTheWorld, Concurrent, GpuOnly)}
 

@@ -12,6 +12,7 @@ from typing import Optional
 
 from pos import image, nvml
 from pos.image import names
+from pos.image.kinds import ImageKind
 from pos.operation import restorable
 from pos.operation.engine import Report
 from pos.operation.manifest import new_manifest
@@ -75,4 +76,4 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             g.end()
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
-    return Report("stop-the-world", str(final), manifest, timings=g.timings)
+    return Report(ImageKind.STOP_THE_WORLD.value, str(final), manifest, timings=g.timings)

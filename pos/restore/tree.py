@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 from pos import image
 from pos.errors import PosError
 from pos.image import names
+from pos.image.kinds import ImageKind
 from pos.operation import lazypages
 from pos.operation.engine import Report
 from pos.operation.plan import Plan
@@ -171,5 +172,5 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             if lazy is not None:
                 criu_mod.keep_log(lazy.log, criu.log_dir)
         shutil.rmtree(work, ignore_errors=True)
-    return Report("stop-the-world", str(directory), manifest, timings=g.timings,
+    return Report(ImageKind.STOP_THE_WORLD.value, str(directory), manifest, timings=g.timings,
                   restored_pid=root)
