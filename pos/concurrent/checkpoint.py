@@ -163,12 +163,9 @@ class _Whole:
     def refuse(self) -> None:
         """What cannot be saved this way, said before anything is touched; the agents."""
         pid = self.pid
-        procs.require_checkpointable(pid)
-        procs.require_dumpable(pid)
+        self.pids, self.cuda = restorable.tree(pid)
         self.criu = criu_mod.find(self.settings)
-        self.pids = procs.tree(pid)
         self.options = self.options.fitted(self.pids)
-        self.cuda = cudackpt.gpu_pids(self.pids)
         if not self.cuda:
             Agent(pid).close()             # no agent: that is the sentence to say
             raise BadInput(f"the tree of PID {pid} has no CUDA state", "checkpoint it with `pos "

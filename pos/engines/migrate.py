@@ -32,9 +32,7 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
            progress: Progress = QUIET, settings: Optional[Settings] = None) -> dict[str, float]:
     """lock -> checkpoint -> restore onto the GPUs `where` names -> unlock, for every CUDA
     process of the tree; the undo restores onto the original GPUs. The seconds of each step."""
-    procs.require_checkpointable(pid)
-    pids = procs.tree(pid)
-    cuda = cudackpt.gpu_pids(pids)
+    pids, cuda = restorable.tree(pid, dumped=False)
     if not cuda:
         raise BadInput(f"PID {pid} has no CUDA state", "give the PID of a process that uses a GPU")
     agents = restorable.require(cuda, f"move it with `pos migrate {pid} --to-gpu {where} "

@@ -34,11 +34,8 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
                settings: Optional[Settings] = None) -> Report:
     """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
     settings = settings or Settings.from_env()
-    procs.require_checkpointable(pid)
-    procs.require_dumpable(pid)
+    pids, cuda = restorable.tree(pid)
     criu = criu_mod.find(settings)
-    pids = procs.tree(pid)
-    cuda = cudackpt.gpu_pids(pids)
     agents = restorable.require(cuda, MAPPED_BACK_FIX)
     options = options.fitted(pids)
     gpu_use = nvml.gpus_of(cuda) if cuda else {}

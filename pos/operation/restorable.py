@@ -28,12 +28,24 @@ from typing import Mapping, Optional
 from pos import nvml
 from pos.agent.control import Agent, Status
 from pos.errors import BadInput, PosError
-from pos.process import procs
+from pos.process import cudackpt, procs
 
 NCCL_LIBRARY = "libnccl.so"
 WORKING_SETTINGS = ("start the job with NCCL_P2P_DISABLE=1 NCCL_CUMEM_ENABLE=0 in its "
                     "environment (NCCL's SHM transport on /dev/shm; add NCCL_SHM_DISABLE=1 for "
                     "sockets), which the driver restores, and checkpoint it then")
+
+
+def tree(pid: int, dumped: bool = True) -> tuple[list[int], list[int]]:
+    """The tree rooted at `pid` and those of its processes that hold CUDA state, once what pos
+    must not touch is refused in one sentence: a process that is not there, init, a kernel
+    thread, pos or its parents; with `dumped` (CRIU dumps the tree), a process CRIU cannot
+    dump. Every engine's checkpoint and move begins with it."""
+    procs.require_checkpointable(pid)
+    if dumped:
+        procs.require_dumpable(pid)
+    pids = procs.tree(pid)
+    return pids, cudackpt.gpu_pids(pids)
 
 
 def agent_status(pid: int) -> Optional[Status]:
