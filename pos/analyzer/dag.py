@@ -16,8 +16,8 @@ from typing import Optional
 import numba as nb
 import numpy as np
 
-from pos.analyzer.access import OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, Evidence
-from pos.analyzer.load import Ops
+from pos.analyzer.access import Evidence
+from pos.analyzer.ops import OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, Ops
 
 RAW, WAW, WAR = 0, 1, 2
 EDGE_NAMES = ("RAW", "WAW", "WAR")

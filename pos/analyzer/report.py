@@ -13,9 +13,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from pos.analyzer.access import OP_LAUNCH, OP_MEMCPY, OP_MEMSET
 from pos.analyzer.dag import EDGE_NAMES, Analysis
 from pos.analyzer.demangle import KIND_NAMES, demangle
+from pos.analyzer.ops import OP_LAUNCH, OP_MEMCPY, OP_MEMSET
 from pos.errors import BadInput
 from pos.tracer.view import human_bytes
 
