@@ -1,6 +1,6 @@
 """The concurrent engine: checkpoint and restore a `pos run` job while it runs, from outside it.
 
-Checkpoint (GPU state only, or the whole process: checkpoint.py):
+Checkpoint (the GPU state alone: gpuonly.py; the whole process: checkpoint.py):
  1. before the cut: page-locked host memory (as much as the job, where the host can spare it)
     and a device shadow (what is free) are set aside (saver.py);
  2. the cut (the agent holds the job's calls, drains those inside the driver, synchronises);
@@ -18,7 +18,8 @@ Checkpoint (GPU state only, or the whole process: checkpoint.py):
     (pos/concurrent/handout.py says when each is safe to write);
  6. once every buffer is in host memory pos lets go of the job's memory and its shadow, and
     once every chunk is written it seals the image.
-Restore (restore.py) into the live job or into a new process: the job runs as soon as its
+Restore into a new process (restore.py), or of the GPU state alone into the live job
+(gpuonly.py, the GPU-only engine, which checkpoints too): the job runs as soon as its
 memory is mapped (prefetch.py makes and fills it); a call waits only for the buffers it may
 touch that are not back yet, and pos fills them buffer by buffer (fill.py).
 
@@ -26,7 +27,8 @@ If pos dies, the agent releases a held job when its connection closes; while the
 is pos's (step 4's hoist to remap) the watchdog holds it too and gives it back.
 """
 
-from pos.concurrent.checkpoint import checkpoint_full, checkpoint_gpu
-from pos.concurrent.restore import restore_full, restore_gpu
+from pos.concurrent.checkpoint import checkpoint_full
+from pos.concurrent.gpuonly import checkpoint_gpu, restore_gpu
+from pos.concurrent.restore import restore_full
 
 __all__ = ["checkpoint_full", "checkpoint_gpu", "restore_full", "restore_gpu"]

@@ -1,5 +1,5 @@
-"""A concurrent checkpoint: the GPU state alone (`checkpoint_gpu`), or the whole process
-(`checkpoint_full`), whose phases are the methods of `_Whole`, in the order `run` calls them:
+"""A concurrent checkpoint of the whole process (`checkpoint_full`; the GPU state alone:
+gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls them:
 
   refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
              restore (pos/operation/restorable.py)
@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Optional
 from pos import image, nvml
 from pos.agent.control import Agent, Cut, Gate
 from pos.concurrent import predump, staging
-from pos.concurrent.saver import STALL_S, Saver, Taken, timings_of
+from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
+                                   reconnected, timings_of)
 from pos.errors import BadInput
 from pos.image import names
 from pos.image.kinds import ImageKind
@@ -45,64 +46,6 @@ from pos.settings import DEFAULT_LOCK_TIMEOUT_MS, Settings
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.concurrent.copier import Copied
-
-SAVE_STREAMS = 8        # a checkpoint's copy threads: device to host memory, then to disk
-DEFAULT_CHUNK_MB = 64
-
-
-def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
-                   chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
-                   settings: Optional[Settings] = None) -> Report:
-    """The GPU state of `pid` at one instant, taken while it runs (rolls back only into a live
-    job: concurrent.restore.restore_gpu)."""
-    settings = settings or Settings.from_env()
-    with Agent(pid) as first:
-        saver = Saver.prepare(first, settings, streams, chunk_mb << 20, gpu_only=True)
-        taken: Optional[Taken] = None
-        try:
-            partial = image.prepare(Path(directory), saver.owned_bytes)
-            echo(f"checkpointing the GPU state of PID {pid} concurrently: "
-                 f"{saver.owned_bytes / 2**30:.2f} GiB of device memory")
-            try:
-                agent = _reconnect(saver, echo)
-                t0 = time.monotonic()
-                cut = saver.cut()
-                taken = saver.take(partial)
-                taken.release()
-                release_s = time.monotonic() - t0
-                taken.wait_copied()
-                gate = agent.end()
-                manifest = new_manifest(pid, [pid], [pid], "", Options(), True,
-                                        nvml.gpus_of([pid]))
-                copy = taken.write(partial)
-                manifest.timings = saver.timings
-                manifest.stall_s = gate.held_max_s
-                final = image.seal(partial, manifest)
-            except BaseException:
-                image.discard(partial)
-                raise
-        finally:
-            if taken is not None:
-                taken.close()
-            saver.close()
-            if saver.agent is not None:
-                saver.agent.close()
-    device = DeviceCopy(len(taken.table), copy.bytes, cut, gate, taken.shadow_bytes, release_s,
-                        copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None,
-                        saver.foreign_bytes)
-    return Report(ImageKind.GPU_ONLY.value, str(final), manifest, timings=saver.timings,
-                  device=device)
-
-
-def _reconnect(saver: Saver, echo: Echo) -> Agent:
-    """The job's agent on the cut's own connection (Saver.reconnect), a loss of the one before
-    said."""
-    lost = saver.reconnect()
-    if lost:
-        echo(f"(the connection that asked the status of PID {saver.pid} was lost during the "
-             f"pin: {lost})")
-    return saver.connected()
-
 
 def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
                     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, streams: int = SAVE_STREAMS,
@@ -211,7 +154,7 @@ class _Whole:
     def cut(self, g: Guard, stage: Optional[Path]) -> float:
         """Every job held, each on a connection made just now; when the cut began (the jobs'
         stall counts from there)."""
-        self.agents = [_reconnect(s, self.echo) for s in self.savers]
+        self.agents = [reconnected(s, self.echo) for s in self.savers]
         t0 = time.monotonic()
         g.step("cut", staging=str(stage or ""))
         if self.several:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the
     from pos.concurrent import gpucopy
     from pos.concurrent.handout import Handout
 
+FILL_STREAMS = 16      # a restore's fill threads: host to device memory
 FILL_DEPTH = 4         # pieces a fill thread has in flight (their copies overlap its reads)
 
 

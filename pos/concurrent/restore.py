@@ -1,24 +1,20 @@
-"""A concurrent image back: into the live job it was taken of (`restore_gpu`, a GPU-only
-image), or into new processes (`restore_full`: CRIU and the driver's restore of the small
-context, then the job's memory mapped at the same addresses and filled while it runs, a call
-waiting only for the buffers not back yet)."""
+"""A whole-process concurrent image back, into new processes (`restore_full`: CRIU and the
+driver's restore of the small context, then the job's memory mapped at the same addresses and
+filled while it runs, a call waiting only for the buffers not back yet; a GPU-only image goes
+back into its live job: gpuonly.py)."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from pos import image
 from pos.agent.control import Agent, Gate
-from pos.concurrent import devices
-from pos.concurrent.fill import FILL_DEPTH, fill
-from pos.concurrent.handout import Handout
+from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
-from pos.concurrent.saver import STALL_S
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex, kinds
 from pos.image.kinds import ImageKind
@@ -30,57 +26,6 @@ from pos.settings import Settings
 if TYPE_CHECKING:
     from pos.concurrent import gpucopy
     from pos.operation.gpumap import Onto
-
-FILL_STREAMS = 16       # a restore's fill threads: host to device memory
-
-
-def restore_gpu(pid: int, directory: Path, streams: int = FILL_STREAMS,
-                echo: Echo = lambda _: None, settings: Optional[Settings] = None) -> Report:
-    """Put a GPU image back into the live job `pid`, on demand (the chunks as they were
-    saved, each through a fill thread's ring)."""
-    from pos.concurrent import gpucopy
-
-    settings = settings or Settings.from_env()
-    directory = Path(directory)
-    manifest = image.verify(directory, kinds.checked_by_restore(directory))
-    echo(f"restoring the GPU state of PID {pid} from {directory}")
-    index = gpuindex.read(directory)
-    saved, hot = gpuindex.saved(directory, index), index.hot
-    with Agent(pid) as agent, gpucopy.Context(devices.device_of(pid)) as context:
-        drv = context.drv
-        rings = gpucopy.Rings(drv, streams, settings.fill_piece_bytes, FILL_DEPTH)
-        try:
-            t0 = time.monotonic()
-            cut = agent.cut(STALL_S)
-            table = [replace(b, touched=b.va in hot) for b in agent.table()]
-            missing = [b for b in table if b.va not in saved or saved[b.va].size != b.size]
-            if missing or len(saved) != len(table):
-                agent.end()
-                raise BadInput(f"the image {directory} does not hold the buffers process {pid} "
-                               f"has now ({len(missing)} of {len(table)} differ)", "restore into "
-                               "the job the image was taken of, in the same phase of its work")
-            fds = agent.export().fds
-            try:
-                mem = gpucopy.Imported(drv, table, fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            try:
-                agent.restore()
-                release_s = time.monotonic() - t0
-                handout = Handout(table)
-                handout.attach(agent)
-                copy = fill(drv, table, mem.local, saved, streams=streams, handout=handout,
-                            rings=rings, mapped=settings.fill_mapped)
-                gate = agent.end()
-            finally:
-                mem.close()   # on failure the agent ends a half-restored job as pos goes
-        finally:
-            rings.close()
-    return Report(ImageKind.GPU_ONLY.value, str(directory), manifest, timings={"h2d": copy.seconds},
-                  device=DeviceCopy(len(table), copy.bytes, cut, gate, 0, release_s, None,
-                                    copy.gbps))
-
 
 def ranks_of(directory: Path) -> list[Optional[int]]:
     """The jobs of a whole-process image (gpuindex.jobs); none is refused."""

@@ -33,6 +33,8 @@ if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the
     from pos.concurrent import copier, gpucopy
     from pos.image import gpu as gpuimage             # and a restore starts CRIU before it
 
+SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host memory, then disk
+DEFAULT_CHUNK_MB = 64          # a checkpoint's chunk of a buffer (copied, hashed, written)
 SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 
@@ -308,6 +310,16 @@ class Taken:
             self.copier.close()              # nor write from the arena
             self.writer.close()              # its data files (a failed image's are discarded)
         self._drop_device()
+
+
+def reconnected(saver: Saver, echo: steps.Echo) -> Agent:
+    """The job's agent on the cut's own connection (Saver.reconnect), a loss of the one before
+    said."""
+    lost = saver.reconnect()
+    if lost:
+        echo(f"(the connection that asked the status of PID {saver.pid} was lost during the "
+             f"pin: {lost})")
+    return saver.connected()
 
 
 def export(saver: Saver) -> list[int]:

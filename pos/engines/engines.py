@@ -71,7 +71,7 @@ class Concurrent(_Base):
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos import concurrent
-        from pos.concurrent.checkpoint import DEFAULT_CHUNK_MB, SAVE_STREAMS
+        from pos.concurrent.saver import DEFAULT_CHUNK_MB, SAVE_STREAMS
 
         return concurrent.checkpoint_full(
             pid, directory, save.options, save.leave_running, save.lock_timeout_ms,
@@ -129,7 +129,7 @@ class GpuOnly(_Base):
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos import concurrent
-        from pos.concurrent.checkpoint import DEFAULT_CHUNK_MB, SAVE_STREAMS
+        from pos.concurrent.saver import DEFAULT_CHUNK_MB, SAVE_STREAMS
 
         return concurrent.checkpoint_gpu(pid, directory, save.streams or SAVE_STREAMS,
                                          save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
@@ -137,7 +137,7 @@ class GpuOnly(_Base):
 
     def restore(self, directory: Path, load: Load) -> Report:
         from pos import concurrent
-        from pos.concurrent.restore import FILL_STREAMS
+        from pos.concurrent.fill import FILL_STREAMS
 
         if load.pid is None:
             image.check_files(directory)    # or a whole-process one missing its inventory
