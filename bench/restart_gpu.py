@@ -247,7 +247,8 @@ def startup() -> dict[str, Any]:
                        ("restore_imports", [PY, "-c", "import pos.cli, pos.engines.commands, "
                                             "pos.concurrent, pos.engines.stopworld, "
                                             "pos.process.cudackpt, pos.store.db"]),
-                       ("fill_imports", [PY, "-c", "import pos.image.gpu, pos.concurrent.gpucopy"])):
+                       ("fill_imports", [PY, "-c",
+                                         "import pos.image.gpu, pos.concurrent.gpucopy"])):
         times = []
         for _ in range(3):
             t = time.monotonic()

@@ -4,8 +4,9 @@ it. Each one checkpoints, restores and moves a job onto other GPUs, and answers 
 `Report` (pos/operation/engine.py, with the requests and the protocol):
 
   StopTheWorld   the CUDA driver's checkpoint, then CRIU (any process; stopworld.py)
-  Concurrent     a `pos run` job saved whole while it runs (concurrent/)
+  Concurrent     a `pos run` job saved whole while it runs (pos/concurrent/)
   GpuOnly        a `pos run` job's GPU state alone, rolled back into the live job
+                 (pos/concurrent/gpuonly.py)
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ meanwhile, because:
 The wait is bounded (POS_CRIU_WAIT_S from the daemon's start; past it the job is killed, then
 the daemon) and timed: `lazy_done_at`, seconds from the restore's start to the last page in.
 
-Checksums: restore.py resumes the tree, which CRIU restored stopped, only once the image's
-check passed. The daemon's background push may give the stopped tree pages of an image that
-then fails its check; the tree is killed then, having never run, which is enough: no page of a
-bad image is ever run. Whatever undoes a lazy restore (watchdog.recover) kills the tree first
+Checksums: pos/restore/tree.py resumes the tree, which CRIU restored stopped, only once the
+image's check passed. The daemon's background push may give the stopped tree pages of an image
+that then fails its check; the tree is killed then, having never run, which is enough: no page
+of a bad image is ever run. Whatever undoes a lazy restore (watchdog.recover) kills the tree first
 and ends the daemon after it: a daemon ended first would hand the job zeros.
 """
 
