@@ -22,7 +22,6 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -35,7 +34,7 @@ from pos.errors import BadInput
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import restorable
-from pos.operation.engine import DeviceCopy, Report
+from pos.operation.engine import DeviceCopy, RankSaved, Report
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import Plan
 from pos.operation.steps import Echo, Guard
@@ -251,8 +250,7 @@ class _Whole:
         d2h_s = max(c.d2h_s for c in self.copies)
         worst = max((x for x in self.gates if x is not None), key=lambda x: x.held_max_s,
                     default=None)
-        ranks = ([{"pid": s.pid, "gpu": s.gpu, "bytes": c.bytes, "cut": asdict(k),
-                   "gate": asdict(x) if x is not None else None}
+        ranks = ([RankSaved(s.pid, s.gpu, c.bytes, k, x)
                   for s, c, k, x in zip(self.savers, self.copies, self.cuts, self.gates)]
                  if self.several else [])
         return Report(ImageKind.CONCURRENT.value, str(final), self.manifest,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -18,7 +18,7 @@ from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex, kinds
 from pos.image.kinds import ImageKind
-from pos.operation.engine import DeviceCopy, Report
+from pos.operation.engine import DeviceCopy, RankBack, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
 from pos.settings import Settings
@@ -155,7 +155,7 @@ def _report(result: Report, pres: list[Prefetch], back: _Back, t0: float,
                **{k: max(r[k] for r in rest) for k in rest[0]},
                "ended_at": back.ended_at, "let_go": let_go}
     worst = max(back.gates, key=lambda x: x.held_max_s)
-    several = [{"pid": pre.rank, "gpu": pre.onto, "bytes": c.bytes, "gate": asdict(x)}
+    several = [RankBack(pre.rank, pre.onto, c.bytes, x)
                for pre, c, x in zip(pres, back.copies, back.gates)] if len(pres) > 1 else []
     return Report(ImageKind.CONCURRENT.value, result.path, result.manifest, timings=timings,
                   restored_pid=result.restored_pid, device=DeviceCopy(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 from pos.agent.control import Cut, Gate
 from pos.image import Manifest
@@ -64,6 +64,27 @@ class Engine(Protocol):
 
 
 @dataclass
+class RankSaved:
+    """One process of a job of several (DDP's ranks), as a checkpoint saved it."""
+
+    pid: int
+    gpu: Optional[str]             # the GPU it ran on
+    bytes: int                     # what pos copied of its device memory
+    cut: Cut
+    gate: Optional[Gate]           # its calls through the operation (None: it had no agent left)
+
+
+@dataclass
+class RankBack:
+    """One process of a job of several (DDP's ranks), as a restore brought it back."""
+
+    pid: Optional[int]             # its PID in the image
+    gpu: Optional[str]             # the GPU it went onto
+    bytes: int                     # what pos filled of its device memory
+    gate: Gate
+
+
+@dataclass
 class DeviceCopy:
     """What pos itself copied of the jobs' device memory (the concurrent engines)."""
 
@@ -77,8 +98,8 @@ class DeviceCopy:
     h2d_gbps: Optional[float] = None
     foreign_bytes: int = 0         # device memory the agent could not own: the driver's
                                    # checkpoint saves it in a whole-process image
-    ranks: list[dict[str, Any]] = field(default_factory=list)   # a job of several CUDA
-                                   # processes: each one's pid, gpu, bytes, cut and gate
+    ranks: Sequence[Union[RankSaved, RankBack]] = field(default_factory=list)  # a job of
+                                   # several CUDA processes: each one's part
 
 
 @dataclass
