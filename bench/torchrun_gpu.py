@@ -172,7 +172,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
     ddp.wait_lines(outdir, a.at, 240)
     pids = ddp.tree(job.pid)
     row["processes"] = len(pids)
-    from pos.scheduler import procs
+    from pos.process import procs
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
     img = work / f"img-{case.name}"
