@@ -581,8 +581,9 @@ struct vmm_handle {
 
 /* Live mappings of imported memory, by address: the driver's restore of a process that had one
  * at its checkpoint fails with CUDA_ERROR_NOT_SUPPORTED (801), measured on two H200s (driver
- * 580.159.04, bench/peer_probe.py). Their count goes to the state directory ("peer-PID"), where
- * the restore, called by another process, reads it. */
+ * 580.159.04, bench/peer_probe.py). Their count goes to the state directory ("peer-PID"); the
+ * checkpoint keeps it as it was then ("peer-checkpointed-PID"), which the restore, called by
+ * another process, reads. */
 #define MAX_PEER_MAPS 1024
 static uintptr_t peer_vas[MAX_PEER_MAPS];
 static int npeer_vas;
@@ -1577,8 +1578,15 @@ API CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
 
 API CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
     int valid = !args || all_zero(args, sizeof(*args));
-    return transition(__func__, pid, valid, CU_PROCESS_STATE_LOCKED,
-                      CU_PROCESS_STATE_CHECKPOINTED);
+    CUresult r = transition(__func__, pid, valid, CU_PROCESS_STATE_LOCKED,
+                            CU_PROCESS_STATE_CHECKPOINTED);
+    if (r == CUDA_SUCCESS) { /* what the restore will fail on: the imports mapped now */
+        char live[64], kept[64];
+        snprintf(live, sizeof(live), "peer-%d", pid);
+        snprintf(kept, sizeof(kept), "peer-checkpointed-%d", pid);
+        counter(kept, counter(live, 0) - counter(kept, 0));
+    }
+    return r;
 }
 
 static void peer_maps_publish(void) {
@@ -1592,7 +1600,7 @@ API CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) 
     int valid = !args || ((args->gpuPairs || !args->gpuPairsCount) &&
                           all_zero(args->reserved, sizeof(args->reserved)) && !args->reserved1);
     char peers[64];
-    snprintf(peers, sizeof(peers), "peer-%d", pid);
+    snprintf(peers, sizeof(peers), "peer-checkpointed-%d", pid);
     int state;
     if (valid && counter(peers, 0) > 0 && checkpoint_begin(__func__, pid, 1, &state) == 0 &&
         state == CU_PROCESS_STATE_CHECKPOINTED)
