@@ -138,5 +138,6 @@ def test_doctor_and_the_migration_key(tmp_path: Path, monkeypatch: pytest.Monkey
     assert (key / "key.pem").read_bytes() == before
     (key / "key.pem").chmod(0o644)
     assert "can be read by others than its owner (mode -rw-r--r--" in line()
-    r = CliRunner().invoke(cli, ["migrate", "1", "--to", "127.0.0.1:7070"])
+    r = CliRunner().invoke(cli, ["migrate", "--listen", "-D", str(tmp_path / "in")])
     assert r.exit_code == 2 and "chmod 600" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "in").exists()

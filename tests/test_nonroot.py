@@ -79,6 +79,9 @@ CASES: dict[tuple[str, ...], list[tuple[tuple[str, ...], str]]] = {
                    (("{pid}", "--to", "127.0.0.1:7"), ROOT_ONLY),
                    (("--listen", "-D", "{shared}/in"), ROOT_ONLY)],
     ("daemon",): [((), ROOT_ONLY)],
+    **{path: [(args, "pos saves containers of rootful podman only, as root: run pos with sudo.")]
+       for path, args in ((("cdi",), ()), (("container", "checkpoint"), ("job", "-D", "{shared}/c")),
+                          (("container", "restore"), ("-D", "{shared}", "--name", "copy")))},
     **{path: [(args, "cannot open the store {db} as this user (Permission denied): run pos as "
                      "root (sudo), or give a store of your own with --db or POS_DB.")]
        for path, args in (
@@ -89,7 +92,7 @@ CASES: dict[tuple[str, ...], list[tuple[tuple[str, ...], str]]] = {
 
 
 def test_every_command_is_tried() -> None:
-    tried = set(CASES) | {("doctor",), ("run",), ("schedule",)}
+    tried = set(CASES) | {("doctor",), ("run",), ("schedule",), ("container",)}
     assert tried == set(_commands(cli)) - {()}
 
 

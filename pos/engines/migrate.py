@@ -144,9 +144,9 @@ def to_host(pid: int, host: str, engine: "Engine", save: "Save", local: Optional
     taken here (the job frozen only for the driver's small checkpoint and CRIU's dump, its
     device memory copied by pos), then sent whole."""
     address, port = _split(host)
-    key = migrate_key.load(key_folder)
     procs.require_checkpointable(pid)
     procs.require_dumpable(pid)
+    key = migrate_key.load(key_folder)
     try:
         raw = socket.create_connection((address, port), timeout=30)
     except OSError as e:

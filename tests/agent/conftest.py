@@ -107,7 +107,8 @@ def ran_past(pid: int, done: Optional[int] = None, timeout: float = 20) -> int:
 
 
 @pytest.fixture
-def gpu_env(tmp_path: Path, fakegpu: dict[str, Path]) -> dict[str, str]:
+def gpu_env(tmp_path: Path, fakegpu: dict[str, Path],
+            monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """pos's and the job's environment: the fake driver, its checkpoint state, the store."""
     if os.geteuid() != 0:
         pytest.skip("the agent answers root only, and pos needs root")
@@ -115,7 +116,8 @@ def gpu_env(tmp_path: Path, fakegpu: dict[str, Path]) -> dict[str, str]:
            "POS_FAKECUDA_STATE_DIR": str(tmp_path / "fakecuda"),
            "POS_DB": str(tmp_path / "pos.db"),
            "POS_WATCHDOG_LOG": str(tmp_path / "wd.log")}
-    os.environ.update(env)          # pos in this process (the engine's functions) too
+    for name, value in env.items():   # pos in this process (the engine's functions) too,
+        monkeypatch.setenv(name, value)   # for this test alone: a later one's store is its own
     return {**os.environ, **env}
 
 

@@ -248,7 +248,7 @@ def test_the_driver_numbers_a_gpu_named_by_nvml(gpu, monkeypatch) -> None:
 
 def test_migrate_usage_errors(criu_ready) -> None:
     r = pos("migrate", "123")
-    assert r.returncode == 2 and "exactly one of --to-gpu N, --to HOST or --listen" in r.stderr
+    assert r.returncode == 2 and "exactly one of --to-gpu N, --to HOST, --listen or --new-key" in r.stderr
     r = pos("migrate", "--listen")
     assert r.returncode == 2 and "--listen needs -D DIR" in r.stderr
     r = pos("migrate", "123", "--to-gpu", "1", "-D", "/tmp/nowhere")
