@@ -80,7 +80,8 @@ CASES: dict[tuple[str, ...], list[tuple[tuple[str, ...], str]]] = {
                    (("--listen", "-D", "{shared}/in"), ROOT_ONLY)],
     ("daemon",): [((), ROOT_ONLY)],
     **{path: [(args, "pos saves containers of rootful podman only, as root: run pos with sudo.")]
-       for path, args in ((("cdi",), ()), (("container", "checkpoint"), ("job", "-D", "{shared}/c")),
+       for path, args in ((("cdi",), ()),
+                          (("container", "checkpoint"), ("job", "-D", "{shared}/c")),
                           (("container", "restore"), ("-D", "{shared}", "--name", "copy")))},
     **{path: [(args, "cannot open the store {db} as this user (Permission denied): run pos as "
                      "root (sudo), or give a store of your own with --db or POS_DB.")]

@@ -1,6 +1,7 @@
 """Moving a process: onto another GPU of this host (the driver's restore with the GPU pairs of
-pos/operation/gpumap.py, no CRIU needed), or to another host (CRIU's page server streams the memory, a control connection
-carries the rest of the image; the receiver verifies and restores it)."""
+pos/operation/gpumap.py, no CRIU needed), or to another host (CRIU's page server streams the
+memory, a control connection carries the rest of the image, both over TLS with the key the
+hosts share; the receiver verifies and restores it)."""
 
 import os
 import shutil
@@ -51,7 +52,8 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
             g.each(step, cuda, fn)
             if step == "lock":
                 restorable.recheck_locked(cuda, agents)
-    echo(f"PID {pid} now runs on GPU {where} ({', '.join(f'{a} -> {b}' for a, b in pairs if a != b)})")
+    moved = ", ".join(f"{a} -> {b}" for a, b in pairs if a != b)
+    echo(f"PID {pid} now runs on GPU {where} ({moved})")
     return g.timings
 
 
