@@ -37,7 +37,7 @@ PARENT = "parent"                    # CRIU's name for the images an incremental
 
 INDEX = "gpu-index.json"             # the GPU index of an image of one job
 PEER_LINKS = "peer-links.json"       # the imports of other processes' memory the checkpoint
-                                     # took down, each with its owner (pos/agent/peers.py)
+                                     # took down, each with its owner (the agent side: peers.py)
 _RANK_INDEX = re.compile(r"gpu-index-(\d+)\.json")
 _DATA = "gpu-data-"
 

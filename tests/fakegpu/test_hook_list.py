@@ -1,7 +1,7 @@
 """The agent's hook list held to cuda.h, as test_driver.py holds pos/driver.py: every entry
 point of the families that read or write device memory (pos/agent/hook/gated.h) that cuda.h
 declares, in every version the driver exports, the names cuda.h maps to newer ones and the
-per-thread variants, is wrapped (hooks.h, agent.h's OWN_WRAPPERS), let through (PASSES, each
+per-thread variants, is wrapped (wrapped.h, agent.h's OWN_WRAPPERS), let through (PASSES, each
 with why) or refused (LEGACY), so that an entry point a newer cuda.h adds fails here until
 someone decides; and every wrapper takes what cuda.h's function takes.
 
@@ -37,7 +37,7 @@ def listed(header: str, macro: str) -> list[str]:
 
 
 FAMILIES = tuple(listed("gated.h", "FAMILIES"))
-WRAPPED = set(listed("hooks.h", "HOOKS")) | set(listed("agent.h", "OWN_WRAPPERS"))
+WRAPPED = set(listed("wrapped.h", "HOOKS")) | set(listed("agent.h", "OWN_WRAPPERS"))
 PASSES = set(listed("gated.h", "PASSES"))
 LEGACY = set(listed("gated.h", "LEGACY"))
 
@@ -81,7 +81,7 @@ def test_every_memory_entry_point_of_cuda_h_is_decided(cuda_h: dict[str, str]) -
             "cuMemsetD2D8Async_ptsz", "cuStreamWaitValue64_v2_ptsz"} <= family
     undecided = sorted(family - WRAPPED - PASSES - LEGACY)
     assert not undecided, ("entry points of cuda.h that touch device memory, neither wrapped "
-                           "(hooks.h) nor listed in gated.h (PASSES, LEGACY)", undecided)
+                           "(wrapped.h) nor listed in gated.h (PASSES, LEGACY)", undecided)
 
 
 def test_each_decision_is_one_and_names_an_entry_point_of_cuda_h(
@@ -120,9 +120,9 @@ def test_every_wrapper_takes_what_cuda_h_declares(
     """Parameter by parameter, in kind and size; the agent may take a pointer to any struct
     as void *."""
     nvcc = _nvcc()
-    hooks = listed("hooks.h", "HOOKS")
+    hooks = listed("wrapped.h", "HOOKS")
     theirs = _kinds(nvcc, tmp_path_factory.mktemp("theirs"), "#include <cuda.h>", hooks)
-    ours = _kinds(nvcc, tmp_path_factory.mktemp("ours"), '#include "abi.h"\n#include "hooks.h"',
+    ours = _kinds(nvcc, tmp_path_factory.mktemp("ours"), '#include "abi.h"\n#include "wrapped.h"',
                   hooks)
     for name in hooks:
         c, o = theirs[name], ours[name]

@@ -22,7 +22,8 @@
  * One file per concern, this header what they share (nothing of it is exported: the library
  * is built with -fvisibility=hidden, and only the driver's entry points, EXPORT, are seen):
  *   abi.h       the driver's types           resolve.c   the driver's own functions
- *   hooks.h/.c  the gated wrappers           interpose.c dlsym and cuGetProcAddress
+ *   wrapped.h   the gated wrappers' list     interpose.c dlsym and cuGetProcAddress
+ *   hooks.c     the gated wrappers
  *   gated.h     which entry points the gate must know (held to cuda.h by a test)
  *   table.c     owned and foreign memory     gate.c      the gate, phases, its statistics
  *   cut.c       the cut, the collective cut  vmm.c       owned memory
@@ -75,10 +76,10 @@ struct touch {
 #define T_WR(a, b) ((struct touch){.w = {(a)}, .nw = 1, .r = {(b)}, .nr = 1})
 
 /* ---- the driver's functions ------------------------------------------------------------------
- * Those the gate wraps (hooks.h), and those with wrappers of their own or that the agent calls
+ * Those the gate wraps (wrapped.h), and those with wrappers of their own or that the agent calls
  * (OWN). Each has a slot for the driver's own function; the agent's own calls go there through
  * DRV, never through a wrapper. */
-#include "hooks.h"
+#include "wrapped.h"
 
 #define OWN(X)                                                                                     \
     X(cuInit)                                                                                      \
@@ -104,7 +105,7 @@ struct touch {
     X(cuMemGetAddressRange_v2)
 #define DECLARE_OWN(name) extern void *volatile real_##name;
 OWN(DECLARE_OWN)
-/* Those of OWN with a wrapper of their own, which the lookups hand out as hooks.h's. */
+/* Those of OWN with a wrapper of their own, which the lookups hand out as wrapped.h's. */
 #define OWN_WRAPPERS(X)                                                                            \
     X(cuInit)                                                                                      \
     X(cuMemAlloc_v2)                                                                               \

@@ -2,8 +2,8 @@
  *
  * FAMILIES: the entry points that read or write device memory, or make or unmake it, by the
  * beginning of their names (every version and per-thread variant of each). Of those, every one
- * that cuda.h declares is wrapped (hooks.h, or OWN_WRAPPERS in agent.h), let through (PASSES),
- * or refused (LEGACY); tests/fakegpu/test_hook_list.py holds this file and hooks.h to cuda.h,
+ * that cuda.h declares is wrapped (wrapped.h, or OWN_WRAPPERS in agent.h), let through (PASSES),
+ * or refused (LEGACY); tests/fakegpu/test_hook_list.py holds this file and wrapped.h to cuda.h,
  * so an entry point a newer header adds fails that test until someone decides.
  *
  * At run time an entry point of a family that the agent neither wraps nor lets through, which

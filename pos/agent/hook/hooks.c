@@ -1,4 +1,4 @@
-/* The wrappers of the driver functions listed in hooks.h, and their driver slots. */
+/* The wrappers of the driver functions listed in wrapped.h, and their driver slots. */
 #include "agent.h"
 
 #define WRAP(name, params, args, tch, after)                                                       \

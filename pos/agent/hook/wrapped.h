@@ -1,6 +1,6 @@
 /* The driver functions the gate wraps: what each call may touch, and what follows it. */
-#ifndef POS_AGENT_HOOKS_H
-#define POS_AGENT_HOOKS_H
+#ifndef POS_AGENT_WRAPPED_H
+#define POS_AGENT_WRAPPED_H
 
 /* HOOKS(X): X(name, params, args, touch, after). Each becomes an exported wrapper that enters
  * the gate with `touch`, calls the driver's own function, runs `after` (with its result r)
