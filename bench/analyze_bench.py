@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from pos.analyzer.access import speculate  # noqa: E402
 from pos.analyzer.dag import analyze  # noqa: E402
-from pos.analyzer.load import Ops, OpsBuilder  # noqa: E402
+from pos.analyzer.load import OpsBuilder  # noqa: E402
+from pos.analyzer.ops import Ops  # noqa: E402
 from pos.analyzer.reference import reference_evidence  # noqa: E402
 
 

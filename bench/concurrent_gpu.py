@@ -65,13 +65,15 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from pos import concurrent  # noqa: E402
 from pos import nvml  # noqa: E402
 from pos.agent.control import Agent, Buffer  # noqa: E402
+from pos.concurrent import gpucopy  # noqa: E402
+from pos.concurrent.fill import fill, fill_order  # noqa: E402
+from pos.concurrent.handout import Handout  # noqa: E402
 from pos.driver import CUdeviceptr  # noqa: E402
 from pos.image import gpuindex, names  # noqa: E402
-from pos.scheduler import concurrent, cudackpt, gpucopy  # noqa: E402
-from pos.scheduler.concurrent.fill import fill, fill_order  # noqa: E402
-from pos.scheduler.handout import Handout  # noqa: E402
+from pos.process import cudackpt  # noqa: E402
 from workloads.fill_job import image_values, torn  # noqa: E402
 
 PY = sys.executable
@@ -845,7 +847,7 @@ def faults(out: Path, images: Path) -> dict[str, Any]:
 
 
 def predump(out: Path, images: Path) -> dict[str, Any]:
-    from pos.scheduler import criu as criu_mod
+    from pos.process import criu as criu_mod
 
     log = images / "pre.log"
     p = pos_job(det_argv(log, 0, 2, 0.01))

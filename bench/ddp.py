@@ -139,7 +139,7 @@ def wait_lines(outdir: Path, n: int, timeout: float) -> None:
 
 def tree(root: int) -> list[int]:
     sys.path.insert(0, str(ROOT))
-    from pos.scheduler import procs
+    from pos.process import procs
 
     return procs.tree(root)
 
@@ -232,7 +232,7 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
                 cr_dir)
     wait_lines(cr_dir, at, 120)
     pids = tree(job.pid)
-    from pos.scheduler import procs
+    from pos.process import procs
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
     row["tcp_within"] = procs.tcp_within(pids)
@@ -394,7 +394,7 @@ def main() -> None:
         if args.backend == "nccl" else None,
         "host": {"kernel": platform.release(), "cores": os.cpu_count()},
         "torch": torch_version,
-        "criu": subprocess.run([sys.executable, "-c", "from pos.scheduler import criu; "
+        "criu": subprocess.run([sys.executable, "-c", "from pos.process import criu; "
                                 "print(criu.find().version_text)"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip(),
         "commit": os.environ.get("POS_BENCH_COMMIT") or (

@@ -25,8 +25,8 @@ from typing import Callable
 
 import numpy as np
 
+from pos.concurrent.gpucopy import Ring
 from pos.image import gpu as gpuimage
-from pos.scheduler.gpucopy import Ring
 
 LIB = gpuimage._lib
 NOOP = C.cast(C.CDLL(None).sched_yield, C.c_void_p).value   # returns 0, ignores its arguments

@@ -30,7 +30,7 @@ from concurrent_gpu import kill  # noqa: E402
 from scale_gpu import GIB, Spec, one_row, setting, start_job, wait_steps  # noqa: E402
 
 from pos.agent.control import Agent  # noqa: E402
-from pos.scheduler import cudackpt  # noqa: E402
+from pos.process import cudackpt  # noqa: E402
 
 SPLIT = ("cut", "export", "import", "shadow", "hoist", "lock", "checkpoint", "dump", "frozen",
          "restore", "unlock", "remap")

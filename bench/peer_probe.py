@@ -231,7 +231,7 @@ def outside(pid: int) -> dict[str, Any]:
 
 def driver_cycle(pids: list[int]) -> dict[str, str]:
     """lock -> checkpoint -> restore -> unlock on every pid at once; each step's outcome."""
-    from pos.scheduler import cudackpt
+    from pos.process import cudackpt
 
     out: dict[str, str] = {}
     steps = [("lock", lambda p: cudackpt.lock(p, 10_000)), ("checkpoint", cudackpt.checkpoint),

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.concurrent_gpu import (POS, PY, anon_mib, det_argv, kill, pos_cmd,  # noqa: E402
                                   pos_job, run_parts)
-from pos.scheduler import cudackpt  # noqa: E402
+from pos.process import cudackpt  # noqa: E402
 
 
 def ctxmem(out: Path) -> dict[str, Any]:
@@ -118,7 +118,7 @@ class Sampler:
 @contextmanager
 def step_times() -> Iterator[list[tuple[str, float]]]:
     """The wall time at which each step of pos's engine (steps.Guard.step) began."""
-    from pos.scheduler import steps
+    from pos.operation import steps
 
     marks: list[tuple[str, float]] = []
     plain = steps.Guard.step
@@ -186,8 +186,8 @@ def firststep_one(out: Path, images: Path, job: str, engine: str, gib: float) ->
 def restore_here(directory: Path, engine: str) -> tuple[float, dict[str, Any]]:
     """The restore run in this process (pos's imports done beforehand): when the job's calls
     were let through, and the engine's steps' wall times and timings."""
-    from pos.scheduler import concurrent
-    from pos.scheduler import restore
+    from pos import concurrent
+    from pos.restore.tree import restore_tree
 
     with step_times() as marks:
         t = time.time()
@@ -196,7 +196,7 @@ def restore_here(directory: Path, engine: str) -> tuple[float, dict[str, Any]]:
             timings = r.timings
             released = dict(marks).get("fill", time.time())
         else:
-            timings = restore.restore_tree(directory).timings
+            timings = restore_tree(directory).timings
             released = time.time()
     return released, {"start": t, "steps": [(n, round(w - t, 4)) for n, w in marks],
                       "timings": timings, "returned_s": time.time() - t}
@@ -244,10 +244,11 @@ def firststep(out: Path, images: Path, gib: float) -> dict[str, Any]:
 def startup() -> dict[str, Any]:
     res: dict[str, Any] = {}
     for name, argv in (("cli_help", [*POS, "--help"]),
-                       ("restore_imports", [PY, "-c", "import pos.cli, pos.scheduler.commands, "
-                                            "pos.scheduler.concurrent, pos.scheduler.stopworld, "
-                                            "pos.scheduler.cudackpt, pos.store.db"]),
-                       ("fill_imports", [PY, "-c", "import pos.image.gpu, pos.scheduler.gpucopy"])):
+                       ("restore_imports", [PY, "-c", "import pos.cli, pos.engines.commands, "
+                                            "pos.concurrent, pos.engines.stopworld, "
+                                            "pos.process.cudackpt, pos.store.db"]),
+                       ("fill_imports", [PY, "-c",
+                                         "import pos.image.gpu, pos.concurrent.gpucopy"])):
         times = []
         for _ in range(3):
             t = time.monotonic()

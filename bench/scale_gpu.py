@@ -261,7 +261,7 @@ def faults(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dict
                 row["why"] = str(e)
             row["agent"] = repr(agent_state(p.pid))
             row["left_running"] = subprocess.run(
-                ["pgrep", "-af", "pos.scheduler.watchdog|pos.cli checkpoint|criu"],
+                ["pgrep", "-af", "pos.operation.watchdog|pos.cli checkpoint|criu"],
                 capture_output=True, text=True).stdout.strip()
             row["ok"] = bool(row["runs_on"] and "phase='idle'" in row["agent"]
                              and not row["left_running"] and steps_in(log) > before)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pos import nvml  # noqa: E402
 from pos import image  # noqa: E402
+from pos import nvml  # noqa: E402
 from pos.cron import retention  # noqa: E402
-from pos.scheduler import procs  # noqa: E402
+from pos.process import procs  # noqa: E402
 from pos.store import schedules  # noqa: E402
 from pos.store.db import open_db  # noqa: E402
 

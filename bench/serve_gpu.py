@@ -40,7 +40,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent_gpu import POS, PY, ROOT, machine  # noqa: E402
 
-from pos.scheduler import procs  # noqa: E402
+from pos.process import procs  # noqa: E402
 
 GIB = 2**30
 SERVER = str(ROOT / "workloads" / "serve_lm.py")
@@ -310,7 +310,7 @@ def host_memory(pid: int) -> dict[str, Any]:
 def driver_alone(pid: int, under_pos: bool) -> dict[str, float]:
     """The driver's restore of the restored server, measured alone: for a `pos run` server its
     memory given up first (bench/floor_gpu.py's driver_floor), else the driver's four calls."""
-    from pos.scheduler import cudackpt
+    from pos.process import cudackpt
 
     if under_pos:
         from floor_gpu import driver_floor

@@ -172,7 +172,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
     ddp.wait_lines(outdir, a.at, 240)
     pids = ddp.tree(job.pid)
     row["processes"] = len(pids)
-    from pos.scheduler import procs
+    from pos.process import procs
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
     img = work / f"img-{case.name}"
@@ -186,6 +186,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
         "checkpoint", str(job.pid), "-D", str(img), "--leave-running", "--tcp-established",
         *(["--concurrent"] if case.engine == "concurrent" else []))
     row.update(checkpoint_exit=code, checkpoint_wall_s=round(wall, 3))
+    err = err or str(report.get("error", ""))       # --json puts the sentence on stdout
     if code != 0:
         row["refused"] = err.removeprefix("Error: ") if code == 2 else None
         row["error"] = None if code == 2 else err

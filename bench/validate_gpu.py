@@ -40,8 +40,9 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pos.analyzer.access import OP_LAUNCH, OP_MEMCPY, OP_MEMSET, speculate  # noqa: E402
+from pos.analyzer.access import speculate  # noqa: E402
 from pos.analyzer.load import load_trace  # noqa: E402
+from pos.analyzer.ops import OP_LAUNCH, OP_MEMCPY, OP_MEMSET  # noqa: E402
 from pos.analyzer.validate import Validator  # noqa: E402
 from pos.driver import driver  # noqa: E402
 from pos.store.db import open_db  # noqa: E402

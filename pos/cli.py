@@ -3,11 +3,11 @@
     pos/tracer/commands.py               trace, export
     pos/analyzer/commands.py             analyze
     pos/agent/commands.py                run
-    pos/scheduler/commands.py            checkpoint, restore, restore-service, inspect,
-                                         migrate
-    pos/cron/commands.py   schedule (add, ls, rm), daemon, images (ls, prune)
+    pos/engines/commands.py              checkpoint, restore, restore-service, inspect,
+                                         migrate (their options: pos/engines/options.py)
+    pos/cron/commands.py                 schedule (add, ls, rm), daemon, images (ls, prune)
     pos/cli.py                           doctor (its checks: pos/doctor.py)
-    pos/options.py                       options shared by several commands (--db, CRIU's)
+    pos/options.py                       options shared by several packages (--db, --json)
 
 Command modules import only click at the top and their packages' modules inside the commands,
 so that `pos --help` stays fast. Errors travel as PosError and leave as one sentence with the
@@ -25,10 +25,10 @@ from pos import __version__
 from pos.agent.commands import run
 from pos.analyzer.commands import analyze
 from pos.container.commands import cdi, container
+from pos.cron.commands import daemon, images, schedule
+from pos.engines.commands import checkpoint, inspect, migrate, restore, restore_service
 from pos.errors import PosError, denied
 from pos.options import json_option
-from pos.scheduler.commands import checkpoint, inspect, migrate, restore, restore_service
-from pos.cron.commands import daemon, images, schedule
 from pos.tracer.commands import export, trace
 from pos.usage import said, wants_json
 

@@ -27,7 +27,7 @@ def _nvidia_driver() -> Optional[PosError]:
 
 
 def _criu() -> Optional[PosError]:
-    from pos.scheduler import criu
+    from pos.process import criu
 
     try:
         criu.find()
@@ -37,8 +37,9 @@ def _criu() -> Optional[PosError]:
 
 
 def _soft_dirty() -> Optional[PosError]:
-    """Whether CRIU can copy a job's host memory before the freeze (pos/scheduler/predump.py)."""
-    from pos.scheduler import criu, predump
+    """Whether CRIU can copy a job's host memory before the freeze (pos/concurrent/predump.py)."""
+    from pos.concurrent import predump
+    from pos.process import criu
 
     try:
         path = criu.find().path
@@ -78,8 +79,8 @@ def _seccomp() -> Optional[PosError]:
 
 def _migrate_key() -> Optional[PosError]:
     """`pos migrate --to HOST` and `--listen` speak TLS, and hear only a host that holds the
-    same key (pos/scheduler/migrate_key.py): without one, migration between hosts is off."""
-    from pos.scheduler import migrate_key
+    same key (pos/engines/migrate_key.py): without one, migration between hosts is off."""
+    from pos.engines import migrate_key
 
     folder = migrate_key.default_dir()
     if not folder.exists():

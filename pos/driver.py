@@ -219,7 +219,7 @@ class Functions:
     cuCheckpointProcessGetRestoreThreadId = Fn(c_int, P(c_int))
 
     def __init__(self, lib: ctypes.CDLL, path: str,
-                 errcheck: Optional[Callable[[int, Any, tuple], int]] = None) -> None:
+                 errcheck: Optional[Callable[..., Any]] = None) -> None:
         self.path = path
         self.present: set[str] = set()
         for fn in declared():

@@ -2,7 +2,7 @@
 where they are known, as one rich line on stderr that goes away when the work ends. Only on a
 terminal: in pipes, logs and with --json nothing is drawn, so scripts read exactly the report.
 
-The engines call `phase` where a step begins (pos.scheduler.steps.Guard.step) and `advance`
+The engines call `phase` where a step begins (pos.operation.steps.Guard.step) and `advance`
 as bytes get done; `QUIET` is the do-nothing instance they default to.
 """
 

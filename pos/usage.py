@@ -43,7 +43,7 @@ class Said(click.ClickException):
 
     def __init__(self, sentence: str, exit_code: int, as_json: bool) -> None:
         super().__init__(sentence)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click reads it from the instance
         self.as_json = as_json
 
     def show(self, file: Optional[IO[Any]] = None) -> None:
@@ -86,8 +86,8 @@ def sentence(e: BaseException, where: str = "pos") -> tuple[str, int]:
     if NO_SUCH_COMMAND and isinstance(e, NO_SUCH_COMMAND) or \
             e.message.startswith("No such command"):
         name = getattr(e, "command_name", None) or e.message.split("'")[1]
-        near = getattr(e, "possibilities", None)
-        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        possible = getattr(e, "possibilities", None)
+        hint = f" (did you mean {' or '.join(possible)}?)" if possible else ""
         return f"{cmd} has no command {name!r}{hint}: see {see} for its commands.", code
     if isinstance(e, ce.BadOptionUsage) and "requires an argument" in e.message:
         return (f"the option {e.option_name} of {cmd} needs a value: give one, as the examples "
@@ -121,5 +121,5 @@ def said(e: BaseException, as_json: bool, where: str = "pos") -> click.ClickExce
     """`e` as pos says errors; said already (or a group's help, shown as click shows it): as
     it is."""
     if isinstance(e, Said) or NO_ARGS_IS_HELP and isinstance(e, NO_ARGS_IS_HELP):
-        return e  # type: ignore[return-value]
+        return e
     return Said(*sentence(e, where), as_json)

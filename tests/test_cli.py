@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from pos.cli import cli
-from tests.scheduler.conftest import criu_ready, kernel_keeps_soft_dirty  # noqa: F401 (a fixture)
+from tests.engines.conftest import criu_ready, kernel_keeps_soft_dirty  # noqa: F401 (a fixture)
 
 
 def _commands(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -1,4 +1,4 @@
-"""The progress line's units and the checksum's counter (CPU only; tests/scheduler has the
+"""The progress line's units and the checksum's counter (CPU only; tests/engines has the
 drawn line end to end)."""
 
 from pathlib import Path

@@ -6,7 +6,7 @@ stop-the-world checkpoint of it with --leave-running for comparison.
 
 Where an NVIDIA GPU and a Python with PyTorch are present, the workloads are PyTorch training
 jobs on the GPU (workloads/torch_job.py traced, workloads/train_det.py checkpointed). Elsewhere
-they are the fake-driver workloads of the tests (tests/fakegpu, and tests/scheduler/counter.py
+they are the fake-driver workloads of the tests (tests/fakegpu, and tests/engines/counter.py
 holding fake CUDA state): real eBPF, real CRIU, a fake libcuda -- that proves the plumbing, not
 GPU behaviour, and the demo says so.
 """
@@ -231,7 +231,7 @@ def run(db: str, out: Path, started: Started) -> None:
         say("checkpoint/restore of the tests' counter process holding fake CUDA state (real "
             "CRIU; the driver calls go to the fake libcuda: plumbing, not GPU behaviour)")
         env.update(POS_LIBCUDA=lib)
-        checkpoint_restore([sys.executable, str(ROOT / "tests" / "scheduler" / "counter.py"),
+        checkpoint_restore([sys.executable, str(ROOT / "tests" / "engines" / "counter.py"),
                             str(out / "count"), "--cuda", lib], out / "count", out, env,
                            "counts", started)
     say("done; everything the demo started has ended")

@@ -15,7 +15,7 @@ or while an import is down. The agent never lets a rank run with an import down:
 with the imports down, restores it. The concurrent engine calls this at its cut, records the
 links in the image (`write`), and puts the imports back after the driver's restore, in place
 (--leave-running) or in the restored processes (`read`, `renamed`); the stop-the-world engine,
-which has no agent in the cut, refuses such a job (pos/scheduler/restorable.py).
+which has no agent in the cut, refuses such a job (pos/operation/restorable.py).
 """
 
 import json

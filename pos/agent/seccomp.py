@@ -7,7 +7,7 @@ calls, whatever UV_USE_IO_URING says, and torchrun creates its store without rea
 (PyTorch 2.13, 2026-11-27). libuv takes ENOSYS from io_uring_setup as "no io_uring here" and
 runs on epoll alone, exactly as under Docker's default seccomp profile (since Docker 25). So
 `pos run -- torchrun ...` is checkpointable as users start it; `--allow-io-uring` leaves the
-job's io_uring alone (such a job is then refused by `pos checkpoint`, pos/scheduler/procs.py).
+job's io_uring alone (such a job is then refused by `pos checkpoint`, pos/process/procs.py).
 
 The filter goes on just before exec, in the thread that execs, and the kernel passes it to
 every child and across every exec: the whole tree. It is built by libseccomp through

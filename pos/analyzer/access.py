@@ -13,22 +13,14 @@ table of live allocations sorted by base so that a value is matched by binary se
 allocations live *at that launch* (addresses are reused after a free).
 """
 
-from typing import TYPE_CHECKING
-
 import numba as nb
 import numpy as np
 
-if TYPE_CHECKING:
-    from pos.analyzer.load import Ops
-
 from pos.analyzer.demangle import CONST_PTR, PTR, SCALAR
+from pos.analyzer.ops import DST_DEVICE, OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, SRC_DEVICE, Ops
 
-# Operation kinds of a replayed trace (load.py builds them, dag.py reads them).
-OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, OP_MEMSET = 1, 2, 3, 4, 5
 # Evidence `param` of copies: which side of the copy matched.
 COPY_DST, COPY_SRC = 0, 1
-# Memcpy flags: which sides are device addresses (from the direction).
-DST_DEVICE, SRC_DEVICE = 1, 2
 
 
 @nb.njit(cache=True, inline="always")
@@ -256,8 +248,8 @@ class Evidence:
         return reads, sorted({int(a) for a in ids[writes]})
 
 
-def speculate(ops: "Ops") -> Evidence:
-    """The evidence of every op of `ops` (load.Ops), by the rule of this module."""
+def speculate(ops: Ops) -> Evidence:
+    """The evidence of every op of `ops`, by the rule of this module."""
     return Evidence(*sweep(ops.kind, ops.a, ops.b, ops.c, ops.sig, ops.pstart, ops.plen,
                            ops.pbytes, ops.sig_start, ops.sig_off, ops.sig_size, ops.sig_kind,
                            max(1, len(ops.alloc_base))))

@@ -16,8 +16,8 @@ from typing import Optional
 import numba as nb
 import numpy as np
 
-from pos.analyzer.access import OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, Evidence
-from pos.analyzer.load import Ops
+from pos.analyzer.access import Evidence
+from pos.analyzer.ops import OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, Ops
 
 RAW, WAW, WAR = 0, 1, 2
 EDGE_NAMES = ("RAW", "WAW", "WAR")
@@ -144,9 +144,9 @@ def find_iterations(keys: np.ndarray, window: int = 16, max_candidates: int = 25
     candidates: set[int] = set()
     for anchor in sorted({n // 4, n // 2, (3 * n) // 4, n - L}):
         w = keys[anchor:anchor + L]
-        pos = np.flatnonzero(keys[:n - L + 1] == w[0])
-        pos = [int(p) for p in pos if np.array_equal(keys[p:p + L], w)]
-        candidates.update(abs(p - anchor) for p in pos if 0 < abs(p - anchor) <= n // 2)
+        at = [int(p) for p in np.flatnonzero(keys[:n - L + 1] == w[0])
+              if np.array_equal(keys[p:p + L], w)]
+        candidates.update(abs(p - anchor) for p in at if 0 < abs(p - anchor) <= n // 2)
     best: Optional[tuple[int, int, int]] = None     # (covered, -period, first)
     for p in sorted(candidates)[:max_candidates]:
         first, run = _longest_run(keys[:-p] == keys[p:])

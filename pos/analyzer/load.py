@@ -16,9 +16,9 @@ from typing import Optional
 import numpy as np
 from sqlalchemy import Engine
 
-from pos.analyzer.access import (DST_DEVICE, OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, OP_MEMSET,
-                                 SRC_DEVICE)
 from pos.analyzer.demangle import SCAN, parameter_kinds
+from pos.analyzer.ops import (DST_DEVICE, OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, OP_MEMSET,
+                              SRC_DEVICE, Ops)
 from pos.errors import BadInput
 from pos.store.export import resolve_trace
 
@@ -26,37 +26,6 @@ U64 = 1 << 64
 # Which sides of a memcpy are device memory, by the direction pos trace recorded.
 COPY_FLAGS = {"HtoD": DST_DEVICE, "DtoH": SRC_DEVICE, "DtoD": DST_DEVICE | SRC_DEVICE,
               "HtoH": 0, "default": DST_DEVICE | SRC_DEVICE}
-
-
-@dataclass
-class Ops:
-    """One trace's operations; arrays indexed by op, by signature, or by allocation."""
-
-    kind: np.ndarray          # int8, OP_*
-    a: np.ndarray             # uint64: base (alloc/free), dst (copy/set)
-    b: np.ndarray             # uint64: size (alloc), src (memcpy)
-    c: np.ndarray             # uint64: allocation id (alloc), bytes (copy/set)
-    sig: np.ndarray           # int64: signature (launch), side flags (memcpy)
-    pstart: np.ndarray        # int64: launch bytes in pbytes
-    plen: np.ndarray          # int64
-    ts: np.ndarray            # int64 ns
-    api: list[str]
-    pbytes: np.ndarray        # uint8
-    sig_start: np.ndarray     # int64, CSR over the signatures' parameters
-    sig_off: np.ndarray
-    sig_size: np.ndarray
-    sig_kind: np.ndarray      # int8
-    sig_name: list[Optional[str]]
-    sig_layout_known: list[bool]
-    sig_types_known: list[bool]
-    alloc_base: np.ndarray    # uint64, by allocation id
-    alloc_size: np.ndarray    # uint64
-    alloc_op: np.ndarray      # int64: the op that allocated it
-    free_op: np.ndarray       # int64: the op that freed it, -1 if never
-
-    @property
-    def n_launches(self) -> int:
-        return int(np.count_nonzero(self.kind == OP_LAUNCH))
 
 
 @dataclass

@@ -5,10 +5,10 @@ allocations and `bisect`, sharing nothing with the numba code but the inputs' me
 import bisect
 import struct
 
-from pos.analyzer.access import (COPY_DST, COPY_SRC, DST_DEVICE, OP_ALLOC, OP_FREE, OP_LAUNCH,
-                                 OP_MEMCPY, SRC_DEVICE)
+from pos.analyzer.access import COPY_DST, COPY_SRC
 from pos.analyzer.demangle import CONST_PTR, PTR, SCALAR
-from pos.analyzer.load import Ops
+from pos.analyzer.ops import (DST_DEVICE, OP_ALLOC, OP_FREE, OP_LAUNCH, OP_MEMCPY, SRC_DEVICE,
+                              Ops)
 
 Row = tuple[int, int, int, int, bool]   # allocation id, param (or copy side), word, offset, write
 

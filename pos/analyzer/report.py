@@ -13,9 +13,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from pos.analyzer.access import OP_LAUNCH, OP_MEMCPY, OP_MEMSET
 from pos.analyzer.dag import EDGE_NAMES, Analysis
 from pos.analyzer.demangle import KIND_NAMES, demangle
+from pos.analyzer.ops import OP_LAUNCH, OP_MEMCPY, OP_MEMSET
 from pos.errors import BadInput
 from pos.tracer.view import human_bytes
 
@@ -61,8 +61,8 @@ def to_json(a: Analysis, trace_id: int, validation: Optional[dict[str, Any]] = N
     ops, ev = a.ops, a.evidence
     base = [_hex(b) for b in ops.alloc_base]
     launches, copies = [], []
-    for i in np.flatnonzero((ops.kind == OP_LAUNCH) | (ops.kind == OP_MEMCPY) | (ops.kind == OP_MEMSET)):
-        i = int(i)
+    for i in map(int, np.flatnonzero((ops.kind == OP_LAUNCH) | (ops.kind == OP_MEMCPY)
+                                     | (ops.kind == OP_MEMSET))):
         reads, writes = ev.sets(i)
         e: dict[str, Any] = {"index": i, "ts_ns": int(ops.ts[i]), "api": ops.api[i],
                              "reads": [base[r] for r in reads], "writes": [base[w] for w in writes]}

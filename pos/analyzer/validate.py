@@ -49,8 +49,8 @@ class Validator:
         self._pinned = ctypes.c_void_p()
         if self.drv.has("cuMemAllocHost_v2"):
             self.drv.cuMemAllocHost_v2(ctypes.byref(self._pinned), chunk)
-            raw = (ctypes.c_uint8 * chunk).from_address(self._pinned.value)
-            self._host = np.frombuffer(raw, np.uint8)
+            raw = (ctypes.c_uint8 * chunk).from_address(self._pinned.value or 0)
+            self._host = np.ctypeslib.as_array(raw)
         else:
             self._host = np.empty(chunk, np.uint8)
 

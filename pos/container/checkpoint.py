@@ -1,7 +1,7 @@
 """`pos container checkpoint`: a running container whose job was started with pos's agent (CDI
 device pos.dev/agent) saved whole while it runs.
 
-The concurrent engine's whole-process checkpoint does it (pos/scheduler/concurrent/): the cut,
+The concurrent engine's whole-process checkpoint does it (pos/concurrent/): the cut,
 the job's memory taken and hoisted, the driver's checkpoint of its now small context; only the
 dump differs: podman's own checkpoint of the container (CRIU underneath, run by runc), so that
 the image holds what podman needs to make a container again (its configuration, its changed
@@ -17,18 +17,18 @@ from pathlib import Path
 from pos.container import ARCHIVE, podman
 from pos.container.cdi import AGENT, QUALIFIED
 from pos.errors import BadInput
-from pos.scheduler import procs
-from pos.scheduler.criu import Options
-from pos.scheduler.operation import Report
-from pos.scheduler.settings import Settings
-from pos.scheduler.steps import Echo, Guard
+from pos.process import procs
+from pos.process.criu import Options
+from pos.operation.engine import Report
+from pos.settings import Settings
+from pos.operation.steps import Echo, Guard
 
 
 def checkpoint(name: str, directory: Path, leave_running: bool, settings: Settings,
                echo: Echo = lambda _: None) -> Report:
     """The container NAME into the image `directory`; stopped once the image is sealed unless
     `leave_running`. A failure leaves it running as it was (the engine's undo)."""
-    from pos.scheduler import concurrent
+    from pos import concurrent
 
     c = podman.inspect(name)
     if not c.running or not c.pid:
@@ -41,7 +41,7 @@ def checkpoint(name: str, directory: Path, leave_running: bool, settings: Settin
     settings = replace(settings, dump_staging=False)
 
     def dump(g: Guard, folder: Path) -> None:
-        # the undo waits for a running podman as for pos's own CRIU (pos/scheduler/watchdog.py)
+        # the undo waits for a running podman as for pos's own CRIU (pos/operation/watchdog.py)
         try:
             podman.checkpoint(c.id, folder / ARCHIVE,
                               lambda pid: g.step(g.plan.step, criu_pid=pid))

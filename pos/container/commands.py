@@ -83,8 +83,8 @@ def checkpoint(name: str, directory: str, leave_running: bool, db: Optional[str]
     from pathlib import Path
 
     from pos.container import checkpoint as save
-    from pos.scheduler import summary
-    from pos.scheduler.settings import Settings
+    from pos.engines import summary
+    from pos.settings import Settings
     from pos.store import images
     from pos.store.db import open_store
 
@@ -113,8 +113,8 @@ def restore(directory: str, name: str, as_json: bool) -> None:
     from pathlib import Path
 
     from pos.container import restore as load
-    from pos.scheduler import summary
-    from pos.scheduler.settings import Settings
+    from pos.engines import summary
+    from pos.settings import Settings
 
     _root()
     r = load.restore(Path(directory), name, Settings.from_env(),

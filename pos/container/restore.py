@@ -1,7 +1,7 @@
 """`pos container restore`: a container image (pos/container/checkpoint.py) back as a new
 container, its job running at once and its GPU memory filled while it runs.
 
-The concurrent engine's restore does it (pos/scheduler/concurrent/restore.py); only the tree
+The concurrent engine's restore does it (pos/concurrent/restore.py); only the tree
 differs: podman makes the new container from its export (CRIU underneath) in new namespaces,
 so one image gives as many containers as wanted, at once, each under its own name. The image's
 checksums are verified before podman starts; anything that fails after removes the new
@@ -17,17 +17,18 @@ from pos import image, nvml
 from pos.driver import driver
 from pos.container import ARCHIVE, podman
 from pos.errors import BadInput
-from pos.scheduler import cudackpt, preflight, procs
-from pos.scheduler.operation import Report
-from pos.scheduler.settings import Settings
-from pos.scheduler.steps import Echo, Guard
-from pos.scheduler.watchdog import Plan
+from pos.process import cudackpt, procs
+from pos.restore import preflight
+from pos.operation.engine import Report
+from pos.settings import Settings
+from pos.operation.steps import Echo, Guard
+from pos.operation.plan import Plan
 
 
 def restore(directory: Path, name: str, settings: Settings, echo: Echo = lambda _: None
             ) -> Report:
     """The image in `directory` as the new container NAME."""
-    from pos.scheduler import concurrent
+    from pos import concurrent
 
     directory = Path(directory).absolute()
     if not (directory / ARCHIVE).is_file():

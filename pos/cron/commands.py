@@ -1,12 +1,13 @@
 """`pos schedule` (add, ls, rm), `pos daemon` and `pos images` (ls, prune): scheduled snapshots
-and the images they keep. The scheduler and the store are imported inside the commands."""
+and the images they keep. The engines and the store are imported inside the commands."""
 
 import json
 from typing import Any, Optional
 
 import click
 
-from pos.options import criu_options, criu_options_from, db_option, json_option
+from pos.engines.options import criu_options, criu_options_from
+from pos.options import db_option, json_option
 
 EPILOG_SCHEDULE_ADD = """\b
 Examples:
@@ -301,15 +302,18 @@ def images_prune(schedule_id: Optional[int], dry_run: bool, db: Optional[str],
     from pos.store.db import open_existing
 
     store = open_existing(db)      # none yet: no schedules, nothing to prune, no store made
-    if schedule_id is None:
-        rows = schedules.all_schedules(store) if store else []
-    elif store is None:
-        raise schedules.no_such(schedule_id)
+    if store is None:
+        if schedule_id is not None:
+            raise schedules.no_such(schedule_id)
+        rows = []
+    elif schedule_id is None:
+        rows = list(schedules.all_schedules(store))
     else:
         rows = [schedules.get(store, schedule_id)]
     now = SystemClock().now()
     report = []
     for s in rows:
+        assert store is not None       # rows come from it
         policy = retention.Policy(s.keep, s.max_age_s, s.max_bytes)
         gone = retention.prune(Path(s.root) / str(s.id), schedules.made_by(store, s.id),
                                policy, now, dry_run)

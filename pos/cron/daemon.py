@@ -29,12 +29,12 @@ from typing import Any, Callable, Optional, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from pos.errors import BadInput, PosError
 from pos import image
 from pos.cron import retention, targets, times
-from pos.scheduler import procs
 from pos.cron.times import Clock, SystemClock
-from pos.scheduler.watchdog import _import_path
+from pos.errors import BadInput, PosError
+from pos.operation.watchdog import _import_path
+from pos.process import procs
 from pos.store import images, schedules
 from pos.store.db import open_db
 from pos.store.models import Schedule

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pos.errors import BadInput, PosError
 from pos import image
 from pos.cron import targets
-from pos.scheduler import procs
-from pos.scheduler.criu import Options
+from pos.errors import BadInput, PosError
+from pos.process import procs
+from pos.process.criu import Options
 
 ENGINES = ("auto", "driver", "concurrent", "criu")
 # the schedule's engine names, and pos's engine for each (CRIU alone is the stop-the-world
@@ -45,7 +45,7 @@ def choose(engine: str, pid: int) -> str:
         return engine
     if engine == "auto" and agent:
         return "concurrent"
-    from pos.scheduler.cudackpt import gpu_pids
+    from pos.process.cudackpt import gpu_pids
 
     cuda = gpu_pids(procs.tree(pid))
     if engine == "auto":
@@ -63,8 +63,8 @@ def take(engine: str, pid: int, directory: Path, options: Options, leave_running
          db: str) -> dict[str, Any]:
     """Snapshot `pid` with `engine` (as `choose` gave it), record the image in the store; the
     outcome's path, bytes and stall_s."""
-    from pos.scheduler import engines
-    from pos.scheduler.settings import Settings
+    from pos.engines import engines
+    from pos.settings import Settings
     from pos.store import images
 
     chosen = engines.by_name(ENGINE_OF[engine], Settings.from_env(),

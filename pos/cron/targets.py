@@ -17,7 +17,7 @@ from typing import Optional
 from pos import host
 from pos.agent import RUN_NAME_ENV
 from pos.errors import BadInput, PosError
-from pos.scheduler import procs
+from pos.process import procs
 
 KINDS = ("pid", "match", "name")
 

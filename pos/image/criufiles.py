@@ -1,6 +1,6 @@
 """The files of the host that a dumped process tree had open or mapped and that CRIU's restore
 opens again at their paths, read from CRIU's images (pos/image/criuimg.py): what must be in
-place before a restore starts (pos/scheduler/preflight.py).
+place before a restore starts (pos/restore/preflight.py).
 
 CRIU records every file once in files.img (a `file_entry` with its `reg_file_entry`: the path,
 and the size CRIU checks at the restore), and what refers to it by its id: each process's

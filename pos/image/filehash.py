@@ -60,7 +60,7 @@ class Hash:
 def _sha256_chunk(pieces: Pieces, _length: int, _index: int) -> bytes:
     h = hashlib.sha256()
     for piece, _last in pieces:
-        h.update(piece)
+        h.update(piece.data)
     return h.digest()
 
 
@@ -119,7 +119,7 @@ def _read(fd: int, view: np.ndarray, offset: int) -> int:
     """Fill `view` from `offset` of fd; fewer bytes only where the file ends."""
     got = 0
     while got < view.shape[0]:
-        n = os.preadv(fd, [view[got:]], offset + got)
+        n = os.preadv(fd, [view[got:].data], offset + got)
         if n == 0:
             break
         got += n

@@ -85,7 +85,7 @@ class Writer:
         if self.compress:
             import zstandard
 
-            payload = zstandard.ZstdCompressor(level=self.level).compress(data)
+            payload = zstandard.ZstdCompressor(level=self.level).compress(data.data)
         f, name = self._file()
         at = f.tell()
         view = memoryview(payload).cast("B")
@@ -227,7 +227,7 @@ class Maps:
 def fill_chunk(ring: Any, folder: Path, chunk: ChunkRecord, dst: int, fds: dict[str, int],
                targets: Targets = NO_TARGETS, maps: Optional[Maps] = None) -> np.ndarray:
     """Copy one uncompressed chunk to device memory at dst through a fill thread's ring
-    (pos/scheduler/gpucopy.Ring) and check its checksum; like read_chunk_into otherwise, but
+    (pos/concurrent/gpucopy.py Ring) and check its checksum; like read_chunk_into otherwise, but
     copied out of `maps` when given (read from `fds`' file where its pages cannot be mapped).
     The copies may still run when this returns, or raises: the caller waits for the ring's
     stream before it counts the memory back or frees anything."""

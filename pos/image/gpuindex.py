@@ -133,7 +133,8 @@ def jobs(folder: Path) -> list[Optional[int]]:
         return [None]
     if not folder.is_dir():
         return []
-    return sorted(r for r in (names.rank_of(p.name) for p in folder.iterdir()) if r is not None)
+    ranks = sorted(r for r in (names.rank_of(p.name) for p in folder.iterdir()) if r is not None)
+    return list[Optional[int]](ranks)
 
 
 def write(folder: Path, index: GpuIndex, pid: Optional[int] = None) -> None:

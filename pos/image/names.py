@@ -7,7 +7,7 @@ A whole-process image of a job of several CUDA processes (DDP's ranks) holds one
 process, gpu-index-PID.json, and each process's data files are named after it too,
 gpu-data-PID-NN.bin; an image of one job holds gpu-index.json and gpu-data-NN.bin.
 
-A whole-process image whose memory CRIU pre-dumped while the job ran (pos/scheduler/predump.py)
+A whole-process image whose memory CRIU pre-dumped while the job ran (pos/concurrent/predump.py)
 holds the pre-dump's files in the folder PARENT, named PARENT/NAME in the manifest: the one
 folder an image has.
 """

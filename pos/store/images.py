@@ -13,7 +13,7 @@ from pos.store.models import Image
 
 def record(db: Optional[str], path: str, manifest_json: str) -> int:
     """Add one image row from the text of its manifest (pos.image.Manifest.to_json,
-    passed as text so that the store does not depend on the scheduler); its id."""
+    passed as text so that the store does not depend on the engines); its id."""
     m = json.loads(manifest_json)
     engine = open_store(db)
     with Session(engine) as s:

@@ -6,9 +6,9 @@ Times are UTC; SQLite keeps them without a zone, so they are given back timezone
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast, overload
 
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import CursorResult, Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from pos.errors import BadInput
@@ -17,8 +17,14 @@ from pos.store.models import Meta, Run, Schedule
 ID_HIGH = "schedule_id_high"     # meta's key: the highest schedule ID ever given
 
 
+@overload
+def utc(t: datetime) -> datetime: ...
+@overload
+def utc(t: Optional[datetime]) -> Optional[datetime]: ...
+
+
 def utc(t: Optional[datetime]) -> Optional[datetime]:
-    """A time read from the store, as aware UTC."""
+    """A time read from the store, as aware UTC (None, for a column that may hold none)."""
     return None if t is None else t.replace(tzinfo=timezone.utc)
 
 
@@ -103,9 +109,9 @@ def finish_run(store: Engine, run_id: int, ended_at: datetime, outcome: str,
 def abandon_running(store: Engine, now: datetime) -> int:
     """Runs still `running` from a daemon that died: marked abandoned; how many."""
     with Session(store) as s:
-        n = s.execute(update(Run).where(Run.outcome == "running")
+        n = cast(CursorResult, s.execute(update(Run).where(Run.outcome == "running")
                       .values(outcome="abandoned", ended_at=_plain(now),
-                              error="the daemon stopped during the run")).rowcount
+                              error="the daemon stopped during the run"))).rowcount
         s.commit()
     return n
 

@@ -82,7 +82,7 @@ class Map:
         struct.pack_into("<5I", attr, 0, typ, key_size, value_size, max_entries, flags)
         n = _name(name)
         attr[28:28 + len(n)] = n
-        self.fd: Optional[int] = bpf(MAP_CREATE, attr)
+        self.fd = bpf(MAP_CREATE, attr)       # -1 once closed
 
     def _elem(self, cmd: int, key: bytes, value: Optional[Any] = None, flags: int = 0) -> None:
         k = _buffer(key)
@@ -128,9 +128,9 @@ class Map:
             found.append(nxt.raw)
 
     def close(self) -> None:
-        if self.fd is not None:
+        if self.fd >= 0:
             os.close(self.fd)
-            self.fd = None
+            self.fd = -1
 
 
 def prog_load(insns: bytes, name: str, license: str = "GPL", attach_type: int = 0,

@@ -21,7 +21,7 @@ the counts: what a run needs to tell why its share of launches with a layout fel
 import json
 import struct
 from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 from sqlalchemy import Engine, bindparam, case, func, select, update
 
@@ -135,7 +135,7 @@ def complete(engine: Engine, trace_id: int) -> Completion:
     with engine.begin() as c:
         for handle, layout in c.execute(select(Function.handle, Function.layout).where(
                 Function.trace_id == trace_id, Function.layout.is_not(None))):
-            texts.setdefault(handle, set()).add(layout)
+            texts.setdefault(handle, set()).add(cast(str, layout))     # not NULL: the where
         layouts = {h: json.loads(next(iter(t))) for h, t in texts.items() if len(t) == 1}
 
         def unknown(handle: int) -> Optional[Miss]:
@@ -164,7 +164,7 @@ def complete(engine: Engine, trace_id: int) -> Completion:
         for id_, handle, params, capture in c.execute(
                 select(Launch.id, Launch.function, Launch.params, Launch.capture).where(
                     *in_time, Launch.capture.is_not(None))):
-            rebuilt = unknown(handle) or rebuild(params, capture, layouts[handle])
+            rebuilt = unknown(handle) or rebuild(params, cast(bytes, capture), layouts[handle])
             if isinstance(rebuilt, Miss):
                 result.count(rebuilt)
                 missed.append({"launch": id_, "reason": rebuilt.reason, "by": rebuilt.by})

@@ -95,7 +95,7 @@ def compile_text(text: str, cflags: list[str]) -> Compiled:
     try:
         m = b.module
         fds: dict[int, int] = {}
-        maps = []
+        maps: list[dict[str, Any]] = []
         for i in range(lib.bpf_num_tables(m)):
             fd = lib.bpf_table_fd_id(m, i)
             typ, key, value, entries, flags = bpfsys.map_info(fd)
@@ -149,6 +149,7 @@ def symbol_offsets(path: str, symbols: tuple[str, ...]) -> dict[str, int]:
     one pass over its dynamic (else full) symbol table. BadInput for a file that is not ELF."""
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
 
     wanted = set(symbols)
     try:
@@ -157,7 +158,7 @@ def symbol_offsets(path: str, symbols: tuple[str, ...]) -> dict[str, int]:
             loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
             table = elf.get_section_by_name(".dynsym") or elf.get_section_by_name(".symtab")
             found: dict[str, int] = {}
-            for sym in table.iter_symbols() if table else ():
+            for sym in table.iter_symbols() if isinstance(table, SymbolTableSection) else ():
                 if sym.name in wanted and sym.name not in found and sym["st_value"] and \
                         sym["st_shndx"] != "SHN_UNDEF":
                     v = sym["st_value"]
@@ -202,7 +203,7 @@ class Loaded:
 
     def _load(self, program: Compiled, family: Family, path: str, pid: int,
               ringbuf_bytes: Optional[int]) -> None:
-        fds = []
+        fds: list[int] = []
         for spec in program.maps:
             entries = spec["max_entries"]
             if ringbuf_bytes and spec["type"] == 27:      # BPF_MAP_TYPE_RINGBUF

@@ -32,7 +32,7 @@ WORD_AT = 24                     # first u64 after the header: launch function, 
 LAUNCH_KNOWN_AT = 24 + 46        # pos_launch.layout_known (u8)
 
 
-def _compiled(f):  # type: ignore[no-untyped-def]
+def _compiled(f):
     """numba's compilation of `f`, kept in __pycache__ (0.6 s at every start else); not kept
     where numba finds no writable place (a user without a home directory)."""
     try:

@@ -528,6 +528,7 @@ class Tracer:
             p.close()
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=False, cancel_futures=True)
-        if getattr(self, "_mem", None) is not None:
-            os.close(self._mem)
+        mem = getattr(self, "_mem", None)
+        if mem is not None:
+            os.close(mem)
             self._mem = None

@@ -13,7 +13,7 @@ import pytest
 
 from pos.agent.control import Agent, Buffer
 from tests.conftest import ROOT, wait_for
-from tests.scheduler.conftest import criu_ready  # noqa: F401  (a fixture)
+from tests.engines.conftest import criu_ready  # noqa: F401  (a fixture)
 
 
 class Job:

@@ -20,7 +20,7 @@ from pos.agent import peers
 from pos.agent.control import Agent
 from pos.image import names
 from tests.conftest import ROOT
-from tests.scheduler.conftest import pos, wait_for
+from tests.engines.conftest import pos, wait_for
 
 SEVEN = bytes([7, 0, 0, 0]) * 4      # peer_job's owner's memory
 VMM_BYTES = 2 << 20

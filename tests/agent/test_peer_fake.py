@@ -17,7 +17,7 @@ from pos.agent import peers
 from pos.agent.control import Agent, Refused
 from pos.driver import DriverError
 from pos.errors import BadInput, PosError
-from pos.scheduler import cudackpt
+from pos.process import cudackpt
 from tests.conftest import ROOT, wait_for
 
 VMM_BYTES, IPC_BYTES = 2 << 20, 1 << 20     # what peer_job.c shares

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.agent.conftest import Job
 from tests.conftest import ROOT, wait_for
-from tests.scheduler.conftest import one_sentence, pos
+from tests.engines.conftest import one_sentence, pos
 
 
 def test_a_pos_run_job_that_has_not_used_cuda_is_told_apart(tmp_path: Path, gpu_env) -> None:

@@ -16,9 +16,9 @@ from typing import Iterator
 import pytest
 
 from pos.image import gpuindex
-from pos.scheduler import procs
+from pos.process import procs
 from tests.conftest import ROOT
-from tests.scheduler.conftest import one_sentence, pos, wait_for
+from tests.engines.conftest import one_sentence, pos, wait_for
 
 JOB = Path(__file__).with_name("elastic_job.py")
 WORKERS = 2

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from pos.agent.control import Agent, Refused
-from pos.scheduler import concurrent
+from pos import concurrent
 from tests.agent.conftest import ran_past
 from tests.conftest import wait_for
-from tests.scheduler.conftest import one_sentence, pos
+from tests.engines.conftest import one_sentence, pos
 
 FUTURE = "cuMemcpyFutureAsync"
 

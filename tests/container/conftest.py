@@ -21,7 +21,7 @@ from pos.agent.control import Agent
 from pos.container import podman
 from tests.agent.conftest import gpu_env  # noqa: F401  (a fixture)
 from tests.conftest import wait_for
-from tests.scheduler.conftest import criu_ready, pos  # noqa: F401  (a fixture)
+from tests.engines.conftest import criu_ready, pos  # noqa: F401  (a fixture)
 
 IMAGE = "localhost/pos-test-base:1"
 BUFFERS, SIZE = 12, 1 << 20

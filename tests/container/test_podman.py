@@ -18,7 +18,7 @@ from pos.image import names
 from tests.conftest import ROOT, wait_for
 from tests.container.conftest import (BUFFERS, IMAGE, SIZE, ULIMITS, Containers, running,
                                       values)
-from tests.scheduler.conftest import one_sentence, pos
+from tests.engines.conftest import one_sentence, pos
 from workloads.fill_job import image_values, torn
 
 

@@ -1,3 +1,3 @@
-"""The scheduler tests' fixtures (processes to checkpoint, pos run as a command) serve here too."""
+"""The engines' fixtures (processes to checkpoint, pos run as a command) serve here too."""
 
-from tests.scheduler.conftest import *  # noqa: F401,F403
+from tests.engines.conftest import *  # noqa: F401,F403

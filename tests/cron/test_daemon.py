@@ -16,11 +16,11 @@ import pytest
 
 from pos.cron import retention
 from pos.image import names
-from pos.scheduler import procs
+from pos.process import procs
 from pos.store import schedules
 from pos.store.db import open_db
 from tests.conftest import ROOT
-from tests.scheduler.conftest import Counter, lines, pos, wait_for
+from tests.engines.conftest import Counter, lines, pos, wait_for
 
 
 @pytest.fixture

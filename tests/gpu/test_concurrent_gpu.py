@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 
-from pos.scheduler import concurrent
+from pos import concurrent
 from workloads.fill_job import image_values, torn
 
 ROOT = Path(__file__).resolve().parent.parent.parent

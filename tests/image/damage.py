@@ -1,5 +1,6 @@
 """Damage done to an image by hand, as a disk, a copy or a person might: the tests of what a
-restore makes of it (tests/scheduler/test_restore_bounds.py, tests/agent/test_damaged_images.py)."""
+restore makes of it (tests/restore/test_restore_bounds.py,
+tests/concurrent/test_damaged_images.py)."""
 
 import json
 import os

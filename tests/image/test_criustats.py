@@ -1,6 +1,6 @@
 """CRIU's stats-dump read through protobuf (pos/image/criustats.py), on files made with the same
 library as CRIU writes them: the frozen time's split in seconds, CRIU's other fields skipped,
-and a file that says nothing usable read as none. (A real CRIU's file: tests/scheduler/
+and a file that says nothing usable read as none. (A real CRIU's file: tests/engines/
 test_criu_cpu.py.)"""
 
 import struct

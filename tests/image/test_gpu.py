@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pos.image import gpu as gpuimage
 from pos.errors import BadInput
+from pos.image import gpu as gpuimage
 from pos.image import names
 
 CHUNK = 1 << 16
@@ -125,7 +125,7 @@ def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Pat
     """The restore's fill loop (chunks.c: pass) on the CPU: every byte arrives, the checksum
     holds, and exactly the buffers that some 8-byte word points into are named, pointers at a
     buffer's first and last byte included, one just past the end excluded."""
-    from pos.scheduler.gpucopy import Ring
+    from pos.concurrent.gpucopy import Ring
 
     rng = np.random.default_rng(n)
     ranges = [(0x7F00_0000_0000 + i * 0x10_0000, 0x7F00_0000_0000 + i * 0x10_0000 + 0x8000)

@@ -1,0 +1,301 @@
+"""A concurrent checkpoint of the whole process (`checkpoint_full`; the GPU state alone:
+gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls them:
+
+  refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
+             restore (pos/operation/restorable.py)
+  prepare    each job's page-locked arena and device shadow (saver.Saver.prepare)
+  predump    where the kernel and the tree let it, CRIU copies the tree's host memory while
+             it runs (pos/concurrent/predump.py), for an incremental frozen dump
+  cut        every job held, on a connection made just before it (saver.Saver.reconnect; a
+             job of several: each just before the same collective,
+             pos/concurrent/collective.py), asked again whether it maps a peer's memory; each
+             import of another's memory matched with its owner (pos/agent/peers.py)
+  take       each job's memory exported, imported by pos, shadowed; its copy begins; the
+             descriptors handed to the watchdog
+  hoist      the imports taken down, the jobs give their physical memory up (pos holds it)
+  freeze     the driver locks and checkpoints the now small contexts; CRIU dumps the tree
+  thaw       --leave-running: the driver restores and unlocks, each job maps its memory again,
+             the imports are put back, and it is released, gated; otherwise CRIU left the
+             tree stopped
+  seal       the copy ends, the GPU indexes and the manifest are written, the image sealed;
+             without --leave-running the tree ends
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from pos import image, nvml
+from pos.agent import peers
+from pos.agent.control import Agent, Cut, Gate
+from pos.concurrent import predump, staging
+from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
+                                   reconnected, timings_of)
+from pos.errors import BadInput, PosError
+from pos.image import names
+from pos.image.kinds import ImageKind
+from pos.operation import restorable
+from pos.operation.engine import DeviceCopy, RankSaved, Report
+from pos.operation.manifest import new_manifest
+from pos.operation.plan import Plan
+from pos.operation.steps import Echo, Guard
+from pos.process import criu as criu_mod
+from pos.process import cudackpt, procs
+from pos.process.criu import Options
+from pos.settings import DEFAULT_LOCK_TIMEOUT_MS, Settings
+
+if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
+    from pos.concurrent.copier import Copied
+
+# What dumps the tree once its jobs are small: `dump(guard, folder)` writes into `folder` (the
+# default is pos's CRIU; a container's runtime dumps its container instead: pos/container/)
+Dump = Callable[[Guard, Path], None]
+
+
+def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
+                    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, streams: int = SAVE_STREAMS,
+                    chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
+                    settings: Optional[Settings] = None, dump: Optional[Dump] = None) -> Report:
+    """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (see
+    the module docstring), restorable into new processes by concurrent.restore.restore_full.
+    `dump`: what dumps the tree in place of pos's CRIU (see Dump)."""
+    return _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
+                  chunk_mb << 20, echo, settings or Settings.from_env(), dump).run()
+
+
+class _Whole:
+    """One whole-process concurrent checkpoint, phase by phase."""
+
+    def __init__(self, pid: int, directory: Path, options: Options, leave_running: bool,
+                 lock_timeout_ms: int, streams: int, chunk: int, echo: Echo,
+                 settings: Settings, dump: Optional[Dump] = None) -> None:
+        self.pid, self.directory, self.options = pid, directory, options
+        self.leave_running, self.lock_timeout_ms = leave_running, lock_timeout_ms
+        self.streams, self.chunk, self.echo, self.settings = streams, chunk, echo, settings
+        self.started = time.monotonic()
+        self.agents: list[Agent] = []
+        self.savers: list[Saver] = []
+        self.taken: list[Taken] = []
+        self.cuts: list[Cut] = []
+        self.gates: list[Optional[Gate]] = []
+        self.copies: list[Copied] = []
+        self.release_s = 0.0
+        self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
+        self.dump = dump
+
+    def run(self) -> Report:
+        try:
+            return self._run()
+        except PosError as e:
+            if procs.alive(self.pid):
+                raise
+            step = self.plan.step if hasattr(self, "plan") and self.plan.step else "prepare"
+            raise PosError(f"PID {self.pid} ended while pos was checkpointing it (at step "
+                           f"{step}), so nothing was saved",
+                           "see how the job ended (its exit status, its standard error), and "
+                           "checkpoint a job that runs on") from None
+
+    def _run(self) -> Report:
+        self.refuse()
+        try:
+            self.prepare()
+            with Guard(self.plan, self.echo, self.settings) as g:
+                stage = staging.directory(self.directory.name, self.partial, self.resident,
+                                          self.settings.dump_staging)
+                self.predump(g, stage)
+                t0 = self.cut(g, stage)
+                self.take(g)
+                self.hoist(g)
+                self.freeze(g, stage or self.partial)
+                self.thaw(g)
+                self.release_s = time.monotonic() - t0
+                if stage is not None:
+                    g.timed("move", lambda: staging.move_into(stage, self.partial))
+                    g.step(g.plan.step, staging="")
+                final = self.seal(g)
+            self.manifest.timings = {**timings_of(self.savers), **g.timings}
+            image.write_manifest(final, self.manifest)
+        finally:
+            self.close()
+        return self.report(final)
+
+    @property
+    def several(self) -> bool:
+        return len(self.savers) > 1
+
+    def refuse(self) -> None:
+        """What cannot be saved this way, said before anything is touched; the agents."""
+        pid = self.pid
+        self.pids, self.cuda = restorable.tree(pid)
+        self.criu = criu_mod.find(self.settings)
+        self.options = self.options.fitted(self.pids)
+        if not self.cuda:
+            Agent(pid).close()             # no agent: that is the sentence to say
+            raise BadInput(f"the tree of PID {pid} has no CUDA state", "checkpoint it with `pos "
+                           "checkpoint PID -D DIR` (the concurrent engine saves `pos run` jobs)")
+        try:
+            for p in self.cuda:            # no agent: one sentence, before anything is touched
+                self.agents.append(Agent(p))
+            restorable.peer_memory(self.cuda, {a.pid: a.status() for a in self.agents},
+                                   taken_down=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def prepare(self) -> None:
+        """The savers (page-locked arenas, shadows), the partial image, its manifest, and the
+        plan the watchdog follows."""
+        for a in self.agents:
+            self.savers.append(Saver.prepare(a, self.settings, self.streams, self.chunk,
+                                             gpu_only=False))
+        owned = sum(s.owned_bytes for s in self.savers)
+        self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
+        self.partial = image.prepare(self.directory, self.resident + owned)
+        self.manifest = new_manifest(self.pid, self.pids, self.cuda, self.criu.version_text,
+                                     self.options, self.leave_running, nvml.gpus_of(self.cuda))
+        self.plan = Plan("checkpoint", self.pids, self.cuda, criu_path=self.criu.path,
+                         images=str(self.partial),
+                         stopped=[p for p in self.pids if procs.state(p) in ("T", "t")],
+                         criu_options=self.options.to_json())
+        self.echo(f"checkpointing PID {self.pid} ({self.manifest.comm}) concurrently: "
+                  f"{owned / 2**30:.2f} GiB of device memory"
+                  + (f" in {len(self.savers)} processes" if self.several else ""))
+
+    def predump(self, g: Guard, stage: Optional[Path]) -> None:
+        """CRIU's pre-dump of the running tree into the folder CRIU will dump into, where it
+        can be (predump.why_not); whether it was used, and why not, in the manifest."""
+        why = predump.why_not(self.criu, self.pids, self.settings.predump) \
+            if self.dump is None else "the container's runtime dumps it whole, once"
+        if why is None:
+            g.step("predump", staging=str(stage or ""))
+            self.pre = predump.run(g, self.criu, self.pid, stage or self.partial, self.options)
+        else:
+            self.pre = predump.Predump(False, why)
+        self.manifest.predumped, self.manifest.predump_note = self.pre.used, self.pre.note
+
+    def cut(self, g: Guard, stage: Optional[Path]) -> float:
+        """Every job held, each on a connection made just now; when the cut began (the jobs'
+        stall counts from there)."""
+        self.agents = [reconnected(s, self.echo) for s in self.savers]
+        t0 = time.monotonic()
+        g.step("cut", staging=str(stage or ""))
+        if self.several:
+            from pos.concurrent import collective
+
+            savers = self.savers
+            self.cuts = collective.cut_together(self.agents, lambda i, at: savers[i].cut(
+                at, STALL_S if at is None else collective.REACH_S))
+        else:
+            self.cuts = [self.savers[0].cut()]
+        # held now, every rank: nothing maps a peer's memory until they go on
+        statuses = {a.pid: a.status() for a in self.agents}
+        restorable.peer_memory(self.cuda, statuses, taken_down=True)
+        if any(s.peer_maps for s in statuses.values()):
+            self.links = g.timed("peers_match", lambda: peers.match(self.agents))
+        return t0
+
+    def take(self, g: Guard) -> None:
+        for s in self.savers:
+            t = s.take(self.partial, s.pid if self.several else None)
+            self.taken.append(t)
+            g.hold(t.pid, t.fds)       # while the job is held, its memory still
+
+    def hoist(self, g: Guard) -> None:
+        if self.links:
+            agents = [s.connected() for s in self.savers]
+            g.timings["peers_down_bytes"] = g.timed(
+                "peers_down", lambda: peers.take_down(agents, self.links))
+            peers.write(self.partial, self.links)
+        g.step("hoist", hoisted=True)
+        for s in self.savers:
+            agent = s.connected()
+            h = g.timed("hoist", lambda: agent.hoist(self.settings.hoist_stack,
+                                                     self.settings.trim_heap))
+            g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
+            g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
+
+    def freeze(self, g: Guard, dumped: Path) -> None:
+        """The driver's checkpoint of every job at once, then CRIU's dump into `dumped`."""
+        for s, t in zip(self.savers, self.taken):
+            s.connected().close()          # CRIU dumps no socket connected to pos
+            t.freeze()
+        by_pid = {t.pid: t for t in self.taken}
+        g.each("lock", self.cuda, lambda p: cudackpt.lock(p, self.lock_timeout_ms))
+        g.each("checkpoint", self.cuda,
+               lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
+        g.step("dump")
+        dump = self.dump
+        if dump is not None:
+            g.timed("dump", lambda: dump(g, dumped))
+            return
+        g.dump(self.criu, self.criu.dump_argv(
+            self.pid, dumped, self.options, self.leave_running,
+            parent=names.PARENT if self.pre.used else None), dumped)
+
+    def thaw(self, g: Guard) -> None:
+        """--leave-running: the jobs back on the GPU with their memory, released. Otherwise
+        CRIU left them stopped, their memory pos's: should anything fail before the image is
+        sealed the undo lets them run on; after, they end."""
+        if not self.leave_running:
+            for s, t in zip(self.savers, self.taken):
+                s.agent = None
+                t.thaw()
+            g.step("copy")
+            return
+        by_pid = {t.pid: t for t in self.taken}
+        g.each("restore", self.cuda, lambda p: by_pid[p].paused(lambda: cudackpt.restore(p)))
+        g.each("unlock", self.cuda, cudackpt.unlock)
+        for s, t in zip(self.savers, self.taken):
+            s.agent = Agent(s.pid)
+            back = g.timed("remap", lambda: s.connected().remap(t.fds))
+            g.timings["stack_back"] = back.stack_s
+        if self.links:         # every job held still: none runs before its imports are back
+            agents = [s.connected() for s in self.savers]
+            g.timed("peers_up", lambda: peers.put_back(agents, self.links))
+        g.step("copy", hoisted=False)
+        for t in self.taken:
+            t.thaw()
+        for t in self.taken:
+            t.release()
+
+    def seal(self, g: Guard) -> Path:
+        for t in self.taken:
+            t.wait_copied()
+        self.gates = [s.agent.end() if s.agent is not None else None for s in self.savers]
+        g.step("seal")
+        self.copies = [t.write(self.partial) for t in self.taken]
+        self.manifest.timings = {**timings_of(self.savers), **g.timings}
+        self.manifest.stall_s = self.release_s if self.leave_running else None
+        final: Path = g.timed("checksum", lambda: image.seal(self.partial, self.manifest))
+        g.timings["sealed_s"] = time.monotonic() - self.started
+        if not self.leave_running:
+            g.end(hoisted=False)       # the image holds the job now
+        return final
+
+    def close(self) -> None:
+        for t in self.taken:
+            t.close()
+        for s in self.savers:
+            s.close()
+        for a in self.agents:
+            a.close()
+        for s in self.savers:
+            if s.agent is not None:
+                s.agent.close()
+
+    def report(self, final: Path) -> Report:
+        copied = sum(c.bytes for c in self.copies)
+        d2h_s = max(c.d2h_s for c in self.copies)
+        worst = max((x for x in self.gates if x is not None), key=lambda x: x.held_max_s,
+                    default=None)
+        ranks = ([RankSaved(s.pid, s.gpu, c.bytes, k, x)
+                  for s, c, k, x in zip(self.savers, self.copies, self.cuts, self.gates)]
+                 if self.several else [])
+        return Report(ImageKind.CONCURRENT.value, str(final), self.manifest,
+                      timings=self.manifest.timings, device=DeviceCopy(
+                          sum(len(t.table) for t in self.taken), copied, self.cuts[0], worst,
+                          sum(t.shadow_bytes for t in self.taken), self.release_s,
+                          copied / d2h_s / 1e9 if d2h_s else None, None,
+                          sum(s.foreign_bytes for s in self.savers), ranks))

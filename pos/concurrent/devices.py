@@ -1,0 +1,38 @@
+"""Which GPU a `pos run` job uses, and pos's own CUDA number for it: NVML names GPUs by UUID,
+and a job's own numbering need not be pos's (CUDA_VISIBLE_DEVICES)."""
+
+from pathlib import Path
+from typing import Optional
+
+from pos import image, nvml
+from pos.errors import BadInput
+
+
+def gpu_of(pid: int) -> Optional[str]:
+    """The UUID of the one GPU the job uses (None: NVML sees none). A job on several is
+    refused: pos's concurrent copier shadows and copies one GPU's memory per process."""
+    used = list(nvml.gpus_of([pid]))
+    if len(used) > 1:
+        raise BadInput(f"PID {pid} uses {len(used)} GPUs ({', '.join(used)}): pos's concurrent "
+                       "copier shadows and copies one GPU's memory",
+                       f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR`")
+    return used[0] if used else None
+
+
+def cuda_device(gpu: Optional[str]) -> int:
+    """pos's CUDA number of the GPU named `gpu` (NVML's UUID); None: device 0."""
+    from pos.concurrent import gpucopy
+
+    return gpucopy.ordinal(gpu) if gpu else 0
+
+
+def device_of(pid: int) -> int:
+    """pos's CUDA number of the one GPU the job uses: the shadow and the copies go there."""
+    return cuda_device(gpu_of(pid))
+
+
+def home(directory: Path) -> Optional[str]:
+    """The UUID of the GPU an image was taken on, when this host has it (None: CUDA's device
+    0)."""
+    here = {g.uuid for g in nvml.gpus()}
+    return next((g["uuid"] for g in image.load(directory).gpus if g["uuid"] in here), None)

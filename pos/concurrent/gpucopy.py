@@ -1,0 +1,463 @@
+"""The concurrent engine's copier, outside the job: pos imports the job's device memory (the
+descriptors its agent exports), snapshots it device-to-device into a shadow of its own while
+the job is held (HBM speed: milliseconds), and copies the shadow to pinned host memory and then
+to disk while the job runs. A restore goes the other way, buffer by buffer, telling the agent
+each buffer that is back so that the job's calls that need it may go.
+
+Every driver call goes through pos/driver.py (one place talks to libcuda)."""
+
+import ctypes
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from pos.agent.control import Buffer
+from pos.driver import (CU_EVENT_DISABLE_TIMING, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                        CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        CU_MEM_LOCATION_TYPE_DEVICE, CU_STREAM_NON_BLOCKING, CUcontext,
+                        CUdevice, CUdeviceptr, CUevent, CUmemAccessDesc, CUmemAllocationProp,
+                        CUmemGenericAllocationHandle, CUmemLocation, CUstream, CUuuid, Driver,
+                        DriverError, driver)
+from pos.errors import PosError
+
+if TYPE_CHECKING:     # imported where used: a restore makes its context and memory beside
+    import numpy as np    # CRIU first, and numpy took 0.15 s of that on the H100 host
+
+C = ctypes
+
+
+class Context:
+    """pos's hold on one GPU's primary context: retained and made current on the thread that
+    makes it, current again on another by `use()`, let go by `close()` once everything pos made
+    in it is freed. An operation's hold ends with the operation; the restore service
+    (pos/engines/service.py) keeps one of its own on each GPU for its whole life, which makes
+    its operations' holds cheap (the first retain of a process makes the context, later ones
+    count)."""
+
+    def __init__(self, device: int = 0) -> None:
+        self.drv, self.device = driver(), device
+        self.ctx: Optional[C.c_void_p] = self.drv.primary_context(device)
+
+    def use(self) -> None:
+        self.drv.cuCtxSetCurrent(self.ctx)
+
+    def close(self) -> None:
+        if self.ctx is None:
+            return
+        self.ctx = None
+        dev = CUdevice()
+        self.drv.cuDeviceGet(C.byref(dev), self.device)
+        self.drv.cuCtxSetCurrent(None)
+        self.drv.cuDevicePrimaryCtxRelease_v2(dev)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def current(drv: Driver) -> C.c_void_p:
+    """The context current on this thread: what `context` made current, to make current again
+    (`drv.cuCtxSetCurrent(ctx)`) where pos works on several GPUs from one thread."""
+    ctx = CUcontext()
+    drv.cuCtxGetCurrent(C.byref(ctx))
+    return ctx
+
+
+def device_count() -> int:
+    """How many GPUs the CUDA driver shows this process."""
+    drv = driver()
+    drv.init()
+    count = C.c_int()
+    drv.cuDeviceGetCount(C.byref(count))
+    return count.value
+
+
+def ordinal(uuid: str) -> int:
+    """This process's CUDA device number of the GPU named `uuid` (NVML's form, GPU-...): CUDA
+    and NVML may number the GPUs of one host differently."""
+    drv = driver()
+    for i in range(device_count()):
+        dev, raw = CUdevice(), CUuuid()
+        drv.cuDeviceGet(C.byref(dev), i)
+        drv.cuDeviceGetUuid_v2(C.byref(raw), dev)
+        h = bytes(raw.bytes).hex()
+        if f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" == uuid:
+            return i
+    raise PosError(f"the CUDA driver does not see {uuid}", "check CUDA_VISIBLE_DEVICES")
+
+
+def _device(device: int) -> CUmemLocation:
+    return CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device)
+
+
+def _map(drv: Driver, size: int, handle: int, device: int) -> int:
+    va = CUdeviceptr()
+    drv.cuMemAddressReserve(C.byref(va), size, 0, 0, 0)
+    try:
+        drv.cuMemMap(va, size, 0, handle, 0)
+        acc = CUmemAccessDesc(_device(device), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        drv.cuMemSetAccess(va, size, C.byref(acc), 1)
+    except DriverError:
+        drv.raw.cuMemUnmap(va, size)
+        drv.raw.cuMemAddressFree(va, size)
+        raise
+    return va.value
+
+
+class Imported:
+    """The job's buffers mapped into this process: handle i holds buffers[i]'s memory."""
+
+    def __init__(self, drv: Driver, buffers: Sequence[Buffer], fds: Sequence[int]) -> None:
+        self.drv, self.buffers = drv, list(buffers)
+        self.handles: list[int] = []
+        self.local: list[int] = []
+        try:
+            for b, fd in zip(self.buffers, fds):
+                h = CUmemGenericAllocationHandle()
+                drv.cuMemImportFromShareableHandle(C.byref(h), fd,
+                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+                self.handles.append(h.value)
+                self.local.append(_map(drv, b.mapped, h.value, b.device))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def create(cls, drv: Driver, buffers: Sequence[Buffer]) -> tuple["Imported", list[int]]:
+        """New exportable memory for `buffers` (a restore into a new process): the mapping and
+        one descriptor per buffer for the job to map."""
+        fds: list[int] = []
+        try:
+            for b in buffers:
+                prop = CUmemAllocationProp(CU_MEM_ALLOCATION_TYPE_PINNED,
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                           _device(b.device))
+                h = CUmemGenericAllocationHandle()
+                drv.cuMemCreate(C.byref(h), b.mapped, C.byref(prop), 0)
+                fd = C.c_int()
+                try:
+                    drv.cuMemExportToShareableHandle(C.byref(fd), h,
+                                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+                finally:
+                    drv.raw.cuMemRelease(h)   # the descriptor holds it now
+                fds.append(fd.value)
+            return cls(drv, buffers, fds), fds
+        except BaseException:
+            for exported in fds:
+                os.close(exported)
+            raise
+
+    def close(self) -> None:
+        for va, b in zip(self.local, self.buffers):
+            self.drv.raw.cuMemUnmap(va, b.mapped)
+            self.drv.raw.cuMemAddressFree(va, b.mapped)
+        for h in self.handles:
+            self.drv.raw.cuMemRelease(h)
+        self.local, self.handles = [], []
+
+
+class Pinned:
+    """One page-locked host arena, with numpy views of it. Pinning is the slow part of setting
+    it aside (the driver faults in and locks every page: 7.8 s for 16 GiB with cuMemHostAlloc
+    on the H100 host, 2.8-3.8 s this way), so the arena is anonymous memory on transparent huge
+    pages, locked in PIECE-sized parts by several threads at once. A copy must not cross a part: `grid` cuts
+    chunks there."""
+
+    PIECE = 1 << 30
+
+    def __init__(self, drv: Driver, size: int, workers: int = 8) -> None:
+        import mmap
+
+        self.drv, self.size = drv, max(size, 1)
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.ptr = C.addressof(C.c_char.from_buffer(self._map))
+        # not into the children pos forks (CRIU): the kernel copies pinned private pages at
+        # fork, which took 11 s for 16 GiB inside the dump on the H100
+        self._map.madvise(mmap.MADV_DONTFORK)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        parts = [(at, min(self.PIECE, self.size - at)) for at in range(0, self.size, self.PIECE)]
+        ctx = current(drv)
+        self.registered: list[int] = []
+        lock = threading.Lock()
+
+        def pin(part: tuple[int, int]) -> None:
+            drv.cuCtxSetCurrent(ctx)
+            drv.cuMemHostRegister_v2(self.ptr + part[0], part[1], 0)
+            with lock:
+                self.registered.append(self.ptr + part[0])
+
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(parts)))) as pool:
+                list(pool.map(pin, parts))
+        except BaseException:
+            self.close()
+            raise
+
+    def view(self, offset: int, n: int) -> "np.ndarray":
+        import numpy as np
+
+        return np.ctypeslib.as_array((C.c_uint8 * n).from_address(self.ptr + offset))
+
+    def close(self) -> None:
+        for p in self.registered:
+            self.drv.raw.cuMemHostUnregister(p)
+        self.registered = []
+        if self.ptr:
+            self.ptr = 0
+            try:
+                self._map.close()
+            except BufferError:       # a view still exported: the mapping goes with it
+                pass
+
+
+class Ring(C.Structure):
+    """pos/image/chunks.c's `struct pos_ring`: one fill thread's page-locked pieces, its stream,
+    an event per piece and the driver's entry points the C loop calls."""
+
+    _fields_ = [("slots", C.c_void_p), ("piece", C.c_size_t), ("depth", C.c_size_t),
+                ("events", C.c_void_p), ("pending", C.c_void_p), ("stream", C.c_void_p),
+                ("copy", C.c_void_p), ("record", C.c_void_p), ("wait", C.c_void_p),
+                ("next", C.c_size_t), ("error", C.c_int)]
+
+
+class Rings:
+    """The fill threads' rings, `depth` pieces of `piece` bytes each, in one pinned arena
+    (threads * depth * piece bytes: 64 MiB for 16 threads of 4 x 1 MiB, where whole-chunk
+    staging took 1 GiB and 0.2 s to pin). A thread's ring comes with the stream it copies on;
+    at most `threads` threads get one."""
+
+    def __init__(self, drv: Driver, threads: int, piece: int, depth: int) -> None:
+        if piece <= 0 or depth <= 0 or piece % 32 or Pinned.PIECE % (piece * depth):
+            raise ValueError("a ring's piece is a multiple of 32 bytes, and its pieces divide "
+                             "the arena's pinned parts")
+        self.drv, self.piece, self.depth = drv, piece, depth
+        self.arena = Pinned(drv, threads * depth * piece)
+        self.entry = [C.cast(f, C.c_void_p).value for f in        # the C loop checks them
+                      (drv.raw.cuMemcpyHtoDAsync_v2, drv.raw.cuEventRecord,
+                       drv.raw.cuEventSynchronize)]
+        self.lock = threading.Lock()
+        self.local = threading.local()
+        self.events: list[C.c_void_p] = []
+        self.taken = 0
+        self.keep: list[object] = []      # the rings' ctypes arrays, alive while the rings are
+
+    def mine(self, stream: C.c_void_p) -> Ring:
+        """This thread's ring, copying on `stream` (the thread's own, from run_chunks)."""
+        ring = getattr(self.local, "ring", None)
+        if ring is not None:
+            ring.stream = stream      # the ring's earlier copies were waited for on the old one
+            return ring
+        with self.lock:      # this thread's part of the arena, taken in the same breath
+            at = self.taken * self.depth * self.piece
+            if at >= self.arena.size:
+                raise ValueError("more fill threads than the rings were made for")
+            self.taken += 1
+        events = (C.c_void_p * self.depth)()
+        pending = (C.c_uint8 * self.depth)()
+        with self.lock:
+            self.keep += [events, pending]
+        for k in range(self.depth):
+            event = CUevent()
+            self.drv.cuEventCreate(C.byref(event), CU_EVENT_DISABLE_TIMING)
+            events[k] = event.value
+            with self.lock:
+                self.events.append(event)
+        ring = Ring(self.arena.ptr + at, self.piece, self.depth, C.addressof(events),
+                    C.addressof(pending), stream, *self.entry, 0, 0)
+        self.local.ring = ring
+        return ring
+
+    def close(self) -> None:
+        for e in self.events:
+            self.drv.raw.cuEventDestroy_v2(e)
+        self.events = []
+        self.arena.close()
+
+
+class Shadow:
+    """Device memory of pos's own holding a copy of some buffers, taken device-to-device."""
+
+    def __init__(self, drv: Driver, size: int) -> None:
+        self.drv, self.ptr, self.size = drv, 0, size
+        p = CUdeviceptr()
+        if size:
+            drv.cuMemAlloc_v2(C.byref(p), size)
+        self.ptr = p.value
+
+    def close(self) -> None:
+        if self.ptr:
+            self.drv.raw.cuMemFree_v2(self.ptr)
+            self.ptr = 0
+
+
+def free_device_bytes(drv: Driver) -> int:
+    free, total = C.c_size_t(), C.c_size_t()
+    drv.cuMemGetInfo_v2(C.byref(free), C.byref(total))
+    return free.value
+
+
+@dataclass
+class Copy:
+    """One direction of a copy: bytes and seconds (its own, apart from the disk)."""
+
+    bytes: int
+    seconds: float
+    read_thread_s: float = 0.0     # a restore's reads and checksums, summed over its threads
+
+    @property
+    def gbps(self) -> Optional[float]:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else None
+
+
+def grid(sizes: Sequence[int], chunk: int, starts: Optional[Sequence[int]] = None,
+         piece: int = 0) -> list[tuple[int, int, int]]:
+    """(buffer index, offset, length) for every chunk, buffer by buffer; with `starts` (each
+    buffer's place in a host arena) no chunk crosses a multiple of `piece` there."""
+    out = []
+    for i, n in enumerate(sizes):
+        off = 0
+        while off < n:
+            k = min(chunk, n - off)
+            if starts is not None and piece:
+                k = min(k, piece - (starts[i] + off) % piece)
+            out.append((i, off, k))
+            off += k
+    return out
+
+
+class _Streams:
+    """One stream per worker thread, made current with the caller's context."""
+
+    def __init__(self, drv: Driver) -> None:
+        self.drv = drv
+        self.ctx = current(drv)
+        self.local = threading.local()
+        self.all: list[C.c_void_p] = []
+        self.lock = threading.Lock()
+
+    def mine(self) -> C.c_void_p:
+        s = getattr(self.local, "stream", None)
+        if s is None:
+            self.drv.cuCtxSetCurrent(self.ctx)
+            s = CUstream()
+            self.drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
+            self.local.stream = s
+            with self.lock:
+                self.all.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self.all:
+            self.drv.raw.cuStreamDestroy_v2(s)
+
+
+class Order:
+    """The chunks left to copy: those of a buffer the job's calls wait for first, then the rest
+    in the copier's order."""
+
+    def __init__(self, work: list[tuple[int, int, int]]) -> None:
+        self.lock = threading.Lock()
+        self.left: dict[int, deque[tuple[int, int, int]]] = {}
+        for w in work:
+            self.left.setdefault(w[0], deque()).append(w)
+        self.order = deque(self.left)          # buffers in the order of their first chunk
+        self.wanted: deque[int] = deque()
+
+    def want(self, buffers: list[int]) -> None:
+        with self.lock:
+            self.wanted.extend(i for i in buffers if self.left.get(i))
+
+    def follow(self, agent_of: Callable[[], Any], by_va: dict[int, int],
+               until: threading.Event) -> threading.Thread:
+        """Until `until` is set, ask the job's agent (once `agent_of()` gives one) every 2 ms
+        which buffers its calls wait for, and take those first. A failed question ends this:
+        the chunks go on in order."""
+        def run() -> None:
+            while not until.wait(0.002):
+                agent = agent_of()
+                if agent is None:
+                    continue
+                try:
+                    vas = agent.wanted()
+                except Exception:
+                    return
+                self.want([by_va[v] for v in vas if v in by_va])
+
+        t = threading.Thread(target=run, name="pos-wanted", daemon=True)
+        t.start()
+        return t
+
+    def take(self) -> Optional[tuple[int, int, int]]:
+        with self.lock:
+            for q in (self.wanted, self.order):
+                while q and not self.left.get(q[0]):
+                    q.popleft()
+                if q:
+                    return self.left[q[0]].popleft()
+            return None
+
+
+def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, workers: int,
+               one: Callable[[C.c_void_p, int, int, int], None],
+               buffer_done: Callable[[int], None] = lambda _i: None,
+               order: Optional[Order] = None) -> float:
+    """Run `one(stream, buffer, offset, length)` over every chunk of `work` on `workers`
+    threads (a Crew), each with its own stream, in `order` (else as listed); `buffer_done(i)`
+    once buffer i's chunks are complete (at once for a buffer without chunks). The first
+    failure stops the threads taking more chunks and is raised. Returns the seconds it took."""
+    from pos.concurrent.crew import Crew
+
+    left = [0] * buffers
+    for i, _off, _n in work:
+        left[i] += 1
+    for i, n in enumerate(left):
+        if n == 0:
+            buffer_done(i)
+    order = order or Order(list(work))
+    lock = threading.Lock()
+    streams = _Streams(drv)
+    crew = Crew("pos-chunks")
+
+    def worker() -> None:
+        s = streams.mine()
+        while not crew.stopped.is_set() and (item := order.take()):
+            i, off, n = item
+            try:
+                one(s, i, off, n)
+            except BaseException:
+                # copies it queued before failing must end before their memory is freed
+                drv.raw.cuStreamSynchronize(s)
+                raise
+            drv.cuStreamSynchronize(s)
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last:
+                buffer_done(i)
+
+    t = time.monotonic()
+    try:
+        crew.run([(str(k), worker) for k in range(max(1, workers))])
+    finally:
+        streams.close()
+    return time.monotonic() - t
+
+
+def device_to_device(drv: Driver, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int]
+                     ) -> None:
+    """Copy src[i] -> dst[i] on one stream and wait: the shadow taken while the job is held."""
+    s = CUstream()
+    drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
+    try:
+        for d, a, n in zip(dst, src, sizes):
+            drv.cuMemcpyDtoDAsync_v2(d, a, n, s)
+        drv.cuStreamSynchronize(s)
+    finally:
+        drv.raw.cuStreamDestroy_v2(s)

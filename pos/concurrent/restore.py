@@ -1,0 +1,175 @@
+"""A whole-process concurrent image back, into new processes (`restore_full`: CRIU and the
+driver's restore of the small context, then the job's memory mapped at the same addresses and
+filled while it runs, a call waiting only for the buffers not back yet; a GPU-only image goes
+back into its live job: gpuonly.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from pos.agent import peers
+from pos.agent.control import Agent, Gate
+from pos.concurrent.fill import FILL_STREAMS
+from pos.concurrent.prefetch import Prefetch
+from pos.errors import BadInput, PosError
+from pos.image import gpuindex, kinds
+from pos.image.kinds import ImageKind
+from pos.operation.engine import DeviceCopy, RankBack, Report
+from pos.operation.steps import Echo, Guard
+from pos.restore import tree as tree_restore
+from pos.settings import Settings
+
+if TYPE_CHECKING:
+    from pos.concurrent import gpucopy
+    from pos.operation.gpumap import Onto
+
+def ranks_of(directory: Path) -> list[Optional[int]]:
+    """The jobs of a whole-process image (gpuindex.jobs); none is refused."""
+    found = gpuindex.jobs(directory)
+    if not found:
+        raise BadInput(f"{directory} holds no GPU index", "give the -D of a `pos checkpoint "
+                       "--concurrent`")
+    return found
+
+
+@dataclass
+class _Back:
+    """What the restore's last step (`put_back`) brought back, for the report."""
+
+    release_s: float = 0.0
+    copies: list[gpucopy.Copy] = field(default_factory=list)
+    gates: list[Gate] = field(default_factory=list)
+    ended_at: float = 0.0
+
+
+def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
+                 streams: int = FILL_STREAMS, echo: Echo = lambda _: None,
+                 to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
+                 started_s: Optional[float] = None,
+                 tree: Callable[..., Report] = tree_restore.restore_tree) -> Report:
+    """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
+    driver's restore of its small context, then new device memory at the same addresses, filled
+    from the image while the job runs (its calls wait only for the buffers not back yet). A job
+    of several CUDA processes gets each one's memory back beside the others'. `to_gpu`: onto
+    that GPU of this host (NVML's index), or that map of GPUs, rather than where it was taken.
+    `started_s`: the start-up of the command that asked for the restore, reported as
+    timings["pos_started_s"] (the restore service's client's; None: this process's age).
+    `tree`: what brings the processes back, with restore_tree's arguments and hooks (a
+    container's runtime does for a container: pos/container/)."""
+    from pos import host
+
+    settings = settings or Settings.from_env()
+    directory = Path(directory).absolute()
+    t0 = time.monotonic()
+    # pos's own start-up, before the restore's clock
+    started = host.age(os.getpid()) if started_s is None else started_s
+    if to_gpu is not None and peers.read(directory):
+        raise BadInput(f"the processes of {directory} map each other's GPU memory (NCCL's P2P "
+                       "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
+                       "restore it without --to-gpu, onto the GPUs it was taken on")
+    check = kinds.checked_by_restore(directory)
+    pairs: list[tuple[str, str]] = []
+    where: list[str] = []         # the UUIDs of the GPUs it moves to
+    if to_gpu is not None:
+        from pos.operation import gpumap
+
+        pairs, where = gpumap.onto(directory, to_gpu)
+    ranks = ranks_of(directory)
+    moved = dict(pairs)
+    # each job's CUDA context is made at once, beside the checks; its device memory only once
+    # the image and this host passed them (before_criu), so that a refusal leaves none behind
+    checked = threading.Event()
+    pres = [Prefetch(directory, streams, settings, checked, where[0] if where else None)] \
+        if ranks == [None] else \
+        [Prefetch(directory, streams, settings, checked, None, rank, moved) for rank in ranks]
+    back = _Back()
+
+    def put_back(g: Guard, live: dict[int, int]) -> None:
+        """The restored jobs map the other processes' memory they imported (its owners export
+        it again) and the memory pos made for them, and run; the fill goes on."""
+        g.step("remap")
+        for pre in pres:      # pos's new device memory (made during CRIU's part)
+            g.timed("memory", pre.ready.wait)
+            if pre.error is not None:
+                raise pre.error
+        agents: list[Agent] = []
+        try:
+            for pre in pres:
+                agents.append(Agent(live[pre.pid]))
+                table = agents[-1].table()
+                if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
+                    raise PosError(f"the restored job's allocations do not match {directory}'s "
+                                   "GPU index", "take a new checkpoint")
+            links = peers.renamed(peers.read(directory), live)
+            if links:          # every job held still (hoisted): none runs before they are back
+                g.timed("peers_up", lambda: peers.put_back(agents, links))
+            for pre, agent in zip(pres, agents):
+                remapped = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
+                g.timings["stack_back"] = remapped.stack_s
+            back.release_s = time.monotonic() - t0
+            for pre, agent in zip(pres, agents):
+                pre.handout.attach(agent)
+                pre.resume()
+            g.step("fill")
+            back.copies = [pre.join() for pre in pres]
+            back.gates = [agent.end() for agent in agents]
+            back.ended_at = time.monotonic() - t0
+            g.step("done", hoisted=False)
+        finally:
+            for agent in agents:
+                agent.close()
+
+    def pause_fill() -> None:
+        for pre in pres:
+            pre.pause()
+
+    try:
+        result = tree(
+            directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
+            finish=put_back, before_criu=checked.set, before_driver=pause_fill,
+            settings=settings)
+    finally:
+        t1 = time.monotonic()
+        for pre in pres:
+            pre.close()
+        let_go = time.monotonic() - t1
+    return _report(result, pres, back, t0, started, let_go)
+
+
+def _report(result: Report, pres: list[Prefetch], back: _Back, t0: float,
+            started: Optional[float], let_go: float) -> Report:
+    from pos.concurrent import gpucopy     # imported by the fill by now
+
+    paused = [pre.paused_s() for pre in pres]     # the fill's own time and rate leave its pause
+    own = [c.seconds - p for c, p in zip(back.copies, paused)]    # out; side by side
+    copy = gpucopy.Copy(sum(c.bytes for c in back.copies), max(own),
+                        sum(c.read_thread_s for c in back.copies))
+
+    def last(at: float) -> float:
+        return at - t0
+
+    rest = [pre.handout.rest_at(t0) for pre in pres]
+    # pos_started_s is None where no command started the restore (JSON's null)
+    timings: dict[str, Any] = {**result.timings, "pos_started_s": started, "h2d": copy.seconds,
+               "read_threads": copy.read_thread_s, "fill_paused": max(paused),
+               # from the restore's start: the new memory made, all of it back, the job's gate
+               # ended; and pos's own mapping of the memory let go of
+               "imported_at": last(max(p.imported_at for p in pres)),
+               "context_at": last(max(p.context_at for p in pres)),
+               "memory_at": last(max(p.memory_at for p in pres)),
+               "pinned_at": last(max(p.pinned_at for p in pres)),
+               "filled_at": last(max(p.filled_at for p in pres)),
+               **{k: max(r[k] for r in rest) for k in rest[0]},
+               "ended_at": back.ended_at, "let_go": let_go}
+    worst = max(back.gates, key=lambda x: x.held_max_s)
+    several = [RankBack(pre.rank, pre.onto, c.bytes, x)
+               for pre, c, x in zip(pres, back.copies, back.gates)] if len(pres) > 1 else []
+    return Report(ImageKind.CONCURRENT.value, result.path, result.manifest, timings=timings,
+                  restored_pid=result.restored_pid, device=DeviceCopy(
+                      sum(len(pre.table) for pre in pres), copy.bytes, None, worst, 0,
+                      back.release_s, None, copy.gbps, 0, several))

@@ -1,0 +1,355 @@
+"""One job's side of a concurrent checkpoint, in the order its types allow:
+
+  Saver.prepare(agent, ...)   before the cut: page-locked host memory and a device shadow
+  saver.reconnect()           the cut's own connection, made just before it
+  saver.cut(...)              the job held, its calls drained
+  saver.take(folder, rank)    -> Taken: its memory exported by the job, imported by pos, what
+                              fits shadowed device-to-device; the copy to host memory begins
+  taken.freeze(), thaw()      the frozen part (the driver's calls, CRIU's dump), and its end
+  taken.release()             the job goes on, its calls gated (pos/concurrent/handout.py)
+  taken.wait_copied()         every buffer in host memory: pos lets go of the device memory
+  taken.write(folder)         the rest of the data files, then the GPU index
+  close() of each, whatever happened (Taken's first)
+
+A job of several CUDA processes (DDP's ranks) has one Saver per process, each on its own GPU,
+whose context each step makes current (one thread drives them all).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from pos.agent.control import Agent, Buffer, Cut, Refused
+from pos.concurrent import devices
+from pos.concurrent.handout import Handout
+from pos.errors import BadInput, PosError
+from pos.image import filehash, gpuindex, names
+from pos.operation import steps
+from pos.settings import Settings
+
+if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
+    from pos.concurrent import copier, gpucopy
+    from pos.image import gpu as gpuimage             # and a restore starts CRIU before it
+
+SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host memory, then disk
+DEFAULT_CHUNK_MB = 64          # a checkpoint's chunk of a buffer (copied, hashed, written)
+SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
+STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
+
+
+class Saver:
+    """A job's page-locked arena and device shadow, set aside before its cut."""
+
+    def __init__(self, agent: Agent, settings: Settings, streams: int, chunk: int) -> None:
+        from pos.concurrent import gpucopy
+
+        self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
+        self.pid = agent.pid
+        self.settings, self.streams, self.chunk = settings, streams, chunk
+        self.gpu = devices.gpu_of(agent.pid)          # the job's GPU, recorded in its index
+        # pos's context on it, made current again by each step (`use`), let go by `close`
+        self.context = gpucopy.Context(devices.cuda_device(self.gpu))
+        self.drv = self.context.drv
+        self.timings: dict[str, float] = {}
+        self.host: Optional[gpucopy.Pinned] = None
+        self.shadow: Optional[gpucopy.Shadow] = None
+        self.owned_bytes = self.foreign_bytes = 0
+
+    @classmethod
+    def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
+                gpu_only: bool) -> "Saver":
+        """Before the cut: the page-locked arena (copier.arena_bytes) and the shadow (the device
+        memory free but 1 GiB, at most the job's). Closed again if that fails."""
+        saver = cls(agent, settings, streams, chunk)
+        try:
+            saver._prepare(gpu_only)
+        except BaseException:
+            saver.close()
+            raise
+        return saver
+
+    def _prepare(self, gpu_only: bool) -> None:
+        from pos.concurrent import copier, gpucopy
+
+        self.use()
+        assert self.agent is not None
+        st = self.agent.status()
+        if not st.owning:
+            raise BadInput(f"the agent of process {self.pid} does not own its memory "
+                           "(POS_OWN=0)", "run the job under `pos run` without POS_OWN=0")
+        if gpu_only and st.foreign_bytes:
+            raise BadInput(f"process {self.pid} holds {st.foreign_bytes} bytes of device memory "
+                           f"in {st.foreign_allocs} allocations pos does not own (stream-ordered "
+                           "pools, managed or pitched memory, its own VMM mappings such as "
+                           "PyTorch's expandable segments): a GPU-only image would lack them",
+                           "take a whole-process image (--concurrent without --gpu-only: the "
+                           "driver saves them), or run the job without those allocators")
+        self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
+        arena = copier.arena_bytes(self.owned_bytes, self.chunk, self.settings.pin_max_bytes)
+        self.host = self.timed("pin", lambda: gpucopy.Pinned(self.drv, arena))
+        self.timings["pinned_peak_bytes"] = self.host.size
+        room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
+        if self.settings.shadow_max_bytes is not None:
+            room = min(room, self.settings.shadow_max_bytes)
+        self.shadow = self.timed("shadow_alloc",
+                                 lambda: gpucopy.Shadow(self.drv, min(room, self.owned_bytes)))
+
+    def timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        return steps.timed(self.timings, name, fn)
+
+    def use(self) -> None:
+        """pos's context on this job's GPU current on this thread: the objects made here keep
+        the context current when they were made."""
+        self.context.use()
+
+    def connected(self) -> Agent:
+        """The job's agent; its absence (the job ended by CRIU) is pos's own error."""
+        if self.agent is None:
+            raise PosError(f"process {self.pid} has no agent connection now",
+                           "report this: pos asked a job CRIU ended")
+        return self.agent
+
+    def reconnect(self) -> Optional[str]:
+        """A connection of the operation's own, made just before the cut. The one that asked
+        the status sat silent through the pin (as large as the job: 20-55 s for 83-125 GiB on
+        the H200, past the agent's POS_AGENT_STALL_S on larger jobs), and one ended meanwhile
+        showed only at the cut's request (issue 35). The old one is let go; why it was lost,
+        if it was (counted: prepare_connection_lost_n), is returned."""
+        old = self.connected()
+        lost = None
+        try:
+            old.status()
+        except PosError as e:
+            lost = e.message
+            self.timings["prepare_connection_lost_n"] = 1
+        old.close()
+        self.agent = Agent(self.pid)
+        return lost
+
+    def cut(self, at: Optional[int] = None, timeout_s: float = STALL_S) -> Cut:
+        """The job held and drained (now, or just before the NCCL launch past `at`: see
+        pos/concurrent/collective.py)."""
+        agent = self.connected()
+        return self.timed("cut", lambda: agent.cut(timeout_s, at))
+
+    def take(self, folder: Path, rank: Optional[int] = None) -> "Taken":
+        """After the cut: the job's memory imported and shadowed, its copy begun (`rank`: the
+        PID of one process of several, whose files are named after it)."""
+        return Taken(self, folder, rank)
+
+    def drop_shadow(self) -> None:
+        """The device shadow given back (its copies are done, or the checkpoint ends)."""
+        if self.shadow is not None:
+            self.shadow.close()
+            self.shadow = None
+
+    def close(self) -> None:
+        self.use()
+        self.drop_shadow()
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        self.context.close()
+
+
+class Taken:
+    """A held job's memory in pos's hands: imported, shadowed where it fits, being copied."""
+
+    def __init__(self, saver: Saver, folder: Path, rank: Optional[int]) -> None:
+        from pos.concurrent import gpucopy
+
+        self.saver, self.rank = saver, rank
+        self.fds: list[int] = []
+        self.mem: Optional[gpucopy.Imported] = None
+        self.copier: Optional[copier.Copier] = None
+        self.shadowed: set[int] = set()
+        self.shadow_bytes = 0
+        saver.use()
+        agent = saver.connected()
+        # what the job and the rest leave free at the cut (pos's own shadow counted as free)
+        saver.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(saver.drv)
+                                              + (saver.shadow.size if saver.shadow else 0))
+        self.table: list[Buffer] = agent.table()
+        try:
+            self.fds = saver.timed("export", lambda: export(saver))
+            self.mem = saver.timed("import", lambda: gpucopy.Imported(saver.drv, self.table,
+                                                                      self.fds))
+            sources = self._snapshot()
+            self._start(folder, sources)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.saver.pid
+
+    def _snapshot(self) -> list[int]:
+        """Shadow what fits, the smallest buffers first (most of a job's calls use its many
+        small buffers, and a call that may write a buffer not shadowed waits until pos has
+        copied it from the job); the source of each buffer's copy (its shadow, or the job's
+        memory for a buffer that did not fit)."""
+        from pos.concurrent import gpucopy
+
+        s, mem = self.saver, self.mem
+        assert mem is not None           # made just before, in __init__
+        room = s.shadow.size if s.shadow else 0
+        base = s.shadow.ptr if s.shadow else 0
+        sources = list(mem.local)
+        src, dst, sizes, at = [], [], [], 0
+        for i in sorted(range(len(self.table)), key=lambda i: (self.table[i].size, i)):
+            b = self.table[i]
+            if at + b.size <= room:
+                sources[i] = base + at
+                src.append(mem.local[i])
+                dst.append(sources[i])
+                sizes.append(b.size)
+                self.shadowed.add(i)
+                at += b.size
+        self.shadow_bytes = at
+        s.timed("shadow", lambda: gpucopy.device_to_device(s.drv, dst, src, sizes))
+        return sources
+
+    def _start(self, folder: Path, sources: list[int]) -> None:
+        """The copy to host memory and into the image's data files, on threads of its own from
+        now on (the job may still be held)."""
+        from pos.concurrent import copier
+        from pos.image import gpu as gpuimage
+
+        s = self.saver
+        assert s.host is not None        # Saver.prepare made it
+        self.handout = Handout(self.table, safe=self.shadowed)
+        self.writer: gpuimage.Writer = gpuimage.Writer(
+            folder, compress=False, prefix=names.data_prefix(self.rank))
+        self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
+                                    s.streams, self.writer, self.handout, filehash.workers(),
+                                    s.settings.frozen_copy)
+        self.copier.start()
+
+    def _copier(self) -> "copier.Copier":
+        assert self.copier is not None   # made in __init__, which fails as a whole
+        return self.copier
+
+    def freeze(self) -> None:
+        """The job is about to be frozen (the driver's calls, CRIU's dump): the CPU and the
+        host's memory are theirs, but for the copy of what pos could not shadow."""
+        self._copier().hold_scans()
+        self._copier().hold_shadowed()
+
+    def thaw(self) -> None:
+        """The frozen part is over: every part of the copy goes on."""
+        self._copier().release_scans()
+        self._copier().release_shadowed()
+
+    def paused(self, call: Callable[[], Any]) -> Any:
+        """The driver's checkpoint or restore of the job, with pos's copy to host memory held:
+        the driver copies the job's context over the same bus, and holds the job meanwhile."""
+        self._copier().pause()
+        try:
+            return call()
+        finally:
+            self._copier().resume()
+
+    def release(self) -> None:
+        """The job goes on: its calls wait only for the buffers they may write that are not
+        saved yet (see pos/concurrent/handout.py)."""
+        agent = self.saver.connected()
+        self.saver.timings["copied_at_release_bytes"] = self._copier().copied_bytes
+        agent.copy()
+        self.handout.attach(agent)
+        self._copier().watch(agent)
+
+    def wait_copied(self) -> None:
+        """Every buffer is in host memory: pos lets go of the job's memory and its shadow (the
+        job keeps its own mapping)."""
+        self._copier().wait_copied()
+        self.saver.timings["d2h"] = self._copier().d2h_s
+        self._drop_device()
+
+    def _drop_device(self) -> None:
+        s = self.saver
+        s.use()
+        if self.copier is not None:
+            self.copier.stop_copying()       # nothing may copy from what is freed here
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
+        s.drop_shadow()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def touched(self) -> set[int]:
+        """The buffers the job's calls used once released, by address (a restore fills them
+        first); none are known of a job CRIU ended, or one gone since."""
+        if self.saver.agent is None:
+            return set()
+        try:
+            return {b.va for b in self.saver.agent.table() if b.touched}
+        except PosError:
+            return set()
+
+    def write(self, folder: Path) -> "copier.Copied":
+        """The rest of the data files, then the GPU index."""
+        s = self.saver
+        s.use()
+        hot = self.touched()
+        done = self._copier().join()
+        self.writer.close()
+        s.timings["disk"] = done.disk_s
+        gpuindex.write(folder, gpuindex.GpuIndex(s.pid, s.gpu, tuple(
+            gpuindex.BufferRecord(b.va, b.size, b.mapped, b.device, b.va in hot,
+                                  self.writer.chunks_of(b.va)) for b in self.table)), self.rank)
+        return done
+
+    def close(self) -> None:
+        self.saver.use()
+        if self.copier is not None:
+            self.copier.close()              # nor write from the arena
+            self.writer.close()              # its data files (a failed image's are discarded)
+        self._drop_device()
+
+
+def reconnected(saver: Saver, echo: steps.Echo) -> Agent:
+    """The job's agent on the cut's own connection (Saver.reconnect), a loss of the one before
+    said."""
+    lost = saver.reconnect()
+    if lost:
+        echo(f"(the connection that asked the status of PID {saver.pid} was lost during the "
+             f"pin: {lost})")
+    return saver.connected()
+
+
+def export(saver: Saver) -> list[int]:
+    """The held job's descriptors. A buffer the driver would not export is moved into new
+    memory first (agent: export.c, reseat); where the device has no room for that, pos gives
+    its shadow back and asks once more (the buffers are then copied from the running job, the
+    gate holding their writers)."""
+    from pos.concurrent import gpucopy
+
+    agent = saver.connected()
+    try:
+        x = agent.export()
+    except Refused as e:
+        if not e.need or saver.shadow is None or not saver.shadow.size:
+            raise
+        saver.shadow.close()
+        saver.shadow = gpucopy.Shadow(saver.drv, 0)
+        saver.timings["shadow_given_back_bytes"] = e.need
+        x = agent.export()
+    if x.reseated or x.leaked:
+        saver.timings.update(reseat=x.reseat_s, reseated_bytes=x.reseated_bytes,
+                             leaked_closed_n=x.leaked)
+    return x.fds
+
+
+def timings_of(savers: list[Saver]) -> dict[str, float]:
+    """The copy's timings: of several jobs, the longest of each (their copies run side by
+    side), and the pinned memory summed; of one, its own."""
+    out: dict[str, float] = {}
+    for s in savers:
+        for k, v in s.timings.items():
+            out[k] = out.get(k, 0.0) + v if k.endswith("_bytes") else max(out.get(k, v), v)
+    return out

@@ -1,0 +1,331 @@
+"""`pos restore-service`: a resident process that restores images for `pos restore`, with what
+a restore would first have to set up made once, at its start:
+
+  - the restore's Python modules (the engines, CRIU's and the driver's modules, numpy, the
+    image's chunk reader), which `pos restore` imports on its way to CRIU, and CRIU's version;
+  - NVML, initialised: the checks before CRIU ask it (pos/restore/preflight.py);
+  - a CUDA primary context on each GPU it keeps (--gpus), retained for its whole life: the
+    restore's own retain (gpucopy.Context, which refills the job's device memory) then finds
+    the context made.
+
+Each connection (root peers only) carries one request (pos/engines/service_protocol.py). Its
+restore runs on a thread of its own, as `pos restore` runs it (`engines.for_image(...)
+.restore`, with the settings read from the service's environment for each request), and the
+lines it echoes go back as it runs, then its report or its error. Restores run side by side.
+Off the main thread a restore is as safe as on it: Python runs signal handlers on the main
+thread alone, and a step that holds SIGINT and SIGTERM back there has nothing to hold back on
+another (pos/operation/steps.py `uninterrupted`); the undo runs on the restore's thread.
+
+A restore, once begun, runs on whatever its client does: a client that goes away (Ctrl-C
+included) loses the lines and the outcome, not the restore. Like any restore it has its own
+watchdog (pos/operation/watchdog.py), which undoes it should the service die half-way.
+
+What stays the client's: a shell job restored from a terminal (CRIU attaches it to the
+terminal of its own stdin, which pos/restore/tree.py gives it: the client's, not the
+service's, whose stdin is /dev/null) is answered InProcess; `pos restore` keeps --inherit-fd
+(its descriptors) and --gpu-only (its live job) for itself too.
+
+SIGTERM or SIGINT: no more connections (the socket goes at once, so that clients restore in
+their own process meanwhile), the running restores finish, then the service exits 0.
+"""
+
+import importlib
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+from pos.errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, PosError, denied
+from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Message, Request,
+                                            Restored, decode, encode)
+
+if TYPE_CHECKING:
+    from pos.concurrent import gpucopy
+
+Say = Callable[[str], None]
+
+RESTORE_MODULES = (
+    "numpy", "pos.image.gpu", "pos.image.kinds", "pos.engines.engines",
+    "pos.restore.tree", "pos.restore.timewait", "pos.operation.gpumap",
+    "pos.concurrent", "pos.concurrent.prefetch", "pos.concurrent.gpucopy",
+    "pos.engines.summary")
+"""What a restore imports inside its functions (the engines import their parts where they are
+used, so that `pos --help` stays fast): imported once here."""
+
+BACKLOG = 64
+REQUEST_S = 10.0     # how long an accepted client may take to send its request
+ACCEPT_S = 0.2       # how often the accepting loop looks for a signal another thread received
+SEND_S = 10.0        # how long a line to a client may wait: one that does not read is gone
+
+
+@dataclass
+class Warm:
+    """A GPU the service keeps a context on: its number as the ready line says it (NVML's
+    index; CUDA's on a host without NVML) and the context."""
+
+    index: int
+    context: "gpucopy.Context"
+
+
+def parse_gpus(text: str) -> tuple[int, ...]:
+    """--gpus' value: GPU indexes, as nvidia-smi numbers them, separated by commas."""
+    try:
+        found = tuple(int(x) for x in text.split(","))
+        if min(found) < 0:
+            raise ValueError(text)
+    except ValueError:
+        raise BadInput(f"--gpus {text!r} is not a list of GPU indexes",
+                       "give them as nvidia-smi numbers them, separated by commas: --gpus 0,1"
+                       ) from None
+    return found
+
+
+def keep_warm(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
+    """A context retained on each GPU `wanted` names (NVML's indexes; None: every GPU of the
+    host, none where there is no CUDA driver)."""
+    from pos import nvml
+    from pos.concurrent import gpucopy
+    from pos.operation.gpumap import Onto
+
+    if nvml.available():
+        here = nvml.gpus()
+        for index in wanted or ():
+            Onto(index=index).check(here)       # a GPU this host does not have: refused
+        return [Warm(g.index, gpucopy.Context(gpucopy.ordinal(g.uuid))) for g in here
+                if wanted is None or g.index in wanted]
+    if wanted is not None:
+        raise BadInput("NVML is not available (it numbers the GPUs as nvidia-smi does)",
+                       "leave --gpus out to keep every GPU the CUDA driver shows, or install "
+                       "the NVIDIA driver with libnvidia-ml.so.1")
+    try:
+        count = gpucopy.device_count()
+    except PosError:           # no CUDA driver: no GPU to keep
+        return []
+    return [Warm(i, gpucopy.Context(i)) for i in range(count)]
+
+
+def warm_up(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
+    """Everything a restore would set up first: its modules, CRIU's version, NVML, the GPUs'
+    contexts."""
+    from pos import nvml
+    from pos.process import criu
+    from pos.settings import Settings
+
+    for name in RESTORE_MODULES:
+        importlib.import_module(name)
+    try:
+        criu.find(Settings.from_env())     # `criu --version`, asked once a process
+    except PosError:
+        pass                   # no CRIU here, or a bad setting: each restore says so
+    nvml.available()           # NVML's first use initialises it
+    return keep_warm(wanted)
+
+
+def peer(conn: socket.socket) -> tuple[int, int]:
+    """(PID, UID) of the process at the other end of `conn` (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def _answers(path: Path) -> bool:
+    """Whether a service listens on the socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def listen(path: Path) -> socket.socket:
+    """The service's socket at `path`, root's alone (0600; its folder made 0700 where it is
+    missing). The socket of a service that died is replaced; a live one is refused."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.is_symlink() or path.exists():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise BadInput(f"{path} exists and is not a socket",
+                           "give --socket a path of its own")
+        if _answers(path):
+            raise BadInput(f"a restore service already listens on {path}",
+                           "stop it first, or give this one another --socket")
+        path.unlink()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mask = os.umask(0o177)     # the socket is made 0600, never readable by others meanwhile
+    try:
+        s.bind(str(path))
+    finally:
+        os.umask(mask)
+    s.listen(BACKLOG)
+    return s
+
+
+class Client:
+    """One connection's messages out; once the client is gone (closed, or not reading) they
+    are dropped and the restore goes on."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn, self.gone = conn, False
+        self.lock = threading.Lock()       # lines may come from several of a restore's threads
+        conn.settimeout(SEND_S)
+
+    def send(self, message: Message) -> None:
+        with self.lock:
+            if self.gone:
+                return
+            try:
+                self.conn.sendall(encode(message))
+            except OSError:
+                self.gone = True
+
+    def echo(self, text: str) -> None:
+        self.send(Echo(text))
+
+
+def restore(request: Request, echo: Say) -> Union[Restored, Failed, InProcess]:
+    """The restore `pos restore` runs, for `request`; its outcome as the client's message."""
+    from pos.engines import engines, summary
+    from pos.operation.gpumap import Onto
+    from pos.settings import Settings
+
+    directory = Path(request.directory)
+    try:
+        settings = Settings.from_env()
+        if request.terminal and _takes_terminal(directory):
+            return InProcess("a shell job restored from a terminal is attached to it")
+        load = engines.Load(to_gpu=Onto.parse(request.to_gpu) if request.to_gpu else None,
+                            started_s=request.started_s)
+        r = engines.for_image(directory, settings, echo).restore(directory, load)
+    except PosError as e:
+        return Failed.of(e)
+    except PermissionError as e:
+        return Failed.of(denied(e))
+    except Exception as e:  # noqa: BLE001  (a bug: one sentence there, its traceback here)
+        traceback.print_exc()
+        return Failed(f"the restore service failed ({e!r})", "see the service's log",
+                      EXIT_FAILED)
+    r.served = True
+    return Restored(r.path, r.to_json(), summary.of(r))
+
+
+def _takes_terminal(directory: Path) -> bool:
+    """Whether the restore of the image in `directory` attaches its job to the restoring
+    process's terminal: a shell job's does (pos/restore/tree.py)."""
+    from pos import image
+    from pos.process.criu import Options
+
+    try:
+        return Options.from_json(image.load(directory).criu_options).shell_job
+    except PosError:
+        return False           # not an image: its restore says so
+
+
+def serve_one(conn: socket.socket, say: Say) -> None:
+    """One connection: a root peer's request, its restore, its lines and outcome."""
+    client = Client(conn)
+    pid, uid = peer(conn)
+    if uid != 0:
+        client.send(Failed("the restore service answers root only",
+                           "run pos restore as root (sudo)", EXIT_BAD_INPUT))
+        return
+    client.send(Accepted())
+    conn.settimeout(REQUEST_S)
+    try:
+        request = decode(conn.makefile("rb").readline())
+    except (OSError, ValueError):
+        return
+    if not isinstance(request, Request):
+        return
+    conn.settimeout(SEND_S)
+    t = time.monotonic()
+    outcome = restore(request, client.echo)
+    client.send(outcome)
+    said = (outcome.summary[0] if isinstance(outcome, Restored) else
+            f"restore of {request.directory}: {outcome.error().message}"
+            if isinstance(outcome, Failed)
+            else f"restore of {request.directory}: left to the client ({outcome.why})")
+    gone = ", which went away" if client.gone else ""
+    say(f"{said} ({time.monotonic() - t:.3f} s, for PID {pid}{gone})")
+
+
+class Service:
+    """The accepting loop on the main thread, a thread for each connection."""
+
+    def __init__(self, listener: socket.socket, path: Path, say: Say) -> None:
+        self.listener, self.path, self.say = listener, path, say
+        self.inode = path.stat().st_ino
+        self.running: set[threading.Thread] = set()
+        self.lock = threading.Lock()
+
+    def serve(self) -> None:
+        """Until SIGTERM or SIGINT (KeyboardInterrupt: pos/cli.py turns SIGTERM into it)."""
+        from pos.operation.steps import uninterrupted
+
+        # the kernel may hand SIGTERM to any thread that does not block it, and then accept()
+        # on this one is not interrupted: Python would run the handler only at the next
+        # connection. So the wait comes back every ACCEPT_S for the handler to run.
+        self.listener.settimeout(ACCEPT_S)
+        try:
+            while True:
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(None)
+                t = threading.Thread(target=self._one, args=(conn,), name="pos-restore")
+                with self.lock:
+                    self.running.add(t)
+                t.start()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            with uninterrupted():
+                self._stop()
+
+    def _one(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                serve_one(conn, self.say)
+        finally:
+            with self.lock:
+                self.running.discard(threading.current_thread())
+
+    def _stop(self) -> None:
+        """No more connections, the socket gone; the running restores finish."""
+        self.listener.close()
+        try:
+            if self.path.stat().st_ino == self.inode:    # not another service's since
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+        with self.lock:
+            running = list(self.running)
+        if running:
+            self.say(f"pos restore-service: stopping once {len(running)} restore(s) finish")
+        for t in running:
+            if t.ident is not None:      # started: a signal may fall between add and start
+                t.join()
+
+
+def run(path: Path, wanted: Optional[tuple[int, ...]], say: Say) -> None:
+    """The service: warmed up, listening on `path`, ready said, serving until SIGTERM or
+    SIGINT."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)           # no restore takes a terminal the service was started on
+    os.close(null)
+    warm = warm_up(wanted)
+    try:
+        listener = listen(path)
+        gpus = f"GPUs {', '.join(str(w.index) for w in warm)}" if warm else "no GPU"
+        say(f"pos restore-service: ready on {path} ({gpus})")
+        Service(listener, path, say).serve()
+    finally:
+        for w in warm:
+            w.context.close()

@@ -1,0 +1,93 @@
+"""What `pos restore` and the restore service (pos/engines/service.py) say to each other over
+the service's unix socket: one JSON object a line, each one of the messages below, named by its
+"kind".
+
+    service -> client   Accepted, or Failed for a peer other than root
+    client -> service   Request
+    service -> client   Echo for each line the restore echoes, then its outcome: Restored,
+                        Failed, or InProcess (the restore is the client's to run)
+
+Only json and dataclasses are imported here: the client reads this module before pos's heavy
+ones, whose import the service is there to spare it. Where the socket is: pos/engines/options.py.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Union
+
+from pos.errors import PosError
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The service took the connection: the request may come."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One restore, as `pos restore -D DIR [--to-gpu N]` asks for it."""
+
+    directory: str                 # the image, absolute: the service's folder is not the client's
+    to_gpu: Optional[str]          # --to-gpu as given (pos/operation/gpumap.py Onto's text)
+    started_s: Optional[float]     # the client's own start-up: its process's age when it asked
+    terminal: bool                 # the client's stdin is a terminal
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A line the restore echoed, for the client to print where it prints the steps' lines."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Restored:
+    path: str                      # the image, which the client's store records as restored
+    report: dict[str, Any]         # Report.to_json(): what `pos restore --json` prints
+    summary: list[str]             # pos/engines/summary.py's lines: what `pos restore` prints
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A PosError's sentence and exit code, for the client to raise as its own."""
+
+    cause: str
+    fix: str
+    exit_code: int
+
+    @classmethod
+    def of(cls, e: PosError) -> "Failed":
+        return cls(e.cause, e.fix, e.exit_code)
+
+    def error(self) -> PosError:
+        e = PosError(self.cause, self.fix)
+        e.exit_code = self.exit_code
+        return e
+
+
+@dataclass(frozen=True)
+class InProcess:
+    """The restore needs what only the client has (see service.py): it runs it itself."""
+
+    why: str
+
+
+Message = Union[Accepted, Request, Echo, Restored, Failed, InProcess]
+KINDS: dict[str, type] = {k.__name__: k for k in (Accepted, Request, Echo, Restored, Failed,
+                                                 InProcess)}
+
+
+def encode(message: Message) -> bytes:
+    return (json.dumps({"kind": type(message).__name__, **asdict(message)}) + "\n").encode()
+
+
+def decode(line: bytes) -> Message:
+    """The message of one line; ValueError for a line that is none (an empty one: the peer
+    closed the connection)."""
+    try:
+        fields = json.loads(line)
+        kind = KINDS[fields.pop("kind")]
+        message: Message = kind(**fields)
+        return message
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"not a message of the restore service: {line[:80]!r}") from None

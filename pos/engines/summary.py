@@ -1,0 +1,124 @@
+"""What `pos checkpoint`, `pos restore` and `pos migrate` print for a person: a few lines (what
+was saved or restored and its size, how long the job stood still, where the time went). Every
+field stays in the command's `--json` report, and a checkpoint's in `pos inspect`.
+
+Built from the engines' one report (pos.operation.engine.Report) and nothing else.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from pos.operation.steps import UNITS
+
+if TYPE_CHECKING:
+    from pos.agent.control import Gate
+    from pos.operation.engine import DeviceCopy, Report
+
+SHOWN_STEPS = 3
+# timings that are not a step's duration: a sum over threads, a moment since the start
+NOT_STEPS = {"read_threads", "sealed_s"}
+
+
+def size_text(n: int) -> str:
+    """Bytes for a person: MiB below a GiB, GiB above."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def longest_steps(timings: dict[str, float], n: int = SHOWN_STEPS) -> str:
+    """The `n` steps that took longest: where the time went. Amounts (`*_mib`, `*_bytes`,
+    `*_rc`, `*_n`), moments (`*_at`) and sums over threads are not steps."""
+    steps = [(k, v) for k, v in timings.items()
+             if not k.endswith(("_at", *UNITS)) and k not in NOT_STEPS]
+    top = sorted(steps, key=lambda kv: -kv[1])[:n]
+    return "longest steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in top)
+
+
+def longest_wait(gate: "Gate") -> str:
+    """What the job's longest-held call was and what it waited for: why a job stalled."""
+    if not gate.waits:
+        return ""
+    w = max(gate.waits, key=lambda w: w.s)
+    on = f"{w.on:#x}" if w.on else "every buffer"
+    what = w.what if len(w.what) <= 60 else w.what[:57] + "..."
+    return f"; the longest, {what}, waited for {on}"
+
+
+def of(r: "Report") -> list[str]:
+    """Any engine's checkpoint or restore: what pos copied of the device memory itself, where
+    it did (the concurrent engines), else what the driver and CRIU did."""
+    if r.device is not None:
+        return _device(r, r.device)
+    return _restore(r) if r.restored_pid is not None else _checkpoint(r)
+
+
+def _checkpoint(result: "Report") -> list[str]:
+    """A stop-the-world checkpoint."""
+    m = result.manifest
+    assert m is not None          # a checkpoint's report holds its image's manifest
+    cuda = f", {len(m.gpu_pids)} with CUDA state" if m.gpu_pids else ""
+    held = ("it was ended once saved (restore it with `pos restore -D DIR`)" if m.stall_s is None
+            else f"the job stood still {m.stall_s:.3f} s")
+    return [f"saved PID {m.pid} ({m.comm}) into {result.path}: {size_text(m.size_bytes)} in "
+            f"{len(m.files)} files, {len(m.pids)} process(es){cuda}",
+            held, longest_steps(result.timings),
+            f"every field: pos inspect {result.path} (or --json)"]
+
+
+def _restore(result: "Report") -> list[str]:
+    """A stop-the-world restore."""
+    m = result.manifest
+    assert m is not None          # a restore's report holds its image's manifest
+    return [f"restored PID {result.restored_pid} from {result.path}: "
+            f"{size_text(m.size_bytes)} in {len(m.files)} files",
+            longest_steps(result.timings), "every field: --json"]
+
+
+def _device(r: "Report", d: "DeviceCopy") -> list[str]:
+    """A concurrent checkpoint or restore: a whole-process restore has a `restored_pid`; a
+    checkpoint copies device to host (`d2h_gbps`), a restore host to device."""
+    restoring = r.restoring
+    what = f"{size_text(d.bytes)} of device memory in {d.buffers} buffers"
+    if d.ranks:
+        what += f" of {len(d.ranks)} processes"
+    if not restoring:
+        first = f"saved {r.path}: {what}"
+    elif r.restored_pid is not None:
+        first = f"restored PID {r.restored_pid} from {r.path}: {what}"
+    else:
+        first = f"rolled the job back to {r.path}: {what}"
+    held = (f"the job ran again {d.release_s:.3f} s after the restore began" if restoring
+            else f"the job was held {d.release_s:.3f} s")
+    if d.gate:
+        held += (f"; its longest held call waited {d.gate.held_max_s:.3f} s "
+                 f"({d.gate.held} held, {d.gate.held_s:.3f} s in all{longest_wait(d.gate)})")
+    rate = d.h2d_gbps if restoring else d.d2h_gbps
+    copy = f"device memory {'read back' if restoring else 'copied'} at {rate or 0:.1f} GB/s " \
+           "(PCIe limit ~55)"
+    if "all_back_at" in r.timings:
+        copy += f", all of it back {r.timings['all_back_at']:.3f} s after the restore began"
+    out = [first, held, copy, longest_steps(r.timings)]
+    if r.manifest is not None and r.manifest.predumped is not None and not restoring:
+        out.append(_host_memory(r.manifest.predumped, r.manifest.predump_note))
+    if d.foreign_bytes:
+        out.append(f"{size_text(d.foreign_bytes)} the agent could not own (stream-ordered pools, "
+                   "managed or pitched memory, the job's own VMM mappings) went through the "
+                   "driver's checkpoint, inside the frozen part")
+    out.append("every field: --json" if restoring else f"every field: pos inspect {r.path} "
+               "(or --json)")
+    return out
+
+
+def _host_memory(predumped: bool, note: str) -> str:
+    """How CRIU saved the job's host memory in a whole-process concurrent checkpoint."""
+    if predumped:
+        return ("host memory: CRIU's pre-dump copied it before the freeze, the frozen dump "
+                "only what the job wrote since")
+    return f"host memory: dumped while the job was frozen; no pre-dump: {note}"
+
+
+def migration(report: dict[str, Any]) -> list[str]:
+    """`pos migrate PID --to-gpu N` or `--to HOST` (the command's report)."""
+    where = f"onto GPU {report['gpu']}" if "gpu" in report else f"to {report['host']}"
+    there = (f"; it runs there as PID {report['restored_pid']}"
+             if report.get("restored_pid") is not None else "")
+    return [f"moved PID {report['pid']} {where}{there}", longest_steps(report["timings"]),
+            "every field: --json"]

@@ -1,0 +1,184 @@
+"""The steps of one checkpoint, restore or move, as every engine runs them: a watchdog process
+behind them (pos/operation/watchdog.py), told each step as it begins, and the one undo
+(`watchdog.recover`) on any failure, Ctrl-C or SIGTERM, which the watchdog runs too if pos
+dies. Also how long each step took (`timed`, `describe`)."""
+
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+
+from pos.errors import PosError
+from pos.image import criustats, names
+from pos.operation.plan import Plan
+from pos.operation.watchdog import Watchdog, discard_leftovers, end_tree, recover
+from pos.process import criu as criu_mod
+from pos.process import cudackpt, procs
+from pos.progress import QUIET, Progress
+from pos.settings import Settings
+
+Echo = Callable[[str], None]
+
+
+def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
+    """fn(), its duration added to timings[name] (whether or not it raised)."""
+    t = time.monotonic()
+    try:
+        return fn()
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.monotonic() - t
+
+
+UNITS = {"_mib": "{:.0f} MiB", "_bytes": "{:.0f} bytes", "_rc": "{:.0f}", "_n": "{:.0f}"}
+
+
+def describe(timings: dict[str, float]) -> str:
+    """Timings for a person: seconds, but for the keys that count memory (`*_mib`, `*_bytes`),
+    the driver's answers (`*_rc`) and things (`*_n`)."""
+    def one(k: str, v: float) -> str:
+        unit = next((u for end, u in UNITS.items() if k.endswith(end)), "{:.3f} s")
+        return f"{k} {unit.format(v)}"
+
+    return ", ".join(one(k, v) for k, v in timings.items())
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored meanwhile: for an undo, or a last step, that must not be left
+    half done. Python runs signal handlers on the main thread alone: an operation run on
+    another thread (a long-lived service's worker) is not interrupted by them, and has nothing
+    to hold back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in held.items():
+            signal.signal(s, h)
+
+
+class Guard:
+    """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
+
+    def __init__(self, plan: Plan, echo: Echo, settings: Settings,
+                 progress: Progress = QUIET) -> None:
+        """`settings`: the operation's; its `fault_at` is fault injection, as CRIU's
+        CRIU_FAULT: "STEP=SIGNAL" (STEP:criu while CRIU runs) makes pos send itself SIGNAL
+        when that step begins, so that tests can kill pos at every step; how long the undo
+        waits for a running CRIU, and where CRIU's logs are kept, go into the plan."""
+        self.plan, self.echo, self.progress = plan, echo, progress
+        self.fault_at = settings.fault_at
+        plan.criu_wait_s, plan.log_dir = settings.criu_wait_s, str(settings.log_dir)
+        self.timings: dict[str, float] = {}
+        self.watchdog: Optional[Watchdog] = None
+        self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory
+
+    def __enter__(self) -> "Guard":
+        if self.plan.op == "checkpoint":    # a parent running now is continued with the tree
+            parent = procs.parent(self.plan.pids[0]) or 0
+            if procs.state(parent) not in ("T", "t"):
+                self.plan.parent = parent
+        self.watchdog = Watchdog(self.plan)
+        return self
+
+    def step(self, name: str, **changes: Any) -> None:
+        """Tell the watchdog which step begins (and what changed in the plan)."""
+        self.plan.step = name
+        self.progress.phase(name)
+        for k, v in changes.items():
+            setattr(self.plan, k, v)
+        assert self.watchdog is not None
+        self.watchdog.send(self.plan)
+        point = name + (":criu" if self.plan.criu_pid else "")
+        if self.fault_at.partition("=")[0] == point:
+            os.kill(os.getpid(), signal.Signals["SIG" + self.fault_at.partition("=")[2]])
+
+    def hold(self, pid: int, fds: list[int]) -> None:
+        """The device memory of the job `pid`, as descriptors that the undo (here or in the
+        watchdog) maps back into it should this operation fail while the memory is pos's."""
+        self.memory.setdefault(pid, []).extend(fds)
+        assert self.watchdog is not None
+        self.watchdog.hold(pid, fds)
+
+    def timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one step and add its duration to timings[name]."""
+        return timed(self.timings, name, fn)
+
+    def each(self, name: str, pids: Sequence[int], call: Callable[[int], None]) -> None:
+        """The step `name`: `call` (a driver call) on every process of `pids` at once
+        (cudackpt.each), timed."""
+        self.step(name)
+        self.timed(name, lambda: cudackpt.each(pids, call))
+
+    def dump(self, criu: criu_mod.Criu, argv: list[str], images: Path) -> None:
+        """CRIU's dump into `images`, timed, and how its stats-dump splits the frozen time."""
+        self.timed("dump", lambda: self.run_criu(criu, argv, "dump", images / names.DUMP_LOG))
+        stats = criustats.dump_stats(images)
+        if stats is not None:
+            self.timings.update(stats.timings())
+
+    def run_criu(self, criu: criu_mod.Criu, argv: list[str], what: str, log: Path,
+                 pass_fds: tuple[int, ...] = (), terminal: bool = False,
+                 stop: Callable[[], Optional[BaseException]] = lambda: None) -> None:
+        """CRIU, with the watchdog told of it, and told when it ended, failed or not (a
+        failure the caller goes on from, a pre-dump's, leaves no CRIU to wait for; `stop`: see
+        Criu.finish)."""
+        proc = criu.start(argv, pass_fds, terminal)
+        self.step(self.plan.step, criu_pid=proc.pid, criu_log=str(log))
+        try:
+            criu.finish(proc, what, log, stop)
+        finally:
+            self.step(self.plan.step, criu_pid=None)
+
+    def end(self, **changes: Any) -> None:
+        """The image is sealed: end the tree that CRIU left stopped, as the checkpoint was to.
+        Not to be cut short by SIGINT/SIGTERM (the undo would find a tree half ended); a pos
+        that dies here leaves the watchdog to finish it."""
+        with uninterrupted():
+            self.step("end", **changes)
+            end_tree(self.plan)
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], _tb: Any) -> Literal[False]:
+        assert self.watchdog is not None
+        if exc_type is None:
+            self.watchdog.done()
+            return False
+        stopped = isinstance(exc, KeyboardInterrupt)
+        with uninterrupted():
+            self.echo(f"undoing {self.plan.op} of {self.plan.who()} "
+                      f"({'stopped' if stopped else 'failed'} at step {self.plan.step})")
+            try:
+                recover(self.plan, self.echo, self.memory, stopped)
+            except PosError as undo:
+                raise PosError(f"{_what(exc)}, and undoing it failed too ({undo.cause})",
+                               undo.fix or "check the process by hand") from None
+            finally:
+                discard_leftovers(self.plan)
+                self.watchdog.done()
+        if stopped and self.plan.op == "restore":
+            what = f"of PID {self.plan.pids[0]} " if self.plan.pids else ""
+            raise PosError(f"restore {what}from {self.plan.images} "
+                           "stopped, nothing of it left running", "the image is untouched; "
+                           "restore it again when you want") from None
+        if stopped:
+            raise PosError(f"{self.plan.op} of {self.plan.who()} interrupted and undone",
+                           "the processes run as before") from None
+        return False
+
+
+def folder_bytes(folder: Path) -> int:
+    """What the files of `folder` hold now (an image being written)."""
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+def _what(exc: Optional[BaseException]) -> str:
+    if isinstance(exc, PosError):
+        return exc.cause
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(exc).__name__}: {exc}"

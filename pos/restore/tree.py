@@ -1,0 +1,176 @@
+"""A process tree back from a whole-process image, by either engine: every file's presence and
+size checked first, then what this host must hold (pos/restore/preflight.py), CRIU's restore
+(the tree left stopped) beside the checksums' check, the tree resumed once the image is known
+good, the driver's restore (onto other GPUs if asked) and unlock; the concurrent engine puts
+the job's device memory back at the end (`finish`). All of it as steps with their undo
+(pos/operation/steps.py): a tree is never left half restored.
+"""
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from pos import image
+from pos.errors import PosError
+from pos.image import names
+from pos.image.kinds import ImageKind
+from pos.operation import lazypages
+from pos.operation.engine import Report
+from pos.operation.plan import Plan
+from pos.operation.steps import Echo, Guard
+from pos.process import criu as criu_mod
+from pos.process import cudackpt, procs
+from pos.process.criu import Options
+from pos.progress import QUIET, Progress
+from pos.restore import preflight
+from pos.settings import Settings
+
+PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
+
+
+def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
+    """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
+    t0 = time.monotonic()
+    image.verify(directory, names, stop=stop)
+    return time.monotonic() - t0
+
+
+def _failed(checking: Future[float]) -> Optional[BaseException]:
+    """Why the image's check beside CRIU failed, None while it runs or when it passed."""
+    return checking.exception() if checking.done() else None
+
+
+def _lazy_start(g: Guard, criu: criu_mod.Criu, images: Path, work: Path) -> lazypages.Daemon:
+    """CRIU's lazy-pages daemon for the image, listening (timed: lazy_start); the plan names it
+    from the moment it exists, and gives it the plan's wait for a CRIU (POS_CRIU_WAIT_S) to
+    serve every page."""
+    def named(daemon: lazypages.Daemon) -> None:
+        # CLOCK_MONOTONIC, which time.monotonic reads, is one clock for every process of a host
+        g.step(g.plan.step, lazy_pid=daemon.proc.pid, lazy_log=str(daemon.log),
+               lazy_deadline=time.monotonic() + g.plan.criu_wait_s)
+
+    return g.timed("lazy_start", lambda: lazypages.start(criu, images, work, named))
+
+
+def _lazy_wait(g: Guard, daemon: lazypages.Daemon, since: float) -> None:
+    """The step "lazy-pages", the tree running: until the daemon has served every page
+    (`lazypages.settle`), timed (lazy_wait), and when it ended (lazy_done_at, seconds from
+    `since`); PosError if it cannot have, the restored tree killed by then."""
+    g.step("lazy-pages")
+    why = g.timed("lazy_wait", lambda: lazypages.settle(g.plan, daemon.ended))
+    if why is not None:
+        raise why
+    assert daemon.ended_at is not None
+    g.timings["lazy_done_at"] = daemon.ended_at - since
+
+
+def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
+            gpu_pairs: Sequence[tuple[str, str]] = (), check: Optional[list[str]] = None,
+            progress: Progress = QUIET, hoisted: bool = False,
+            finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
+            before_criu: Callable[[], None] = lambda: None,
+            before_driver: Callable[[], None] = lambda: None,
+            settings: Optional[Settings] = None) -> Report:
+    """Restore the image in `directory` and resume its processes; `check`: the files whose
+    checksums are verified (all when None; the rest is checked by whoever reads it). Every
+    file's presence and size are checked before CRIU starts; the checksums while CRIU
+    restores, which leaves the tree stopped: it runs only once the image is known good, and a
+    check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
+    `finish` (until then the undo ends a restored job rather than run it). `finish(g, pids)`
+    (each PID of the image -> its process's PID now: the same, or new ones for a tree of its
+    own namespaces, restored into new ones) runs last under the same guard (the concurrent
+    engine puts the job's device memory back there: a failure then ends the restored tree,
+    never leaves it half-restored);
+    `before_criu()` once the image and this host passed every check (preflight.py), before
+    anything else starts (the concurrent engine starts making the job's device memory there);
+    `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
+    there). The work folder goes whatever happens (CRIU's log of a failure is kept in
+    Settings.log_dir, and the error names it). With Settings.lazy_pages, CRIU's lazy-pages
+    daemon serves the memory CRIU leaves lazy, and the restore ends once it has served every
+    page (pos/operation/lazypages.py)."""
+    settings = settings or Settings.from_env()      # a bad setting: said before CRIU starts
+    directory = Path(directory).absolute()
+    t = time.monotonic()
+    manifest = image.check_files(directory)
+    fds = criu_mod.inherited_fds(inherit_fds)
+    criu = criu_mod.find(settings)
+    checked = time.monotonic()
+    preflight.check(directory, manifest, gpu_pairs, inherit_fds)
+    checked = time.monotonic() - checked
+    before_criu()
+    options = Options.from_json(manifest.criu_options)
+    for path, size in manifest.logs.items():
+        now = os.stat(path).st_size if os.path.exists(path) else size
+        if now != size:
+            echo(f"{path} changed since the dump ({size} bytes then, {now} now): the restored "
+                 "process appends to it")
+    own = bool(manifest.inner_pids)     # its PIDs are known once CRIU has made them
+    plan = Plan("restore", [] if own else manifest.pids, [] if own else manifest.gpu_pids,
+                criu_path=criu.path,
+                images=str(directory), criu_options=manifest.criu_options,
+                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check,
+                criu_log_max=criu.log_max)
+    echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
+    if manifest.tcp_listen and not own:     # a new network namespace has no old connections
+        from pos.restore import timewait     # pyroute2: imported only where needed
+
+        timewait.free(manifest.tcp_listen, PORTS_WAIT_S, echo)
+    logs = criu_mod.reopen_logs(manifest.logs)
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
+    checking = pool.submit(_verify_timed, directory, check, stop)
+    work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
+    plan.work = str(work)
+    lazy: Optional[lazypages.Daemon] = None
+    try:
+        with Guard(plan, echo, settings, progress) as g:
+            g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
+            g.timings["prepare_check"] = checked               # of which the host's checks
+            g.step("criu-restore")
+            if settings.lazy_pages:
+                lazy = _lazy_start(g, criu, directory, work)
+            argv = criu.restore_argv(directory, options, work, work / names.RESTORE_PIDFILE,
+                                     inherit_fds + tuple(logs.values()), leave_stopped=True,
+                                     lazy_pages=lazy is not None)
+            terminal = options.shell_job and os.isatty(0)
+            try:
+                g.timed("criu_restore", lambda: g.run_criu(criu, argv, "restore",
+                                                           work / names.RESTORE_LOG,
+                                                           fds + tuple(logs), terminal,
+                                                           lambda: _failed(checking)))
+            except PosError:
+                checking.result()       # a corrupt image explains CRIU's failure best
+                raise
+            root = int((work / names.RESTORE_PIDFILE).read_text())
+            live = procs.restored_pids(root, manifest.pids, manifest.inner_pids)
+            cuda = [live[p] for p in manifest.gpu_pids]
+            # the tree is stopped until its image is known good
+            g.step("verify", pids=[live[p] for p in manifest.pids], gpu_pids=cuda)
+            g.timings["verify"] = g.timed("verify_wait", checking.result)
+            procs.resume(procs.tree(root))
+            before_driver()
+            g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
+            g.each("unlock", cuda, cudackpt.unlock)
+            if finish is not None:
+                finish(g, live)
+            if lazy is not None:        # the job runs; the rest of its memory comes in
+                _lazy_wait(g, lazy, t)
+    finally:
+        stop.set()
+        pool.shutdown()
+        for fd in logs:
+            os.close(fd)
+        if lazy is not None:        # ended by now, served or by the undo: its thread goes too
+            lazy.ended(criu_mod.END_S)
+        if settings.keep_restore_log:
+            criu_mod.keep_log(work / names.RESTORE_LOG, criu.log_dir)
+            if lazy is not None:
+                criu_mod.keep_log(lazy.log, criu.log_dir)
+        shutil.rmtree(work, ignore_errors=True)
+    return Report(ImageKind.STOP_THE_WORLD.value, str(directory), manifest, timings=g.timings,
+                  restored_pid=root)

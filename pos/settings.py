@@ -1,0 +1,160 @@
+"""The engines' settings from the environment (`POS_*`), read once at the start of an
+operation, each checked here, and passed in: a bad value is refused in one sentence before
+anything is touched, and a long-lived process (the daemon, a restore service) reads them anew
+for each operation rather than at import.
+
+Every setting, its variable and its default:
+  criu                POS_CRIU              the CRIU to run (a path; default: on PATH, or the
+                                            copy that scripts/setup.sh installs)
+  log_dir             POS_LOG_DIR           where CRIU's logs of failed runs are kept
+  criu_log_max_bytes  POS_CRIU_LOG_MAX_MB   a restore's CRIU is ended when its log passes this
+  keep_restore_log    POS_KEEP_RESTORE_LOG  1: CRIU's restore log is kept on success too
+  dump_staging        POS_DUMP_STAGING      0: CRIU writes straight into the image's folder
+  predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/concurrent/predump.py)
+  pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
+  frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
+  shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
+  fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
+  fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
+  fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
+  hoist_stack         POS_HOIST_STACK       the stack a hoisted context keeps (off: as it is)
+  trim_heap           POS_TRIM_HEAP         1, the default: a hoisted job's heap gives the
+                                            memory it freed back first (smaller dumps and
+                                            restores); 0: as it is
+  criu_wait_s         POS_CRIU_WAIT_S       how long an undo waits for a CRIU still running,
+                                            and a restore for its lazy-pages daemon
+  lazy_pages          POS_LAZY_PAGES        1: CRIU restores private anonymous memory on demand
+                                            (pos/operation/lazypages.py); 0, the default: all
+                                            of it before the job runs
+  fault_at            POS_FAULT_AT          STEP=SIGNAL: pos signals itself there (the tests)
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, TypeVar
+
+from pos.errors import BadInput
+
+T = TypeVar("T")
+DEFAULT_LOCK_TIMEOUT_MS = 10_000   # how long the driver may take to lock a CUDA process
+                                   # (`--lock-timeout`)
+DEFAULT_LOG_DIR = "/var/log/pos"
+DEFAULT_CRIU_LOG_MAX_MB = 256
+FROZEN_COPIES = ("unshadowed", "all")
+# a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
+# restore, which copies the context back to the device and took twice as long beside it (0.39 s
+# against 0.18 s at 16 GiB on the H100); start: no pause; release: it starts at the job's release
+FILL_FROMS = ("pause", "start", "release")
+# 2 MiB beat 1 MiB on the H100 and the H200 once each piece was made in one pass
+# (pos/image/chunks.c; bench/results/2026-11-26.md)
+DEFAULT_FILL_PIECE_KIB = 2048
+DEFAULT_HOIST_STACK: Optional[int] = 0
+DEFAULT_CRIU_WAIT_S = 3600.0
+# off until it is measured against the full restore on the GPU machines
+LAZY_PAGES = ("0", "1")
+
+
+@dataclass(frozen=True)
+class Settings:
+    criu: str = ""
+    log_dir: Path = Path(DEFAULT_LOG_DIR)
+    criu_log_max_bytes: int = DEFAULT_CRIU_LOG_MAX_MB << 20
+    keep_restore_log: bool = False
+    dump_staging: bool = True
+    predump: bool = True
+    pin_max_bytes: Optional[int] = None
+    frozen_copy: str = FROZEN_COPIES[0]
+    shadow_max_bytes: Optional[int] = None
+    fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
+    fill_mapped: bool = True
+    fill_from: str = FILL_FROMS[0]
+    hoist_stack: Optional[int] = DEFAULT_HOIST_STACK
+    trim_heap: bool = True
+    criu_wait_s: float = DEFAULT_CRIU_WAIT_S
+    lazy_pages: bool = False
+    fault_at: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
+        """Every setting from `env`, checked: BadInput names the variable and the fix."""
+        def get(name: str, parse: Callable[[str], T], default: T, what: str, fix: str) -> T:
+            raw = env.get(name, "")
+            if raw == "":
+                return default
+            try:
+                return parse(raw)
+            except ValueError:
+                raise BadInput(f"{name}={raw} is not {what}", fix) from None
+
+        def positive_int(raw: str) -> int:
+            value = int(raw)
+            if value < 1:
+                raise ValueError(raw)
+            return value
+
+        def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+            def parse(raw: str) -> str:
+                if raw not in choices:
+                    raise ValueError(raw)
+                return raw
+            return parse
+
+        def piece(raw: str) -> int:
+            kib = int(raw)
+            if not 256 <= kib <= 4096 or kib & (kib - 1):
+                raise ValueError(raw)
+            return kib << 10
+
+        def seconds(raw: str) -> float:
+            value = float(raw)
+            if value <= 0:
+                raise ValueError(raw)
+            return value
+
+        def stack(raw: str) -> Optional[int]:
+            return None if raw == "off" else int(raw)
+
+        def gib(raw: str) -> int:
+            value = float(raw)
+            if value <= 0:
+                raise ValueError(raw)
+            return int(value * 2**30)
+
+        return cls(
+            criu=env.get("POS_CRIU", ""),
+            log_dir=Path(env.get("POS_LOG_DIR") or DEFAULT_LOG_DIR),
+            criu_log_max_bytes=get("POS_CRIU_LOG_MAX_MB", positive_int, DEFAULT_CRIU_LOG_MAX_MB,
+                                   "a whole number of MiB >= 1", "unset it (CRIU's log is then "
+                                   f"bounded at {DEFAULT_CRIU_LOG_MAX_MB} MiB)") << 20,
+            keep_restore_log=env.get("POS_KEEP_RESTORE_LOG") == "1",
+            dump_staging=env.get("POS_DUMP_STAGING") != "0",
+            predump=env.get("POS_PREDUMP") != "0",
+            pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
+                              "unset it, or give a number such as 8"),
+            frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
+                            f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
+                            "then copies only what pos could not shadow)"),
+            shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
+                                 "unset it (the shadow then takes what the device has free)"),
+            fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
+                                 "a power of two from 256 to 4096", "unset it (pieces are then "
+                                 f"{DEFAULT_FILL_PIECE_KIB} KiB)"),
+            fill_mapped=env.get("POS_FILL_MAPPED") != "0",
+            fill_from=get("POS_FILL_FROM", one_of(FILL_FROMS), FILL_FROMS[0],
+                          f"one of {', '.join(FILL_FROMS)}",
+                          "unset it (the fill then pauses for the driver's restore)"),
+            hoist_stack=get("POS_HOIST_STACK", stack, DEFAULT_HOIST_STACK,
+                            "a number of bytes or off",
+                            "unset it (the hoisted context then keeps no stack)"),
+            trim_heap=get("POS_TRIM_HEAP", one_of(("0", "1")), "1", "0 or 1",
+                          "unset it (a hoisted job's heap then gives its free memory back)")
+            == "1",
+            criu_wait_s=get("POS_CRIU_WAIT_S", seconds, DEFAULT_CRIU_WAIT_S,
+                            "a number of seconds above 0", "unset it (an undo then waits up "
+                            f"to {DEFAULT_CRIU_WAIT_S:.0f} s for CRIU)"),
+            lazy_pages=get("POS_LAZY_PAGES", one_of(LAZY_PAGES), LAZY_PAGES[0], "0 or 1",
+                           "unset it (CRIU then restores all of the memory before the job "
+                           "runs)") == "1",
+            fault_at=env.get("POS_FAULT_AT", ""),
+        )

@@ -1,0 +1,172 @@
+"""The checkpoint's copy (pos/concurrent/copier.py): how much page-locked host memory it sets
+aside, its order, and what it copies while the job is frozen."""
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pos import host as pos_host
+from pos.agent.control import Buffer
+from pos.concurrent import copier, gpucopy
+from pos.concurrent.handout import Handout
+from pos.errors import BadInput
+from pos.settings import Settings
+from tests.conftest import wait_for
+
+GIB, CHUNK = 1 << 30, 64 << 20
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    def available(gib: float) -> None:
+        monkeypatch.setattr(pos_host, "memory_available", lambda: int(gib * GIB))
+    return available
+
+
+def test_the_whole_job_where_the_host_can_spare_it(host) -> None:
+    host(100)
+    assert copier.arena_bytes(30 * GIB + 1, CHUNK) == 30 * GIB + CHUNK   # whole chunks
+
+
+def test_what_the_host_can_spare_otherwise(host) -> None:
+    host(20.5)                          # 2 GiB stay for everything else
+    assert copier.arena_bytes(60 * GIB, CHUNK) == 18 * GIB + 8 * CHUNK
+
+
+def test_at_most_the_limit_set(host) -> None:
+    host(100)
+    cap = Settings.from_env({"POS_PIN_MAX_GIB": "8"}).pin_max_bytes
+    assert copier.arena_bytes(60 * GIB, CHUNK, cap) == 8 * GIB
+
+
+@pytest.mark.parametrize("gib, limit, says", [
+    (2.5, None, "this host has 0.50 GiB to spare"),
+    (100, "0.5", "POS_PIN_MAX_GIB=0.5 is under the 1.00 GiB"),
+    (100, "lots", "POS_PIN_MAX_GIB=lots is not a number of GiB"),
+])
+def test_too_little_is_refused_in_one_sentence(host, gib: float, limit, says: str) -> None:
+    host(gib)
+    with pytest.raises(BadInput, match=says):
+        cap = Settings.from_env({"POS_PIN_MAX_GIB": limit} if limit else {}).pin_max_bytes
+        copier.arena_bytes(60 * GIB, CHUNK, cap)
+
+
+def test_a_small_job_needs_only_itself(host) -> None:
+    host(2.5)                           # half a GiB to spare: enough for 64 MiB
+    assert copier.arena_bytes(10 << 20, CHUNK) == CHUNK
+
+
+def test_the_buffers_calls_wait_for_are_copied_first() -> None:
+    order = gpucopy.Order([(0, 0, 1), (0, 1, 1), (1, 0, 1), (2, 0, 1), (2, 1, 1)])
+    assert order.take() == (0, 0, 1)
+    order.want([2, 0])
+    assert [order.take() for _ in range(4)] == [(2, 0, 1), (2, 1, 1), (0, 1, 1), (1, 0, 1)]
+    assert order.take() is None
+
+
+class _HostDriver:
+    """The driver calls the copier makes, on host memory: a device address is a host one; the
+    others (contexts, streams) do nothing."""
+
+    def __init__(self) -> None:
+        self.raw = self
+
+    def cuMemcpyDtoHAsync_v2(self, dst: int, src: int, n: int, _stream: object) -> int:
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    def __getattr__(self, _name: str):  # type: ignore[no-untyped-def]
+        return lambda *_a: 0
+
+
+class _Arena:
+    def __init__(self, size: int) -> None:
+        self.bytes = np.zeros(size, np.uint8)
+        self.ptr, self.size = self.bytes.ctypes.data, size
+
+    def view(self, at: int, n: int) -> np.ndarray:
+        return self.bytes[at:at + n]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.data: dict[tuple[int, int], bytes] = {}
+
+    def put(self, va: int, off: int, view: np.ndarray, _h: int) -> None:
+        self.data[(va, off)] = view.tobytes()
+
+
+class _Handout(Handout):
+    def __init__(self, table: list[Buffer], safe: set[int]) -> None:
+        super().__init__(table, safe)
+        self.kept_at: dict[int, float] = {}
+
+    def captured(self, i: int) -> None:
+        self.kept_at[i] = time.monotonic()
+        super().captured(i)
+
+
+def test_while_frozen_only_what_pos_could_not_shadow_is_copied() -> None:
+    chunk = 1 << 20
+    memory = [np.full(2 * chunk, k + 1, np.uint8) for k in range(2)]
+    table = [Buffer(m.ctypes.data, m.size, m.size, 0, True) for m in memory]
+    shadowed = {0}
+    handout, writer = _Handout(table, shadowed), _Writer()
+    c = copier.Copier(_HostDriver(), table, [b.va for b in table], shadowed, _Arena(8 * chunk),
+                      chunk, 2, writer, handout, 2)   # type: ignore[arg-type]
+    c.hold_shadowed()
+    c.start()
+    try:
+        wait_for(lambda: 1 in handout.kept_at, 10, "the copy of buffer 1")
+        time.sleep(0.2)         # a time, not a wait: buffer 0, held, is not copied in it
+        assert 0 not in handout.kept_at
+        c.release_shadowed()
+        c.wait_copied()
+        assert c.join().bytes == 4 * chunk
+    finally:
+        c.close()
+    assert {k: v[:1] for k, v in writer.data.items()} == {
+        (table[i].va, off): bytes([i + 1]) for i in (0, 1) for off in (0, chunk)}
+
+
+def test_the_baseline_copies_every_buffer_while_frozen() -> None:
+    chunk = 1 << 20
+    memory = [np.full(chunk, 7, np.uint8)]
+    table = [Buffer(memory[0].ctypes.data, chunk, chunk, 0, True)]
+    handout = _Handout(table, {0})
+    c = copier.Copier(_HostDriver(), table, [table[0].va], {0}, _Arena(2 * chunk), chunk, 1,
+                      _Writer(), handout, 1, "all")   # type: ignore[arg-type]
+    c.hold_shadowed()
+    c.start()
+    try:
+        c.wait_copied()
+        assert 0 in handout.kept_at
+    finally:
+        c.close()
+
+
+def test_a_bad_frozen_copy_setting_is_one_sentence() -> None:
+    with pytest.raises(BadInput, match="POS_FROZEN_COPY=some is not one of unshadowed, all"):
+        Settings.from_env({"POS_FROZEN_COPY": "some"})
+
+
+def test_close_returns_when_everything_was_copied_with_the_scans_held() -> None:
+    """A checkpoint that fails in its frozen part after the whole job reached host memory: the
+    copy's threads, waiting for the scans to be let go, end all the same."""
+    chunk = 1 << 20
+    memory = [np.full(chunk, 3, np.uint8) for _ in range(2)]
+    table = [Buffer(m.ctypes.data, chunk, chunk, 0, True) for m in memory]
+    writer = _Writer()
+    c = copier.Copier(_HostDriver(), table, [b.va for b in table], {0}, _Arena(4 * chunk), chunk,
+                      2, writer, _Handout(table, {0}), 2)   # type: ignore[arg-type]
+    c.hold_scans()
+    c.start()
+    c.wait_copied()
+    closing = threading.Thread(target=c.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive()
+    assert writer.data == {}               # a stopped copy writes nothing more

@@ -1,0 +1,65 @@
+"""A checkpoint's export (concurrent/saver.py export): where the agent lacks the device memory
+to move a buffer the driver will not export (hook/export.c: reseat), pos gives its shadow back and
+asks once more; any other refusal, or a second one, is the checkpoint's failure."""
+
+from pathlib import Path
+
+import pytest
+
+from pos.agent.control import Exported, Refused
+from pos.concurrent.saver import export
+
+NEED = 4 << 20
+
+
+class RefusingAgent:
+    """An agent whose first `refusals` exports fail, lacking NEED bytes (or, need=0, not that)."""
+
+    pid = 4242
+
+    def __init__(self, refusals: int, need: int = NEED) -> None:
+        self.refusals, self.need, self.asked = refusals, need, 0
+
+    def export(self) -> Exported:
+        self.asked += 1
+        if self.asked <= self.refusals:
+            raise Refused(self.pid, {"ok": False, "need": self.need,
+                                     "error": "exporting the buffer at 0x7000 failed"})
+        return Exported([7, 8], reseated=1, reseated_bytes=NEED, reseat_s=0.01, leaked=1)
+
+
+@pytest.fixture
+def saver(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from pos.concurrent import gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.settings import Settings
+
+    def make(agent: RefusingAgent) -> Saver:
+        s = Saver(agent, Settings(), 2, 1 << 20)   # type: ignore[arg-type]
+        s.shadow = gpucopy.Shadow(s.drv, 8 << 20)
+        made.append(s)
+        return s
+
+    made: list = []
+    yield make
+    for s in made:
+        s.shadow.close()
+
+
+def test_a_reseat_short_of_memory_gets_the_shadow_and_a_second_try(saver) -> None:
+    s = saver(RefusingAgent(refusals=1))
+    assert export(s) == [7, 8] and s.agent.asked == 2
+    assert s.shadow.size == 0 and s.shadow.ptr == 0          # given back: nothing shadowed
+    assert s.timings["shadow_given_back_bytes"] == NEED
+    assert (s.timings["reseated_bytes"], s.timings["leaked_closed_n"]) == (NEED, 1)
+
+
+@pytest.mark.parametrize("refusals, need", [(2, NEED), (1, 0)])
+def test_another_refusal_fails_the_checkpoint(saver, refusals: int, need: int) -> None:
+    """Twice short of memory, or refused for another reason (need 0: the shadow is kept)."""
+    s = saver(RefusingAgent(refusals, need))
+    with pytest.raises(Refused, match="refused: exporting the buffer at 0x7000 failed"):
+        export(s)
+    assert s.agent.asked == refusals and (s.shadow.size == 0) == bool(need)

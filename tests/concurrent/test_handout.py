@@ -1,0 +1,60 @@
+"""Which restored buffers a job may use: those whose pointers (kept in their own bytes) lead only
+to buffers that are back too, through any chain or cycle."""
+
+from pos.agent.control import Buffer
+from pos.concurrent.handout import Handout, usable
+
+
+def test_a_buffer_without_pointers_is_usable_once_back() -> None:
+    assert usable({0, 1}, {}, set()) == {0, 1}
+    assert usable({0, 1}, {}, {0}) == {1}            # what the agent was told is not told again
+
+
+def test_a_buffer_waits_for_every_buffer_its_pointers_reach() -> None:
+    refers = {0: {1}, 1: {2}}                        # 0 -> 1 -> 2: an array of arrays
+    assert usable({0, 1}, refers, set()) == set()    # 2 not back: neither 1 nor 0
+    assert usable({0, 1, 2}, refers, set()) == {0, 1, 2}
+    assert usable({0, 2}, refers, set()) == {2}      # 1 not back (its pointers unknown yet)
+
+
+def test_buffers_that_point_at_each_other_come_together() -> None:
+    refers = {0: {1}, 1: {0}, 2: {0}}
+    assert usable({0}, refers, set()) == set()
+    assert usable({0, 1}, refers, set()) == {0, 1}
+    assert usable({0, 1, 2}, refers, {0, 1}) == {2}
+
+
+class _Agent:
+    """What the handout tells the job's agent."""
+
+    def __init__(self) -> None:
+        self.told: list[int] = []
+
+    def done(self, vas: list[int]) -> None:
+        self.told += vas
+
+
+def _table(n: int) -> list[Buffer]:
+    return [Buffer(0x1000 * (i + 1), 0x100, 0x1000, 0, True) for i in range(n)]
+
+
+def test_a_checkpoint_hands_out_everything_once_only_shadowed_buffers_are_left() -> None:
+    # buffers 0 and 1 are shadowed (their bytes as of the cut are kept), 2 and 3 are copied
+    # from the running job: while 3 is not saved, 0 (which holds an address in 3) must wait
+    h, agent = Handout(_table(4), safe={0, 1}), _Agent()
+    h.attach(agent)
+    h.points(0, [3])
+    h.came_back(0)
+    h.came_back(2)
+    assert agent.told == [0x3000]                    # 2: nothing it points into is pending
+    h.came_back(3)                                   # all that is left is shadowed
+    assert sorted(agent.told) == [0x1000, 0x2000, 0x3000, 0x4000]
+
+
+def test_a_restore_hands_out_nothing_before_it_is_back() -> None:
+    h, agent = Handout(_table(2)), _Agent()
+    h.came_back(0)
+    h.attach(agent)
+    assert agent.told == [0x1000]
+    h.came_back(1)
+    assert agent.told == [0x1000, 0x2000]

@@ -1,0 +1,806 @@
+"""The agent (libposhook.so under `pos run`) and the concurrent engine against the fake driver,
+with real CRIU: the plumbing of ownership, the gates, the hoist and both kinds of image, and pos
+killed at every step. The fake's "device memory" is shared memory, so pos really reads the
+job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu does)."""
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pos import concurrent
+from pos.agent.control import Agent
+from pos.concurrent import predump, staging
+from pos.engines import engines
+from pos.errors import BadInput
+from pos.image import gpu as gpuimage
+from pos.image import gpuindex, names
+from pos.image.gpuindex import ChunkRecord
+from pos.image.kinds import ImageKind, kind
+from pos.operation.engine import Report
+from pos.operation.gpumap import Onto
+from pos.process.criu import Criu, Options
+from pos.settings import Settings
+from tests.agent.conftest import ran_past
+from tests.conftest import ROOT
+from tests.engines.conftest import (kernel_keeps_soft_dirty, listening, one_sentence, pos,
+                                      wait_for)
+from workloads.fill_job import image_values, torn
+
+
+def own(name: str) -> str:
+    """An image name of this test run alone: CRIU's staging folder in /run/pos/dump, which
+    every pos on the host shares, is named after the image (and pos's PID)."""
+    return f"{name}-{os.getpid()}"
+
+
+def staged(image: Path) -> list[Path]:
+    """The staging folders left in /run/pos/dump by the checkpoints of `image`."""
+    return list(staging.ROOT.glob(f"{image.name}-*{names.PARTIAL_SUFFIX}"))
+
+
+def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
+    job = fill_job(buffers=5, size=3 << 20)
+    with Agent(job.pid) as a:
+        st = a.status()
+        table = a.table()
+        raw = a._ask("table")
+    assert raw["version"] == 2 and set(raw["buffers"][0]) == {
+        "va", "size", "mapped", "device", "present", "touched"}
+    # cuMemAlloc came through cuGetProcAddress: owned, each rounded to the granularity
+    assert st.owning and st.phase == "idle" and st.buffers == 5
+    assert st.owned_bytes == 5 * (3 << 20) and st.foreign_allocs == 0
+    assert {b.size for b in table} == {3 << 20} and all(b.mapped % (2 << 20) == 0 for b in table)
+    # placed high, a granule apart: no pair of small integers, and no buffer's end address,
+    # reads as a pointer into one of them
+    assert all(b.va >= 0x7000_0000_0000 for b in table)
+    assert all(b.va + b.mapped < c.va for b, c in zip(table, table[1:]))
+
+
+def test_memory_pos_cannot_own_is_counted_and_refused_for_gpu_only_images(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    job = fill_job(pool_bytes=3 << 20)
+    with Agent(job.pid) as a:
+        st = a.status()
+    assert st.foreign_allocs == 1 and st.foreign_bytes == 3 << 20 and st.buffers == 12
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "g"), "--concurrent", "--gpu-only",
+            env=gpu_env)
+    one_sentence(r, 2, f"holds {3 << 20} bytes of device memory in 1 allocations pos does not "
+                 "own", "whole-process image")
+    assert not (tmp_path / "g").exists() and not names.partial(tmp_path / "g").exists()
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "w"), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert "3.0 MiB the agent could not own" in r.stdout and "driver's checkpoint" in r.stdout
+
+
+def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Path) -> None:
+    job = fill_job()
+    ops = []
+    for i in range(3):
+        ran_past(job.pid, max(ops, default=0))
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}")
+        v = image_values(Path(r.path))
+        assert not torn(v), v        # the memset (dlsym) is gated: the cut is exact
+        ops.append(max(v))
+        assert r.device.release_s < 5 and r.device.bytes == 12 << 20
+        assert r.device.shadow_bytes == r.device.bytes
+    assert ops == sorted(ops) and ops[0] > 0
+    made = job.hold()
+    rr = concurrent.restore_gpu(job.pid, tmp_path / "img0")
+    assert rr.device.bytes == 12 << 20
+    back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
+    assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
+    job.pause.unlink()
+    ran_past(job.pid, made)                     # it computes on where it was
+    assert job.alive()
+
+
+def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
+        fill_job, tmp_path: Path, monkeypatch) -> None:
+    """With room for 3 of 12 buffers in the shadow, the other 9 are copied from the job's own
+    memory, first (its writes to them wait for each; then what they wait for comes first): the
+    image is exact all the same."""
+    from pos.concurrent import gpucopy
+
+    monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
+    taken: list[int] = []
+    take = gpucopy.Order.take
+
+    def recorded(self):   # type: ignore[no-untyped-def]
+        item = take(self)
+        if item is not None:
+            taken.append(item[0])
+        return item
+
+    monkeypatch.setattr(gpucopy.Order, "take", recorded)
+    job = fill_job()
+    done = 0
+    for i in range(3):
+        ran_past(job.pid, done)
+        taken.clear()
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", streams=1)
+        assert r.device.shadow_bytes == 3 << 20 and r.device.bytes == 12 << 20
+        values = image_values(Path(r.path))
+        assert not torn(values)
+        done = max(values)
+        # the table's first three fit; the copy begins (before the job's release) with the
+        # others, and then takes first what the job's calls wait for
+        assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2), taken
+
+
+def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,
+                                                      gpu_env) -> None:
+    job = fill_job()
+    img = concurrent.checkpoint_gpu(job.pid, tmp_path / "g").path
+    one_sentence(pos("restore", "-D", img, env=gpu_env), 2, "is a GPU-only image",
+                 "pos restore --gpu-only PID")
+
+
+def test_the_hoist_shrinks_the_context_stack_and_the_remap_puts_it_back(fill_job) -> None:
+    """Local memory is the stack times every GPU thread, copied by the driver's checkpoint:
+    the hoist makes the stack as small as pos asks, the remap gives the job its own back (a
+    second hoist finds 1 KiB again); a hoist not asked to leaves it."""
+    job = fill_job(buffers=2)
+    with Agent(job.pid) as a:
+        for _ in range(2):
+            a.cut(5)
+            fds = a.export().fds
+            h = a.hoist(stack=0)
+            assert (h.stack, h.stack_rc) == (1024, 0)
+            assert a.remap(fds).stack_rc == 0
+            a.end()
+            for fd in fds:
+                os.close(fd)
+        a.cut(5)
+        fds = a.export().fds
+        h = a.hoist()
+        assert (h.stack, h.stack_rc) == (0, -1)
+        a.remap(fds)
+        a.end()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_the_hoist_trims_the_heap_only_when_asked(fill_job) -> None:
+    """A hoist asked to trim has the job's heap give its free memory back (glibc's
+    malloc_trim: less for CRIU to dump), and says how long it took; one not asked says -1.
+    Either way the job runs on after the remap."""
+    job = fill_job(buffers=2)
+    with Agent(job.pid) as a:
+        for trim in (True, False):
+            a.cut(5)
+            fds = a.export().fds
+            h = a.hoist(trim=trim)
+            assert (h.trim_s >= 0) if trim else h.trim_s == -1.0, h
+            a.remap(fds)
+            a.end()
+            for fd in fds:
+                os.close(fd)
+    ran_past(job.pid, 0)
+
+
+def test_a_cut_whose_pos_goes_away_releases_the_job(fill_job) -> None:
+    job = fill_job()
+    a = Agent(job.pid)
+    a.cut(5)
+    assert a.status().phase == "hold"
+    a.close()                                   # pos gone in the middle of the cut
+    with Agent(job.pid) as b:
+        wait_for(lambda: b.status().phase == "idle", what="the release")
+
+
+def test_an_arena_smaller_than_the_job_streams_an_exact_image(
+        fill_job, tmp_path: Path, monkeypatch) -> None:
+    """Two 1 MiB slots of page-locked memory for a job of 12 MiB (3 shadowed): the copy waits
+    for the disk to give slots back, and the image is the state after one exact operation all
+    the same."""
+    from pos.concurrent import copier
+
+    monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
+    monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
+    monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(3 << 20))
+    job = fill_job()
+    done = 0
+    for i in range(2):
+        ran_past(job.pid, done)
+        r = concurrent.checkpoint_gpu(job.pid, tmp_path / f"img{i}", chunk_mb=1)
+        assert r.timings["pinned_peak_bytes"] == 2 << 20 and r.device.bytes == 12 << 20
+        values = image_values(Path(r.path))
+        assert not torn(values)
+        done = max(values)
+
+
+@pytest.mark.parametrize("where", ["write", "scan"])
+def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
+        fill_job, tmp_path: Path, monkeypatch, where: str) -> None:
+    """A chunk's write (a full disk) or its scan failing on one of the copy's threads, with a
+    small arena whose slots the failed chunk held: the checkpoint ends in that error, not a
+    hang; no image is left; the job computes on, its agent idle."""
+    from pos.concurrent import copier
+
+    monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
+    monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
+    calls = [0]
+    target = (gpuimage.Writer, "put") if where == "write" else (gpuimage, "checksum_points")
+    real = getattr(*target)
+
+    def failing(*args, **kw):   # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(*target, failing)
+    job = fill_job()
+    with pytest.raises(OSError, match="No space left"):
+        concurrent.checkpoint_gpu(job.pid, tmp_path / "img", chunk_mb=1)
+    assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle"
+    first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a", chunk_mb=1).path))
+    ran_past(job.pid, max(first))
+    then = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b", chunk_mb=1).path))
+    assert job.alive() and not torn(then) and max(then) > max(first)
+
+
+@pytest.mark.parametrize("kernel, layout_known", [("_Z4axpyfPKfPfi", True),
+                                                   ("_Z6axpy_2fPKfPfi", False)])
+@pytest.mark.parametrize("gate", ["restore", "copy"])
+def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
+        fill_job, kernel: str, layout_known: bool, gate: str) -> None:
+    """The job launches axpy(x=y=its first buffer) over and over. While that buffer is not back
+    (a restore) or not saved (a checkpoint's copy) its launches wait; once it is they go
+    through, the other buffers still pending. A kernel whose parameters the driver cannot
+    describe (the fake knows axpy's only) waits for all."""
+    job = fill_job(buffers=4, launches=kernel)
+    first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
+    with Agent(job.pid) as a:
+        a.cut(5)
+        fds = []
+        if gate == "restore":
+            fds = a.export().fds
+            a.hoist()
+            a.remap(fds, restore=True)          # every buffer pending
+        else:
+            a.copy()                            # every buffer pending
+        try:
+            others = [b.va for b in a.table() if b.va != first]
+            assert len(others) == 3
+            a.done(others[:2])
+            # a time, not a wait: no launch may pass in it (the gate's account of the wait is
+            # checked against it below)
+            time.sleep(0.2)
+            assert a.status().gate.passed == 0   # its own buffer is still pending
+            assert a.wanted() == ([first] if layout_known else [])   # pos copies it first
+            a.done([first])                      # others[2] still pending
+            if not layout_known:
+                time.sleep(0.2)                  # as above: none may pass in it
+                assert a.status().gate.passed == 0
+                a.done(others[2:])
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+            assert a.status().phase == gate
+        finally:
+            gate = a.end()
+        for fd in fds:
+            os.close(fd)
+    # the gate's account of the wait: the launch, by its kernel's name, waited for its own
+    # buffer, or (parameters unknown) for every buffer
+    longest = max(gate.waits, key=lambda w: w.s)
+    assert longest.s == gate.held_max_s and longest.end_s >= 0.2
+    assert longest.what == kernel
+    assert longest.on == (first if layout_known else None)
+    assert (gate.held_all >= 1) == (not layout_known)
+
+
+def test_the_buffers_the_job_uses_once_released_are_marked_hot_in_its_image(
+        fill_job, tmp_path: Path) -> None:
+    """The job launches axpy on its first buffer only: the image says that buffer is the one
+    its calls used after the checkpoint released it (a restore fills it first), and no other."""
+    job = fill_job(buffers=4, size=16 << 20, launches="_Z4axpyfPKfPfi")
+    first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
+    r = concurrent.checkpoint_gpu(job.pid, tmp_path / "img", chunk_mb=1)
+    index = gpuindex.read(Path(r.path))
+    assert len(index.buffers) == 4
+    assert index.hot == {first}
+    with Agent(job.pid) as a:      # the next operation starts afresh
+        a.cut(5)
+        try:
+            assert not any(b.touched for b in a.table())
+        finally:
+            a.end()
+
+
+# the restore's fill: beside CRIU and paused for the driver's restore (the default), never
+# paused (read with pread, not mapped), or only from the job's release; pieces of several sizes;
+# the job's host memory from CRIU's lazy-pages daemon (POS_LAZY_PAGES=1) while the fill runs
+@pytest.mark.parametrize("fill_from,mapped,piece,lazy", [
+    ("pause", "1", "2048", "0"), ("start", "0", "256", "0"), ("release", "1", "1024", "0"),
+    ("pause", "1", "2048", "1")])
+def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_path: Path,
+                                                                criu_ready, gpu_env,
+                                                                fill_from: str, mapped: str,
+                                                                piece: str, lazy: str) -> None:
+    job = fill_job()
+    ran_past(job.pid, 0)
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert "the job was held" in r.stdout
+    job.proc.wait(timeout=30)                   # CRIU ended it after the dump
+    saved = image_values(img)
+    assert not torn(saved)
+    r = pos("restore", "-D", str(img), "--json", env={
+        **gpu_env, "POS_FILL_FROM": fill_from, "POS_FILL_MAPPED": mapped,
+        "POS_FILL_PIECE_KIB": piece, "POS_LAZY_PAGES": lazy})
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["restored_pid"] == job.pid
+    assert ("lazy_done_at" in report["timings"]) == (lazy == "1")
+    ran_past(job.pid, max(saved))
+    assert job.alive()
+    now = concurrent.checkpoint_gpu(job.pid, tmp_path / "after")
+    later = image_values(Path(now.path))
+    assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_migrate_concurrent_sends_the_whole_image_and_the_job_goes_on_there(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """`pos migrate --to HOST --concurrent`: the whole-process concurrent image taken here,
+    sent whole to `pos migrate --listen` (here the same machine, over TCP), restored there in
+    a new process that goes on from the image."""
+    job = fill_job()
+    ran_past(job.pid, 0)
+    # "the other host" shares this PID namespace: the job's PID is free for its restore there
+    # once this test, its parent, has reaped the original
+    threading.Thread(target=job.proc.wait, daemon=True).start()
+    port = 7170 + os.getpid() % 500
+    gpu_env = {**gpu_env, "POS_MIGRATE_KEY": str(tmp_path / "key")}
+    assert pos("migrate", "--new-key", env=gpu_env).returncode == 0
+    rx = subprocess.Popen([sys.executable, "-m", "pos.cli", "migrate", "--listen", "-D",
+                           str(tmp_path / "in"), "--address", "127.0.0.1", "--port", str(port)],
+                          cwd=ROOT, env=gpu_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+    try:
+        wait_for(lambda: listening(port) or rx.poll() is not None, what="the listener")
+        tx = pos("migrate", str(job.pid), "--to", f"127.0.0.1:{port}", "--concurrent", "--json",
+                 env=gpu_env)
+        out, err = rx.communicate(timeout=120)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+    assert tx.returncode == 0, (tx.stdout, tx.stderr, err)
+    assert rx.returncode == 0, err
+    report = json.loads(tx.stdout)
+    assert report["restored_pid"] == job.pid
+    assert {"checkpoint", "send", "there", "checkpoint.d2h"} <= set(report["timings"])
+    assert f"restored PID {job.pid}" in out
+    assert kind(tmp_path / "in") is ImageKind.CONCURRENT
+    saved = image_values(tmp_path / "in")       # what was sent, as received and sealed there
+    assert not torn(saved)
+    wait_for(job.alive, what="the migrated job")
+    ran_past(job.pid, max(saved))
+    later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_migrate_concurrent_goes_with_to_host_or_to_gpu(gpu_env, tmp_path: Path) -> None:
+    r = pos("migrate", "--listen", "-D", str(tmp_path), "--concurrent", env=gpu_env)
+    assert r.returncode == 2 and "--concurrent goes with --to HOST or --to-gpu N" in r.stderr
+
+
+FAKE_GPU = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f"     # the fake driver's one device
+JOB_GPU = "GPU-00000000-0000-0000-0000-0000000000aa"      # where the fake NVML sees the job
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """NVML (in this process) naming two GPUs: GPU 0, where it sees the job, and as GPU 1 the
+    fake driver's own device, so that a restore "onto GPU 1" reaches it; a migration's
+    temporary image goes into tmp_path."""
+    from pos import nvml
+    from pos.concurrent import devices
+    from pos.engines import migrate
+
+    here = [nvml.Gpu(0, JOB_GPU, "fake", 16 << 30), nvml.Gpu(1, FAKE_GPU, "fake", 16 << 30)]
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "gpus", lambda: here)
+    monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})
+    monkeypatch.setattr(migrate, "image_dir", lambda pid: tmp_path / f"pos-migrate-{pid}")
+    # pos copies on the job's GPU as NVML names it; the fake driver has one device, FAKE_GPU
+    monkeypatch.setattr(devices, "cuda_device", lambda gpu: 0)
+    monkeypatch.setattr(devices, "home", lambda directory: None)
+
+
+def _move(pid: int, onto: Onto, keep: Path | None = None) -> Report:
+    """`pos migrate PID --to-gpu N --concurrent [-D keep]`, as the command runs it."""
+    return engines.Concurrent(Settings.from_env()).move(
+        pid, onto, engines.Save(Options(), False, 10_000), keep)
+
+
+def reaped(pid: int) -> bool:
+    """Whether `pid` is gone: a job restored by pos in this process (not by its CLI) is this
+    process's child once CRIU exits, and its zombie would keep the PID taken."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_migrate_to_gpu_concurrent_restores_the_job_onto_the_gpu_in_a_new_process(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, two_gpus, keep: bool) -> None:
+    """The chain a user gets from `pos migrate PID --to-gpu 1 --concurrent [-D DIR]`: the
+    whole-process concurrent image, the job ended, the image restored with the GPUs swapped
+    (the driver's restore is given the pair), its memory made on GPU 1; a temporary image is
+    removed, one in -D kept."""
+    job = fill_job()
+    ran_past(job.pid, 0)
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    reaper = threading.Thread(target=job.proc.wait)   # pos's CLI is not the job's parent
+    reaper.start()
+    local = tmp_path / "kept" if keep else None
+    moved = _move(job.pid, Onto(index=1), local)
+    reaper.join(timeout=30)
+    assert moved.restored_pid == job.pid
+    assert moved.timings["restore"] > 0 and moved.timings["checkpoint"] > 0
+    ran_past(job.pid, max(before))
+    after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert job.alive() and not torn(after) and max(after) > max(before)
+    assert not (tmp_path / f"pos-migrate-{job.pid}").exists()
+    assert (tmp_path / "kept" / names.MANIFEST).is_file() == keep
+    job.kill()
+    wait_for(lambda: reaped(job.pid), what="the moved job's end")
+
+
+def test_migrate_to_gpu_concurrent_keeps_and_names_the_image_when_the_restore_fails(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, two_gpus, monkeypatch) -> None:
+    """The job was saved and ended, then the driver's restore failed: the image is all there
+    is of it, so it stays, and the sentence names it and the command that restores it."""
+    from pos.errors import PosError
+
+    job = fill_job()
+    ran_past(job.pid, 0)
+    reaper = threading.Thread(target=job.proc.wait)
+    reaper.start()
+    monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuCheckpointProcessRestore")
+    with pytest.raises(PosError, match=f"PID {job.pid} was saved but not restored onto GPU 1"
+                       ) as e:
+        _move(job.pid, Onto(index=1))
+    reaper.join(timeout=30)
+    kept = Path(re.search(r"its image stays in (\S+) for", str(e.value)).group(1))
+    assert kept == tmp_path / f"pos-migrate-{job.pid}"
+    assert f"pos restore -D {kept} --to-gpu 1" in str(e.value)
+    wait_for(lambda: reaped(job.pid), what="the half-restored job's end")
+    monkeypatch.delenv("POS_FAKECUDA_FAIL")
+    r = pos("restore", "-D", str(kept), env={**gpu_env, "POS_FAKECUDA_FAIL": ""})
+    assert r.returncode == 0, r.stderr
+    ran_past(job.pid)
+    assert job.alive() and not torn(image_values(Path(
+        concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path)))
+
+
+def test_migrate_to_gpu_concurrent_checks_the_gpu_before_the_job_is_touched(
+        fill_job, gpu_env, two_gpus) -> None:
+    job = fill_job()
+    one_sentence(pos("migrate", str(job.pid), "--to-gpu", "1", "--concurrent", env=gpu_env), 2,
+                 "NVML is not available")           # none beside the fake driver out there
+    for index, says in ((2, "this host has 2 GPU(s), no GPU 2"),
+                        (0, f"the job already runs where --to-gpu 0 puts it ({JOB_GPU})")):
+        with pytest.raises(BadInput, match=re.escape(says)):
+            _move(job.pid, Onto(index=index))
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle" and job.alive()
+
+
+def test_plain_migrate_to_gpu_refuses_memory_pos_mapped_back(fill_job, tmp_path: Path,
+                                                             criu_ready, gpu_env,
+                                                             two_gpus) -> None:
+    """The driver cannot restore memory that pos mapped back into the job (after a concurrent
+    checkpoint): its own move would fail half way, so pos names the --concurrent form."""
+    from pos.engines import migrate
+
+    job = fill_job()
+    assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c"), "--concurrent",
+               "--leave-running", env=gpu_env).returncode == 0
+    with pytest.raises(BadInput, match=f"pos migrate {job.pid} --to-gpu 1 --concurrent"):
+        migrate.to_gpu(job.pid, Onto(index=1), 10_000)
+    assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
+        == "running"
+    assert job.alive()
+
+
+def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_ready,
+                                                gpu_env) -> None:
+    job = fill_job()
+    img = tmp_path / own("img")
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert not torn(image_values(img))
+    # CRIU wrote into the huge-page tmpfs while the job was frozen; its files moved into the
+    # image afterwards, and nothing is left there
+    assert "move" in json.loads((img / names.MANIFEST).read_text())["timings"]
+    assert (img / names.INVENTORY).is_file()
+    assert staged(img) == []
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle"
+    first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
+    ran_past(job.pid, max(first))
+    second = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
+    assert max(second) > max(first)             # running, and re-exported (kept descriptors)
+
+
+def test_a_whole_process_checkpoint_says_whether_criu_predumped(fill_job, tmp_path: Path,
+                                                               criu_ready, gpu_env) -> None:
+    """Where the kernel keeps soft-dirty bits CRIU pre-dumps the running job (the fake driver
+    maps no device) and the frozen dump is incremental, its parent inside the image; on every
+    other kernel (all that pos was tested on) the report and the manifest say why not. Either
+    way the image restores and the job goes on from it."""
+    job = fill_job()
+    time.sleep(0.3)
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--json", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    manifest = json.loads((img / names.MANIFEST).read_text())
+    assert (manifest["predumped"], manifest["predump_note"]) == (report["predumped"],
+                                                                report["predump_note"])
+    dump_log = (img / names.DUMP_LOG).read_text()
+    if kernel_keeps_soft_dirty():
+        assert report["predumped"] is True and report["predump_note"] == ""
+        assert {"predump", "predump_frozen", "predump_mib"} <= set(report["timings"])
+        assert f"{names.PARENT}/{names.INVENTORY}" in manifest["files"]
+        assert "Will do snapshot from parent" in dump_log      # CRIU's incremental dump
+    else:
+        assert report["predumped"] is False
+        assert "does not track dirty pages (soft-dirty)" in report["predump_note"]
+        assert "predump" not in report["timings"] and not (img / names.PARENT).exists()
+        assert "Will do snapshot from" not in dump_log
+    job.proc.wait(timeout=30)                   # CRIU ended it after the dump
+    saved = image_values(img)
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    time.sleep(0.3)
+    later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert not torn(later) and max(later) > max(saved)   # it went on from the image
+
+
+def test_a_predump_that_fails_leaves_the_frozen_dump_whole(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's answer forced to yes: pos runs CRIU's pre-dump of the running job with the
+    command line of predump_argv. On a kernel without soft-dirty bits CRIU refuses it, and the
+    checkpoint goes on with the whole memory dumped while frozen, the job unharmed; on a kernel
+    with them the pre-dump is used."""
+    monkeypatch.setattr(predump, "tracks_dirty_pages", lambda _path: True)
+    monkeypatch.setenv("POS_LOG_DIR", str(tmp_path / "logs"))
+    ran: list[list[str]] = []
+    real = Criu.predump_argv
+    monkeypatch.setattr(Criu, "predump_argv",
+                        lambda self, *a: ran.append(real(self, *a)) or ran[-1])
+    job = fill_job()
+    img = tmp_path / own("img")
+    report = concurrent.checkpoint_full(job.pid, img, Options(), leave_running=True)
+    assert report.manifest is not None
+    (argv,) = ran                                # into the folder CRIU then dumps into
+    assert argv[1:3] == ["pre-dump", "-D"] and Path(argv[3]).name == names.PARENT
+    assert argv[argv.index("-t") + 1] == str(job.pid)
+    assert argv[-3:] == ["--track-mem", "--pre-dump-mode", "read"]
+    assert "predump" in report.timings           # it ran, failed or not
+    dump_log = (img / names.DUMP_LOG).read_text()
+    if kernel_keeps_soft_dirty():
+        assert report.manifest.predumped is True
+        assert "Will do snapshot from parent" in dump_log
+    else:
+        assert report.manifest.predumped is False
+        note = report.manifest.predump_note
+        assert note.startswith("criu pre-dump failed: ") and \
+            "Tracking memory is not available" in note
+        assert not (img / names.PARENT).exists() and "Will do snapshot from" not in dump_log
+        assert list((tmp_path / "logs").glob(f"*-{names.PREDUMP_LOG}"))   # CRIU's log kept
+    assert not torn(image_values(img))
+    with Agent(job.pid) as a:
+        assert a.status().phase == "idle"
+    first = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "a").path))
+    time.sleep(0.2)
+    second = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b").path))
+    assert max(second) > max(first)             # the job runs on
+
+
+@pytest.mark.parametrize("step,leave_running", [
+    *((step, True) for step in ("cut", "hoist", "lock", "checkpoint", "dump", "restore", "unlock",
+                                "copy", "seal")),
+    ("copy", False), ("seal", False)])
+def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, step: str, leave_running: bool) -> None:
+    """Also without --leave-running: the job ends only once its image is sealed; until then
+    CRIU leaves it stopped and its memory is pos's, so pos dying gives it back and it runs on."""
+    job = fill_job()
+    ran_past(job.pid, 0)
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    img = tmp_path / own("img")
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
+            *(["--leave-running"] if leave_running else []),
+            env={**gpu_env, "POS_FAULT_AT": f"{step}=KILL"})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    log = Path(gpu_env["POS_WATCHDOG_LOG"])
+    wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
+             what="the watchdog's undo")
+    with Agent(job.pid) as a:
+        wait_for(lambda: a.status().phase == "idle", what="the job's release")
+    after = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert job.alive() and not torn(after) and max(after) > max(before)
+    assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
+        == "running"
+    assert not names.partial(img).exists() and staged(img) == []
+
+
+@pytest.mark.parametrize("point", ["criu-restore:criu=KILL", "verify=KILL", "remap=KILL",
+                                   "fill=KILL"])
+def test_pos_killed_during_a_whole_process_restore_ends_the_half_restored_job(
+        fill_job, tmp_path: Path, criu_ready, gpu_env, point: str) -> None:
+    """Before its memory is all back the restored job must not run on: the watchdog (which
+    checks the image first when CRIU left the tree stopped beside the check) ends it."""
+    job = fill_job()
+    img = tmp_path / "full"
+    assert pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
+               env=gpu_env).returncode == 0
+    job.proc.wait(timeout=30)
+    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FAULT_AT": point})
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    wait_for(lambda: not Path(f"/proc/{job.pid}").exists() or
+             open(f"/proc/{job.pid}/stat").read().split()[2] == "Z", timeout=60,
+             what="the half-restored job's end")
+
+
+def test_concurrent_checkpoint_without_an_agent_is_one_sentence(sleeper, tmp_path: Path,
+                                                                gpu_env) -> None:
+    r = pos("checkpoint", str(sleeper), "-D", str(tmp_path / "img"), "--concurrent",
+            env=gpu_env)
+    one_sentence(r, 2, f"process {sleeper} has no pos agent", "pos run")
+    assert not (tmp_path / "img").exists()
+
+
+def test_pos_run_of_a_missing_command_is_a_usage_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "pos.cli", "run", "--", "no-such-program-42"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "no-such-program-42: command not found" in r.stderr
+
+
+def test_stop_the_world_after_a_concurrent_checkpoint_is_refused(fill_job, tmp_path: Path,
+                                                                criu_ready, gpu_env) -> None:
+    """After a whole-process concurrent checkpoint the job's memory is mapped back from pos's
+    descriptors; the driver cannot restore that from a stop-the-world image (the H100 said
+    CUDA_ERROR_NOT_SUPPORTED), so pos refuses in one sentence before touching the job, and the
+    concurrent engine keeps working on it."""
+    job = fill_job()
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "stw0"), "--leave-running",
+            env=gpu_env)
+    assert r.returncode == 0, r.stderr              # its own memory: the driver's engine works
+    assert pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c1"), "--concurrent",
+               "--leave-running", env=gpu_env).returncode == 0
+    with Agent(job.pid) as a:
+        assert a.status().imported == 12
+    one_sentence(pos("checkpoint", str(job.pid), "-D", str(tmp_path / "stw"), "--leave-running",
+                     env=gpu_env), 2, "were mapped back from a whole-process concurrent",
+                 "pos checkpoint --concurrent")
+    assert not (tmp_path / "stw").exists() and not names.partial(tmp_path / "stw").exists()
+    r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / "c2"), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert not torn(image_values(tmp_path / "c2")) and job.alive()
+
+
+def nvidiactl_nodes(folder: Path) -> bool:
+    """Whether a character device 195:255 can be made and opened (O_PATH) here, as the fake
+    driver does to leak one like the real driver's /dev/nvidiactl (root, no nodev mount)."""
+    node = folder / "probe-195-255"
+    try:
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(195, 255))
+        os.close(os.open(node, os.O_PATH))
+        return True
+    except OSError:
+        return False
+    finally:
+        node.unlink(missing_ok=True)
+
+
+def is_nvidiactl(pid: int, fd: str) -> bool:
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (195, 255)
+
+
+def test_memory_the_driver_restored_itself_is_reseated_before_it_is_exported(
+        fill_job, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """Two H200s would not export the memory that the driver's own restore brought back (two
+    stop-the-world cycles that left the job running); the agent moves every buffer into new
+    exportable memory at the same address, bytes included: the concurrent image goes on from
+    where the job was; the nvidiactl descriptors the refusals leaked are retired, and the job
+    goes on, through a later image and a restore into a new process."""
+    gpu_env["POS_FAKECUDA_STALE_EXPORT"] = "1"          # the job's driver refuses such exports
+    job = fill_job()
+    ran_past(job.pid, 0)
+    before = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "before").path))
+    for i in range(2):
+        r = pos("checkpoint", str(job.pid), "-D", str(tmp_path / f"stw{i}"), "--leave-running",
+                env=gpu_env)
+        assert r.returncode == 0, r.stderr
+    with Agent(job.pid) as a:
+        table = a.table()
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--leave-running",
+            env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    timings = json.loads((img / names.MANIFEST).read_text())["timings"]
+    assert timings["reseated_bytes"] == sum(b.mapped for b in table)
+    # each refusal left a descriptor of a 195:255 node (the fake's nvidiactl) open in the
+    # job: the agent put /dev/null in each one's place, and CRIU dumped the job
+    leaks = len(table) if nvidiactl_nodes(tmp_path) else 0
+    assert timings["leaked_closed_n"] == leaks
+    assert not [fd for fd in os.listdir(f"/proc/{job.pid}/fd") if is_nvidiactl(job.pid, fd)]
+    saved = image_values(img)
+    assert not torn(saved) and max(saved) > max(before)     # the bytes moved with the buffers
+    last = tmp_path / "last"                    # the job ended by the dump this time
+    r = pos("checkpoint", str(job.pid), "-D", str(last), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    assert "reseated_bytes" not in json.loads((last / names.MANIFEST).read_text())["timings"]
+    job.proc.wait(timeout=30)
+    r = pos("restore", "-D", str(last), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    ran_past(job.pid, max(saved))
+    values = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "later").path))
+    assert job.alive() and not torn(values) and max(values) > max(saved)
+
+
+def test_a_corrupt_chunk_ends_the_job_it_was_being_restored_into(fill_job, tmp_path: Path,
+                                                                 gpu_env) -> None:
+    """The chunk's checksum fails after the job was let go on demand: it must not compute on a
+    mix of restored and stale buffers, so the agent ends it; pos says why in one sentence."""
+    job = fill_job()
+    img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
+    data = sorted(img.glob(names.data_prefix() + "*"))[-1]
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    os.chmod(data, 0o600)
+    data.write_bytes(bytes(blob))
+    r = pos("restore", "--gpu-only", str(job.pid), "-D", str(img), env=gpu_env)
+    one_sentence(r, 2, "does not match its checksum")
+    wait_for(lambda: not job.alive(), what="the half-restored job's end")
+
+
+def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
+    """64 allocations of 4 KiB take one 2 MiB slab, not 64 granules; images and restores handle
+    the slab as one buffer, and every allocation in it is still exact."""
+    job = fill_job(buffers=64, size=4096)
+    with Agent(job.pid) as a:
+        st = a.status()
+    assert st.buffers == 1 and st.owned_bytes == 2 << 20
+    ran_past(job.pid, 64)                       # every allocation written
+    img = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "img").path)
+    (_base, (where, size, chunks)), = gpuindex.saved(img).items()
+    words = np.concatenate([_chunk(where, c) for c in chunks])
+    held = sorted(set(words.tolist()) - {0})
+    assert size == 2 << 20 and len(held) == 64 and not torn(held)
+    job.hold()
+    concurrent.restore_gpu(job.pid, img)
+    back = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "back").path)
+    (_b, (where2, _s, chunks2)), = gpuindex.saved(back).items()
+    assert [c.hash for c in chunks2] == [c.hash for c in chunks]
+
+
+def _chunk(where: Path, c: ChunkRecord) -> np.ndarray:
+    buf = np.empty(c.raw, np.uint8)
+    gpuimage.read_chunk(where, c, buf)
+    return buf.view(np.uint32)

@@ -1,0 +1,3 @@
+"""The engines' fixtures (processes to checkpoint, CRIU, pos as a command) serve here too."""
+
+from tests.engines.conftest import *  # noqa: F401,F403
