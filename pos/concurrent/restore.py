@@ -68,6 +68,10 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     t0 = time.monotonic()
     # pos's own start-up, before the restore's clock
     started = host.age(os.getpid()) if started_s is None else started_s
+    if to_gpu is not None and peers.read(directory):
+        raise BadInput(f"the processes of {directory} map each other's GPU memory (NCCL's P2P "
+                       "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
+                       "restore it without --to-gpu, onto the GPUs it was taken on")
     check = kinds.checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
     where: list[str] = []         # the UUIDs of the GPUs it moves to

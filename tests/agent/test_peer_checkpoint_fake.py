@@ -244,3 +244,17 @@ def test_nvlink_sharp_left_on_is_refused_untouched(tmp_path: Path, fakegpu, gpu_
         shares_the_owners_memory(pair)
     finally:
         pair.kill()
+
+
+def test_an_image_whose_processes_map_each_other_is_not_moved_to_other_gpus(
+        pair: Pair, tmp_path: Path, gpu_env) -> None:
+    """The putback gives each import its old access, which names its old GPU: refused before
+    anything is restored (the job, still running, untouched)."""
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", "--leave-running",
+            env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    r = pos("restore", "-D", str(img), "--to-gpu", "1", env=gpu_env)
+    assert r.returncode == 2 and "map each other's GPU memory" in r.stderr and \
+        "without --to-gpu" in r.stderr, r.stderr
+    shares_the_owners_memory(pair)
