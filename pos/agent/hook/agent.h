@@ -191,7 +191,7 @@ void foreign_remove(CUdeviceptr p);
  * copy's address; 0: every buffer), how long, when it went on (from the operation's start),
  * and what it was (the kernel's name, or the driver function's). */
 #define MAX_WAITS 16
-struct wait {
+struct gate_wait {
     CUdeviceptr on;
     uint64_t ns, end_ns;
     char what[121]; /* a copy (the driver's goes with its module), JSON-safe */
@@ -200,7 +200,7 @@ struct stats {
     uint64_t held, held_ns, held_max_ns, passed, first_pass_ns, started_ns;
     uint64_t held_all; /* calls that waited for every buffer (what they touch not known) */
     int nwaits;        /* the operation's first MAX_WAITS waits */
-    struct wait waits[MAX_WAITS];
+    struct gate_wait waits[MAX_WAITS];
 };
 extern struct stats st;
 extern __thread int in_agent; /* the control thread's own driver calls pass untouched */

@@ -246,8 +246,8 @@ void gate_enter(const struct touch *t) {
         if (waited > st.held_max_ns)
             st.held_max_ns = waited;
         if (st.nwaits < MAX_WAITS) {
-            struct wait *w = &st.waits[st.nwaits++];
-            *w = (struct wait){.on = last, .ns = waited, .end_ns = now_ns() - st.started_ns};
+            struct gate_wait *w = &st.waits[st.nwaits++];
+            *w = (struct gate_wait){.on = last, .ns = waited, .end_ns = now_ns() - st.started_ns};
             /* names are C identifiers, mangled: anything else becomes '?' */
             size_t k = 0;
             for (const char *c = call_name(t); *c && k < sizeof(w->what) - 1; c++)
