@@ -3,4 +3,6 @@ container saved whole while it runs (checkpoint.py: its processes and files thro
 own checkpoint, CRIU underneath, its GPU memory through pos's concurrent engine) and restored
 as one or many new containers (restore.py). podman.py is the one module that drives podman."""
 
-ARCHIVE = "container.tar"        # podman's export inside a container image
+from pos.image.names import CONTAINER_ARCHIVE as ARCHIVE   # podman's export in the image
+
+__all__ = ["ARCHIVE"]

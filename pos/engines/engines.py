@@ -178,7 +178,12 @@ def by_name(name: str, settings: Settings, echo: Echo = lambda _: None,
 
 def for_image(directory: Path, settings: Settings, echo: Echo = lambda _: None,
               progress: Progress = QUIET) -> Engine:
-    """The engine that restores the image in `directory`: its kind decides."""
+    """The engine that restores the image in `directory`: its kind decides (a container's image
+    is its runtime's to bring back, through `pos container restore`)."""
     from pos.image.kinds import kind
 
-    return ENGINES[kind(Path(directory)).value](settings, echo, progress)
+    found = kind(Path(directory))
+    if found is ImageKind.CONTAINER:
+        raise BadInput(f"{directory} is the image of a container",
+                       f"restore it with `pos container restore -D {directory} --name NEW`")
+    return ENGINES[found.value](settings, echo, progress)

@@ -36,6 +36,7 @@ PARENT = "parent"                    # CRIU's name for the images an incremental
                                      # a folder of that name is there: pos's pre-dump's)
 
 INDEX = "gpu-index.json"             # the GPU index of an image of one job
+CONTAINER_ARCHIVE = "container.tar"  # a container's image: its runtime's export (pos/container)
 PEER_LINKS = "peer-links.json"       # the imports of other processes' memory the checkpoint
                                      # took down, each with its owner (the agent side: peers.py)
 _RANK_INDEX = re.compile(r"gpu-index-(\d+)\.json")

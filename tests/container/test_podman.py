@@ -78,6 +78,9 @@ def test_a_running_container_is_saved_while_it_runs_and_restored(
     assert (img / ARCHIVE).is_file()
     assert running(name)
     ran_past(containers, name, max(saved))           # the original computes on
+    assert one_sentence(pos("restore", "-D", str(img), env=gpu_env), 2) == (
+        f"Error: {img} is the image of a container: restore it with `pos container restore -D "
+        f"{img} --name NEW`.")
 
     copy = containers.name("copy")                   # beside the original, still running
     r = pos("container", "restore", "-D", str(img), "--name", copy, env=gpu_env)
