@@ -68,6 +68,10 @@ class Status:
     stall_s: Optional[float] = None
     last_end: Optional[str] = None
     last_end_said: bool = False    # the agent wrote that end to the job's standard error too
+    # the same end as a code, which pos acts on: eof, silent (no request within stall_s),
+    # reused (other code of the job closed or took the descriptor), failed, bye; "": an agent
+    # too old to say
+    last_end_code: str = ""
     # A driver entry point that touches device memory, which the job can call (looked up, or
     # linked to) and the gate does not know (hook/gated.h): no cut of the job is taken. "":
     # none, or an agent too old to say
@@ -292,17 +296,17 @@ class Agent:
         cause = (f"{head}; the process is still running, and its agent, asked on a new "
                  f"connection (phase {said.phase}), says that connection ended {end}"
                  + (" (its standard error says so too)" if said.last_end_said else ""))
-        if "sent nothing" in end:
+        if said.last_end_code == "silent":
             limit = said.stall_s or STALL_S    # every agent that says last_end says it
             fix = (f"pos had been silent for {silent:.1f} s, and the agent waits "
                    f"{limit:g} s for a request (POS_AGENT_STALL_S={limit:g} in the job's "
                    "environment): retry (pos's cut now comes on a connection of its own), or "
                    "start the job with a larger POS_AGENT_STALL_S")
-        elif "EOF" in end:
+        elif said.last_end_code == "eof":
             fix = ("pos had not closed its end: the job's end of the connection ended under "
                    "the agent, shut down or closed by other code of the job (or pos's own "
                    "descriptor by other code of pos); retry, the job runs on as it was")
-        elif "reused" in end:
+        elif said.last_end_code == "reused":
             fix = ("other code of the job closed the agent's descriptor (or took its number): "
                    "retry, the job runs on as it was")
         else:
@@ -368,6 +372,7 @@ class Agent:
                       int(r.get("nccl_launches", 0)), **told,
                       stall_s=float(r["stall_s"]) if "stall_s" in r else None,
                       last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")),
+                      last_end_code=str(r.get("last_end_code", "")),
                       ungated=str(r.get("ungated", "")))
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:

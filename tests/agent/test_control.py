@@ -48,3 +48,32 @@ def test_an_agent_from_before_peer_memory_is_read_as_not_saying() -> None:
     """Not as "no peer memory": pos cannot tell, and must not assume there is none."""
     st = _agent(STATUS).status()
     assert (st.peer_maps, st.peer_bytes, st.ipc_maps) == (None, None, None)
+
+
+def test_how_a_connection_ended_is_acted_on_by_its_code(monkeypatch) -> None:
+    """The fix pos gives for a connection the agent ended comes from the agent's code, not from
+    the words of its sentence (which may change, and are for a person)."""
+    import time
+
+    from pos.agent import control
+
+    def gone(code: str, words: str) -> str:
+        a = Agent.__new__(Agent)
+        a.pid, a._request, a._probe, a._answered = 4242, "cut", False, time.monotonic()
+        status = a_status(last_end=words, last_end_code=code, stall_s=3.0)
+        monkeypatch.setattr(control, "_running", lambda _pid: True)
+        monkeypatch.setattr(control, "_ask_again", lambda _pid: status)
+        return a._gone("EOF").fix
+
+    words = "in phase hold, 3.0 s after pos's last request: unrelated words"
+    assert "larger POS_AGENT_STALL_S" in gone("silent", words)
+    assert gone("eof", words).startswith("pos had not closed its end")
+    assert gone("reused", words).startswith("other code of the job closed")
+    assert gone("failed", "pos sent nothing, EOF, reused") == "retry; the job runs on as it was"
+
+
+def a_status(**fields: Any) -> "Status":
+    from pos.agent.control import Gate, Status
+
+    gate = Gate.from_reply({"held": 0, "held_s": 0.0, "held_max_s": 0.0, "passed": 0})
+    return Status(4242, "idle", 0, 0, 0, 0, True, 0, gate, **fields)

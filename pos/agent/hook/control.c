@@ -37,16 +37,19 @@ static int stall_ms(void) {
  * standard error may be kept nowhere, and the agent writes there only when it says something the
  * user must know). Under mu. */
 static char last_end[224];
+static const char *last_end_code = ""; /* how, for pos: eof, silent, reused, failed, bye */
 static uint64_t last_end_ns;
 static int last_end_said; /* the same line went to the job's standard error */
 
-static void record_end(int said, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void record_end(int said, const char *fmt, ...) {
+static void record_end(int said, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void record_end(int said, const char *code, const char *fmt, ...) {
     pthread_mutex_lock(&mu);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(last_end, sizeof(last_end), fmt, ap);
     va_end(ap);
+    last_end_code = code;
     last_end_ns = now_ns(), last_end_said = said;
     pthread_mutex_unlock(&mu);
 }
@@ -58,8 +61,10 @@ static void do_status(struct conn *c) {
     stats_json(s, sizeof(s));
     if (last_end_ns)
         snprintf(end, sizeof(end),
-                 ",\"last_end\":\"%s\",\"last_end_s\":%.3f,\"last_end_said\":%s", last_end,
-                 secs(now_ns() - last_end_ns), last_end_said ? "true" : "false");
+                 ",\"last_end\":\"%s\",\"last_end_code\":\"%s\",\"last_end_s\":%.3f,"
+                 "\"last_end_said\":%s",
+                 last_end, last_end_code, secs(now_ns() - last_end_ns),
+                 last_end_said ? "true" : "false");
     size_t imported = 0; /* mapped back from pos's descriptors (their fd kept: see do_remap) */
     for (size_t i = 0; i < ntab; i++)
         imported += tab[i].fd >= 0;
@@ -140,6 +145,7 @@ static void serve(int fd) {
         int r = next_line(c, line, sizeof(line), stall);
         if (r <= 0) {
             char why[160];
+            const char *code = r == 0 ? "eof" : r == -2 ? "silent" : r == -3 ? "reused" : "failed";
             if (r == 0)
                 snprintf(why, sizeof(why), "pos's end closed (EOF)");
             else if (r == -2)
@@ -156,8 +162,8 @@ static void serve(int fd) {
             if (say)
                 fprintf(stderr, "pos: the control connection ended in phase %s: %s\n",
                         phase_name[ph], why);
-            record_end(say, "in phase %s, %.1f s after pos's last request: %s", phase_name[ph],
-                  secs(now_ns() - last), why);
+            record_end(say, code, "in phase %s, %.1f s after pos's last request: %s",
+                       phase_name[ph], secs(now_ns() - last), why);
             abandon(why);
             if (r == -3)
                 fd = -1; /* the number is someone else's now */
@@ -210,7 +216,7 @@ static void serve(int fd) {
             do_end(c);
         else if (!strcmp(cmd, "bye")) {
             reply(c, "{\"ok\":true}");
-            record_end(0, "in phase %s: pos said bye", phase_name[atomic_load(&phase)]);
+            record_end(0, "bye", "in phase %s: pos said bye", phase_name[atomic_load(&phase)]);
             break;
         } else
             fail(c, "unknown request");
