@@ -37,7 +37,7 @@ from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import restorable
-from pos.operation.engine import DeviceCopy, RankSaved, Report
+from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import Plan
 from pos.operation.steps import Echo, Guard
@@ -293,8 +293,8 @@ class _Whole:
         ranks = ([RankSaved(s.pid, s.gpu, c.bytes, k, x)
                   for s, c, k, x in zip(self.savers, self.copies, self.cuts, self.gates)]
                  if self.several else [])
-        return Report(ImageKind.CONCURRENT.value, str(final), self.manifest,
-                      timings=self.manifest.timings, device=DeviceCopy(
+        return Report(ImageKind.CONCURRENT.value, Operation.CHECKPOINT, str(final),
+                      self.manifest, timings=self.manifest.timings, device=DeviceCopy(
                           sum(len(t.table) for t in self.taken), copied, self.cuts[0], worst,
                           sum(t.shadow_bytes for t in self.taken), self.release_s,
                           copied / d2h_s / 1e9 if d2h_s else None, None,

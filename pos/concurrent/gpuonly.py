@@ -21,7 +21,7 @@ from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver
 from pos.errors import BadInput
 from pos.image import gpuindex, kinds
 from pos.image.kinds import ImageKind
-from pos.operation.engine import DeviceCopy, Report
+from pos.operation.engine import DeviceCopy, Operation, Report
 from pos.operation.manifest import new_manifest
 from pos.operation.steps import Echo
 from pos.process.criu import Options
@@ -68,8 +68,8 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
     device = DeviceCopy(len(taken.table), copy.bytes, cut, gate, taken.shadow_bytes, release_s,
                         copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None,
                         saver.foreign_bytes)
-    return Report(ImageKind.GPU_ONLY.value, str(final), manifest, timings=saver.timings,
-                  device=device)
+    return Report(ImageKind.GPU_ONLY.value, Operation.CHECKPOINT, str(final), manifest,
+                  timings=saver.timings, device=device)
 
 
 def restore_gpu(pid: int, directory: Path, streams: int = FILL_STREAMS,
@@ -116,5 +116,5 @@ def restore_gpu(pid: int, directory: Path, streams: int = FILL_STREAMS,
         finally:
             rings.close()
     device = DeviceCopy(len(table), copy.bytes, cut, gate, 0, release_s, None, copy.gbps)
-    return Report(ImageKind.GPU_ONLY.value, str(directory), manifest,
+    return Report(ImageKind.GPU_ONLY.value, Operation.RESTORE, str(directory), manifest,
                   timings={"h2d": copy.seconds}, device=device)

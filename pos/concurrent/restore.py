@@ -19,7 +19,7 @@ from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
 from pos.image import gpuindex, kinds
 from pos.image.kinds import ImageKind
-from pos.operation.engine import DeviceCopy, RankBack, Report
+from pos.operation.engine import DeviceCopy, Operation, RankBack, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
 from pos.settings import Settings
@@ -169,7 +169,7 @@ def _report(result: Report, pres: list[Prefetch], back: _Back, t0: float,
     worst = max(back.gates, key=lambda x: x.held_max_s)
     several = [RankBack(pre.rank, pre.onto, c.bytes, x)
                for pre, c, x in zip(pres, back.copies, back.gates)] if len(pres) > 1 else []
-    return Report(ImageKind.CONCURRENT.value, result.path, result.manifest, timings=timings,
-                  restored_pid=result.restored_pid, device=DeviceCopy(
+    return Report(ImageKind.CONCURRENT.value, Operation.RESTORE, result.path, result.manifest,
+                  timings=timings, restored_pid=result.restored_pid, device=DeviceCopy(
                       sum(len(pre.table) for pre in pres), copy.bytes, None, worst, 0,
                       back.release_s, None, copy.gbps, 0, several))

@@ -19,7 +19,7 @@ from pos.container import ARCHIVE, podman
 from pos.errors import BadInput
 from pos.process import cudackpt, procs
 from pos.restore import preflight
-from pos.operation.engine import Report
+from pos.operation.engine import Operation, Report
 from pos.settings import Settings
 from pos.operation.steps import Echo, Guard
 from pos.operation.plan import Plan
@@ -87,5 +87,5 @@ class _Tree:
             raise
         finally:
             guard.close()
-        return Report("concurrent", str(directory), manifest, timings=g.timings,
+        return Report("concurrent", Operation.RESTORE, str(directory), manifest, timings=g.timings,
                       restored_pid=c.pid)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from pos import image
 from pos.image.kinds import ImageKind
 from pos.errors import BadInput, PosError
-from pos.operation.engine import Engine, Load, Report, Save
+from pos.operation.engine import Engine, Load, Operation, Report, Save
 from pos.operation.steps import Echo
 from pos.progress import QUIET, Progress
 from pos.operation.oplock import one_at_a_time
@@ -66,7 +66,7 @@ class StopTheWorld(_Base):
 
         timings = migrate.to_gpu(pid, onto, save.lock_timeout_ms, self.echo, self.progress,
                                  self.settings)
-        return Report(self.name, "", None, timings=timings)
+        return Report(self.name, Operation.MOVE, "", None, timings=timings)
 
 
 class Concurrent(_Base):
@@ -123,7 +123,7 @@ class Concurrent(_Base):
             shutil.rmtree(saved.path, ignore_errors=True)
         self.echo(f"PID {pid} now runs on GPU {onto} as PID {back.restored_pid}")
         release = back.device.release_s if back.device else 0.0
-        return Report(self.name, saved.path if keep else "", back.manifest,
+        return Report(self.name, Operation.MOVE, saved.path if keep else "", back.manifest,
                       timings={"checkpoint": t1 - t0, "restore": time.monotonic() - t1,
                                "restore_release": release},
                       restored_pid=back.restored_pid or pid)

@@ -14,7 +14,7 @@ from pos import image, nvml
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import restorable
-from pos.operation.engine import Report
+from pos.operation.engine import Operation, Report
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import Plan
 from pos.operation.steps import Echo, Guard, folder_bytes
@@ -73,4 +73,5 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
             g.end()
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
-    return Report(ImageKind.STOP_THE_WORLD.value, str(final), manifest, timings=g.timings)
+    return Report(ImageKind.STOP_THE_WORLD.value, Operation.CHECKPOINT, str(final), manifest,
+                  timings=g.timings)

@@ -47,7 +47,7 @@ def of(r: "Report") -> list[str]:
     it did (the concurrent engines), else what the driver and CRIU did."""
     if r.device is not None:
         return _device(r, r.device)
-    return _restore(r) if r.restored_pid is not None else _checkpoint(r)
+    return _restore(r) if r.restoring else _checkpoint(r)
 
 
 def _checkpoint(result: "Report") -> list[str]:
@@ -73,8 +73,9 @@ def _restore(result: "Report") -> list[str]:
 
 
 def _device(r: "Report", d: "DeviceCopy") -> list[str]:
-    """A concurrent checkpoint or restore: a whole-process restore has a `restored_pid`; a
-    checkpoint copies device to host (`d2h_gbps`), a restore host to device."""
+    """A concurrent checkpoint or restore: a whole-process restore has a `restored_pid` (a
+    GPU-only one rolls the live job back); a checkpoint copies device to host (`d2h_gbps`), a
+    restore host to device."""
     restoring = r.restoring
     what = f"{size_text(d.bytes)} of device memory in {d.buffers} buffers"
     if d.ranks:

@@ -1,10 +1,12 @@
 """What an operation on a job is asked and what it answers, whichever engine runs it: the
 requests (`Save`: how to checkpoint; `Load`: how to restore), the `Engine` protocol the engines
-implement (pos/engines/engines.py), and the one typed `Report` they all answer with, whose
-JSON (`--json`, the daemon's records) holds every field of every engine, absent ones null."""
+implement (pos/engines/engines.py), and the one typed `Report` they all answer with, which
+says its `Operation` (checkpoint, restore or move) and whose JSON (`--json`, the daemon's
+records) holds every field of every engine, absent ones null."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
@@ -102,9 +104,20 @@ class DeviceCopy:
                                    # several CUDA processes: each one's part
 
 
+class Operation(enum.Enum):
+    """What an engine was asked to do: each engine says so in the Report it builds, so that
+    what reads a report (the summary, scripts through --json) need not guess it from its
+    fields."""
+
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+    MOVE = "move"
+
+
 @dataclass
 class Report:
     engine: str                    # stop-the-world, concurrent or gpu-only
+    operation: Operation
     path: str                      # the image
     manifest: Optional[Manifest]   # the image's (None: a move that wrote none)
     timings: dict[str, float] = field(default_factory=dict)
@@ -123,13 +136,13 @@ class Report:
 
     @property
     def restoring(self) -> bool:
-        return self.device is not None and self.device.h2d_gbps is not None
+        return self.operation is Operation.RESTORE
 
     def to_json(self) -> dict[str, Any]:
         """The outcome for scripts: one JSON object."""
         m = self.manifest
         out: dict[str, Any] = {
-            "engine": self.engine, "path": self.path,
+            "engine": self.engine, "operation": self.operation.value, "path": self.path,
             "pid": m.pid if m else None, "pids": m.pids if m else [],
             "gpu_pids": m.gpu_pids if m else [], "restored_pid": self.restored_pid,
             "size_bytes": m.size_bytes if m else 0, "files": len(m.files) if m else 0,

@@ -20,7 +20,7 @@ from pos.errors import PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import lazypages
-from pos.operation.engine import Report
+from pos.operation.engine import Operation, Report
 from pos.operation.plan import Plan
 from pos.operation.steps import Echo, Guard
 from pos.process import criu as criu_mod
@@ -172,5 +172,5 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             if lazy is not None:
                 criu_mod.keep_log(lazy.log, criu.log_dir)
         shutil.rmtree(work, ignore_errors=True)
-    return Report(ImageKind.STOP_THE_WORLD.value, str(directory), manifest, timings=g.timings,
-                  restored_pid=root)
+    return Report(ImageKind.STOP_THE_WORLD.value, Operation.RESTORE, str(directory), manifest,
+                  timings=g.timings, restored_pid=root)

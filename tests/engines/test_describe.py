@@ -6,7 +6,7 @@ from pos.agent.control import Gate, Wait
 from pos.engines import summary
 from pos.engines.summary import longest_wait
 from pos.image import Manifest
-from pos.operation.engine import DeviceCopy, Report
+from pos.operation.engine import DeviceCopy, Operation, Report
 from pos.operation.steps import describe
 
 
@@ -49,7 +49,8 @@ def _manifest(stall_s=None) -> Manifest:
 
 def test_a_stop_the_world_checkpoint_in_four_lines() -> None:
     m = _manifest(stall_s=12.5)
-    lines = summary.of(Report("stop-the-world", "/img/job1", m, timings=m.timings))
+    lines = summary.of(Report("stop-the-world", Operation.CHECKPOINT, "/img/job1", m,
+                              timings=m.timings))
     assert lines == [
         "saved PID 4242 (python3) into /img/job1: 3.50 GiB in 14 files, 2 process(es), 1 with "
         "CUDA state",
@@ -57,13 +58,15 @@ def test_a_stop_the_world_checkpoint_in_four_lines() -> None:
         "longest steps: checkpoint 9.020 s, restore 3.200 s, dump 1.800 s",
         "every field: pos inspect /img/job1 (or --json)"]
     m = _manifest()
-    held = summary.of(Report("stop-the-world", "/img/job1", m, timings=m.timings))[1]
+    held = summary.of(Report("stop-the-world", Operation.CHECKPOINT, "/img/job1", m,
+                             timings=m.timings))[1]
     assert held == "it was ended once saved (restore it with `pos restore -D DIR`)"
 
 
 def test_a_stop_the_world_restore() -> None:
     m = _manifest()
-    lines = summary.of(Report("stop-the-world", "/img/job1", m, restored_pid=4242,
+    lines = summary.of(Report("stop-the-world", Operation.RESTORE, "/img/job1", m,
+                              restored_pid=4242,
                               timings={"prepare": 0.1, "criu_restore": 2.25, "verify": 0.6,
                                        "restore": 0.8, "unlock": 0.002}))
     assert lines == ["restored PID 4242 from /img/job1: 3.50 GiB in 14 files",
@@ -75,8 +78,9 @@ def test_a_concurrent_checkpoint_and_restore() -> None:
     timings = {"pin": 6.364, "cut": 0.0001, "shadow": 0.012, "d2h": 0.318, "disk": 2.009,
                "lock": 0.023, "checkpoint": 0.498, "dump": 0.786, "frozen": 0.694,
                "criu_written_mib": 1223.0, "move": 0.779, "checksum": 1.801}
-    r = Report("concurrent", "/img/full", None, timings=timings, device=DeviceCopy(
-        12, int(16.17 * 2**30), None, None, release_s=1.325, d2h_gbps=54.6))
+    r = Report("concurrent", Operation.CHECKPOINT, "/img/full", None, timings=timings,
+               device=DeviceCopy(12, int(16.17 * 2**30), None, None, release_s=1.325,
+                                 d2h_gbps=54.6))
     assert summary.of(r) == [
         "saved /img/full: 16.17 GiB of device memory in 12 buffers",
         "the job was held 1.325 s",
@@ -84,7 +88,7 @@ def test_a_concurrent_checkpoint_and_restore() -> None:
         "longest steps: pin 6.364 s, disk 2.009 s, checksum 1.801 s",
         "every field: pos inspect /img/full (or --json)"]
     gate = Gate(3, 0.9, 0.772, 40, 0.1, 0, [Wait(None, 0.772, 1.0, "cuMemcpy2D_v2")])
-    r = Report("concurrent", "/img/full", None, restored_pid=706,
+    r = Report("concurrent", Operation.RESTORE, "/img/full", None, restored_pid=706,
                timings={"criu_restore": 0.781, "verify": 0.382, "restore": 0.306, "h2d": 1.089,
                         "read_threads": 13.274, "all_back_at": 2.251},
                device=DeviceCopy(12, int(16.17 * 2**30), None, gate, release_s=1.453,
@@ -105,16 +109,18 @@ def test_a_whole_process_checkpoint_says_how_criu_saved_the_host_memory() -> Non
     device = DeviceCopy(12, 2**30, None, None, release_s=1.1, d2h_gbps=50.0)
     m = _manifest(stall_s=1.1)
     m.predumped, m.predump_note = False, "turned off (POS_PREDUMP=0)"
-    lines = summary.of(Report("concurrent", "/img/full", m, timings=m.timings, device=device))
+    lines = summary.of(Report("concurrent", Operation.CHECKPOINT, "/img/full", m,
+                              timings=m.timings, device=device))
     assert lines[4] == ("host memory: dumped while the job was frozen; no pre-dump: turned off "
                         "(POS_PREDUMP=0)")
     m.predumped, m.predump_note = True, ""
-    lines = summary.of(Report("concurrent", "/img/full", m, timings=m.timings, device=device))
+    lines = summary.of(Report("concurrent", Operation.CHECKPOINT, "/img/full", m,
+                              timings=m.timings, device=device))
     assert lines[4] == ("host memory: CRIU's pre-dump copied it before the freeze, the frozen "
                         "dump only what the job wrote since")
     m.predumped = None          # an engine that never pre-dumps: no such line
-    assert len(summary.of(Report("concurrent", "/img/full", m, timings=m.timings,
-                                 device=device))) == 5
+    assert len(summary.of(Report("concurrent", Operation.CHECKPOINT, "/img/full", m,
+                                 timings=m.timings, device=device))) == 5
 
 
 def test_a_migration() -> None:
