@@ -27,6 +27,7 @@ from pos.concurrent.handout import Handout
 from pos.errors import BadInput, PosError
 from pos.image import filehash, gpuindex, names
 from pos.operation import steps
+from pos.operation.timings import Kind, kind
 from pos.settings import Settings
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
@@ -347,9 +348,9 @@ def export(saver: Saver) -> list[int]:
 
 def timings_of(savers: list[Saver]) -> dict[str, float]:
     """The copy's timings: of several jobs, the longest of each (their copies run side by
-    side), and the pinned memory summed; of one, its own."""
+    side), and the sizes in bytes (the pinned memory) summed; of one, its own."""
     out: dict[str, float] = {}
     for s in savers:
         for k, v in s.timings.items():
-            out[k] = out.get(k, 0.0) + v if k.endswith("_bytes") else max(out.get(k, v), v)
+            out[k] = out.get(k, 0.0) + v if kind(k) is Kind.BYTES else max(out.get(k, v), v)
     return out

@@ -275,7 +275,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
     from pathlib import Path
 
     from pos import image
-    from pos.operation import steps
+    from pos.operation import timings
 
     m = (image.verify if verify else image.load)(Path(directory))
     if as_json:
@@ -283,16 +283,19 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
         return
     gpus = ", ".join(f"{g['name']} {g['uuid']}" for g in m.gpus) or "n/a"
     stall = "n/a (stopped after the dump)" if m.stall_s is None else f"{m.stall_s:.3f} s"
-    for key, value in (
-            ("process", f"PID {m.pid} {m.comm}: {m.cmdline}"),
+    steps, figures = timings.split(m.timings)
+    rows = [("process", f"PID {m.pid} {m.comm}: {m.cmdline}"),
             ("tree", f"{len(m.pids)} process(es) {m.pids}, CUDA state in {m.gpu_pids or 'none'}"),
             ("taken", f"{m.created_at} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version})"),
             ("driver", f"{m.driver_version or 'n/a'} (CUDA {m.cuda_version or 'n/a'})"),
             ("GPUs", gpus),
             ("options", ", ".join(k for k, v in m.criu_options.items() if v) or "none"),
             ("size", f"{m.size_bytes} bytes in {len(m.files)} files"),
-            ("steps", steps.describe(m.timings)),
-            ("stall", stall)):
+            ("steps", timings.describe(steps))]
+    if figures:     # sizes, counts, the driver's codes, moments: no step's seconds
+        rows.append(("figures", timings.describe(figures)))
+    rows.append(("stall", stall))
+    for key, value in rows:
         click.echo(f"{key:8} {value}")
     if verify:
         click.echo(f"verify   every file matches its checksums ({', '.join(m.hashes())} of "

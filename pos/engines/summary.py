@@ -7,15 +7,13 @@ Built from the engines' one report (pos.operation.engine.Report) and nothing els
 
 from typing import TYPE_CHECKING, Any
 
-from pos.operation.steps import UNITS
+from pos.operation.timings import split
 
 if TYPE_CHECKING:
     from pos.agent.control import Gate
     from pos.operation.engine import DeviceCopy, Report
 
 SHOWN_STEPS = 3
-# timings that are not a step's duration: a sum over threads, a moment since the start
-NOT_STEPS = {"read_threads", "sealed_s"}
 
 
 def size_text(n: int) -> str:
@@ -24,11 +22,10 @@ def size_text(n: int) -> str:
 
 
 def longest_steps(timings: dict[str, float], n: int = SHOWN_STEPS) -> str:
-    """The `n` steps that took longest: where the time went. Amounts (`*_mib`, `*_bytes`,
-    `*_rc`, `*_n`), moments (`*_at`) and sums over threads are not steps."""
-    steps = [(k, v) for k, v in timings.items()
-             if not k.endswith(("_at", *UNITS)) and k not in NOT_STEPS]
-    top = sorted(steps, key=lambda kv: -kv[1])[:n]
+    """The `n` steps that took longest: where the time went (sizes, codes, counts, moments
+    and sums over threads are no step: pos/operation/timings.py)."""
+    steps = split(timings)[0]
+    top = sorted(steps.items(), key=lambda kv: -kv[1])[:n]
     return "longest steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in top)
 
 

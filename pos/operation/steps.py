@@ -1,7 +1,7 @@
 """The steps of one checkpoint, restore or move, as every engine runs them: a watchdog process
 behind them (pos/operation/watchdog.py), told each step as it begins, and the one undo
 (`watchdog.recover`) on any failure, Ctrl-C or SIGTERM, which the watchdog runs too if pos
-dies. Also how long each step took (`timed`, `describe`)."""
+dies. Also how long each step took (`timed`; what each timing is: pos/operation/timings.py)."""
 
 import os
 import signal
@@ -30,19 +30,6 @@ def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
         return fn()
     finally:
         timings[name] = timings.get(name, 0.0) + time.monotonic() - t
-
-
-UNITS = {"_mib": "{:.0f} MiB", "_bytes": "{:.0f} bytes", "_rc": "{:.0f}", "_n": "{:.0f}"}
-
-
-def describe(timings: dict[str, float]) -> str:
-    """Timings for a person: seconds, but for the keys that count memory (`*_mib`, `*_bytes`),
-    the driver's answers (`*_rc`) and things (`*_n`)."""
-    def one(k: str, v: float) -> str:
-        unit = next((u for end, u in UNITS.items() if k.endswith(end)), "{:.3f} s")
-        return f"{k} {unit.format(v)}"
-
-    return ", ".join(one(k, v) for k, v in timings.items())
 
 
 @contextmanager

@@ -1,13 +1,17 @@
-"""The lines that checkpoint and restore print: each timing in its unit, why a job waited, and
-the short summaries (the stall, the size, where the time went) in place of every field."""
+"""The lines that checkpoint, restore and inspect print: each timing in its unit (and told from
+its key by one rule), why a job waited, and the short summaries (the stall, the size, where the
+time went) in place of every field."""
 
+
+from click.testing import CliRunner
 
 from pos.agent.control import Gate, Wait
+from pos.cli import cli
 from pos.engines import summary
 from pos.engines.summary import longest_wait
-from pos.image import Manifest
+from pos.image import Manifest, write_manifest
 from pos.operation.engine import DeviceCopy, Operation, Report
-from pos.operation.steps import describe
+from pos.operation.timings import Kind, describe, kind, split
 
 
 def test_timings_memory_and_driver_answers_each_read_in_their_unit() -> None:
@@ -35,6 +39,30 @@ def test_longest_steps_are_durations_only() -> None:
                "sealed_s": 9.0, "free_at_cut_bytes": 8e9}
     assert summary.longest_steps(timings) == ("longest steps: dump 0.790 s, frozen 0.690 s, "
                                               "checkpoint 0.500 s")
+
+
+def test_each_timing_is_told_from_its_key_by_one_rule() -> None:
+    assert [kind(k) for k in ("lock", "criu_written_mib", "free_at_cut_bytes", "stack_rc",
+                              "leaked_closed_n", "all_back_at", "pos_started_s",
+                              "read_threads", "sealed_s")] == [
+        Kind.STEP, Kind.MIB, Kind.BYTES, Kind.CODE, Kind.COUNT, Kind.MOMENT, Kind.STEP,
+        Kind.THREADS, Kind.MOMENT]
+    assert split({"lock": 0.1, "stack_rc": 0, "dump": 0.7, "filled_at": 2.0}) == (
+        {"lock": 0.1, "dump": 0.7}, {"stack_rc": 0, "filled_at": 2.0})
+
+
+def test_inspect_prints_the_steps_apart_from_sizes_codes_and_moments(tmp_path) -> None:
+    m = _manifest(stall_s=1.0)
+    m.files = {}                  # what inspect reads is the manifest alone
+    m.timings = {"lock": 0.012, "stack_rc": 0, "free_at_cut_bytes": 8 * 2**30, "dump": 1.8,
+                 "criu_written_mib": 959.0}
+    write_manifest(tmp_path, m)
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert "steps    dump 1.800 s, lock 0.012 s" in lines       # the manifest's keys sorted
+    assert ("figures  criu_written_mib 959 MiB, free_at_cut_bytes 8589934592 bytes, stack_rc 0"
+            in lines)
 
 
 def _manifest(stall_s=None) -> Manifest:
