@@ -85,6 +85,16 @@ def fakegpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build(tmp_path_factory.mktemp("fakegpu"))
 
 
+def reaped(pid: int) -> bool:
+    """`pid` is gone: reaped here where it became this process's child (a job restored by pos
+    in this process, or a subreaper's orphan), whose zombie would keep the PID taken."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return not Path(f"/proc/{pid}").exists()
+
+
 def wait_for(cond: Callable[[], object], timeout: float = 20.0,
              what: Union[str, Callable[[], str]] = "condition", every: float = 0.05) -> None:
     """Until `cond()` is true, asked every `every` s: the one way the suite waits for something

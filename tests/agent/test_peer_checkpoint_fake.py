@@ -19,7 +19,7 @@ import pytest
 from pos.agent import peers
 from pos.agent.control import Agent
 from pos.image import names
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reaped
 from tests.engines.conftest import pos, wait_for
 
 SEVEN = bytes([7, 0, 0, 0]) * 4      # peer_job's owner's memory
@@ -73,14 +73,6 @@ def pair(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str], criu
     p.kill()
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return not Path(f"/proc/{pid}").exists()
-
-
 def shares_the_owners_memory(pair: Pair) -> None:
     """The importer maps the owner's memory at its old address: it reads the owner's bytes,
     and a nonce the owner writes; every job then runs on (idle), nothing down."""
@@ -122,7 +114,7 @@ def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
     assert (img / names.PEER_LINKS).is_file()
     pair.proc.wait(timeout=30)                      # CRIU's dump, then the tree ended
     for p in (pair.owner, pair.importer):
-        wait_for(lambda: gone(p), what=f"process {p}'s end")
+        wait_for(lambda: reaped(p), what=f"process {p}'s end")
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
     shares_the_owners_memory(pair)

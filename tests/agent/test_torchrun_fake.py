@@ -17,7 +17,7 @@ import pytest
 
 from pos.image import gpuindex
 from pos.process import procs
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reaped
 from tests.engines.conftest import one_sentence, pos, wait_for
 
 JOB = Path(__file__).with_name("elastic_job.py")
@@ -71,15 +71,6 @@ class Elastic:
         if self.proc.poll() is None:
             self.proc.wait()
         wait_for(lambda: all(map(reaped, self.pids)), what="the job's processes gone")
-
-
-def reaped(pid: int) -> bool:
-    """`pid` is gone (reaped here where it became this process's child: a subreaper)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return not Path(f"/proc/{pid}").exists()
 
 
 @pytest.fixture

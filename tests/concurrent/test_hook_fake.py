@@ -30,7 +30,7 @@ from pos.operation.gpumap import Onto
 from pos.process.criu import Criu, Options
 from pos.settings import Settings
 from tests.agent.conftest import ran_past
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reaped
 from tests.engines.conftest import (kernel_keeps_soft_dirty, listening, one_sentence, pos,
                                       wait_for)
 from workloads.fill_job import image_values, torn
@@ -424,16 +424,6 @@ def _move(pid: int, onto: Onto, keep: Path | None = None) -> Report:
     """`pos migrate PID --to-gpu N --concurrent [-D keep]`, as the command runs it."""
     return engines.Concurrent(Settings.from_env()).move(
         pid, onto, engines.Save(Options(), False, 10_000), keep)
-
-
-def reaped(pid: int) -> bool:
-    """Whether `pid` is gone: a job restored by pos in this process (not by its CLI) is this
-    process's child once CRIU exits, and its zombie would keep the PID taken."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return not Path(f"/proc/{pid}").exists()
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -18,7 +18,7 @@ from pos import concurrent
 from pos.agent.control import Agent, Refused
 from pos.image import gpuindex, names
 from tests.agent.conftest import ran_past
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reaped
 from tests.engines.conftest import pos, wait_for
 from workloads.fill_job import image_values, torn
 
@@ -73,14 +73,6 @@ def one_under_a_shell(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[st
     r.kill()
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return not Path(f"/proc/{pid}").exists()
-
-
 def alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZXT"
@@ -130,7 +122,7 @@ def test_ranks_are_cut_before_the_same_collective_and_each_restored(
         return
     ranks.proc.wait(timeout=30)                   # CRIU's dump, then the tree ended
     for p in ranks.pids:       # gone, and reaped where this process became their parent
-        wait_for(lambda: gone(p), what=f"rank {p}'s end")
+        wait_for(lambda: reaped(p), what=f"rank {p}'s end")
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
     try:
@@ -156,7 +148,7 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
     saved = image_values(img)
     assert not torn(saved)
     job.proc.wait(timeout=30)
-    wait_for(lambda: gone(job.pids[0]), what="the job's end")
+    wait_for(lambda: reaped(job.pids[0]), what="the job's end")
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
     try:

@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 
 from pos.image import names
-from tests.conftest import ROOT, need
+from tests.conftest import ROOT, need, reaped
 from tests.engines.conftest import counts_on, lines, one_sentence, pos, wait_for
 
 SOURCE = Path(__file__).with_name("io_uring_job.c")
@@ -212,15 +212,6 @@ def test_allowed_io_uring_is_refused_with_the_flag_named(start, tmp_path, env) -
     one_sentence(r, 2, f"PID {job.pid} (io_uring_job) holds an io_uring",
                  "start the job again with `pos run` without --allow-io-uring")
     job.untouched()
-
-
-def reaped(pid: int) -> bool:
-    """`pid` is gone (reaped here where it became this process's child: pytest is a subreaper)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return not Path(f"/proc/{pid}").exists()
 
 
 def procs_io_urings(pid: int) -> list[str]:
