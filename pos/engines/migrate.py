@@ -245,8 +245,7 @@ def listen(address: str, port: int, directory: Path, settings: Settings, key: Mi
     nothing is written before one has connected and proved it."""
     criu = criu_mod.find(settings)
     directory = directory.absolute()
-    if directory.exists() or names.partial(directory).exists():
-        raise BadInput(f"{directory} already exists", "give a new directory with -D")
+    image.check_new(directory)     # before any peer is waited for; made once one is heard
     try:
         server = socket.create_server((address, port))
     except OSError as e:

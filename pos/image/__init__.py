@@ -77,7 +77,19 @@ class Manifest:
 
 def prepare(final: Path, needed_bytes: int) -> Path:
     """Create DIR.partial (0700) for a new image at `final`, after checking that the image can
-    be written there; returns the partial directory."""
+    be written there (`check_new`); returns the partial directory."""
+    partial = check_new(final, needed_bytes)
+    try:
+        partial.mkdir(mode=0o700)
+    except OSError as e:
+        raise BadInput(f"cannot create {partial} ({e.strerror})",
+                       "give a writable directory with -D") from None
+    return partial
+
+
+def check_new(final: Path, needed_bytes: int = 0) -> Path:
+    """Refuse, in one sentence, a place where a new image at `final` cannot be written (it or
+    its DIR.partial exists, no writable folder, too little room); its DIR.partial, not made."""
     final = final.absolute()
     partial = names.partial(final)
     if final.exists():
@@ -98,11 +110,6 @@ def prepare(final: Path, needed_bytes: int) -> Path:
     if free < needed_bytes:
         raise BadInput(f"{parent} has {free / 2**20:.1f} MiB free and the image needs about "
                        f"{needed_bytes / 2**20:.1f} MiB", "free space there or give another -D")
-    try:
-        partial.mkdir(mode=0o700)
-    except OSError as e:
-        raise BadInput(f"cannot create {partial} ({e.strerror})",
-                       "give a writable directory with -D") from None
     return partial
 
 
