@@ -156,6 +156,23 @@ def pos(*args: str) -> tuple[int, float, dict[str, Any], str]:
     return r.returncode, wall, report, r.stderr.strip()
 
 
+def kill_all(pids: list[int], job: subprocess.Popen) -> None:
+    """The whole tree SIGKILLed, children first, and every process of it gone."""
+    for p in reversed(pids):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait()
+    for p in pids:
+        while os.path.exists(f"/proc/{p}"):      # reaped by their parents or by us
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.01)
+
+
 def reap(pid: int, timeout: float = 120) -> Optional[int]:
     """The exit status of `pid`, a child of ours (the restored root is one: we are a subreaper)."""
     deadline = time.monotonic() + timeout
@@ -262,19 +279,8 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
                    "release_s" if concurrent else "stall_s"),
                image_mib=round(report.get("size_bytes", 0) / 2**20, 1),
                checkpoint_timings=report.get("timings"), ranks_report=report.get("ranks"))
-    for p in reversed(pids):       # (a job that ran to its end while pos sealed the image:
-        try:                       # the restore brings it back from the image all the same)
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    job.wait()
-    for p in pids:
-        while os.path.exists(f"/proc/{p}"):      # reaped by their parents or by us
-            try:
-                os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            time.sleep(0.01)
+    kill_all(pids, job)     # (a job that ran to its end while pos sealed the image: the
+                            # restore brings it back from the image all the same)
     killed = read(cr_dir)
     row["killed_at_step"] = min(len(r) for r in killed)
     say(f"{case}: killed at step {row['killed_at_step']}; pos restore")

@@ -38,7 +38,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -116,22 +115,6 @@ def reference(case: Case, a: argparse.Namespace, work: Path) -> list[list[tuple[
 def frozen(pids: list[int]) -> bool:
     return any(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
                for p in pids if Path(f"/proc/{p}").exists())
-
-
-def kill_all(pids: list[int], job: subprocess.Popen) -> None:
-    for p in reversed(pids):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    job.wait()
-    for p in pids:
-        while os.path.exists(f"/proc/{p}"):        # reaped by their parents or by us
-            try:
-                os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            time.sleep(0.01)
 
 
 def restore(row: dict[str, Any], img: Path, outdir: Path, root: int, a: argparse.Namespace,
@@ -217,7 +200,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
             say(f"{case.name}: pos restore of its image")
             restore(row, img, outdir, job.pid, a, ref, prefix="restored_")
         return row
-    kill_all(pids, job)
+    ddp.kill_all(pids, job)
     row["killed_at_step"] = min(map(len, ddp.read(outdir)))
     say(f"{case.name}: killed at step {row['killed_at_step']}; pos restore")
     restore(row, img, outdir, job.pid, a, ref)
