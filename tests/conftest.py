@@ -85,6 +85,18 @@ def fakegpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build(tmp_path_factory.mktemp("fakegpu"))
 
 
+def kill(pids: list[int], proc: subprocess.Popen) -> None:
+    """SIGKILL each of `pids` (in that order; one gone already is skipped), then reap `proc`,
+    the command that started them."""
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.wait()
+
+
 def reaped(pid: int) -> bool:
     """`pid` is gone: reaped here where it became this process's child (a job restored by pos
     in this process, or a subreaper's orphan), whose zombie would keep the PID taken."""

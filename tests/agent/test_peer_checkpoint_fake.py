@@ -19,7 +19,7 @@ import pytest
 from pos.agent import peers
 from pos.agent.control import Agent
 from pos.image import names
-from tests.conftest import ROOT, reaped
+from tests.conftest import ROOT, kill, reaped
 from tests.engines.conftest import pos, wait_for
 
 SEVEN = bytes([7, 0, 0, 0]) * 4      # peer_job's owner's memory
@@ -56,13 +56,7 @@ class Pair:
         return False
 
     def kill(self) -> None:
-        for p in (self.importer, self.owner, self.root):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait()
+        kill([self.importer, self.owner, self.root], self.proc)
 
 
 @pytest.fixture

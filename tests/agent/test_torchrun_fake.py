@@ -6,8 +6,6 @@ checkpoint --concurrent --leave-running --tcp-established` saves the whole tree 
 after SIGKILL of every process `pos restore` brings it back, every worker's memory holds what
 its step says, and the agent goes on supervising its workers to the job's end."""
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +15,7 @@ import pytest
 
 from pos.image import gpuindex
 from pos.process import procs
-from tests.conftest import ROOT, reaped
+from tests.conftest import ROOT, kill, reaped
 from tests.engines.conftest import one_sentence, pos, wait_for
 
 JOB = Path(__file__).with_name("elastic_job.py")
@@ -63,13 +61,7 @@ class Elastic:
         wait_for(made, timeout, lambda: f"{more} more steps of every worker: {self.said()}")
 
     def kill(self) -> None:
-        for p in reversed(self.pids):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait()
+        kill(self.pids[::-1], self.proc)
         wait_for(lambda: all(map(reaped, self.pids)), what="the job's processes gone")
 
 

@@ -5,8 +5,6 @@ number of operations: the fake's ranks do not wait for each other, so nothing el
 them equal), write one image of the whole tree, and bring every process's memory back in a
 restore. What this cannot prove is NCCL's behaviour (bench/ddp.py does, on two GPUs)."""
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +16,7 @@ from pos import concurrent
 from pos.agent.control import Agent, Refused
 from pos.image import gpuindex, names
 from tests.agent.conftest import ran_past
-from tests.conftest import ROOT, reaped
+from tests.conftest import ROOT, kill, reaped
 from tests.engines.conftest import pos, wait_for
 from workloads.fill_job import image_values, torn
 
@@ -49,13 +47,7 @@ class Ranks:
         return False
 
     def kill(self) -> None:
-        for p in [*self.pids, self.root]:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait()
+        kill([*self.pids, self.root], self.proc)
 
 
 @pytest.fixture
