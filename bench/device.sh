@@ -22,6 +22,8 @@
 #                                # without the stop-the-world baseline; POS_SCALE_FAULTS=SPEC:
 #                                # pos killed at each step; POS_BENCH_TEST=1: the 85% GPU test),
 #                                # memory and kernel log sampled beside it (~4 min a row)
+#   bench/device.sh pin          # bench/pin_probe.py: how fast this host page-locks memory
+#                                # (ways and threads), the copy to it from the GPU (~2 min)
 #   bench/device.sh nccl         # (four GPUs) DDP with NCCL's defaults at POS_NCCL_RANKS
 #                                # (default "2 4") ranks, either engine: refused untouched,
 #                                # the job running on exact (POS_NCCL_DEFAULT_ENGINES: which
@@ -55,7 +57,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl torchrun serve}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin schedule scale floor multigpu nccl torchrun serve}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -109,6 +111,9 @@ concurrent)
         --only "${POS_BENCH_ONLY:-overhead,consistency,hoistfd,big,stw}" ${POS_BENCH_ARGS:-}
     [ "${POS_BENCH_TEST:-1}" = 0 ] ||   # POS_BENCH_TEST=0: the bench parts alone
         step concurrent-test python3 -m pytest -ra -s tests/gpu/test_concurrent_gpu.py ;;
+pin)
+    step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
+    cat "$out/pin.log" ;;
 restart)
     # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
     step restart-bench python3 bench/restart_gpu.py --out "$out" ${POS_BENCH_ARGS:-} ;;
@@ -191,6 +196,6 @@ serve)
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart schedule scale floor multigpu nccl torchrun serve" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart pin schedule scale floor multigpu nccl torchrun serve" >&2
     exit 2 ;;
 esac
