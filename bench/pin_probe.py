@@ -62,7 +62,6 @@ def fault_then_register(drv: Any, gib: int) -> dict[str, float]:
         _, r = timed(lambda: list(pool.map(reg, range(gib))))
     for k in range(gib):
         drv.cuMemHostUnregister(ptr + k * GIB)
-    del ptr
     return {"fault_s": f, "fault_gbps": gib * GIB / f / 1e9, "register_s": r,
             "register_gbps": gib * GIB / r / 1e9, "gbps": gib * GIB / (f + r) / 1e9}
 
