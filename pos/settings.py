@@ -12,6 +12,8 @@ Every setting, its variable and its default:
   dump_staging        POS_DUMP_STAGING      0: CRIU writes straight into the image's folder
   predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/concurrent/predump.py)
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
+  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (the rest is
+                                            locked while the copy runs); `all`: all of it
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
@@ -49,6 +51,10 @@ FILL_FROMS = ("pause", "start", "release")
 # 2 MiB beat 1 MiB on the H100 and the H200 once each piece was made in one pass
 # (pos/image/chunks.c; bench/results/2026-11-26.md)
 DEFAULT_FILL_PIECE_KIB = 2048
+# locked before the cut: one piece of the arena (gpucopy.Pinned.PIECE), a few hundredths of a
+# second on the H200 host, where locking all of a 48 GiB job's arena first took 16 s
+# (bench/results/2026-11-28-perf); None: all of it (the baseline)
+DEFAULT_PIN_AHEAD: Optional[int] = 1 << 30
 DEFAULT_HOIST_STACK: Optional[int] = 0
 DEFAULT_CRIU_WAIT_S = 3600.0
 # off until it is measured against the full restore on the GPU machines
@@ -64,6 +70,7 @@ class Settings:
     dump_staging: bool = True
     predump: bool = True
     pin_max_bytes: Optional[int] = None
+    pin_ahead_bytes: Optional[int] = DEFAULT_PIN_AHEAD
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
@@ -132,6 +139,10 @@ class Settings:
             predump=env.get("POS_PREDUMP") != "0",
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
+            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "all"
+                                else gib(raw), DEFAULT_PIN_AHEAD, "a number of GiB above 0, "
+                                "or all", "unset it (1 GiB is then locked before the cut, the "
+                                "rest while the copy runs)"),
             frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
                             f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
                             "then copies only what pos could not shadow)"),

@@ -3,7 +3,8 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
 
   refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
              restore (pos/operation/restorable.py)
-  prepare    each job's page-locked arena and device shadow (saver.Saver.prepare)
+  prepare    each job's page-locked arena (its first part: the rest is locked behind the
+             cut) and device shadow (saver.Saver.prepare)
   predump    where the kernel and the tree let it, CRIU copies the tree's host memory while
              it runs (pos/concurrent/predump.py), for an incremental frozen dump
   cut        every job held, on a connection made just before it (saver.Saver.reconnect; a
@@ -23,11 +24,12 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from pos import image, nvml
+from pos import host, image, nvml
 from pos.agent import peers
 from pos.agent.control import Agent, Cut, Gate
 from pos.concurrent import predump, staging
@@ -180,6 +182,7 @@ class _Whole:
         stall counts from there)."""
         self.agents = [reconnected(s, self.echo) for s in self.savers]
         t0 = time.monotonic()
+        g.timings["to_cut"] = host.age(os.getpid()) or 0.0     # from the command's start
         g.step("cut", staging=str(stage or ""))
         if self.several:
             from pos.concurrent import collective

@@ -5,7 +5,8 @@ the addresses of the job's buffers there (pos/image/chunks.c: one pass, without 
 is written to the image's data files by writer threads, which give its slot back. The arena
 may be smaller than the job: the copy then streams at the disk's pace instead of needing host
 memory as large as the GPU's (pinning 54 GiB took 23 s on the H100 host before the cut, and
-the host may not have it). The copy starts as soon as pos has shadowed what fits: in a
+the host may not have it); and its parts come as they are locked, the first before the cut,
+the rest while the copy runs (gpucopy.Pinned). The copy starts as soon as pos has shadowed what fits: in a
 whole-process checkpoint the buffers pos could not shadow are copied while the driver and CRIU
 hold the job, whose memory cannot change then, so that by the job's release much or all of
 them is saved; the shadowed ones, safe on the device, wait for the release (see
@@ -109,8 +110,8 @@ class Copier:
         self.index_of = np.array(by_va, np.int64)     # a target's buffer
         self.by_va = {b.va: i for i, b in enumerate(table)}
         self.slots: queue.Queue[int] = queue.Queue()
-        for at in range(0, arena.size // chunk * chunk, chunk):
-            self.slots.put(at)
+        self.chunk = chunk
+        arena.subscribe(self._add_slots)        # its parts as they are locked
         self.scans: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
         self.writes: queue.Queue[Optional[tuple[int, int, int, int, int]]] = queue.Queue()
         self.go = threading.Event()             # the copies to host memory may go on
@@ -129,6 +130,10 @@ class Copier:
         self.crew = Crew("pos-copy", on_stop=self._wake)
         self.watcher: Optional[threading.Thread] = None
 
+    def _add_slots(self, at: int, n: int) -> None:
+        for slot in range(at, at + n, self.chunk):
+            self.slots.put(slot)
+
     def start(self) -> None:
         self.t0 = time.monotonic()
         for i, n in enumerate(self.scan_left):
@@ -139,10 +144,13 @@ class Copier:
                         + [(f"write-{k}", self._write) for k in range(self.threads)])
 
     def pause(self) -> None:
+        """Hold the copies to the arena, and the locking of the rest of it."""
         self.go.clear()
+        self.arena.pause()
 
     def resume(self) -> None:
         self.go.set()
+        self.arena.resume()
 
     def hold_scans(self) -> None:
         self.scan_go.clear()

@@ -7,11 +7,11 @@ each buffer that is back so that the job's calls that need it may go.
 Every driver call goes through pos/driver.py (one place talks to libcuda)."""
 
 import ctypes
+import mmap
 import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -163,17 +163,28 @@ class Imported:
 
 
 class Pinned:
-    """One page-locked host arena, with numpy views of it. Pinning is the slow part of setting
-    it aside (the driver faults in and locks every page: 7.8 s for 16 GiB with cuMemHostAlloc
-    on the H100 host, 2.8-3.8 s this way), so the arena is anonymous memory on transparent huge
-    pages, locked in PIECE-sized parts by several threads at once. A copy must not cross a part: `grid` cuts
-    chunks there."""
+    """One page-locked host arena, with numpy views of it, locked in PIECE-sized parts.
+
+    How fast a host locks memory decides how long a checkpoint waits before its cut. The
+    driver faulting the pages in itself (cuMemHostRegister on untouched memory) locked 5.5 GB/s
+    on the H200 host, by 4 threads or 16, and a job's arena of 48 GiB took 16 s; the kernel
+    faulting them in first (MADV_POPULATE_WRITE, 16 threads: 38 GB/s) and the driver then
+    locking present pages (46 GB/s) made 21 GB/s (bench/results/2026-11-28-perf, pin.json).
+    So each part is faulted in, then registered, by WORKERS threads; the memory is anonymous,
+    on transparent huge pages.
+
+    Only `ahead` bytes are locked before the constructor returns; the rest is locked behind it
+    while the copy runs, part by part: `subscribe(fn)` hears of each part as it is ready.
+    `pause()`/`resume()` hold the locking (the driver's checkpoint of the job runs alone). A
+    part that fails to lock is given back and ends the locking: the arena is then what was
+    locked (`error` says why). A copy must not cross a part: `grid` cuts chunks there."""
 
     PIECE = 1 << 30
+    WORKERS = 16
+    MADV_POPULATE_WRITE = 23       # Linux >= 5.14; older kernels: the pages are written
 
-    def __init__(self, drv: Driver, size: int, workers: int = 8) -> None:
-        import mmap
-
+    def __init__(self, drv: Driver, size: int, workers: int = WORKERS,
+                 ahead: Optional[int] = None) -> None:
         self.drv, self.size = drv, max(size, 1)
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.ptr = C.addressof(C.c_char.from_buffer(self._map))
@@ -182,23 +193,83 @@ class Pinned:
         self._map.madvise(mmap.MADV_DONTFORK)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
-        parts = [(at, min(self.PIECE, self.size - at)) for at in range(0, self.size, self.PIECE)]
-        ctx = current(drv)
+        self._left = deque((at, min(self.PIECE, self.size - at))
+                           for at in range(0, self.size, self.PIECE))
+        self._ctx = current(drv)
+        self._cond = threading.Condition()
+        self._go = threading.Event()
+        self._go.set()
+        self._stop = False
+        self._ready: list[tuple[int, int]] = []
+        self._subscribers: list[Callable[[int, int], None]] = []
         self.registered: list[int] = []
-        lock = threading.Lock()
-
-        def pin(part: tuple[int, int]) -> None:
-            drv.cuCtxSetCurrent(ctx)
-            drv.cuMemHostRegister_v2(self.ptr + part[0], part[1], 0)
-            with lock:
-                self.registered.append(self.ptr + part[0])
-
-        try:
-            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(parts)))) as pool:
-                list(pool.map(pin, parts))
-        except BaseException:
+        self.pinned_bytes = 0
+        self.error: Optional[BaseException] = None
+        self.t0 = time.monotonic()
+        self.all_s: Optional[float] = None       # when every part was locked
+        self._running = max(1, min(workers, len(self._left), os.cpu_count() or 1))
+        self._threads = [threading.Thread(target=self._work, name=f"pos-pin-{k}", daemon=True)
+                         for k in range(self._running)]
+        for t in self._threads:
+            t.start()
+        want = self.size if ahead is None else min(self.size, ahead)
+        with self._cond:
+            self._cond.wait_for(lambda: self.pinned_bytes >= want or self._running == 0)
+            short = self.pinned_bytes < want
+        if short:
+            error = self.error
             self.close()
-            raise
+            raise error if error is not None else RuntimeError("the arena was not locked")
+
+    def _work(self) -> None:
+        libc = C.CDLL(None, use_errno=True)
+        try:
+            self.drv.cuCtxSetCurrent(self._ctx)
+            while self._go.wait():
+                with self._cond:
+                    if self._stop or self.error is not None or not self._left:
+                        return
+                    at, n = self._left.popleft()
+                try:
+                    if libc.madvise(C.c_void_p(self.ptr + at), C.c_size_t(n),
+                                    self.MADV_POPULATE_WRITE) != 0:
+                        C.memset(self.ptr + at, 0, n)
+                    self.drv.cuMemHostRegister_v2(self.ptr + at, n, 0)
+                except BaseException:
+                    self._map.madvise(mmap.MADV_DONTNEED, at, n)     # given back
+                    raise
+                with self._cond:
+                    self.registered.append(self.ptr + at)
+                    self.pinned_bytes += n
+                    self._ready.append((at, n))
+                    tell = list(self._subscribers)
+                    self._cond.notify_all()
+                for fn in tell:
+                    fn(at, n)
+        except BaseException as e:  # noqa: BLE001  (kept: the arena is what was locked)
+            with self._cond:
+                self.error = self.error or e
+        finally:
+            with self._cond:
+                self._running -= 1
+                if self._running == 0 and not self._left and self.error is None:
+                    self.all_s = time.monotonic() - self.t0
+                self._cond.notify_all()
+
+    def subscribe(self, fn: Callable[[int, int], None]) -> None:
+        """`fn(offset, length)` for each part locked so far, and for each part locked from now
+        on (on the thread that locked it)."""
+        with self._cond:
+            self._subscribers.append(fn)
+            ready = list(self._ready)
+        for at, n in ready:
+            fn(at, n)
+
+    def pause(self) -> None:
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
 
     def view(self, offset: int, n: int) -> "np.ndarray":
         import numpy as np
@@ -206,6 +277,11 @@ class Pinned:
         return np.ctypeslib.as_array((C.c_uint8 * n).from_address(self.ptr + offset))
 
     def close(self) -> None:
+        with self._cond:
+            self._stop = True
+        self._go.set()
+        for t in self._threads:
+            t.join()
         for p in self.registered:
             self.drv.raw.cuMemHostUnregister(p)
         self.registered = []

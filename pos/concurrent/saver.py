@@ -1,6 +1,7 @@
 """One job's side of a concurrent checkpoint, in the order its types allow:
 
-  Saver.prepare(agent, ...)   before the cut: page-locked host memory and a device shadow
+  Saver.prepare(agent, ...)   before the cut: page-locked host memory (its first part; the
+                              rest is locked behind the cut) and a device shadow
   saver.reconnect()           the cut's own connection, made just before it
   saver.cut(...)              the job held, its calls drained
   saver.take(folder, rank)    -> Taken: its memory exported by the job, imported by pos, what
@@ -89,8 +90,8 @@ class Saver:
                            "driver saves them), or run the job without those allocators")
         self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
         arena = copier.arena_bytes(self.owned_bytes, self.chunk, self.settings.pin_max_bytes)
-        self.host = self.timed("pin", lambda: gpucopy.Pinned(self.drv, arena))
-        self.timings["pinned_peak_bytes"] = self.host.size
+        self.host = self.timed("pin", lambda: gpucopy.Pinned(
+            self.drv, arena, ahead=self.settings.pin_ahead_bytes))
         room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             room = min(room, self.settings.shadow_max_bytes)
@@ -139,6 +140,18 @@ class Saver:
         """After the cut: the job's memory imported and shadowed, its copy begun (`rank`: the
         PID of one process of several, whose files are named after it)."""
         return Taken(self, folder, rank)
+
+    def pinned(self) -> None:
+        """What the arena locked in the end, and when all of it was (not if the locking
+        stopped short: then why, said once)."""
+        host = self.host
+        if host is None:
+            return
+        self.timings["pinned_peak_bytes"] = host.pinned_bytes
+        if host.all_s is not None:
+            self.timings["pin_all"] = host.all_s
+        elif host.error is not None and "pin_short_bytes" not in self.timings:
+            self.timings["pin_short_bytes"] = host.size - host.pinned_bytes
 
     def drop_shadow(self) -> None:
         """The device shadow given back (its copies are done, or the checkpoint ends)."""
@@ -300,6 +313,7 @@ class Taken:
         done = self._copier().join()
         self.writer.close()
         s.timings["disk"] = done.disk_s
+        s.pinned()
         gpuindex.write(folder, gpuindex.GpuIndex(s.pid, s.gpu, tuple(
             gpuindex.BufferRecord(b.va, b.size, b.mapped, b.device, b.va in hot,
                                   self.writer.chunks_of(b.va)) for b in self.table)), self.rank)

@@ -90,6 +90,15 @@ class _Arena:
     def view(self, at: int, n: int) -> np.ndarray:
         return self.bytes[at:at + n]
 
+    def subscribe(self, fn) -> None:  # type: ignore[no-untyped-def]
+        fn(0, self.size)                # locked whole, before the copy
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
 
 class _Writer:
     def __init__(self) -> None:
@@ -170,3 +179,40 @@ def test_close_returns_when_everything_was_copied_with_the_scans_held() -> None:
     closing.join(10)
     assert not closing.is_alive()
     assert writer.data == {}               # a stopped copy writes nothing more
+
+
+class _LateArena(_Arena):
+    """An arena locked one chunk before the copy, the rest when the test says."""
+
+    def __init__(self, size: int, chunk: int) -> None:
+        super().__init__(size)
+        self.chunk = chunk
+        self.told = None
+
+    def subscribe(self, fn) -> None:  # type: ignore[no-untyped-def]
+        self.told = fn
+        fn(0, self.chunk)
+
+    def rest(self) -> None:
+        assert self.told is not None
+        self.told(self.chunk, self.size - self.chunk)
+
+
+@pytest.mark.parametrize("rest_late", [False, True])
+def test_the_copy_runs_in_the_part_locked_and_takes_the_rest_as_it_comes(rest_late) -> None:
+    chunk = 1 << 20
+    memory = [np.full(chunk, i + 1, np.uint8) for i in range(4)]
+    table = [Buffer(m.ctypes.data, chunk, chunk, 0, True) for m in memory]
+    writer, arena = _Writer(), _LateArena(4 * chunk, chunk)
+    c = copier.Copier(_HostDriver(), table, [b.va for b in table], set(), arena, chunk, 2,
+                      writer, _Handout(table, set()), 2)   # type: ignore[arg-type]
+    c.start()
+    try:
+        if rest_late:
+            arena.rest()
+        c.wait_copied()                  # with one chunk of arena, every chunk in turn
+        assert c.join().bytes == 4 * chunk
+    finally:
+        c.close()
+    assert {k: v[:1] for k, v in writer.data.items()} == {
+        (b.va, 0): bytes([i + 1]) for i, b in enumerate(table)}

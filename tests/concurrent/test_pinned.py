@@ -1,0 +1,110 @@
+"""The checkpoint's page-locked arena (pos/concurrent/gpucopy.Pinned): the part before the cut
+is waited for, the rest is locked behind it and handed to the copy part by part; a part that
+will not lock leaves the arena as what was locked."""
+
+import threading
+
+import pytest
+
+from pos.concurrent import gpucopy
+from tests.concurrent.test_copier import _HostDriver
+from tests.conftest import wait_for
+
+PART = 1 << 20
+
+
+class _Locking(_HostDriver):
+    """cuMemHostRegister as the driver's: each call locks one part; the first `free` go at
+    once, the others wait for `go`; call number `fail_at` (from 1) fails."""
+
+    def __init__(self, free: int = 1 << 30, fail_at: int = 0) -> None:
+        super().__init__()
+        self.free, self.fail_at = free, fail_at
+        self.go = threading.Event()
+        self.calls = 0
+        self.locked: set[int] = set()
+        self.lock = threading.Lock()
+
+    def cuMemHostRegister_v2(self, p: int, n: int, _flags: int) -> int:
+        with self.lock:
+            self.calls += 1
+            k = self.calls
+        if k == self.fail_at:
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+        if k > self.free:
+            self.go.wait(10)
+        with self.lock:
+            self.locked.add(p)
+        return 0
+
+    def cuMemHostUnregister(self, p: int) -> int:
+        with self.lock:
+            self.locked.remove(p)
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpucopy.Pinned, "PIECE", PART)
+
+
+def test_only_the_part_ahead_is_waited_for_and_the_rest_comes_behind() -> None:
+    drv = _Locking(free=1)
+    arena = gpucopy.Pinned(drv, 6 * PART, workers=2, ahead=PART)  # type: ignore[arg-type]
+    try:
+        assert arena.pinned_bytes == PART and arena.all_s is None
+        parts: list[tuple[int, int]] = []
+        arena.subscribe(lambda at, n: parts.append((at, n)))
+        assert parts == [(0, PART)]              # what was locked before, told at once
+        drv.go.set()
+        wait_for(lambda: arena.all_s is not None, 10, "the rest of the arena")
+        assert sorted(parts) == [(k * PART, PART) for k in range(6)]
+        assert arena.pinned_bytes == 6 * PART and arena.error is None
+    finally:
+        arena.close()
+    assert drv.locked == set()                   # every part let go
+
+
+def test_a_part_that_will_not_lock_ends_the_locking_with_what_was_locked() -> None:
+    drv = _Locking(fail_at=3)
+    arena = gpucopy.Pinned(drv, 6 * PART, workers=1, ahead=PART)  # type: ignore[arg-type]
+    try:
+        wait_for(lambda: arena.error is not None, 10, "the failed part")
+        wait_for(lambda: not any(t.is_alive() for t in arena._threads), 10, "the locking's end")
+        assert arena.pinned_bytes == 2 * PART and arena.all_s is None
+        assert "OUT_OF_MEMORY" in str(arena.error)
+    finally:
+        arena.close()
+    assert drv.locked == set()
+
+
+def test_when_the_part_ahead_will_not_lock_the_arena_is_refused() -> None:
+    drv = _Locking(fail_at=1)
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        gpucopy.Pinned(drv, 4 * PART, workers=1, ahead=PART)  # type: ignore[arg-type]
+    assert drv.locked == set()
+
+
+def test_all_ahead_waits_for_the_whole_arena() -> None:
+    drv = _Locking()
+    arena = gpucopy.Pinned(drv, 5 * PART, workers=3)  # type: ignore[arg-type]
+    try:
+        assert arena.pinned_bytes == 5 * PART and len(drv.locked) == 5
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("raw, ahead", [(None, 1 << 30), ("all", None), ("2", 2 << 30)])
+def test_what_is_locked_before_the_cut_is_a_setting(raw, ahead) -> None:
+    from pos.settings import Settings
+
+    assert Settings.from_env({"POS_PIN_AHEAD_GIB": raw} if raw else {}).pin_ahead_bytes == ahead
+
+
+def test_a_bad_ahead_setting_is_one_sentence() -> None:
+    from pos.errors import BadInput
+    from pos.settings import Settings
+
+    with pytest.raises(BadInput, match="POS_PIN_AHEAD_GIB=some is not a number of GiB above 0, "
+                                       "or all"):
+        Settings.from_env({"POS_PIN_AHEAD_GIB": "some"})
