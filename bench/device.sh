@@ -24,6 +24,10 @@
 #                                # memory and kernel log sampled beside it (~4 min a row)
 #   bench/device.sh pin          # bench/pin_probe.py: how fast this host page-locks memory
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
+#   bench/device.sh perf         # bench/perf_gpu.py: where a checkpoint's and a restore's
+#                                # seconds go, each case beside its baseline in the same run
+#                                # (POS_PERF_CASES, default 0.3+pinall+nostw,0.3+nostw,
+#                                # 0.3+ring+nostw: scale_gpu.py's specs), perf.json (~7 min)
 #   bench/device.sh nccl         # (four GPUs) DDP with NCCL's defaults at POS_NCCL_RANKS
 #                                # (default "2 4") ranks, either engine: refused untouched,
 #                                # the job running on exact (POS_NCCL_DEFAULT_ENGINES: which
@@ -57,7 +61,7 @@
 # Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin schedule scale floor multigpu nccl torchrun serve}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -114,6 +118,16 @@ concurrent)
 pin)
     step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
     cat "$out/pin.log" ;;
+perf)
+    step native python3 -m pos.native
+    (while sleep 2; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print $2, $3, $7}')"; done) \
+        > "$out/mem.log" 2>&1 &
+    sampler=$!
+    step perf python3 bench/perf_gpu.py --out "$out" \
+        --cases "${POS_PERF_CASES:-0.3+pinall+nostw,0.3+nostw,0.3+ring+nostw}"
+    kill "$sampler" 2>/dev/null
+    grep '^row' "$out/perf.log" | cut -c1-900
+    (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null) ;;
 restart)
     # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
     step restart-bench python3 bench/restart_gpu.py --out "$out" ${POS_BENCH_ARGS:-} ;;
@@ -196,6 +210,6 @@ serve)
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart pin schedule scale floor multigpu nccl torchrun serve" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve" >&2
     exit 2 ;;
 esac

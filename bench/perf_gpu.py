@@ -1,0 +1,96 @@
+"""Where a concurrent checkpoint's and its restore's seconds go, row by row, against the
+baseline in the same run (the stall issue's rows). Root, on an NVIDIA GPU with PyTorch:
+
+    python3 bench/perf_gpu.py --out DIR [--cases 0.3+pinall+nostw,0.3+nostw,0.3+ring+nostw]
+
+Each case is a row of bench/scale_gpu.py (its spec: a fraction of the GPU's memory and flags;
+`+pinall` is the baseline that locks the whole arena before the cut): the training job under
+`pos run`, `pos checkpoint --concurrent --leave-running` from outside at a random step, the job
+SIGKILLed a few steps later, `pos restore` into a new process, every loss line compared. Writes
+DIR/perf.json: one row per run with the issue's keys (`to_cut_s`: from the command's start to
+the cut, as pos timed it; `stall_s`: the job's longest step gap less its median step;
+`pos_restore_exit_s`: when `pos restore` returned, from its start; `phases`: the checkpoint's
+steps in seconds; `restore_phases`: the restore's), the raw runs in DIR/perf-runs.json.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_gpu import GIB, Spec, one_row, setting  # noqa: E402
+
+from pos.operation.timings import Kind, kind  # noqa: E402
+
+GB = 1e9
+LINK_GBPS = 55.0        # pinned device-to-host on these hosts' PCIe 5 x16: the physical limit
+
+
+def steps_of(timings: dict[str, float]) -> dict[str, float]:
+    """A report's timings that are a step's seconds, rounded."""
+    return {k: round(v, 4) for k, v in timings.items() if kind(k) is Kind.STEP}
+
+
+def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> dict[str, Any]:
+    """The issue's keys, from one raw run of scale_gpu.one_row (None where a step did not
+    happen: the error says why)."""
+    rep = (run.get("concurrent") or {}).get("report") or {}
+    tim = rep.get("timings") or {}
+    saw = run.get("job_saw") or {}
+    restore = run.get("restore") or {}
+    exact = (run.get("exact") or {}).get("bit_exact", False)
+
+    def r(x: Optional[float], n: int = 3) -> Optional[float]:
+        return round(x, n) if x is not None else None
+
+    stall = r(saw["worst_step_s"] - saw["median_step_s"]) if "worst_step_s" in saw else None
+    return {
+        "case": run["spec"], "gpu": facts["gpu"], "gpu_gb": round(total_gib * GIB / GB, 1),
+        "driver": facts["driver"], "commit": facts["commit"], "date": facts["date"],
+        "command": facts["command"],
+        "job_gb": r(rep["bytes"] / GB, 2) if rep else None, "ranks": 1,
+        "one_rank_stall_s": stall, "bit_exact": exact,
+        "to_cut_s": r(tim.get("to_cut")), "stall_s": stall,
+        "pos_held_s": r(rep.get("release_s")),
+        "gate_held_max_s": r((rep.get("gate") or {}).get("held_max_s")),
+        "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim
+        else None,
+        "pin_before_cut_s": r(tim.get("pin")), "pin_all_s": r(tim.get("pin_all")),
+        "d2h_gbps": r(rep.get("d2h_gbps"), 2), "link_limit_gbps": LINK_GBPS,
+        "sealed_s": r(tim.get("sealed_s"), 2),
+        "first_step_s": r(run.get("first_step_s")),
+        "pos_restore_exit_s": r(restore.get("s")) if restore.get("rc") == 0 else None,
+        "disk_write_gbps": facts["disk_write_gbps"],
+        "phases": steps_of(tim),
+        "restore_phases": steps_of(((restore.get("report") or {}).get("timings")) or {}),
+        "error": None if exact else (run.get("error") or (run.get("concurrent") or {})
+                                     .get("err", "")[-400:] or "not bit-exact"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--images", default="/var/tmp/pos-perf")
+    ap.add_argument("--cases", default="0.3+pinall+nostw,0.3+nostw,0.3+ring+nostw")
+    a = ap.parse_args()
+    out, images = Path(a.out), Path(a.images)
+    total, facts, ref = setting(out, images)
+    rows, runs = [], []
+    for spec in filter(None, a.cases.split(",")):
+        t = time.monotonic()
+        run = one_row(Spec(spec, images, False), total, out, ref)
+        run["seconds"] = round(time.monotonic() - t, 1)
+        runs.append(run)
+        rows.append(perf_row(run, facts, total))
+        print("row", json.dumps(rows[-1]), flush=True)
+        (out / "perf.json").write_text(json.dumps(rows, indent=1))
+        (out / "perf-runs.json").write_text(json.dumps({"machine": facts, "runs": runs},
+                                                       indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
