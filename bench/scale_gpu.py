@@ -9,8 +9,10 @@ AdamW, batch 8x512, deterministic) under `pos run`, filled with seeded ballast i
 to that fraction after its first step. `F@H`: another process (not under pos) holds device
 memory so that H of the GPU is in use at the cut. `+ring`: at most 8 GiB of page-locked host
 memory (POS_PIN_MAX_GIB=8: the copy streams to the image); `+shm`: the images in /dev/shm
-(a host whose disk cannot hold them); `+pinall`: the whole arena locked before the cut
-(POS_PIN_AHEAD_GIB=all, the baseline of locking it behind the cut); `+nostw`: no stop-the-world baseline; `+frozenall`: the
+(a host whose disk cannot hold them); `+pinall`: an arena as large as the job, locked
+before the cut (the baseline of a ring beside what pos cannot shadow, locked behind the cut);
+`+shadow8`: pos shadows at most 8 GiB (POS_SHADOW_MAX_BYTES: a job larger than the free device
+memory, on a host whose disk holds no such job's image); `+nostw`: no stop-the-world baseline; `+frozenall`: the
 copy to host memory takes every buffer while the job is frozen (POS_FROZEN_COPY=all, the
 baseline of holding the shadowed ones). For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
@@ -127,7 +129,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 
 class Spec:
-    """One row: FRACTION[@HELD][+ring][+shm][+pinall][+nostw][+frozenall] (see the module's
+    """One row: FRACTION[@HELD][+ring][+shm][+pinall][+shadow8][+nostw][+frozenall] (see the module's
     docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
@@ -138,7 +140,9 @@ class Spec:
         self.images = Path("/dev/shm/pos-scale") if "shm" in flags else images
         self.stw = stw and "nostw" not in flags
         self.env = {**({"POS_PIN_MAX_GIB": "8"} if "ring" in flags else {}),
-                    **({"POS_PIN_AHEAD_GIB": "all"} if "pinall" in flags else {}),
+                    **({"POS_PIN_AHEAD_GIB": "all", "POS_PIN_RING_GIB": "4096"}
+                       if "pinall" in flags else {}),
+                    **({"POS_SHADOW_MAX_BYTES": str(8 * GIB)} if "shadow8" in flags else {}),
                     **({"POS_FROZEN_COPY": "all"} if "frozenall" in flags else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.name = text.replace("@", "-at-").replace("+", "-")

@@ -12,6 +12,8 @@ Every setting, its variable and its default:
   dump_staging        POS_DUMP_STAGING      0: CRIU writes straight into the image's folder
   predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/concurrent/predump.py)
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
+  pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
+                                            to the image (beside what it could not shadow)
   pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (the rest is
                                             locked while the copy runs); `all`: all of it
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
@@ -51,6 +53,11 @@ FILL_FROMS = ("pause", "start", "release")
 # 2 MiB beat 1 MiB on the H100 and the H200 once each piece was made in one pass
 # (pos/image/chunks.c; bench/results/2026-11-26.md)
 DEFAULT_FILL_PIECE_KIB = 2048
+# page-locked memory through which what pos shadowed on the device streams to the image (the
+# disk paces that copy whatever the arena's size): on the H200 host a 48 GiB job, all of it
+# shadowed, was held 1.4 s with 8 GiB against 2.0-4.3 s with an arena as large as the job (the
+# host's memory left to CRIU and the driver), and sealed sooner (bench/results/2026-11-28-perf)
+DEFAULT_PIN_RING = 8 << 30
 # locked before the cut: one piece of the arena (gpucopy.Pinned.PIECE), a few hundredths of a
 # second on the H200 host, where locking all of a 48 GiB job's arena first took 16 s
 # (bench/results/2026-11-28-perf); None: all of it (the baseline)
@@ -70,6 +77,7 @@ class Settings:
     dump_staging: bool = True
     predump: bool = True
     pin_max_bytes: Optional[int] = None
+    pin_ring_bytes: int = DEFAULT_PIN_RING
     pin_ahead_bytes: Optional[int] = DEFAULT_PIN_AHEAD
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
@@ -139,6 +147,8 @@ class Settings:
             predump=env.get("POS_PREDUMP") != "0",
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
+            pin_ring_bytes=get("POS_PIN_RING_GIB", gib, DEFAULT_PIN_RING, "a number of GiB above "
+                               "0", f"unset it (the ring is then {DEFAULT_PIN_RING >> 30} GiB)"),
             pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "all"
                                 else gib(raw), DEFAULT_PIN_AHEAD, "a number of GiB above 0, "
                                 "or all", "unset it (1 GiB is then locked before the cut, the "

@@ -35,17 +35,19 @@ from pos.concurrent.handout import Handout
 from pos.driver import Driver
 from pos.errors import BadInput
 from pos.image import gpu as gpuimage
+from pos.settings import DEFAULT_PIN_RING
 
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
-
-
-def arena_bytes(total: int, chunk: int, cap: Optional[int] = None) -> int:
-    """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory:
-    all of it where the host can spare it (the copy to host memory then never waits for the
-    disk), at most `cap` (POS_PIN_MAX_GIB), at most what the host has available less 2 GiB; a
-    whole number of chunks. Refused in one sentence when that is under 1 GiB."""
-    need = -(-total // chunk) * chunk
+def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int = 0,
+                ring: int = DEFAULT_PIN_RING) -> int:
+    """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory
+    of which pos can shadow about `shadowed`: what it cannot shadow (the job's calls that write
+    those buffers wait until they are in host memory, which must not wait for the disk), and a
+    `ring` (POS_PIN_RING_GIB) for the rest; at most `cap` (POS_PIN_MAX_GIB), at most what the
+    host has available less 2 GiB; a whole number of chunks. Refused in one sentence when that
+    is under 1 GiB."""
+    need = -(-min(total, total - min(shadowed, total) + ring) // chunk) * chunk
     limit = need if cap is None else cap
     spare = host.memory_available() - HOST_RESERVE
     want = min(need, limit, spare) // chunk * chunk
@@ -125,6 +127,7 @@ class Copier:
         self.lock = threading.Lock()
         self.t0 = 0.0
         self.d2h_s = self.disk_s = 0.0
+        self.d2h_threads_s = 0.0     # the copies' own seconds, summed over the streams
         self.threads = max(1, writers)          # scanners, and as many writers
         self.scanning = self.threads            # scanners not ended yet
         self.crew = Crew("pos-copy", on_stop=self._wake)
@@ -193,6 +196,7 @@ class Copier:
             if i in self.shadowed:          # taken only once no other buffer's chunk is left
                 self.shadow_go.wait()
             slot = self._slot()
+            t = time.monotonic()
             try:
                 self.drv.cuMemcpyDtoHAsync_v2(self.arena.ptr + slot, self.sources[i] + off, n,
                                               stream)
@@ -202,6 +206,7 @@ class Copier:
                 raise
             with self.lock:
                 self.copied_bytes += n
+                self.d2h_threads_s += time.monotonic() - t
             self.scans.put((i, off, n, slot))
 
         try:

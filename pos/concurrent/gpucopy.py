@@ -165,26 +165,26 @@ class Imported:
 class Pinned:
     """One page-locked host arena, with numpy views of it, locked in PIECE-sized parts.
 
-    How fast a host locks memory decides how long a checkpoint waits before its cut. The
-    driver faulting the pages in itself (cuMemHostRegister on untouched memory) locked 5.5 GB/s
-    on the H200 host, by 4 threads or 16, and a job's arena of 48 GiB took 16 s; the kernel
-    faulting them in first (MADV_POPULATE_WRITE, 16 threads: 38 GB/s) and the driver then
-    locking present pages (46 GB/s) made 21 GB/s (bench/results/2026-11-28-perf, pin.json).
-    So each part is faulted in, then registered, by WORKERS threads; the memory is anonymous,
-    on transparent huge pages.
+    How fast a host locks memory decides how long a checkpoint waits before its cut. On the
+    H200 host (bench/results/2026-11-28-perf): the driver faulting the pages in itself
+    (cuMemHostRegister on untouched memory) locked 5.5 GB/s, by 4 threads or 16; 16 threads
+    writing the pages first faulted them in at 38 GB/s, and 8 threads then registered the
+    present pages at 46 GB/s: 21 GB/s in all. Faulting and registering side by side ran no
+    faster than the driver alone (each registration changes the mapping, under the lock the
+    faults take), so the parts are all faulted in first, then registered. The memory is
+    anonymous, on transparent huge pages.
 
     Only `ahead` bytes are locked before the constructor returns; the rest is locked behind it
-    while the copy runs, part by part: `subscribe(fn)` hears of each part as it is ready.
+    while the copy runs: `subscribe(fn)` hears of each part as it is registered.
     `pause()`/`resume()` hold the locking (the driver's checkpoint of the job runs alone). A
     part that fails to lock is given back and ends the locking: the arena is then what was
     locked (`error` says why). A copy must not cross a part: `grid` cuts chunks there."""
 
     PIECE = 1 << 30
-    WORKERS = 16
-    MADV_POPULATE_WRITE = 23       # Linux >= 5.14; older kernels: the pages are written
+    FAULTERS = 16
+    REGISTERERS = 8
 
-    def __init__(self, drv: Driver, size: int, workers: int = WORKERS,
-                 ahead: Optional[int] = None) -> None:
+    def __init__(self, drv: Driver, size: int, ahead: Optional[int] = None) -> None:
         self.drv, self.size = drv, max(size, 1)
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.ptr = C.addressof(C.c_char.from_buffer(self._map))
@@ -193,8 +193,7 @@ class Pinned:
         self._map.madvise(mmap.MADV_DONTFORK)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
-        self._left = deque((at, min(self.PIECE, self.size - at))
-                           for at in range(0, self.size, self.PIECE))
+        parts = [(at, min(self.PIECE, self.size - at)) for at in range(0, self.size, self.PIECE)]
         self._ctx = current(drv)
         self._cond = threading.Condition()
         self._go = threading.Event()
@@ -207,54 +206,70 @@ class Pinned:
         self.error: Optional[BaseException] = None
         self.t0 = time.monotonic()
         self.all_s: Optional[float] = None       # when every part was locked
-        self._running = max(1, min(workers, len(self._left), os.cpu_count() or 1))
-        self._threads = [threading.Thread(target=self._work, name=f"pos-pin-{k}", daemon=True)
-                         for k in range(self._running)]
-        for t in self._threads:
-            t.start()
         want = self.size if ahead is None else min(self.size, ahead)
-        with self._cond:
-            self._cond.wait_for(lambda: self.pinned_bytes >= want or self._running == 0)
-            short = self.pinned_bytes < want
-        if short:
-            error = self.error
-            self.close()
-            raise error if error is not None else RuntimeError("the arena was not locked")
-
-    def _work(self) -> None:
-        libc = C.CDLL(None, use_errno=True)
+        first = next(k for k, (at, n) in enumerate(parts) if at + n >= want) + 1
+        self._behind: Optional[threading.Thread] = None
         try:
-            self.drv.cuCtxSetCurrent(self._ctx)
-            while self._go.wait():
-                with self._cond:
-                    if self._stop or self.error is not None or not self._left:
-                        return
-                    at, n = self._left.popleft()
-                try:
-                    if libc.madvise(C.c_void_p(self.ptr + at), C.c_size_t(n),
-                                    self.MADV_POPULATE_WRITE) != 0:
-                        C.memset(self.ptr + at, 0, n)
-                    self.drv.cuMemHostRegister_v2(self.ptr + at, n, 0)
-                except BaseException:
-                    self._map.madvise(mmap.MADV_DONTNEED, at, n)     # given back
-                    raise
-                with self._cond:
-                    self.registered.append(self.ptr + at)
-                    self.pinned_bytes += n
-                    self._ready.append((at, n))
-                    tell = list(self._subscribers)
-                    self._cond.notify_all()
-                for fn in tell:
-                    fn(at, n)
+            self._lock(parts[:first])
+        except BaseException:
+            self.close()
+            raise
+        if first == len(parts):
+            self.all_s = time.monotonic() - self.t0
+        else:
+            self._behind = threading.Thread(target=self._lock_rest, args=(parts[first:],),
+                                            name="pos-pin", daemon=True)
+            self._behind.start()
+
+    def _lock(self, parts: Sequence[tuple[int, int]]) -> None:
+        """Fault every part in, then register each (see the class's docstring)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = max(1, min(self.FAULTERS, len(parts), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="pos-fault") as pool:
+            list(pool.map(self._fault, parts))
+        with ThreadPoolExecutor(min(self.REGISTERERS, workers),
+                                thread_name_prefix="pos-lock") as pool:
+            list(pool.map(self._register, parts))
+
+    def _lock_rest(self, parts: Sequence[tuple[int, int]]) -> None:
+        try:
+            self._lock(parts)
         except BaseException as e:  # noqa: BLE001  (kept: the arena is what was locked)
             with self._cond:
                 self.error = self.error or e
-        finally:
+        with self._cond:
+            if self.error is None and not self._stop:
+                self.all_s = time.monotonic() - self.t0
+
+    def _go_on(self) -> bool:
+        self._go.wait()
+        with self._cond:
+            return not self._stop and self.error is None
+
+    def _fault(self, part: tuple[int, int]) -> None:
+        if self._go_on():
+            C.memset(self.ptr + part[0], 0, part[1])      # ctypes lets the GIL go
+
+    def _register(self, part: tuple[int, int]) -> None:
+        if not self._go_on():
+            return
+        at, n = part
+        self.drv.cuCtxSetCurrent(self._ctx)
+        try:
+            self.drv.cuMemHostRegister_v2(self.ptr + at, n, 0)
+        except BaseException as e:
+            self._map.madvise(mmap.MADV_DONTNEED, at, n)     # given back
             with self._cond:
-                self._running -= 1
-                if self._running == 0 and not self._left and self.error is None:
-                    self.all_s = time.monotonic() - self.t0
-                self._cond.notify_all()
+                self.error = self.error or e                 # nothing more is locked
+            raise
+        with self._cond:
+            self.registered.append(self.ptr + at)
+            self.pinned_bytes += n
+            self._ready.append(part)
+            tell = list(self._subscribers)
+        for fn in tell:
+            fn(at, n)
 
     def subscribe(self, fn: Callable[[int, int], None]) -> None:
         """`fn(offset, length)` for each part locked so far, and for each part locked from now
@@ -280,8 +295,8 @@ class Pinned:
         with self._cond:
             self._stop = True
         self._go.set()
-        for t in self._threads:
-            t.join()
+        if self._behind is not None:
+            self._behind.join()
         for p in self.registered:
             self.drv.raw.cuMemHostUnregister(p)
         self.registered = []

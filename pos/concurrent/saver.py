@@ -62,8 +62,9 @@ class Saver:
     @classmethod
     def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
                 gpu_only: bool) -> "Saver":
-        """Before the cut: the page-locked arena (copier.arena_bytes) and the shadow (the device
-        memory free but 1 GiB, at most the job's). Closed again if that fails."""
+        """Before the cut: the shadow (the device memory free but 1 GiB, at most the job's) and
+        the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring).
+        Closed again if that fails."""
         saver = cls(agent, settings, streams, chunk)
         try:
             saver._prepare(gpu_only)
@@ -89,14 +90,15 @@ class Saver:
                            "take a whole-process image (--concurrent without --gpu-only: the "
                            "driver saves them), or run the job without those allocators")
         self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
-        arena = copier.arena_bytes(self.owned_bytes, self.chunk, self.settings.pin_max_bytes)
-        self.host = self.timed("pin", lambda: gpucopy.Pinned(
-            self.drv, arena, ahead=self.settings.pin_ahead_bytes))
         room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             room = min(room, self.settings.shadow_max_bytes)
         self.shadow = self.timed("shadow_alloc",
                                  lambda: gpucopy.Shadow(self.drv, min(room, self.owned_bytes)))
+        arena = copier.arena_bytes(self.owned_bytes, self.chunk, self.settings.pin_max_bytes,
+                                   self.shadow.size, self.settings.pin_ring_bytes)
+        self.host = self.timed("pin", lambda: gpucopy.Pinned(
+            self.drv, arena, ahead=self.settings.pin_ahead_bytes))
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)
@@ -280,6 +282,7 @@ class Taken:
         job keeps its own mapping)."""
         self._copier().wait_copied()
         self.saver.timings["d2h"] = self._copier().d2h_s
+        self.saver.timings["d2h_threads"] = self._copier().d2h_threads_s
         self._drop_device()
 
     def _drop_device(self) -> None:

@@ -216,3 +216,12 @@ def test_the_copy_runs_in_the_part_locked_and_takes_the_rest_as_it_comes(rest_la
         c.close()
     assert {k: v[:1] for k, v in writer.data.items()} == {
         (b.va, 0): bytes([i + 1]) for i, b in enumerate(table)}
+
+
+def test_the_arena_holds_what_pos_cannot_shadow_and_a_ring_for_the_rest(host) -> None:
+    host(500)
+    assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=95 * GIB) == 5 * GIB + copier.DEFAULT_PIN_RING
+    assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=100 * GIB) == copier.DEFAULT_PIN_RING
+    assert copier.arena_bytes(4 * GIB, CHUNK, shadowed=4 * GIB) == 4 * GIB   # at most the job
+    assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=0) == 100 * GIB
+    assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=90 * GIB, ring=2 * GIB) == 12 * GIB

@@ -50,7 +50,7 @@ def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_only_the_part_ahead_is_waited_for_and_the_rest_comes_behind() -> None:
     drv = _Locking(free=1)
-    arena = gpucopy.Pinned(drv, 6 * PART, workers=2, ahead=PART)  # type: ignore[arg-type]
+    arena = gpucopy.Pinned(drv, 6 * PART, ahead=PART)  # type: ignore[arg-type]
     try:
         assert arena.pinned_bytes == PART and arena.all_s is None
         parts: list[tuple[int, int]] = []
@@ -65,12 +65,14 @@ def test_only_the_part_ahead_is_waited_for_and_the_rest_comes_behind() -> None:
     assert drv.locked == set()                   # every part let go
 
 
-def test_a_part_that_will_not_lock_ends_the_locking_with_what_was_locked() -> None:
+def test_a_part_that_will_not_lock_ends_the_locking_with_what_was_locked(monkeypatch) -> None:
+    monkeypatch.setattr(gpucopy.Pinned, "REGISTERERS", 1)     # one part after the other
     drv = _Locking(fail_at=3)
-    arena = gpucopy.Pinned(drv, 6 * PART, workers=1, ahead=PART)  # type: ignore[arg-type]
+    arena = gpucopy.Pinned(drv, 6 * PART, ahead=PART)  # type: ignore[arg-type]
     try:
         wait_for(lambda: arena.error is not None, 10, "the failed part")
-        wait_for(lambda: not any(t.is_alive() for t in arena._threads), 10, "the locking's end")
+        assert arena._behind is not None
+        arena._behind.join(10)
         assert arena.pinned_bytes == 2 * PART and arena.all_s is None
         assert "OUT_OF_MEMORY" in str(arena.error)
     finally:
@@ -81,13 +83,13 @@ def test_a_part_that_will_not_lock_ends_the_locking_with_what_was_locked() -> No
 def test_when_the_part_ahead_will_not_lock_the_arena_is_refused() -> None:
     drv = _Locking(fail_at=1)
     with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
-        gpucopy.Pinned(drv, 4 * PART, workers=1, ahead=PART)  # type: ignore[arg-type]
+        gpucopy.Pinned(drv, 4 * PART, ahead=PART)  # type: ignore[arg-type]
     assert drv.locked == set()
 
 
 def test_all_ahead_waits_for_the_whole_arena() -> None:
     drv = _Locking()
-    arena = gpucopy.Pinned(drv, 5 * PART, workers=3)  # type: ignore[arg-type]
+    arena = gpucopy.Pinned(drv, 5 * PART)  # type: ignore[arg-type]
     try:
         assert arena.pinned_bytes == 5 * PART and len(drv.locked) == 5
     finally:
