@@ -13,8 +13,8 @@
 # Rootful, through runc (pos's container support is tested with podman 4.3.1 and runc 1.1.5),
 # cgroupfs and a file for events (no systemd needed), no network backend: containers run with
 # `--network none`. The storage driver is overlay, or vfs where ROOT is on overlayfs itself
-# (an overlay cannot sit on one). runc's own `runc init` and conmon's child run without
-# the wrapper's environment: runc then loads the host's libseccomp.so.2 (apt depends on it).
+# (an overlay cannot sit on one). runc starts its own `runc init` with an environment of its
+# making, not the wrapper's: that one loads the host's libseccomp.so.2 (apt depends on it).
 set -euo pipefail
 debs=${1:?usage: scripts/podman-setup.sh DEBS ROOT CRIU}
 root=${2:?usage: scripts/podman-setup.sh DEBS ROOT CRIU}
