@@ -279,11 +279,12 @@ class Row:
 
 def runtime() -> str:
     """podman, runc and the CRIU that runc runs (the first `criu` on the PATH)."""
-    def first(argv: list[str]) -> str:
-        r = subprocess.run(argv, capture_output=True, text=True)
+    def version(program: str) -> str:
+        if shutil.which(program) is None:
+            return "(none on the PATH)"
+        r = subprocess.run([program, "--version"], capture_output=True, text=True)
         return (r.stdout.strip().splitlines() or ["?"])[0].split()[-1]
-    return (f"podman {first(['podman', '--version'])} + runc {first(['runc', '--version'])} + "
-            f"CRIU {first(['criu', '--version'])}")
+    return f"podman {version('podman')} + runc {version('runc')} + CRIU {version('criu')}"
 
 
 def restore(img: Path, name: str, ref: Run, raw: Path, a: argparse.Namespace) -> Copy:
@@ -427,9 +428,6 @@ def main() -> None:
         ap.error(f"unknown cases {unknown}: choose from {', '.join(CASES)}")
     if os.geteuid() != 0:
         sys.exit("bench/containers_gpu.py: run as root (rootful podman, CRIU)")
-    if shutil.which("podman") is None:
-        sys.exit("bench/containers_gpu.py: podman is not on the PATH: install it "
-                 "(scripts/setup.sh), or unpack the bundle (scripts/podman-setup.sh)")
     ddp.RANKS = 1
     ctypes.CDLL(None).prctl(ddp.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     out, images = Path(a.out), Path(a.images)
@@ -479,15 +477,18 @@ def main() -> None:
         sys.exit(f"bench/containers_gpu.py: {e}")
     finally:
         write()
-        for left in subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"],
-                                   capture_output=True, text=True).stdout.split():
-            if left.startswith(PREFIX):
-                podman.remove(left)
+        if shutil.which("podman"):      # no container of the bench's left behind
+            for left in podman.call("ps", "-a", "--format", "{{.Names}}").split():
+                if left.startswith(PREFIX):
+                    podman.remove(left)
 
 
 def prepare(a: argparse.Namespace, images: Path, raw: Path) -> tuple[Host, Run]:
     """pos's agent as a CDI device, the image, what the containers take from this host, and
     the uninterrupted run's lines."""
+    if shutil.which("podman") is None:
+        raise RuntimeError("podman is not on the PATH: install it (scripts/setup.sh), or unpack "
+                           "the bundle (scripts/podman-setup.sh)")
     r = subprocess.run([sys.executable, "-m", "pos.cli", "cdi"], cwd=ROOT, capture_output=True,
                        text=True)
     if r.returncode != 0:
