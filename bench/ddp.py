@@ -117,8 +117,9 @@ def read(outdir: Path) -> list[list[tuple[int, str]]]:
     for r in range(RANKS):
         p = outdir / f"rank-{r}.txt"
         text = p.read_text() if p.exists() else ""
-        fields = (ln.split() for ln in text.splitlines())   # a line being written: skipped
-        out.append([(int(f[0]), f[1]) for f in fields if len(f) == 2])
+        fields = (ln.split() for ln in text.splitlines())   # a line being written: skipped,
+        out.append([(int(f[0]), f[1]) for f in fields       # and one not of a step (a digest)
+                    if len(f) == 2 and f[0].isdigit()])
     return out
 
 
@@ -212,15 +213,21 @@ class Watch:
             time.sleep(0.002)
 
     def stall(self, start: float, end: float) -> Optional[float]:
-        """The longest gap between lines from `start` to `end`, less the median before it."""
+        """stall() of the lines seen."""
         self.stop = True
         self.thread.join()
-        t = self.times
-        before = [b - a for a, b in zip(t, t[1:]) if b < start]
-        around = [b - a for a, b in zip(t, t[1:]) if b >= start and a <= end]
-        if len(before) < 3 or not around:
-            return None
-        return round(max(around) - statistics.median(before), 3)
+        return stall(self.times, start, end)
+
+
+def stall(times: list[float], start: float, end: float) -> Optional[float]:
+    """The job's own view of a checkpoint from `start` to `end`: the longest gap between its
+    lines (written at `times`, in order) around it, less the median gap before it."""
+    t = times
+    before = [b - a for a, b in zip(t, t[1:]) if b < start]
+    around = [b - a for a, b in zip(t, t[1:]) if b >= start and a <= end]
+    if len(before) < 3 or not around:
+        return None
+    return round(max(around) - statistics.median(before), 3)
 
 
 def reference(case: str, python: str, work: Path, steps: int, sleep: float,

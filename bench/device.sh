@@ -54,15 +54,26 @@
 #                                # at a random step, the tree SIGKILLed and restored, every loss
 #                                # against an uninterrupted run's (POS_TORCHRUN_GIB of ballast a
 #                                # rank, default 2) (~6 min at 2 ranks)
+#   bench/device.sh containers   # GPU jobs in podman containers: bench/containers_gpu.py, a
+#                                # training job with pos's agent through CDI saved while it
+#                                # runs, killed and restored exact, then its image restored as
+#                                # POS_CONTAINERS_COPIES (default 2) containers at once
+#                                # (POS_CONTAINERS_GIB of ballast, default 8; the bench stopped
+#                                # after POS_CONTAINERS_LIMIT_S, default 450); podman, runc and
+#                                # conmon from .device/podman (scripts/podman-setup.sh unpacks
+#                                # them into /opt/pos-podman). Writes $OUT/containers/:
+#                                # containers.json and raw/ (~4 min)
 #
 # Before the call, here: `bench/device.sh wheels` puts the wheels the machine's image lacks in
 # .whl; ../shared/device/make-bundle.sh makes .device (bcc for trace/analyze/concurrent, CRIU for
 # checkpoint/schedule: both together exceed the 64 MiB a call may carry, so drop the part a
 # group does not need). For CRIU 4.2 (4.1 cannot dump a process with a TCP/UDP socket on
-# Linux >= 6.16): scripts/criu-debs.sh .device/criu. Then carry .whl and .device.
+# Linux >= 6.16): scripts/criu-debs.sh .device/criu. For containers (the GPU machine has no
+# podman): scripts/podman-debs.sh .device/podman, beside .device/criu (no bcc: 7 + 18 MiB).
+# Then carry .whl and .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -210,7 +221,20 @@ serve)
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log 2>/dev/null) ;;
 schedule)
     step schedule python3 bench/schedule_gpu.py --minutes 5 --out "$out/schedule-h100.json" ;;
+containers)
+    mkdir -p "$out/containers/raw"
+    step native python3 -m pos.native
+    step podman-setup scripts/podman-setup.sh .device/podman /opt/pos-podman \
+        "${POS_CRIU:-/opt/pos-criu/criu}"   # .device/setup.sh's CRIU (.device/criu)
+    export PATH=/opt/pos-podman/bin:$PATH
+    # stopped (SIGINT) after POS_CONTAINERS_LIMIT_S: its rows so far and the case it was in
+    step containers timeout -s INT "${POS_CONTAINERS_LIMIT_S:-450}" python3 \
+        bench/containers_gpu.py --out "$out/containers" --python python3 \
+        --copies "${POS_CONTAINERS_COPIES:-2}" --ballast-gib "${POS_CONTAINERS_GIB:-8}"
+    grep '^row' "$out/containers.log"
+    cp /var/log/pos/*criu*.log "$out/containers/raw/" 2>/dev/null
+    mv "$out"/*.log "$out/steps.txt" "$out/machine.txt" "$out/containers/raw/" ;;
 *)
-    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve" >&2
+    echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve containers" >&2
     exit 2 ;;
 esac

@@ -38,7 +38,7 @@ def binary() -> str:
     return found
 
 
-def _podman(*argv: str, timeout: float = CALL_S,
+def call(*argv: str, timeout: float = CALL_S,
             started: Callable[[int], None] = lambda _pid: None) -> str:
     """podman ARGV's standard output; its failure as one PosError with its last line.
     `started(pid)`: podman runs, as PID, in a process group of its own (a Ctrl-C to pos does
@@ -66,7 +66,7 @@ def _podman(*argv: str, timeout: float = CALL_S,
 def inspect(name: str) -> Container:
     """The container NAME (or ID); BadInput when podman knows none."""
     try:
-        out = _podman("container", "inspect", name)
+        out = call("container", "inspect", name)
     except PosError:
         raise BadInput(f"podman has no container {name}", "see `podman ps -a`") from None
     c = json.loads(out)[0]
@@ -85,19 +85,19 @@ def checkpoint(name: str, archive: Path, started: Callable[[int], None] = lambda
     """The container's processes and files into `archive` (podman's export: CRIU's image, the
     container's configuration and its changed files), the container left running; `started`:
     see _podman."""
-    _podman("container", "checkpoint", "--leave-running", "--export", str(archive), name,
+    call("container", "checkpoint", "--leave-running", "--export", str(archive), name,
             started=started)
 
 
 def restore(archive: Path, name: str) -> Container:
     """A new container NAME from `archive`, its processes running where they were dumped."""
-    _podman("container", "restore", "--import", str(archive), "--name", name)
+    call("container", "restore", "--import", str(archive), "--name", name)
     return inspect(name)
 
 
 def stop(name: str) -> None:
     """Stop the container (SIGKILL at once: its state is saved by then)."""
-    _podman("container", "stop", "--time", "0", name)
+    call("container", "stop", "--time", "0", name)
 
 
 def remove(name: str) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import tarfile
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -22,26 +21,11 @@ from pos.container import podman
 from tests.agent.conftest import gpu_env  # noqa: F401  (a fixture)
 from tests.conftest import wait_for
 from tests.engines.conftest import criu_ready, pos  # noqa: F401  (a fixture)
+from workloads import base_image
+from workloads.base_image import IMAGE, ULIMITS
 
-IMAGE = "localhost/pos-test-base:1"
 BUFFERS, SIZE = 12, 1 << 20
 PAUSE = "/tmp/pause"            # in the container's own /tmp: saved and restored with it
-
-
-def _base_image(work: Path) -> None:
-    """An image of empty folders and the links a Debian /usr needs: the host's /usr is mounted
-    into each container, read-only (podman import: no registry)."""
-    root = work / "rootfs"
-    for d in ("proc", "sys", "dev", "tmp", "run", "etc", "usr", "var/tmp"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    for link in ("bin", "lib", "lib64", "sbin"):
-        (root / link).symlink_to(f"usr/{link}")
-    (root / "etc/passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
-    (root / "etc/group").write_text("root:x:0:\n")
-    tar = work / "base.tar"
-    with tarfile.open(tar, "w") as t:
-        t.add(root, arcname=".")
-    subprocess.run(["podman", "import", str(tar), IMAGE], check=True, capture_output=True)
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +40,7 @@ def podman_ready(tmp_path_factory: pytest.TempPathFactory) -> None:
         pytest.fail("podman does not run containers through runc here (Debian's crun has no "
                     f"CRIU): {info.stdout.strip() or info.stderr.strip()}; run "
                     "scripts/setup.sh", pytrace=False)
-    if subprocess.run(["podman", "image", "exists", IMAGE]).returncode != 0:
-        _base_image(tmp_path_factory.mktemp("image"))
+    base_image.make(tmp_path_factory.mktemp("image"))
 
 
 @pytest.fixture(scope="session")
@@ -66,12 +49,6 @@ def cdi_ready(podman_ready: None) -> None:
     r = pos("cdi")
     assert r.returncode == 0, r.stderr
     assert "pos.dev/agent=hook" in r.stdout
-
-
-# podman's defaults (1048576 files, and the caller's processes) are above the hard limits some
-# hosts give root's services, which runc may not raise ("error setting rlimit type 7"): the job
-# needs few of either
-ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
 
 
 class Containers:
