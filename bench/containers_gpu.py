@@ -98,11 +98,21 @@ def pos_said(report: dict, err: str) -> str:
     return last_line(str(report.get("error") or err))
 
 
+def submounts(tops: set[str]) -> set[str]:
+    """This host's mount points beneath `tops`. Each is mounted into the container on its own
+    (and each top without what is mounted beneath it): runc names only the mounts a container
+    is given as external to CRIU, which refused to dump one brought in beneath another
+    (/usr/local/nvidia under /usr on the GPU host: "FS mnt ... unsupported")."""
+    points = {ln.split()[4].replace("\\040", " ")
+              for ln in Path("/proc/self/mountinfo").read_text().splitlines()}
+    return {p for p in points for t in tops if p.startswith(t.rstrip("/") + "/")}
+
+
 @dataclass(frozen=True)
 class Host:
     """What a job's container takes from this host: the Python that has PyTorch, the GPU's
-    device nodes, read-only mounts (the host's /usr, and what PyTorch needs outside it), and
-    the environment that finds them."""
+    device nodes, read-only mounts (the host's /usr, what PyTorch needs outside it, and what
+    this host mounts beneath them), and the environment that finds them."""
 
     python: str
     devices: list[str]
@@ -126,15 +136,15 @@ class Host:
         devices = sorted(glob.glob("/dev/nvidia[0-9]*")) + [
             d for d in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                         "/dev/nvidia-modeset") if os.path.exists(d)]
-        return Host(found["python"], devices,
-                    sorted({"/usr", str(ROOT / "workloads"), *outside}), env)
+        tops = {"/usr", str(ROOT / "workloads"), *outside}
+        return Host(found["python"], devices, sorted(tops | submounts(tops)), env)
 
     def run(self, name: str, a: argparse.Namespace) -> None:
         """train_det in the new container NAME, with pos's agent (its CDI device)."""
         podman.call(
             "run", "-d", "--name", name, "--network", "none", "--device", cdi.QUALIFIED,
             *[x for d in self.devices for x in ("--device", d)], *base_image.ULIMITS,
-            *[x for m in self.mounts for x in ("-v", f"{m}:{m}:ro")],
+            *[x for m in self.mounts for x in ("-v", f"{m}:{m}:ro,bind")],
             *[x for e in self.env for x in ("-e", e)], base_image.IMAGE,
             self.python, str(JOB), LINES, "--steps", str(a.steps), "--sleep", str(a.sleep),
             "--ballast-gib", str(a.ballast_gib), "--clock", CLOCK)
