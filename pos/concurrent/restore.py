@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos.agent import peers
@@ -17,8 +16,8 @@ from pos.agent.control import Agent, Gate
 from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
-from pos.image import gpuindex, kinds
 from pos.image.kinds import ImageKind
+from pos.image.opened import Opened
 from pos.operation.engine import DeviceCopy, Operation, RankBack, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
@@ -28,13 +27,12 @@ if TYPE_CHECKING:
     from pos.concurrent import gpucopy
     from pos.operation.gpumap import Onto
 
-def ranks_of(directory: Path) -> list[Optional[int]]:
-    """The jobs of a whole-process image (gpuindex.jobs); none is refused."""
-    found = gpuindex.jobs(directory)
-    if not found:
-        raise BadInput(f"{directory} holds no GPU index", "give the -D of a `pos checkpoint "
+def ranks_of(img: Opened) -> tuple[Optional[int], ...]:
+    """The jobs of a whole-process image (Opened.ranks); none is refused."""
+    if not img.ranks:
+        raise BadInput(f"{img.path} holds no GPU index", "give the -D of a `pos checkpoint "
                        "--concurrent`")
-    return found
+    return img.ranks
 
 
 @dataclass
@@ -47,7 +45,7 @@ class _Back:
     ended_at: float = 0.0
 
 
-def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
+def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
                  streams: int = FILL_STREAMS, echo: Echo = lambda _: None,
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
                  started_s: Optional[float] = None,
@@ -64,29 +62,30 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     from pos import host
 
     settings = settings or Settings.from_env()
-    directory = Path(directory).absolute()
+    directory = img.path
     t0 = time.monotonic()
     # pos's own start-up, before the restore's clock
     started = host.age(os.getpid()) if started_s is None else started_s
-    if to_gpu is not None and peers.read(directory):
+    links = peers.read(directory)
+    if to_gpu is not None and links:
         raise BadInput(f"the processes of {directory} map each other's GPU memory (NCCL's P2P "
                        "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
                        "restore it without --to-gpu, onto the GPUs it was taken on")
-    check = kinds.checked_by_restore(directory)
+    check = img.checked_by_restore
     pairs: list[tuple[str, str]] = []
     where: list[str] = []         # the UUIDs of the GPUs it moves to
     if to_gpu is not None:
         from pos.operation import gpumap
 
-        pairs, where = gpumap.onto(directory, to_gpu)
-    ranks = ranks_of(directory)
+        pairs, where = gpumap.onto(img.gpus, to_gpu)
+    ranks = ranks_of(img)
     moved = dict(pairs)
     # each job's CUDA context is made at once, beside the checks; its device memory only once
     # the image and this host passed them (before_criu), so that a refusal leaves none behind
     checked = threading.Event()
-    pres = [Prefetch(directory, streams, settings, checked, where[0] if where else None)] \
-        if ranks == [None] else \
-        [Prefetch(directory, streams, settings, checked, None, rank, moved) for rank in ranks]
+    pres = [Prefetch(img, streams, settings, checked, where[0] if where else None)] \
+        if ranks == (None,) else \
+        [Prefetch(img, streams, settings, checked, None, rank, moved) for rank in ranks]
     back = _Back()
 
     def put_back(g: Guard, live: dict[int, int]) -> None:
@@ -105,9 +104,9 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match {directory}'s "
                                    "GPU index", "take a new checkpoint")
-            links = peers.renamed(peers.read(directory), live)
-            if links:          # every job held still (hoisted): none runs before they are back
-                g.timed("peers_up", lambda: peers.put_back(agents, links))
+            renamed = peers.renamed(links, live)
+            if renamed:        # every job held still (hoisted): none runs before they are back
+                g.timed("peers_up", lambda: peers.put_back(agents, renamed))
             for pre, agent in zip(pres, agents):
                 remapped = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
                 g.timings["stack_back"] = remapped.stack_s
@@ -130,7 +129,7 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
 
     try:
         result = tree(
-            directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
+            img, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
             finish=put_back, before_criu=checked.set, before_driver=pause_fill,
             settings=settings)
     finally:

@@ -17,6 +17,8 @@ from pos import image, nvml
 from pos.driver import driver
 from pos.container import ARCHIVE, podman
 from pos.errors import BadInput
+from pos.image.kinds import ImageKind
+from pos.image.opened import Opened, open_image
 from pos.process import cudackpt, procs
 from pos.restore import preflight
 from pos.operation.engine import Operation, Report
@@ -30,15 +32,14 @@ def restore(directory: Path, name: str, settings: Settings, echo: Echo = lambda 
     """The image in `directory` as the new container NAME."""
     from pos import concurrent
 
-    directory = Path(directory).absolute()
-    if not (directory / ARCHIVE).is_file():
-        image.check_files(directory)        # not an image at all: that is the sentence
-        raise BadInput(f"{directory} is not a container's image (it has no {ARCHIVE})",
+    img = open_image(directory)         # not an image at all: that is the sentence
+    if img.kind is not ImageKind.CONTAINER:
+        raise BadInput(f"{img.path} is not a container's image (it has no {ARCHIVE})",
                        "restore it with `pos restore -D DIR`")
     if podman.exists(name):
         raise BadInput(f"a container named {name} exists", "choose another --name, or remove "
                        f"it with `podman rm -f {name}`")
-    return concurrent.restore_full(directory, echo=echo, settings=settings,
+    return concurrent.restore_full(img, echo=echo, settings=settings,
                                    tree=_Tree(name).restore)
 
 
@@ -48,7 +49,7 @@ class _Tree:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def restore(self, directory: Path, _inherit_fds: tuple[str, ...] = (),
+    def restore(self, img: Opened, _inherit_fds: tuple[str, ...] = (),
                 echo: Echo = lambda _: None, gpu_pairs: Sequence[tuple[str, str]] = (),
                 check: Optional[list[str]] = None, hoisted: bool = False,
                 finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
@@ -57,12 +58,12 @@ class _Tree:
                 settings: Optional[Settings] = None) -> Report:
         settings = settings or Settings.from_env()
         t = time.monotonic()
-        manifest = image.verify(directory, check)        # podman runs only a sound image
+        directory, manifest = img.path, img.manifest
+        image.check_sums(directory, manifest, check)    # podman runs only a sound image
         if manifest.gpu_pids:
             driver()                        # no driver here: said before podman starts
-            preflight.same_driver(directory, manifest)
-            preflight.same_model(directory, manifest, {g.uuid: g for g in nvml.gpus()},
-                                 dict(gpu_pairs))
+            preflight.same_driver(img)
+            preflight.same_model(img, {g.uuid: g for g in nvml.gpus()}, dict(gpu_pairs))
         before_criu()
         echo(f"restoring container {self.name} from {directory}")
         plan = Plan("restore", [], [], images=str(directory), hoisted=hoisted, verify=check)

@@ -204,15 +204,16 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         return
 
     from pos.engines import engines
+    from pos.image.opened import open_image
     from pos.progress import Progress
 
     load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
+        img = open_image(Path(directory))
         engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
                   if gpu_only_pid is not None else
-                  engines.for_image(Path(directory), settings, _lines(as_json, progress),
-                                    progress))
-        r = engine.restore(Path(directory), load)
+                  engines.for_image(img, settings, _lines(as_json, progress), progress))
+        r = engine.restore(img, load)
     if gpu_only_pid is None:
         _mark_restored(db, Path(r.path))
     _report(r, as_json)
@@ -370,10 +371,13 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
 
         host.require_root("receiving a migration")
         with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
-            def restore(image: Path) -> Optional[int]:
+            def restore(folder: Path) -> Optional[int]:
                 """The received image back, by the engine its kind asks for."""
-                return engines.for_image(image, settings, _lines(as_json, progress),
-                                         progress).restore(image, engines.Load()).restored_pid
+                from pos.image.opened import open_image
+
+                img = open_image(folder)
+                return engines.for_image(img, settings, _lines(as_json, progress),
+                                         progress).restore(img, engines.Load()).restored_pid
 
             pid_here = mig.listen(address, port, Path(directory), settings,
                                   migrate_key.load(folder), restore,

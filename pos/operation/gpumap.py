@@ -5,10 +5,8 @@ for both engines and both ways of moving (`pos migrate --to-gpu`, `pos restore -
 `--to-gpu N` moves a process on one GPU onto GPU N; `--to-gpu 0=1,1=0` names where each GPU of
 a process on several goes (old index = new index)."""
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from pos import nvml
 from pos.errors import BadInput
@@ -119,13 +117,11 @@ def of_process(pids: list[int], onto: Onto) -> list[tuple[str, str]]:
     return move(onto, lambda: list(nvml.gpus_of(pids)))
 
 
-def onto(directory: Path, where: Onto) -> tuple[list[tuple[str, str]], list[str]]:
-    """The driver's mapping that restores the image in `directory` as `where` says, and the
-    UUIDs of this host's GPUs that the image's GPUs go to, in the image's order."""
-    from pos import image     # here: `pos restore --to-gpu N` parses its option without it
-
-    gpus = functools.cache(lambda: image.load(directory).gpus)    # once the host is checked
-    pairs = move(where, lambda: [g["uuid"] for g in gpus()],
-                 lambda: {g["uuid"]: g["index"] for g in gpus() if "index" in g})
+def onto(gpus: Sequence[dict[str, Any]], where: Onto) -> tuple[list[tuple[str, str]], list[str]]:
+    """The driver's mapping that restores an image taken on `gpus` (its manifest's) as `where`
+    says, and the UUIDs of this host's GPUs that the image's GPUs go to, in the image's
+    order."""
+    pairs = move(where, lambda: [g["uuid"] for g in gpus],
+                 lambda: {g["uuid"]: g["index"] for g in gpus if "index" in g})
     to = dict(pairs)
-    return pairs, [to[g["uuid"]] for g in gpus()]
+    return pairs, [to[g["uuid"]] for g in gpus]

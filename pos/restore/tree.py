@@ -1,5 +1,5 @@
-"""A process tree back from a whole-process image, by either engine: every file's presence and
-size checked first, then what this host must hold (pos/restore/preflight.py), CRIU's restore
+"""A process tree back from a whole-process image, opened once (pos/image/opened.py: every
+file's presence and size checked there), by either engine: first what this host must hold (pos/restore/preflight.py), CRIU's restore
 (the tree left stopped) beside the checksums' check, the tree resumed once the image is known
 good, the driver's restore (onto other GPUs if asked) and unlock; the concurrent engine puts
 the job's device memory back at the end (`finish`). All of it as steps with their undo
@@ -19,6 +19,7 @@ from pos import image
 from pos.errors import PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
+from pos.image.opened import Opened
 from pos.operation import lazypages
 from pos.operation.engine import Operation, Report
 from pos.operation.plan import Plan
@@ -33,10 +34,10 @@ from pos.settings import Settings
 PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
 
 
-def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
-    """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
+def _verify_timed(img: Opened, names: Optional[list[str]], stop: threading.Event) -> float:
+    """The checksums of `names`; the seconds it took (it runs beside CRIU's restore)."""
     t0 = time.monotonic()
-    image.verify(directory, names, stop=stop)
+    image.check_sums(img.path, img.manifest, names, stop=stop)
     return time.monotonic() - t0
 
 
@@ -69,16 +70,16 @@ def _lazy_wait(g: Guard, daemon: lazypages.Daemon, since: float) -> None:
     g.timings["lazy_done_at"] = daemon.ended_at - since
 
 
-def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
+def restore_tree(img: Opened, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
             gpu_pairs: Sequence[tuple[str, str]] = (), check: Optional[list[str]] = None,
             progress: Progress = QUIET, hoisted: bool = False,
             finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
             before_criu: Callable[[], None] = lambda: None,
             before_driver: Callable[[], None] = lambda: None,
             settings: Optional[Settings] = None) -> Report:
-    """Restore the image in `directory` and resume its processes; `check`: the files whose
+    """Restore the image `img` and resume its processes; `check`: the files whose
     checksums are verified (all when None; the rest is checked by whoever reads it). Every
-    file's presence and size are checked before CRIU starts; the checksums while CRIU
+    file's presence and size were checked when it was opened; the checksums while CRIU
     restores, which leaves the tree stopped: it runs only once the image is known good, and a
     check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
     `finish` (until then the undo ends a restored job rather than run it). `finish(g, pids)`
@@ -94,13 +95,12 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     daemon serves the memory CRIU leaves lazy, and the restore ends once it has served every
     page (pos/operation/lazypages.py)."""
     settings = settings or Settings.from_env()      # a bad setting: said before CRIU starts
-    directory = Path(directory).absolute()
+    directory, manifest = img.path, img.manifest
     t = time.monotonic()
-    manifest = image.check_files(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find(settings)
     checked = time.monotonic()
-    preflight.check(directory, manifest, gpu_pairs, inherit_fds)
+    preflight.check(img, gpu_pairs, inherit_fds)
     checked = time.monotonic() - checked
     before_criu()
     options = Options.from_json(manifest.criu_options)
@@ -123,7 +123,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     logs = criu_mod.reopen_logs(manifest.logs)
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
-    checking = pool.submit(_verify_timed, directory, check, stop)
+    checking = pool.submit(_verify_timed, img, check, stop)
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     plan.work = str(work)
     lazy: Optional[lazypages.Daemon] = None
