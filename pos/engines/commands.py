@@ -151,7 +151,8 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
                         f"job, PID {job}")
         pid = job
     open_store(db)                      # then a bad --db, before the process is touched
-    save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams, chunk_mb)
+    save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams=streams,
+                        chunk_mb=chunk_mb)
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
         engine = engines.for_checkpoint(concurrent, gpu_only, settings,
                                         _lines(as_json, progress), progress)

@@ -12,7 +12,7 @@ it. Each one checkpoints, restores and moves a job onto other GPUs, and answers 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -44,20 +44,19 @@ class StopTheWorld(_Base):
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos.engines import stopworld
 
-        return stopworld.checkpoint(pid, directory, save.options, save.leave_running,
-                                    save.lock_timeout_ms, self.echo, save.page_server,
-                                    self.progress, self.settings)
+        return stopworld.checkpoint(pid, directory, save, self.settings, self.echo,
+                                    self.progress)
 
     def restore(self, img: Opened, load: Load) -> Report:
-        from pos.restore.tree import restore_tree
+        from pos.restore.tree import TreeRequest, restore_tree
 
-        pairs = []
+        pairs: list[tuple[str, str]] = []
         if load.to_gpu is not None:
             from pos.operation import gpumap
 
             pairs = gpumap.onto(img.gpus, load.to_gpu)[0]
-        return restore_tree(img, load.inherit_fds, self.echo, gpu_pairs=pairs,
-                            progress=self.progress, settings=self.settings)
+        return restore_tree(TreeRequest(img, self.settings, load.inherit_fds, tuple(pairs)),
+                            echo=self.echo, progress=self.progress)
 
     @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
@@ -107,8 +106,8 @@ class Concurrent(_Base):
         gpumap.of_process([pid], onto)          # before the job is touched
         t0 = time.monotonic()
         folder = keep or migrate.image_dir(pid)
-        saved = self.checkpoint(pid, folder, Save(save.options, False, save.lock_timeout_ms,
-                                                  save.streams, save.chunk_mb))
+        saved = self.checkpoint(pid, folder, replace(save, leave_running=False,
+                                                     page_server=None))
         t1 = time.monotonic()
         fix = f"its image stays in {saved.path} for `pos restore -D {saved.path} --to-gpu {onto}`"
         try:

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pos.errors import BadInput
 from pos.image import filehash, names
@@ -268,7 +268,7 @@ def check_files(folder: Path) -> Manifest:
     return manifest
 
 
-def verify(folder: Path, digests: Optional[list[str]] = None,
+def verify(folder: Path, digests: Optional[Sequence[str]] = None,
            hashed: Hashed = filehash.no_progress, stop: Optional[threading.Event] = None
            ) -> Manifest:
     """check_files + the chunk checksums of the listed files (only the files named in
@@ -281,7 +281,7 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
     return manifest
 
 
-def check_sums(folder: Path, manifest: Manifest, digests: Optional[list[str]] = None,
+def check_sums(folder: Path, manifest: Manifest, digests: Optional[Sequence[str]] = None,
                hashed: Hashed = filehash.no_progress, stop: Optional[threading.Event] = None
                ) -> None:
     """The chunk checksums of verify, for an image whose files check_files has checked

@@ -311,7 +311,8 @@ def nothing_left(tmp_path: Path, calls: Path) -> None:
 
 @pytest.mark.parametrize("case", ["model", "memory", "file"])
 def test_a_refused_restore_starts_nothing(tmp_path: Path, host_gpus, fake_criu, case) -> None:
-    from pos.restore.tree import restore_tree
+    from pos.restore.tree import TreeRequest, restore_tree
+    from pos.settings import Settings
 
     pairs: list[tuple[str, str]] = []
     if case == "model":
@@ -321,7 +322,7 @@ def test_a_refused_restore_starts_nothing(tmp_path: Path, host_gpus, fake_criu, 
     else:
         img = make_image(tmp_path, opened={str(tmp_path / "gone.bin"): 1})
     with pytest.raises(BadInput):
-        restore_tree(open_image(img), gpu_pairs=pairs)
+        restore_tree(TreeRequest(open_image(img), Settings.from_env(), gpu_pairs=tuple(pairs)))
     nothing_left(tmp_path, fake_criu)
 
 
