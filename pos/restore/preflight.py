@@ -68,9 +68,10 @@ def pids_free(manifest: Manifest) -> None:
             comm = host.describe(pid)[0] or "a process"
             if procs.state(pid) == "Z":
                 comm += ", a zombie its parent has not reaped"
+            how = SEVERAL_GPU if manifest.gpu_pids else SEVERAL
             raise BadInput(f"PID {pid} of the image is taken ({comm})",
                            "stop that process (after a --leave-running checkpoint: the "
-                           f"original), then restore again; {SEVERAL_GPU if manifest.gpu_pids else SEVERAL}")
+                           f"original), then restore again; {how}")
 
 
 def same_driver(img: Opened) -> None:

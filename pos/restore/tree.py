@@ -1,9 +1,10 @@
 """A process tree back from a whole-process image, opened once (pos/image/opened.py: every
-file's presence and size checked there), by either engine: first what this host must hold (pos/restore/preflight.py), CRIU's restore
-(the tree left stopped) beside the checksums' check, the tree resumed once the image is known
-good, the driver's restore (onto other GPUs if asked) and unlock; the concurrent engine puts
-the job's device memory back at the end (`finish`). All of it as steps with their undo
-(pos/operation/steps.py): a tree is never left half restored.
+file's presence and size checked there), by either engine: first what this host must hold
+(pos/restore/preflight.py), CRIU's restore (the tree left stopped) beside the checksums'
+check, the tree resumed once the image is known good, the driver's restore (onto other GPUs if
+asked) and unlock; the concurrent engine, spliced in (`Splice`), puts the job's device memory
+back at the end. All of it as steps with their undo (pos/operation/steps.py): a tree is never
+left half restored.
 """
 
 import os
@@ -12,8 +13,8 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from pos import image
