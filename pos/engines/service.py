@@ -194,16 +194,18 @@ def restore(request: Request, echo: Say) -> Union[Restored, Failed, InProcess]:
     """The restore `pos restore` runs, for `request`; its outcome as the client's message."""
     from pos.engines import engines, summary
     from pos.image.opened import open_image
-    from pos.operation.gpumap import Onto
+    from pos.operation.gpumap import Onto, check_host
     from pos.settings import Settings
 
     try:
         settings = Settings.from_env()
+        to_gpu = Onto.parse(request.to_gpu) if request.to_gpu else None
+        if to_gpu is not None:      # a host that cannot move it: said before the image is read
+            check_host(to_gpu)
         img = open_image(Path(request.directory))
         if request.terminal and _takes_terminal(img):
             return InProcess("a shell job restored from a terminal is attached to it")
-        load = engines.Load(to_gpu=Onto.parse(request.to_gpu) if request.to_gpu else None,
-                            started_s=request.started_s)
+        load = engines.Load(to_gpu=to_gpu, started_s=request.started_s)
         r = engines.for_image(img, settings, echo).restore(img, load)
     except PosError as e:
         return Failed.of(e)

@@ -95,11 +95,15 @@ def gpu_pairs(used: list[str], onto: Onto, here: list[nvml.Gpu],
     return pairs
 
 
-def _host() -> list[nvml.Gpu]:
+def check_host(onto: Onto) -> list[nvml.Gpu]:
+    """This host's GPUs, once it is known to have NVML and the GPUs `onto` names: a move is
+    refused for these before anything of the job or its image is read."""
     if not nvml.available():
         raise BadInput("NVML is not available (it names the GPUs for the driver's restore)",
                        "install the NVIDIA driver with libnvidia-ml.so.1")
-    return nvml.gpus()
+    here = nvml.gpus()
+    onto.check(here)
+    return here
 
 
 def move(onto: Onto, used: Callable[[], list[str]],
@@ -107,8 +111,7 @@ def move(onto: Onto, used: Callable[[], list[str]],
     """The driver's mapping that moves a job (a live process or an image) on the GPUs `used()`
     as `onto` says; `index_of()`: the NVML index each of them had where the job ran (for a
     live process, this host's). The host's GPUs are checked first, before anything is read."""
-    here = _host()
-    onto.check(here)
+    here = check_host(onto)
     return gpu_pairs(used(), onto, here, {**{g.uuid: g.index for g in here}, **index_of()})
 
 
