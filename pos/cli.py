@@ -30,7 +30,7 @@ from pos.engines.commands import checkpoint, inspect, migrate, restore, restore_
 from pos.errors import PosError, denied
 from pos.options import json_option
 from pos.tracer.commands import export, trace
-from pos.usage import said, wants_json
+from pos.usage import PosCommands, said, wants_json
 
 
 EPILOG_POS = """\b
@@ -50,7 +50,7 @@ Examples:
 """
 
 
-class PosGroup(click.Group):
+class PosGroup(PosCommands):
     """Says every error as one sentence with its exit code (pos/usage.py), or as a JSON object
     when the command line has --json: pos's own (PosError, a file this user may not use) and
     click's (parsing the command line happens in `make_context`, the subcommands' in

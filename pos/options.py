@@ -7,10 +7,12 @@ from typing import Any
 
 import click
 
+from pos.usage import PosPath
+
 
 def db_option(f: Any) -> Any:
     """`--db FILE` (POS_DB): the store; None means the default path (pos.store.db)."""
-    return click.option("--db", "db", type=click.Path(dir_okay=False), envvar="POS_DB",
+    return click.option("--db", "db", type=PosPath(dir_okay=False), envvar="POS_DB",
                         default=None, show_envvar=True,
                         help="SQLite file of the store [default: /var/lib/pos/pos.db].")(f)
 

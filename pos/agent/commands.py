@@ -5,6 +5,8 @@ from typing import Optional
 
 import click
 
+from pos.usage import PosCommand
+
 EPILOG_RUN = """\b
 Examples:
   pos run -- python train.py --epochs 3        # any program: Python, a C++ server, a script
@@ -16,7 +18,7 @@ Examples:
 """
 
 
-@click.command(epilog=EPILOG_RUN, context_settings={"ignore_unknown_options": True})
+@click.command(cls=PosCommand, epilog=EPILOG_RUN, context_settings={"ignore_unknown_options": True})
 @click.option("--name", help="A name for the job (POS_RUN_NAME; the scheduler finds it by it).")
 @click.option("--clonable", is_flag=True,
               help="Run COMMAND in PID and network namespaces of its own, as a container's "

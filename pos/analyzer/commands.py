@@ -6,6 +6,8 @@ from typing import Optional
 
 import click
 
+from pos.usage import PosCommand, PosPath
+
 EPILOG_ANALYZE = """\b
 Examples:
   pos analyze /tmp/t.db                       # report of the latest trace
@@ -16,15 +18,15 @@ Examples:
 """
 
 
-@click.command(epilog=EPILOG_ANALYZE)
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.command(cls=PosCommand, epilog=EPILOG_ANALYZE)
+@click.argument("file", type=PosPath(dir_okay=False))
 @click.option("--trace", "trace_id", type=int, help="Trace id [default: the latest].")
 @click.option("--json", "as_json", is_flag=True, help="Print the analysis as JSON.")
-@click.option("--dot", "dot", type=click.Path(dir_okay=False),
+@click.option("--dot", "dot", type=PosPath(dir_okay=False),
               help="Write one iteration of the DAG here (.svg: rendered with graphviz's dot).")
 @click.option("--top", type=click.IntRange(1), default=10, show_default=True,
               help="Rows of the report's tables.")
-@click.option("--validation", type=click.Path(dir_okay=False),
+@click.option("--validation", type=PosPath(dir_okay=False),
               help="JSON table of the run-time validator (pos.analyzer.validate).")
 def analyze(file: str, trace_id: Optional[int], as_json: bool, dot: Optional[str], top: int,
             validation: Optional[str]) -> None:

@@ -1,10 +1,9 @@
 """Which GPU a `pos run` job uses, and pos's own CUDA number for it: NVML names GPUs by UUID,
 and a job's own numbering need not be pos's (CUDA_VISIBLE_DEVICES)."""
 
-from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
-from pos import image, nvml
+from pos import nvml
 from pos.errors import BadInput
 
 
@@ -31,8 +30,8 @@ def device_of(pid: int) -> int:
     return cuda_device(gpu_of(pid))
 
 
-def home(directory: Path) -> Optional[str]:
-    """The UUID of the GPU an image was taken on, when this host has it (None: CUDA's device
-    0)."""
+def home(gpus: Sequence[dict[str, Any]]) -> Optional[str]:
+    """The UUID of the GPU an image was taken on (`gpus`: its manifest's), when this host has
+    it (None: CUDA's device 0)."""
     here = {g.uuid for g in nvml.gpus()}
-    return next((g["uuid"] for g in image.load(directory).gpus if g["uuid"] in here), None)
+    return next((g["uuid"] for g in gpus if g["uuid"] in here), None)

@@ -19,8 +19,9 @@ from pos.concurrent.handout import Handout
 from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
                                   reconnected)
 from pos.errors import BadInput
-from pos.image import gpuindex, kinds
+from pos.image import gpuindex
 from pos.image.kinds import ImageKind
+from pos.image.opened import Opened
 from pos.operation.engine import DeviceCopy, Operation, Report
 from pos.operation.manifest import new_manifest
 from pos.operation.steps import Echo
@@ -72,17 +73,18 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
                   timings=saver.timings, device=device)
 
 
-def restore_gpu(pid: int, directory: Path, streams: int = FILL_STREAMS,
+def restore_gpu(pid: int, img: Opened, streams: int = FILL_STREAMS,
                 echo: Echo = lambda _: None, settings: Optional[Settings] = None) -> Report:
     """Put a GPU image back into the live job `pid`, on demand (the chunks as they were
-    saved, each through a fill thread's ring)."""
+    saved, each through a fill thread's ring); its index is read once the checksums of the
+    image's own files passed."""
     from pos.concurrent import gpucopy
 
     settings = settings or Settings.from_env()
-    directory = Path(directory)
-    manifest = image.verify(directory, kinds.checked_by_restore(directory))
+    directory, manifest = img.path, img.manifest
+    image.check_sums(directory, manifest, img.checked_by_restore)
     echo(f"restoring the GPU state of PID {pid} from {directory}")
-    index = gpuindex.read(directory)
+    index = img.index()
     saved, hot = gpuindex.saved(directory, index), index.hot
     with Agent(pid) as agent, gpucopy.Context(devices.device_of(pid)) as context:
         drv = context.drv

@@ -8,8 +8,7 @@ import os
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pos.agent.control import Buffer
 from pos.concurrent import devices
@@ -17,16 +16,19 @@ from pos.concurrent.fill import FILL_DEPTH, fill
 from pos.concurrent.handout import Handout
 from pos.errors import PosError
 from pos.image import gpuindex
+from pos.image.opened import Opened
 from pos.settings import Settings
 
 if TYPE_CHECKING:     # imported by the thread, beside CRIU: numpy's import takes 0.15 s
     from pos.concurrent import gpucopy
 
 
-def fill_device(onto: Optional[str], taken_on: Optional[str], directory: Path) -> int:
+def fill_device(onto: Optional[str], taken_on: Optional[str], gpus: Sequence[dict[str, Any]]
+                ) -> int:
     """CUDA's number of the GPU to fill: the one the job moves to (`onto`), else the one the
     image was taken on (asked of the driver alone: NVML's start-up is not on the way to the
-    fill), else, where this host has not that GPU, device 0."""
+    fill), else, where this host has not that GPU, device 0 (`gpus`: the image's manifest's,
+    which NVML is asked about)."""
     from pos.concurrent import gpucopy
 
     if onto:
@@ -36,7 +38,7 @@ def fill_device(onto: Optional[str], taken_on: Optional[str], directory: Path) -
             return gpucopy.ordinal(taken_on)
         except PosError:
             pass            # not seen by CUDA here: NVML says whether the host has it
-    return devices.cuda_device(devices.home(directory))
+    return devices.cuda_device(devices.home(gpus))
 
 
 class Prefetch:
@@ -45,13 +47,13 @@ class Prefetch:
     the driver's restore (Settings.fill_from); `join()` waits for it, `close()` lets pos's
     mapping and descriptors go (the job holds its own) whatever happened."""
 
-    def __init__(self, directory: Path, streams: int, settings: Settings,
+    def __init__(self, img: Opened, streams: int, settings: Settings,
                  checked: threading.Event, onto: Optional[str] = None,
                  rank: Optional[int] = None, moved: Optional[dict[str, str]] = None) -> None:
         """`checked`: set once the restore's checks passed (the context is made before, the
         memory after)."""
-        index = gpuindex.read(directory, rank)
-        self.directory, self.streams, self.settings = directory, streams, settings
+        index = img.index(rank)
+        self.img, self.streams, self.settings = img, streams, settings
         self.rank = rank        # one process of several: its PID (None: the image's one job)
         self.pid = index.pid    # the job's PID, which CRIU restores it with
         # the UUID of the GPU the job moves to (None: where it was); a process of several goes
@@ -59,7 +61,7 @@ class Prefetch:
         gpu = index.gpu
         self.taken_on = gpu     # the UUID of the GPU the image was taken on
         self.onto = onto if rank is None else (moved or {}).get(gpu or "", gpu)
-        self.saved = gpuindex.saved(directory, index)
+        self.saved = gpuindex.saved(img.path, index)
         self.table = sorted((Buffer(b.base, b.size, b.mapped, b.device, False, b.hot)
                              for b in index.buffers), key=lambda b: b.va)
         self.handout = Handout(self.table)
@@ -90,7 +92,7 @@ class Prefetch:
             from pos.concurrent import gpucopy     # here, beside CRIU: see the imports above
 
             self.imported_at = time.monotonic()
-            device = fill_device(self.onto, self.taken_on, self.directory)
+            device = fill_device(self.onto, self.taken_on, self.img.gpus)
             self.context = gpucopy.Context(device)
             drv = self.context.drv
             self.context_at = time.monotonic()

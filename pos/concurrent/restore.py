@@ -8,17 +8,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pos.agent import peers
 from pos.agent.control import Agent, Gate
 from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
-from pos.image import gpuindex, kinds
 from pos.image.kinds import ImageKind
+from pos.image.opened import Opened
 from pos.operation.engine import DeviceCopy, Operation, RankBack, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
@@ -28,30 +26,77 @@ if TYPE_CHECKING:
     from pos.concurrent import gpucopy
     from pos.operation.gpumap import Onto
 
-def ranks_of(directory: Path) -> list[Optional[int]]:
-    """The jobs of a whole-process image (gpuindex.jobs); none is refused."""
-    found = gpuindex.jobs(directory)
-    if not found:
-        raise BadInput(f"{directory} holds no GPU index", "give the -D of a `pos checkpoint "
+
+def ranks_of(img: Opened) -> tuple[Optional[int], ...]:
+    """The jobs of a whole-process image (Opened.ranks); none is refused."""
+    if not img.ranks:
+        raise BadInput(f"{img.path} holds no GPU index", "give the -D of a `pos checkpoint "
                        "--concurrent`")
-    return found
+    return img.ranks
 
 
-@dataclass
-class _Back:
-    """What the restore's last step (`put_back`) brought back, for the report."""
+class _Refill:
+    """The concurrent engine's part of a tree's restore (tree_restore.Splice): each job's CUDA
+    context is made at once, beside the checks; its device memory only once the image and this
+    host passed them (`checked`), so that a refusal leaves none behind; the fill pauses for
+    the driver's restore; at the end the jobs map their memory back and run (`finish`). What
+    it brought back stays here, for the report."""
 
-    release_s: float = 0.0
-    copies: list[gpucopy.Copy] = field(default_factory=list)
-    gates: list[Gate] = field(default_factory=list)
-    ended_at: float = 0.0
+    def __init__(self, img: Opened, pres: list[Prefetch], links: list[peers.Link],
+                 ready: threading.Event, t0: float) -> None:
+        self.img, self.pres, self.links, self.ready, self.t0 = img, pres, links, ready, t0
+        self.release_s = self.ended_at = 0.0
+        self.copies: list[gpucopy.Copy] = []
+        self.gates: list[Gate] = []
+
+    def checked(self) -> None:
+        self.ready.set()
+
+    def before_driver(self) -> None:
+        for pre in self.pres:
+            pre.pause()
+
+    def finish(self, g: Guard, live: dict[int, int]) -> None:
+        """The restored jobs map the other processes' memory they imported (its owners export
+        it again) and the memory pos made for them, and run; the fill goes on."""
+        g.step("remap")
+        for pre in self.pres:      # pos's new device memory (made during CRIU's part)
+            g.timed("memory", pre.ready.wait)
+            if pre.error is not None:
+                raise pre.error
+        agents: list[Agent] = []
+        try:
+            for pre in self.pres:
+                agents.append(Agent(live[pre.pid]))
+                table = agents[-1].table()
+                if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
+                    raise PosError(f"the restored job's allocations do not match "
+                                   f"{self.img.path}'s GPU index", "take a new checkpoint")
+            renamed = peers.renamed(self.links, live)
+            if renamed:        # every job held still (hoisted): none runs before they are back
+                g.timed("peers_up", lambda: peers.put_back(agents, renamed))
+            for pre, agent in zip(self.pres, agents):
+                remapped = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
+                g.timings["stack_back"] = remapped.stack_s
+            self.release_s = time.monotonic() - self.t0
+            for pre, agent in zip(self.pres, agents):
+                pre.handout.attach(agent)
+                pre.resume()
+            g.step("fill")
+            self.copies = [pre.join() for pre in self.pres]
+            self.gates = [agent.end() for agent in agents]
+            self.ended_at = time.monotonic() - self.t0
+            g.step("done", hoisted=False)
+        finally:
+            for agent in agents:
+                agent.close()
 
 
-def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
+def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
                  streams: int = FILL_STREAMS, echo: Echo = lambda _: None,
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
                  started_s: Optional[float] = None,
-                 tree: Callable[..., Report] = tree_restore.restore_tree) -> Report:
+                 tree: tree_restore.Tree = tree_restore.restore_tree) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet). A job
@@ -59,92 +104,48 @@ def restore_full(directory: Path, inherit_fds: tuple[str, ...] = (),
     that GPU of this host (NVML's index), or that map of GPUs, rather than where it was taken.
     `started_s`: the start-up of the command that asked for the restore, reported as
     timings["pos_started_s"] (the restore service's client's; None: this process's age).
-    `tree`: what brings the processes back, with restore_tree's arguments and hooks (a
-    container's runtime does for a container: pos/container/)."""
+    `tree`: what brings the processes back, with this engine's part spliced in (a container's
+    runtime does for a container: pos/container/)."""
     from pos import host
 
     settings = settings or Settings.from_env()
-    directory = Path(directory).absolute()
     t0 = time.monotonic()
     # pos's own start-up, before the restore's clock
     started = host.age(os.getpid()) if started_s is None else started_s
-    if to_gpu is not None and peers.read(directory):
-        raise BadInput(f"the processes of {directory} map each other's GPU memory (NCCL's P2P "
+    links = peers.read(img.path)
+    if to_gpu is not None and links:
+        raise BadInput(f"the processes of {img.path} map each other's GPU memory (NCCL's P2P "
                        "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
                        "restore it without --to-gpu, onto the GPUs it was taken on")
-    check = kinds.checked_by_restore(directory)
     pairs: list[tuple[str, str]] = []
     where: list[str] = []         # the UUIDs of the GPUs it moves to
     if to_gpu is not None:
         from pos.operation import gpumap
 
-        pairs, where = gpumap.onto(directory, to_gpu)
-    ranks = ranks_of(directory)
+        pairs, where = gpumap.onto(img.gpus, to_gpu)
+    ranks = ranks_of(img)
     moved = dict(pairs)
-    # each job's CUDA context is made at once, beside the checks; its device memory only once
-    # the image and this host passed them (before_criu), so that a refusal leaves none behind
-    checked = threading.Event()
-    pres = [Prefetch(directory, streams, settings, checked, where[0] if where else None)] \
-        if ranks == [None] else \
-        [Prefetch(directory, streams, settings, checked, None, rank, moved) for rank in ranks]
-    back = _Back()
-
-    def put_back(g: Guard, live: dict[int, int]) -> None:
-        """The restored jobs map the other processes' memory they imported (its owners export
-        it again) and the memory pos made for them, and run; the fill goes on."""
-        g.step("remap")
-        for pre in pres:      # pos's new device memory (made during CRIU's part)
-            g.timed("memory", pre.ready.wait)
-            if pre.error is not None:
-                raise pre.error
-        agents: list[Agent] = []
-        try:
-            for pre in pres:
-                agents.append(Agent(live[pre.pid]))
-                table = agents[-1].table()
-                if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
-                    raise PosError(f"the restored job's allocations do not match {directory}'s "
-                                   "GPU index", "take a new checkpoint")
-            links = peers.renamed(peers.read(directory), live)
-            if links:          # every job held still (hoisted): none runs before they are back
-                g.timed("peers_up", lambda: peers.put_back(agents, links))
-            for pre, agent in zip(pres, agents):
-                remapped = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
-                g.timings["stack_back"] = remapped.stack_s
-            back.release_s = time.monotonic() - t0
-            for pre, agent in zip(pres, agents):
-                pre.handout.attach(agent)
-                pre.resume()
-            g.step("fill")
-            back.copies = [pre.join() for pre in pres]
-            back.gates = [agent.end() for agent in agents]
-            back.ended_at = time.monotonic() - t0
-            g.step("done", hoisted=False)
-        finally:
-            for agent in agents:
-                agent.close()
-
-    def pause_fill() -> None:
-        for pre in pres:
-            pre.pause()
-
+    ready = threading.Event()
+    pres = [Prefetch(img, streams, settings, ready, where[0] if where else None)] \
+        if ranks == (None,) else \
+        [Prefetch(img, streams, settings, ready, None, rank, moved) for rank in ranks]
+    refill = _Refill(img, pres, links, ready, t0)
     try:
-        result = tree(
-            directory, inherit_fds, echo, gpu_pairs=pairs, check=check, hoisted=True,
-            finish=put_back, before_criu=checked.set, before_driver=pause_fill,
-            settings=settings)
+        result = tree(tree_restore.TreeRequest(img, settings, inherit_fds, tuple(pairs),
+                                               tuple(img.checked_by_restore)), refill, echo)
     finally:
         t1 = time.monotonic()
         for pre in pres:
             pre.close()
         let_go = time.monotonic() - t1
-    return _report(result, pres, back, t0, started, let_go)
+    return _report(result, refill, t0, started, let_go)
 
 
-def _report(result: Report, pres: list[Prefetch], back: _Back, t0: float,
-            started: Optional[float], let_go: float) -> Report:
+def _report(result: Report, back: _Refill, t0: float, started: Optional[float],
+            let_go: float) -> Report:
     from pos.concurrent import gpucopy     # imported by the fill by now
 
+    pres = back.pres
     paused = [pre.paused_s() for pre in pres]     # the fill's own time and rate leave its pause
     own = [c.seconds - p for c, p in zip(back.copies, paused)]    # out; side by side
     copy = gpucopy.Copy(sum(c.bytes for c in back.copies), max(own),

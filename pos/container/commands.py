@@ -7,6 +7,7 @@ from typing import Optional
 import click
 
 from pos.options import db_option, json_option
+from pos.usage import PosCommand, PosCommands, PosPath
 
 EPILOG_CDI = """\b
 Examples:
@@ -35,7 +36,7 @@ def _root() -> None:
                        "run pos with sudo")
 
 
-@click.command(epilog=EPILOG_CDI)
+@click.command(cls=PosCommand, epilog=EPILOG_CDI)
 @click.option("-o", "--output", default=None, metavar="FILE",
               help="Where the spec goes ('-': standard output) [default: /etc/cdi/pos.json].")
 def cdi(output: Optional[str]) -> None:
@@ -60,7 +61,7 @@ def cdi(output: Optional[str]) -> None:
     click.echo(f"wrote {path}: start containers with --device {spec.QUALIFIED}")
 
 
-@click.group(epilog=EPILOG_CONTAINER)
+@click.group(cls=PosCommands, epilog=EPILOG_CONTAINER)
 def container() -> None:
     """Save a running container whose job has pos's agent (`pos cdi`) while it runs, and
     restore it as new containers (rootful podman, CRIU underneath)."""
@@ -68,7 +69,7 @@ def container() -> None:
 
 @container.command("checkpoint", epilog=EPILOG_CONTAINER)
 @click.argument("name")
-@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+@click.option("-D", "--dir", "directory", required=True, type=PosPath(file_okay=False),
               help="Directory of the new image (must not exist; written as DIR.partial first).")
 @click.option("--leave-running", is_flag=True,
               help="Keep the container running once saved (otherwise it is stopped).")
@@ -102,7 +103,7 @@ def checkpoint(name: str, directory: str, leave_running: bool, db: Optional[str]
 
 @container.command("restore", epilog=EPILOG_CONTAINER)
 @click.option("-D", "--dir", "directory", required=True,
-              type=click.Path(exists=True, file_okay=False),
+              type=PosPath(exists=True, file_okay=False),
               help="The image directory that `pos container checkpoint` wrote.")
 @click.option("--name", required=True, help="The new container's name.")
 @json_option

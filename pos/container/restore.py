@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 from pos import image, nvml
 from pos.driver import driver
 from pos.container import ARCHIVE, podman
 from pos.errors import BadInput
+from pos.image.kinds import ImageKind
+from pos.image.opened import open_image
 from pos.process import cudackpt, procs
 from pos.restore import preflight
+from pos.restore.tree import Splice, TreeRequest
 from pos.operation.engine import Operation, Report
 from pos.settings import Settings
 from pos.operation.steps import Echo, Guard
@@ -30,45 +33,42 @@ def restore(directory: Path, name: str, settings: Settings, echo: Echo = lambda 
     """The image in `directory` as the new container NAME."""
     from pos import concurrent
 
-    directory = Path(directory).absolute()
-    if not (directory / ARCHIVE).is_file():
-        image.check_files(directory)        # not an image at all: that is the sentence
-        raise BadInput(f"{directory} is not a container's image (it has no {ARCHIVE})",
+    img = open_image(directory)         # not an image at all: that is the sentence
+    if img.kind is not ImageKind.CONTAINER:
+        raise BadInput(f"{img.path} is not a container's image (it has no {ARCHIVE})",
                        "restore it with `pos restore -D DIR`")
     if podman.exists(name):
         raise BadInput(f"a container named {name} exists", "choose another --name, or remove "
                        f"it with `podman rm -f {name}`")
-    return concurrent.restore_full(directory, echo=echo, settings=settings,
+    return concurrent.restore_full(img, echo=echo, settings=settings,
                                    tree=_Tree(name).restore)
 
 
 class _Tree:
-    """The processes back as the container NAME, with restore_tree's hooks (see there)."""
+    """The processes back as the container NAME, as restore_tree brings a tree back (a
+    tree_restore.Tree: the same request, the same splice; --inherit-fd is not asked)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def restore(self, directory: Path, _inherit_fds: tuple[str, ...] = (),
-                echo: Echo = lambda _: None, gpu_pairs: Sequence[tuple[str, str]] = (),
-                check: Optional[list[str]] = None, hoisted: bool = False,
-                finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
-                before_criu: Callable[[], None] = lambda: None,
-                before_driver: Callable[[], None] = lambda: None,
-                settings: Optional[Settings] = None) -> Report:
-        settings = settings or Settings.from_env()
+    def restore(self, request: TreeRequest, splice: Optional[Splice],
+                echo: Echo = lambda _: None) -> Report:
         t = time.monotonic()
-        manifest = image.verify(directory, check)        # podman runs only a sound image
+        img, check, gpu_pairs = request.image, request.check, request.gpu_pairs
+        directory, manifest = img.path, img.manifest
+        image.check_sums(directory, manifest, check)    # podman runs only a sound image
         if manifest.gpu_pids:
             driver()                        # no driver here: said before podman starts
-            preflight.same_driver(directory, manifest)
-            preflight.same_model(directory, manifest, {g.uuid: g for g in nvml.gpus()},
-                                 dict(gpu_pairs))
-        before_criu()
+            preflight.same_driver(img)
+            preflight.same_model(img, {g.uuid: g for g in nvml.gpus()}, dict(gpu_pairs))
+        if splice is not None:
+            splice.checked()
         echo(f"restoring container {self.name} from {directory}")
-        plan = Plan("restore", [], [], images=str(directory), hoisted=hoisted, verify=check)
+        plan = Plan("restore", [], [], images=str(directory), hoisted=splice is not None,
+                    verify=None if check is None else list(check))
         guard = podman.Guard(self.name)
         try:
-            with Guard(plan, echo, settings) as g:
+            with Guard(plan, echo, request.settings) as g:
                 g.timings["prepare"] = time.monotonic() - t
                 g.step("podman-restore")
                 c = g.timed("podman_restore", lambda: podman.restore(directory / ARCHIVE,
@@ -76,11 +76,12 @@ class _Tree:
                 live = procs.restored_pids(c.pid, manifest.pids, manifest.inner_pids)
                 cuda = [live[p] for p in manifest.gpu_pids]
                 g.step("verify", pids=list(live.values()), gpu_pids=cuda)
-                before_driver()
+                if splice is not None:
+                    splice.before_driver()
                 g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
                 g.each("unlock", cuda, cudackpt.unlock)
-                if finish is not None:
-                    finish(g, live)
+                if splice is not None:
+                    splice.finish(g, live)
             guard.done()
         except BaseException:
             podman.remove(self.name)

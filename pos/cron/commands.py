@@ -8,6 +8,7 @@ import click
 
 from pos.engines.options import criu_options, criu_options_from
 from pos.options import db_option, json_option
+from pos.usage import PosCommand, PosCommands
 
 EPILOG_SCHEDULE_ADD = """\b
 Examples:
@@ -79,7 +80,7 @@ def _when(t: Any) -> Optional[str]:
     return None if t is None else f"{t:%Y-%m-%dT%H:%M:%S}Z"
 
 
-@click.group(epilog=EPILOG_SCHEDULE)
+@click.group(cls=PosCommands, epilog=EPILOG_SCHEDULE)
 def schedule() -> None:
     """Cron-scheduled snapshots, run by `pos daemon`."""
 
@@ -211,7 +212,7 @@ def schedule_rm(schedule_id: int, db: Optional[str]) -> None:
     click.echo(f"removed schedule {schedule_id}; its images stay in {row.root}/{schedule_id}")
 
 
-@click.command(epilog=EPILOG_DAEMON)
+@click.command(cls=PosCommand, epilog=EPILOG_DAEMON)
 @db_option
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=9464, show_default=True,
               help="Prometheus endpoint on --metrics-address (0: none).")
@@ -245,7 +246,7 @@ def daemon(db: Optional[str], metrics_port: int, metrics_address: str, grace: fl
         held.close()
 
 
-@click.group(epilog=EPILOG_IMAGES, invoke_without_command=True)
+@click.group(cls=PosCommands, epilog=EPILOG_IMAGES, invoke_without_command=True)
 @db_option
 @json_option
 @click.pass_context

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
 
-
 from pos.engines.options import (SERVICE_SOCKET, SERVICE_SOCKET_ENV, criu_options,
                                  criu_options_from, lock_timeout_option, service_socket,
                                  to_gpu_option)
 from pos.options import db_option, json_option
+from pos.usage import MissingArgument, PosCommand, PosPath
 
 if TYPE_CHECKING:      # imported by the commands that draw progress
     from pos.operation.engine import Report
@@ -97,9 +97,9 @@ def _report(r: "Report", as_json: bool) -> None:
     _summary(summary.of(r))
 
 
-@click.command(epilog=EPILOG_CHECKPOINT)
+@click.command(cls=PosCommand, epilog=EPILOG_CHECKPOINT)
 @click.argument("pid", type=int)
-@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+@click.option("-D", "--dir", "directory", required=True, type=PosPath(file_okay=False),
               help="Directory of the new image (must not exist; written as DIR.partial first).")
 @click.option("--leave-running", is_flag=True, help="Resume the process after the dump.")
 @lock_timeout_option
@@ -151,7 +151,8 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
                         f"job, PID {job}")
         pid = job
     open_store(db)                      # then a bad --db, before the process is touched
-    save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams, chunk_mb)
+    save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams=streams,
+                        chunk_mb=chunk_mb)
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
         engine = engines.for_checkpoint(concurrent, gpu_only, settings,
                                         _lines(as_json, progress), progress)
@@ -160,8 +161,8 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     _report(r, as_json)
 
 
-@click.command(epilog=EPILOG_RESTORE)
-@click.option("-D", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+@click.command(cls=PosCommand, epilog=EPILOG_RESTORE)
+@click.option("-D", "--dir", "directory", required=True, type=PosPath(file_okay=False),
               help="The image directory that `pos checkpoint` wrote.")
 @click.option("--inherit-fd", multiple=True, metavar="fd[N]:RES",
               help="Give the restored tree this file descriptor of pos (CRIU's --inherit-fd).")
@@ -204,15 +205,20 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         return
 
     from pos.engines import engines
+    from pos.image.opened import open_image
     from pos.progress import Progress
 
     load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
+        if to_gpu is not None:      # a host that cannot move it: said before the image is read
+            from pos.operation import gpumap
+
+            gpumap.check_host(to_gpu)
+        img = open_image(Path(directory))
         engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
                   if gpu_only_pid is not None else
-                  engines.for_image(Path(directory), settings, _lines(as_json, progress),
-                                    progress))
-        r = engine.restore(Path(directory), load)
+                  engines.for_image(img, settings, _lines(as_json, progress), progress))
+        r = engine.restore(img, load)
     if gpu_only_pid is None:
         _mark_restored(db, Path(r.path))
     _report(r, as_json)
@@ -241,9 +247,9 @@ def _mark_restored(db: Optional[str], directory: Any) -> None:
     images.mark_restored(db, str(directory))
 
 
-@click.command("restore-service", epilog=EPILOG_RESTORE_SERVICE)
+@click.command("restore-service", cls=PosCommand, epilog=EPILOG_RESTORE_SERVICE)
 @click.option("--socket", "socket_path", default=SERVICE_SOCKET, envvar=SERVICE_SOCKET_ENV,
-              show_default=True, show_envvar=True, type=click.Path(dir_okay=False),
+              show_default=True, show_envvar=True, type=PosPath(dir_okay=False),
               help="Where `pos restore` asks for restores (made 0600; its folder 0700).")
 @click.option("--gpus", metavar="N,N,...", default=None,
               help="The GPUs to keep a CUDA context on (nvidia-smi's indexes) [default: every "
@@ -266,8 +272,8 @@ def restore_service(socket_path: str, gpus: Optional[str]) -> None:
     service.run(Path(socket_path), wanted, click.echo)
 
 
-@click.command(epilog=EPILOG_INSPECT)
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.command(cls=PosCommand, epilog=EPILOG_INSPECT)
+@click.argument("directory", type=PosPath(file_okay=False))
 @click.option("--verify", is_flag=True, help="Also check every file's size and checksums.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(directory: str, verify: bool, as_json: bool) -> None:
@@ -302,7 +308,7 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
                    f"each {m.chunk_bytes / 2**20:g} MiB chunk)")
 
 
-@click.command(epilog=EPILOG_MIGRATE)
+@click.command(cls=PosCommand, epilog=EPILOG_MIGRATE)
 @click.argument("pid", type=int, required=False)
 @to_gpu_option("Move the job's GPU state")
 @click.option("--to", "to_host", metavar="HOST[:PORT]",
@@ -313,13 +319,13 @@ def inspect(directory: str, verify: bool, as_json: bool) -> None:
 @click.option("--address", default="127.0.0.1", show_default=True,
               help="With --listen: the address to listen on (this host's own by default: give "
                    "the address the other host reaches; only a holder of the key is heard).")
-@click.option("--key", "key_dir", type=click.Path(file_okay=False), metavar="DIR",
+@click.option("--key", "key_dir", type=PosPath(file_okay=False), metavar="DIR",
               help="With --to, --listen or --new-key: the folder of the migration key that "
                    "both hosts hold [default: $POS_MIGRATE_KEY, else /etc/pos/migrate].")
 @click.option("--new-key", is_flag=True,
               help="Make a migration key (a certificate and its private key, root's alone) "
                    "for two hosts to share, then copy its folder to the other host.")
-@click.option("-D", "--dir", "directory", type=click.Path(file_okay=False),
+@click.option("-D", "--dir", "directory", type=PosPath(file_okay=False),
               help="With --listen: where the received image goes; with --to: the local part "
                    "of the image; with --to-gpu --concurrent: the image, kept [default: a "
                    "temporary folder, removed once the job runs again].")
@@ -370,10 +376,13 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
 
         host.require_root("receiving a migration")
         with Progress.on_terminal(f"migrate to {directory}", as_json) as progress:
-            def restore(image: Path) -> Optional[int]:
+            def restore(folder: Path) -> Optional[int]:
                 """The received image back, by the engine its kind asks for."""
-                return engines.for_image(image, settings, _lines(as_json, progress),
-                                         progress).restore(image, engines.Load()).restored_pid
+                from pos.image.opened import open_image
+
+                img = open_image(folder)
+                return engines.for_image(img, settings, _lines(as_json, progress),
+                                         progress).restore(img, engines.Load()).restored_pid
 
             pid_here = mig.listen(address, port, Path(directory), settings,
                                   migrate_key.load(folder), restore,
@@ -382,7 +391,7 @@ def migrate(pid: Optional[int], to_gpu: Optional["Onto"], to_host: Optional[str]
                    else f"restored PID {pid_here}")
         return
     if pid is None:
-        raise click.UsageError("Missing argument 'PID' (the process to migrate).")
+        raise MissingArgument("PID", "the process to migrate")
     save = engines.Save(criu_options_from(shell_job, tcp_established, ext_unix_sk, file_locks,
                                           external), False, int(lock_timeout * 1000))
     with Progress.on_terminal(f"migrate PID {pid}", as_json) as progress:

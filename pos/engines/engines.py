@@ -12,12 +12,12 @@ it. Each one checkpoints, restores and moves a job onto other GPUs, and answers 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from pos import image
 from pos.image.kinds import ImageKind
+from pos.image.opened import Opened, open_image
 from pos.errors import BadInput, PosError
 from pos.operation.engine import Engine, Load, Operation, Report, Save
 from pos.operation.steps import Echo
@@ -44,20 +44,19 @@ class StopTheWorld(_Base):
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos.engines import stopworld
 
-        return stopworld.checkpoint(pid, directory, save.options, save.leave_running,
-                                    save.lock_timeout_ms, self.echo, save.page_server,
-                                    self.progress, self.settings)
+        return stopworld.checkpoint(pid, directory, save, self.settings, self.echo,
+                                    self.progress)
 
-    def restore(self, directory: Path, load: Load) -> Report:
-        from pos.restore.tree import restore_tree
+    def restore(self, img: Opened, load: Load) -> Report:
+        from pos.restore.tree import TreeRequest, restore_tree
 
-        pairs = []
+        pairs: list[tuple[str, str]] = []
         if load.to_gpu is not None:
             from pos.operation import gpumap
 
-            pairs = gpumap.onto(directory, load.to_gpu)[0]
-        return restore_tree(directory, load.inherit_fds, self.echo, gpu_pairs=pairs,
-                            progress=self.progress, settings=self.settings)
+            pairs = gpumap.onto(img.gpus, load.to_gpu)[0]
+        return restore_tree(TreeRequest(img, self.settings, load.inherit_fds, tuple(pairs)),
+                            echo=self.echo, progress=self.progress)
 
     @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
@@ -83,10 +82,10 @@ class Concurrent(_Base):
             save.streams or SAVE_STREAMS, save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
             self.settings)
 
-    def restore(self, directory: Path, load: Load) -> Report:
+    def restore(self, img: Opened, load: Load) -> Report:
         from pos import concurrent
 
-        return concurrent.restore_full(directory, load.inherit_fds, echo=self.echo,
+        return concurrent.restore_full(img, load.inherit_fds, echo=self.echo,
                                        to_gpu=load.to_gpu, settings=self.settings,
                                        started_s=load.started_s)
 
@@ -107,12 +106,12 @@ class Concurrent(_Base):
         gpumap.of_process([pid], onto)          # before the job is touched
         t0 = time.monotonic()
         folder = keep or migrate.image_dir(pid)
-        saved = self.checkpoint(pid, folder, Save(save.options, False, save.lock_timeout_ms,
-                                                  save.streams, save.chunk_mb))
+        saved = self.checkpoint(pid, folder, replace(save, leave_running=False,
+                                                     page_server=None))
         t1 = time.monotonic()
         fix = f"its image stays in {saved.path} for `pos restore -D {saved.path} --to-gpu {onto}`"
         try:
-            back = self.restore(Path(saved.path), Load(to_gpu=onto))
+            back = self.restore(open_image(Path(saved.path)), Load(to_gpu=onto))
         except PosError as e:
             raise type(e)(f"PID {pid} was saved but not restored onto GPU {onto}: {e.cause}",
                           f"{e.fix}; {fix}" if e.fix else fix) from None
@@ -142,16 +141,16 @@ class GpuOnly(_Base):
                                          save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
                                          self.settings)
 
-    def restore(self, directory: Path, load: Load) -> Report:
+    def restore(self, img: Opened, load: Load) -> Report:
         from pos import concurrent
         from pos.concurrent.fill import FILL_STREAMS
 
-        if load.pid is None:
-            image.check_files(directory)    # or a whole-process one missing its inventory
-            raise BadInput(f"{directory} is a GPU-only image (no process in it)",
+        if load.pid is None:    # its files were checked when it was opened: a whole-process
+            # image that lost its inventory is refused there, not taken for a GPU-only one
+            raise BadInput(f"{img.path} is a GPU-only image (no process in it)",
                            "roll a live `pos run` job back to it with `pos restore --gpu-only "
                            "PID -D DIR`")
-        return concurrent.restore_gpu(load.pid, directory, load.streams or FILL_STREAMS,
+        return concurrent.restore_gpu(load.pid, img, load.streams or FILL_STREAMS,
                                       self.echo, self.settings)
 
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
@@ -176,14 +175,11 @@ def by_name(name: str, settings: Settings, echo: Echo = lambda _: None,
     return ENGINES[name](settings, echo, progress)
 
 
-def for_image(directory: Path, settings: Settings, echo: Echo = lambda _: None,
+def for_image(img: Opened, settings: Settings, echo: Echo = lambda _: None,
               progress: Progress = QUIET) -> Engine:
-    """The engine that restores the image in `directory`: its kind decides (a container's image
-    is its runtime's to bring back, through `pos container restore`)."""
-    from pos.image.kinds import kind
-
-    found = kind(Path(directory))
-    if found is ImageKind.CONTAINER:
-        raise BadInput(f"{directory} is the image of a container",
-                       f"restore it with `pos container restore -D {directory} --name NEW`")
-    return ENGINES[found.value](settings, echo, progress)
+    """The engine that restores the image `img`: its kind decides (a container's image is its
+    runtime's to bring back, through `pos container restore`)."""
+    if img.kind is ImageKind.CONTAINER:
+        raise BadInput(f"{img.path} is the image of a container",
+                       f"restore it with `pos container restore -D {img.path} --name NEW`")
+    return ENGINES[img.kind.value](settings, echo, progress)

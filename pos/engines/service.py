@@ -47,11 +47,12 @@ from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Mes
 
 if TYPE_CHECKING:
     from pos.concurrent import gpucopy
+    from pos.image.opened import Opened
 
 Say = Callable[[str], None]
 
 RESTORE_MODULES = (
-    "numpy", "pos.image.gpu", "pos.image.kinds", "pos.engines.engines",
+    "numpy", "pos.image.gpu", "pos.image.opened", "pos.engines.engines",
     "pos.restore.tree", "pos.restore.timewait", "pos.operation.gpumap",
     "pos.concurrent", "pos.concurrent.prefetch", "pos.concurrent.gpucopy",
     "pos.engines.summary")
@@ -192,17 +193,20 @@ class Client:
 def restore(request: Request, echo: Say) -> Union[Restored, Failed, InProcess]:
     """The restore `pos restore` runs, for `request`; its outcome as the client's message."""
     from pos.engines import engines, summary
-    from pos.operation.gpumap import Onto
+    from pos.image.opened import open_image
+    from pos.operation.gpumap import Onto, check_host
     from pos.settings import Settings
 
-    directory = Path(request.directory)
     try:
         settings = Settings.from_env()
-        if request.terminal and _takes_terminal(directory):
+        to_gpu = Onto.parse(request.to_gpu) if request.to_gpu else None
+        if to_gpu is not None:      # a host that cannot move it: said before the image is read
+            check_host(to_gpu)
+        img = open_image(Path(request.directory))
+        if request.terminal and _takes_terminal(img):
             return InProcess("a shell job restored from a terminal is attached to it")
-        load = engines.Load(to_gpu=Onto.parse(request.to_gpu) if request.to_gpu else None,
-                            started_s=request.started_s)
-        r = engines.for_image(directory, settings, echo).restore(directory, load)
+        load = engines.Load(to_gpu=to_gpu, started_s=request.started_s)
+        r = engines.for_image(img, settings, echo).restore(img, load)
     except PosError as e:
         return Failed.of(e)
     except PermissionError as e:
@@ -215,16 +219,12 @@ def restore(request: Request, echo: Say) -> Union[Restored, Failed, InProcess]:
     return Restored(r.path, r.to_json(), summary.of(r))
 
 
-def _takes_terminal(directory: Path) -> bool:
-    """Whether the restore of the image in `directory` attaches its job to the restoring
-    process's terminal: a shell job's does (pos/restore/tree.py)."""
-    from pos import image
+def _takes_terminal(img: "Opened") -> bool:
+    """Whether the restore of the image `img` attaches its job to the restoring process's
+    terminal: a shell job's does (pos/restore/tree.py)."""
     from pos.process.criu import Options
 
-    try:
-        return Options.from_json(image.load(directory).criu_options).shell_job
-    except PosError:
-        return False           # not an image: its restore says so
+    return Options.from_json(img.manifest.criu_options).shell_job
 
 
 def serve_one(conn: socket.socket, say: Say) -> None:

@@ -8,36 +8,33 @@ without CUDA state skip the driver steps: CRIU alone.
 
 import time
 from pathlib import Path
-from typing import Optional
 
 from pos import image, nvml
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import restorable
-from pos.operation.engine import Operation, Report
+from pos.operation.engine import Operation, Report, Save
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import Plan
 from pos.operation.steps import Echo, Guard, folder_bytes
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
-from pos.process.criu import Options, PageServer
 from pos.progress import QUIET, Progress
-from pos.settings import DEFAULT_LOCK_TIMEOUT_MS, Settings
+from pos.settings import Settings
 
 MAPPED_BACK_FIX = ("checkpoint it with `pos checkpoint --concurrent` (to move it: copy that image "
                    "and `pos restore -D` it on the other host)")
 
 
-def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool = False,
-               lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, echo: Echo = lambda _: None,
-               page_server: Optional[PageServer] = None, progress: Progress = QUIET,
-               settings: Optional[Settings] = None) -> Report:
-    """Checkpoint the tree rooted at `pid` into `directory` (see the module docstring)."""
-    settings = settings or Settings.from_env()
+def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
+               echo: Echo = lambda _: None, progress: Progress = QUIET) -> Report:
+    """Checkpoint the tree rooted at `pid` into `directory` as `save` asks (see the module
+    docstring)."""
+    leave_running, page_server = save.leave_running, save.page_server
     pids, cuda = restorable.tree(pid)
     criu = criu_mod.find(settings)
     agents = restorable.require(cuda, MAPPED_BACK_FIX)
-    options = options.fitted(pids)
+    options = save.options.fitted(pids)
     gpu_use = nvml.gpus_of(cuda) if cuda else {}
     # pages at least as large as what is resident, plus the device memory the dump will hold;
     # a page server takes the pages elsewhere
@@ -53,7 +50,7 @@ def checkpoint(pid: int, directory: Path, options: Options, leave_running: bool 
         echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
              "CUDA state")
         start = time.monotonic()
-        g.each("lock", cuda, lambda p: cudackpt.lock(p, lock_timeout_ms))
+        g.each("lock", cuda, lambda p: cudackpt.lock(p, save.lock_timeout_ms))
         restorable.recheck_locked(cuda, agents)
         g.each("checkpoint", cuda, cudackpt.checkpoint)
         progress.phase("dump", poll=lambda: folder_bytes(partial))

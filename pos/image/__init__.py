@@ -15,7 +15,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pos.errors import BadInput
 from pos.image import filehash, names
@@ -268,7 +268,7 @@ def check_files(folder: Path) -> Manifest:
     return manifest
 
 
-def verify(folder: Path, digests: Optional[list[str]] = None,
+def verify(folder: Path, digests: Optional[Sequence[str]] = None,
            hashed: Hashed = filehash.no_progress, stop: Optional[threading.Event] = None
            ) -> Manifest:
     """check_files + the chunk checksums of the listed files (only the files named in
@@ -277,6 +277,15 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
     filehash.chunk_digests."""
     folder = Path(folder)
     manifest = check_files(folder)
+    check_sums(folder, manifest, digests, hashed, stop)
+    return manifest
+
+
+def check_sums(folder: Path, manifest: Manifest, digests: Optional[Sequence[str]] = None,
+               hashed: Hashed = filehash.no_progress, stop: Optional[threading.Event] = None
+               ) -> None:
+    """The chunk checksums of verify, for an image whose files check_files has checked
+    already (`manifest`: what it returned): a restore checks them once, beside CRIU."""
     checked = list(manifest.files) if digests is None else digests
     missing = [n for n in checked if n not in manifest.files]
     if missing:
@@ -303,7 +312,6 @@ def verify(folder: Path, digests: Optional[list[str]] = None,
         if algorithm.file(got[name], want["size"]) != digest:
             raise BadInput(f"image {folder} is corrupt: the checksum of {name} does not match "
                            "its manifest", "take a new checkpoint")
-    return manifest
 
 
 def _same_files(folder: Path, manifest: Manifest) -> None:

@@ -11,7 +11,6 @@ trusted, and without loading the GPU reader): a restore picks its engine from it
 import enum
 from pathlib import Path
 
-from pos import image
 from pos.image import gpuindex, names
 
 
@@ -31,9 +30,3 @@ def kind(directory: Path) -> ImageKind:
     if (d / names.INVENTORY).is_file():
         return ImageKind.CONCURRENT if gpuindex.jobs(d) else ImageKind.STOP_THE_WORLD
     return ImageKind.GPU_ONLY if (d / names.INDEX).is_file() else ImageKind.STOP_THE_WORLD
-
-
-def checked_by_restore(directory: Path) -> list[str]:
-    """The files whose checksums a restore verifies: all but the GPU data, each of whose chunks
-    is checked as it is read (a restore does not wait for a hash of gigabytes first)."""
-    return [n for n in image.load(directory).files if not names.is_gpu_data(n)]

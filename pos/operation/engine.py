@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 from pos.agent.control import Cut, Gate
 from pos.image import Manifest
+from pos.image.opened import Opened
 from pos.process.criu import Options, PageServer
 from pos.settings import DEFAULT_LOCK_TIMEOUT_MS
 
@@ -57,7 +58,7 @@ class Engine(Protocol):
 
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report: ...
 
-    def restore(self, directory: Path, load: Load) -> Report: ...
+    def restore(self, img: Opened, load: Load) -> Report: ...
 
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
         """The job onto the GPUs `onto` names, on this host (`keep`: where an engine that goes

@@ -5,10 +5,8 @@ for both engines and both ways of moving (`pos migrate --to-gpu`, `pos restore -
 `--to-gpu N` moves a process on one GPU onto GPU N; `--to-gpu 0=1,1=0` names where each GPU of
 a process on several goes (old index = new index)."""
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from pos import nvml
 from pos.errors import BadInput
@@ -97,11 +95,15 @@ def gpu_pairs(used: list[str], onto: Onto, here: list[nvml.Gpu],
     return pairs
 
 
-def _host() -> list[nvml.Gpu]:
+def check_host(onto: Onto) -> list[nvml.Gpu]:
+    """This host's GPUs, once it is known to have NVML and the GPUs `onto` names: a move is
+    refused for these before anything of the job or its image is read."""
     if not nvml.available():
         raise BadInput("NVML is not available (it names the GPUs for the driver's restore)",
                        "install the NVIDIA driver with libnvidia-ml.so.1")
-    return nvml.gpus()
+    here = nvml.gpus()
+    onto.check(here)
+    return here
 
 
 def move(onto: Onto, used: Callable[[], list[str]],
@@ -109,8 +111,7 @@ def move(onto: Onto, used: Callable[[], list[str]],
     """The driver's mapping that moves a job (a live process or an image) on the GPUs `used()`
     as `onto` says; `index_of()`: the NVML index each of them had where the job ran (for a
     live process, this host's). The host's GPUs are checked first, before anything is read."""
-    here = _host()
-    onto.check(here)
+    here = check_host(onto)
     return gpu_pairs(used(), onto, here, {**{g.uuid: g.index for g in here}, **index_of()})
 
 
@@ -119,13 +120,11 @@ def of_process(pids: list[int], onto: Onto) -> list[tuple[str, str]]:
     return move(onto, lambda: list(nvml.gpus_of(pids)))
 
 
-def onto(directory: Path, where: Onto) -> tuple[list[tuple[str, str]], list[str]]:
-    """The driver's mapping that restores the image in `directory` as `where` says, and the
-    UUIDs of this host's GPUs that the image's GPUs go to, in the image's order."""
-    from pos import image     # here: `pos restore --to-gpu N` parses its option without it
-
-    gpus = functools.cache(lambda: image.load(directory).gpus)    # once the host is checked
-    pairs = move(where, lambda: [g["uuid"] for g in gpus()],
-                 lambda: {g["uuid"]: g["index"] for g in gpus() if "index" in g})
+def onto(gpus: Sequence[dict[str, Any]], where: Onto) -> tuple[list[tuple[str, str]], list[str]]:
+    """The driver's mapping that restores an image taken on `gpus` (its manifest's) as `where`
+    says, and the UUIDs of this host's GPUs that the image's GPUs go to, in the image's
+    order."""
+    pairs = move(where, lambda: [g["uuid"] for g in gpus],
+                 lambda: {g["uuid"]: g["index"] for g in gpus if "index" in g})
     to = dict(pairs)
-    return pairs, [to[g["uuid"]] for g in gpus()]
+    return pairs, [to[g["uuid"]] for g in gpus]

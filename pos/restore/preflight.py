@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 
 from pos import host, nvml
 from pos.errors import BadInput
-from pos.image import Manifest, criufiles, criuimg, gpuindex
+from pos.image import Manifest, criufiles, criuimg
+from pos.image.opened import Opened
 from pos.operation.manifest import NO_NAME
 from pos.process import cudackpt, procs
 
@@ -35,20 +36,19 @@ at the checkpoint, their contexts included."""
 GiB = 1 << 30
 
 
-def check(directory: Path, manifest: Manifest, gpu_pairs: Sequence[tuple[str, str]] = (),
+def check(img: Opened, gpu_pairs: Sequence[tuple[str, str]] = (),
           inherit_fds: tuple[str, ...] = ()) -> None:
-    """Refuse the restore of the image in `directory` (its `manifest`) onto this host, moved
-    as `gpu_pairs` say (old UUID -> new UUID, the driver's restore's), when it cannot succeed
-    here; `inherit_fds`: the --inherit-fd specs the restore is given (their files are not
-    looked for)."""
-    pids_free(manifest)
-    if manifest.gpu_pids:
-        same_driver(directory, manifest)
-    files_in_place(directory, manifest, inherit_fds)
-    if manifest.gpu_pids:
+    """Refuse the restore of the image `img` onto this host, moved as `gpu_pairs` say (old
+    UUID -> new UUID, the driver's restore's), when it cannot succeed here; `inherit_fds`: the
+    --inherit-fd specs the restore is given (their files are not looked for)."""
+    pids_free(img.manifest)
+    if img.manifest.gpu_pids:
+        same_driver(img)
+    files_in_place(img, inherit_fds)
+    if img.manifest.gpu_pids:
         here = {g.uuid: g for g in nvml.gpus()}     # none without NVML
-        same_model(directory, manifest, here, dict(gpu_pairs))
-        memory_free(directory, manifest, here, dict(gpu_pairs))
+        same_model(img, here, dict(gpu_pairs))
+        memory_free(img, here, dict(gpu_pairs))
 
 
 # how to run several copies of one image at once, by what the image holds
@@ -68,13 +68,15 @@ def pids_free(manifest: Manifest) -> None:
             comm = host.describe(pid)[0] or "a process"
             if procs.state(pid) == "Z":
                 comm += ", a zombie its parent has not reaped"
+            how = SEVERAL_GPU if manifest.gpu_pids else SEVERAL
             raise BadInput(f"PID {pid} of the image is taken ({comm})",
                            "stop that process (after a --leave-running checkpoint: the "
-                           f"original), then restore again; {SEVERAL_GPU if manifest.gpu_pids else SEVERAL}")
+                           f"original), then restore again; {how}")
 
 
-def same_driver(directory: Path, manifest: Manifest) -> None:
+def same_driver(img: Opened) -> None:
     """Refuse an image taken with another NVIDIA driver, or another CUDA version of it."""
+    directory, manifest = img.path, img.manifest
     here = nvml.driver_version()
     if manifest.driver_version and here and here != manifest.driver_version:
         raise BadInput(f"{directory} was taken with NVIDIA driver {manifest.driver_version} "
@@ -87,11 +89,11 @@ def same_driver(directory: Path, manifest: Manifest) -> None:
                        "the same driver (driver checkpoints are tied to the driver)")
 
 
-def files_in_place(directory: Path, manifest: Manifest, inherit_fds: tuple[str, ...]) -> None:
+def files_in_place(img: Opened, inherit_fds: tuple[str, ...]) -> None:
     """Refuse an image a file of whose tree is gone from its path (naming the first, and how
     many are gone), or has another size than at the dump. The image's logs are looked for but
     not measured: pos reopens them to append to (pos/process/criu.py reopen_logs)."""
-    files = _looked_for(directory, manifest, inherit_fds)
+    files = _looked_for(img, inherit_fds)
     sizes = _sizes({f.path for f in files})
     gone = [f for f in files if f.path in sizes and sizes[f.path] is None]
     if gone:
@@ -104,21 +106,20 @@ def files_in_place(directory: Path, manifest: Manifest, inherit_fds: tuple[str, 
     for f in files:
         now = sizes.get(f.path)
         if f.size is not None and now is not None and now != f.size \
-                and f.path not in manifest.logs:
+                and f.path not in img.manifest.logs:
             raise BadInput(f"the file {f.path} that {_who(f)} changed size since the "
                            f"checkpoint ({f.size} bytes then, {now} now)", "put it back as it "
                            "was at the checkpoint, or hand the restore a descriptor of it with "
                            f"--inherit-fd 'fd[N]:{f.path.lstrip('/')}'")
 
 
-def _looked_for(directory: Path, manifest: Manifest, inherit_fds: tuple[str, ...]
-                ) -> list[criufiles.OpenFile]:
+def _looked_for(img: Opened, inherit_fds: tuple[str, ...]) -> list[criufiles.OpenFile]:
     """The files CRIU will reopen at their paths but those the restore is handed (--inherit-fd
     names a file by its path without the leading "/") and those in /proc (the restored tree's
     own folders appear there as CRIU makes it). None when CRIU's files cannot be read: that is
     left to CRIU and to the image's checksums."""
     try:
-        files = criufiles.reopened(directory, manifest.pids)
+        files = criufiles.reopened(img.path, img.manifest.pids)
     except (OSError, criuimg.Unreadable):
         return []
     handed = {spec.split(":", 1)[1] for spec in inherit_fds if ":" in spec}
@@ -145,29 +146,27 @@ def _who(f: criufiles.OpenFile) -> str:
     return f"PID {f.pid} had {'mapped' if f.mapped else 'open'}"
 
 
-def same_model(directory: Path, manifest: Manifest, here: dict[str, nvml.Gpu],
-               moved: dict[str, str]) -> None:
+def same_model(img: Opened, here: dict[str, nvml.Gpu], moved: dict[str, str]) -> None:
     """Refuse an image whose GPUs would go, as `moved` says (old UUID -> new UUID; a GPU not
     named stays), onto GPUs of this host (`here`, by UUID) of another model than those it was
     taken on. An image that did not record the model is not refused."""
-    for g in manifest.gpus:
+    for g in img.gpus:
         was, onto = g.get("name"), here.get(moved.get(g["uuid"], g["uuid"]))
         if onto is None or not was or was == NO_NAME or onto.name == was:
             continue
         same = [str(h.index) for h in here.values() if h.name == was]
-        raise BadInput(f"{directory} was taken on {_a(was)} and GPU {onto.index} of this host "
+        raise BadInput(f"{img.path} was taken on {_a(was)} and GPU {onto.index} of this host "
                        f"(its target) is {_a(onto.name)}",
                        "restore it onto a GPU of the same model with --to-gpu (GPU "
                        f"{' or '.join(same)} of this host)" if same else
                        f"restore it on a host with {_a(was)}")
 
 
-def memory_free(directory: Path, manifest: Manifest, here: dict[str, nvml.Gpu],
-                moved: dict[str, str]) -> None:
+def memory_free(img: Opened, here: dict[str, nvml.Gpu], moved: dict[str, str]) -> None:
     """Refuse an image whose GPUs would go, as `moved` says, onto GPUs of this host (`here`)
     with less device memory free than it needs there (device_memory)."""
     needed: dict[str, int] = {}
-    for uuid, size in device_memory(directory, manifest).items():
+    for uuid, size in device_memory(img).items():
         onto = moved.get(uuid, uuid)
         if onto in here:
             needed[onto] = needed.get(onto, 0) + size
@@ -176,22 +175,21 @@ def memory_free(directory: Path, manifest: Manifest, here: dict[str, nvml.Gpu],
         if uuid in free and free[uuid] < need:
             index = here[uuid].index
             raise BadInput(f"GPU {index} of this host has {free[uuid] / GiB:.1f} GiB free and "
-                           f"{directory} needs {need / GiB:.1f} GiB there",
+                           f"{img.path} needs {need / GiB:.1f} GiB there",
                            f"free {math.ceil((need - free[uuid]) / GiB * 10) / 10:.1f} GiB more "
                            f"on GPU {index}, or restore onto another GPU with --to-gpu")
 
 
-def device_memory(directory: Path, manifest: Manifest) -> dict[str, int]:
+def device_memory(img: Opened) -> dict[str, int]:
     """UUID of a GPU the image was taken on -> the device memory its restore needs there: a
     concurrent image's buffers (as mapped) and CONTEXT_BYTES per process, from its GPU index;
     a stop-the-world image's, what NVML saw its processes use at the checkpoint (none
     recorded: none asked)."""
-    jobs = gpuindex.jobs(directory)
-    if not jobs:
-        return {g["uuid"]: g["memory_used"] for g in manifest.gpus if g.get("memory_used")}
+    if not img.ranks:
+        return {g["uuid"]: g["memory_used"] for g in img.gpus if g.get("memory_used")}
     out: dict[str, int] = {}
-    for rank in jobs:
-        index = gpuindex.read(directory, rank)
+    for rank in img.ranks:
+        index = img.index(rank)
         if index.gpu is not None:
             out[index.gpu] = (out.get(index.gpu, 0) + CONTEXT_BYTES
                               + sum(b.mapped for b in index.buffers))

@@ -1,9 +1,10 @@
-"""A process tree back from a whole-process image, by either engine: every file's presence and
-size checked first, then what this host must hold (pos/restore/preflight.py), CRIU's restore
-(the tree left stopped) beside the checksums' check, the tree resumed once the image is known
-good, the driver's restore (onto other GPUs if asked) and unlock; the concurrent engine puts
-the job's device memory back at the end (`finish`). All of it as steps with their undo
-(pos/operation/steps.py): a tree is never left half restored.
+"""A process tree back from a whole-process image, opened once (pos/image/opened.py: every
+file's presence and size checked there), by either engine: first what this host must hold
+(pos/restore/preflight.py), CRIU's restore (the tree left stopped) beside the checksums'
+check, the tree resumed once the image is known good, the driver's restore (onto other GPUs if
+asked) and unlock; the concurrent engine, spliced in (`Splice`), puts the job's device memory
+back at the end. All of it as steps with their undo (pos/operation/steps.py): a tree is never
+left half restored.
 """
 
 import os
@@ -12,13 +13,15 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol
 
 from pos import image
 from pos.errors import PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
+from pos.image.opened import Opened
 from pos.operation import lazypages
 from pos.operation.engine import Operation, Report
 from pos.operation.plan import Plan
@@ -33,10 +36,11 @@ from pos.settings import Settings
 PORTS_WAIT_S = 65.0     # TIME_WAIT lasts 60 s: the wait where the kernel won't end them
 
 
-def _verify_timed(directory: Path, names: Optional[list[str]], stop: threading.Event) -> float:
-    """image.verify of `names`; the seconds it took (it runs beside CRIU's restore)."""
+def _verify_timed(img: Opened, names: Optional[tuple[str, ...]], stop: threading.Event
+                  ) -> float:
+    """The checksums of `names`; the seconds it took (it runs beside CRIU's restore)."""
     t0 = time.monotonic()
-    image.verify(directory, names, stop=stop)
+    image.check_sums(img.path, img.manifest, names, stop=stop)
     return time.monotonic() - t0
 
 
@@ -69,40 +73,62 @@ def _lazy_wait(g: Guard, daemon: lazypages.Daemon, since: float) -> None:
     g.timings["lazy_done_at"] = daemon.ended_at - since
 
 
-def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo = lambda _: None,
-            gpu_pairs: Sequence[tuple[str, str]] = (), check: Optional[list[str]] = None,
-            progress: Progress = QUIET, hoisted: bool = False,
-            finish: Optional[Callable[[Guard, dict[int, int]], None]] = None,
-            before_criu: Callable[[], None] = lambda: None,
-            before_driver: Callable[[], None] = lambda: None,
-            settings: Optional[Settings] = None) -> Report:
-    """Restore the image in `directory` and resume its processes; `check`: the files whose
-    checksums are verified (all when None; the rest is checked by whoever reads it). Every
-    file's presence and size are checked before CRIU starts; the checksums while CRIU
-    restores, which leaves the tree stopped: it runs only once the image is known good, and a
-    check that fails ends CRIU at once. `hoisted`: the job's device memory comes back only in
-    `finish` (until then the undo ends a restored job rather than run it). `finish(g, pids)`
-    (each PID of the image -> its process's PID now: the same, or new ones for a tree of its
-    own namespaces, restored into new ones) runs last under the same guard (the concurrent
-    engine puts the job's device memory back there: a failure then ends the restored tree,
-    never leaves it half-restored);
-    `before_criu()` once the image and this host passed every check (preflight.py), before
-    anything else starts (the concurrent engine starts making the job's device memory there);
-    `before_driver()` just before the driver's restore (the concurrent engine pauses its fill
-    there). The work folder goes whatever happens (CRIU's log of a failure is kept in
-    Settings.log_dir, and the error names it). With Settings.lazy_pages, CRIU's lazy-pages
-    daemon serves the memory CRIU leaves lazy, and the restore ends once it has served every
-    page (pos/operation/lazypages.py)."""
-    settings = settings or Settings.from_env()      # a bad setting: said before CRIU starts
-    directory = Path(directory).absolute()
+@dataclass(frozen=True)
+class TreeRequest:
+    """What a tree's restore is asked: the image, opened; `check`: the files whose checksums
+    are verified (all when None; the rest is checked by whoever reads it); `gpu_pairs`: the
+    driver's restore's map of GPUs (old UUID -> new UUID); `inherit_fds`: CRIU's
+    --inherit-fd."""
+
+    image: Opened
+    settings: Settings
+    inherit_fds: tuple[str, ...] = ()
+    gpu_pairs: tuple[tuple[str, str], ...] = ()
+    check: Optional[tuple[str, ...]] = None
+
+
+class Splice(Protocol):
+    """Where another engine's part of a restore joins the tree's: the concurrent engine makes
+    the job's device memory beside CRIU and puts it back at the end. A restore with a splice
+    is hoisted: the job's device memory comes back only in `finish`, and until then the undo
+    ends a restored job rather than run it."""
+
+    def checked(self) -> None:
+        """The image and this host passed every check (preflight.py); nothing else started."""
+
+    def before_driver(self) -> None:
+        """Just before the driver's restore (the tree resumed)."""
+
+    def finish(self, g: Guard, live: dict[int, int]) -> None:
+        """Last, under the tree's guard (a failure ends the restored tree, never leaves it
+        half-restored); `live`: each PID of the image -> its process's PID now (the same, or
+        new ones for a tree of its own namespaces, restored into new ones)."""
+
+
+Tree = Callable[[TreeRequest, Optional[Splice], Echo], Report]
+"""What brings a tree back: restore_tree, or a container's runtime (pos/container/)."""
+
+
+def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
+                 echo: Echo = lambda _: None, progress: Progress = QUIET) -> Report:
+    """Restore the image and resume its processes. Every file's presence and size were
+    checked when it was opened; this host's fitness before anything starts (preflight.py);
+    the checksums while CRIU restores, which leaves the tree stopped: it runs only once the
+    image is known good, and a check that fails ends CRIU at once. The work folder goes
+    whatever happens (CRIU's log of a failure is kept in Settings.log_dir, and the error names
+    it). With Settings.lazy_pages, CRIU's lazy-pages daemon serves the memory CRIU leaves lazy,
+    and the restore ends once it has served every page (pos/operation/lazypages.py)."""
+    img, settings, inherit_fds = request.image, request.settings, request.inherit_fds
+    gpu_pairs, check = request.gpu_pairs, request.check
+    directory, manifest = img.path, img.manifest
     t = time.monotonic()
-    manifest = image.check_files(directory)
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find(settings)
     checked = time.monotonic()
-    preflight.check(directory, manifest, gpu_pairs, inherit_fds)
+    preflight.check(img, gpu_pairs, inherit_fds)
     checked = time.monotonic() - checked
-    before_criu()
+    if splice is not None:
+        splice.checked()
     options = Options.from_json(manifest.criu_options)
     for path, size in manifest.logs.items():
         now = os.stat(path).st_size if os.path.exists(path) else size
@@ -113,7 +139,8 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     plan = Plan("restore", [] if own else manifest.pids, [] if own else manifest.gpu_pids,
                 criu_path=criu.path,
                 images=str(directory), criu_options=manifest.criu_options,
-                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=hoisted, verify=check,
+                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=splice is not None,
+                verify=None if check is None else list(check),
                 criu_log_max=criu.log_max)
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     if manifest.tcp_listen and not own:     # a new network namespace has no old connections
@@ -123,7 +150,7 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
     logs = criu_mod.reopen_logs(manifest.logs)
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pos-verify")
-    checking = pool.submit(_verify_timed, directory, check, stop)
+    checking = pool.submit(_verify_timed, img, check, stop)
     work = Path(tempfile.mkdtemp(prefix="pos-restore-"))
     plan.work = str(work)
     lazy: Optional[lazypages.Daemon] = None
@@ -153,11 +180,12 @@ def restore_tree(directory: Path, inherit_fds: tuple[str, ...] = (), echo: Echo 
             g.step("verify", pids=[live[p] for p in manifest.pids], gpu_pids=cuda)
             g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.resume(procs.tree(root))
-            before_driver()
+            if splice is not None:
+                splice.before_driver()
             g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
             g.each("unlock", cuda, cudackpt.unlock)
-            if finish is not None:
-                finish(g, live)
+            if splice is not None:
+                splice.finish(g, live)
             if lazy is not None:        # the job runs; the rest of its memory comes in
                 _lazy_wait(g, lazy, t)
     finally:

@@ -7,6 +7,7 @@ from typing import Optional
 import click
 
 from pos.options import db_option
+from pos.usage import MissingArgument, PosCommand, PosPath
 
 EPILOG_TRACE = """\b
 Examples:
@@ -22,12 +23,12 @@ Examples:
 """
 
 
-@click.command(epilog=EPILOG_TRACE)
+@click.command(cls=PosCommand, epilog=EPILOG_TRACE)
 @click.argument("pid", type=int, required=False)
 @db_option
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True),
               help="Stop after this many seconds.")
-@click.option("--lib", type=click.Path(dir_okay=False),
+@click.option("--lib", type=PosPath(dir_okay=False),
               help="Probe this driver library instead of the one found in /proc/PID/maps.")
 @click.option("--quiet", "-q", is_flag=True, help="No live view; print the summary only.")
 @click.option("--ringbuf-mb", type=click.IntRange(1, 1024), default=64, show_default=True,
@@ -54,19 +55,19 @@ def trace(pid: Optional[int], db: Optional[str], duration: Optional[float], lib:
             click.echo(f"// ---- {family.name}: {family.source}\n{bpf_text(family, pages)}")
         return
     if pid is None:
-        raise click.UsageError("Missing argument 'PID' (the process to trace).")
+        raise MissingArgument("PID", "the process to trace")
     from pos.tracer.record import record
 
     record(pid, db=db, duration=duration, lib=lib, quiet=quiet, ringbuf_pages=pages,
            interval=interval)
 
 
-@click.command(epilog=EPILOG_EXPORT)
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.command(cls=PosCommand, epilog=EPILOG_EXPORT)
+@click.argument("file", type=PosPath(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "perfetto"]), default="jsonl",
               show_default=True)
 @click.option("--trace", "trace_id", type=int, help="Trace id [default: the latest].")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+@click.option("-o", "--output", type=PosPath(dir_okay=False, writable=True),
               help="Write here instead of standard output.")
 def export(file: str, fmt: str, trace_id: Optional[int], output: Optional[str]) -> None:
     """Export a recorded trace: JSON lines (one event each, in time order) or Perfetto."""

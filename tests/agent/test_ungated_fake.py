@@ -9,6 +9,7 @@ import pytest
 
 from pos.agent.control import Agent, Refused
 from pos import concurrent
+from pos.image.opened import open_image
 from tests.agent.conftest import ran_past
 from tests.conftest import wait_for
 from tests.engines.conftest import one_sentence, pos
@@ -32,7 +33,7 @@ def test_a_job_that_looked_up_an_unknown_copy_is_neither_cut_nor_refilled(
                      "memory", "update pos")
         assert not img.exists()
     with pytest.raises(Refused) as refused:
-        concurrent.restore_gpu(job.pid, image)
+        concurrent.restore_gpu(job.pid, open_image(image))
     assert refused.value.ungated == FUTURE
     with Agent(job.pid) as a:
         st = a.status()

@@ -228,20 +228,20 @@ def test_rings_refuse_more_threads_than_they_were_made_for(drv) -> None:
 
 
 def test_an_unknown_fill_start_is_one_sentence(tmp_path: Path, monkeypatch) -> None:
-    from pos import concurrent
+    from pos.settings import Settings
 
     monkeypatch.setenv("POS_FILL_FROM", "later")
     with pytest.raises(BadInput, match="POS_FILL_FROM=later is not one of pause, start"):
-        concurrent.restore_full(tmp_path)
+        Settings.from_env()          # read first by every restore
 
 
 @pytest.mark.parametrize("kib", ["100", "3000", "8192", "2m"])
 def test_a_bad_fill_piece_is_one_sentence(tmp_path: Path, monkeypatch, kib: str) -> None:
-    from pos import concurrent
+    from pos.settings import Settings
 
     monkeypatch.setenv("POS_FILL_PIECE_KIB", kib)
     with pytest.raises(BadInput, match=f"POS_FILL_PIECE_KIB={kib} is not a power of two"):
-        concurrent.restore_full(tmp_path)
+        Settings.from_env()          # read first by every restore
 
 
 @pytest.mark.parametrize("kib, piece", [("2048", 2 << 20), ("256", 256 << 10), ("4096", 4 << 20)])

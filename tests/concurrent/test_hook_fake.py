@@ -25,6 +25,7 @@ from pos.image import gpu as gpuimage
 from pos.image import gpuindex, names
 from pos.image.gpuindex import ChunkRecord
 from pos.image.kinds import ImageKind, kind
+from pos.image.opened import open_image
 from pos.operation.engine import Report
 from pos.operation.gpumap import Onto
 from pos.process.criu import Criu, Options
@@ -95,7 +96,7 @@ def test_gpu_only_images_are_exact_and_restore_reads_back(fill_job, tmp_path: Pa
         assert r.device.shadow_bytes == r.device.bytes
     assert ops == sorted(ops) and ops[0] > 0
     made = job.hold()
-    rr = concurrent.restore_gpu(job.pid, tmp_path / "img0")
+    rr = concurrent.restore_gpu(job.pid, open_image(tmp_path / "img0"))
     assert rr.device.bytes == 12 << 20
     back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
     assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
@@ -784,7 +785,7 @@ def test_small_allocations_share_owned_slabs(fill_job, tmp_path: Path) -> None:
     held = sorted(set(words.tolist()) - {0})
     assert size == 2 << 20 and len(held) == 64 and not torn(held)
     job.hold()
-    concurrent.restore_gpu(job.pid, img)
+    concurrent.restore_gpu(job.pid, open_image(img))
     back = Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "back").path)
     (_b, (where2, _s, chunks2)), = gpuindex.saved(back).items()
     assert [c.hash for c in chunks2] == [c.hash for c in chunks]

@@ -13,6 +13,7 @@ import pytest
 
 from pos import concurrent
 from pos.errors import PosError
+from pos.image.opened import open_image
 from pos.process.criu import Options
 from tests.conftest import wait_for
 from workloads.fill_job import image_values, torn
@@ -62,7 +63,7 @@ def test_checkpoints_and_restores_on_a_worker_thread_hold_nothing_after(
         gpu_only = on_a_thread(lambda: concurrent.checkpoint_gpu(job.pid, tmp_path / f"g{i}"))
         assert not isinstance(gpu_only, BaseException), gpu_only
         assert not torn(image_values(tmp_path / f"g{i}"))
-        back = on_a_thread(lambda: concurrent.restore_gpu(job.pid, tmp_path / f"g{i}"))
+        back = on_a_thread(lambda: concurrent.restore_gpu(job.pid, open_image(tmp_path / f"g{i}")))
         assert not isinstance(back, BaseException), back
         whole = on_a_thread(lambda: concurrent.checkpoint_full(job.pid, tmp_path / f"w{i}",
                                                                Options(), leave_running=True))

@@ -1,7 +1,6 @@
 """Which GPU a whole-process restore fills (concurrent/prefetch.py fill_device): found by the driver
 alone from the image's GPU index, NVML asked only when the driver does not see that GPU."""
 
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -15,7 +14,7 @@ ELSEWHERE = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 
 
 def _device(onto: Optional[str], taken_on: Optional[str]) -> int:
-    return prefetch.fill_device(onto, taken_on, Path("/nonexistent"))
+    return prefetch.fill_device(onto, taken_on, [])
 
 
 @pytest.fixture
@@ -28,7 +27,7 @@ def driver_sees(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             raise PosError(f"the CUDA driver does not see {uuid}", "check CUDA_VISIBLE_DEVICES")
         return 1
 
-    def home(_directory: Path) -> Optional[str]:
+    def home(_gpus: object) -> Optional[str]:
         asked.append("nvml")
         return None            # the host has not the image's GPU
 

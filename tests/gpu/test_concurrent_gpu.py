@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 from pos import concurrent
+from pos.image.opened import open_image
 from workloads.fill_job import image_values, torn
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -35,7 +36,7 @@ def test_images_from_outside_are_exact_and_restore_reads_back(tmp_path: Path) ->
         assert ops == sorted(ops) and ops[0] > 0
         pause.touch()
         time.sleep(0.3)
-        concurrent.restore_gpu(job.pid, tmp_path / "img0")
+        concurrent.restore_gpu(job.pid, open_image(tmp_path / "img0"))
         back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
         assert image_values(Path(back.path)) == image_values(tmp_path / "img0")
         pause.unlink()

@@ -7,6 +7,7 @@ import pytest
 
 from pos.image import kinds, names
 from pos.image.kinds import ImageKind
+from pos.image.opened import open_image
 from tests.image.test_seal import make_image
 
 CRIU = ["pages-1.img", "core-7.img", names.INVENTORY, names.STATS_DUMP, names.DUMP_LOG]
@@ -34,5 +35,5 @@ def test_a_missing_directory_is_taken_for_stop_the_world(tmp_path: Path) -> None
 def test_a_restore_checks_every_file_but_the_gpu_data(tmp_path: Path) -> None:
     data = [names.data_name(names.data_prefix(), 0), names.data_name(names.data_prefix(7), 1)]
     img = make_image(tmp_path, {n: 10 for n in CRIU + [names.INDEX, names.index_name(7)] + data})
-    assert sorted(kinds.checked_by_restore(img)) == sorted(CRIU + [names.INDEX,
+    assert sorted(open_image(img).checked_by_restore) == sorted(CRIU + [names.INDEX,
                                                                    names.index_name(7)])

@@ -1,11 +1,8 @@
 """Which GPUs of this host a process or an image goes onto (pos/operation/gpumap.py)."""
 
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 
-from pos import image, nvml
+from pos import nvml
 from pos.errors import BadInput
 from pos.operation import gpumap
 from pos.operation.gpumap import Onto, gpu_pairs
@@ -52,21 +49,20 @@ def test_a_job_on_two_gpus_goes_where_the_map_says_every_gpu_once() -> None:
         gpu_pairs(["GPU-a"], Onto.parse("0=5"), HERE, INDEX)
 
 
-def test_restore_onto_other_gpus_maps_the_image_gpus_there(tmp_path: Path, monkeypatch) -> None:
+def test_restore_onto_other_gpus_maps_the_image_gpus_there(monkeypatch) -> None:
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: HERE[:2])
     taken_on = [{"uuid": "GPU-a", "index": 0}]
-    monkeypatch.setattr(image, "load", lambda _d: SimpleNamespace(gpus=taken_on))
-    assert gpumap.onto(tmp_path, Onto(index=1)) == (
+    assert gpumap.onto(taken_on, Onto(index=1)) == (
         [("GPU-a", "GPU-b"), ("GPU-b", "GPU-a")], ["GPU-b"])
     with pytest.raises(BadInput, match="this host has 2 GPU"):
-        gpumap.onto(tmp_path, Onto(index=2))
+        gpumap.onto(taken_on, Onto(index=2))
     taken_on.append({"uuid": "GPU-b", "index": 1})
     with pytest.raises(BadInput, match="uses 2 GPUs"):
-        gpumap.onto(tmp_path, Onto(index=1))
-    assert gpumap.onto(tmp_path, Onto.parse("0=1,1=0")) == (
+        gpumap.onto(taken_on, Onto(index=1))
+    assert gpumap.onto(taken_on, Onto.parse("0=1,1=0")) == (
         [("GPU-a", "GPU-b"), ("GPU-b", "GPU-a")], ["GPU-b", "GPU-a"])
     # taken on another host, its GPUs named by the indices they had there
     taken_on[:] = [{"uuid": "GPU-x", "index": 0}, {"uuid": "GPU-y", "index": 1}]
-    assert gpumap.onto(tmp_path, Onto.parse("0=1,1=0")) == (
+    assert gpumap.onto(taken_on, Onto.parse("0=1,1=0")) == (
         [("GPU-x", "GPU-b"), ("GPU-y", "GPU-a")], ["GPU-b", "GPU-a"])

@@ -10,9 +10,10 @@ from pos import nvml
 from pos.engines import migrate, stopworld
 from pos.errors import BadInput
 from pos.operation import restorable
+from pos.operation.engine import Save
 from pos.operation.gpumap import Onto
 from pos.process import cudackpt
-from pos.process.criu import Options
+from pos.settings import Settings
 
 TWO = {"GPU-a": 1 << 30, "GPU-b": 4 << 30}
 
@@ -41,7 +42,8 @@ def test_one_gpu_passes_and_two_are_refused_in_one_sentence(on_two_gpus) -> None
 def test_checkpoint_and_migrate_refuse_it_untouched(on_two_gpus, tmp_path: Path,
                                                     criu_ready) -> None:
     with pytest.raises(BadInput, match="one process per GPU"):
-        stopworld.checkpoint(on_two_gpus.pid, tmp_path / "img", Options(), leave_running=True)
+        stopworld.checkpoint(on_two_gpus.pid, tmp_path / "img", Save(leave_running=True),
+                             Settings.from_env())
     with pytest.raises(BadInput, match="one process per GPU"):
         migrate.to_gpu(on_two_gpus.pid, Onto.parse("0=1,1=0"), 10_000)
     assert not list(tmp_path.iterdir())                  # no image begun

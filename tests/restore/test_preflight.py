@@ -18,6 +18,7 @@ from pos.errors import BadInput
 from pos.image import Manifest, criufiles, gpuindex, names
 from pos.image.criuimg import IMG_COMMON_MAGIC
 from pos.image.gpuindex import BufferRecord, GpuIndex
+from pos.image.opened import open_image
 from pos.process import cudackpt
 from pos.restore import preflight
 from pos.restore.preflight import CONTEXT_BYTES, GiB
@@ -111,7 +112,7 @@ def make_image(tmp_path: Path, opened: Optional[dict[str, Optional[int]]] = None
 
 def check(img: Path, pairs: tuple[tuple[str, str], ...] = (), inherit: tuple[str, ...] = ()
           ) -> None:
-    preflight.check(img, image.check_files(img), pairs, inherit)
+    preflight.check(open_image(img), pairs, inherit)
 
 
 def refusal(img: Path, pairs: tuple[tuple[str, str], ...] = (),
@@ -268,22 +269,22 @@ def test_criu_files_that_cannot_be_read_are_left_to_criu(tmp_path: Path) -> None
 
 def test_a_taken_pid_and_another_driver_are_refused(tmp_path: Path, host_gpus,
                                                     monkeypatch) -> None:
-    img = make_image(tmp_path, gpus=(on("GPU-a"),))
-    m = image.check_files(img)
+    opened = open_image(make_image(tmp_path, gpus=(on("GPU-a"),)))
+    m = opened.manifest
     m.pids = [os.getpid()]
     with pytest.raises(BadInput, match=f"PID {os.getpid()} of the image is taken") as e:
-        preflight.check(img, m)
+        preflight.check(opened)
     assert ("cannot run side by side" in e.value.fix) == bool(m.gpu_pids)
     m.gpu_pids = []           # a job without CUDA is told how to take an image of many copies
     with pytest.raises(BadInput, match="checkpoint a job started with `pos run --clonable`"):
-        preflight.check(img, m)
+        preflight.check(opened)
     m.inner_pids = [1]        # ... and such an image is not refused for its PIDs
     preflight.pids_free(m)
-    m = image.check_files(img)
-    m.driver_version = "570.1"
+    opened = open_image(opened.path)
+    opened.manifest.driver_version = "570.1"
     monkeypatch.setattr(nvml, "driver_version", lambda: "580.159.04")
     with pytest.raises(BadInput, match="taken with NVIDIA driver 570.1 and this host runs 580"):
-        preflight.check(img, m)
+        preflight.check(opened)
 
 
 # -- nothing behind --------------------------------------------------------------------------
@@ -310,7 +311,8 @@ def nothing_left(tmp_path: Path, calls: Path) -> None:
 
 @pytest.mark.parametrize("case", ["model", "memory", "file"])
 def test_a_refused_restore_starts_nothing(tmp_path: Path, host_gpus, fake_criu, case) -> None:
-    from pos.restore.tree import restore_tree
+    from pos.restore.tree import TreeRequest, restore_tree
+    from pos.settings import Settings
 
     pairs: list[tuple[str, str]] = []
     if case == "model":
@@ -320,7 +322,7 @@ def test_a_refused_restore_starts_nothing(tmp_path: Path, host_gpus, fake_criu, 
     else:
         img = make_image(tmp_path, opened={str(tmp_path / "gone.bin"): 1})
     with pytest.raises(BadInput):
-        restore_tree(img, gpu_pairs=pairs)
+        restore_tree(TreeRequest(open_image(img), Settings.from_env(), gpu_pairs=tuple(pairs)))
     nothing_left(tmp_path, fake_criu)
 
 
@@ -353,7 +355,7 @@ def test_a_refused_concurrent_restore_makes_no_device_memory(tmp_path: Path, hos
     assert concurrent_restore.Prefetch is prefetch.Prefetch
     img = make_image(tmp_path, gpus=(on("GPU-b", H100, used=1),), buffers=[70 * GiB])
     with pytest.raises(BadInput, match="GPU 2 of this host has 60.0 GiB free"):
-        concurrent.restore_full(img, to_gpu=Onto.parse("2"))
+        concurrent.restore_full(open_image(img), to_gpu=Onto.parse("2"))
     assert not made, "device memory was made"
     nothing_left(tmp_path, fake_criu)
 
