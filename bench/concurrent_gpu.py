@@ -73,6 +73,7 @@ from pos.concurrent.fill import fill, fill_order  # noqa: E402
 from pos.concurrent.handout import Handout  # noqa: E402
 from pos.driver import CUdeviceptr  # noqa: E402
 from pos.image import gpuindex, names  # noqa: E402
+from pos.image.opened import open_image  # noqa: E402
 from pos.process import cudackpt  # noqa: E402
 from workloads.fill_job import image_values, torn  # noqa: E402
 
@@ -395,7 +396,7 @@ def consistency(out: Path, images: Path, n_images: int) -> dict[str, Any]:
         pause.touch()
         time.sleep(0.5)
         first = images / "fill-0"
-        rr = concurrent.restore_gpu(pid, first)
+        rr = concurrent.restore_gpu(pid, open_image(first))
         again = concurrent.checkpoint_gpu(pid, images / "fill-readback")
         res["restore"] = rr.to_json()
         res["readback_equal"] = image_values(first) == image_values(Path(again.path))

@@ -5,10 +5,11 @@ host). Root, on an NVIDIA GPU:
     python3 bench/pin_probe.py --out DIR [--gib 16]
 
 Ways measured, each on fresh memory of --gib GiB, in 1 GiB pieces:
-  register-tN     pos's arena (gpucopy.Pinned): anonymous memory on transparent huge pages,
-                  cuMemHostRegister by N threads
-  fault+reg-t16   the pages faulted in by 16 threads first (a write every 2 MiB), then
+  register-tN     anonymous memory on transparent huge pages, cuMemHostRegister by N
+                  threads (the driver faults the pages in: pos's arena before 2026-11-28)
+  fault+reg-t16   the pages faulted in by 16 threads first (memset), then
                   registered by 8 threads: which of the two is the slow part
+  arena           pos's arena as it is (gpucopy.Pinned), all of it locked before it returns
   allochost-t8    cuMemAllocHost, one piece a thread, 8 threads
 and the copy device-to-host into a pinned arena (8 streams, 64 MiB chunks: the engine's
 settings) against the link's limit. Writes DIR/pin.json.
@@ -37,16 +38,39 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.monotonic() - t
 
 
+def fresh(gib: int) -> tuple[mmap.mmap, int]:
+    """Anonymous memory on transparent huge pages, as pos's arena takes it, untouched."""
+    m = mmap.mmap(-1, gib * GIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    return m, C.addressof(C.c_char.from_buffer(m))
+
+
 def register(drv: Any, gib: int, threads: int) -> dict[str, float]:
-    arena, s = timed(lambda: gpucopy.Pinned(drv, gib * GIB, workers=threads))
-    _, u = timed(arena.close)
+    """cuMemHostRegister on untouched memory by `threads` threads: the driver faults it in."""
+    _m, ptr = fresh(gib)
+    ctx = gpucopy.current(drv)
+
+    def reg(k: int) -> None:
+        drv.cuCtxSetCurrent(ctx)
+        drv.cuMemHostRegister_v2(ptr + k * GIB, GIB, 0)
+
+    with ThreadPoolExecutor(threads) as pool:
+        _, s = timed(lambda: list(pool.map(reg, range(gib))))
+    t = time.monotonic()
+    for k in range(gib):
+        drv.cuMemHostUnregister(ptr + k * GIB)
+    return {"pin_s": s, "gbps": gib * GIB / s / 1e9, "unpin_s": time.monotonic() - t}
+
+
+def arena(drv: Any, gib: int) -> dict[str, float]:
+    """pos's own arena (gpucopy.Pinned), all of it locked before it returns."""
+    a, s = timed(lambda: gpucopy.Pinned(drv, gib * GIB))
+    _, u = timed(a.close)
     return {"pin_s": s, "gbps": gib * GIB / s / 1e9, "unpin_s": u}
 
 
 def fault_then_register(drv: Any, gib: int) -> dict[str, float]:
-    m = mmap.mmap(-1, gib * GIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    ptr = C.addressof(C.c_char.from_buffer(m))
+    _m, ptr = fresh(gib)
     ctx = gpucopy.current(drv)
 
     def touch(k: int) -> None:
@@ -116,6 +140,8 @@ def main() -> None:
         print(n, res[f"register-t{n}"], flush=True)
     res["fault+reg-t16"] = fault_then_register(drv, a.gib)
     print(res["fault+reg-t16"], flush=True)
+    res["arena"] = arena(drv, a.gib)
+    print(res["arena"], flush=True)
     res["allochost-t8"] = alloc_host(drv, a.gib)
     print(res["allochost-t8"], flush=True)
     res["d2h-8streams-64MiB"] = d2h(drv, a.gib)

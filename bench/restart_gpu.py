@@ -187,16 +187,19 @@ def restore_here(directory: Path, engine: str) -> tuple[float, dict[str, Any]]:
     """The restore run in this process (pos's imports done beforehand): when the job's calls
     were let through, and the engine's steps' wall times and timings."""
     from pos import concurrent
-    from pos.restore.tree import restore_tree
+    from pos.image.opened import open_image
+    from pos.restore.tree import TreeRequest, restore_tree
+    from pos.settings import Settings
 
     with step_times() as marks:
         t = time.time()
         if engine == "concurrent":
-            r = concurrent.restore_full(directory)
+            r = concurrent.restore_full(open_image(directory))
             timings = r.timings
             released = dict(marks).get("fill", time.time())
         else:
-            timings = restore_tree(directory).timings
+            timings = restore_tree(TreeRequest(open_image(directory),
+                                               Settings.from_env())).timings
             released = time.time()
     return released, {"start": t, "steps": [(n, round(w - t, 4)) for n, w in marks],
                       "timings": timings, "returned_s": time.time() - t}
