@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pos.agent import peers
@@ -92,6 +93,17 @@ class _Refill:
                 agent.close()
 
 
+def movable(folder: Path, moving: bool) -> list[peers.Link]:
+    """The image's peer links; refused when it is to move to other GPUs and has some (said
+    before this host's GPUs are looked at: no host could move it)."""
+    links = peers.read(folder)
+    if moving and links:
+        raise BadInput(f"the processes of {folder} map each other's GPU memory (NCCL's P2P "
+                       "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
+                       "restore it without --to-gpu, onto the GPUs it was taken on")
+    return links
+
+
 def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
                  streams: int = FILL_STREAMS, echo: Echo = lambda _: None,
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
@@ -112,11 +124,7 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     t0 = time.monotonic()
     # pos's own start-up, before the restore's clock
     started = host.age(os.getpid()) if started_s is None else started_s
-    links = peers.read(img.path)
-    if to_gpu is not None and links:
-        raise BadInput(f"the processes of {img.path} map each other's GPU memory (NCCL's P2P "
-                       "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
-                       "restore it without --to-gpu, onto the GPUs it was taken on")
+    links = movable(img.path, to_gpu is not None)
     pairs: list[tuple[str, str]] = []
     where: list[str] = []         # the UUIDs of the GPUs it moves to
     if to_gpu is not None:

@@ -210,9 +210,11 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
     load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
     with Progress.on_terminal(f"restore {directory}", as_json) as progress:
-        if to_gpu is not None:      # a host that cannot move it: said before the image is read
+        if to_gpu is not None:      # an image or a host that cannot move it: said first
+            from pos.concurrent.restore import movable
             from pos.operation import gpumap
 
+            movable(Path(directory), True)
             gpumap.check_host(to_gpu)
         img = open_image(Path(directory))
         engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
