@@ -27,8 +27,7 @@
 #   bench/device.sh perf         # bench/perf_gpu.py: where a checkpoint's and a restore's
 #                                # seconds go, each case beside its baseline in the same run
 #                                # (POS_PERF_CASES, default 0.3+pinall+nostw,0.3+nostw,
-#                                # 0.3+shadow8+pinall+nostw,0.3+shadow8+nostw: scale_gpu.py's
-#                                # specs), perf.json (~8 min)
+#                                # 0.3+shadow8+nostw: scale_gpu.py's specs), perf.json (~6 min)
 #   bench/device.sh nccl         # (four GPUs) DDP with NCCL's defaults at POS_NCCL_RANKS
 #                                # (default "2 4") ranks, either engine: refused untouched,
 #                                # the job running on exact (POS_NCCL_DEFAULT_ENGINES: which
@@ -136,7 +135,7 @@ perf)
         > "$out/mem.log" 2>&1 &
     sampler=$!
     step perf python3 bench/perf_gpu.py --out "$out" \
-        --cases "${POS_PERF_CASES:-0.3+pinall+nostw,0.3+nostw,0.3+shadow8+pinall+nostw,0.3+shadow8+nostw}"
+        --cases "${POS_PERF_CASES:-0.3+pinall+nostw,0.3+nostw,0.3+shadow8+nostw}"
     kill "$sampler" 2>/dev/null
     grep '^row' "$out/perf.log" | cut -c1-900
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null) ;;

@@ -14,8 +14,9 @@ Every setting, its variable and its default:
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
   pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
                                             to the image (beside what it could not shadow)
-  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (the rest is
-                                            locked while the copy runs); `all`: all of it
+  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (the ring's
+                                            size; the rest is locked while the copy runs);
+                                            `all`: all of it
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
@@ -58,10 +59,11 @@ DEFAULT_FILL_PIECE_KIB = 2048
 # shadowed, was held 1.4 s with 8 GiB against 2.0-4.3 s with an arena as large as the job (the
 # host's memory left to CRIU and the driver), and sealed sooner (bench/results/2026-11-28-perf)
 DEFAULT_PIN_RING = 8 << 30
-# locked before the cut: one piece of the arena (gpucopy.Pinned.PIECE), a few hundredths of a
-# second on the H200 host, where locking all of a 48 GiB job's arena first took 16 s
-# (bench/results/2026-11-28-perf); None: all of it (the baseline)
-DEFAULT_PIN_AHEAD: Optional[int] = 1 << 30
+# Locked before the cut, by default: the ring (its size: a few tenths of a second on the H200
+# host, where the driver locking all of a 48 GiB job's arena first took 16 s). The part for
+# what pos cannot shadow is locked behind the cut: locking beside the job's hold slowed the
+# driver's calls in it (the shadow's copy 0.42 s instead of 0.03, the remap 0.30 instead of
+# 0.03: bench/results/2026-11-28-perf), so the engine holds it then. None: all before the cut.
 DEFAULT_HOIST_STACK: Optional[int] = 0
 DEFAULT_CRIU_WAIT_S = 3600.0
 # off until it is measured against the full restore on the GPU machines
@@ -78,7 +80,7 @@ class Settings:
     predump: bool = True
     pin_max_bytes: Optional[int] = None
     pin_ring_bytes: int = DEFAULT_PIN_RING
-    pin_ahead_bytes: Optional[int] = DEFAULT_PIN_AHEAD
+    pin_ahead_bytes: Optional[int] = DEFAULT_PIN_RING
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
@@ -136,6 +138,9 @@ class Settings:
                 raise ValueError(raw)
             return int(value * 2**30)
 
+        ring = get("POS_PIN_RING_GIB", gib, DEFAULT_PIN_RING, "a number of GiB above 0",
+                   f"unset it (the ring is then {DEFAULT_PIN_RING >> 30} GiB)")
+        ahead: Optional[int] = ring
         return cls(
             criu=env.get("POS_CRIU", ""),
             log_dir=Path(env.get("POS_LOG_DIR") or DEFAULT_LOG_DIR),
@@ -147,12 +152,11 @@ class Settings:
             predump=env.get("POS_PREDUMP") != "0",
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
-            pin_ring_bytes=get("POS_PIN_RING_GIB", gib, DEFAULT_PIN_RING, "a number of GiB above "
-                               "0", f"unset it (the ring is then {DEFAULT_PIN_RING >> 30} GiB)"),
+            pin_ring_bytes=ring,
             pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "all"
-                                else gib(raw), DEFAULT_PIN_AHEAD, "a number of GiB above 0, "
-                                "or all", "unset it (1 GiB is then locked before the cut, the "
-                                "rest while the copy runs)"),
+                                else gib(raw), ahead, "a number of GiB above 0, or all",
+                                "unset it (the ring is then locked before the cut, the rest "
+                                "while the copy runs)"),
             frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
                             f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
                             "then copies only what pos could not shadow)"),

@@ -38,7 +38,7 @@ from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver
 from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
-from pos.operation import restorable
+from pos.operation import restorable, steps
 from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import Plan
@@ -77,6 +77,9 @@ class _Whole:
         self.leave_running, self.lock_timeout_ms = leave_running, lock_timeout_ms
         self.streams, self.chunk, self.echo, self.settings = streams, chunk, echo, settings
         self.started = time.monotonic()
+        # before the cut, timed before the guard's timings exist: the command's start-up (its
+        # age now), the refusals' questions
+        self.early: dict[str, float] = {"to_start": host.age(os.getpid()) or 0.0}
         self.agents: list[Agent] = []
         self.savers: list[Saver] = []
         self.taken: list[Taken] = []
@@ -100,7 +103,7 @@ class _Whole:
                            "checkpoint a job that runs on") from None
 
     def _run(self) -> Report:
-        self.refuse()
+        steps.timed(self.early, "refuse", self.refuse)
         try:
             self.prepare()
             with Guard(self.plan, self.echo, self.settings) as g:
@@ -182,7 +185,7 @@ class _Whole:
         stall counts from there)."""
         self.agents = [reconnected(s, self.echo) for s in self.savers]
         t0 = time.monotonic()
-        g.timings["to_cut"] = host.age(os.getpid()) or 0.0     # from the command's start
+        g.timings.update(self.early, to_cut=host.age(os.getpid()) or 0.0)   # from its start
         g.step("cut", staging=str(stage or ""))
         if self.several:
             from pos.concurrent import collective
@@ -252,7 +255,7 @@ class _Whole:
         g.each("unlock", self.cuda, cudackpt.unlock)
         for s, t in zip(self.savers, self.taken):
             s.agent = Agent(s.pid)
-            back = g.timed("remap", lambda: s.connected().remap(t.fds))
+            back = g.timed("remap", lambda: t.paused(lambda: s.connected().remap(t.fds)))
             g.timings["stack_back"] = back.stack_s
         if self.links:         # every job held still: none runs before its imports are back
             agents = [s.connected() for s in self.savers]

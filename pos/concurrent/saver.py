@@ -52,9 +52,10 @@ class Saver:
         self.settings, self.streams, self.chunk = settings, streams, chunk
         self.gpu = devices.gpu_of(agent.pid)          # the job's GPU, recorded in its index
         # pos's context on it, made current again by each step (`use`), let go by `close`
-        self.context = gpucopy.Context(devices.cuda_device(self.gpu))
-        self.drv = self.context.drv
         self.timings: dict[str, float] = {}
+        self.context = self.timed("context", lambda: gpucopy.Context(
+            devices.cuda_device(self.gpu)))
+        self.drv = self.context.drv
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.owned_bytes = self.foreign_bytes = 0
@@ -188,6 +189,8 @@ class Taken:
         saver.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(saver.drv)
                                               + (saver.shadow.size if saver.shadow else 0))
         self.table: list[Buffer] = agent.table()
+        assert saver.host is not None        # Saver.prepare made it
+        saver.host.pause()                   # the driver's calls here run alone (Pinned)
         try:
             self.fds = saver.timed("export", lambda: export(saver))
             self.mem = saver.timed("import", lambda: gpucopy.Imported(saver.drv, self.table,
@@ -197,6 +200,8 @@ class Taken:
         except BaseException:
             self.close()
             raise
+        finally:
+            saver.host.resume()
 
     @property
     def pid(self) -> int:
@@ -260,8 +265,9 @@ class Taken:
         self._copier().release_shadowed()
 
     def paused(self, call: Callable[[], Any]) -> Any:
-        """The driver's checkpoint or restore of the job, with pos's copy to host memory held:
-        the driver copies the job's context over the same bus, and holds the job meanwhile."""
+        """The driver's checkpoint or restore of the job (or the job's remap), with pos's copy
+        to host memory and the locking of its arena held: the driver copies the job's context
+        over the same bus, and holds the job meanwhile."""
         self._copier().pause()
         try:
             return call()

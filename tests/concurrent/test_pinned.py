@@ -96,11 +96,13 @@ def test_all_ahead_waits_for_the_whole_arena() -> None:
         arena.close()
 
 
-@pytest.mark.parametrize("raw, ahead", [(None, 1 << 30), ("all", None), ("2", 2 << 30)])
-def test_what_is_locked_before_the_cut_is_a_setting(raw, ahead) -> None:
+@pytest.mark.parametrize("env, ahead", [({}, 8 << 30), ({"POS_PIN_RING_GIB": "3"}, 3 << 30),
+                                        ({"POS_PIN_AHEAD_GIB": "all"}, None),
+                                        ({"POS_PIN_AHEAD_GIB": "2"}, 2 << 30)])
+def test_what_is_locked_before_the_cut_is_the_ring_or_a_setting(env, ahead) -> None:
     from pos.settings import Settings
 
-    assert Settings.from_env({"POS_PIN_AHEAD_GIB": raw} if raw else {}).pin_ahead_bytes == ahead
+    assert Settings.from_env(env).pin_ahead_bytes == ahead
 
 
 def test_a_bad_ahead_setting_is_one_sentence() -> None:
