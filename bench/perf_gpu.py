@@ -23,7 +23,6 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_gpu import GIB, Spec, one_row, setting  # noqa: E402
 
-from pos.concurrent.saver import SAVE_STREAMS  # noqa: E402
 from pos.operation.timings import Kind, kind  # noqa: E402
 
 GB = 1e9
@@ -61,9 +60,9 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         else None,
         "pin_before_cut_s": r(tim.get("pin")), "pin_all_s": r(tim.get("pin_all")),
         "d2h_gbps": r(rep.get("d2h_gbps"), 2), "link_limit_gbps": LINK_GBPS,
-        # the rate while copying: the bytes over the copies' own seconds, per stream
-        "d2h_busy_gbps": r(rep["bytes"] / (tim["d2h_threads"] / SAVE_STREAMS) / GB, 2)
-        if rep and tim.get("d2h_threads") else None,
+        # the rate while copying: the bytes over the seconds in which a chunk was copied
+        "d2h_busy_gbps": r(rep["bytes"] / tim["d2h_busy"] / GB, 2)
+        if rep and tim.get("d2h_busy") else None,
         "sealed_s": r(tim.get("sealed_s"), 2),
         "first_step_s": r(run.get("first_step_s")),
         "pos_restore_exit_s": r(restore.get("s")) if restore.get("rc") == 0 else None,

@@ -127,7 +127,8 @@ class Copier:
         self.lock = threading.Lock()
         self.t0 = 0.0
         self.d2h_s = self.disk_s = 0.0
-        self.d2h_threads_s = 0.0     # the copies' own seconds, summed over the streams
+        self.d2h_busy_s = 0.0        # the seconds in which at least one chunk was copied
+        self.copying, self.busy_since = 0, 0.0
         self.threads = max(1, writers)          # scanners, and as many writers
         self.scanning = self.threads            # scanners not ended yet
         self.crew = Crew("pos-copy", on_stop=self._wake)
@@ -196,7 +197,10 @@ class Copier:
             if i in self.shadowed:          # taken only once no other buffer's chunk is left
                 self.shadow_go.wait()
             slot = self._slot()
-            t = time.monotonic()
+            with self.lock:
+                if not self.copying:
+                    self.busy_since = time.monotonic()
+                self.copying += 1
             try:
                 self.drv.cuMemcpyDtoHAsync_v2(self.arena.ptr + slot, self.sources[i] + off, n,
                                               stream)
@@ -204,9 +208,13 @@ class Copier:
             except BaseException:
                 self.slots.put(slot)
                 raise
+            finally:
+                with self.lock:
+                    self.copying -= 1
+                    if not self.copying:
+                        self.d2h_busy_s += time.monotonic() - self.busy_since
             with self.lock:
                 self.copied_bytes += n
-                self.d2h_threads_s += time.monotonic() - t
             self.scans.put((i, off, n, slot))
 
         try:

@@ -288,7 +288,7 @@ class Taken:
         job keeps its own mapping)."""
         self._copier().wait_copied()
         self.saver.timings["d2h"] = self._copier().d2h_s
-        self.saver.timings["d2h_threads"] = self._copier().d2h_threads_s
+        self.saver.timings["d2h_busy"] = self._copier().d2h_busy_s
         self._drop_device()
 
     def _drop_device(self) -> None:

@@ -203,12 +203,6 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     if not (no_service or inherit_fd or gpu_only_pid is not None) and \
             _served(directory, to_gpu, db, as_json):
         return
-    if gpu_only_pid is None:      # the store's modules (SQLAlchemy) load beside the restore
-        import importlib
-        import threading
-
-        threading.Thread(target=importlib.import_module, args=("pos.store.images",),
-                         name="pos-store-import", daemon=True).start()
 
     from pos.engines import engines
     from pos.image.opened import open_image
@@ -227,8 +221,8 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
                   if gpu_only_pid is not None else
                   engines.for_image(img, settings, _lines(as_json, progress), progress))
         r = engine.restore(img, load)
-    if gpu_only_pid is None:
-        from pos.operation import steps
+    if gpu_only_pid is None:      # its import (SQLAlchemy's) waits for the job: beside the
+        from pos.operation import steps    # restore it slowed the checks 0.6 s on the H200 host
 
         steps.timed(r.timings, "record", lambda: _mark_restored(db, Path(r.path)))
     _report(r, as_json)

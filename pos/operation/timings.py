@@ -25,8 +25,7 @@ class Kind(enum.Enum):
 SUFFIXES = {"_mib": Kind.MIB, "_bytes": Kind.BYTES, "_rc": Kind.CODE, "_n": Kind.COUNT,
             "_at": Kind.MOMENT}
 # the keys whose name does not say what they are
-EXCEPTIONS = {"read_threads": Kind.THREADS, "d2h_threads": Kind.THREADS,
-              "sealed_s": Kind.MOMENT}
+EXCEPTIONS = {"read_threads": Kind.THREADS, "sealed_s": Kind.MOMENT}
 # how a value reads for a person: seconds, but for these kinds
 UNITS = {Kind.MIB: "{:.0f} MiB", Kind.BYTES: "{:.0f} bytes", Kind.CODE: "{:.0f}",
          Kind.COUNT: "{:.0f}"}
