@@ -135,8 +135,7 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
     from pos.process import procs
     from pos.progress import Progress
     from pos.settings import Settings
-    from pos.store import images
-    from pos.store.db import open_store
+    from pos.store import db as store
 
     if gpu_only and not concurrent:
         raise click.UsageError("--gpu-only goes with --concurrent.")
@@ -150,13 +149,17 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
         _lines(as_json)(f"PID {pid} runs its job in namespaces of its own: checkpointing the "
                         f"job, PID {job}")
         pid = job
-    open_store(db)                      # then a bad --db, before the process is touched
+    # then a bad --db, before the process is touched (with sqlite3 alone: SQLAlchemy's import
+    # and the store's opening would come before the cut); the image is recorded once sealed
+    store.check(db or store.default_db_path())
     save = engines.Save(options, leave_running, int(lock_timeout * 1000), streams=streams,
                         chunk_mb=chunk_mb)
     with Progress.on_terminal(f"checkpoint PID {pid}", as_json) as progress:
         engine = engines.for_checkpoint(concurrent, gpu_only, settings,
                                         _lines(as_json, progress), progress)
         r = engine.checkpoint(pid, Path(directory), save)
+    from pos.store import images
+
     images.record(db, r.path, r.manifest.to_json() if r.manifest else "{}")
     _report(r, as_json)
 
