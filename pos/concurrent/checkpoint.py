@@ -39,7 +39,7 @@ from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import restorable, steps
-from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report
+from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report, Save
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import Plan
 from pos.operation.steps import Echo, Guard
@@ -56,26 +56,25 @@ if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
 Dump = Callable[[Guard, Path], None]
 
 
-def checkpoint_full(pid: int, directory: Path, options: Options, leave_running: bool = True,
-                    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, streams: int = SAVE_STREAMS,
-                    chunk_mb: int = DEFAULT_CHUNK_MB, echo: Echo = lambda _: None,
+def checkpoint_full(pid: int, directory: Path, save: Save, echo: Echo = lambda _: None,
                     settings: Optional[Settings] = None, dump: Optional[Dump] = None) -> Report:
     """A whole-process image of the tree of `pid`, whose CUDA processes are `pos run` jobs (see
     the module docstring), restorable into new processes by concurrent.restore.restore_full.
     `dump`: what dumps the tree in place of pos's CRIU (see Dump)."""
-    return _Whole(pid, Path(directory), options, leave_running, lock_timeout_ms, streams,
-                  chunk_mb << 20, echo, settings or Settings.from_env(), dump).run()
+    return _Whole(pid, Path(directory), save, echo, settings or Settings.from_env(), dump).run()
 
 
 class _Whole:
     """One whole-process concurrent checkpoint, phase by phase."""
 
-    def __init__(self, pid: int, directory: Path, options: Options, leave_running: bool,
-                 lock_timeout_ms: int, streams: int, chunk: int, echo: Echo,
-                 settings: Settings, dump: Optional[Dump] = None) -> None:
-        self.pid, self.directory, self.options = pid, directory, options
-        self.leave_running, self.lock_timeout_ms = leave_running, lock_timeout_ms
-        self.streams, self.chunk, self.echo, self.settings = streams, chunk, echo, settings
+    def __init__(self, pid: int, directory: Path, save: Save, echo: Echo, settings: Settings,
+                 dump: Optional[Dump] = None) -> None:
+        self.pid, self.directory, self.options = pid, directory, save.options
+        self.leave_running, self.lock_timeout_ms = save.leave_running, save.lock_timeout_ms
+        self.streams = save.streams or SAVE_STREAMS
+        self.chunk = (save.chunk_mb or DEFAULT_CHUNK_MB) << 20
+        self.echo, self.settings = echo, settings
+        self._plan: Optional[Plan] = None     # made by prepare
         self.started = time.monotonic()
         # before the cut, timed before the guard's timings exist: the command's start-up (its
         # age now), the refusals' questions
@@ -96,7 +95,7 @@ class _Whole:
         except PosError as e:
             if procs.alive(self.pid):
                 raise
-            step = self.plan.step if hasattr(self, "plan") and self.plan.step else "prepare"
+            step = self._plan.step if self._plan is not None and self._plan.step else "prepare"
             raise PosError(f"PID {self.pid} ended while pos was checkpointing it (at step "
                            f"{step}), so nothing was saved",
                            "see how the job ended (its exit status, its standard error), and "
@@ -125,6 +124,12 @@ class _Whole:
         finally:
             self.close()
         return self.report(final)
+
+    @property
+    def plan(self) -> Plan:
+        """What the watchdog follows (prepare made it)."""
+        assert self._plan is not None
+        return self._plan
 
     @property
     def several(self) -> bool:
@@ -160,7 +165,7 @@ class _Whole:
         self.partial = image.prepare(self.directory, self.resident + owned)
         self.manifest = new_manifest(self.pid, self.pids, self.cuda, self.criu.version_text,
                                      self.options, self.leave_running, nvml.gpus_of(self.cuda))
-        self.plan = Plan("checkpoint", self.pids, self.cuda, criu_path=self.criu.path,
+        self._plan = Plan("checkpoint", self.pids, self.cuda, criu_path=self.criu.path,
                          images=str(self.partial),
                          stopped=[p for p in self.pids if procs.state(p) in ("T", "t")],
                          criu_options=self.options.to_json())

@@ -18,8 +18,7 @@ from pos.container import ARCHIVE, podman
 from pos.container.cdi import AGENT, QUALIFIED
 from pos.errors import BadInput
 from pos.process import procs
-from pos.process.criu import Options
-from pos.operation.engine import Report
+from pos.operation.engine import Report, Save
 from pos.settings import Settings
 from pos.operation.steps import Echo, Guard
 
@@ -50,8 +49,8 @@ def checkpoint(name: str, directory: Path, leave_running: bool, settings: Settin
 
     # podman's checkpoint leaves the container running (the engine's thaw), and pos stops it
     # only once the image is sealed: until then a failure lets it run on
-    report = concurrent.checkpoint_full(c.pid, directory, Options(), True, echo=echo,
-                                        settings=settings, dump=dump)
+    report = concurrent.checkpoint_full(c.pid, directory, Save(leave_running=True), echo,
+                                        settings, dump)
     if not leave_running:
         podman.stop(c.id)
     return report

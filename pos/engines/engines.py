@@ -75,12 +75,8 @@ class Concurrent(_Base):
     @one_at_a_time
     def checkpoint(self, pid: int, directory: Path, save: Save) -> Report:
         from pos import concurrent
-        from pos.concurrent.saver import DEFAULT_CHUNK_MB, SAVE_STREAMS
 
-        return concurrent.checkpoint_full(
-            pid, directory, save.options, save.leave_running, save.lock_timeout_ms,
-            save.streams or SAVE_STREAMS, save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
-            self.settings)
+        return concurrent.checkpoint_full(pid, directory, save, self.echo, self.settings)
 
     def restore(self, img: Opened, load: Load) -> Report:
         from pos import concurrent

@@ -26,7 +26,7 @@ from pos.image import gpuindex, names
 from pos.image.gpuindex import ChunkRecord
 from pos.image.kinds import ImageKind, kind
 from pos.image.opened import open_image
-from pos.operation.engine import Report
+from pos.operation.engine import Report, Save
 from pos.operation.gpumap import Onto
 from pos.process.criu import Criu, Options
 from pos.settings import Settings
@@ -580,7 +580,7 @@ def test_a_predump_that_fails_leaves_the_frozen_dump_whole(
                         lambda self, *a: ran.append(real(self, *a)) or ran[-1])
     job = fill_job()
     img = tmp_path / own("img")
-    report = concurrent.checkpoint_full(job.pid, img, Options(), leave_running=True)
+    report = concurrent.checkpoint_full(job.pid, img, Save(leave_running=True))
     assert report.manifest is not None
     (argv,) = ran                                # into the folder CRIU then dumps into
     assert argv[1:3] == ["pre-dump", "-D"] and Path(argv[3]).name == names.PARENT

@@ -22,7 +22,7 @@ from pos import concurrent
 from pos.agent.control import Agent
 from pos.concurrent import gpucopy
 from pos.errors import PosError
-from pos.process.criu import Options
+from pos.operation.engine import Save
 from tests.concurrent.test_hook_fake import own
 from workloads.fill_job import image_values, torn
 
@@ -75,7 +75,7 @@ def test_a_pin_longer_than_the_agents_idle_limit_still_reaches_the_cut(
     gpu_env["POS_AGENT_STALL_S"] = "2"
     job = fill_job(buffers=BUFFERS)
     slow_pin(monkeypatch, 3.0)
-    r = concurrent.checkpoint_full(job.pid, tmp_path / own("img"), Options(), leave_running=True)
+    r = concurrent.checkpoint_full(job.pid, tmp_path / own("img"), Save(leave_running=True))
     assert r.device is not None and r.device.buffers == BUFFERS
     assert not torn(image_values(Path(r.path)))
     assert r.timings["prepare_connection_lost_n"] == 1    # the status's, counted
@@ -99,7 +99,7 @@ def test_an_idle_connection_ended_in_the_job_during_the_pin_still_reaches_the_cu
     pins; the agent, idle, takes it for pos's own close and says nothing."""
     job = fill_job(buffers=BUFFERS)
     slow_pin(monkeypatch, 2.0, lambda: shut_down_in_job(job.pid, connection_fd(job.pid)))
-    r = concurrent.checkpoint_full(job.pid, tmp_path / own("img"), Options(), leave_running=True)
+    r = concurrent.checkpoint_full(job.pid, tmp_path / own("img"), Save(leave_running=True))
     assert r.device is not None and r.device.buffers == BUFFERS
     assert not torn(image_values(Path(r.path)))
     assert job.alive()

@@ -14,7 +14,7 @@ import pytest
 from pos import concurrent
 from pos.errors import PosError
 from pos.image.opened import open_image
-from pos.process.criu import Options
+from pos.operation.engine import Save
 from tests.conftest import wait_for
 from workloads.fill_job import image_values, torn
 
@@ -66,7 +66,7 @@ def test_checkpoints_and_restores_on_a_worker_thread_hold_nothing_after(
         back = on_a_thread(lambda: concurrent.restore_gpu(job.pid, open_image(tmp_path / f"g{i}")))
         assert not isinstance(back, BaseException), back
         whole = on_a_thread(lambda: concurrent.checkpoint_full(job.pid, tmp_path / f"w{i}",
-                                                               Options(), leave_running=True))
+                                                               Save(leave_running=True)))
         assert not isinstance(whole, BaseException), whole
         assert job.alive()
         settled(fakegpu, before)
@@ -84,7 +84,7 @@ def test_a_failure_on_a_worker_thread_is_undone_and_holds_nothing(
     monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuCheckpointProcessCheckpoint")
     for i in range(2):
         failed = on_a_thread(lambda: concurrent.checkpoint_full(job.pid, tmp_path / f"w{i}",
-                                                                Options(), leave_running=True))
+                                                                Save(leave_running=True)))
         assert isinstance(failed, PosError), failed
         assert "cuCheckpointProcessCheckpoint" in str(failed)
         assert not (tmp_path / f"w{i}").exists() and not (tmp_path / f"w{i}.partial").exists()
