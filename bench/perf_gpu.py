@@ -16,12 +16,11 @@ steps in seconds; `restore_phases`: the restore's), the raw runs in DIR/perf-run
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_gpu import GIB, Spec, one_row, setting  # noqa: E402
+from scale_gpu import GIB, runs_of, setting  # noqa: E402
 
 from pos.operation.timings import Kind, kind  # noqa: E402
 
@@ -86,10 +85,7 @@ def main() -> None:
     out, images = Path(a.out), Path(a.images)
     total, facts, ref = setting(out, images)
     rows, runs = [], []
-    for spec in filter(None, a.cases.split(",")):
-        t = time.monotonic()
-        run = one_row(Spec(spec, images, False), total, out, ref)
-        run["seconds"] = round(time.monotonic() - t, 1)
+    for run in runs_of(a.cases, images, False, total, out, ref):
         runs.append(run)
         rows.append(perf_row(run, facts, total))
         print("row", json.dumps(rows[-1]), flush=True)

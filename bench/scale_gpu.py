@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa: E402
@@ -333,6 +333,16 @@ def setting(out: Path, images: Path) -> tuple[float, dict[str, Any], dict[int, s
     return total, facts, {int(ln[0]): ln[1] for ln in lines_of(ref_log)}
 
 
+def runs_of(specs: str, images: Path, stw: bool, total_gib: float, out: Path,
+            ref: dict[int, str]) -> Iterator[dict[str, Any]]:
+    """one_row of each spec of `specs` (comma-separated), with the seconds it took."""
+    for spec in filter(None, specs.split(",")):
+        t = time.monotonic()
+        run = one_row(Spec(spec, images, stw), total_gib, out, ref)
+        run["seconds"] = round(time.monotonic() - t, 1)
+        yield run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -348,10 +358,7 @@ def main() -> None:
         res = {"machine": facts, **faults(Spec(a.faults, images, False), total, out, ref)}
         (out / "faults.json").write_text(json.dumps(res, indent=1, default=str))
         print("faults", res.get("all_ok"), res.get("exact"), res.get("error"), flush=True)
-    for spec in filter(None, a.rows.split(",")):
-        t = time.monotonic()
-        run = one_row(Spec(spec, images, not a.no_stw), total, out, ref)
-        run["seconds"] = round(time.monotonic() - t, 1)
+    for run in runs_of(a.rows, images, not a.no_stw, total, out, ref):
         runs.append(run)
         rows.append(row_of(run, facts["gpu"], total, facts))
         print("row", json.dumps(rows[-1]), flush=True)
