@@ -81,64 +81,42 @@ struct touch {
  * DRV, never through a wrapper. */
 #include "wrapped.h"
 
-#define OWN(X)                                                                                     \
-    X(cuInit)                                                                                      \
-    X(cuMemAlloc_v2)                                                                               \
-    X(cuMemFree_v2)                                                                                \
-    X(cuMemFreeAsync)                                                                              \
-    X(cuMemFreeAsync_ptsz)                                                                         \
-    X(cuGetProcAddress)                                                                            \
-    X(cuGetProcAddress_v2)                                                                         \
-    X(cuCtxGetCurrent)                                                                             \
-    X(cuCtxSetCurrent)                                                                             \
-    X(cuCtxGetDevice)                                                                              \
-    X(cuCtxSynchronize)                                                                            \
-    X(cuMemGetAllocationGranularity)                                                               \
-    X(cuMemAddressReserve)                                                                         \
-    X(cuMemAddressFree)                                                                            \
-    X(cuMemExportToShareableHandle)                                                                \
-    X(cuStreamSynchronize)                                                                         \
-    X(cuCtxGetLimit)                                                                               \
-    X(cuCtxSetLimit)                                                                               \
-    X(cuDeviceGetCount)                                                                            \
-    X(cuDeviceCanAccessPeer)                                                                       \
-    X(cuMemGetAddressRange_v2)
-#define DECLARE_OWN(name) extern void *volatile real_##name;
-OWN(DECLARE_OWN)
-/* Those of OWN with a wrapper of their own, which the lookups hand out as wrapped.h's. */
+/* Those with wrappers of their own, which the lookups hand out as wrapped.h's: each name once,
+ * with its parameters. */
 #define OWN_WRAPPERS(X)                                                                            \
-    X(cuInit)                                                                                      \
-    X(cuMemAlloc_v2)                                                                               \
-    X(cuMemFree_v2)                                                                                \
-    X(cuMemFreeAsync)                                                                              \
-    X(cuMemFreeAsync_ptsz)                                                                         \
-    X(cuGetProcAddress)                                                                            \
-    X(cuGetProcAddress_v2)
-
-EXPORT CUresult cuInit(unsigned flags);
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
-EXPORT CUresult cuMemFree_v2(CUdeviceptr p);
-EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s);
-EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s);
-EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags);
-EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags,
-                                    int *status);
-CUresult cuCtxGetCurrent(CUcontext *c);
-CUresult cuCtxSetCurrent(CUcontext c);
-CUresult cuCtxGetDevice(CUdevice *d);
-CUresult cuCtxSynchronize(void);
-CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option);
-CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
-                             unsigned long long flags);
-CUresult cuMemAddressFree(CUdeviceptr p, size_t n);
-CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, int type,
-                                      unsigned long long flags);
-CUresult cuStreamSynchronize(CUstream s);
-CUresult cuCtxGetLimit(size_t *value, int limit);
-CUresult cuCtxSetLimit(int limit, size_t value);
-CUresult cuDeviceGetCount(int *n);
-CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer);
-CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+    X(cuInit, (unsigned flags))                                                                    \
+    X(cuMemAlloc_v2, (CUdeviceptr *p, size_t n))                                                   \
+    X(cuMemFree_v2, (CUdeviceptr p))                                                               \
+    X(cuMemFreeAsync, (CUdeviceptr p, CUstream s))                                                 \
+    X(cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s))                                            \
+    X(cuGetProcAddress, (const char *sym, void **pfn, int ver, unsigned long long flags))          \
+    X(cuGetProcAddress_v2, (const char *sym, void **pfn, int ver, unsigned long long flags,        \
+                            int *status))
+/* Those the agent calls itself, and wraps not. */
+#define OWN_CALLED(X)                                                                              \
+    X(cuCtxGetCurrent, (CUcontext *c))                                                             \
+    X(cuCtxSetCurrent, (CUcontext c))                                                              \
+    X(cuCtxGetDevice, (CUdevice *d))                                                               \
+    X(cuCtxSynchronize, (void))                                                                    \
+    X(cuMemGetAllocationGranularity, (size_t *g, const CUmemAllocationProp *p, int option))        \
+    X(cuMemAddressReserve, (CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,              \
+                            unsigned long long flags))                                             \
+    X(cuMemAddressFree, (CUdeviceptr p, size_t n))                                                 \
+    X(cuMemExportToShareableHandle, (void *fd, CUmemGenericAllocationHandle h, int type,           \
+                                     unsigned long long flags))                                    \
+    X(cuStreamSynchronize, (CUstream s))                                                           \
+    X(cuCtxGetLimit, (size_t *value, int limit))                                                   \
+    X(cuCtxSetLimit, (int limit, size_t value))                                                    \
+    X(cuDeviceGetCount, (int *n))                                                                  \
+    X(cuDeviceCanAccessPeer, (int *can, CUdevice d, CUdevice peer))                                \
+    X(cuMemGetAddressRange_v2, (CUdeviceptr *base, size_t *size, CUdeviceptr p))
+#define OWN(X) OWN_WRAPPERS(X) OWN_CALLED(X)
+#define DECLARE_OWN(name, params) extern void *volatile real_##name;
+#define PROTO_WRAPPER(name, params) EXPORT CUresult name params;
+#define PROTO_CALLED(name, params) CUresult name params;
+OWN(DECLARE_OWN)
+OWN_WRAPPERS(PROTO_WRAPPER)
+OWN_CALLED(PROTO_CALLED)
 /* The driver's own function (a wrapper's too: cuMemCreate, cuMemMap, cuMemRelease,
  * cuMemImportFromShareableHandle ...), for the agent's own calls: they pass no gate, and pos's
  * re-imports of the job's own memory are not peer memory. */

@@ -20,7 +20,7 @@ struct entry {
     void *volatile *real;
 };
 #define ENTRY(name, params, args, tch, after) {#name, (void *)name, &real_##name},
-#define ENTRY_OWN(name) {#name, (void *)name, &real_##name},
+#define ENTRY_OWN(name, params) {#name, (void *)name, &real_##name},
 static const struct entry entries[] = {HOOKS(ENTRY) OWN_WRAPPERS(ENTRY_OWN)};
 
 /* The entry of our wrapper of the driver's `name`, or NULL. */

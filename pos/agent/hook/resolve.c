@@ -9,7 +9,7 @@
 void *(*real_dlsym)(void *, const char *);
 static void *libcuda;
 
-#define DEFINE_OWN(name) void *volatile real_##name;
+#define DEFINE_OWN(name, params) void *volatile real_##name;
 OWN(DEFINE_OWN)
 
 /* libc's own dlsym: the agent exports one of its own (interpose.c). */
