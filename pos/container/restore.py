@@ -19,9 +19,9 @@ from pos.container import ARCHIVE, podman
 from pos.errors import BadInput
 from pos.image.kinds import ImageKind
 from pos.image.opened import open_image
-from pos.process import cudackpt, procs
+from pos.process import procs
 from pos.restore import preflight
-from pos.restore.tree import Splice, TreeRequest
+from pos.restore.tree import Splice, TreeRequest, driver_back
 from pos.operation.engine import Operation, Report
 from pos.settings import Settings
 from pos.operation.steps import Echo, Guard
@@ -76,12 +76,7 @@ class _Tree:
                 live = procs.restored_pids(c.pid, manifest.pids, manifest.inner_pids)
                 cuda = [live[p] for p in manifest.gpu_pids]
                 g.step("verify", pids=list(live.values()), gpu_pids=cuda)
-                if splice is not None:
-                    splice.before_driver()
-                g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
-                g.each("unlock", cuda, cudackpt.unlock)
-                if splice is not None:
-                    splice.finish(g, live)
+                driver_back(g, cuda, gpu_pairs, splice, live)
             guard.done()
         except BaseException:
             podman.remove(self.name)

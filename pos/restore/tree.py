@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 from pos import image
 from pos.errors import PosError
@@ -109,6 +109,19 @@ Tree = Callable[[TreeRequest, Optional[Splice], Echo], Report]
 """What brings a tree back: restore_tree, or a container's runtime (pos/container/)."""
 
 
+def driver_back(g: Guard, cuda: list[int], gpu_pairs: Sequence[tuple[str, str]],
+                splice: Optional[Splice], live: dict[int, int]) -> None:
+    """The driver's restore and unlock of the restored tree's CUDA processes (`live`: old PID
+    -> new), the splice's parts just before and after: as pos's CRIU restores a tree, and as a
+    container's runtime does (pos/container/restore.py)."""
+    if splice is not None:
+        splice.before_driver()
+    g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
+    g.each("unlock", cuda, cudackpt.unlock)
+    if splice is not None:
+        splice.finish(g, live)
+
+
 def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
                  echo: Echo = lambda _: None, progress: Progress = QUIET) -> Report:
     """Restore the image and resume its processes. Every file's presence and size were
@@ -180,12 +193,7 @@ def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
             g.step("verify", pids=[live[p] for p in manifest.pids], gpu_pids=cuda)
             g.timings["verify"] = g.timed("verify_wait", checking.result)
             procs.resume(procs.tree(root))
-            if splice is not None:
-                splice.before_driver()
-            g.each("restore", cuda, lambda p: cudackpt.restore(p, gpu_pairs))
-            g.each("unlock", cuda, cudackpt.unlock)
-            if splice is not None:
-                splice.finish(g, live)
+            driver_back(g, cuda, gpu_pairs, splice, live)
             if lazy is not None:        # the job runs; the rest of its memory comes in
                 _lazy_wait(g, lazy, t)
     finally:
