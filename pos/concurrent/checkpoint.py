@@ -3,8 +3,8 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
 
   refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
              restore (pos/operation/restorable.py)
-  prepare    each job's page-locked arena (its first part: the rest is locked behind the
-             cut) and device shadow (saver.Saver.prepare)
+  prepare    each job's device shadow and page-locked arena (its ring: the rest is locked
+             behind the cut) (saver.Saver.prepare)
   predump    where the kernel and the tree let it, CRIU copies the tree's host memory while
              it runs (pos/concurrent/predump.py), for an incremental frozen dump
   cut        every job held, on a connection made just before it (saver.Saver.reconnect; a

@@ -199,10 +199,8 @@ class Pinned:
         self._go = threading.Event()
         self._go.set()
         self._stop = False
-        self._ready: list[tuple[int, int]] = []
+        self._ready: list[tuple[int, int]] = []      # the parts registered: (offset, length)
         self._subscribers: list[Callable[[int, int], None]] = []
-        self.registered: list[int] = []
-        self.pinned_bytes = 0
         self.error: Optional[BaseException] = None
         self.t0 = time.monotonic()
         self.all_s: Optional[float] = None       # when every part was locked
@@ -264,8 +262,6 @@ class Pinned:
                 self.error = self.error or e                 # nothing more is locked
             raise
         with self._cond:
-            self.registered.append(self.ptr + at)
-            self.pinned_bytes += n
             self._ready.append(part)
             tell = list(self._subscribers)
         for fn in tell:
@@ -279,6 +275,11 @@ class Pinned:
             ready = list(self._ready)
         for at, n in ready:
             fn(at, n)
+
+    @property
+    def pinned_bytes(self) -> int:
+        with self._cond:
+            return sum(n for _at, n in self._ready)
 
     def pause(self) -> None:
         self._go.clear()
@@ -297,9 +298,9 @@ class Pinned:
         self._go.set()
         if self._behind is not None:
             self._behind.join()
-        for p in self.registered:
-            self.drv.raw.cuMemHostUnregister(p)
-        self.registered = []
+        for at, _n in self._ready:
+            self.drv.raw.cuMemHostUnregister(self.ptr + at)
+        self._ready = []
         if self.ptr:
             self.ptr = 0
             try:

@@ -1,7 +1,7 @@
 """One job's side of a concurrent checkpoint, in the order its types allow:
 
-  Saver.prepare(agent, ...)   before the cut: page-locked host memory (its first part; the
-                              rest is locked behind the cut) and a device shadow
+  Saver.prepare(agent, ...)   before the cut: a device shadow and page-locked host memory
+                              (its ring; the rest is locked behind the cut)
   saver.reconnect()           the cut's own connection, made just before it
   saver.cut(...)              the job held, its calls drained
   saver.take(folder, rank)    -> Taken: its memory exported by the job, imported by pos, what
@@ -145,15 +145,15 @@ class Saver:
         return Taken(self, folder, rank)
 
     def pinned(self) -> None:
-        """What the arena locked in the end, and when all of it was (not if the locking
-        stopped short: then why, said once)."""
+        """What the arena locked in the end, and when all of it was (or, if the locking
+        stopped short, how much it lacked)."""
         host = self.host
         if host is None:
             return
         self.timings["pinned_peak_bytes"] = host.pinned_bytes
         if host.all_s is not None:
             self.timings["pin_all"] = host.all_s
-        elif host.error is not None and "pin_short_bytes" not in self.timings:
+        elif host.error is not None:
             self.timings["pin_short_bytes"] = host.size - host.pinned_bytes
 
     def drop_shadow(self) -> None:
