@@ -178,7 +178,8 @@ class Pinned:
     while the copy runs: `subscribe(fn)` hears of each part as it is registered.
     `pause()`/`resume()` hold the locking (the driver's checkpoint of the job runs alone). A
     part that fails to lock is given back and ends the locking: the arena is then what was
-    locked (`error` says why). A copy must not cross a part: `grid` cuts chunks there."""
+    locked (`error` says why), the rest given back. A copy must not cross a part: `grid` cuts
+    chunks there."""
 
     PIECE = 1 << 30
     FAULTERS = 16
@@ -226,9 +227,16 @@ class Pinned:
         workers = max(1, min(self.FAULTERS, len(parts), os.cpu_count() or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="pos-fault") as pool:
             list(pool.map(self._fault, parts))
-        with ThreadPoolExecutor(min(self.REGISTERERS, workers),
-                                thread_name_prefix="pos-lock") as pool:
-            list(pool.map(self._register, parts))
+        try:
+            with ThreadPoolExecutor(min(self.REGISTERERS, workers),
+                                    thread_name_prefix="pos-lock") as pool:
+                list(pool.map(self._register, parts))
+        finally:        # what was faulted in and not registered (a failure, a stop): given back
+            with self._cond:
+                ready = set(self._ready)
+            for at, n in parts:
+                if (at, n) not in ready:
+                    self._map.madvise(mmap.MADV_DONTNEED, at, n)
 
     def _lock_rest(self, parts: Sequence[tuple[int, int]]) -> None:
         try:
@@ -257,7 +265,6 @@ class Pinned:
         try:
             self.drv.cuMemHostRegister_v2(self.ptr + at, n, 0)
         except BaseException as e:
-            self._map.madvise(mmap.MADV_DONTNEED, at, n)     # given back
             with self._cond:
                 self.error = self.error or e                 # nothing more is locked
             raise
