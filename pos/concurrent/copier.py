@@ -2,13 +2,13 @@
 
 Each chunk goes device-to-host into a slot of one page-locked arena, is hashed and scanned for
 the addresses of the job's buffers there (pos/image/chunks.c: one pass, without the GIL), and
-is written to the image's data files by writer threads, which give its slot back. The arena
-may be smaller than the job: the copy then streams at the disk's pace instead of needing host
-memory as large as the GPU's (pinning 54 GiB took 23 s on the H100 host before the cut, and
-the host may not have it); and its parts come as they are locked, the ring before the cut,
-the rest while the copy runs (gpucopy.Pinned). The copy starts as soon as pos has shadowed
-what fits: in a whole-process checkpoint the buffers pos could not shadow are copied while
-the driver and CRIU hold the job, whose memory cannot change then, so that by the job's release much or all of
+is written to the image's data files by writer threads, which give its slot back. The arena may
+be smaller than the job: the copy then streams at the disk's pace instead of needing host
+memory as large as the GPU's (pinning 54 GiB took 23 s on the H100 host before the cut, and the
+host may not have it); and its parts come as they are locked, the ring before the cut, the rest
+while the copy runs (gpucopy.Pinned). The copy starts as soon as pos has shadowed what fits: in
+a whole-process checkpoint the buffers pos could not shadow are copied while the driver and
+CRIU hold the job, whose memory cannot change then, so that by the job's release much or all of
 them is saved; the shadowed ones, safe on the device, wait for the release (see
 `Copier.hold_shadowed`).
 
