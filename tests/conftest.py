@@ -97,6 +97,23 @@ def kill(pids: list[int], proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+class ShellJobs:
+    """Jobs a `pos run -- sh -c '... & ... & wait'` started (`proc`), each writing `outs[i]`:
+    what they said, and whether all said READY (the shell's end before that is a failure)."""
+
+    outs: list[Path]
+    proc: subprocess.Popen
+
+    def said(self) -> list[str]:
+        return [o.read_text() for o in self.outs if o.exists()]
+
+    def ready(self) -> bool:
+        if all(o.exists() and "READY" in o.read_text() for o in self.outs):
+            return True
+        assert self.proc.poll() is None, f"the job ended: {self.said()}"
+        return False
+
+
 def reaped(pid: int) -> bool:
     """`pid` is gone: reaped here where it became this process's child (a job restored by pos
     in this process, or a subreaper's orphan), whose zombie would keep the PID taken."""

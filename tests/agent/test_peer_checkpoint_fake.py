@@ -19,14 +19,14 @@ import pytest
 from pos.agent import peers
 from pos.agent.control import Agent
 from pos.image import names
-from tests.conftest import ROOT, kill, reaped
+from tests.conftest import ROOT, ShellJobs, kill, reaped
 from tests.engines.conftest import pos, wait_for
 
 SEVEN = bytes([7, 0, 0, 0]) * 4      # peer_job's owner's memory
 VMM_BYTES = 2 << 20
 
 
-class Pair:
+class Pair(ShellJobs):
     """`pos run -- sh -c 'peer_job own D & peer_job import D & wait'`."""
 
     def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str]) -> None:
@@ -45,15 +45,6 @@ class Pair:
         self.owner, self.importer = (int(o.read_text().split("READY")[1].split()[0])
                                      for o in self.outs)
         self.va = int(re.search(r"MAPPED (0x[0-9a-f]+)", self.outs[1].read_text())[1], 16)
-
-    def said(self) -> list[str]:
-        return [o.read_text() for o in self.outs if o.exists()]
-
-    def ready(self) -> bool:
-        if all(o.exists() and "READY" in o.read_text() for o in self.outs):
-            return True
-        assert self.proc.poll() is None, f"the job ended: {self.said()}"
-        return False
 
     def kill(self) -> None:
         kill([self.importer, self.owner, self.root], self.proc)

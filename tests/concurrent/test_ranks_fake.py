@@ -16,12 +16,12 @@ from pos import concurrent
 from pos.agent.control import Agent, Refused
 from pos.image import gpuindex, names
 from tests.agent.conftest import ran_past
-from tests.conftest import ROOT, kill, reaped
+from tests.conftest import ROOT, ShellJobs, kill, reaped
 from tests.engines.conftest import pos, wait_for
 from workloads.fill_job import image_values, torn
 
 
-class Ranks:
+class Ranks(ShellJobs):
     """`pos run -- sh -c 'fill_job ... & fill_job ... & wait'` (n fill_jobs), in NCCL mode."""
 
     def __init__(self, fakegpu: dict[str, Path], folder: Path, env: dict[str, str],
@@ -36,15 +36,6 @@ class Ranks:
         self.root = self.proc.pid
         wait_for(self.ready, 30, lambda: f"every rank to print READY: {self.said()}")
         self.pids = [int(o.read_text().split("READY")[1].split()[0]) for o in self.outs]
-
-    def said(self) -> list[str]:
-        return [o.read_text() for o in self.outs if o.exists()]
-
-    def ready(self) -> bool:
-        if all(o.exists() and "READY" in o.read_text() for o in self.outs):
-            return True
-        assert self.proc.poll() is None, f"the job ended: {self.said()}"
-        return False
 
     def kill(self) -> None:
         kill([*self.pids, self.root], self.proc)
