@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_gpu import GIB, runs_of, setting  # noqa: E402
+from scale_gpu import GIB, runs_of, setting, stall  # noqa: E402
 
 from pos.operation.timings import Kind, kind  # noqa: E402
 
@@ -45,14 +45,14 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
     def r(x: Optional[float], n: int = 3) -> Optional[float]:
         return round(x, n) if x is not None else None
 
-    stall = r(saw["worst_step_s"] - saw["median_step_s"]) if "worst_step_s" in saw else None
+    stalled = stall(saw)
     return {
         "case": run["spec"], "gpu": facts["gpu"], "gpu_gb": round(total_gib * GIB / GB, 1),
         "driver": facts["driver"], "commit": facts["commit"], "date": facts["date"],
         "command": facts["command"],
         "job_gb": r(rep["bytes"] / GB, 2) if rep else None, "ranks": 1,
-        "one_rank_stall_s": stall, "bit_exact": exact,
-        "to_cut_s": r(tim.get("to_cut")), "stall_s": stall,
+        "one_rank_stall_s": stalled, "bit_exact": exact,
+        "to_cut_s": r(tim.get("to_cut")), "stall_s": stalled,
         "pos_held_s": r(rep.get("release_s")),
         "gate_held_max_s": r((rep.get("gate") or {}).get("held_max_s")),
         "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim

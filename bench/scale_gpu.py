@@ -286,6 +286,12 @@ def faults(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dict
     return res
 
 
+def stall(saw: dict[str, Any]) -> Optional[float]:
+    """The stall as the job saw it (LineTimes.excess): its longest step less its median one."""
+    return round(saw["worst_step_s"] - saw["median_step_s"], 3) if "worst_step_s" in saw \
+        else None
+
+
 def row_of(run: dict[str, Any], gpu: str, total_gib: float, facts: dict[str, Any]
            ) -> dict[str, Any]:
     """The issue's keys, from one raw run (None where that step did not happen)."""
@@ -294,9 +300,6 @@ def row_of(run: dict[str, Any], gpu: str, total_gib: float, facts: dict[str, Any
     saw = run.get("job_saw") or {}
     stw_saw = (run.get("stw") or {}).get("job_saw") or {}
     job_gib = rep.get("bytes", 0) / GIB if rep else None
-
-    def stall(s: dict[str, Any]) -> Optional[float]:
-        return round(s["worst_step_s"] - s["median_step_s"], 3) if "worst_step_s" in s else None
 
     return {"gpu": gpu, "gpu_mem_gib": round(total_gib, 1), "spec": run["spec"],
             "job_gib": round(job_gib, 2) if job_gib else None,
