@@ -52,7 +52,8 @@
 #                                # fsdp-torchrun-defaults-concurrent, stw-defaults), checkpointed
 #                                # at a random step, the tree SIGKILLed and restored, every loss
 #                                # against an uninterrupted run's (POS_TORCHRUN_GIB of ballast a
-#                                # rank, default 2) (~6 min at 2 ranks)
+#                                # rank, default 2; POS_TORCHRUN_ARGS: more of its arguments,
+#                                # e.g. "--repeat 3 --steps 200") (~6 min at 2 ranks)
 #   bench/device.sh containers   # GPU jobs in podman containers: bench/containers_gpu.py, a
 #                                # training job with pos's agent through CDI saved while it
 #                                # runs, killed and restored exact, then its image restored as
@@ -138,6 +139,12 @@ perf)
         --cases "${POS_PERF_CASES:-0.3+pinall+nostw,0.3+nostw,0.3+shadow8+nostw}"
     kill "$sampler" 2>/dev/null
     grep '^row' "$out/perf.log" | cut -c1-900
+    # where the command's start-up goes (to_start): its imports, once warm
+    for i in 1 2; do
+        python3 -X importtime -c 'import pos.cli, pos.concurrent.checkpoint' 2> "$out/importtime-$i.txt"
+    done
+    sort -t'|' -k2 -n "$out/importtime-2.txt" | tail -15
+    { time python3 -m pos.cli --help > /dev/null; } 2>&1 | tail -3
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null) ;;
 restart)
     # shellcheck disable=SC2086  # POS_BENCH_ARGS: more arguments for the bench, word-split
@@ -199,9 +206,11 @@ torchrun)
     step native python3 -m pos.native
     python3 -c 'import pyseccomp' ||
         echo "torchrun: pyseccomp is missing: run bench/device.sh wheels here and carry .whl" >&2
+    # shellcheck disable=SC2086  # POS_TORCHRUN_ARGS: more arguments for the bench, word-split
     step torchrun python3 bench/torchrun_gpu.py --out "$out" --python python3 \
         --ranks "${POS_TORCHRUN_RANKS:-2}" --ballast-gib "${POS_TORCHRUN_GIB:-2}" \
-        --cases "${POS_TORCHRUN_CASES:-torchrun-sockets-concurrent,torchrun-defaults-concurrent,torchrun-defaults-leave-running,fsdp-torchrun-defaults-concurrent,stw-defaults}"
+        --cases "${POS_TORCHRUN_CASES:-torchrun-sockets-concurrent,torchrun-defaults-concurrent,torchrun-defaults-leave-running,fsdp-torchrun-defaults-concurrent,stw-defaults}" \
+        ${POS_TORCHRUN_ARGS:-}
     grep '^row' "$out/torchrun.log"
     cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
     for f in /tmp/pos-torchrun/*/job.log; do   # torchrun's and the ranks' output, the agents'

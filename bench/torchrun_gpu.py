@@ -19,7 +19,16 @@ Cases (--cases, default all, in this order):
                                     (`restored_bit_exact`);
   fsdp-torchrun-defaults-concurrent PyTorch's FSDP2 (fully_shard) instead of DDP, as the second;
   stw-defaults                      NCCL's defaults, the stop-the-world engine (no agent in the
-                                    cut): must be refused untouched, the job running on exact.
+                                    cut): must be refused untouched, the job running on exact;
+  llama-fsdp-torchrun-defaults-concurrent
+                                    FSDP2 of a Llama2-13B-shaped model (workloads/ddp_train.py
+                                    --model llama13b: 5 of its 40 layers a rank, about 10 GB
+                                    of state a rank, as in the 8-rank job), saved, killed,
+                                    restored;
+  llama-fsdp-stw-defaults           the same job, stop-the-world, left running: its stall
+                                    beside at one rank (no peers), refused at more.
+
+--repeat N runs each case N times (rows and folders CASE, CASE-2, ...).
 
 Examples:
   python3 bench/torchrun_gpu.py --out /tmp/tr                    # 2 ranks, every case (~7 min)
@@ -50,7 +59,8 @@ sys.path.insert(0, str(ROOT))
 import ddp  # noqa: E402  (bench/ddp.py: its job, its readers, its comparison)
 
 CASES = ("torchrun-sockets-concurrent", "torchrun-defaults-concurrent",
-         "torchrun-defaults-leave-running", "fsdp-torchrun-defaults-concurrent", "stw-defaults")
+         "torchrun-defaults-leave-running", "fsdp-torchrun-defaults-concurrent", "stw-defaults",
+         "llama-fsdp-torchrun-defaults-concurrent", "llama-fsdp-stw-defaults")
 # NCCL's defaults as the GPU hosts run them: NVLink SHARP (multicast) off, which pos refuses
 DEFAULTS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -71,11 +81,15 @@ def torchrun(python: str) -> list[str]:
 class Case:
     """One row's job: its NCCL setting, workload, engine, and whether it is killed."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, run: int = 1) -> None:
         self.name = name
-        self.nccl = "sockets" if "sockets" in name else "defaults"
-        self.workload = "fsdp2" if name.startswith("fsdp") else "ddp"
-        self.engine = "stw" if name.startswith("stw") else "concurrent"
+        self.folder = name if run == 1 else f"{name}-{run}"
+        words = name.split("-")
+        self.nccl = "sockets" if "sockets" in words else "defaults"
+        self.model = "llama13b" if words[0] == "llama" else "mlp"
+        self.workload = ("llama13b-" if self.model == "llama13b" else "") + (
+            "fsdp2" if "fsdp" in words else "ddp")
+        self.engine = "stw" if "stw" in words else "concurrent"
         self.kill = name.endswith("concurrent")
         self.restore_after = name.endswith("leave-running")   # its image too, once it ended
         self.ref_key = f"{self.workload}-{self.nccl}"
@@ -88,7 +102,8 @@ class Case:
         job = [*torchrun(python), "--standalone", f"--nproc-per-node={a.ranks}", str(ddp.JOB),
                str(outdir), "--steps", str(a.steps), "--sleep", str(a.sleep), "--backend",
                "nccl", "--width", str(a.width), "--ballast-gib", str(a.ballast_gib),
-               "--parallel", "fsdp" if self.workload == "fsdp2" else "ddp"]
+               "--parallel", "fsdp" if self.workload.endswith("fsdp2") else "ddp",
+               "--model", self.model]
         return [sys.executable, "-m", "pos.cli", "run", "--", *job] if pos_run else job
 
 
@@ -150,7 +165,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
                            "steps": a.steps, "refused": None, "job_ran_on": None,
                            "untouched": None, "stall_s": None, "stw_stall_s": None,
                            "one_rank_stall_s": None, "first_step_s": None}
-    outdir = work / case.name
+    outdir = work / case.folder
     job = start(case.command(a.python, outdir, a, pos_run=True), outdir, case.env())
     ddp.wait_lines(outdir, a.at, 240)
     pids = ddp.tree(job.pid)
@@ -158,7 +173,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
     from pos.process import procs
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
-    img = work / f"img-{case.name}"
+    img = work / f"img-{case.folder}"
     watch = ddp.Watch(outdir)
     time.sleep(random.uniform(0.5, 1.5))          # a moment the job does not choose
     row["checkpoint_at_step"] = min(map(len, ddp.read(outdir)))
@@ -239,8 +254,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4096, help="the model's hidden width")
     ap.add_argument("--ballast-gib", type=float, default=2.0, help="on each rank")
     ap.add_argument("--work", default="/tmp/pos-torchrun", help="scratch folder (emptied)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each case")
     a = ap.parse_args()
-    cases = [Case(c) for c in a.cases.split(",")]
+    cases = [Case(c, k) for c in a.cases.split(",") for k in range(1, a.repeat + 1)]
     unknown = [c.name for c in cases if c.name not in CASES]
     if unknown:
         ap.error(f"unknown cases {unknown}: choose from {', '.join(CASES)}")

@@ -188,6 +188,7 @@ class _Whole:
     def cut(self, g: Guard, stage: Optional[Path]) -> float:
         """Every job held, each on a connection made just now; when the cut began (the jobs'
         stall counts from there)."""
+        g.step("reconnect", staging=str(stage or ""))
         self.agents = [reconnected(s, self.echo) for s in self.savers]
         t0 = time.monotonic()
         g.timings.update(self.early, to_cut=host.age(os.getpid()) or 0.0)   # from its start

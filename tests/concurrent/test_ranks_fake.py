@@ -142,7 +142,8 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
         job.kill()
 
 
-@pytest.mark.parametrize("step", ["cut", "hoist", "checkpoint", "dump", "restore", "copy"])
+@pytest.mark.parametrize("step", ["reconnect", "cut", "hoist", "checkpoint", "dump", "restore",
+                                  "copy"])
 def test_pos_killed_at_each_step_leaves_every_rank_running_with_its_memory(
         ranks: Ranks, tmp_path: Path, criu_ready, gpu_env, step: str) -> None:
     """The watchdog holds each rank's hoisted memory and gives each its own back."""
