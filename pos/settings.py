@@ -14,9 +14,9 @@ Every setting, its variable and its default:
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
   pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
                                             to the image (beside what it could not shadow)
-  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (the ring's
-                                            size; the rest is locked while the copy runs);
-                                            `all`: all of it
+  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (`all`, the
+                                            default: all of it; GiB: that much, the rest
+                                            while the copy runs, which holds the job longer)
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
@@ -80,7 +80,7 @@ class Settings:
     predump: bool = True
     pin_max_bytes: Optional[int] = None
     pin_ring_bytes: int = DEFAULT_PIN_RING
-    pin_ahead_bytes: Optional[int] = DEFAULT_PIN_RING
+    pin_ahead_bytes: Optional[int] = None      # all of the arena
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
@@ -140,7 +140,6 @@ class Settings:
 
         ring = get("POS_PIN_RING_GIB", gib, DEFAULT_PIN_RING, "a number of GiB above 0",
                    f"unset it (the ring is then {DEFAULT_PIN_RING >> 30} GiB)")
-        ahead: Optional[int] = ring
         return cls(
             criu=env.get("POS_CRIU", ""),
             log_dir=Path(env.get("POS_LOG_DIR") or DEFAULT_LOG_DIR),
@@ -154,9 +153,8 @@ class Settings:
                               "unset it, or give a number such as 8"),
             pin_ring_bytes=ring,
             pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "all"
-                                else gib(raw), ahead, "a number of GiB above 0, or all",
-                                "unset it (the ring is then locked before the cut, the rest "
-                                "while the copy runs)"),
+                                else gib(raw), None, "a number of GiB above 0, or all",
+                                "unset it (the arena is then locked before the cut)"),
             frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
                             f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
                             "then copies only what pos could not shadow)"),

@@ -162,6 +162,13 @@ class Copier:
     def release_scans(self) -> None:
         self.scan_go.set()
 
+    def hold_locking(self) -> None:
+        """The rest of the arena is not locked meanwhile (the job is frozen: its dump goes first)."""
+        self.arena.pause()
+
+    def release_locking(self) -> None:
+        self.arena.resume()
+
     def hold_shadowed(self) -> None:
         """Hold the shadowed buffers' copies, unless the frozen part is to copy them all."""
         if self.frozen_copy == "unshadowed":

@@ -176,7 +176,8 @@ class Pinned:
 
     Only `ahead` bytes are locked before the constructor returns; the rest is locked behind it
     while the copy runs: `subscribe(fn)` hears of each part as it is registered.
-    `pause()`/`resume()` hold the locking (the driver's checkpoint of the job runs alone). A
+    `pause()`/`resume()` hold the locking (the driver's checkpoint of the job runs alone; the
+    holds are counted: it goes on once each holder has resumed it). A
     part that fails to lock is given back and ends the locking: the arena is then what was
     locked (`error` says why), the rest given back. A copy must not cross a part: `grid` cuts
     chunks there."""
@@ -199,6 +200,7 @@ class Pinned:
         self._cond = threading.Condition()
         self._go = threading.Event()
         self._go.set()
+        self._holds = 0
         self._stop = False
         self._ready: list[tuple[int, int]] = []      # the parts registered: (offset, length)
         self._subscribers: list[Callable[[int, int], None]] = []
@@ -289,10 +291,15 @@ class Pinned:
             return sum(n for _at, n in self._ready)
 
     def pause(self) -> None:
-        self._go.clear()
+        with self._cond:
+            self._holds += 1
+            self._go.clear()
 
     def resume(self) -> None:
-        self._go.set()
+        with self._cond:
+            self._holds = max(0, self._holds - 1)
+            if self._holds == 0:
+                self._go.set()
 
     def view(self, offset: int, n: int) -> "np.ndarray":
         import numpy as np

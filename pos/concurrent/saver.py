@@ -255,14 +255,18 @@ class Taken:
 
     def freeze(self) -> None:
         """The job is about to be frozen (the driver's calls, CRIU's dump): the CPU and the
-        host's memory are theirs, but for the copy of what pos could not shadow."""
+        host's memory are theirs, but for the copy of what pos could not shadow. The arena's
+        locking waits too: beside CRIU's dump it made the frozen dump 4x slower (0.75 s to
+        3.3 s, a 97 GB job on the H200)."""
         self._copier().hold_scans()
         self._copier().hold_shadowed()
+        self._copier().hold_locking()
 
     def thaw(self) -> None:
         """The frozen part is over: every part of the copy goes on."""
         self._copier().release_scans()
         self._copier().release_shadowed()
+        self._copier().release_locking()
 
     def paused(self, call: Callable[[], Any]) -> Any:
         """The driver's checkpoint or restore of the job (or the job's remap), with pos's copy

@@ -96,10 +96,10 @@ def test_all_ahead_waits_for_the_whole_arena() -> None:
         arena.close()
 
 
-@pytest.mark.parametrize("env, ahead", [({}, 8 << 30), ({"POS_PIN_RING_GIB": "3"}, 3 << 30),
+@pytest.mark.parametrize("env, ahead", [({}, None), ({"POS_PIN_RING_GIB": "3"}, None),
                                         ({"POS_PIN_AHEAD_GIB": "all"}, None),
                                         ({"POS_PIN_AHEAD_GIB": "2"}, 2 << 30)])
-def test_what_is_locked_before_the_cut_is_the_ring_or_a_setting(env, ahead) -> None:
+def test_what_is_locked_before_the_cut_is_the_arena_or_a_setting(env, ahead) -> None:
     from pos.settings import Settings
 
     assert Settings.from_env(env).pin_ahead_bytes == ahead
