@@ -41,7 +41,7 @@ from pos.image.kinds import ImageKind
 from pos.operation import restorable, steps
 from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report, Save
 from pos.operation.manifest import new_manifest
-from pos.operation.plan import Plan
+from pos.operation.plan import CheckpointPlan
 from pos.operation.steps import Echo, Guard
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
@@ -74,7 +74,7 @@ class _Whole:
         self.streams = save.streams or SAVE_STREAMS
         self.chunk = (save.chunk_mb or DEFAULT_CHUNK_MB) << 20
         self.echo, self.settings = echo, settings
-        self._plan: Optional[Plan] = None     # made by prepare
+        self._plan: Optional[CheckpointPlan] = None     # made by prepare
         self.started = time.monotonic()
         # before the cut, timed before the guard's timings exist: the command's start-up (its
         # age now), the refusals' questions
@@ -126,7 +126,7 @@ class _Whole:
         return self.report(final)
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> CheckpointPlan:
         """What the watchdog follows (prepare made it)."""
         assert self._plan is not None
         return self._plan
@@ -165,10 +165,7 @@ class _Whole:
         self.partial = image.prepare(self.directory, self.resident + owned)
         self.manifest = new_manifest(self.pid, self.pids, self.cuda, self.criu.version_text,
                                      self.options, self.leave_running, nvml.gpus_of(self.cuda))
-        self._plan = Plan("checkpoint", self.pids, self.cuda, criu_path=self.criu.path,
-                         images=str(self.partial),
-                         stopped=[p for p in self.pids if procs.state(p) in ("T", "t")],
-                         criu_options=self.options.to_json())
+        self._plan = CheckpointPlan(self.pids, self.cuda, images=str(self.partial))
         self.echo(f"checkpointing PID {self.pid} ({self.manifest.comm}) concurrently: "
                   f"{owned / 2**30:.2f} GiB of device memory"
                   + (f" in {len(self.savers)} processes" if self.several else ""))

@@ -25,7 +25,7 @@ from pos.restore.tree import Splice, TreeRequest, driver_back
 from pos.operation.engine import Operation, Report
 from pos.settings import Settings
 from pos.operation.steps import Echo, Guard
-from pos.operation.plan import Plan
+from pos.operation.plan import RestorePlan
 
 
 def restore(directory: Path, name: str, settings: Settings, echo: Echo = lambda _: None
@@ -64,8 +64,8 @@ class _Tree:
         if splice is not None:
             splice.checked()
         echo(f"restoring container {self.name} from {directory}")
-        plan = Plan("restore", [], [], images=str(directory), hoisted=splice is not None,
-                    verify=None if check is None else list(check))
+        plan = RestorePlan([], [], images=str(directory), hoisted=splice is not None,
+                           verify=None if check is None else list(check))
         guard = podman.Guard(self.name)
         try:
             with Guard(plan, echo, request.settings) as g:

@@ -20,7 +20,7 @@ from pos.engines import migrate_protocol as proto
 from pos.engines.migrate_key import HANDSHAKE_S, MigrateKey
 from pos.operation import restorable
 from pos.operation.gpumap import Onto, of_process
-from pos.operation.plan import Plan
+from pos.operation.plan import MovePlan
 from pos.operation.steps import Echo, Guard, folder_bytes
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
@@ -43,7 +43,7 @@ def to_gpu(pid: int, where: Onto, lock_timeout_ms: int, echo: Echo = lambda _: N
                                 "--concurrent`")
     pairs = of_process(cuda, where)
 
-    plan = Plan("migrate-gpu", pids, cuda, gpu_pairs=[list(p) for p in pairs])
+    plan = MovePlan(pids, cuda)
     with Guard(plan, echo, settings or Settings.from_env(), progress) as g:
         for step, fn in (("lock", lambda p: cudackpt.lock(p, lock_timeout_ms)),
                          ("checkpoint", cudackpt.checkpoint),

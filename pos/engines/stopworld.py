@@ -15,7 +15,7 @@ from pos.image.kinds import ImageKind
 from pos.operation import restorable
 from pos.operation.engine import Operation, Report, Save
 from pos.operation.manifest import new_manifest
-from pos.operation.plan import Plan
+from pos.operation.plan import CheckpointPlan
 from pos.operation.steps import Echo, Guard, folder_bytes
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
@@ -41,10 +41,7 @@ def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
     manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
     comm = manifest.comm
-    plan = Plan("checkpoint", pids, cuda, criu_path=criu.path,
-                images=str(names.partial(Path(directory).absolute())),
-                stopped=[p for p in pids if procs.state(p) in ("T", "t")],
-                criu_options=options.to_json())
+    plan = CheckpointPlan(pids, cuda, images=str(names.partial(Path(directory).absolute())))
     partial = image.prepare(directory, needed)    # just before the watchdog, which knows it
     with Guard(plan, echo, settings, progress) as g:
         echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "

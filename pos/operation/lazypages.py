@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 from pos.errors import PosError
 from pos.image import names
-from pos.operation.plan import Plan
+from pos.operation.plan import RestorePlan
 from pos.process import criu as criu_mod
 from pos.process import procs
 
@@ -106,7 +106,7 @@ def _not_listening(criu: criu_mod.Criu, daemon: Daemon) -> PosError:
         criu_mod.LAZY_OFF)
 
 
-def settle(plan: Plan, returncode: Callable[[], Optional[int]] = lambda: None
+def settle(plan: RestorePlan, returncode: Callable[[], Optional[int]] = lambda: None
            ) -> Optional[PosError]:
     """Wait for the plan's daemon to end: None once it has served every page, else why it
     cannot have, the restored tree killed first and the daemon ended after. `returncode`: how
@@ -120,7 +120,7 @@ def settle(plan: Plan, returncode: Callable[[], Optional[int]] = lambda: None
     return why
 
 
-def _unserved(pid: int, plan: Plan, returncode: Callable[[], Optional[int]]
+def _unserved(pid: int, plan: RestorePlan, returncode: Callable[[], Optional[int]]
               ) -> Optional[PosError]:
     """The wait of `settle`, bounded by the plan's deadline and its bound on CRIU's logs."""
     log = Path(plan.lazy_log)

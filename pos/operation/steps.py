@@ -9,18 +9,19 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Generic, Iterator, Literal, Optional, Sequence, TypeVar
 
 from pos.errors import PosError
 from pos.image import criustats, names
-from pos.operation.plan import Plan
+from pos.operation.plan import CheckpointPlan, ImagePlan, Plan, RestorePlan
 from pos.operation.watchdog import Watchdog, discard_leftovers, end_tree, recover
 from pos.process import criu as criu_mod
-from pos.process import cudackpt, procs
+from pos.process import cudackpt
 from pos.progress import QUIET, Progress
 from pos.settings import Settings
 
 Echo = Callable[[str], None]
+P = TypeVar("P", bound=Plan)
 
 
 def timed(timings: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
@@ -49,27 +50,24 @@ def uninterrupted() -> Iterator[None]:
             signal.signal(s, h)
 
 
-class Guard:
-    """Runs the steps of one operation with a watchdog behind them and the undo on failure."""
+class Guard(Generic[P]):
+    """Runs the steps of one operation with a watchdog behind them and the undo on failure (the
+    undo of its plan's type: watchdog.UNDO)."""
 
-    def __init__(self, plan: Plan, echo: Echo, settings: Settings,
+    def __init__(self, plan: P, echo: Echo, settings: Settings,
                  progress: Progress = QUIET) -> None:
         """`settings`: the operation's; its `fault_at` is fault injection, as CRIU's
         CRIU_FAULT: "STEP=SIGNAL" (STEP:criu while CRIU runs) makes pos send itself SIGNAL
-        when that step begins, so that tests can kill pos at every step; how long the undo
-        waits for a running CRIU, and where CRIU's logs are kept, go into the plan."""
+        when that step begins, so that tests can kill pos at every step; what the undo needs
+        of the settings goes into the plan (Plan.begin)."""
         self.plan, self.echo, self.progress = plan, echo, progress
         self.fault_at = settings.fault_at
-        plan.criu_wait_s, plan.log_dir = settings.criu_wait_s, str(settings.log_dir)
+        plan.begin(settings)
         self.timings: dict[str, float] = {}
         self.watchdog: Optional[Watchdog] = None
         self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory
 
-    def __enter__(self) -> "Guard":
-        if self.plan.op == "checkpoint":    # a parent running now is continued with the tree
-            parent = procs.parent(self.plan.pids[0]) or 0
-            if procs.state(parent) not in ("T", "t"):
-                self.plan.parent = parent
+    def __enter__(self) -> "Guard[P]":
         self.watchdog = Watchdog(self.plan)
         return self
 
@@ -81,7 +79,8 @@ class Guard:
             setattr(self.plan, k, v)
         assert self.watchdog is not None
         self.watchdog.send(self.plan)
-        point = name + (":criu" if self.plan.criu_pid else "")
+        criu_runs = isinstance(self.plan, ImagePlan) and self.plan.criu_pid
+        point = name + (":criu" if criu_runs else "")
         if self.fault_at.partition("=")[0] == point:
             os.kill(os.getpid(), signal.Signals["SIG" + self.fault_at.partition("=")[2]])
 
@@ -122,7 +121,7 @@ class Guard:
         finally:
             self.step(self.plan.step, criu_pid=None)
 
-    def end(self, **changes: Any) -> None:
+    def end(self: "Guard[CheckpointPlan]", **changes: Any) -> None:
         """The image is sealed: end the tree that CRIU left stopped, as the checkpoint was to.
         Not to be cut short by SIGINT/SIGTERM (the undo would find a tree half ended); a pos
         that dies here leaves the watchdog to finish it."""
@@ -137,7 +136,7 @@ class Guard:
             return False
         stopped = isinstance(exc, KeyboardInterrupt)
         with uninterrupted():
-            self.echo(f"undoing {self.plan.op} of {self.plan.who()} "
+            self.echo(f"undoing {self.plan.WHAT} of {self.plan.who()} "
                       f"({'stopped' if stopped else 'failed'} at step {self.plan.step})")
             try:
                 recover(self.plan, self.echo, self.memory, stopped)
@@ -147,13 +146,13 @@ class Guard:
             finally:
                 discard_leftovers(self.plan)
                 self.watchdog.done()
-        if stopped and self.plan.op == "restore":
+        if stopped and isinstance(self.plan, RestorePlan):
             what = f"of PID {self.plan.pids[0]} " if self.plan.pids else ""
             raise PosError(f"restore {what}from {self.plan.images} "
                            "stopped, nothing of it left running", "the image is untouched; "
                            "restore it again when you want") from None
         if stopped:
-            raise PosError(f"{self.plan.op} of {self.plan.who()} interrupted and undone",
+            raise PosError(f"{self.plan.WHAT} of {self.plan.who()} interrupted and undone",
                            "the processes run as before") from None
         return False
 

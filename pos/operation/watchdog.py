@@ -1,5 +1,5 @@
-"""The undo of a half-done checkpoint or restore, and the watchdog process that runs it when pos
-itself dies.
+"""The undo of a half-done checkpoint, restore or GPU move, and the watchdog process that runs it
+when pos itself dies.
 
 pos starts `python -m pos.operation.watchdog` (its own session, so a terminal's Ctrl-C or a
 killed process group does not take it along) before touching the target, and writes the
@@ -10,8 +10,9 @@ SIGINT/SIGTERM. While a `pos run` job has given its device memory up to pos (the
 engine's hoist), the watchdog holds descriptors of that memory too (`Watchdog.hold`), so that
 the memory outlives pos and goes back to the job.
 
-`recover` decides from what it observes, not from what it was told was done, so it may run
-twice (pos died during its own undo) without harm:
+`recover` runs the undo of the plan's type (`UNDO`, one per type of pos/operation/plan.py). It
+decides from what it observes, not from what it was told was done, so it may run twice (pos
+died during its own undo) without harm:
   - a dump's CRIU still running is waited for (its parasite is inside the target; killing it
     could corrupt the target); one that never ends is killed and the tree thawed (SIGCONT); a
     restore's is ended, with the tasks it restored, if it never ends or its log runs away;
@@ -25,7 +26,8 @@ twice (pos died during its own undo) without harm:
     tree that cannot be finished is killed, never left half-restored; a restore that the user
     stopped (SIGINT/SIGTERM) is ended, not finished; the lazy-pages daemon is ended last,
     once the tree it served is gone or has every page;
-  - hoisted memory (`Plan.hoisted`) is mapped back into the job, which then runs on.
+  - move: every CUDA process restored onto the GPUs it was on, and unlocked;
+  - hoisted memory (`ImagePlan.hoisted`) is mapped back into the job, which then runs on.
 """
 
 import json
@@ -36,57 +38,45 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
 from pos.image import names
-from pos.operation.plan import Plan
+from pos.operation.plan import (CheckpointPlan, ImagePlan, MovePlan, Plan, RestorePlan,
+                                from_json)
 from pos.process import procs
 
 LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
 
-
-def discard_leftovers(plan: Plan) -> None:
-    """After an undone checkpoint: its unfinished image, and CRIU's files where they were
-    staged; after a restore: its work folder."""
-    from pos.image import discard
-
-    if plan.op == "checkpoint":
-        for d in {plan.images, plan.staging} - {""}:
-            discard(Path(d))
-    elif plan.work:
-        shutil.rmtree(plan.work, ignore_errors=True)
+Log = Callable[[str], None]
+Memory = dict[int, list[int]]      # each job's descriptors of its hoisted memory, in its
+                                   # agent's table order
 
 
-def _wait_criu(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
-    """Wait for a running CRIU. A dump's is waited for (its parasite is inside the target), and
-    one that never ends is killed and the tree thawed; a restore's holds nothing of a live
-    process and is ended (with what it restored) at once when the user stopped the restore,
-    else once its log passes its bound or it never ends."""
+def _wait_criu(pid: int, plan: ImagePlan, log: Log, runaway: Callable[[], bool]) -> bool:
+    """Wait for the plan's running CRIU `pid`, up to the plan's wait or until `runaway()`;
+    whether it ended."""
     from pos.process import criu
 
+    limit = plan.criu_wait_s
+    log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")
+    deadline = time.monotonic() + limit
+    while procs.alive(pid) and time.monotonic() < deadline:
+        if runaway():
+            break
+        time.sleep(criu.POLL_S)
+    return not procs.alive(pid)
+
+
+def _end_dump(plan: CheckpointPlan, log: Log) -> None:
+    """A running dump's CRIU is waited for (its parasite is inside the target); one that never
+    ends is killed and the tree thawed."""
     pid = plan.criu_pid
-    if not pid or not procs.alive(pid):
-        return
-    endable = plan.op == "restore"
-    bound = plan.criu_log_max if endable else 0
-    if not (endable and stopped):
-        limit = plan.criu_wait_s
-        log(f"waiting up to {limit:.0f} s for CRIU (PID {pid}) to finish")
-        deadline = time.monotonic() + limit
-        while procs.alive(pid) and time.monotonic() < deadline:
-            if endable and criu.log_bytes(Path(plan.criu_log)) > bound:
-                log(f"CRIU's log {plan.criu_log} passed {bound >> 20} MiB")
-                break
-            time.sleep(criu.POLL_S)
-        if not procs.alive(pid):
-            return
-    if endable:
-        log(f"ending CRIU (PID {pid}) and the tasks it restored")
-        criu.end_restore(pid)
+    if not pid or not procs.alive(pid) or _wait_criu(pid, plan, log, lambda: False):
         return
     log(f"CRIU (PID {pid}) did not finish: killing it and thawing the tree")
     try:
@@ -97,7 +87,29 @@ def _wait_criu(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
     procs.thaw([p for p in plan.pids if p not in plan.stopped])
 
 
-def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], None]) -> None:
+def _end_restorer(plan: RestorePlan, log: Log, stopped: bool) -> None:
+    """A running restore's CRIU holds nothing of a live process: it is ended (with what it
+    restored) at once when the user stopped the restore, else once its log passes its bound or
+    it never ends."""
+    from pos.process import criu
+
+    pid = plan.criu_pid
+    if not pid or not procs.alive(pid):
+        return
+
+    def runaway() -> bool:
+        if criu.log_bytes(Path(plan.criu_log)) <= plan.criu_log_max:
+            return False
+        log(f"CRIU's log {plan.criu_log} passed {plan.criu_log_max >> 20} MiB")
+        return True
+
+    if not stopped and _wait_criu(pid, plan, log, runaway):
+        return
+    log(f"ending CRIU (PID {pid}) and the tasks it restored")
+    criu.end_restore(pid)
+
+
+def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Log) -> None:
     """Every CUDA process of the plan back to RUNNING (driver restore, unlock)."""
     from pos.process import cudackpt
 
@@ -114,12 +126,12 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Callable[[str], N
             cudackpt.unlock(pid)
 
 
-def _give_back(plan: Plan, memory: dict[int, list[int]], log: Callable[[str], None]) -> None:
+def _give_back(plan: CheckpointPlan, memory: Memory, log: Log) -> None:
     """Map the hoisted memory back into each job (its calls wait for it), put back the imports
     of each other's memory that the checkpoint took down (its image's links: each owner
-    exports again, each importer maps), and release them (`memory`: each job's descriptors,
-    in its agent's table order). An importer whose imports cannot come back is not released:
-    its agent ends it once let go (hook/peer.c), never running without them."""
+    exports again, each importer maps), and release them. An importer whose imports cannot
+    come back is not released: its agent ends it once let go (hook/peer.c), never running
+    without them."""
     from pos.agent import peers
     from pos.agent.control import Agent
 
@@ -132,7 +144,7 @@ def _give_back(plan: Plan, memory: dict[int, list[int]], log: Callable[[str], No
                 log(f"PID {pid}: giving its device memory back ({len(fds)} buffers)")
                 agents.append(Agent(pid))
                 agents[-1].remap(fds)
-        links = peers.read(Path(plan.images)) if plan.op == "checkpoint" and plan.images else []
+        links = peers.read(Path(plan.images)) if plan.images else []
         if links:
             log(f"putting back {len(links)} imports of other processes' memory")
             try:
@@ -150,7 +162,7 @@ def _give_back(plan: Plan, memory: dict[int, list[int]], log: Callable[[str], No
             agent.close()
 
 
-def _verified(plan: Plan, log: Callable[[str], None]) -> bool:
+def _verified(plan: RestorePlan, log: Log) -> bool:
     """A tree that CRIU restored stopped beside its image's check: resumed once the image is
     known good, killed (never run) when it is not."""
     from pos import image
@@ -166,7 +178,7 @@ def _verified(plan: Plan, log: Callable[[str], None]) -> bool:
     return True
 
 
-def end_tree(plan: Plan) -> None:
+def end_tree(plan: CheckpointPlan) -> None:
     """A checkpoint's last step: its tree, which CRIU left stopped, ended. A parent that stopped
     itself when its child stopped is continued: script(1) and sudo do so, to pass the stop on
     to their shell, and wait stopped until they are continued."""
@@ -174,7 +186,7 @@ def end_tree(plan: Plan) -> None:
     procs.thaw([plan.parent])
 
 
-def _end_unnamed(plan: Plan, log: Callable[[str], None]) -> None:
+def _end_unnamed(plan: RestorePlan, log: Log) -> None:
     """A tree restored into new namespaces whose PIDs pos had not sent yet (it died between
     CRIU's end and the next step): CRIU's pidfile in the work folder names its root, which
     never ran (it is restored stopped): it is killed."""
@@ -187,8 +199,8 @@ def _end_unnamed(plan: Plan, log: Callable[[str], None]) -> None:
         procs.kill_tree(procs.tree(root))
 
 
-def _recover_restore(plan: Plan, log: Callable[[str], None], stopped: bool) -> None:
-    """`recover` of a restore: its tree finished and running on, or killed."""
+def _restored_tree(plan: RestorePlan, log: Log, stopped: bool) -> None:
+    """A restore's tree finished and running on, or killed."""
     if not plan.pids:
         _end_unnamed(plan, log)
         return
@@ -220,28 +232,83 @@ def _recover_restore(plan: Plan, log: Callable[[str], None], stopped: bool) -> N
             log(f"{why.message}: the restored tree was killed")
 
 
-def recover(plan: Plan, log: Callable[[str], None],
-            memory: Optional[dict[int, list[int]]] = None, stopped: bool = False) -> None:
-    """Bring the plan's processes back to running (see the module docstring); `memory`: the
-    descriptors of each job's hoisted memory, in its agent's table order. `stopped`: the user
-    stopped the operation (SIGINT/SIGTERM): a restore is ended rather than finished."""
-    _wait_criu(plan, log, stopped)
-    if plan.op == "restore":
-        try:
-            _recover_restore(plan, log, stopped)
-        finally:
-            if plan.lazy_pid:    # after the tree, which it served or which is gone
-                from pos.operation import lazypages
-
-                lazypages.end(plan.lazy_pid)
-        return
-    if plan.op == "checkpoint" and plan.step == "end":
+def _recover_checkpoint(plan: CheckpointPlan, log: Log, memory: Memory, stopped: bool) -> str:
+    """A checkpoint's tree running as before, or, its image sealed, ended as asked."""
+    _end_dump(plan, log)
+    if plan.step == "end":
         log(f"the image is sealed: ending the tree of PID {plan.pids[0]}, as asked")
         end_tree(plan)
-        return
+        return "the tree ended, its image sealed"
     procs.thaw([p for p in plan.pids if p not in plan.stopped] + [plan.parent])
     _finish_gpu(plan, [], log)
-    _give_back(plan, memory or {}, log)
+    _give_back(plan, memory, log)
+    return "the processes run"
+
+
+def _recover_restore(plan: RestorePlan, log: Log, memory: Memory, stopped: bool) -> str:
+    """A restore's CRIU ended, its tree finished or killed, then its lazy-pages daemon
+    ended."""
+    _end_restorer(plan, log, stopped)
+    try:
+        _restored_tree(plan, log, stopped)
+    finally:
+        if plan.lazy_pid:    # after the tree, which it served or which is gone
+            from pos.operation import lazypages
+
+            lazypages.end(plan.lazy_pid)
+    return ""
+
+
+def _recover_move(plan: MovePlan, log: Log, memory: Memory, stopped: bool) -> str:
+    """A move's processes back on the GPUs they were on."""
+    procs.thaw(plan.pids)
+    _finish_gpu(plan, [], log)
+    return "the processes run"
+
+
+def _discard_image(plan: CheckpointPlan) -> None:
+    """An undone checkpoint's unfinished image, and CRIU's files where they were staged."""
+    from pos.image import discard
+
+    for d in {plan.images, plan.staging} - {""}:
+        discard(Path(d))
+
+
+def _discard_work(plan: RestorePlan) -> None:
+    """An undone restore's work folder."""
+    if plan.work:
+        shutil.rmtree(plan.work, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Undo:
+    """One type of plan's undo: `recover` (see `recover`) says what it left the processes
+    doing, for the watchdog's log ("" when the undo's own lines said it); `leftovers` removes
+    what the undone operation left on disk."""
+
+    recover: Callable[[Any, Log, Memory, bool], str]
+    leftovers: Callable[[Any], None] = lambda plan: None
+
+
+UNDO: dict[type[Plan], Undo] = {
+    CheckpointPlan: Undo(_recover_checkpoint, _discard_image),
+    RestorePlan: Undo(_recover_restore, _discard_work),
+    MovePlan: Undo(_recover_move),
+}
+
+
+def recover(plan: Plan, log: Log, memory: Optional[Memory] = None, stopped: bool = False
+            ) -> str:
+    """Bring the plan's processes back to running (see the module docstring), by the undo of
+    the plan's type; what it left them doing. `memory`: the descriptors of each job's hoisted
+    memory. `stopped`: the user stopped the operation (SIGINT/SIGTERM): a restore is ended
+    rather than finished."""
+    return UNDO[type(plan)].recover(plan, log, memory or {}, stopped)
+
+
+def discard_leftovers(plan: Plan) -> None:
+    """What the undone operation left on disk, removed as the undo of the plan's type does."""
+    UNDO[type(plan)].leftovers(plan)
 
 
 class Watchdog:
@@ -325,7 +392,7 @@ def main() -> int:
         if msg.get("done"):
             return 0
         if "plan" in msg:
-            plan = Plan.from_json(msg["plan"])
+            plan = from_json(msg["plan"])
         if "hold" in msg:
             holds.append((int(msg["pid"]), int(msg["hold"])))
     if plan is None:
@@ -335,19 +402,14 @@ def main() -> int:
     for pid, n in holds:
         memory.setdefault(pid, []).extend(fds[at:at + n])
         at += n
-    log(f"pos died during {plan.op} of PID {plan.pids[:1]} at step {plan.step}: undoing")
+    log(f"pos died during {plan.WHAT} of PID {plan.pids[:1]} at step {plan.step}: undoing")
     try:
-        recover(plan, log, memory)
+        left = recover(plan, log, memory)
     except PosError as e:
         log(f"undo failed: {e.message}")
         return 1
     discard_leftovers(plan)
-    if plan.op == "restore":
-        log("undo done")
-    elif plan.step == "end":
-        log("undo done: the tree ended, its image sealed")
-    else:
-        log("undo done: the processes run")
+    log(f"undo done: {left}" if left else "undo done")
     return 0
 
 

@@ -24,7 +24,7 @@ from pos.image.kinds import ImageKind
 from pos.image.opened import Opened
 from pos.operation import lazypages
 from pos.operation.engine import Operation, Report
-from pos.operation.plan import Plan
+from pos.operation.plan import RestorePlan
 from pos.operation.steps import Echo, Guard
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
@@ -49,7 +49,8 @@ def _failed(checking: Future[float]) -> Optional[BaseException]:
     return checking.exception() if checking.done() else None
 
 
-def _lazy_start(g: Guard, criu: criu_mod.Criu, images: Path, work: Path) -> lazypages.Daemon:
+def _lazy_start(g: Guard[RestorePlan], criu: criu_mod.Criu, images: Path, work: Path
+                ) -> lazypages.Daemon:
     """CRIU's lazy-pages daemon for the image, listening (timed: lazy_start); the plan names it
     from the moment it exists, and gives it the plan's wait for a CRIU (POS_CRIU_WAIT_S) to
     serve every page."""
@@ -61,7 +62,7 @@ def _lazy_start(g: Guard, criu: criu_mod.Criu, images: Path, work: Path) -> lazy
     return g.timed("lazy_start", lambda: lazypages.start(criu, images, work, named))
 
 
-def _lazy_wait(g: Guard, daemon: lazypages.Daemon, since: float) -> None:
+def _lazy_wait(g: Guard[RestorePlan], daemon: lazypages.Daemon, since: float) -> None:
     """The step "lazy-pages", the tree running: until the daemon has served every page
     (`lazypages.settle`), timed (lazy_wait), and when it ended (lazy_done_at, seconds from
     `since`); PosError if it cannot have, the restored tree killed by then."""
@@ -149,12 +150,10 @@ def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
             echo(f"{path} changed since the dump ({size} bytes then, {now} now): the restored "
                  "process appends to it")
     own = bool(manifest.inner_pids)     # its PIDs are known once CRIU has made them
-    plan = Plan("restore", [] if own else manifest.pids, [] if own else manifest.gpu_pids,
-                criu_path=criu.path,
-                images=str(directory), criu_options=manifest.criu_options,
-                gpu_pairs=[list(p) for p in gpu_pairs], hoisted=splice is not None,
-                verify=None if check is None else list(check),
-                criu_log_max=criu.log_max)
+    plan = RestorePlan([] if own else manifest.pids, [] if own else manifest.gpu_pids,
+                       images=str(directory), gpu_pairs=[list(p) for p in gpu_pairs],
+                       hoisted=splice is not None, verify=None if check is None else list(check),
+                       criu_log_max=criu.log_max)
     echo(f"restoring PID {manifest.pid} ({manifest.comm}) from {directory}")
     if manifest.tcp_listen and not own:     # a new network namespace has no old connections
         from pos.restore import timewait     # pyroute2: imported only where needed

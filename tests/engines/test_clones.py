@@ -141,15 +141,15 @@ def test_pos_run_clonable_without_root_says_so(tmp_path: Path) -> None:
 def test_a_dead_pos_leaves_no_stopped_copy_behind(tmp_path: Path) -> None:
     """pos died after CRIU restored a copy into new namespaces but before it sent the copy's
     PIDs: the watchdog finds the root in CRIU's pidfile and ends the tree, which never ran."""
-    from pos.operation.plan import Plan
+    from pos.operation.plan import RestorePlan
     from pos.operation.watchdog import recover
 
     p = subprocess.Popen(["sleep", "60"], start_new_session=True)
     os.kill(p.pid, signal.SIGSTOP)
     (tmp_path / names.RESTORE_PIDFILE).write_text(f"{p.pid}\n")
-    plan = Plan("restore", [], [], step="criu-restore", work=str(tmp_path), images="/img")
+    plan = RestorePlan([], [], step="criu-restore", work=str(tmp_path), images="/img")
     said: list[str] = []
     recover(plan, said.append)
     assert p.wait(timeout=10) == -signal.SIGKILL
     assert said and "never ran" in said[0]
-    recover(Plan("restore", [], [], work=str(tmp_path / "none")), said.append)   # nothing yet
+    recover(RestorePlan([], [], work=str(tmp_path / "none")), said.append)   # nothing yet

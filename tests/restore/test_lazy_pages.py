@@ -17,7 +17,7 @@ import pytest
 from pos.errors import BadInput
 from pos.image import names
 from pos.operation import lazypages
-from pos.operation.plan import Plan
+from pos.operation.plan import RestorePlan
 from pos.process import criu as criu_mod
 from pos.process.criu import Criu, Options
 from pos.settings import Settings
@@ -88,13 +88,13 @@ def sleeper(group: bool = False) -> subprocess.Popen:
 
 
 @pytest.fixture
-def played(tmp_path: Path) -> Iterator[tuple[Plan, subprocess.Popen, subprocess.Popen]]:
+def played(tmp_path: Path) -> Iterator[tuple[RestorePlan, subprocess.Popen, subprocess.Popen]]:
     """A plan whose restored tree is a sleeper, and whose daemon is another, with its log."""
     tree, daemon = sleeper(), sleeper(group=True)
     log = tmp_path / names.LAZY_PAGES_LOG
     log.write_text("(00.01) uffd: 1-5: #PF at 0x7f0000\n")
-    plan = Plan("restore", [tree.pid], lazy_pid=daemon.pid, lazy_log=str(log),
-                lazy_deadline=time.monotonic() + 60, log_dir=str(tmp_path / "logs"))
+    plan = RestorePlan([tree.pid], lazy_pid=daemon.pid, lazy_log=str(log),
+                       lazy_deadline=time.monotonic() + 60, log_dir=str(tmp_path / "logs"))
     yield plan, tree, daemon
     for p in (tree, daemon):
         p.kill()
