@@ -4,12 +4,20 @@ their undo (pos/operation/steps.py). lock (with a timeout) -> driver checkpoint 
 DIR.partial -> DIR) -> [without --leave-running: end the tree, which CRIU left stopped: until
 the seal it can run on]. Its images come back through pos/restore/tree.py. Processes
 without CUDA state skip the driver steps: CRIU alone.
+
+With --leave-running, a process that the driver cannot give its GPU state back in place, at
+the first try and again, can never run again (the driver refuses every restore after a failed
+one: NVIDIA's cuda-checkpoint issue 44). Its image is whole by then: pos seals it, ends the
+job rather than leave it stuck, and says so, naming the image to restore.
 """
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from pos import image, nvml
+from pos.errors import PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.operation import restorable
@@ -24,6 +32,36 @@ from pos.settings import Settings
 
 MAPPED_BACK_FIX = ("checkpoint it with `pos checkpoint --concurrent` (to move it: copy that image "
                    "and `pos restore -D` it on the other host)")
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """The processes that the driver could not give their GPU state back in place, and why."""
+
+    pids: list[int]
+    cause: str
+
+
+def back_in_place(g: Guard, cuda: list[int]) -> Optional[Stuck]:
+    """--leave-running: every CUDA process back on the GPU, unlocked. A restore that fails is
+    tried once more, as the undo would; if that gets every process back, the first failure is
+    raised (the undo unlocks them: they run on, and the image is dropped, as before). Those it
+    fails for twice are returned (see the module's docstring)."""
+    try:
+        g.each("restore", cuda, cudackpt.restore)
+    except PosError as first:
+        stuck = []
+        for p in cuda:
+            if procs.alive(p) and cudackpt.cuda_state(p) == "checkpointed":
+                try:
+                    cudackpt.restore(p)
+                except PosError:
+                    stuck.append(p)
+        if not stuck:
+            raise
+        return Stuck(stuck, first.cause)
+    g.each("unlock", cuda, cudackpt.unlock)
+    return None
 
 
 def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
@@ -55,17 +93,22 @@ def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
         manifest.logs = procs.logs(pids)
         argv = criu.dump_argv(pid, partial, options, leave_running, page_server)
         g.dump(criu, argv, partial)     # without --leave-running: the tree stays, stopped
+        stuck: Optional[Stuck] = None
         if leave_running:
-            g.each("restore", cuda, cudackpt.restore)
-            g.each("unlock", cuda, cudackpt.unlock)
+            stuck = back_in_place(g, cuda)
             manifest.stall_s = time.monotonic() - start if cuda else g.timings.get("frozen")
         g.step("seal")
         manifest.timings = g.timings
         progress.phase("checksum", total=folder_bytes(partial))
         final = g.timed("checksum", lambda: image.seal(partial, manifest, progress.advance))
-        if not leave_running:
+        if not leave_running or stuck:
             g.end()
     manifest.timings = g.timings
     image.write_manifest(final, manifest)     # with the checksum's own time
+    if stuck:
+        raise PosError(f"the CUDA driver could not give PID {', '.join(map(str, stuck.pids))} "
+                       f"its GPU state back in place ({stuck.cause}), and refuses every later "
+                       f"try, so pos ended the job; its image {final} is whole and sealed",
+                       f"restore it with `pos restore -D {final}`")
     return Report(ImageKind.STOP_THE_WORLD.value, Operation.CHECKPOINT, str(final), manifest,
                   timings=g.timings)

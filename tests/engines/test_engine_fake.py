@@ -97,6 +97,24 @@ def test_injected_driver_failure_leaves_the_target_running(tmp_path, gpu, target
     assert not (tmp_path / "img").exists() and not names.partial(tmp_path / "img").exists()
 
 
+def test_a_job_the_driver_cannot_restore_in_place_is_ended_its_image_sealed(
+        tmp_path, gpu, target) -> None:
+    """A restore in place that fails twice: the driver refuses every later one (NVIDIA's
+    cuda-checkpoint issue 44), so the job could never run again. Its image, whole, is sealed and
+    restores; the job is ended rather than left locked."""
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(target.pid), "-D", str(img), "--leave-running",
+            env={**gpu, "POS_FAKECUDA_FAIL": "cuCheckpointProcessRestore"})
+    one_sentence(r, 1, f"could not give PID {target.pid} its GPU state back in place",
+                 "pos ended the job", f"pos restore -D {img}")
+    assert calls(gpu, target.pid) == ["Lock", "Checkpoint", "Restore", "Restore"]
+    target.reap_original()                      # ended
+    at_dump = len(lines(target.path))
+    r = pos("restore", "-D", str(img), env=gpu)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: len(lines(target.path)) > at_dump + 10, what="the restored counter")
+
+
 def test_failure_the_undo_cannot_fix_is_said(tmp_path, gpu, target) -> None:
     r = pos("checkpoint", str(target.pid), "-D", str(tmp_path / "img"), "--leave-running",
             env={**gpu, "POS_FAKECUDA_FAIL": "cuCheckpointProcessUnlock"})
