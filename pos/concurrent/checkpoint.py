@@ -45,8 +45,7 @@ from pos.operation.plan import CheckpointPlan
 from pos.operation.steps import Echo, Guard
 from pos.process import criu as criu_mod
 from pos.process import cudackpt, procs
-from pos.process.criu import Options
-from pos.settings import DEFAULT_LOCK_TIMEOUT_MS, Settings
+from pos.settings import Settings
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.concurrent.copier import Copied
@@ -92,7 +91,7 @@ class _Whole:
     def run(self) -> Report:
         try:
             return self._run()
-        except PosError as e:
+        except PosError:
             if procs.alive(self.pid):
                 raise
             step = self._plan.step if self._plan is not None and self._plan.step else "prepare"
