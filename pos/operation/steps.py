@@ -64,6 +64,7 @@ class Guard(Generic[P]):
         self.fault_at = settings.fault_at
         plan.begin(settings)
         self.timings: dict[str, float] = {}
+        self.t0 = time.monotonic()
         self.watchdog: Optional[Watchdog] = None
         self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory
 
@@ -72,7 +73,10 @@ class Guard(Generic[P]):
         return self
 
     def step(self, name: str, **changes: Any) -> None:
-        """Tell the watchdog which step begins (and what changed in the plan)."""
+        """Tell the watchdog which step begins (and what changed in the plan). When each step
+        first began is kept (`step_NAME_at`, seconds from the guard's start): the time between
+        two steps that no step's own timing covers shows there."""
+        self.timings.setdefault(f"step_{name}_at", round(time.monotonic() - self.t0, 4))
         self.plan.step = name
         self.progress.phase(name)
         for k, v in changes.items():

@@ -78,6 +78,9 @@ def test_leave_running_restores_and_unlocks_the_original(tmp_path, gpu, target) 
     assert calls(gpu, target.pid) == ["Lock", "Checkpoint", "Restore", "Unlock"]
     manifest = json.loads((tmp_path / "img" / names.MANIFEST).read_text())
     assert manifest["stall_s"] >= manifest["timings"]["dump"]
+    at = manifest["timings"]
+    assert 0 <= at["step_lock_at"] <= at["step_dump_at"] <= at["step_restore_at"] \
+        <= at["step_seal_at"]                 # when each step began
     runs_unlocked(target, gpu)
 
 
