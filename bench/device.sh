@@ -69,8 +69,9 @@
 # checkpoint/schedule: both together exceed the 64 MiB a call may carry, so drop the part a
 # group does not need; bcc alone, 48 MiB, no longer fits beside the tree: carry its LLVM and z3
 # packages in one call that copies them to /var/tmp/bccdebs, then the rest in the next call,
-# which puts both into .device/bcc before `source .device/setup.sh`). For CRIU 4.2 (4.1 cannot dump a process with a TCP/UDP socket on
-# Linux >= 6.16): scripts/criu-debs.sh .device/criu. For containers (the GPU machine has no
+# which puts both into .device/bcc before `source .device/setup.sh`). For CRIU 4.2 (4.1
+# cannot dump a process with a TCP/UDP socket on Linux >= 6.16): scripts/criu-debs.sh
+# .device/criu. For containers (the GPU machine has no
 # podman): scripts/podman-debs.sh .device/podman, beside .device/criu (no bcc: 7 + 18 MiB).
 # Then carry .whl and .device.
 set -uo pipefail
