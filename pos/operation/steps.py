@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Literal, Optional, Sequence, TypeVar
 
@@ -77,6 +78,9 @@ class Guard(Generic[P]):
         first began is kept (`step_NAME_at`, seconds from the guard's start): the time between
         two steps that no step's own timing covers shows there."""
         self.timings.setdefault(f"step_{name}_at", round(time.monotonic() - self.t0, 4))
+        unknown = set(changes) - {f.name for f in fields(self.plan)}
+        if unknown:         # pos's own mistake: the watchdog would never hear of these
+            raise TypeError(f"{type(self.plan).__name__} has no {', '.join(sorted(unknown))}")
         self.plan.step = name
         self.progress.phase(name)
         for k, v in changes.items():

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 
+import pytest
+
 from pos.operation.plan import KINDS, CheckpointPlan, MovePlan, Plan, RestorePlan, from_json
 from pos.operation.watchdog import UNDO, recover
 from pos.process import procs
@@ -49,3 +51,12 @@ def test_a_move_without_cuda_undone_leaves_its_processes_running() -> None:
     said: list[str] = []
     assert recover(MovePlan([os.getpid()]), said.append) == "the processes run"
     assert said == []
+
+
+def test_a_step_that_changes_what_its_plan_lacks_is_refused() -> None:
+    """A change the plan's type has no field for would never reach the watchdog."""
+    from pos.operation.steps import Guard
+
+    g = Guard(MovePlan([1]), lambda _: None, Settings.from_env({}))
+    with pytest.raises(TypeError, match="MovePlan has no staging"):
+        g.step("cut", staging="/tmp/x")
