@@ -231,7 +231,7 @@ def fill_probe(image_dir: Path, threads: int = 16) -> dict[str, Any]:
     1 MiB pieces as they come, then copies it); and the floors: `read` (pread into 64 MiB
     buffers), `read_hash` (and hashing as the restore does), `map_hash` (hashing the mapped
     files in place, no copy at all). Page-locking the mapped files to copy from them directly
-    was measured in session 7's first call (bench/results/2026-11-25/hoist21): 1.2-1.9 s for
+    was measured in part 7's first run (bench/results/2026-11-25/hoist21): 1.2-1.9 s for
     16 GiB, from 1 or 16 threads."""
     from pos.image import gpu as gpuimage
 

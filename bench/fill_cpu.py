@@ -7,7 +7,7 @@ folds it into the chunk's checksum and checks its words for pointers into other 
 (pos/image/chunks.c). Here the device copy is a no-op, so what is timed is the CPU's work:
   one_pass     pos_fill_chunk: copy, hash and pointer marks in one loop (chunks.c: pass)
   three_pass   the same library's functions one after another on each piece: memmove into
-               the slot, pos_fold over it, pos_point over it (the fill before session 8)
+               the slot, pos_fold over it, pos_point over it (the fill of 2026-11-25's final tree)
   copy         the memmove alone: the floor
 GB/s of image bytes, best of three, on a file in /dev/shm (page cache), for each thread count;
 the ratio one_pass / three_pass is the figure to compare across machines."""
