@@ -141,3 +141,18 @@ def test_doctor_and_the_migration_key(tmp_path: Path, monkeypatch: pytest.Monkey
     r = CliRunner().invoke(cli, ["migrate", "--listen", "-D", str(tmp_path / "in")])
     assert r.exit_code == 2 and "chmod 600" in r.stderr and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "in").exists()
+
+
+def test_a_command_and_a_checkpoint_before_its_cut_import_no_numpy() -> None:
+    """numpy's import took 0.3 s of a command's start on the H200 host: the commands and what
+    a concurrent checkpoint runs before its cut leave it to the copy, after the cut."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("import sys, pos.cli, pos.concurrent.checkpoint, pos.concurrent.copier, "
+            "pos.concurrent.saver; print('numpy' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

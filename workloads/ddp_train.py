@@ -42,7 +42,8 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.n1, self.n2 = nn.RMSNorm(WIDTH), nn.RMSNorm(WIDTH)
-        self.qkv, self.o = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH, bias=False)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.o = nn.Linear(WIDTH, WIDTH, bias=False)
         self.up = nn.Linear(WIDTH, 2 * HIDDEN, bias=False)
         self.down = nn.Linear(HIDDEN, WIDTH, bias=False)
 

@@ -2,13 +2,19 @@
 validator's buffer snapshots: one word hash in four lanes, in pos/image/chunks.c, called
 through ctypes without the GIL (19-20 GB/s a core on the 2-core build VM, as fast as the numba
 loop it replaced; zlib's crc32 1.48 and sha256 0.98 on the H100 host). The hash is stated
-there, and in plain Python by tests/image/test_checksum.py."""
+there, and in plain Python by tests/image/test_checksum.py. Its buffers are numpy arrays, but it
+needs none of numpy itself: every pos command imports the image's modules, and numpy's import
+took 0.3 s of a command's start on the H200 host."""
+
+from __future__ import annotations
 
 import ctypes
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from pos import native
+
+if TYPE_CHECKING:
+    import numpy as np
 
 LIB = native.load(native.CHUNKS)     # pos/image/gpu.py declares the reader's functions
 LIB.pos_fold.restype = ctypes.c_uint64
@@ -38,19 +44,21 @@ class Folding:
     through a small buffer: every piece but the last a whole number of GROUP bytes."""
 
     def __init__(self, h: int) -> None:
-        self.lanes = np.empty(4, np.uint64)
+        self.lanes = (ctypes.c_uint64 * 4)()
         self.n = 0
-        LIB.pos_fold_start(h, self.lanes.ctypes.data)
+        LIB.pos_fold_start(h, ctypes.addressof(self.lanes))
 
     def add(self, piece: np.ndarray) -> None:
         """Fold in a piece (contiguous uint8) that is not the last."""
         if self.n % GROUP:
             raise ValueError("only the last piece may end inside a group")
-        LIB.pos_fold_groups(piece.ctypes.data, piece.shape[0] // GROUP, self.lanes.ctypes.data)
+        LIB.pos_fold_groups(piece.ctypes.data, piece.shape[0] // GROUP,
+                            ctypes.addressof(self.lanes))
         self.n += piece.shape[0]
 
     def close(self, last: np.ndarray) -> int:
         """The hash, with the last piece (possibly empty) folded in."""
         self.add(last)
         whole = last.shape[0] // GROUP * GROUP
-        return int(LIB.pos_fold_close(self.lanes.ctypes.data, last.ctypes.data + whole, self.n))
+        return int(LIB.pos_fold_close(ctypes.addressof(self.lanes), last.ctypes.data + whole,
+                                      self.n))

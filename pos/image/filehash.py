@@ -21,11 +21,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from pos.image.checksum import Folding, fold
+
+if TYPE_CHECKING:      # imported where used: every pos command imports this module
+    import numpy as np
 
 # One preadv into a worker's reusable buffer (a whole number of the fold's groups). 1 MiB stays in
 # the core's cache between the copy and the hash: on the 2-core VM fold64 ran 4-5% faster than
@@ -35,7 +36,7 @@ from pos.image.checksum import Folding, fold
 READ_BYTES = 1 << 20
 
 Hashed = Callable[[int], None]
-Pieces = Iterator[tuple[np.ndarray, bool]]     # a chunk's bytes as read, and whether the last
+Pieces = Iterator[tuple["np.ndarray", bool]]   # a chunk's bytes as read, and whether the last
 
 
 def no_progress(_done: int) -> None:
@@ -87,6 +88,8 @@ def _fold_chunk(pieces: Pieces, length: int, index: int) -> bytes:
 
 
 def _fold_file(chunks: list[bytes], size: int) -> str:
+    import numpy as np
+
     return f"{fold(np.frombuffer(b''.join(chunks), np.uint8), size):016x}"
 
 
@@ -115,7 +118,7 @@ def named(rec: dict[str, Any]) -> Optional[tuple[Hash, str]]:
 _local = threading.local()
 
 
-def _read(fd: int, view: np.ndarray, offset: int) -> int:
+def _read(fd: int, view: "np.ndarray", offset: int) -> int:
     """Fill `view` from `offset` of fd; fewer bytes only where the file ends."""
     got = 0
     while got < view.shape[0]:
@@ -133,6 +136,8 @@ def _pieces(fd: int, offset: int, length: int, hashed: Hashed) -> Pieces:
     with a short piece: the digest differs."""
     buf = getattr(_local, "buf", None)
     if buf is None:
+        import numpy as np
+
         buf = _local.buf = np.empty(READ_BYTES, np.uint8)
     done = 0
     while True:
