@@ -143,9 +143,10 @@ def test_doctor_and_the_migration_key(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not (tmp_path / "in").exists()
 
 
-def test_a_command_and_a_checkpoint_before_its_cut_import_no_numpy() -> None:
-    """numpy's import took 0.3 s of a command's start on the H200 host: the commands and what
-    a concurrent checkpoint runs before its cut leave it to the copy, after the cut."""
+def test_a_command_imports_no_numpy() -> None:
+    """numpy's import took 0.3 s of a command's start on the H200 host: the commands and a
+    concurrent checkpoint's modules leave it to a thread of the checkpoint's, beside the pin
+    (tests/concurrent/test_export.py)."""
     import subprocess
     import sys
 

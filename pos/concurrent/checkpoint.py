@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -205,10 +206,30 @@ class _Whole:
         return t0
 
     def take(self, g: Guard) -> None:
-        for s in self.savers:
-            t = s.take(self.partial, s.pid if self.several else None)
+        """Every job's memory taken at once, on threads (each makes its job's context current
+        on its own): one after another, they held the 4 ranks of the Llama2-13B-shaped job most
+        of the 3.0 s between its cut and its hoist (bench/results/2026-11-28-multigpu, run14). What was taken is the watchdog's
+        even where another take failed; the first failure is raised then."""
+        def one(s: Saver) -> Taken:
+            return s.take(self.partial, s.pid if self.several else None)
+
+        def keep(t: Taken) -> None:
             self.taken.append(t)
             g.hold(t.pid, t.fds)       # while the job is held, its memory still
+
+        def all_of() -> None:
+            if not self.several:
+                keep(one(self.savers[0]))
+                return
+            with ThreadPoolExecutor(len(self.savers), thread_name_prefix="pos-take") as pool:
+                tries = [pool.submit(one, s) for s in self.savers]
+            for f in tries:
+                if f.exception() is None:
+                    keep(f.result())
+            for f in tries:
+                f.result()
+
+        g.timed("take", all_of)
 
     def hoist(self, g: Guard) -> None:
         if self.links:

@@ -19,6 +19,7 @@ whose context each step makes current (one thread drives them all).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -59,6 +60,9 @@ class Saver:
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.owned_bytes = self.foreign_bytes = 0
+        # the copy's modules, imported beside the pin (`reconnect` waits for them)
+        self._imports = threading.Thread(target=import_for_copy, name="pos-import", daemon=True)
+        self._imports.start()
 
     @classmethod
     def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
@@ -121,7 +125,9 @@ class Saver:
         the status sat silent through the pin (as large as the job: 20-55 s for 83-125 GiB on
         the H200, past the agent's POS_AGENT_STALL_S on larger jobs), and one ended meanwhile
         showed only at the cut's request (issue 35). The old one is let go; why it was lost,
-        if it was (counted: prepare_connection_lost_n), is returned."""
+        if it was (counted: prepare_connection_lost_n), is returned. The copy's modules are in
+        by then (import_for_copy)."""
+        self._imports.join()
         old = self.connected()
         lost = None
         try:
@@ -196,7 +202,7 @@ class Taken:
             self.mem = saver.timed("import", lambda: gpucopy.Imported(saver.drv, self.table,
                                                                       self.fds))
             sources = self._snapshot()
-            self._start(folder, sources)
+            saver.timed("copy_start", lambda: self._start(folder, sources))
         except BaseException:
             self.close()
             raise
@@ -338,6 +344,17 @@ class Taken:
             self.copier.close()              # nor write from the arena
             self.writer.close()              # its data files (a failed image's are discarded)
         self._drop_device()
+
+
+def import_for_copy() -> None:
+    """The modules the copy starts with, numpy's among them: imported after the cut, they held
+    the job 0.2-0.3 s longer on the H200 hosts (bench/results/2026-11-28-perf, run7); before
+    the pin, they delayed every command. A failure shows again where they are used."""
+    try:
+        from pos.concurrent import copier  # noqa: F401
+        from pos.image import gpu  # noqa: F401
+    except ImportError:
+        pass
 
 
 def reconnected(saver: Saver, echo: steps.Echo) -> Agent:

@@ -1,7 +1,10 @@
 """A checkpoint's export (concurrent/saver.py export): where the agent lacks the device memory
 to move a buffer the driver will not export (hook/export.c: reseat), pos gives its shadow back and
-asks once more; any other refusal, or a second one, is the checkpoint's failure."""
+asks once more; any other refusal, or a second one, is the checkpoint's failure. And what the
+export's copy needs is imported before the cut."""
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,33 @@ def test_another_refusal_fails_the_checkpoint(saver, refusals: int, need: int) -
     with pytest.raises(Refused, match="refused: exporting the buffer at 0x7000 failed"):
         export(s)
     assert s.agent.asked == refusals and (s.shadow.size == 0) == bool(need)
+
+
+class QuietAgent:
+    """An agent that answers its status and lets go."""
+
+    pid = 4242
+
+    def status(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def test_the_cut_waits_for_the_copys_modules(saver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy and the copy's modules are imported beside the pin (import_for_copy): the cut's
+    own connection is made once they are in, so that the held job never waits for them."""
+    import pos.concurrent.saver as mod
+
+    imported = threading.Event()
+
+    def slowly() -> None:
+        time.sleep(0.3)
+        imported.set()
+
+    monkeypatch.setattr(mod, "import_for_copy", slowly)
+    monkeypatch.setattr(mod, "Agent", lambda pid: QuietAgent())
+    s = saver(QuietAgent())
+    assert not imported.is_set()           # the pin goes on beside the import
+    assert s.reconnect() is None and imported.is_set()
