@@ -162,3 +162,25 @@ def test_pos_killed_at_each_step_leaves_every_rank_running_with_its_memory(
         assert alive(p) and not torn(after)
         assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).read_text().strip() \
             == "running"
+
+
+def test_a_take_that_fails_beside_anothers_leaves_every_rank_running_with_its_memory(
+        ranks: Ranks, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """The ranks' memory is taken at once, on threads: the first import pos makes fails, so one
+    rank's take fails while the other's may succeed; the memory each took is given back, each
+    rank released, and pos says why in one sentence."""
+    for p in ranks.pids:
+        ran_past(p, 0)
+    r = pos("checkpoint", str(ranks.root), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running",
+            env={**gpu_env, "POS_FAKECUDA_FAIL": "cuMemImportFromShareableHandle:1"})
+    assert r.returncode == 1 and "cuMemImportFromShareableHandle" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "img").exists()
+    for p in ranks.pids:
+        with Agent(p) as a:
+            wait_for(lambda: a.status().phase == "idle", what=f"rank {p}'s release")
+        after = image_values(Path(concurrent.checkpoint_gpu(p, tmp_path / f"after-{p}").path))
+        assert alive(p) and not torn(after)
+        assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).read_text().strip() \
+            == "running"

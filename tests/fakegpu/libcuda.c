@@ -14,7 +14,8 @@
  * process of another PID namespace, a container's, is found as it names itself: see
  * state_path).
  * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
- * named in $POS_FAKECUDA_FAIL (comma-separated) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
+ * named in $POS_FAKECUDA_FAIL (comma-separated; the checkpoint calls and
+ * cuMemImportFromShareableHandle) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
  * the first N calls of that name, counted across processes in the state directory (a transient
  * failure that an undo's retry gets past). */
 #define _GNU_SOURCE
@@ -688,6 +689,8 @@ API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     return CUDA_SUCCESS;
 }
 
+static int injected_failure(const char *name); /* POS_FAKECUDA_FAIL: defined below */
+
 API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                       CUmemGenericAllocationHandle handle, unsigned long long flags) {
     NEED_CONTEXT();
@@ -819,6 +822,8 @@ API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocatio
 API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
                                             void *shareable, int type) {
     NEED_CONTEXT();
+    if (injected_failure("cuMemImportFromShareableHandle"))
+        return CUDA_ERROR_UNKNOWN;
     struct stat sb;
     int fd = (int)(intptr_t)shareable;
     if (!handle || type != 1 || fstat(fd, &sb) != 0 || sb.st_size <= 0)
