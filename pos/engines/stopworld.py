@@ -108,7 +108,10 @@ def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
     if stuck:
         raise PosError(f"the CUDA driver could not give PID {', '.join(map(str, stuck.pids))} "
                        f"its GPU state back in place ({stuck.cause}), and refuses every later "
-                       f"try, so pos ended the job; its image {final} is whole and sealed",
-                       f"restore it with `pos restore -D {final}`")
+                       f"try, so pos ended the job; its image {final} is whole and sealed, "
+                       "but holds the GPU state the driver refused",
+                       f"try `pos restore -D {final}` (the driver may refuse it the same way), "
+                       "and save this job with `pos checkpoint --concurrent`, which leaves the "
+                       "driver only the job's small context")
     return Report(ImageKind.STOP_THE_WORLD.value, Operation.CHECKPOINT, str(final), manifest,
                   timings=g.timings)

@@ -104,12 +104,14 @@ def test_a_job_the_driver_cannot_restore_in_place_is_ended_its_image_sealed(
         tmp_path, gpu, target) -> None:
     """A restore in place that fails twice: the driver refuses every later one (NVIDIA's
     cuda-checkpoint issue 44), so the job could never run again. Its image, whole, is sealed and
-    restores; the job is ended rather than left locked."""
+    restores where the driver takes it (the fake does; the real driver refused one such image
+    too, so the sentence names the concurrent engine); the job is ended rather than left
+    locked."""
     img = tmp_path / "img"
     r = pos("checkpoint", str(target.pid), "-D", str(img), "--leave-running",
             env={**gpu, "POS_FAKECUDA_FAIL": "cuCheckpointProcessRestore"})
     one_sentence(r, 1, f"could not give PID {target.pid} its GPU state back in place",
-                 "pos ended the job", f"pos restore -D {img}")
+                 "pos ended the job", f"pos restore -D {img}", "pos checkpoint --concurrent")
     assert calls(gpu, target.pid) == ["Lock", "Checkpoint", "Restore", "Restore"]
     target.reap_original()                      # ended
     at_dump = len(lines(target.path))
