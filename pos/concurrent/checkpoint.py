@@ -12,7 +12,7 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
              pos/concurrent/collective.py), asked again whether it maps a peer's memory; each
              import of another's memory matched with its owner (pos/agent/peers.py)
   take       each job's memory exported, imported by pos, shadowed; its copy begins; the
-             descriptors handed to the watchdog
+             descriptors handed to the watchdog (the jobs side by side, a thread each)
   hoist      the imports taken down, the jobs give their physical memory up (pos holds it)
   freeze     the driver locks and checkpoints the now small contexts; CRIU dumps the tree
   thaw       --leave-running: the driver restores and unlocks, each job maps its memory again,
@@ -207,9 +207,10 @@ class _Whole:
 
     def take(self, g: Guard) -> None:
         """Every job's memory taken at once, on threads (each makes its job's context current
-        on its own): one after another, they held the 4 ranks of the Llama2-13B-shaped job most
-        of the 3.0 s between its cut and its hoist (bench/results/2026-11-28-multigpu, run14). What was taken is the watchdog's
-        even where another take failed; the first failure is raised then."""
+        on its own): one after another, the takes held the 4 ranks of the Llama2-13B-shaped job
+        most of the 3.0 s between its cut and its hoist (bench/results/2026-11-28-multigpu,
+        run14). What was taken is the watchdog's even where another take failed; the first
+        failure is raised then."""
         def one(s: Saver) -> Taken:
             return s.take(self.partial, s.pid if self.several else None)
 

@@ -13,7 +13,8 @@
   close() of each, whatever happened (Taken's first)
 
 A job of several CUDA processes (DDP's ranks) has one Saver per process, each on its own GPU,
-whose context each step makes current (one thread drives them all).
+whose context each step makes current: one thread drives them all, but for their takes, which
+run side by side, a thread each.
 """
 
 from __future__ import annotations
