@@ -142,6 +142,17 @@ def test_one_job_under_a_shell_is_imaged_and_restored_through_its_own_agent(
         job.kill()
 
 
+def each_runs_with_its_memory(ranks: Ranks, tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """Every rank released, alive, its memory whole, running as far as the driver knows."""
+    for p in ranks.pids:
+        with Agent(p) as a:
+            wait_for(lambda: a.status().phase == "idle", what=f"rank {p}'s release")
+        after = image_values(Path(concurrent.checkpoint_gpu(p, tmp_path / f"after-{p}").path))
+        assert alive(p) and not torn(after)
+        assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).read_text().strip() \
+            == "running"
+
+
 @pytest.mark.parametrize("step", ["reconnect", "cut", "hoist", "checkpoint", "dump", "restore",
                                   "copy"])
 def test_pos_killed_at_each_step_leaves_every_rank_running_with_its_memory(
@@ -155,13 +166,7 @@ def test_pos_killed_at_each_step_leaves_every_rank_running_with_its_memory(
     log = Path(gpu_env["POS_WATCHDOG_LOG"])
     wait_for(lambda: log.exists() and "undo done" in log.read_text(), timeout=60,
              what="the watchdog's undo")
-    for p in ranks.pids:
-        with Agent(p) as a:
-            wait_for(lambda: a.status().phase == "idle", what=f"rank {p}'s release")
-        after = image_values(Path(concurrent.checkpoint_gpu(p, tmp_path / f"after-{p}").path))
-        assert alive(p) and not torn(after)
-        assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).read_text().strip() \
-            == "running"
+    each_runs_with_its_memory(ranks, tmp_path, gpu_env)
 
 
 def test_a_take_that_fails_beside_anothers_leaves_every_rank_running_with_its_memory(
@@ -177,10 +182,4 @@ def test_a_take_that_fails_beside_anothers_leaves_every_rank_running_with_its_me
     assert r.returncode == 1 and "cuMemImportFromShareableHandle" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "img").exists()
-    for p in ranks.pids:
-        with Agent(p) as a:
-            wait_for(lambda: a.status().phase == "idle", what=f"rank {p}'s release")
-        after = image_values(Path(concurrent.checkpoint_gpu(p, tmp_path / f"after-{p}").path))
-        assert alive(p) and not torn(after)
-        assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).read_text().strip() \
-            == "running"
+    each_runs_with_its_memory(ranks, tmp_path, gpu_env)
