@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from pos import host
 from pos.agent.control import Buffer
 from pos.concurrent import gpucopy
-from pos.concurrent.crew import Crew
+from pos.concurrent.crew import Crew, Spares
 from pos.concurrent.handout import Handout
 from pos.driver import Driver
 from pos.errors import BadInput
@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
+def threads(streams: int, writers: int) -> int:
+    """The threads a Copier runs: its reader, a copy thread per stream, `writers` scanners and
+    as many writers."""
+    return 1 + streams + 2 * max(1, writers)
+
+
 def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int = 0,
                 ring: int = DEFAULT_PIN_RING) -> int:
     """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory
@@ -93,10 +99,13 @@ class Copier:
 
     def __init__(self, drv: Driver, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
-                 handout: Handout, writers: int, frozen_copy: str = "unshadowed") -> None:
+                 handout: Handout, writers: int, frozen_copy: str = "unshadowed",
+                 spares: Optional[Spares] = None) -> None:
         """`frozen_copy`: what the copy takes while the job is frozen (Settings.frozen_copy:
         `unshadowed`, or `all`, the measurement's baseline: on the H200 CRIU wrote the same
-        1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one)."""
+        1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one).
+        `spares`: threads started before the cut (as many as `threads` says), on which the
+        copy's run."""
         import numpy as np
 
         from pos.image import gpu as gpuimage
@@ -142,6 +151,7 @@ class Copier:
         self.threads = max(1, writers)          # scanners, and as many writers
         self.scanning = self.threads            # scanners not ended yet
         self.crew = Crew("pos-copy", on_stop=self._wake)
+        self.spares = spares
         self.watcher: Optional[threading.Thread] = None
 
     def _add_slots(self, at: int, n: int) -> None:
@@ -155,7 +165,8 @@ class Copier:
                 self.handout.came_back(i)
         self.crew.start([("reader", self._copy)]
                         + [(f"scan-{k}", self._scan) for k in range(self.threads)]
-                        + [(f"write-{k}", self._write) for k in range(self.threads)])
+                        + [(f"write-{k}", self._write) for k in range(self.threads)],
+                        self.spares)
 
     def pause(self) -> None:
         """Hold the copies to the arena, and the locking of the rest of it."""
@@ -238,7 +249,7 @@ class Copier:
         try:
             self.drv.cuCtxSetCurrent(self.ctx)
             gpucopy.run_chunks(self.drv, self.work, len(self.table), self.streams, one,
-                               self.handout.captured, self.order)
+                               self.handout.captured, self.order, self.spares)
             self.d2h_s = time.monotonic() - self.t0
         finally:
             self.copied.set()

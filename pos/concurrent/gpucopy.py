@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from pos.agent.control import Buffer
+from pos.concurrent.crew import Crew, Spares
 from pos.driver import (CU_EVENT_DISABLE_TIMING, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
                         CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                         CU_MEM_LOCATION_TYPE_DEVICE, CU_STREAM_NON_BLOCKING, CUcontext,
@@ -513,13 +514,12 @@ class Order:
 def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, workers: int,
                one: Callable[[C.c_void_p, int, int, int], None],
                buffer_done: Callable[[int], None] = lambda _i: None,
-               order: Optional[Order] = None) -> float:
+               order: Optional[Order] = None, spares: Optional[Spares] = None) -> float:
     """Run `one(stream, buffer, offset, length)` over every chunk of `work` on `workers`
-    threads (a Crew), each with its own stream, in `order` (else as listed); `buffer_done(i)`
-    once buffer i's chunks are complete (at once for a buffer without chunks). The first
-    failure stops the threads taking more chunks and is raised. Returns the seconds it took."""
-    from pos.concurrent.crew import Crew
-
+    threads (a Crew, on `spares` while any is left), each with its own stream, in `order`
+    (else as listed); `buffer_done(i)` once buffer i's chunks are complete (at once for a
+    buffer without chunks). The first failure stops the threads taking more chunks and is
+    raised. Returns the seconds it took."""
     left = [0] * buffers
     for i, _off, _n in work:
         left[i] += 1
@@ -550,7 +550,7 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
 
     t = time.monotonic()
     try:
-        crew.run([(str(k), worker) for k in range(max(1, workers))])
+        crew.run([(str(k), worker) for k in range(max(1, workers))], spares)
     finally:
         streams.close()
     return time.monotonic() - t

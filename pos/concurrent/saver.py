@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos.agent.control import Agent, Buffer, Cut, Refused
 from pos.concurrent import devices
+from pos.concurrent.copier import threads as copier_threads
+from pos.concurrent.crew import Spares
 from pos.concurrent.handout import Handout
 from pos.errors import BadInput, PosError
 from pos.image import filehash, gpuindex, names
@@ -61,7 +63,9 @@ class Saver:
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.owned_bytes = self.foreign_bytes = 0
-        # the copy's modules, imported beside the pin (`reconnect` waits for them)
+        # the copy's threads, started while no other thread of pos runs Python (crew.Spares),
+        # and its modules, imported beside the pin (`reconnect` waits for them)
+        self.spares = Spares(copier_threads(streams, filehash.workers()), "pos-copy")
         self._imports = threading.Thread(target=import_for_copy, name="pos-import", daemon=True)
         self._imports.start()
 
@@ -170,6 +174,7 @@ class Saver:
             self.shadow = None
 
     def close(self) -> None:
+        self.spares.close()
         self.use()
         self.drop_shadow()
         if self.host is not None:
@@ -253,7 +258,7 @@ class Taken:
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
                                     s.streams, self.writer, self.handout, filehash.workers(),
-                                    s.settings.frozen_copy)
+                                    s.settings.frozen_copy, s.spares)
         self.copier.start()
 
     def _copier(self) -> "copier.Copier":
