@@ -74,6 +74,11 @@
 # .device/criu. For containers (the GPU machine has no
 # podman): scripts/podman-debs.sh .device/podman, beside .device/criu (no bcc: 7 + 18 MiB).
 # Then carry .whl and .device.
+#
+# The baseline in the same run, for a change: POS_BENCH_BASE=DIR runs the group first from
+# another tree, a checkout of the commit to compare against (here: `mkdir .base && git archive
+# COMMIT -- . ':!bench/results' | tar -x -C .base`, 3 MB, ignored, carried beside .device and
+# .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve containers}
@@ -84,11 +89,22 @@ if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
         pyseccomp
 fi
 out=${OUT:?run this through the device tool: it sets OUT}
+if [ -n "${POS_BENCH_BASE:-}" ]; then
+    base=$(realpath "$POS_BENCH_BASE")
+    ln -sfn "$PWD/.device" "$base/.device"
+    ln -sfn "$PWD/.whl" "$base/.whl"
+    mkdir -p "$out/base"
+    (cd "$base" && OUT="$out/base" POS_BENCH_BASE='' \
+        POS_BENCH_COMMIT="${POS_BENCH_BASE_COMMIT:-baseline}" bash bench/device.sh "$group")
+fi
 
 # shellcheck disable=SC1091
 source .device/setup.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
+# byte-compiled, as an installed pos and its dependencies are: a command's first import of a
+# module is then not its compilation
+python3 -m compileall -q -j 0 /tmp/site pos bench > /dev/null 2>&1 || true
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 { date -u +%FT%TZ; git log -1 --format=%H 2>/dev/null || true; nvidia-smi --query-gpu=name,driver_version \
     --format=csv,noheader; uname -r; ${POS_CRIU:-criu} --version 2>/dev/null | head -1; } \
@@ -147,6 +163,9 @@ perf)
         python3 -X importtime -c 'import pos.cli, pos.concurrent.checkpoint' 2> "$out/importtime-$i.txt"
     done
     sort -t'|' -k2 -n "$out/importtime-2.txt" | tail -15
+    # and what `pos restore` imports once the job runs, to record the restore (`record`)
+    python3 -X importtime -c 'import pos.store.images' 2> "$out/importtime-store.txt"
+    sort -t'|' -k2 -n "$out/importtime-store.txt" | tail -3
     { time python3 -m pos.cli --help > /dev/null; } 2>&1 | tail -3
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.err ./*.txt 2>/dev/null) ;;
 restart)
