@@ -18,9 +18,9 @@ they are saved; what pos shadowed is safe from the start), smallest first within
 in host memory the handout (pos/concurrent/handout.py) tells the job's gate which buffers its
 calls may write again.
 
-numpy and the image's chunk module are imported once the copy is made, after the cut: a
-checkpoint imports this module before it (arena_bytes), and numpy's import took 0.3 s of the
-command's start on the H200 host.
+numpy and the image's chunk module are imported where used, not with this module: every
+checkpoint command imports it (arena_bytes), and numpy's import took 0.3 s of the command's
+start on the H200 host. A checkpoint imports them beside its pin (saver.import_for_copy).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
+
+
 def threads(streams: int, writers: int) -> int:
     """The threads a Copier runs: its reader, a copy thread per stream, `writers` scanners and
     as many writers."""
@@ -105,7 +107,7 @@ class Copier:
         `unshadowed`, or `all`, the measurement's baseline: on the H200 CRIU wrote the same
         1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one).
         `spares`: threads started before the cut (as many as `threads` says), on which the
-        copy's run."""
+        copy's threads run."""
         import numpy as np
 
         from pos.image import gpu as gpuimage

@@ -63,8 +63,8 @@ class Saver:
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.owned_bytes = self.foreign_bytes = 0
-        # the copy's threads, started while no other thread of pos runs Python (crew.Spares),
-        # and its modules, imported beside the pin (`reconnect` waits for them)
+        # the copy's threads, started before this saver's import and pin run beside them
+        # (crew.Spares), and its modules, imported beside the pin (`reconnect` waits for them)
         self.spares = Spares(copier_threads(streams, filehash.workers()), "pos-copy")
         self._imports = threading.Thread(target=import_for_copy, name="pos-import", daemon=True)
         self._imports.start()

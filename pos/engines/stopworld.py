@@ -8,7 +8,8 @@ without CUDA state skip the driver steps: CRIU alone.
 With --leave-running, a process that the driver cannot give its GPU state back in place, at
 the first try and again, can never run again (the driver refuses every restore after a failed
 one: NVIDIA's cuda-checkpoint issue 44). Its image is whole by then: pos seals it, ends the
-job rather than leave it stuck, and says so, naming the image to restore.
+job rather than leave it stuck, and says so, naming the image (which the driver may refuse
+too) and the concurrent engine.
 """
 
 import time
