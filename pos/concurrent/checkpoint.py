@@ -159,7 +159,7 @@ class _Whole:
         plan the watchdog follows."""
         for a in self.agents:
             self.savers.append(Saver.prepare(a, self.settings, self.streams, self.chunk,
-                                             gpu_only=False))
+                                             gpu_only=False, ranks=len(self.agents)))
         owned = sum(s.owned_bytes for s in self.savers)
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
         self.partial = image.prepare(self.directory, self.resident + owned)

@@ -27,7 +27,7 @@ class Spares:
     Starting a thread waits until the new thread holds the GIL, which a busy thread gives up
     every switch interval (5 ms): beside one Python loop, 129 starts took 0.23-0.88 s, beside
     three 4.1-5.0 s, and handing 129 tasks to spares 1-2 ms (bench/thread_start.py). The copy
-    of a checkpoint runs a thread per core twice, and one per stream: started after the cut,
+    of a checkpoint runs two threads per core of its share, and one per stream: started after the cut,
     they held the job (`copy_start`, 0.19 s a rank on 2x H200). Started before the cut, they
     only wait for a task. `close` lets those never handed one end."""
 
@@ -40,6 +40,11 @@ class Spares:
                                  daemon=True)
             t.start()
             self._spare.append((t, inbox))
+
+    def __len__(self) -> int:
+        """The spares not yet handed a task."""
+        with self._lock:
+            return len(self._spare)
 
     def hand(self, name: str, task: Task) -> Optional[threading.Thread]:
         """The spare thread now running `task` (named `name`); None when none is left."""

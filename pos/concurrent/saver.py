@@ -48,12 +48,16 @@ STALL_S = 60.0                 # the cut's bound on the calls already inside the
 class Saver:
     """A job's page-locked arena and device shadow, set aside before its cut."""
 
-    def __init__(self, agent: Agent, settings: Settings, streams: int, chunk: int) -> None:
+    def __init__(self, agent: Agent, settings: Settings, streams: int, chunk: int,
+                 ranks: int = 1) -> None:
         from pos.concurrent import gpucopy
 
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
         self.pid = agent.pid
         self.settings, self.streams, self.chunk = settings, streams, chunk
+        # the host's cores shared among the `ranks` savers that copy at once, in one process:
+        # at 4 ranks of 64 cores each had taken all 64 twice (548 threads, one interpreter lock)
+        self.writers = max(1, filehash.workers() // max(1, ranks))
         self.gpu = devices.gpu_of(agent.pid)          # the job's GPU, recorded in its index
         # pos's context on it, made current again by each step (`use`), let go by `close`
         self.timings: dict[str, float] = {}
@@ -65,17 +69,17 @@ class Saver:
         self.owned_bytes = self.foreign_bytes = 0
         # the copy's threads, started before this saver's import and pin run beside them
         # (crew.Spares), and its modules, imported beside the pin (`reconnect` waits for them)
-        self.spares = Spares(copier_threads(streams, filehash.workers()), "pos-copy")
+        self.spares = Spares(copier_threads(streams, self.writers), "pos-copy")
         self._imports = threading.Thread(target=import_for_copy, name="pos-import", daemon=True)
         self._imports.start()
 
     @classmethod
     def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
-                gpu_only: bool) -> "Saver":
+                gpu_only: bool, ranks: int = 1) -> "Saver":
         """Before the cut: the shadow (the device memory free but 1 GiB, at most the job's) and
         the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring).
         Closed again if that fails."""
-        saver = cls(agent, settings, streams, chunk)
+        saver = cls(agent, settings, streams, chunk, ranks)
         try:
             saver._prepare(gpu_only)
         except BaseException:
@@ -257,7 +261,7 @@ class Taken:
         self.writer: gpuimage.Writer = gpuimage.Writer(
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
-                                    s.streams, self.writer, self.handout, filehash.workers(),
+                                    s.streams, self.writer, self.handout, s.writers,
                                     s.settings.frozen_copy, s.spares)
         self.copier.start()
 

@@ -96,3 +96,24 @@ def test_the_cut_waits_for_the_copys_modules(saver, monkeypatch: pytest.MonkeyPa
     s = saver(QuietAgent())
     assert not imported.is_set()           # the pin goes on beside the import
     assert s.reconnect() is None and imported.is_set()
+
+
+@pytest.mark.parametrize("cores, ranks, writers", [(64, 1, 64), (64, 4, 16), (3, 4, 1)])
+def test_ranks_saved_at_once_share_the_hosts_cores(fakegpu: dict[str, Path], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                   ranks: int, writers: int) -> None:
+    """Each saver of a several-rank checkpoint copies with its share of the cores (its scanners
+    and writers, and the spare threads started for them), all in one process."""
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    from pos.concurrent.copier import threads
+    from pos.concurrent.saver import Saver
+    from pos.settings import Settings
+
+    s = Saver(QuietAgent(), Settings(), 2, 1 << 20, ranks)   # type: ignore[arg-type]
+    try:
+        assert s.writers == writers
+        assert len(s.spares) == threads(2, writers)
+    finally:
+        s.close()
