@@ -27,9 +27,9 @@ class Spares:
     Starting a thread waits until the new thread holds the GIL, which a busy thread gives up
     every switch interval (5 ms): beside one Python loop, 129 starts took 0.23-0.88 s, beside
     three 4.1-5.0 s, and handing 129 tasks to spares 1-2 ms (bench/thread_start.py). The copy
-    of a checkpoint runs two threads per core of its share, and one per stream: started after the cut,
-    they held the job (`copy_start`, 0.19 s a rank on 2x H200). Started before the cut, they
-    only wait for a task. `close` lets those never handed one end."""
+    of a checkpoint runs two threads per core of its share, and one per stream: started after
+    the cut, they held the job (`copy_start`, 0.19 s a rank on 2x H200). Started before the
+    cut, they only wait for a task. `close` lets those never handed one end."""
 
     def __init__(self, n: int, name: str) -> None:
         self._lock = threading.Lock()
