@@ -54,16 +54,17 @@ def threads(streams: int, writers: int) -> int:
 
 
 def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int = 0,
-                ring: int = DEFAULT_PIN_RING) -> int:
+                ring: int = DEFAULT_PIN_RING, spare: Optional[int] = None) -> int:
     """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory
     of which pos can shadow about `shadowed`: what it cannot shadow (the job's calls that write
     those buffers wait until they are in host memory, which must not wait for the disk), and a
     `ring` (POS_PIN_RING_GIB) for the rest; at most `cap` (POS_PIN_MAX_GIB), at most what the
-    host has available less 2 GiB; a whole number of chunks. Refused in one sentence when that
-    is under 1 GiB."""
+    host has available less 2 GiB (or `spare`: what a HostRoom left); a whole number of
+    chunks. Refused in one sentence when that is under 1 GiB."""
     need = -(-min(total, total - min(shadowed, total) + ring) // chunk) * chunk
     limit = need if cap is None else cap
-    spare = host.memory_available() - HOST_RESERVE
+    if spare is None:
+        spare = host.memory_available() - HOST_RESERVE
     want = min(need, limit, spare) // chunk * chunk
     least = min(MIN_ARENA, need)
     if limit < least:
@@ -75,6 +76,24 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
                        f"{HOST_RESERVE >> 30} GiB for everything else)",
                        "free host memory and try again")
     return max(want, chunk)
+
+
+class HostRoom:
+    """The host memory the arenas of one checkpoint may lock, shared by its savers, which are
+    prepared side by side: the host's available memory does not drop until an arena's pages
+    are faulted in, so each arena is sized from what the ones sized before it left."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.left = host.memory_available() - HOST_RESERVE
+
+    def arena(self, total: int, chunk: int, cap: Optional[int], shadowed: int,
+              ring: int) -> int:
+        """arena_bytes within what is left, taken from it."""
+        with self._lock:
+            size = arena_bytes(total, chunk, cap, shadowed, ring, self.left)
+            self.left -= size
+            return size
 
 
 @dataclass(frozen=True)

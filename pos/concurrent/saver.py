@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos.agent.control import Agent, Buffer, Cut, Refused
 from pos.concurrent import devices
+from pos.concurrent.copier import HostRoom
 from pos.concurrent.copier import threads as copier_threads
 from pos.concurrent.crew import Spares
 from pos.concurrent.handout import Handout
@@ -75,19 +76,21 @@ class Saver:
 
     @classmethod
     def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
-                gpu_only: bool, ranks: int = 1) -> "Saver":
+                gpu_only: bool, ranks: int = 1, host_room: Optional[HostRoom] = None
+                ) -> "Saver":
         """Before the cut: the shadow (the device memory free but 1 GiB, at most the job's) and
-        the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring).
-        Closed again if that fails."""
+        the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring;
+        within `host_room`, shared by the savers prepared beside this one). Closed again if that
+        fails."""
         saver = cls(agent, settings, streams, chunk, ranks)
         try:
-            saver._prepare(gpu_only)
+            saver._prepare(gpu_only, host_room)
         except BaseException:
             saver.close()
             raise
         return saver
 
-    def _prepare(self, gpu_only: bool) -> None:
+    def _prepare(self, gpu_only: bool, host_room: Optional[HostRoom]) -> None:
         from pos.concurrent import copier, gpucopy
 
         self.use()
@@ -109,8 +112,9 @@ class Saver:
             room = min(room, self.settings.shadow_max_bytes)
         self.shadow = self.timed("shadow_alloc",
                                  lambda: gpucopy.Shadow(self.drv, min(room, self.owned_bytes)))
-        arena = copier.arena_bytes(self.owned_bytes, self.chunk, self.settings.pin_max_bytes,
-                                   self.shadow.size, self.settings.pin_ring_bytes)
+        arena = (host_room or HostRoom()).arena(
+            self.owned_bytes, self.chunk, self.settings.pin_max_bytes, self.shadow.size,
+            self.settings.pin_ring_bytes)
         self.host = self.timed("pin", lambda: gpucopy.Pinned(
             self.drv, arena, ahead=self.settings.pin_ahead_bytes))
 

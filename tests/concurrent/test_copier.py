@@ -225,3 +225,14 @@ def test_the_arena_holds_what_pos_cannot_shadow_and_a_ring_for_the_rest(host) ->
     assert copier.arena_bytes(4 * GIB, CHUNK, shadowed=4 * GIB) == 4 * GIB   # at most the job
     assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=0) == 100 * GIB
     assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=90 * GIB, ring=2 * GIB) == 12 * GIB
+
+
+def test_arenas_sized_side_by_side_share_what_the_host_can_spare(host) -> None:
+    """Savers prepared at once size their arenas before any is faulted in: the second gets
+    what the first left, the third is refused."""
+    host(32)                            # 30 GiB to spare
+    room = copier.HostRoom()
+    assert room.arena(20 * GIB, CHUNK, None, 0, 0) == 20 * GIB
+    assert room.arena(20 * GIB, CHUNK, None, 0, 0) == 10 * GIB
+    with pytest.raises(BadInput, match="this host has 0.00 GiB to spare"):
+        room.arena(20 * GIB, CHUNK, None, 0, 0)

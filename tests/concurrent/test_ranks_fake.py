@@ -183,3 +183,18 @@ def test_a_take_that_fails_beside_anothers_leaves_every_rank_running_with_its_me
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "img").exists()
     each_runs_with_its_memory(ranks, tmp_path, gpu_env)
+
+
+def test_a_pin_that_fails_beside_anothers_leaves_every_rank_untouched(
+        ranks: Ranks, tmp_path: Path, criu_ready, gpu_env) -> None:
+    """The ranks' arenas are locked at once, on threads, before the cut: the first
+    registration pos makes fails, so one rank's arena fails while the other's may be locked;
+    each is given back, no rank was held, and pos says why in one sentence."""
+    for p in ranks.pids:
+        ran_past(p, 0)
+    r = pos("checkpoint", str(ranks.root), "-D", str(tmp_path / "img"), "--concurrent",
+            "--leave-running", env={**gpu_env, "POS_FAKECUDA_FAIL": "cuMemHostRegister_v2:1"})
+    assert r.returncode == 1 and "cuMemHostRegister_v2" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "img").exists()
+    each_runs_with_its_memory(ranks, tmp_path, gpu_env)

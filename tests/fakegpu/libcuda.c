@@ -14,8 +14,8 @@
  * process of another PID namespace, a container's, is found as it names itself: see
  * state_path).
  * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
- * named in $POS_FAKECUDA_FAIL (comma-separated; the checkpoint calls and
- * cuMemImportFromShareableHandle) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
+ * named in $POS_FAKECUDA_FAIL (comma-separated; the checkpoint calls,
+ * cuMemImportFromShareableHandle and cuMemHostRegister_v2) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
  * the first N calls of that name, counted across processes in the state directory (a transient
  * failure that an undo's retry gets past). */
 #define _GNU_SOURCE
@@ -766,6 +766,8 @@ API CUresult cuMemFreeHost(void *p) {
 API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
     (void)flags;
     NEED_CONTEXT();
+    if (injected_failure("cuMemHostRegister_v2"))
+        return CUDA_ERROR_UNKNOWN;
     if (!p || !size)
         return CUDA_ERROR_INVALID_VALUE;
     return range_add((uintptr_t)p, size, RANGE_HOST) == 0 ? CUDA_SUCCESS
