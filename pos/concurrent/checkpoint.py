@@ -178,6 +178,7 @@ class _Whole:
                 f.result()
         owned = sum(s.owned_bytes for s in self.savers)
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
+        self.early["anon_prepared_bytes"] = procs.anonymous_bytes(self.pids)
         self.partial = image.prepare(self.directory, self.resident + owned)
         self.manifest = new_manifest(self.pid, self.pids, self.cuda, self.criu.version_text,
                                      self.options, self.leave_running, nvml.gpus_of(self.cuda))
@@ -271,6 +272,9 @@ class _Whole:
         g.each("lock", self.cuda, lambda p: cudackpt.lock(p, self.lock_timeout_ms))
         g.each("checkpoint", self.cuda,
                lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
+        # against anon_prepared_bytes: what the hoist's trim gave back and the driver's
+        # checkpoint added, which CRIU writes while the job is frozen (/proc reads, < 1 ms)
+        g.timings["anon_frozen_bytes"] = procs.anonymous_bytes(self.pids)
         g.step("dump")
         dump = self.dump
         if dump is not None:

@@ -215,11 +215,22 @@ ENVIRON_ENTRY_MAX = 4096       # bytes of one variable read at most
 
 def resident_bytes(pids: list[int]) -> int:
     """Sum of VmRSS: what CRIU's pages will take at least."""
+    return _status_bytes(pids, "VmRSS:")
+
+
+def anonymous_bytes(pids: list[int]) -> int:
+    """Sum of RssAnon: the private memory CRIU writes (the driver's checkpoint adds to it the
+    device memory it moves into the process)."""
+    return _status_bytes(pids, "RssAnon:")
+
+
+def _status_bytes(pids: list[int], field: str) -> int:
+    """Sum of one size (kB) of /proc/PID/status over `pids`; a process gone counts 0."""
     total = 0
     for pid in pids:
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     total += int(line.split()[1]) * 1024
         except OSError:
             pass

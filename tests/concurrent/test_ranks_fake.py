@@ -5,6 +5,7 @@ number of operations: the fake's ranks do not wait for each other, so nothing el
 them equal), write one image of the whole tree, and bring every process's memory back in a
 restore. What this cannot prove is NCCL's behaviour (bench/ddp.py does, on two GPUs)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,8 @@ def test_ranks_are_cut_before_the_same_collective_and_each_restored(
             *(["--leave-running"] if leave_running else []), env=gpu_env)
     assert r.returncode == 0, r.stderr
     assert gpuindex.jobs(img) == sorted(ranks.pids)
+    timings = json.loads(r.stdout)["timings"]      # the ranks' private memory, for CRIU
+    assert timings["anon_prepared_bytes"] > 0 and timings["anon_frozen_bytes"] > 0
     saved = [image_values(img, p) for p in ranks.pids]
     assert not any(torn(v) for v in saved)
     assert max(saved[0]) == max(saved[1]) > 0     # the same NCCL launch: the same state
