@@ -157,9 +157,10 @@ class _Whole:
 
     def prepare(self) -> None:
         """The savers (page-locked arenas, shadows), the partial image, its manifest, and the
-        plan the watchdog follows. The savers are prepared side by side, on threads: one
-        after another, the contexts (0.66 s each) and arenas (1.16 s) of the 4 ranks of the
-        Llama2-13B-shaped job made its wait before the cut 6.95 s, against 1.65 s at one rank
+        plan the watchdog follows. The savers are prepared side by side, on threads, but for
+        the locking of their arenas, which takes turns (HostRoom): one after another, the
+        contexts (0.66 s each) and arenas (1.16 s) of the 4 ranks of the Llama2-13B-shaped job
+        made its wait before the cut 6.95 s, against 1.65 s at one rank
         (bench/results/2026-11-28-multigpu, run19). Should one fail, those made are closed
         (`close`) and the first failure is raised."""
         host_room = HostRoom()

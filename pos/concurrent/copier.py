@@ -81,10 +81,15 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
 class HostRoom:
     """The host memory the arenas of one checkpoint may lock, shared by its savers, which are
     prepared side by side: the host's available memory does not drop until an arena's pages
-    are faulted in, so each arena is sized from what the ones sized before it left."""
+    are faulted in, so each arena is sized from what the ones sized before it left. Their
+    locking takes turns (`locking`): it is page-table work in pos's one process, which one
+    arena's threads already fill; four arenas locked at once on 4x H200 took 11.8 s, where
+    one after another they had taken 1.2 s each (run20 and run19, two machines of one kind,
+    bench/results/2026-11-28-multigpu)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.locking = threading.Lock()
         self.left = host.memory_available() - HOST_RESERVE
 
     def arena(self, total: int, chunk: int, cap: Optional[int], shadowed: int,

@@ -112,11 +112,12 @@ class Saver:
             room = min(room, self.settings.shadow_max_bytes)
         self.shadow = self.timed("shadow_alloc",
                                  lambda: gpucopy.Shadow(self.drv, min(room, self.owned_bytes)))
-        arena = (host_room or HostRoom()).arena(
-            self.owned_bytes, self.chunk, self.settings.pin_max_bytes, self.shadow.size,
-            self.settings.pin_ring_bytes)
-        self.host = self.timed("pin", lambda: gpucopy.Pinned(
-            self.drv, arena, ahead=self.settings.pin_ahead_bytes))
+        host_room = host_room or HostRoom()
+        arena = host_room.arena(self.owned_bytes, self.chunk, self.settings.pin_max_bytes,
+                                self.shadow.size, self.settings.pin_ring_bytes)
+        with host_room.locking:
+            self.host = self.timed("pin", lambda: gpucopy.Pinned(
+                self.drv, arena, ahead=self.settings.pin_ahead_bytes))
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)

@@ -6,6 +6,7 @@ export's copy needs is imported before the cut."""
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +118,57 @@ def test_ranks_saved_at_once_share_the_hosts_cores(fakegpu: dict[str, Path], tmp
         assert len(s.spares) == threads(2, writers)
     finally:
         s.close()
+
+
+class OwningAgent(QuietAgent):
+    """An agent whose job owns 8 MiB of device memory."""
+
+    def status(self):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+        return SimpleNamespace(owning=True, owned_bytes=8 << 20, foreign_bytes=0,
+                               foreign_allocs=0)
+
+
+def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
+        fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locking an arena is page-table work in pos's one process: several at once went slower
+    than one after another (copier.HostRoom), so the savers' contexts and shadows are made at
+    once and their arenas locked in turn."""
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pos.concurrent import copier, gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.settings import Settings
+
+    locking, most = [0], [0]
+    lock = threading.Lock()
+
+    class Recorded:
+        pinned_bytes, all_s, error = 0, 0.0, None
+
+        def __init__(self, _drv, _size: int, ahead=None) -> None:  # type: ignore[no-untyped-def]
+            with lock:
+                locking[0] += 1
+                most[0] = max(most[0], locking[0])
+            time.sleep(0.2)
+            with lock:
+                locking[0] -= 1
+
+        def close(self) -> None:
+            return None
+
+    monkeypatch.setattr(gpucopy, "Pinned", Recorded)
+    room = copier.HostRoom()
+
+    def prepare(_: int) -> Saver:
+        agent: Any = OwningAgent()
+        return Saver.prepare(agent, Settings(), 2, 1 << 20, gpu_only=False, ranks=3,
+                             host_room=room)
+
+    with ThreadPoolExecutor(3) as pool:
+        savers = list(pool.map(prepare, range(3)))
+    for s in savers:
+        s.close()
+    assert most[0] == 1 and all(s.timings["pin"] >= 0.2 for s in savers)
