@@ -4,6 +4,7 @@ Each check returns None when fine, or a PosError naming the cause and the fix; `
 prints them all, the commands raise the first that stops them.
 """
 
+import ctypes
 import importlib
 import os
 import platform
@@ -66,6 +67,18 @@ def memory_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def mount_tmpfs(root: Path, options: bytes) -> None:
+    """A tmpfs mounted at `root` (made, mode 0700, if need be) unless one is there: OSError
+    when the kernel refuses (no CAP_SYS_ADMIN, a read-only /run)."""
+    if os.path.ismount(root):
+        return
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"tmpfs", str(root).encode(), b"tmpfs", ctypes.c_ulong(0), options) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
 
 
 def effective_capabilities() -> int:

@@ -17,6 +17,9 @@ Every setting, its variable and its default:
   pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (`all`, the
                                             default: all of it; GiB: that much, the rest
                                             while the copy runs, which holds the job longer)
+  pin_keep            POS_PIN_KEEP          1: the arena's memory is kept for the next
+                                            checkpoint, which then locks it sooner
+                                            (pos/concurrent/kept.py); 0, the default: freed
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
@@ -81,6 +84,7 @@ class Settings:
     pin_max_bytes: Optional[int] = None
     pin_ring_bytes: int = DEFAULT_PIN_RING
     pin_ahead_bytes: Optional[int] = None      # all of the arena
+    pin_keep: bool = False
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
@@ -155,6 +159,9 @@ class Settings:
             pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "all"
                                 else gib(raw), None, "a number of GiB above 0, or all",
                                 "unset it (the arena is then locked before the cut)"),
+            pin_keep=get("POS_PIN_KEEP", one_of(("0", "1")), "0", "0 or 1",
+                         "unset it (the arena's memory is then freed after each checkpoint)")
+            == "1",
             frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
                             f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
                             "then copies only what pos could not shadow)"),

@@ -93,11 +93,12 @@ class HostRoom:
         self.left = host.memory_available() - HOST_RESERVE
 
     def arena(self, total: int, chunk: int, cap: Optional[int], shadowed: int,
-              ring: int) -> int:
-        """arena_bytes within what is left, taken from it."""
+              ring: int, kept: int = 0) -> int:
+        """arena_bytes within what is left and the `kept` bytes the arena has in memory
+        already (pos/concurrent/kept.py: not in the host's available memory), taken from it."""
         with self._lock:
-            size = arena_bytes(total, chunk, cap, shadowed, ring, self.left)
-            self.left -= size
+            size = arena_bytes(total, chunk, cap, shadowed, ring, self.left + kept)
+            self.left -= max(0, size - kept)
             return size
 
 

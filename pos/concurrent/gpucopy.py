@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from pos.agent.control import Buffer
 from pos.concurrent.crew import Crew, Spares
+from pos.concurrent.kept import Kept
 from pos.driver import (CU_EVENT_DISABLE_TIMING, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
                         CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                         CU_MEM_LOCATION_TYPE_DEVICE, CU_STREAM_NON_BLOCKING, CUcontext,
@@ -187,9 +188,24 @@ class Pinned:
     FAULTERS = 16
     REGISTERERS = 8
 
-    def __init__(self, drv: Driver, size: int, ahead: Optional[int] = None) -> None:
+    def __init__(self, drv: Driver, size: int, ahead: Optional[int] = None,
+                 kept: Optional[Kept] = None) -> None:
         self.drv, self.size = drv, max(size, 1)
-        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # `kept`: the pages live in a file kept for the next checkpoint (pos/concurrent/kept.py),
+        # whose first `kept.present` bytes need no faulting in; the arena lets the file go at
+        # `close`
+        self._kept = kept
+        self._present = 0
+        if kept is None:
+            self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            try:
+                kept.grow(self.size)
+                self._map = mmap.mmap(kept.fd, self.size, flags=mmap.MAP_SHARED)
+            except BaseException:
+                kept.close()
+                raise
+            self._present = kept.present
         self.ptr = C.addressof(C.c_char.from_buffer(self._map))
         # not into the children pos forks (CRIU): the kernel copies pinned private pages at
         # fork, which took 11 s for 16 GiB inside the dump on the H100
@@ -238,7 +254,7 @@ class Pinned:
             with self._cond:
                 ready = set(self._ready)
             for at, n in parts:
-                if (at, n) not in ready:
+                if (at, n) not in ready and self._kept is None:
                     self._map.madvise(mmap.MADV_DONTNEED, at, n)
 
     def _lock_rest(self, parts: Sequence[tuple[int, int]]) -> None:
@@ -257,8 +273,11 @@ class Pinned:
             return not self._stop and self.error is None
 
     def _fault(self, part: tuple[int, int]) -> None:
+        at, n = part
+        if at + n <= self._present:       # in a kept file's memory already: registered as it is
+            return
         if self._go_on():
-            C.memset(self.ptr + part[0], 0, part[1])      # ctypes lets the GIL go
+            C.memset(self.ptr + at, 0, n)      # ctypes lets the GIL go
 
     def _register(self, part: tuple[int, int]) -> None:
         if not self._go_on():
@@ -322,6 +341,8 @@ class Pinned:
                 self._map.close()
             except BufferError:       # a view still exported: the mapping goes with it
                 pass
+        if self._kept is not None:
+            self._kept.close()
 
 
 class Ring(C.Structure):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos.agent.control import Agent, Buffer, Cut, Refused
-from pos.concurrent import devices
+from pos.concurrent import devices, kept
 from pos.concurrent.copier import HostRoom
 from pos.concurrent.copier import threads as copier_threads
 from pos.concurrent.crew import Spares
@@ -113,11 +113,20 @@ class Saver:
         self.shadow = self.timed("shadow_alloc",
                                  lambda: gpucopy.Shadow(self.drv, min(room, self.owned_bytes)))
         host_room = host_room or HostRoom()
-        arena = host_room.arena(self.owned_bytes, self.chunk, self.settings.pin_max_bytes,
-                                self.shadow.size, self.settings.pin_ring_bytes)
+        keep = kept.take() if self.settings.pin_keep else None
+        present = keep.present if keep is not None else 0
+        try:
+            arena = host_room.arena(self.owned_bytes, self.chunk, self.settings.pin_max_bytes,
+                                    self.shadow.size, self.settings.pin_ring_bytes, present)
+        except BaseException:
+            if keep is not None:
+                keep.close()
+            raise
+        if keep is not None:
+            self.timings["pin_kept_bytes"] = min(present, arena)
         with host_room.locking:
             self.host = self.timed("pin", lambda: gpucopy.Pinned(
-                self.drv, arena, ahead=self.settings.pin_ahead_bytes))
+                self.drv, arena, ahead=self.settings.pin_ahead_bytes, kept=keep))
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)

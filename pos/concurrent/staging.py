@@ -9,7 +9,6 @@ ends in .partial, so that the undo (pos/operation/steps.py, watchdog.py) removes
 image's own partial directory; an empty tmpfs holds no memory.
 """
 
-import ctypes
 import os
 import shutil
 from pathlib import Path
@@ -30,7 +29,7 @@ def directory(name: str, partial: Path, needed_bytes: int, enabled: bool = True
     if not enabled or host.memory_available() < 2 * needed_bytes:
         return None
     try:
-        _mount()
+        host.mount_tmpfs(ROOT, OPTIONS)
         if os.stat(partial).st_dev == os.stat(ROOT).st_dev:
             return None
         d = names.partial(ROOT / f"{name}-{os.getpid()}")
@@ -45,13 +44,3 @@ def move_into(stage: Path, partial: Path) -> None:
     for f in sorted(stage.iterdir()):
         shutil.move(str(f), str(partial / f.name))
     stage.rmdir()
-
-
-def _mount() -> None:
-    if os.path.ismount(ROOT):
-        return
-    ROOT.mkdir(mode=0o700, parents=True, exist_ok=True)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", str(ROOT).encode(), b"tmpfs", ctypes.c_ulong(0), OPTIONS) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))

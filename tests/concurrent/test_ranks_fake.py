@@ -201,3 +201,30 @@ def test_a_pin_that_fails_beside_anothers_leaves_every_rank_untouched(
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "img").exists()
     each_runs_with_its_memory(ranks, tmp_path, gpu_env)
+
+
+@pytest.fixture
+def kept_files() -> Iterator[None]:
+    """The kept arenas a test makes under /run/pos/arena, removed after it."""
+    from pos.concurrent import kept
+
+    before = set(kept.ROOT.glob("arena-*")) if kept.ROOT.exists() else set()
+    yield
+    for f in set(kept.ROOT.glob("arena-*")) - before:
+        f.unlink()
+
+
+def test_kept_arenas_serve_the_next_checkpoint(ranks: Ranks, tmp_path: Path, criu_ready,
+                                               gpu_env, kept_files) -> None:
+    """POS_PIN_KEEP=1: each rank's arena stays in a file of its own, which the next
+    checkpoint's arenas find in memory."""
+    for p in ranks.pids:
+        ran_past(p, 0)
+    env = {**gpu_env, "POS_PIN_KEEP": "1"}
+    for k, kept_before in enumerate((False, True)):
+        r = pos("checkpoint", str(ranks.root), "-D", str(tmp_path / f"img{k}"), "--concurrent",
+                "--leave-running", "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        timings = json.loads(r.stdout)["timings"]
+        assert (timings["pin_kept_bytes"] > 0) is kept_before, timings
+    each_runs_with_its_memory(ranks, tmp_path, gpu_env)
