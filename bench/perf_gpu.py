@@ -58,6 +58,10 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim
         else None,
         "pin_before_cut_s": r(tim.get("pin")), "pin_all_s": r(tim.get("pin_all")),
+        # the arena's memory kept by the checkpoint before (+keep), and that one's wait
+        "pin_kept_gb": r(tim["pin_kept_bytes"] / GB, 2) if "pin_kept_bytes" in tim else None,
+        "warm_to_cut_s": r((((run.get("warm") or {}).get("report") or {}).get("timings")
+                            or {}).get("to_cut")),
         "d2h_gbps": r(rep.get("d2h_gbps"), 2), "link_limit_gbps": LINK_GBPS,
         # the rate while copying: the bytes over the seconds in which a chunk was copied
         "d2h_busy_gbps": r(rep["bytes"] / tim["d2h_busy"] / GB, 2)

@@ -15,7 +15,10 @@ of the arena locked before the cut, the rest behind it (POS_PIN_AHEAD_GIB=8);
 `+shadow8`: pos shadows at most 8 GiB (POS_SHADOW_MAX_BYTES: a job larger than the free device
 memory, on a host whose disk holds no such job's image); `+nostw`: no stop-the-world baseline; `+frozenall`: the
 copy to host memory takes every buffer while the job is frozen (POS_FROZEN_COPY=all, the
-baseline of holding the shadowed ones). For each row:
+baseline of holding the shadowed ones); `+keep`: the arena kept for the next checkpoint
+(POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and removed before the one
+measured, which finds its arena's memory there (`warm` in the raw run; the kept files removed
+after the row). For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
      image the job's memory is pos's descriptors, which the driver's engine refuses), its
      stall as the job saw it; the image removed;
@@ -53,6 +56,7 @@ from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa
                             machine, pos_cmd, processes)
 
 from pos import nvml  # noqa: E402
+from pos.concurrent import kept  # noqa: E402
 from pos.image import names  # noqa: E402
 
 GIB = 2**30
@@ -131,7 +135,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    (see the module's docstring)."""
+    [+keep] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -140,12 +144,14 @@ class Spec:
         self.held = float(held) if held else None
         self.images = Path("/dev/shm/pos-scale") if "shm" in flags else images
         self.stw = stw and "nostw" not in flags
+        self.keep = "keep" in flags
         self.env = {**({"POS_PIN_MAX_GIB": "8"} if "ring" in flags else {}),
                     **({"POS_PIN_AHEAD_GIB": "all", "POS_PIN_RING_GIB": "4096"}
                        if "pinall" in flags else {}),
                     **({"POS_PIN_AHEAD_GIB": "8"} if "behind" in flags else {}),
                     **({"POS_SHADOW_MAX_BYTES": str(8 * GIB)} if "shadow8" in flags else {}),
                     **({"POS_FROZEN_COPY": "all"} if "frozenall" in flags else {}),
+                    **({"POS_PIN_KEEP": "1"} if self.keep else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.name = text.replace("@", "-at-").replace("+", "-")
 
@@ -195,6 +201,12 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
             want = spec.held * total_gib - gpu_used_gib() - 0.6
             other = hog(want, out / f"{spec.name}-hog.err")
             run["hog_gib"] = round(want, 2)
+        if spec.keep:         # the checkpoint before, which leaves its arena kept
+            run["warm"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "warm"),
+                                  "--concurrent", "--leave-running", "--json", timeout=1200,
+                                  env=spec.env)
+            shutil.rmtree(images / "warm", ignore_errors=True)
+            wait_steps(log, steps_in(log) + 3, p)
         time.sleep(random.uniform(0, 1.0))
         lines = LineTimes(log)
         time.sleep(3)
@@ -235,6 +247,9 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
         subprocess.run(["pkill", "-9", "-f", str(log)])
         shutil.rmtree(images / "img", ignore_errors=True)
         shutil.rmtree(names.partial(images / "img"), ignore_errors=True)
+        if spec.keep:
+            for f in kept.ROOT.glob("arena-*"):
+                f.unlink()
 
 
 FAULT_STEPS = ("cut", "hoist", "lock", "checkpoint", "dump", "restore", "unlock", "copy", "seal")
