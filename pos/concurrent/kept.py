@@ -1,9 +1,10 @@
 """A checkpoint's page-locked arena kept in memory for the next one (POS_PIN_KEEP=1).
 
 Locking the arena is most of a large job's wait before the cut: the kernel zeroes every page
-(often reclaiming the page cache first, which the last image filled) and the driver registers
-them. On the H200 host a 54.6 GB arena locked at 3.7-8.6 GB/s, 97-142 GB arenas at 19-22 GB/s,
-while registering pages already there ran at 46 GB/s (bench/results/2026-11-28-perf). With
+(and may first have to reclaim the page cache that the last image filled) and the driver
+registers them. On the H200 host a 54.6 GB arena locked at 3.7-8.6 GB/s and 97-142 GB arenas
+at 19-22 GB/s (the spread is not explained), while registering pages already there ran at
+46 GB/s (bench/results/2026-11-28-perf). With
 POS_PIN_KEEP=1 the arena's pages live in a file on a huge-page tmpfs (ROOT) that outlives the
 checkpoint: the next one maps the file and registers what is there, faulting in only what it
 needs beyond it.

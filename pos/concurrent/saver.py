@@ -91,7 +91,7 @@ class Saver:
         return saver
 
     def _prepare(self, gpu_only: bool, host_room: Optional[HostRoom]) -> None:
-        from pos.concurrent import copier, gpucopy
+        from pos.concurrent import gpucopy
 
         self.use()
         assert self.agent is not None
@@ -107,11 +107,11 @@ class Saver:
                            "take a whole-process image (--concurrent without --gpu-only: the "
                            "driver saves them), or run the job without those allocators")
         self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
-        room = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
+        on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
-            room = min(room, self.settings.shadow_max_bytes)
-        self.shadow = self.timed("shadow_alloc",
-                                 lambda: gpucopy.Shadow(self.drv, min(room, self.owned_bytes)))
+            on_device = min(on_device, self.settings.shadow_max_bytes)
+        self.shadow = self.timed("shadow_alloc", lambda: gpucopy.Shadow(
+            self.drv, min(on_device, self.owned_bytes)))
         host_room = host_room or HostRoom()
         keep = kept.take() if self.settings.pin_keep else None
         present = keep.present if keep is not None else 0
