@@ -148,7 +148,7 @@ def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
     class Recorded:
         pinned_bytes, all_s, error = 0, 0.0, None
 
-        def __init__(self, _drv, _size: int, ahead=None) -> None:  # type: ignore[no-untyped-def]
+        def __init__(self, _drv: Any, _size: int, **_: Any) -> None:
             with lock:
                 locking[0] += 1
                 most[0] = max(most[0], locking[0])
