@@ -3,7 +3,8 @@ rows: the same keys as bench/perf_gpu.py's, `one_rank_stall_s` from the 1-rank r
 job measured in the same run on the same machine. No GPU needed:
 
     python3 bench/perf_ranks.py --rows RUN/four/multigpu.json --one-rank RUN/one/multigpu.json \
-        --raw-rows raw/runN/four --raw-one raw/runN/one --gpu-gb 150.8 --host "4x NVIDIA H200, ..." --into DIR/perf.json
+        --raw-rows raw/runN/four --raw-one raw/runN/one --gpu-gb 150.8 \
+        --host "4x NVIDIA H200, ..." --into DIR/perf.json
 
 Appends one row per run of --rows (and the 1-rank row itself) to --into.
 """
