@@ -10,12 +10,19 @@ from pos.errors import BadInput
 def gpu_of(pid: int) -> Optional[str]:
     """The UUID of the one GPU the job uses (None: NVML sees none). A job on several is
     refused: pos's concurrent copier shadows and copies one GPU's memory per process."""
-    used = list(nvml.gpus_of([pid]))
+    return gpu_use(pid)[0]
+
+
+def gpu_use(pid: int) -> tuple[Optional[str], int]:
+    """gpu_of, and the device memory NVML counts for the job there: beside what pos owns, the
+    context's own and what the job maps itself (NCCL's buffers), which the driver's checkpoint
+    moves into the job's host memory."""
+    used = nvml.gpus_of([pid])
     if len(used) > 1:
         raise BadInput(f"PID {pid} uses {len(used)} GPUs ({', '.join(used)}): pos's concurrent "
                        "copier shadows and copies one GPU's memory",
                        f"checkpoint it stop-the-world: `pos checkpoint {pid} -D DIR`")
-    return used[0] if used else None
+    return next(iter(used.items()), (None, 0))
 
 
 def cuda_device(gpu: Optional[str]) -> int:

@@ -59,9 +59,9 @@ class Saver:
         # the host's cores shared among the `ranks` savers that copy at once, in one process:
         # at 4 ranks of 64 cores each had taken all 64 twice (548 threads, one interpreter lock)
         self.writers = max(1, filehash.workers() // max(1, ranks))
-        self.gpu = devices.gpu_of(agent.pid)          # the job's GPU, recorded in its index
+        self.gpu, used = devices.gpu_use(agent.pid)   # the job's GPU, recorded in its index
         # pos's context on it, made current again by each step (`use`), let go by `close`
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {"gpu_used_bytes": used}
         self.context = self.timed("context", lambda: gpucopy.Context(
             devices.cuda_device(self.gpu)))
         self.drv = self.context.drv
@@ -107,6 +107,8 @@ class Saver:
                            "take a whole-process image (--concurrent without --gpu-only: the "
                            "driver saves them), or run the job without those allocators")
         self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
+        self.timings["owned_bytes"] = st.owned_bytes
+        self.timings["foreign_bytes"] = st.foreign_bytes
         on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             on_device = min(on_device, self.settings.shadow_max_bytes)

@@ -108,14 +108,21 @@ def test_ranks_saved_at_once_share_the_hosts_cores(fakegpu: dict[str, Path], tmp
     monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
     monkeypatch.setattr("os.cpu_count", lambda: cores)
+    from pos import nvml
+    from pos.concurrent import devices
     from pos.concurrent.copier import threads
     from pos.concurrent.saver import Saver
     from pos.settings import Settings
 
+    monkeypatch.setattr(nvml, "gpus_of", lambda pids: {"GPU-job": 5 << 20})
+    monkeypatch.setattr(devices, "cuda_device", lambda gpu: 0)
     s = Saver(QuietAgent(), Settings(), 2, 1 << 20, ranks)   # type: ignore[arg-type]
     try:
         assert s.writers == writers
         assert len(s.spares) == threads(2, writers)
+        # NVML's count of the job's device memory, for the report (the driver's share: it
+        # less what pos owns)
+        assert s.gpu == "GPU-job" and s.timings["gpu_used_bytes"] == 5 << 20
     finally:
         s.close()
 
