@@ -29,7 +29,10 @@ from typing import Optional
 from pos import host
 
 ROOT = Path("/run/pos/arena")
-OPTIONS = b"huge=always,mode=0700"
+# as large as the host's memory (a tmpfs takes half of it by default): what an arena may take is
+# bounded by the host's available memory (copier.HostRoom), and the tmpfs's own room checked
+# before the file grows (`fits`), since a write past it would be SIGBUS
+OPTIONS = b"huge=always,mode=0700,size=100%"
 
 
 @dataclass
@@ -39,6 +42,11 @@ class Kept:
     fd: int
     path: Path
     present: int
+
+    def fits(self, size: int) -> bool:
+        """Whether the tmpfs has room for the file to hold `size` bytes in memory."""
+        st = os.fstatvfs(self.fd)
+        return size - self.present <= st.f_bavail * st.f_frsize
 
     def grow(self, size: int) -> None:
         """At least `size` bytes long (the new part is faulted in by the arena's lock)."""

@@ -124,6 +124,9 @@ class Saver:
             if keep is not None:
                 keep.close()
             raise
+        if keep is not None and not keep.fits(arena):
+            keep.close()           # no room on the tmpfs: anonymous memory, as without keeping
+            keep = None
         if keep is not None:
             self.timings["pin_kept_bytes"] = min(present, arena)
         with host_room.locking:

@@ -61,6 +61,16 @@ def test_the_next_arena_finds_the_memory_and_faults_none_of_it_in(
     last.close()
 
 
+def test_a_file_fits_what_its_file_system_has_room_for(root: Path) -> None:
+    k = kept.take(root)
+    assert k is not None
+    try:
+        st = os.statvfs(root)
+        assert k.fits(st.f_bavail * st.f_frsize) and not k.fits(st.f_blocks * st.f_frsize * 2)
+    finally:
+        k.close()
+
+
 def test_the_hosts_room_counts_the_kept_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kept file's memory is not in MemAvailable: an arena that fits in it is not refused
     for want of available memory, and leaves the room to the others."""
