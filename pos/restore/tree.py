@@ -138,8 +138,9 @@ def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
     t = time.monotonic()
     fds = criu_mod.inherited_fds(inherit_fds)
     criu = criu_mod.find(settings)
+    checks: dict[str, float] = {}
     checked = time.monotonic()
-    preflight.check(img, gpu_pairs, inherit_fds)
+    preflight.check(img, gpu_pairs, inherit_fds, checks)
     checked = time.monotonic() - checked
     if splice is not None:
         splice.checked()
@@ -170,6 +171,7 @@ def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
         with Guard(plan, echo, settings, progress) as g:
             g.timings["prepare"] = time.monotonic() - t        # to CRIU's start
             g.timings["prepare_check"] = checked               # of which the host's checks
+            g.timings.update(checks)                           # and each of those
             g.step("criu-restore")
             if settings.lazy_pages:
                 lazy = _lazy_start(g, criu, directory, work)

@@ -8,6 +8,7 @@ import os
 import struct
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -173,6 +174,17 @@ def test_without_nvml_or_the_gpu_nothing_is_refused(tmp_path: Path, host_gpus,
     monkeypatch.setattr(nvml, "memory_free", lambda: {})
     check(make_image(tmp_path / "2", gpus=(on("GPU-a", "NVIDIA B200", 200 * GiB),)),
           (("GPU-a", "GPU-b"),))
+
+
+def test_each_check_is_timed(tmp_path: Path, host_gpus, monkeypatch) -> None:
+    """The checks took 0.8-1.0 s of every restore on the H200 hosts: each is timed apart."""
+    slow = nvml.gpus
+    monkeypatch.setattr(nvml, "gpus", lambda: (time.sleep(0.05), slow())[1])
+    timings: dict[str, float] = {}
+    preflight.check(open_image(make_image(tmp_path, gpus=(on("GPU-a"),))), (), (), timings)
+    assert set(timings) == {"check_pids", "check_driver", "check_files", "check_gpus",
+                            "check_memory"}
+    assert timings["check_gpus"] >= 0.05 > timings["check_pids"]
 
 
 # -- the GPU's free memory -------------------------------------------------------------------
