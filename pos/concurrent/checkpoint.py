@@ -28,7 +28,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from pos import host, image, nvml
 from pos.agent import peers
@@ -63,6 +63,27 @@ def checkpoint_full(pid: int, directory: Path, save: Save, echo: Echo = lambda _
     the module docstring), restorable into new processes by concurrent.restore.restore_full.
     `dump`: what dumps the tree in place of pos's CRIU (see Dump)."""
     return _Whole(pid, Path(directory), save, echo, settings or Settings.from_env(), dump).run()
+
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+def side_by_side(name: str, items: Sequence[A], fn: Callable[[A], R],
+                 keep: Callable[[R], None]) -> None:
+    """`fn` of every item at once, on threads named `name` (one item: on this thread); `keep`
+    of each result that came, in the items' order, even where another failed (what the
+    failure's undo must give back); then the first failure is raised."""
+    if len(items) == 1:
+        keep(fn(items[0]))
+        return
+    with ThreadPoolExecutor(len(items), thread_name_prefix=name) as pool:
+        tries = [pool.submit(fn, x) for x in items]
+    for f in tries:
+        if f.exception() is None:
+            keep(f.result())
+    for f in tries:
+        f.result()
 
 
 class _Whole:
@@ -164,19 +185,9 @@ class _Whole:
         (bench/results/2026-11-28-multigpu, run19). Should one fail, those made are closed
         (`close`) and the first failure is raised."""
         host_room = HostRoom()
-
-        def one(a: Agent) -> Saver:
-            return Saver.prepare(a, self.settings, self.streams, self.chunk, gpu_only=False,
-                                 ranks=len(self.agents), host_room=host_room)
-
-        if len(self.agents) == 1:
-            self.savers.append(one(self.agents[0]))
-        else:
-            with ThreadPoolExecutor(len(self.agents), thread_name_prefix="pos-prepare") as pool:
-                tries = [pool.submit(one, a) for a in self.agents]
-            self.savers.extend(f.result() for f in tries if f.exception() is None)
-            for f in tries:
-                f.result()
+        side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
+            a, self.settings, self.streams, self.chunk, gpu_only=False,
+            ranks=len(self.agents), host_room=host_room), self.savers.append)
         owned = sum(s.owned_bytes for s in self.savers)
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
         self.early["anon_prepared_bytes"] = procs.anonymous_bytes(self.pids)
@@ -229,26 +240,13 @@ class _Whole:
         most of the 3.0 s between its cut and its hoist (bench/results/2026-11-28-multigpu,
         run14). What was taken is the watchdog's even where another take failed; the first
         failure is raised then."""
-        def one(s: Saver) -> Taken:
-            return s.take(self.partial, s.pid if self.several else None)
-
         def keep(t: Taken) -> None:
             self.taken.append(t)
             g.hold(t.pid, t.fds)       # while the job is held, its memory still
 
-        def all_of() -> None:
-            if not self.several:
-                keep(one(self.savers[0]))
-                return
-            with ThreadPoolExecutor(len(self.savers), thread_name_prefix="pos-take") as pool:
-                tries = [pool.submit(one, s) for s in self.savers]
-            for f in tries:
-                if f.exception() is None:
-                    keep(f.result())
-            for f in tries:
-                f.result()
-
-        g.timed("take", all_of)
+        g.timed("take", lambda: side_by_side(
+            "pos-take", self.savers,
+            lambda s: s.take(self.partial, s.pid if self.several else None), keep))
 
     def hoist(self, g: Guard) -> None:
         if self.links:

@@ -53,6 +53,11 @@ def threads(streams: int, writers: int) -> int:
     return 1 + streams + 2 * max(1, writers)
 
 
+def host_spare() -> int:
+    """The host memory arenas may take: what it has available less HOST_RESERVE."""
+    return host.memory_available() - HOST_RESERVE
+
+
 def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int = 0,
                 ring: int = DEFAULT_PIN_RING, spare: Optional[int] = None) -> int:
     """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory
@@ -64,7 +69,7 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
     need = -(-min(total, total - min(shadowed, total) + ring) // chunk) * chunk
     limit = need if cap is None else cap
     if spare is None:
-        spare = host.memory_available() - HOST_RESERVE
+        spare = host_spare()
     want = min(need, limit, spare) // chunk * chunk
     least = min(MIN_ARENA, need)
     if limit < least:
@@ -90,7 +95,7 @@ class HostRoom:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.locking = threading.Lock()
-        self.left = host.memory_available() - HOST_RESERVE
+        self.left = host_spare()
 
     def arena(self, total: int, chunk: int, cap: Optional[int], shadowed: int,
               ring: int, kept: int = 0) -> int:
