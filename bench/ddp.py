@@ -212,6 +212,15 @@ class Watch:
                 seen = n
             time.sleep(0.002)
 
+    def timed(self, n: int, timeout: float) -> None:
+        """Wait until `n` lines have been timed: stall() needs the gaps before the command (a
+        slow step, as at 4 ranks of a large model, left fewer than 3 in a random second)."""
+        deadline = time.monotonic() + timeout
+        while len(self.times) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.outdir}: fewer than {n} steps after {timeout:.0f} s")
+            time.sleep(0.02)
+
     def stall(self, start: float, end: float) -> Optional[float]:
         """stall() of the lines seen."""
         self.stop = True
@@ -267,6 +276,7 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     say(f"{case}: pos checkpoint {job.pid} ({len(pids)} processes, {engine}) at step "
         f"{min(map(len, read(cr_dir)))}")
     watch = Watch(cr_dir)
+    watch.timed(5, 120)
     time.sleep(random.uniform(0.5, 1.5))      # a moment the job does not choose
     t = time.monotonic()
     code, wall, report, err = pos("checkpoint", str(job.pid), "-D", str(img), "--leave-running",

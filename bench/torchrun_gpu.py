@@ -175,6 +175,7 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
     img = work / f"img-{case.folder}"
     watch = ddp.Watch(outdir)
+    watch.timed(5, 240)
     time.sleep(random.uniform(0.5, 1.5))          # a moment the job does not choose
     row["checkpoint_at_step"] = min(map(len, ddp.read(outdir)))
     say(f"{case.name}: pos checkpoint {job.pid} ({len(pids)} processes, {case.engine}) at step "
