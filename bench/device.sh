@@ -24,6 +24,9 @@
 #                                # memory and kernel log sampled beside it (~4 min a row)
 #   bench/device.sh pin          # bench/pin_probe.py: how fast this host page-locks memory
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
+#   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
+#                                # costs (every GPU, one, side by side) and whether a CUDA
+#                                # start then finds its GPU attached (~1 min)
 #   bench/device.sh perf         # bench/perf_gpu.py: where a checkpoint's and a restore's
 #                                # seconds go, each case beside its baseline in the same run
 #                                # (POS_PERF_CASES, default 0.3+pinall+nostw,0.3+nostw,
@@ -81,7 +84,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin attach perf schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -149,6 +152,9 @@ concurrent)
 pin)
     step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
     cat "$out/pin.log" ;;
+attach)
+    step attach python3 bench/attach_probe.py --out "$out"
+    cat "$out/attach.log" ;;
 perf)
     step native python3 -m pos.native
     (while sleep 2; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print $2, $3, $7}')"; done) \

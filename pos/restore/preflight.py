@@ -44,7 +44,8 @@ def check(img: Opened, gpu_pairs: Sequence[tuple[str, str]] = (),
     UUID -> new UUID, the driver's restore's), when it cannot succeed here; `inherit_fds`: the
     --inherit-fd specs the restore is given (their files are not looked for). Each check is
     timed into `timings` (check_*): together they took 0.83-0.99 s of every restore on the
-    H200 hosts, whatever the image's size (bench/results/2026-11-28-perf)."""
+    4x H200 hosts, whatever the image's size, almost all of it NVML attaching every GPU
+    (bench/results/2026-11-28-perf): now only the GPUs the image goes to are asked about."""
     t: dict[str, float] = {} if timings is None else timings
     gpu = bool(img.manifest.gpu_pids)
     timed(t, "check_pids", lambda: pids_free(img.manifest))
@@ -176,7 +177,7 @@ def memory_free(img: Opened, here: dict[str, nvml.Gpu], moved: dict[str, str]) -
         onto = moved.get(uuid, uuid)
         if onto in here:
             needed[onto] = needed.get(onto, 0) + size
-    free = nvml.memory_free() if needed else {}
+    free = nvml.memory_free(list(needed)) if needed else {}
     for uuid, need in needed.items():
         if uuid in free and free[uuid] < need:
             index = here[uuid].index

@@ -411,7 +411,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from pos.concurrent import devices
     from pos.engines import migrate
 
-    here = [nvml.Gpu(0, JOB_GPU, "fake", 16 << 30), nvml.Gpu(1, FAKE_GPU, "fake", 16 << 30)]
+    here = [nvml.Gpu(0, JOB_GPU, "fake"), nvml.Gpu(1, FAKE_GPU, "fake")]
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: here)
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})

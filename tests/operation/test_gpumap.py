@@ -7,8 +7,8 @@ from pos.errors import BadInput
 from pos.operation import gpumap
 from pos.operation.gpumap import Onto, gpu_pairs
 
-HERE = [nvml.Gpu(0, "GPU-a", "H100", 80 << 30), nvml.Gpu(1, "GPU-b", "H100", 80 << 30),
-        nvml.Gpu(2, "GPU-c", "H100", 80 << 30)]
+HERE = [nvml.Gpu(0, "GPU-a", "H100"), nvml.Gpu(1, "GPU-b", "H100"),
+        nvml.Gpu(2, "GPU-c", "H100")]
 INDEX = {g.uuid: g.index for g in HERE}
 
 

@@ -27,8 +27,8 @@ from tests.conftest import need
 from tests.engines.conftest import one_sentence, pos
 
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
-HERE = [nvml.Gpu(0, "GPU-a", H200, 140 * GiB), nvml.Gpu(1, "GPU-b", H100, 80 * GiB),
-        nvml.Gpu(2, "GPU-c", H100, 80 * GiB)]
+HERE = [nvml.Gpu(0, "GPU-a", H200), nvml.Gpu(1, "GPU-b", H100),
+        nvml.Gpu(2, "GPU-c", H100)]
 FILES_ID = 7                        # the image's one table of descriptors
 VMA_FILE_PRIVATE = 1 << 6 | 1       # with VMA_AREA_REGULAR, as CRIU marks a mapped file
 
@@ -130,7 +130,8 @@ def host_gpus(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     free = {"GPU-a": 100 * GiB, "GPU-b": 60 * GiB, "GPU-c": 60 * GiB}
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: HERE)
-    monkeypatch.setattr(nvml, "memory_free", lambda: dict(free))
+    monkeypatch.setattr(nvml, "memory_free",
+                        lambda uuids: {u: free[u] for u in uuids if u in free})
     monkeypatch.setattr(nvml, "driver_version", lambda: None)
     monkeypatch.setattr(cudackpt, "driver_version", lambda: None)
     return free
@@ -171,7 +172,7 @@ def test_without_nvml_or_the_gpu_nothing_is_refused(tmp_path: Path, host_gpus,
                                                     monkeypatch) -> None:
     check(make_image(tmp_path, gpus=(on("GPU-elsewhere", "NVIDIA B200", 200 * GiB),)))
     monkeypatch.setattr(nvml, "gpus", lambda: [])
-    monkeypatch.setattr(nvml, "memory_free", lambda: {})
+    monkeypatch.setattr(nvml, "memory_free", lambda uuids: {})
     check(make_image(tmp_path / "2", gpus=(on("GPU-a", "NVIDIA B200", 200 * GiB),)),
           (("GPU-a", "GPU-b"),))
 
