@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa: E402
                             machine, pos_cmd, processes)
 
-from pos import nvml  # noqa: E402
 from pos.concurrent import kept  # noqa: E402
 from pos.image import names  # noqa: E402
 
@@ -336,13 +335,19 @@ def row_of(run: dict[str, Any], gpu: str, total_gib: float, facts: dict[str, Any
             "date": facts["date"], "driver": facts["driver"], "commit": facts["commit"]}
 
 
+def gpu_total_gib() -> float:
+    """GPU 0's memory in GiB, as nvidia-smi tells it."""
+    out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    return float(out.stdout.strip()) / 1024 if out.returncode == 0 else 0.0
+
+
 def setting(out: Path, images: Path) -> tuple[float, dict[str, Any], dict[int, str]]:
     """The folders made; the GPU's memory in GiB, the machine's facts (the disk's write
     bandwidth among them), and an uninterrupted run's first losses (no ballast)."""
     out.mkdir(parents=True, exist_ok=True)
     images.mkdir(parents=True, exist_ok=True)
-    gpus = nvml.gpus()
-    total = gpus[0].memory_total / GIB if gpus else 0.0
+    total = gpu_total_gib()
     facts = {**machine(), "disk_write_gbps": round(disk_gbps(images), 2),
              "disk": shutil.disk_usage(images)._asdict(),
              "ram_gib": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB}
