@@ -5,15 +5,9 @@ device memory each GPU has free (a context is not needed to ask).
 Like nvitop: NVML is initialised lazily and once; every query goes through `_query`, which
 answers None instead of raising when NVML is missing (no driver, a CI machine) or the query is
 not supported, so that callers write "n/a" rather than handle exceptions.
-
-NVML attaches a GPU the first time it is asked about it, and attaching an idle GPU is slow
-where the driver tears an unused GPU down (no persistence daemon): 0.25 s a GPU on the H200
-hosts, 1.0 s for four at the start of every restore. So the GPUs are listed from the driver's
-/proc files, which attach none, and NVML is asked only about the GPUs a question names.
 """
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -76,37 +70,8 @@ class Gpu:
     name: str
 
 
-PROC_GPUS = Path("/proc/driver/nvidia/gpus")    # a folder per GPU, by PCI bus id
-
-
-def _listed() -> dict[str, tuple[str, str]]:
-    """UUID -> (PCI bus id, model) of each GPU in the driver's /proc files, in NVML's order
-    (by PCI bus id); empty where they cannot be read (no driver, a container without them)."""
-    out: dict[str, tuple[str, str]] = {}
-    try:
-        folders = sorted(PROC_GPUS.iterdir())
-    except OSError:
-        return {}
-    for folder in folders:
-        try:
-            text = (folder / "information").read_text()
-        except OSError:
-            return {}
-        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-        uuid, model = fields.get("GPU UUID", "").strip(), fields.get("Model", "").strip()
-        if not uuid.startswith("GPU-") or not model:
-            return {}
-        out[uuid] = (folder.name, model)
-    return out
-
-
 def gpus() -> list[Gpu]:
-    """The host's GPUs in NVML order (empty without NVML), attaching none where the driver's
-    /proc files list them."""
-    listed = _listed()
-    if listed and available():
-        return [Gpu(i, uuid, model) for i, (uuid, (_, model)) in enumerate(listed.items())]
-
+    """The host's GPUs in NVML order (empty without NVML)."""
     def query(nv: Any) -> list[Gpu]:
         out = []
         for i in range(nv.nvmlDeviceGetCount()):
@@ -131,23 +96,12 @@ def gpus_of(pids: list[int]) -> dict[str, int]:
     return _query(query) or {}
 
 
-def memory_free(uuids: list[str]) -> dict[str, int]:
-    """UUID -> device memory free now, for the GPUs `uuids` of this host (those it lacks left
-    out; empty without NVML), each attached by its PCI bus id, side by side."""
-    listed = _listed()
-
-    def one(nv: Any, uuid: str) -> Optional[tuple[str, int]]:
-        try:
-            bus = listed.get(uuid, ("", ""))[0]
-            h = (nv.nvmlDeviceGetHandleByPciBusId(bus) if bus
-                 else nv.nvmlDeviceGetHandleByUUID(uuid))
-            return uuid, int(nv.nvmlDeviceGetMemoryInfo(h).free)
-        except nv.NVMLError:
-            return None
-
+def memory_free() -> dict[str, int]:
+    """UUID -> device memory free now, for every GPU of the host (empty without NVML)."""
     def query(nv: Any) -> dict[str, int]:
-        with ThreadPoolExecutor(max(1, len(uuids))) as pool:
-            return dict(r for r in pool.map(lambda u: one(nv, u), uuids) if r is not None)
+        out = {}
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            out[_text(nv.nvmlDeviceGetUUID(h))] = int(nv.nvmlDeviceGetMemoryInfo(h).free)
+        return out
     return _query(query) or {}
-
-

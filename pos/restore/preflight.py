@@ -43,9 +43,10 @@ def check(img: Opened, gpu_pairs: Sequence[tuple[str, str]] = (),
     """Refuse the restore of the image `img` onto this host, moved as `gpu_pairs` say (old
     UUID -> new UUID, the driver's restore's), when it cannot succeed here; `inherit_fds`: the
     --inherit-fd specs the restore is given (their files are not looked for). Each check is
-    timed into `timings` (check_*): together they took 0.83-0.99 s of every restore on the
-    4x H200 hosts, whatever the image's size, almost all of it NVML attaching every GPU
-    (bench/results/2026-11-28-perf): now only the GPUs the image goes to are asked about."""
+    timed into `timings` (check_*): together they took 0.83-1.07 s of every restore on the
+    4x H200 hosts, whatever the image's size, nearly all of it NVML's start (check_gpus)
+    waiting on the refill's cuInit beside it, which starts every visible GPU: 0.91-1.04 s
+    with four visible, 0.19-0.33 s with one (bench/results/2026-11-28.md)."""
     t: dict[str, float] = {} if timings is None else timings
     gpu = bool(img.manifest.gpu_pids)
     timed(t, "check_pids", lambda: pids_free(img.manifest))
@@ -177,7 +178,7 @@ def memory_free(img: Opened, here: dict[str, nvml.Gpu], moved: dict[str, str]) -
         onto = moved.get(uuid, uuid)
         if onto in here:
             needed[onto] = needed.get(onto, 0) + size
-    free = nvml.memory_free(list(needed)) if needed else {}
+    free = nvml.memory_free() if needed else {}
     for uuid, need in needed.items():
         if uuid in free and free[uuid] < need:
             index = here[uuid].index
