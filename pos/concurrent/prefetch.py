@@ -85,6 +85,9 @@ class Prefetch:
         self.blocked_at = 0.0     # when the last fill thread stopped at the pause
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="pos-prefetch", daemon=True)
+
+    def start(self) -> None:
+        """Make the memory and fill it, on the thread of its own."""
         self.thread.start()
 
     def _run(self) -> None:

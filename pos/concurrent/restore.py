@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pos.agent import peers
 from pos.agent.control import Agent, Gate
+from pos.concurrent import devices
 from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
@@ -137,6 +138,9 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     pres = [Prefetch(img, streams, settings, ready, where[0] if where else None)] \
         if ranks == (None,) else \
         [Prefetch(img, streams, settings, ready, None, rank, moved) for rank in ranks]
+    devices.start_cuda([pre.onto or pre.taken_on for pre in pres])
+    for pre in pres:
+        pre.start()
     refill = _Refill(img, pres, links, ready, t0)
     try:
         result = tree(tree_restore.TreeRequest(img, settings, inherit_fds, tuple(pairs),

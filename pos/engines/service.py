@@ -113,9 +113,11 @@ def keep_warm(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
 
 
 def warm_up(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
-    """Everything a restore would set up first: its modules, CRIU's version, NVML, the GPUs'
-    contexts."""
+    """Everything a restore would set up first: its modules, CRIU's version, NVML, CUDA
+    seeing every GPU (a restore then finds it started: the service's restores go to any GPU,
+    pos/concurrent/devices.py start_cuda), the GPUs' contexts."""
     from pos import nvml
+    from pos.driver import driver
     from pos.process import criu
     from pos.settings import Settings
 
@@ -126,6 +128,10 @@ def warm_up(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
     except PosError:
         pass                   # no CRIU here, or a bad setting: each restore says so
     nvml.available()           # NVML's first use initialises it
+    try:
+        driver().init()
+    except PosError:
+        pass                   # no CUDA driver: no GPU image to restore
     return keep_warm(wanted)
 
 

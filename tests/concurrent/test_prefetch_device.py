@@ -1,16 +1,22 @@
 """Which GPU a whole-process restore fills (concurrent/prefetch.py fill_device): found by the driver
-alone from the image's GPU index, NVML asked only when the driver does not see that GPU."""
+alone from the image's GPU index, NVML asked only when the driver does not see that GPU; and
+which GPUs pos's own CUDA sees in a restore (devices.start_cuda, Driver.init_seeing)."""
 
+import os
+import threading
 from typing import Optional
 
 import pytest
 
+from pos import driver as cu
+from pos import nvml
 from pos.concurrent import devices, prefetch
 from pos.concurrent import gpucopy
 from pos.errors import PosError
 
 HERE = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 ELSEWHERE = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
+OTHER = "GPU-cccccccc-0000-0000-0000-000000000003"
 
 
 def _device(onto: Optional[str], taken_on: Optional[str]) -> int:
@@ -49,3 +55,88 @@ def test_a_gpu_this_host_has_not_falls_back_to_device_0_through_nvml(driver_sees
     assert _device(None, ELSEWHERE) == 0
     assert _device(None, None) == 0
     assert driver_sees == ["nvml", "nvml"]
+
+
+# -- the GPUs pos's own CUDA sees in a restore -----------------------------------------------
+
+class Started:
+    """The driver's init_seeing, recording what it was asked."""
+
+    def __init__(self) -> None:
+        self.seeing: list[list[str]] = []
+
+    def init_seeing(self, uuids: list[str]) -> bool:
+        self.seeing.append(uuids)
+        return True
+
+
+@pytest.fixture
+def host_has(monkeypatch: pytest.MonkeyPatch) -> Started:
+    """This host has HERE and OTHER (NVML), and a driver that records how CUDA is started."""
+    started = Started()
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, HERE, "H200"),
+                                               nvml.Gpu(1, OTHER, "H200")])
+    monkeypatch.setattr(cu, "driver", lambda: started)
+    return started
+
+
+def test_cuda_sees_only_the_gpus_the_restore_fills(host_has) -> None:
+    """cuInit starts every GPU it sees: 0.91-1.04 s for four H200s, 0.19-0.33 s for one."""
+    assert devices.start_cuda([HERE])
+    assert devices.start_cuda([OTHER, HERE, OTHER])
+    assert host_has.seeing == [[HERE], [OTHER, HERE]]
+
+
+@pytest.mark.parametrize("targets", [[ELSEWHERE], [HERE, ELSEWHERE], [HERE, None], []],
+                         ids=["a GPU the host lacks", "one of two", "no GPU known", "none"])
+def test_otherwise_cuda_sees_every_gpu(host_has, targets) -> None:
+    assert not devices.start_cuda(targets)
+    assert host_has.seeing == []
+
+
+def test_without_nvml_cuda_sees_every_gpu(host_has, monkeypatch) -> None:
+    monkeypatch.setattr(nvml, "available", lambda: False)
+    assert not devices.start_cuda([HERE])
+    assert host_has.seeing == []
+
+
+def _driver(cuinit) -> object:
+    """A Driver whose cuInit is `cuinit` (none of libcuda loaded)."""
+    drv = cu.Driver.__new__(cu.Driver)
+    drv._initialised, drv._lock = False, threading.Lock()
+    drv.cuInit = cuinit
+    return drv
+
+
+def test_the_variable_is_set_for_cuinit_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRIU and whatever else pos starts afterwards never see it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen: list[object] = []
+    drv = _driver(lambda flags: seen.append((flags, os.environ.get("CUDA_VISIBLE_DEVICES"))))
+    assert drv.init_seeing([HERE, OTHER])
+    assert seen == [(0, f"{HERE},{OTHER}")]
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert not drv.init_seeing([HERE])      # started already: as it saw then
+    drv.init()
+    assert len(seen) == 1
+
+
+def test_a_failed_cuinit_takes_the_variable_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def refuse(_flags: int) -> None:
+        raise PosError("cuInit failed", "look at the driver")
+
+    with pytest.raises(PosError):
+        _driver(refuse).init_seeing([HERE])
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_a_variable_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    seen: list[object] = []
+    drv = _driver(lambda flags: seen.append(os.environ.get("CUDA_VISIBLE_DEVICES")))
+    assert not drv.init_seeing([HERE])
+    drv.init()
+    assert seen == ["1"]
