@@ -38,6 +38,8 @@ def row(run: dict[str, Any], one_rank_stall: float, gpu_gb: float, host: str, ra
         "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim
         else None,
         "pin_before_cut_s": r(tim.get("pin")),
+        "pin_kept_gb": r(tim["pin_kept_bytes"] / GB, 2) if "pin_kept_bytes" in tim else None,
+        "warm_to_cut_s": run.get("warm_to_cut_s"),
         "d2h_gbps": r(copied / tim["d2h"] / GB, 2) if tim.get("d2h") else None,
         "link_limit_gbps": LINK_GBPS,
         "sealed_s": r(tim.get("sealed_s"), 2), "first_step_s": run.get("first_step_s"),

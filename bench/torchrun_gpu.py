@@ -29,6 +29,9 @@ Cases (--cases, default all, in this order):
                                     beside at one rank (no peers), refused at more.
 
 --repeat N runs each case N times (rows and folders CASE, CASE-2, ...).
+--warm: a concurrent checkpoint made and removed before the one measured (its to_cut as
+warm_to_cut_s): with POS_PIN_KEEP=1 in the environment the measured one finds the ranks'
+arenas kept; the kept files are removed after each case.
 
 Examples:
   python3 bench/torchrun_gpu.py --out /tmp/tr                    # 2 ranks, every case (~7 min)
@@ -57,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 import ddp  # noqa: E402  (bench/ddp.py: its job, its readers, its comparison)
+from pos.concurrent import kept  # noqa: E402
 
 CASES = ("torchrun-sockets-concurrent", "torchrun-defaults-concurrent",
          "torchrun-defaults-leave-running", "fsdp-torchrun-defaults-concurrent", "stw-defaults",
@@ -174,6 +178,15 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
 
     row["io_urings"] = {f"{p} ({procs.program(p)})": procs.io_urings(p) for p in pids}
     img = work / f"img-{case.folder}"
+    if a.warm and case.engine == "concurrent":
+        code, _wall, report, err = ddp.pos("checkpoint", str(job.pid), "-D", str(img),
+                                           "--leave-running", "--tcp-established",
+                                           "--concurrent")
+        row["warm_to_cut_s"] = (report.get("timings") or {}).get("to_cut")
+        shutil.rmtree(img, ignore_errors=True)
+        if code != 0:
+            raise RuntimeError(f"the warm checkpoint failed (exit {code}): {err}")
+        ddp.wait_lines(outdir, min(map(len, ddp.read(outdir))) + 3, 120)
     watch = ddp.Watch(outdir)
     watch.timed(5, 240)
     time.sleep(random.uniform(0.5, 1.5))          # a moment the job does not choose
@@ -256,6 +269,7 @@ def main() -> None:
     ap.add_argument("--ballast-gib", type=float, default=2.0, help="on each rank")
     ap.add_argument("--work", default="/tmp/pos-torchrun", help="scratch folder (emptied)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each case")
+    ap.add_argument("--warm", action="store_true", help="a checkpoint before the one measured")
     a = ap.parse_args()
     cases = [Case(c, k) for c in a.cases.split(",") for k in range(1, a.repeat + 1)]
     unknown = [c.name for c in cases if c.name not in CASES]
@@ -285,6 +299,8 @@ def main() -> None:
         except Exception as e:       # keep the other rows
             got = {"case": case.name, "ranks": a.ranks, "bit_exact": False, "error": repr(e)}
             say(f"{case.name}: {e!r}")
+        for kept_file in kept.ROOT.glob("arena-*"):    # --warm with POS_PIN_KEEP=1
+            kept_file.unlink()
         got.update(info, case_s=round(time.monotonic() - t, 1))
         rows.append(got)
         (out / "multigpu.json").write_text(json.dumps(rows, indent=1) + "\n")
