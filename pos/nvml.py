@@ -81,6 +81,15 @@ def gpus() -> list[Gpu]:
     return _query(query) or []
 
 
+def persistent() -> bool:
+    """Whether every GPU of the host is in persistence mode (the driver keeps an idle GPU
+    started); False without NVML."""
+    def query(nv: Any) -> bool:
+        return all(nv.nvmlDeviceGetPersistenceMode(nv.nvmlDeviceGetHandleByIndex(i))
+                   == nv.NVML_FEATURE_ENABLED for i in range(nv.nvmlDeviceGetCount()))
+    return bool(_query(query))
+
+
 def gpus_of(pids: list[int]) -> dict[str, int]:
     """UUID -> device memory used, for the GPUs on which any of `pids` has a compute context."""
     def query(nv: Any) -> dict[str, int]:

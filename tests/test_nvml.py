@@ -23,3 +23,34 @@ def test_without_the_modules_version_nvml_answers(tmp_path: Path, monkeypatch, t
     monkeypatch.setattr(nvml, "MODULE_VERSION", str(version))
     monkeypatch.setattr(nvml, "_query", lambda _fn: "570.1")
     assert nvml.driver_version() == "570.1"
+
+
+class Persistence:
+    """pynvml's calls that persistent() makes: GPUs in persistence mode or not."""
+    NVML_FEATURE_ENABLED = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, modes: list[int]) -> None:
+        self.modes = modes
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.modes)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetPersistenceMode(self, handle: int) -> int:
+        return self.modes[handle]
+
+
+@pytest.mark.parametrize("modes, every", [([1, 1, 1, 1], True), ([1, 0], False), ([], True)])
+def test_persistence_mode_of_every_gpu(monkeypatch, modes, every) -> None:
+    monkeypatch.setattr(nvml, "_nvml", lambda: Persistence(modes))
+    assert nvml.persistent() is every
+
+
+def test_without_nvml_no_persistence_is_known(monkeypatch) -> None:
+    monkeypatch.setattr(nvml, "_nvml", lambda: None)
+    assert nvml.persistent() is False

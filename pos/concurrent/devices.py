@@ -48,13 +48,15 @@ def home(gpus: Sequence[dict[str, Any]]) -> Optional[str]:
 def start_cuda(targets: Sequence[Optional[str]]) -> bool:
     """Start CUDA in this process seeing only the GPUs a restore fills (`targets`: each
     process's, by UUID), when each is one this host has: cuInit starts every GPU it sees, and
-    did so beside the restore's checks, which waited for it (0.91-1.07 s of every restore on 4x
-    H200 hosts, 0.10-0.12 s on a one-GPU host). A process of no known GPU, a GPU the host lacks
-    or a CUDA started already: CUDA is left to start as it would, seeing every GPU."""
+    did so beside the restore's checks, which most likely waited for it (0.91-1.07 s of every
+    restore on 4x H200 hosts, 0.10-0.12 s on a one-GPU host). Only where every GPU is in
+    persistence mode: the driver's restore of a job needs the GPUs it had started, which
+    without it only a cuInit that saw them keeps started. A process of no known GPU, a GPU the
+    host lacks or a CUDA started already: CUDA is left to start as it would, seeing every GPU."""
     from pos.driver import driver
 
     wanted = list(dict.fromkeys(t for t in targets if t))
-    if not wanted or len(wanted) != len(set(targets)) or not nvml.available():
+    if not wanted or len(wanted) != len(set(targets)) or not nvml.persistent():
         return False
     here = {g.uuid for g in nvml.gpus()}
     return all(u in here for u in wanted) and driver().init_seeing(wanted)

@@ -72,9 +72,10 @@ class Started:
 
 @pytest.fixture
 def host_has(monkeypatch: pytest.MonkeyPatch) -> Started:
-    """This host has HERE and OTHER (NVML), and a driver that records how CUDA is started."""
+    """This host has HERE and OTHER (NVML), in persistence mode, and a driver that records how
+    CUDA is started."""
     started = Started()
-    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "persistent", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, HERE, "H200"),
                                                nvml.Gpu(1, OTHER, "H200")])
     monkeypatch.setattr(cu, "driver", lambda: started)
@@ -95,8 +96,9 @@ def test_otherwise_cuda_sees_every_gpu(host_has, targets) -> None:
     assert host_has.seeing == []
 
 
-def test_without_nvml_cuda_sees_every_gpu(host_has, monkeypatch) -> None:
-    monkeypatch.setattr(nvml, "available", lambda: False)
+def test_without_persistence_mode_cuda_sees_every_gpu(host_has, monkeypatch) -> None:
+    """(or without NVML, which would say)"""
+    monkeypatch.setattr(nvml, "persistent", lambda: False)
     assert not devices.start_cuda([HERE])
     assert host_has.seeing == []
 
