@@ -46,7 +46,8 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
                 agent = reconnected(saver, echo)
                 t0 = time.monotonic()
                 cut = saver.cut()
-                taken = saver.take(partial)
+                taken = saver.take()
+                taken.start(partial)
                 taken.release()
                 release_s = time.monotonic() - t0
                 taken.wait_copied()

@@ -4,8 +4,9 @@
                               (its ring; the rest is locked behind the cut)
   saver.reconnect()           the cut's own connection, made just before it
   saver.cut(...)              the job held, its calls drained
-  saver.take(folder, rank)    -> Taken: its memory exported by the job, imported by pos, what
-                              fits shadowed device-to-device; the copy to host memory begins
+  saver.take(rank)            -> Taken: its memory exported by the job, imported by pos, what
+                              fits shadowed device-to-device
+  taken.start(folder)         the copy to host memory begins (once every rank's take is done)
   taken.freeze(), thaw()      the frozen part (the driver's calls, CRIU's dump), and its end
   taken.release()             the job goes on, its calls gated (pos/concurrent/handout.py)
   taken.wait_copied()         every buffer in host memory: pos lets go of the device memory
@@ -173,10 +174,10 @@ class Saver:
         agent = self.connected()
         return self.timed("cut", lambda: agent.cut(timeout_s, at))
 
-    def take(self, folder: Path, rank: Optional[int] = None) -> "Taken":
-        """After the cut: the job's memory imported and shadowed, its copy begun (`rank`: the
-        PID of one process of several, whose files are named after it)."""
-        return Taken(self, folder, rank)
+    def take(self, rank: Optional[int] = None) -> "Taken":
+        """After the cut: the job's memory imported and shadowed (`rank`: the PID of one
+        process of several, whose files are named after it); Taken.start begins its copy."""
+        return Taken(self, rank)
 
     def pinned(self) -> None:
         """What the arena locked in the end, and when all of it was (or, if the locking
@@ -209,13 +210,14 @@ class Saver:
 class Taken:
     """A held job's memory in pos's hands: imported, shadowed where it fits, being copied."""
 
-    def __init__(self, saver: Saver, folder: Path, rank: Optional[int]) -> None:
+    def __init__(self, saver: Saver, rank: Optional[int]) -> None:
         from pos.concurrent import gpucopy
 
         self.saver, self.rank = saver, rank
         self.fds: list[int] = []
         self.mem: Optional[gpucopy.Imported] = None
         self.copier: Optional[copier.Copier] = None
+        self.sources: list[int] = []      # where each buffer's copy reads: shadow or job
         self.shadowed: set[int] = set()
         self.shadow_bytes = 0
         saver.use()
@@ -230,8 +232,7 @@ class Taken:
             self.fds = saver.timed("export", lambda: export(saver))
             self.mem = saver.timed("import", lambda: gpucopy.Imported(saver.drv, self.table,
                                                                       self.fds))
-            sources = self._snapshot()
-            saver.timed("copy_start", lambda: self._start(folder, sources))
+            self.sources = self._snapshot()
         except BaseException:
             self.close()
             raise
@@ -268,9 +269,13 @@ class Taken:
         s.timed("shadow", lambda: gpucopy.device_to_device(s.drv, dst, src, sizes))
         return sources
 
-    def _start(self, folder: Path, sources: list[int]) -> None:
+    def start(self, folder: Path) -> None:
         """The copy to host memory and into the image's data files, on threads of its own from
         now on (the job may still be held)."""
+        self.saver.use()
+        self.saver.timed("copy_start", lambda: self._start(folder, self.sources))
+
+    def _start(self, folder: Path, sources: list[int]) -> None:
         from pos.concurrent import copier
         from pos.image import gpu as gpuimage
 
@@ -285,7 +290,7 @@ class Taken:
         self.copier.start()
 
     def _copier(self) -> "copier.Copier":
-        assert self.copier is not None   # made in __init__, which fails as a whole
+        assert self.copier is not None   # made by start(), which comes before the rest
         return self.copier
 
     def freeze(self) -> None:

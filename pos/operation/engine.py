@@ -75,6 +75,8 @@ class RankSaved:
     bytes: int                     # what pos copied of its device memory
     cut: Cut
     gate: Optional[Gate]           # its calls through the operation (None: it had no agent left)
+    timings: dict[str, float] = field(default_factory=dict)    # its own copy's (the report's
+    # timings hold the longest of the ranks')
 
 
 @dataclass
