@@ -26,6 +26,20 @@ def _nvidia_driver() -> Optional[PosError]:
     return None
 
 
+def _persistence() -> Optional[PosError]:
+    """Whether a restore may start CUDA on the GPUs it fills alone (devices.start_cuda)."""
+    from pos import nvml
+
+    if not nvml.available():
+        return PosError("NVML cannot be asked (no NVIDIA driver, or no libnvidia-ml.so.1)",
+                        "install the NVIDIA driver if this host runs CUDA jobs")
+    if nvml.persistent():
+        return None
+    return PosError("a GPU of this host is not in persistence mode, so a restore starts CUDA "
+                    "on every GPU of the host (0.91-1.04 s on four H200s, against 0.19-0.33 s "
+                    "for one)", "enable it: run nvidia-persistenced, or `nvidia-smi -pm 1`")
+
+
 def _criu() -> Optional[PosError]:
     from pos.process import criu
 
@@ -102,6 +116,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("kernel headers for bcc", host.check_kernel_headers),
     ("tracefs", host.check_tracefs),
     ("NVIDIA driver library", _nvidia_driver),
+    ("GPUs in persistence mode (a restore starts CUDA on its own GPUs alone)", _persistence),
     ("CRIU >= 4.0 (checkpoint/restore)", _criu),
     ("soft-dirty tracking (CRIU's pre-dump, of jobs that map no device)", _soft_dirty),
     ("pos run's preload library (libposhook.so, built with gcc)", _hook),
@@ -109,7 +124,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("the migration key (hosts authenticate each other over TLS)", _migrate_key),
 )
 
-OPTIONAL = (_nvidia_driver, _soft_dirty, _migrate_key)     # what pos can do without: n/a when absent
+OPTIONAL = (_nvidia_driver, _persistence, _soft_dirty, _migrate_key)     # what pos can do without: n/a when absent
 
 
 @dataclass
