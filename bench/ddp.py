@@ -301,15 +301,18 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
     killed = read(cr_dir)
     row["killed_at_step"] = min(len(r) for r in killed)
     say(f"{case}: killed at step {row['killed_at_step']}; pos restore")
-    t0 = time.monotonic()
+    back = Watch(cr_dir)       # while the restore runs: a line read once it has returned
+    t0 = time.monotonic()      # could not come before its end
     code, wall, report, err = pos("restore", "-D", str(img))
     row.update(restore_exit=code, restore_wall_s=round(wall, 3),
                restore_timings=report.get("timings"))
     if code != 0:
         raise RuntimeError(f"{case}: pos restore failed: {err}")
-    while read(cr_dir) == killed and time.monotonic() - t0 < 60:
+    while not back.times and time.monotonic() - t0 < 60:
         time.sleep(0.005)
-    row["first_step_s"] = round(time.monotonic() - t0, 3)    # from `pos restore` to a new line
+    back.stop = True
+    # from `pos restore` to rank 0's first new line
+    row["first_step_s"] = round(back.times[0] - t0, 3) if back.times else None
     now = read(cr_dir)
     row["resumed_at_step"] = min(r[len(k)][0] for r, k in zip(now, killed) if len(r) > len(k))
     row["job_exit"] = reap(job.pid, steps * sleep + 300)

@@ -138,8 +138,11 @@ def frozen(pids: list[int]) -> bool:
 
 def restore(row: dict[str, Any], img: Path, outdir: Path, root: int, a: argparse.Namespace,
             ref: list[list[tuple[int, str]]], prefix: str = "") -> None:
-    """`pos restore`, the first new line's time, the job to its end, every line compared."""
+    """`pos restore`, the first new line's time (rank 0's, watched while the restore runs: read
+    once it had returned, the first step could not come before its end), the job to its end,
+    every line compared."""
     before = ddp.read(outdir)
+    watch = ddp.Watch(outdir)
     t0 = time.monotonic()
     code, wall, report, err = ddp.pos("restore", "-D", str(img))
     row.update({f"{prefix}restore_exit": code, f"{prefix}restore_wall_s": round(wall, 3),
@@ -148,9 +151,10 @@ def restore(row: dict[str, Any], img: Path, outdir: Path, root: int, a: argparse
         row[f"{prefix}restore_error"] = err
         row[f"{prefix}bit_exact"] = False
         return
-    while ddp.read(outdir) == before and time.monotonic() - t0 < 120:
+    while not watch.times and time.monotonic() - t0 < 120:
         time.sleep(0.005)
-    row[f"{prefix}first_step_s"] = round(time.monotonic() - t0, 3)
+    watch.stop = True
+    row[f"{prefix}first_step_s"] = round(watch.times[0] - t0, 3) if watch.times else None
     now = ddp.read(outdir)
     row[f"{prefix}resumed_at_step"] = min(
         (r[len(b)][0] for r, b in zip(now, before) if len(r) > len(b)), default=None)
