@@ -221,6 +221,14 @@ class Watch:
                 raise RuntimeError(f"{self.outdir}: fewer than {n} steps after {timeout:.0f} s")
             time.sleep(0.02)
 
+    def first(self, since: float, timeout: float) -> Optional[float]:
+        """Seconds from `since` to the first line seen (waited for up to `timeout` from
+        `since`; None: none came); the watch ends."""
+        while not self.times and time.monotonic() - since < timeout:
+            time.sleep(0.005)
+        self.stop = True
+        return round(self.times[0] - since, 3) if self.times else None
+
     def stall(self, start: float, end: float) -> Optional[float]:
         """stall() of the lines seen."""
         self.stop = True
@@ -308,11 +316,7 @@ def run_case(case: str, python: str, work: Path, steps: int, sleep: float, at: i
                restore_timings=report.get("timings"))
     if code != 0:
         raise RuntimeError(f"{case}: pos restore failed: {err}")
-    while not back.times and time.monotonic() - t0 < 60:
-        time.sleep(0.005)
-    back.stop = True
-    # from `pos restore` to rank 0's first new line
-    row["first_step_s"] = round(back.times[0] - t0, 3) if back.times else None
+    row["first_step_s"] = back.first(t0, 60)    # from `pos restore` to rank 0's first new line
     now = read(cr_dir)
     row["resumed_at_step"] = min(r[len(k)][0] for r, k in zip(now, killed) if len(r) > len(k))
     row["job_exit"] = reap(job.pid, steps * sleep + 300)

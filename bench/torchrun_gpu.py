@@ -151,10 +151,7 @@ def restore(row: dict[str, Any], img: Path, outdir: Path, root: int, a: argparse
         row[f"{prefix}restore_error"] = err
         row[f"{prefix}bit_exact"] = False
         return
-    while not watch.times and time.monotonic() - t0 < 120:
-        time.sleep(0.005)
-    watch.stop = True
-    row[f"{prefix}first_step_s"] = round(watch.times[0] - t0, 3) if watch.times else None
+    row[f"{prefix}first_step_s"] = watch.first(t0, 120)
     now = ddp.read(outdir)
     row[f"{prefix}resumed_at_step"] = min(
         (r[len(b)][0] for r, b in zip(now, before) if len(r) > len(b)), default=None)

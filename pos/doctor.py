@@ -124,7 +124,8 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("the migration key (hosts authenticate each other over TLS)", _migrate_key),
 )
 
-OPTIONAL = (_nvidia_driver, _persistence, _soft_dirty, _migrate_key)     # what pos can do without: n/a when absent
+# what pos can do without: n/a when absent
+OPTIONAL = (_nvidia_driver, _persistence, _soft_dirty, _migrate_key)
 
 
 @dataclass

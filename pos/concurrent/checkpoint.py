@@ -240,8 +240,8 @@ class _Whole:
         most of the 3.0 s between its cut and its hoist (bench/results/2026-11-28-multigpu,
         run14). The copies begin once every take is done: at 4 ranks the longest import took
         0.66 s against 0.013 s at one rank (run22), most likely beside the copies of the ranks
-        done before it. What was taken is the
-        watchdog's even where another take failed; the first failure is raised then."""
+        done before it. What was taken is the watchdog's even where another take failed; the
+        first failure is raised then."""
         def keep(t: Taken) -> None:
             self.taken.append(t)
             g.hold(t.pid, t.fds)       # while the job is held, its memory still

@@ -56,7 +56,7 @@ def start_cuda(targets: Sequence[Optional[str]]) -> bool:
     from pos.driver import driver
 
     wanted = list(dict.fromkeys(t for t in targets if t))
-    if not wanted or len(wanted) != len(set(targets)) or not nvml.persistent():
+    if not wanted or None in targets or not nvml.persistent():
         return False
     here = {g.uuid for g in nvml.gpus()}
     return all(u in here for u in wanted) and driver().init_seeing(wanted)
