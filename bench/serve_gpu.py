@@ -400,7 +400,7 @@ class Bench:
             args = (*args, "--no-service")      # in pos's own process
         image_gib = round(sum(f.stat().st_size for f in image.rglob("*") if f.is_file())
                           / GIB, 2)
-        for cache in ("dropped", "warm"):
+        for cache in self.cold_caches:
             self.req.clear()
             self.req.ask("first", 1)
             if cache == "dropped":
