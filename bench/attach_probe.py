@@ -3,7 +3,7 @@ killed): NVML's start and CUDA's. The restore's checks took 0.91-1.07 s on 4x H2
 against 0.10-0.12 s on a one-GPU host; NVML alone, in a process of its own, 0.05 s. Root, on
 a host with NVIDIA GPUs and none of them in use:
 
-    python3 bench/attach_probe.py --out DIR [--repeat 3]
+    python3 bench/attach_probe.py --out DIR [--repeat 3] [--ways A,B]
 
 Each way is measured in a fresh process, --repeat times:
   nvml-all        NVML's start, every GPU by index, its UUID and name (what the restore's
@@ -14,6 +14,14 @@ Each way is measured in a fresh process, --repeat times:
   ctx-held        ctx-cold while another process holds the GPUs through NVML
   nvml-beside     nvml-all while another process runs cuInit with every GPU visible, as the
                   restore's check runs beside the refill's start
+  pos-again       pos's NVML listing (nvml.gpus) a second time in one process, as the
+                  restore's check asks after devices.start_cuda
+  pos-thread-one  the same while a thread of that process makes the refill's context (its
+                  imports, GPU 0 by UUID, the primary context) after devices.start_cuda, as
+                  `pos restore` does: CUDA sees GPU 0 alone
+  pos-thread-all  the same, CUDA seeing every GPU (no start_cuda first)
+  pos-ctx-one     devices.start_cuda and the refill's context on GPU 0, in pos's own calls
+  pos-ctx-all     the refill's context on GPU 0, CUDA seeing every GPU
 Also: whether each GPU is in persistence mode. Writes DIR/attach.json.
 """
 
@@ -35,6 +43,14 @@ NVML = "pynvml.nvmlInit()\n" \
     "for i in range(pynvml.nvmlDeviceGetCount()):\n" \
     "    h = pynvml.nvmlDeviceGetHandleByIndex(i)\n" \
     "    pynvml.nvmlDeviceGetUUID(h); pynvml.nvmlDeviceGetName(h)"
+POS = "from pos import nvml\nfrom pos.concurrent import devices\nimport threading\n" \
+    "nvml.persistent()\nu = nvml.gpus()[0].uuid"
+NARROW = "assert devices.start_cuda([u]), 'CUDA not narrowed'"
+CONTEXT = "gpucopy.Context(gpucopy.ordinal(u))"
+REFILL = "def refill():\n" \
+    "    from pos.concurrent import gpucopy\n" \
+    f"    {CONTEXT}\n" \
+    "threading.Thread(target=refill, daemon=True).start()"
 WAYS = {        # way -> (its imports, not timed; what is timed; what runs beside it)
     "nvml-all": ("import pynvml", NVML, None),
     "ctx-cold": (CUDA, CTX, None),
@@ -43,6 +59,11 @@ WAYS = {        # way -> (its imports, not timed; what is timed; what runs besid
                             "time.sleep(60)"),
     "nvml-beside": ("import pynvml", NVML, f"{CUDA}\nprint('ready', flush=True)\n{CTX}\n"
                                             "time.sleep(60)"),
+    "pos-again": (POS, "nvml.gpus()", None),
+    "pos-thread-one": (f"{POS}\n{NARROW}\n{REFILL}", "nvml.gpus()", None),
+    "pos-thread-all": (f"{POS}\n{REFILL}", "nvml.gpus()", None),
+    "pos-ctx-one": (f"{POS}\nfrom pos.concurrent import gpucopy", f"{NARROW}\n{CONTEXT}", None),
+    "pos-ctx-all": (f"{POS}\nfrom pos.concurrent import gpucopy", CONTEXT, None),
 }
 PERSISTENCE = "import json, pynvml; pynvml.nvmlInit()\n" \
     "print(json.dumps([pynvml.nvmlDeviceGetPersistenceMode(\n" \
@@ -82,6 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ways", default=",".join(WAYS), help="which ways, comma-separated")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"ways": {}}
@@ -89,8 +111,8 @@ def main() -> None:
                            text=True, timeout=120)
     res["persistence"] = json.loads(modes.stdout) if modes.returncode == 0 else \
         modes.stderr[-500:]
-    for way in WAYS:
-        runs = []
+    for way in a.ways.split(","):
+        runs: list[Any] = []
         for _ in range(a.repeat):
             time.sleep(1)               # the GPUs let go by the process before
             try:

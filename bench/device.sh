@@ -26,7 +26,8 @@
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
 #                                # costs (every GPU, one, side by side) and whether a CUDA
-#                                # start then finds its GPU attached (~1 min)
+#                                # start then finds its GPU attached; pos's listing beside the
+#                                # refill's context (POS_ATTACH_WAYS: which ways) (~1 min)
 #   bench/device.sh perf         # bench/perf_gpu.py: where a checkpoint's and a restore's
 #                                # seconds go, each case beside its baseline in the same run
 #                                # (POS_PERF_CASES, default 0.3+pinall+nostw,0.3+nostw,
@@ -153,7 +154,7 @@ pin)
     step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
     cat "$out/pin.log" ;;
 attach)
-    step attach python3 bench/attach_probe.py --out "$out"
+    step attach python3 bench/attach_probe.py --out "$out" --ways "${POS_ATTACH_WAYS:-nvml-all,ctx-cold,ctx-one,ctx-held,nvml-beside,pos-again,pos-thread-one,pos-thread-all,pos-ctx-one,pos-ctx-all}"
     cat "$out/attach.log" ;;
 perf)
     step native python3 -m pos.native
