@@ -22,6 +22,8 @@ Each way is measured in a fresh process, --repeat times:
   pos-thread-all  the same, CUDA seeing every GPU (no start_cuda first)
   pos-ctx-one     devices.start_cuda and the refill's context on GPU 0, in pos's own calls
   pos-ctx-all     the refill's context on GPU 0, CUDA seeing every GPU
+  pos-start-beside  NVML's first listing in a process whose other thread has begun the
+                  refill's context on GPU 0, CUDA seeing every GPU (NVML not yet started)
 Also: whether each GPU is in persistence mode. Writes DIR/attach.json.
 """
 
@@ -64,6 +66,9 @@ WAYS = {        # way -> (its imports, not timed; what is timed; what runs besid
     "pos-thread-all": (f"{POS}\n{REFILL}", "nvml.gpus()", None),
     "pos-ctx-one": (f"{POS}\nfrom pos.concurrent import gpucopy", f"{NARROW}\n{CONTEXT}", None),
     "pos-ctx-all": (f"{POS}\nfrom pos.concurrent import gpucopy", CONTEXT, None),
+    "pos-start-beside": ("from pos import nvml\nimport threading\n"
+                         + REFILL.replace("gpucopy.ordinal(u)", "0")
+                         + "\ntime.sleep(0.05)", "nvml.gpus()", None),
 }
 PERSISTENCE = "import json, pynvml; pynvml.nvmlInit()\n" \
     "print(json.dumps([pynvml.nvmlDeviceGetPersistenceMode(\n" \
