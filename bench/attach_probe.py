@@ -24,6 +24,7 @@ Each way is measured in a fresh process, --repeat times:
   pos-ctx-all     the refill's context on GPU 0, CUDA seeing every GPU
   pos-start-beside  NVML's first listing in a process whose other thread has begun the
                   refill's context on GPU 0, CUDA seeing every GPU (NVML not yet started)
+  pos-start-beside4  the same with four threads, one context on each of GPUs 0-3
 Also: whether each GPU is in persistence mode. Writes DIR/attach.json.
 """
 
@@ -69,6 +70,13 @@ WAYS = {        # way -> (its imports, not timed; what is timed; what runs besid
     "pos-start-beside": ("from pos import nvml\nimport threading\n"
                          + REFILL.replace("gpucopy.ordinal(u)", "0")
                          + "\ntime.sleep(0.05)", "nvml.gpus()", None),
+    "pos-start-beside4": ("from pos import nvml\nimport threading\n"
+                          + REFILL.replace("def refill():", "def refill(i):")
+                          .replace("gpucopy.ordinal(u)", "i")
+                          .replace("daemon=True).start()",
+                                   "args=(i,), daemon=True).start() for i in range(4)]")
+                          .replace("threading.Thread(", "[threading.Thread(")
+                          + "\ntime.sleep(0.05)", "nvml.gpus()", None),
 }
 PERSISTENCE = "import json, pynvml; pynvml.nvmlInit()\n" \
     "print(json.dumps([pynvml.nvmlDeviceGetPersistenceMode(\n" \
