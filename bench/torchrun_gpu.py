@@ -31,7 +31,9 @@ Cases (--cases, default all, in this order):
 --repeat N runs each case N times (rows and folders CASE, CASE-2, ...).
 --warm: a concurrent checkpoint made and removed before the one measured (its to_cut as
 warm_to_cut_s): with POS_PIN_KEEP=1 in the environment the measured one finds the ranks'
-arenas kept; the kept files are removed after each case.
+arenas kept; the kept files are removed after each case. The warm checkpoint is waited for
+until its image is sealed (about 70 s for the Llama job at 4 ranks, which runs 200 steps in
+about 90 s): give such a job --steps 400.
 
 Examples:
   python3 bench/torchrun_gpu.py --out /tmp/tr                    # 2 ranks, every case (~7 min)
@@ -187,7 +189,11 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
         shutil.rmtree(img, ignore_errors=True)
         if code != 0:
             raise RuntimeError(f"the warm checkpoint failed (exit {code}): {err}")
-        ddp.wait_lines(outdir, min(map(len, ddp.read(outdir))) + 3, 120)
+        done = min(map(len, ddp.read(outdir)))
+        if done + 8 > a.steps:       # the measured checkpoint, and the steps around it
+            raise RuntimeError(f"the job was at step {done} of {a.steps} once the warm "
+                               "checkpoint was sealed: give it more --steps")
+        ddp.wait_lines(outdir, done + 3, 120)
     watch = ddp.Watch(outdir)
     watch.timed(5, 240)
     time.sleep(random.uniform(0.5, 1.5))          # a moment the job does not choose
