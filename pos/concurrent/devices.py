@@ -46,17 +46,25 @@ def home(gpus: Sequence[dict[str, Any]]) -> Optional[str]:
 
 
 def start_cuda(targets: Sequence[Optional[str]]) -> bool:
-    """Start CUDA in this process seeing only the GPUs a restore fills (`targets`: each
-    process's, by UUID), when each is one this host has: cuInit starts every GPU it sees, and
-    did so beside the restore's checks, which most likely waited for it (0.91-1.07 s of every
-    restore on 4x H200 hosts, 0.10-0.12 s on a one-GPU host). Only where every GPU is in
-    persistence mode: the driver's restore of a job needs the GPUs it had started, which
-    without it only a cuInit that saw them keeps started. A process of no known GPU, a GPU the
-    host lacks or a CUDA started already: CUDA is left to start as it would, seeing every GPU."""
+    """Start NVML, then, where it gains, CUDA seeing only the GPUs a restore fills (`targets`:
+    the GPU of each process with device memory to fill, by UUID); whether CUDA was started.
+    NVML first: the restore's checks ask it, and where the fill's threads began CUDA before
+    it, they took 1.0 s of every restore of a torchrun job on 4x H200 hosts, against 0.0 s
+    where it had started first (most likely NVML's start waits for a cuInit under way in the
+    same process; bench/results/2026-11-28.md). cuInit starts every GPU it sees: 0.91-1.04 s
+    for four H200s, 0.19-0.33 s for one. Narrowed only where every GPU is in persistence mode
+    (the driver's restore of a job needs the GPUs it had started, which without it only a
+    cuInit that saw them keeps started), the host has each target and more GPUs besides: this
+    cuInit holds up CRIU's start, where the fill's own starts beside it. A process of no
+    known GPU, a GPU the host lacks or a CUDA started already: CUDA is left to start as it
+    would, on the fill's threads, seeing every GPU."""
     from pos.driver import driver
 
+    if not nvml.available():
+        return False
     wanted = list(dict.fromkeys(t for t in targets if t))
     if not wanted or None in targets or not nvml.persistent():
         return False
     here = {g.uuid for g in nvml.gpus()}
-    return all(u in here for u in wanted) and driver().init_seeing(wanted)
+    return all(u in here for u in wanted) and len(wanted) < len(here) and \
+        driver().init_seeing(wanted)

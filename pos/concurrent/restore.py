@@ -138,7 +138,9 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     pres = [Prefetch(img, streams, settings, ready, where[0] if where else None)] \
         if ranks == (None,) else \
         [Prefetch(img, streams, settings, ready, None, rank, moved) for rank in ranks]
-    devices.start_cuda([pre.onto or pre.taken_on for pre in pres])
+    cuda_start = time.monotonic()
+    devices.start_cuda([pre.onto or pre.taken_on for pre in pres if pre.table])
+    cuda_start = time.monotonic() - cuda_start
     for pre in pres:
         pre.start()
     refill = _Refill(img, pres, links, ready, t0)
@@ -150,11 +152,11 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
         for pre in pres:
             pre.close()
         let_go = time.monotonic() - t1
-    return _report(result, refill, t0, started, let_go)
+    return _report(result, refill, t0, started, let_go, cuda_start)
 
 
 def _report(result: Report, back: _Refill, t0: float, started: Optional[float],
-            let_go: float) -> Report:
+            let_go: float, cuda_start: float) -> Report:
     from pos.concurrent import gpucopy     # imported by the fill by now
 
     pres = back.pres
@@ -168,7 +170,8 @@ def _report(result: Report, back: _Refill, t0: float, started: Optional[float],
 
     rest = [pre.handout.rest_at(t0) for pre in pres]
     # pos_started_s is None where no command started the restore (JSON's null)
-    timings: dict[str, Any] = {**result.timings, "pos_started_s": started, "h2d": copy.seconds,
+    timings: dict[str, Any] = {**result.timings, "pos_started_s": started,
+               "cuda_start": cuda_start, "h2d": copy.seconds,
                "read_threads": copy.read_thread_s, "fill_paused": max(paused),
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of

@@ -43,11 +43,9 @@ def check(img: Opened, gpu_pairs: Sequence[tuple[str, str]] = (),
     """Refuse the restore of the image `img` onto this host, moved as `gpu_pairs` say (old
     UUID -> new UUID, the driver's restore's), when it cannot succeed here; `inherit_fds`: the
     --inherit-fd specs the restore is given (their files are not looked for). Each check is
-    timed into `timings` (check_*): together they took 0.83-1.07 s of every restore on the
-    4x H200 hosts, whatever the image's size, nearly all of it NVML's start (check_gpus),
-    which alone takes 0.05 s there: most likely it waits on the refill's cuInit beside it,
-    which starts every visible GPU, 0.91-1.04 s with four, 0.19-0.33 s with one
-    (bench/results/2026-11-28.md)."""
+    timed into `timings` (check_*): NVML's start, where a concurrent restore's fill had begun
+    CUDA before it, made check_gpus 1.0 s of every restore on 4x H200 hosts; started first
+    (pos/concurrent/devices.py start_cuda), 0.0 s (bench/results/2026-11-28.md)."""
     t: dict[str, float] = {} if timings is None else timings
     gpu = bool(img.manifest.gpu_pids)
     timed(t, "check_pids", lambda: pids_free(img.manifest))
