@@ -90,7 +90,8 @@ def parse_gpus(text: str) -> tuple[int, ...]:
 
 def keep_warm(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
     """A context retained on each GPU `wanted` names (NVML's indexes; None: every GPU of the
-    host, none where there is no CUDA driver)."""
+    host that CUDA sees here, which CUDA_VISIBLE_DEVICES may narrow; none where there is no
+    CUDA driver)."""
     from pos import nvml
     from pos.concurrent import gpucopy
     from pos.operation.gpumap import Onto
@@ -99,8 +100,18 @@ def keep_warm(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
         here = nvml.gpus()
         for index in wanted or ():
             Onto(index=index).check(here)       # a GPU this host does not have: refused
-        return [Warm(g.index, gpucopy.Context(gpucopy.ordinal(g.uuid))) for g in here
-                if wanted is None or g.index in wanted]
+        warm = []
+        for g in here:
+            if wanted is not None and g.index not in wanted:
+                continue
+            try:
+                device = gpucopy.ordinal(g.uuid)
+            except PosError:
+                if wanted is not None:          # named, and hidden from CUDA: said
+                    raise
+                continue
+            warm.append(Warm(g.index, gpucopy.Context(device)))
+        return warm
     if wanted is not None:
         raise BadInput("NVML is not available (it numbers the GPUs as nvidia-smi does)",
                        "leave --gpus out to keep every GPU the CUDA driver shows, or install "

@@ -334,3 +334,30 @@ def test_the_documented_unit_is_the_shipped_one() -> None:
     unit = (ROOT / "contrib" / "pos-restore.service").read_text()
     docs = (ROOT / "docs" / "checkpoint-restore.md").read_text()
     assert f"```ini\n{unit[unit.index('[Unit]'):]}```" in docs
+
+
+def test_the_service_keeps_warm_the_gpus_cuda_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_VISIBLE_DEVICES=0 on a host of two GPUs: the service keeps GPU 0 warm, rather than
+    refusing to start; a GPU named with --gpus that CUDA does not see is said."""
+    from pos import nvml
+    from pos.concurrent import gpucopy
+    from pos.engines import service as svc
+    from pos.errors import PosError
+
+    seen = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
+    hidden = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
+
+    def ordinal(uuid: str) -> int:
+        if uuid != seen:
+            raise PosError(f"the CUDA driver does not see {uuid}", "check CUDA_VISIBLE_DEVICES")
+        return 0
+
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, seen, "H200"),
+                                               nvml.Gpu(1, hidden, "H200")])
+    monkeypatch.setattr(gpucopy, "ordinal", ordinal)
+    monkeypatch.setattr(gpucopy, "Context", lambda device: f"context on {device}")
+    assert [(w.index, w.context) for w in svc.keep_warm(None)] == [(0, "context on 0")]
+    assert [w.index for w in svc.keep_warm((0,))] == [0]
+    with pytest.raises(PosError, match="does not see"):
+        svc.keep_warm((1,))
