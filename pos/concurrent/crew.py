@@ -6,15 +6,19 @@ The first failure is the one raised (what the others then hit, `Stopped`, is not
 needs to hear); once it happened no thread takes more work; whoever waits on the crew learns of
 it at once (`on_stop`); and every thread has ended when `wait` returns, so that the memory the
 work used may be freed then. Its threads may be started ahead of the work (`Spares`).
+The processes of one job, each asked the same at once, run `side_by_side`.
 """
 
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 
 Task = Callable[[], None]
+A = TypeVar("A")
+R = TypeVar("R")
 
 
 class Stopped(Exception):
@@ -131,3 +135,20 @@ class Crew:
         self.start(tasks, spares)
         self.wait()
         self.raise_failure()
+
+
+def side_by_side(name: str, items: Sequence[A], fn: Callable[[A], R],
+                 keep: Callable[[R], None]) -> None:
+    """`fn` of every item at once, on threads named `name` (one item: on this thread); `keep`
+    of each result that came, in the items' order, even where another failed (what the
+    failure's undo must give back); then the first failure is raised."""
+    if len(items) == 1:
+        keep(fn(items[0]))
+        return
+    with ThreadPoolExecutor(len(items), thread_name_prefix=name) as pool:
+        tries = [pool.submit(fn, x) for x in items]
+    for f in tries:
+        if f.exception() is None:
+            keep(f.result())
+    for f in tries:
+        f.result()

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pos.agent import peers
-from pos.agent.control import Agent, Gate
+from pos.agent.control import Agent, Gate, Remap
 from pos.concurrent import devices
+from pos.concurrent.crew import side_by_side
 from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
@@ -77,9 +78,11 @@ class _Refill:
             renamed = peers.renamed(self.links, live)
             if renamed:        # every job held still (hoisted): none runs before they are back
                 g.timed("peers_up", lambda: peers.put_back(agents, renamed))
-            for pre, agent in zip(self.pres, agents):
-                remapped = g.timed("remap", lambda: agent.remap(pre.fds, restore=True))
-                g.timings["stack_back"] = remapped.stack_s
+            remapped: list[Remap] = []      # every job at once
+            g.timed("remap", lambda: side_by_side(
+                "pos-remap", list(zip(self.pres, agents)),
+                lambda pa: pa[1].remap(pa[0].fds, restore=True), remapped.append))
+            g.timings["stack_back"] = max(r.stack_s for r in remapped)
             self.release_s = time.monotonic() - self.t0
             for pre, agent in zip(self.pres, agents):
                 pre.handout.attach(agent)
