@@ -150,10 +150,9 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     try:
         result = tree(tree_restore.TreeRequest(img, settings, inherit_fds, tuple(pairs),
                                                tuple(img.checked_by_restore)), refill, echo)
-    finally:
+    finally:       # every job's at once: one after another, 0.43-0.47 s at 4 ranks
         t1 = time.monotonic()
-        for pre in pres:
-            pre.close()
+        side_by_side("pos-let-go", pres, Prefetch.close, lambda _: None)
         let_go = time.monotonic() - t1
     return _report(result, refill, t0, started, let_go, cuda_start)
 
