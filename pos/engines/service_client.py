@@ -22,10 +22,12 @@ asked of it then, so the restore runs here without a chance of running twice."""
 
 
 def restore(path: str, directory: str, to_gpu: Optional[str],
-            echo: Callable[[str], None]) -> Optional[Restored]:
+            echo: Callable[[str], None], meanwhile: Callable[[], None] = lambda: None
+            ) -> Optional[Restored]:
     """The restore of the image in `directory` (onto `to_gpu`, --to-gpu's text), done by the
-    service on the socket `path`; None where it is to be done in this process. A failure the
-    service reports is raised here as the PosError it was there."""
+    service on the socket `path`; None where it is to be done in this process. `meanwhile`:
+    called once the service has the request, while it restores. A failure the service
+    reports is raised here as the PosError it was there."""
     if not os.path.exists(path):
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -48,6 +50,7 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
         try:
             conn.sendall(encode(Request(os.path.abspath(directory), to_gpu,
                                         host.age(os.getpid()), os.isatty(0))))
+            meanwhile()
             return _outcome(lines, echo, path)
         except OSError as e:
             raise _broken(path, e.strerror or str(e)) from None

@@ -361,3 +361,32 @@ def test_the_service_keeps_warm_the_gpus_cuda_sees(monkeypatch: pytest.MonkeyPat
     assert [w.index for w in svc.keep_warm((0,))] == [0]
     with pytest.raises(PosError, match="does not see"):
         svc.keep_warm((1,))
+
+
+def test_the_client_does_its_own_work_while_the_service_restores(short: Path) -> None:
+    """`meanwhile` (the store's import, for the record) runs once the service has the request
+    and before its outcome, so that it does not wait until the job runs."""
+    from pos.engines import service_client
+
+    sock = short / "restore.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    listener.listen(1)
+    order: list[str] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(encode(Accepted()))
+            conn.makefile("rb").readline()
+            wait_for(lambda: order, 10, "the client's work while the service restores")
+            order.append("restored")
+            conn.sendall(encode(Restored("/img", {}, [])))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    done = service_client.restore(str(sock), "/img", None, lambda _: None,
+                                  lambda: order.append("meanwhile"))
+    t.join()
+    listener.close()
+    assert order == ["meanwhile", "restored"] and done is not None and done.path == "/img"
