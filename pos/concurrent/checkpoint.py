@@ -238,8 +238,10 @@ class _Whole:
                 "peers_down", lambda: peers.take_down(agents, self.links))
             peers.write(self.partial, self.links)
         g.step("hoist", hoisted=True)
-        hoists: list[Hoist] = []      # every job at once: one after another, the 5 processes
-        g.timed("hoist", lambda: side_by_side(      # of the 4-rank Llama job took 0.27 s
+        # every job at once: one after another, the 5 processes of the 4-rank Llama job took
+        # 0.27 s (bench/results/2026-11-28-multigpu, run23)
+        hoists: list[Hoist] = []
+        g.timed("hoist", lambda: side_by_side(
             "pos-hoist", [s.connected() for s in self.savers],
             lambda agent: agent.hoist(self.settings.hoist_stack, self.settings.trim_heap),
             hoists.append))
@@ -281,6 +283,7 @@ class _Whole:
         by_pid = {t.pid: t for t in self.taken}
         g.each("restore", self.cuda, lambda p: by_pid[p].paused(lambda: cudackpt.restore(p)))
         g.each("unlock", self.cuda, cudackpt.unlock)
+
         def remap(st: tuple[Saver, Taken]) -> Remap:
             s, t = st
             s.agent = Agent(s.pid)

@@ -239,9 +239,12 @@ def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json
     from pos.engines import service_client    # socket and json: before the engines' imports,
                                                 # which the service spares the client
 
-    def import_store() -> None:   # the record's import (SQLAlchemy's, 0.25-0.43 s on the GPU
+    def import_store() -> None:
+        """The record's import (SQLAlchemy's, 0.25-0.43 s on the GPU hosts), made while the
+        service restores rather than once the job runs."""
         threading.Thread(target=importlib.import_module, args=("pos.store.images",),
-                         daemon=True).start()   # hosts) while the service restores
+                         daemon=True).start()
+
     served = service_client.restore(service_socket(), directory,
                                     None if to_gpu is None else str(to_gpu), _lines(as_json),
                                     import_store)
