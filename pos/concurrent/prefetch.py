@@ -163,6 +163,12 @@ class Prefetch:
         end = min(self.resumed_at or self.filled_at, self.filled_at)
         return max(0.0, end - max(self.blocked_at, self.started_at))
 
+    def filled(self) -> None:
+        """Until the fill has ended, where it runs before the job's release (Settings.fill_from
+        is not `release`): a job held ready (a standby) is held with its memory all back."""
+        if self.go.is_set():
+            self.thread.join()
+
     def join(self) -> gpucopy.Copy:
         self.thread.join()
         if self.error is not None:

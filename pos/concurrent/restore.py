@@ -20,7 +20,7 @@ from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
 from pos.image.kinds import ImageKind
 from pos.image.opened import Opened
-from pos.operation.engine import DeviceCopy, Operation, RankBack, Report
+from pos.operation.engine import DeviceCopy, Hold, Operation, RankBack, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
 from pos.settings import Settings
@@ -112,7 +112,8 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
                  streams: int = FILL_STREAMS, echo: Echo = lambda _: None,
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
                  started_s: Optional[float] = None,
-                 tree: tree_restore.Tree = tree_restore.restore_tree) -> Report:
+                 tree: tree_restore.Tree = tree_restore.restore_tree,
+                 hold: Optional[Hold] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet). A job
@@ -121,7 +122,8 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     `started_s`: the start-up of the command that asked for the restore, reported as
     timings["pos_started_s"] (the restore service's client's; None: this process's age).
     `tree`: what brings the processes back, with this engine's part spliced in (a container's
-    runtime does for a container: pos/container/)."""
+    runtime does for a container: pos/container/). `hold`: see pos/operation/engine.py Hold;
+    called once the fill has ended too."""
     from pos import host
 
     settings = settings or Settings.from_env()
@@ -147,9 +149,17 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     for pre in pres:
         pre.start()
     refill = _Refill(img, pres, links, ready, t0)
+
+    def filled_then_held() -> None:
+        for pre in pres:
+            pre.filled()
+        assert hold is not None
+        hold()
+
     try:
-        result = tree(tree_restore.TreeRequest(img, settings, inherit_fds, tuple(pairs),
-                                               tuple(img.checked_by_restore)), refill, echo)
+        result = tree(tree_restore.TreeRequest(
+            img, settings, inherit_fds, tuple(pairs), tuple(img.checked_by_restore),
+            None if hold is None else filled_then_held), refill, echo)
     finally:       # every job's at once: one after another, 0.43-0.47 s at 4 ranks
         t1 = time.monotonic()
         side_by_side("pos-let-go", pres, Prefetch.close, lambda _: None)

@@ -12,6 +12,7 @@ import click
 from pos.engines.options import (SERVICE_SOCKET, SERVICE_SOCKET_ENV, criu_options,
                                  criu_options_from, lock_timeout_option, service_socket,
                                  to_gpu_option)
+from pos.errors import BadInput
 from pos.options import db_option, json_option
 from pos.usage import MissingArgument, PosCommand, PosPath
 
@@ -42,6 +43,8 @@ Examples:
   pos restore -D /tmp/g1 --gpu-only 4242        # roll `pos run` job 4242 back to a GPU image
   pos restore -D /tmp/job1 --no-service         # in this process, even where
                                                 # `pos restore-service` runs
+  pos restore -D /tmp/srv --standby             # the service holds it ready, not running;
+  pos restore -D /tmp/srv                       # this then runs it
 """
 
 EPILOG_RESTORE_SERVICE = """\b
@@ -180,15 +183,20 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 @click.option("--no-service", is_flag=True,
               help="Restore in this process even where `pos restore-service` answers (on "
                    f"{SERVICE_SOCKET}, or ${SERVICE_SOCKET_ENV}).")
+@click.option("--standby", is_flag=True,
+              help="Have `pos restore-service` restore the job and hold it ready, not running: "
+                   "a later `pos restore -D DIR` then only runs it.")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
-            streams: Optional[int], to_gpu: Optional["Onto"], no_service: bool,
+            streams: Optional[int], to_gpu: Optional["Onto"], no_service: bool, standby: bool,
             db: Optional[str], as_json: bool) -> None:
     """Restore a process tree from an image and resume it once the image's checksums match.
 
     Where `pos restore-service` runs, the restore runs there, with its modules, NVML and GPU
-    contexts ready; --inherit-fd and --gpu-only restore in this process."""
+    contexts ready; --inherit-fd and --gpu-only restore in this process. With --standby the
+    service holds the job ready (restored, checked, its device memory back, not running) until
+    `pos restore -D DIR` asks for it."""
     from pathlib import Path
 
     from pos import host
@@ -200,14 +208,20 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
     if streams and gpu_only_pid is None:
         raise click.UsageError("--streams goes with --gpu-only.")
+    if standby and (no_service or inherit_fd or gpu_only_pid is not None):
+        raise click.UsageError("--standby is the restore service's: it goes with neither "
+                               "--no-service, --inherit-fd nor --gpu-only.")
     settings = Settings.from_env()
     if gpu_only_pid is None:
         # a bad --db is refused before anything is restored; the restore is recorded once the
         # job runs (SQLAlchemy's import would hold it up)
         store.check(db or store.default_db_path())
     if not (no_service or inherit_fd or gpu_only_pid is not None) and \
-            _served(directory, to_gpu, db, as_json):
+            _served(directory, to_gpu, db, as_json, standby):
         return
+    if standby:
+        raise BadInput(f"no restore service answers on {service_socket()}",
+                       "start `pos restore-service` first: --standby holds the job ready there")
 
     from pos.engines import engines
     from pos.image.opened import open_image
@@ -233,11 +247,14 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     _report(r, as_json)
 
 
-def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json: bool) -> bool:
-    """The restore done by `pos restore-service`, recorded and printed as one done here is;
-    False where no service answers, or the restore is this process's to do."""
+def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json: bool,
+            standby: bool) -> bool:
+    """The restore done by `pos restore-service`, recorded and printed as one done here is (or
+    with `standby`, the job held ready there, said); False where no service answers, or the
+    restore is this process's to do."""
     from pos.engines import service_client    # socket and json: before the engines' imports,
                                                 # which the service spares the client
+    from pos.engines.service_protocol import Held
 
     def import_store() -> None:
         """The record's import (SQLAlchemy's, 0.25-0.43 s on the GPU hosts), made while the
@@ -247,9 +264,15 @@ def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json
 
     served = service_client.restore(service_socket(), directory,
                                     None if to_gpu is None else str(to_gpu), _lines(as_json),
-                                    import_store)
+                                    import_store, standby)
     if served is None:
         return False
+    if isinstance(served, Held):
+        if as_json:
+            click.echo(json.dumps({"path": served.path, "held": True}))
+        else:
+            _summary(served.summary)
+        return True
     _mark_restored(db, served.path)
     if as_json:
         click.echo(json.dumps(served.report))

@@ -55,8 +55,8 @@ class StopTheWorld(_Base):
             from pos.operation import gpumap
 
             pairs = gpumap.onto(img.gpus, load.to_gpu)[0]
-        return restore_tree(TreeRequest(img, self.settings, load.inherit_fds, tuple(pairs)),
-                            echo=self.echo, progress=self.progress)
+        return restore_tree(TreeRequest(img, self.settings, load.inherit_fds, tuple(pairs),
+                                        hold=load.hold), echo=self.echo, progress=self.progress)
 
     @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:
@@ -83,7 +83,7 @@ class Concurrent(_Base):
 
         return concurrent.restore_full(img, load.inherit_fds, echo=self.echo,
                                        to_gpu=load.to_gpu, settings=self.settings,
-                                       started_s=load.started_s)
+                                       started_s=load.started_s, hold=load.hold)
 
     @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:

@@ -43,12 +43,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from pos.errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, PosError, denied
-from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Message, Request,
-                                            Restored, decode, encode)
+from pos.engines.service_protocol import (Accepted, Echo, Failed, Held, InProcess, Message,
+                                            Request, Restored, decode, encode)
+from pos.engines.standby import Standbys
 
 if TYPE_CHECKING:
     from pos.concurrent import gpucopy
     from pos.image.opened import Opened
+    from pos.operation.engine import Hold
 
 Say = Callable[[str], None]
 
@@ -208,8 +210,10 @@ class Client:
         self.send(Echo(text))
 
 
-def restore(request: Request, echo: Say) -> Union[Restored, Failed, InProcess]:
-    """The restore `pos restore` runs, for `request`; its outcome as the client's message."""
+def restore(request: Request, echo: Say, hold: Optional["Hold"] = None
+            ) -> Union[Restored, Failed, InProcess]:
+    """The restore `pos restore` runs, for `request`; its outcome as the client's message.
+    `hold`: a standby's (pos/engines/standby.py)."""
     from pos.engines import engines, summary
     from pos.image.opened import open_image
     from pos.operation.gpumap import Onto, check_host
@@ -222,8 +226,12 @@ def restore(request: Request, echo: Say) -> Union[Restored, Failed, InProcess]:
             check_host(to_gpu)
         img = open_image(Path(request.directory))
         if request.terminal and _takes_terminal(img):
+            if hold is not None:
+                raise BadInput(f"{request.directory} holds a shell job, which a restore from "
+                               "a terminal attaches to it: it cannot be held ready",
+                               f"restore it with `pos restore -D {request.directory}`")
             return InProcess("a shell job restored from a terminal is attached to it")
-        load = engines.Load(to_gpu=to_gpu, started_s=request.started_s)
+        load = engines.Load(to_gpu=to_gpu, started_s=request.started_s, hold=hold)
         r = engines.for_image(img, settings, echo).restore(img, load)
     except PosError as e:
         return Failed.of(e)
@@ -245,8 +253,9 @@ def _takes_terminal(img: "Opened") -> bool:
     return Options.from_json(img.manifest.criu_options).shell_job
 
 
-def serve_one(conn: socket.socket, say: Say) -> None:
-    """One connection: a root peer's request, its restore, its lines and outcome."""
+def serve_one(conn: socket.socket, say: Say, standbys: Standbys) -> None:
+    """One connection: a root peer's request, its restore (or its job held ready, or the job
+    held ready for it run), its lines and outcome."""
     client = Client(conn)
     pid, uid = peer(conn)
     if uid != 0:
@@ -263,9 +272,10 @@ def serve_one(conn: socket.socket, say: Say) -> None:
         return
     conn.settimeout(SEND_S)
     t = time.monotonic()
-    outcome = restore(request, client.echo)
+    outcome = standbys.stage(request, client.echo, restore) if request.standby else \
+        standbys.ask(request, client.echo) or restore(request, client.echo)
     client.send(outcome)
-    said = (outcome.summary[0] if isinstance(outcome, Restored) else
+    said = (outcome.summary[0] if isinstance(outcome, (Restored, Held)) else
             f"restore of {request.directory}: {outcome.error().message}"
             if isinstance(outcome, Failed)
             else f"restore of {request.directory}: left to the client ({outcome.why})")
@@ -281,6 +291,7 @@ class Service:
         self.inode = path.stat().st_ino
         self.running: set[threading.Thread] = set()
         self.lock = threading.Lock()
+        self.standbys = Standbys()
 
     def serve(self) -> None:
         """Until SIGTERM or SIGINT. Their handler here only says so (`stopping`), and the loop
@@ -314,19 +325,24 @@ class Service:
     def _one(self, conn: socket.socket) -> None:
         try:
             with conn:
-                serve_one(conn, self.say)
+                serve_one(conn, self.say, self.standbys)
         finally:
             with self.lock:
                 self.running.discard(threading.current_thread())
 
     def _stop(self) -> None:
-        """No more connections, the socket gone; the running restores finish."""
+        """No more connections, the socket gone; the restores held ready end, their trees
+        ended; the running restores finish."""
         self.listener.close()
         try:
             if self.path.stat().st_ino == self.inode:    # not another service's since
                 self.path.unlink()
         except FileNotFoundError:
             pass
+        held = self.standbys.stop()
+        if held:
+            self.say(f"pos restore-service: ended {held} restore(s) held ready, which never "
+                     "ran")
         with self.lock:
             running = list(self.running)
         if running:

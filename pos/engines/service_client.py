@@ -9,11 +9,11 @@ its own process. Once the request is sent the restore is the service's: nothing 
 
 import os
 import socket
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Optional, Union
 
 from pos import host
 from pos.errors import PosError
-from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Message,
+from pos.engines.service_protocol import (Accepted, Echo, Failed, Held, InProcess, Message,
                                             Request, Restored, decode, encode)
 
 ACCEPT_S = 5.0
@@ -22,12 +22,13 @@ asked of it then, so the restore runs here without a chance of running twice."""
 
 
 def restore(path: str, directory: str, to_gpu: Optional[str],
-            echo: Callable[[str], None], meanwhile: Callable[[], None] = lambda: None
-            ) -> Optional[Restored]:
+            echo: Callable[[str], None], meanwhile: Callable[[], None] = lambda: None,
+            standby: bool = False) -> Optional[Union[Restored, Held]]:
     """The restore of the image in `directory` (onto `to_gpu`, --to-gpu's text), done by the
-    service on the socket `path`; None where it is to be done in this process. `meanwhile`:
-    called once the service has the request, while it restores. A failure the service
-    reports is raised here as the PosError it was there."""
+    service on the socket `path` (`standby`: its job held ready there: Held); None where it
+    is to be done in this process. `meanwhile`: called once the service has the request,
+    while it restores. A failure the service reports is raised here as the PosError it was
+    there."""
     if not os.path.exists(path):
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -49,14 +50,15 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
         conn.settimeout(None)     # a restore takes what it takes; its watchdog guards it
         try:
             conn.sendall(encode(Request(os.path.abspath(directory), to_gpu,
-                                        host.age(os.getpid()), os.isatty(0))))
+                                        host.age(os.getpid()), os.isatty(0), standby)))
             meanwhile()
             return _outcome(lines, echo, path)
         except OSError as e:
             raise _broken(path, e.strerror or str(e)) from None
 
 
-def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str) -> Optional[Restored]:
+def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str
+             ) -> Optional[Union[Restored, Held]]:
     """The lines the restore echoes, printed; then its outcome."""
     while True:
         try:
@@ -65,7 +67,7 @@ def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str) -> Optiona
             raise _broken(path, "it closed the connection") from None
         if isinstance(message, Echo):
             echo(message.text)
-        elif isinstance(message, Restored):
+        elif isinstance(message, (Restored, Held)):
             return message
         elif isinstance(message, Failed):
             raise message.error()

@@ -5,7 +5,8 @@ the service's unix socket: one JSON object a line, each one of the messages belo
     service -> client   Accepted, or Failed for a peer other than root
     client -> service   Request
     service -> client   Echo for each line the restore echoes, then its outcome: Restored,
-                        Failed, or InProcess (the restore is the client's to run)
+                        Failed, or InProcess (the restore is the client's to run); for a
+                        request to hold the job ready (`standby`), Held once it is
 
 Only json and dataclasses are imported here: the client reads this module before pos's heavy
 ones, whose import the service is there to spare it. Where the socket is: pos/engines/options.py.
@@ -31,6 +32,7 @@ class Request:
     to_gpu: Optional[str]          # --to-gpu as given (pos/operation/gpumap.py Onto's text)
     started_s: Optional[float]     # the client's own start-up: its process's age when it asked
     terminal: bool                 # the client's stdin is a terminal
+    standby: bool = False          # restored and held ready, not run, until a request for it
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,14 @@ class Restored:
     path: str                      # the image, which the client's store records as restored
     report: dict[str, Any]         # Report.to_json(): what `pos restore --json` prints
     summary: list[str]             # pos/engines/summary.py's lines: what `pos restore` prints
+
+
+@dataclass(frozen=True)
+class Held:
+    """The job is restored and held ready by the service (pos/engines/standby.py)."""
+
+    path: str                      # the image
+    summary: list[str]             # what `pos restore --standby` prints
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,9 @@ class InProcess:
     why: str
 
 
-Message = Union[Accepted, Request, Echo, Restored, Failed, InProcess]
-KINDS: dict[str, type] = {k.__name__: k for k in (Accepted, Request, Echo, Restored, Failed,
-                                                 InProcess)}
+Message = Union[Accepted, Request, Echo, Restored, Held, Failed, InProcess]
+KINDS: dict[str, type] = {k.__name__: k for k in (Accepted, Request, Echo, Restored, Held,
+                                                 Failed, InProcess)}
 
 
 def encode(message: Message) -> bytes:

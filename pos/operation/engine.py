@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, Union
 
 from pos.agent.control import Cut, Gate
 from pos.image import Manifest
@@ -34,6 +34,11 @@ class Save:
     page_server: Optional[PageServer] = None   # stop-the-world: the pages go there
 
 
+Hold = Callable[[], None]
+"""Where a restore may wait, its tree restored and checked but not yet run; it raises to end
+the restore there (the tree, which never ran, is ended)."""
+
+
 @dataclass(frozen=True)
 class Load:
     """How to restore."""
@@ -45,6 +50,8 @@ class Load:
     started_s: Optional[float] = None      # the start-up of the command that asked for the
                                            # restore (`pos restore`, served by the restore
                                            # service); None: this process's age at its start
+    hold: Optional[Hold] = None            # a standby's (pos/engines/standby.py): called with
+                                           # the tree restored and checked, before it runs
 
 
 class Engine(Protocol):

@@ -24,7 +24,8 @@ died during its own undo) without harm:
     image is good (killed otherwise); forward, a restored tree is finished (driver restore
     onto the planned GPUs, unlock, the rest of its memory from CRIU's lazy-pages daemon); a
     tree that cannot be finished is killed, never left half-restored; a restore that the user
-    stopped (SIGINT/SIGTERM) is ended, not finished; the lazy-pages daemon is ended last,
+    stopped (SIGINT/SIGTERM), or one held ready that no one asked for (step "standby"), is
+    ended, not finished; the lazy-pages daemon is ended last,
     once the tree it served is gone or has every page;
   - move: every CUDA process restored onto the GPUs it was on, and unlocked;
   - hoisted memory (`ImagePlan.hoisted`) is mapped back into the job, which then runs on.
@@ -208,6 +209,11 @@ def _restored_tree(plan: RestorePlan, log: Log, stopped: bool) -> None:
         return                      # CRIU failed and cleaned up: nothing was restored
     if stopped:
         log(f"the restore was stopped: ending the tree of PID {plan.pids[0]}")
+        procs.kill_tree(procs.tree(plan.pids[0]))
+        return
+    if plan.step == "standby":     # held ready (pos/engines/standby.py), never asked for
+        log(f"the restore held ready was not asked for: ending the tree of PID "
+            f"{plan.pids[0]}, which never ran")
         procs.kill_tree(procs.tree(plan.pids[0]))
         return
     if plan.step in ("criu-restore", "verify") and not _verified(plan, log):

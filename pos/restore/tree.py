@@ -23,7 +23,7 @@ from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.image.opened import Opened
 from pos.operation import lazypages
-from pos.operation.engine import Operation, Report
+from pos.operation.engine import Hold, Operation, Report
 from pos.operation.plan import RestorePlan
 from pos.operation.steps import Echo, Guard
 from pos.process import criu as criu_mod
@@ -79,13 +79,14 @@ class TreeRequest:
     """What a tree's restore is asked: the image, opened; `check`: the files whose checksums
     are verified (all when None; the rest is checked by whoever reads it); `gpu_pairs`: the
     driver's restore's map of GPUs (old UUID -> new UUID); `inherit_fds`: CRIU's
-    --inherit-fd."""
+    --inherit-fd; `hold`: see pos/operation/engine.py Hold."""
 
     image: Opened
     settings: Settings
     inherit_fds: tuple[str, ...] = ()
     gpu_pairs: tuple[tuple[str, str], ...] = ()
     check: Optional[tuple[str, ...]] = None
+    hold: Optional[Hold] = None        # where the restored, checked tree waits before it runs
 
 
 class Splice(Protocol):
@@ -193,6 +194,9 @@ def restore_tree(request: TreeRequest, splice: Optional[Splice] = None,
             # the tree is stopped until its image is known good
             g.step("verify", pids=[live[p] for p in manifest.pids], gpu_pids=cuda)
             g.timings["verify"] = g.timed("verify_wait", checking.result)
+            if request.hold is not None:    # held ready (a standby), until asked for
+                g.step("standby")
+                g.timed("standby", request.hold)
             procs.resume(procs.tree(root))
             driver_back(g, cuda, gpu_pairs, splice, live)
             if lazy is not None:        # the job runs; the rest of its memory comes in

@@ -330,6 +330,32 @@ def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job,
     assert not torn(later) and max(later) > max(saved)
 
 
+def test_a_pos_run_job_held_ready_has_its_memory_back_before_it_runs(
+        service, fill_job, gpu_env, tmp_path: Path, criu_ready) -> None:
+    """Held, its processes stopped, while the fill makes and fills its device memory; asked
+    for, it runs on from where it was saved."""
+    s = service(gpu_env)
+    job = fill_job()
+    ran_past(job.pid, 0)
+    img = tmp_path / "full"
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    job.proc.wait(timeout=30)
+    saved = image_values(img)
+    r = pos("restore", "-D", str(img), "--standby", env=through(s, gpu_env))
+    assert r.returncode == 0, r.stderr
+    assert _state(job.pid) in ("T", "t")
+    r = pos("restore", "-D", str(img), "--json", env=through(s, gpu_env))
+    assert r.returncode == 0, r.stderr
+    timings = json.loads(r.stdout)["timings"]
+    # the fill's memory was all back while the job was held (all_back_at counts from the
+    # restore's start, which comes before its tree's, from which the steps count)
+    assert timings["all_back_at"] < timings["step_standby_at"] + timings["standby"]
+    ran_past(job.pid, max(saved))
+    later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
+    assert not torn(later) and max(later) > max(saved)
+
+
 def test_the_documented_unit_is_the_shipped_one() -> None:
     unit = (ROOT / "contrib" / "pos-restore.service").read_text()
     docs = (ROOT / "docs" / "checkpoint-restore.md").read_text()
@@ -390,3 +416,78 @@ def test_the_client_does_its_own_work_while_the_service_restores(short: Path) ->
     t.join()
     listener.close()
     assert order == ["meanwhile", "restored"] and done is not None and done.path == "/img"
+
+
+# -- restores held ready (pos/engines/standby.py) ---------------------------------------------
+
+def _state(pid: int) -> str:
+    """The process's state letter (T: stopped), '' once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def _held(s: Service, c: Counter, img: Path, env: dict[str, str]) -> int:
+    """The counter `c`'s image `img` held ready by the service `s`: restored, not running;
+    how many lines it had counted."""
+    at_dump = checkpointed(c, img, env)
+    r = pos("restore", "-D", str(img), "--standby", env=through(s, env))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[:2] == [f"restoring PID {c.pid} (python) from {img}",
+                                         f"held ready: {img}, restored and checked, its "
+                                         "processes stopped"], r.stdout
+    assert _state(c.pid) in ("T", "t")
+    time.sleep(0.5)
+    assert len(lines(c.path)) == at_dump      # it does not run
+    return at_dump
+
+
+def test_a_job_held_ready_runs_when_asked_for(service, counters, env, tmp_path: Path) -> None:
+    s = service()
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    img = tmp_path / "img"
+    at_dump = _held(s, c, img, env)
+    again = pos("restore", "-D", str(img), "--standby", env=through(s, env))
+    one_sentence(again, 2, f"{img} is held ready already")
+    r = pos("restore", "-D", str(img), "--json", env=through(s, env))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["served"] is True and report["restored_pid"] == c.pid
+    assert report["timings"]["standby"] > 0.5      # how long it was held
+    wait_for(lambda: len(lines(c.path)) > at_dump + 10, what="the counter held, then run")
+    assert c.running()
+    wait_for(lambda: len(s.log()) == 4, what="the service's lines")
+    assert s.log()[1].startswith(f"held ready: {img}, ")
+    assert s.log()[2].startswith(f"restore of {img}: {img} is held ready already")
+    assert s.log()[3].startswith(f"restored PID {c.pid} from {img}: ")
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_job_held_ready_ends_with_the_service(service, counters, env, tmp_path: Path,
+                                                how: str) -> None:
+    """Never left stopped: a service that stops ends the trees it held (which never ran); one
+    that dies leaves that to each restore's watchdog."""
+    s = service()
+    c = Counter(tmp_path / "count")
+    counters.append(c)
+    _held(s, c, tmp_path / "img", env)
+    if how == "stopped":
+        assert s.stop() == 0
+        assert s.log()[-1] == ("pos restore-service: ended 1 restore(s) held ready, which "
+                               "never ran")
+    else:
+        s.proc.kill()
+        s.proc.wait()
+    wait_for(lambda: _state(c.pid) in ("", "Z"), 30, "the held tree to end")
+
+
+def test_standby_needs_the_service(env, tmp_path: Path, short: Path) -> None:
+    need(os.geteuid() == 0, "pos restore needs root")
+    sock = short / "none.sock"
+    r = pos("restore", "-D", str(tmp_path), "--standby",
+            env={**env, "POS_RESTORE_SOCKET": str(sock)})
+    one_sentence(r, 2, f"no restore service answers on {sock}", "start `pos restore-service`")
+    r = pos("restore", "-D", str(tmp_path), "--standby", "--no-service", env=env)
+    assert r.returncode == 2 and "--standby is the restore service's" in r.stderr
