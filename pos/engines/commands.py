@@ -300,8 +300,9 @@ def restore_service(socket_path: str, gpus: Optional[str]) -> None:
     At its start it imports the restore's modules, initialises NVML and retains a CUDA
     context on each GPU, then says `pos restore-service: ready on SOCKET (GPUs ...)`. Each
     request's restore runs on a thread of its own, guarded by its own watchdog: a client that
-    goes away does not stop it. SIGTERM or SIGINT: the socket goes, running restores finish,
-    exit 0."""
+    goes away does not stop it. `pos restore --standby` has it hold a job ready, not running,
+    until `pos restore` asks for it. SIGTERM or SIGINT: the socket goes, running restores
+    finish, the jobs held ready end, exit 0."""
     from pathlib import Path
 
     from pos import host
