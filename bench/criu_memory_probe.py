@@ -12,8 +12,8 @@ with `pos restore -D IMAGE --json` (the page cache warm after the first; each re
 killed before the next): the restore's `criu_restore` and its GB/s.
   plain     the memory as malloc leaves it (4 KiB pages where the host's THP setting is
             `madvise`, as on most distributions)
-  hugepage  the same memory given MADV_HUGEPAGE before it is written: CRIU keeps the flag
-            and gives it to the restored memory before reading into it
+  hugepage  the same memory given MADV_HUGEPAGE before it is written: whether the restored
+            memory comes back in huge pages (fewer faults as CRIU reads into it)
 Also: the host's THP settings and how many of the job's pages were huge (AnonHugePages).
 Writes DIR/criu-memory.json.
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 JOB = """import mmap, sys, time
 size = int(float(sys.argv[1]) * 2**30)
@@ -98,7 +99,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    from pos.process import criu
+    from pos.settings import Settings
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     res: dict[str, Any] = {
+        "command": " ".join(["bench/criu_memory_probe.py", *sys.argv[1:]]), "commit": commit,
+        "criu": criu.find(Settings.from_env()).version_text,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kernel": platform.release(),
         "cores": os.cpu_count(), "thp": {f: (THP / f).read_text().strip()
                                          for f in ("enabled", "defrag")}, "ways": []}
