@@ -20,13 +20,17 @@ A restore, once begun, runs on whatever its client does: a client that goes away
 included) loses the lines and the outcome, not the restore. Like any restore it has its own
 watchdog (pos/operation/watchdog.py), which undoes it should the service die half-way.
 
+A request with `standby` has the job held ready instead, until a request for the same image
+runs it (pos/engines/standby.py).
+
 What stays the client's: a shell job restored from a terminal (CRIU attaches it to the
 terminal of its own stdin, which pos/restore/tree.py gives it: the client's, not the
 service's, whose stdin is /dev/null) is answered InProcess; `pos restore` keeps --inherit-fd
 (its descriptors) and --gpu-only (its live job) for itself too.
 
 SIGTERM or SIGINT: no more connections (the socket goes at once, so that clients restore in
-their own process meanwhile), the running restores finish, then the service exits 0.
+their own process meanwhile), the jobs held ready end, the running restores finish, then the
+service exits 0.
 """
 
 import importlib
