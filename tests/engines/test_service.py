@@ -438,7 +438,7 @@ def _held(s: Service, c: Counter, img: Path, env: dict[str, str]) -> int:
                                          f"held ready: {img}, restored and checked, its "
                                          "processes stopped"], r.stdout
     assert _state(c.pid) in ("T", "t")
-    time.sleep(0.5)
+    time.sleep(0.5)     # a time, not a wait: a held job counts nothing in it
     assert len(lines(c.path)) == at_dump      # it does not run
     return at_dump
 
