@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -144,28 +144,39 @@ def test_a_stale_socket_is_said_and_the_restore_runs_here(short: Path, env, tmp_
                         "restoring in this process\n")
 
 
+def one_request(sock: Path, then: Callable[[socket.socket, bytes], None]
+                ) -> Callable[[], None]:
+    """A stand-in service on `sock` for one connection: it accepts it, reads the request and
+    does `then(connection, request line)`; what it returns waits for that, and closes it."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(encode(Accepted()))
+            then(conn, conn.makefile("rb").readline())
+
+    t = threading.Thread(target=serve)
+    t.start()
+
+    def done() -> None:
+        t.join()
+        listener.close()
+    return done
+
+
 def test_a_service_that_gives_no_outcome_is_one_sentence(short: Path, env, tmp_path: Path
                                                          ) -> None:
     """A service that takes the request and ends: the client cannot know whether the job was
     restored, and does not restore it a second time."""
     need(os.geteuid() == 0, "pos restore needs root")
     sock = short / "restore.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(sock))
-    listener.listen(1)
     asked: list[bytes] = []
-
-    def take_and_end() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(encode(Accepted()))
-            asked.append(conn.makefile("rb").readline())
-
-    t = threading.Thread(target=take_and_end)
-    t.start()
+    done = one_request(sock, lambda _conn, request: asked.append(request))
     r = pos("restore", "-D", str(tmp_path / "img"), env={**env, "POS_RESTORE_SOCKET": str(sock)})
-    t.join()
-    listener.close()
+    done()
     one_sentence(r, 1, f"the restore service at {sock} gave no outcome for the restore (it "
                  "closed the connection): see the service's log")
     request = decode(asked[0])
@@ -308,17 +319,23 @@ def test_a_shell_job_asked_for_from_a_terminal_is_left_to_the_client(service, co
 
 # ---- the fake GPU: a `pos run` job's whole-process image -------------------------------------
 
-def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job, gpu_env,
-                                                              tmp_path: Path, criu_ready) -> None:
-    s = service(gpu_env)             # the fake driver's one GPU kept warm (CUDA's number 0)
-    assert s.log()[0].endswith("(GPUs 0)")
+def saved_job(fill_job, gpu_env: dict[str, str], tmp_path: Path) -> tuple[Any, Path, list[int]]:
+    """A `pos run` job of the fake driver, saved concurrently (which ends it): the job, its
+    image and the values the image holds."""
     job = fill_job()
     ran_past(job.pid, 0)
     img = tmp_path / "full"
     r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
     assert r.returncode == 0, r.stderr
     job.proc.wait(timeout=30)
-    saved = image_values(img)
+    return job, img, image_values(img)
+
+
+def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job, gpu_env,
+                                                              tmp_path: Path, criu_ready) -> None:
+    s = service(gpu_env)             # the fake driver's one GPU kept warm (CUDA's number 0)
+    assert s.log()[0].endswith("(GPUs 0)")
+    job, img, saved = saved_job(fill_job, gpu_env, tmp_path)
     r = pos("restore", "-D", str(img), "--json", env=through(s, gpu_env))
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -335,13 +352,7 @@ def test_a_pos_run_job_held_ready_has_its_memory_back_before_it_runs(
     """Held, its processes stopped, while the fill makes and fills its device memory; asked
     for, it runs on from where it was saved."""
     s = service(gpu_env)
-    job = fill_job()
-    ran_past(job.pid, 0)
-    img = tmp_path / "full"
-    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", env=gpu_env)
-    assert r.returncode == 0, r.stderr
-    job.proc.wait(timeout=30)
-    saved = image_values(img)
+    job, img, saved = saved_job(fill_job, gpu_env, tmp_path)
     r = pos("restore", "-D", str(img), "--standby", env=through(s, gpu_env))
     assert r.returncode == 0, r.stderr
     assert _state(job.pid) in ("T", "t")
@@ -395,27 +406,18 @@ def test_the_client_does_its_own_work_while_the_service_restores(short: Path) ->
     from pos.engines import service_client
 
     sock = short / "restore.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(sock))
-    listener.listen(1)
     order: list[str] = []
 
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(encode(Accepted()))
-            conn.makefile("rb").readline()
-            wait_for(lambda: order, 10, "the client's work while the service restores")
-            order.append("restored")
-            conn.sendall(encode(Restored("/img", {}, [])))
+    def restored(conn: socket.socket, _request: bytes) -> None:
+        wait_for(lambda: order, 10, "the client's work while the service restores")
+        order.append("restored")
+        conn.sendall(encode(Restored("/img", {}, [])))
 
-    t = threading.Thread(target=serve)
-    t.start()
-    done = service_client.restore(str(sock), "/img", None, lambda _: None,
-                                  lambda: order.append("meanwhile"))
-    t.join()
-    listener.close()
-    assert order == ["meanwhile", "restored"] and done is not None and done.path == "/img"
+    done = one_request(sock, restored)
+    served = service_client.restore(str(sock), "/img", None, lambda _: None,
+                                    lambda: order.append("meanwhile"))
+    done()
+    assert order == ["meanwhile", "restored"] and served is not None and served.path == "/img"
 
 
 # -- restores held ready (pos/engines/standby.py) ---------------------------------------------
