@@ -48,7 +48,7 @@ class Standby:
                 directory = self.request.directory
                 raise PosError(f"the restore service stopped before {directory}, held ready, "
                                "was asked for", f"hold it again (`pos restore -D {directory} "
-                               "--standby`), or restore it (`pos restore -D DIR`)")
+                               f"--standby`), or restore it (`pos restore -D {directory}`)")
 
     def start(self, run: Run) -> Optional[Outcome]:
         """The restore started, up to its hold: None once it holds, else its outcome (it
