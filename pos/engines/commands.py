@@ -208,7 +208,8 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         raise click.UsageError("--to-gpu goes with whole-process images, not --gpu-only.")
     if streams and gpu_only_pid is None:
         raise click.UsageError("--streams goes with --gpu-only.")
-    if standby and (no_service or inherit_fd or gpu_only_pid is not None):
+    here = no_service or bool(inherit_fd) or gpu_only_pid is not None   # in this process
+    if standby and here:
         raise click.UsageError("--standby is the restore service's: it goes with neither "
                                "--no-service, --inherit-fd nor --gpu-only.")
     settings = Settings.from_env()
@@ -216,8 +217,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         # a bad --db is refused before anything is restored; the restore is recorded once the
         # job runs (SQLAlchemy's import would hold it up)
         store.check(db or store.default_db_path())
-    if not (no_service or inherit_fd or gpu_only_pid is not None) and \
-            _served(directory, to_gpu, db, as_json, standby):
+    if not here and _served(directory, to_gpu, db, as_json, standby):
         return
     if standby:
         raise BadInput(f"no restore service answers on {service_socket()}",
@@ -258,9 +258,10 @@ def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json
 
     def import_store() -> None:
         """The record's import (SQLAlchemy's, 0.25-0.43 s on the GPU hosts), made while the
-        service restores rather than once the job runs."""
-        threading.Thread(target=importlib.import_module, args=("pos.store.images",),
-                         daemon=True).start()
+        service restores rather than once the job runs; a job held ready is not recorded."""
+        if not standby:
+            threading.Thread(target=importlib.import_module, args=("pos.store.images",),
+                             daemon=True).start()
 
     served = service_client.restore(service_socket(), directory,
                                     None if to_gpu is None else str(to_gpu), _lines(as_json),
