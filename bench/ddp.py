@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "workloads" / "ddp_train.py"
@@ -130,12 +130,18 @@ def start(cmd: list[str], outdir: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def wait_lines(outdir: Path, n: int, timeout: float) -> None:
+def steps_by(outdir: Path, n: int, timeout: float, count: Callable[[], int]) -> None:
+    """Until `count()` (of the job in `outdir`) reaches `n` steps; RuntimeError after
+    `timeout` s."""
     deadline = time.monotonic() + timeout
-    while min(len(r) for r in read(outdir)) < n:
+    while count() < n:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{outdir}: fewer than {n} steps after {timeout:.0f} s")
         time.sleep(0.02)
+
+
+def wait_lines(outdir: Path, n: int, timeout: float) -> None:
+    steps_by(outdir, n, timeout, lambda: min(len(r) for r in read(outdir)))
 
 
 def tree(root: int) -> list[int]:
@@ -215,11 +221,7 @@ class Watch:
     def timed(self, n: int, timeout: float) -> None:
         """Wait until `n` lines have been timed: stall() needs the gaps before the command (a
         slow step, as at 4 ranks of a large model, left fewer than 3 in a random second)."""
-        deadline = time.monotonic() + timeout
-        while len(self.times) < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.outdir}: fewer than {n} steps after {timeout:.0f} s")
-            time.sleep(0.02)
+        steps_by(self.outdir, n, timeout, lambda: len(self.times))
 
     def first(self, since: float, timeout: float) -> Optional[float]:
         """Seconds from `since` to the first line seen (waited for up to `timeout` from
