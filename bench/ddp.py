@@ -152,15 +152,42 @@ def tree(root: int) -> list[int]:
 
 
 def pos(*args: str) -> tuple[int, float, dict[str, Any], str]:
+    code, wall, report, err, _ = pos_timed(*args)
+    return code, wall, report, err
+
+
+def pos_timed(*args: str) -> tuple[int, float, dict[str, Any], str, Optional[float]]:
+    """`pos ARGS --json`: its exit code, when it exited (from its start), its report, its
+    stderr, and when its report's line came (None: it printed none): what it did after."""
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "pos.cli", *args, "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.Popen([sys.executable, "-m", "pos.cli", *args, "--json"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+    err: list[str] = []
+
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            lines.append((time.monotonic() - t, line))
+
+    readers = [threading.Thread(target=read),
+               threading.Thread(target=lambda: err.extend(p.stderr or ()))]
+    for r in readers:
+        r.start()
+    stuck = threading.Timer(600, p.kill)
+    stuck.start()
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)     # the moment it exits
     wall = time.monotonic() - t
+    stuck.cancel()
+    code = p.wait()
+    for r in readers:
+        r.join()
     try:
-        report = json.loads(r.stdout.strip().splitlines()[-1])
+        reported, last = [x for x in lines if x[1].strip()][-1]
+        report = json.loads(last)
     except (ValueError, IndexError):
-        report = {}
-    return r.returncode, wall, report, r.stderr.strip()
+        reported, report = None, {}
+    return code, wall, report, "".join(err).strip(), reported
 
 
 def kill_all(pids: list[int], job: subprocess.Popen) -> None:

@@ -45,6 +45,7 @@ def row(run: dict[str, Any], one_rank_stall: float, gpu_gb: float, host: str, ra
         "sealed_s": r(tim.get("sealed_s"), 2), "first_step_s": run.get("first_step_s"),
         "pos_restore_exit_s": run.get("restore_wall_s") if run.get("restore_exit") == 0
         else None,
+        "pos_restore_reported_s": run.get("restore_reported_s"),   # its report printed
         "criu_written_gb": r(run["criu_written_mib"] * 2**20 / GB, 2)
         if run.get("criu_written_mib") else None,
         "phases": steps_of(tim), "restore_phases": steps_of(run.get("restore_timings") or {}),

@@ -146,8 +146,9 @@ def restore(row: dict[str, Any], img: Path, outdir: Path, root: int, a: argparse
     before = ddp.read(outdir)
     watch = ddp.Watch(outdir)
     t0 = time.monotonic()
-    code, wall, report, err = ddp.pos("restore", "-D", str(img))
+    code, wall, report, err, reported = ddp.pos_timed("restore", "-D", str(img))
     row.update({f"{prefix}restore_exit": code, f"{prefix}restore_wall_s": round(wall, 3),
+                f"{prefix}restore_reported_s": reported and round(reported, 3),
                 f"{prefix}restore_timings": report.get("timings")})
     if code != 0:
         row[f"{prefix}restore_error"] = err

@@ -8,8 +8,10 @@ import ctypes
 import importlib
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from pos.errors import BadInput
 
@@ -17,6 +19,16 @@ from pos.errors import BadInput
 CAPABILITIES = {"CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39,
                 "CAP_CHECKPOINT_RESTORE": 40}
 SETUP_HINT = "run scripts/setup.sh from the pos checkout (it installs bcc and the headers)"
+
+
+def pos_module(module: str, *argv: str, **popen: Any) -> "subprocess.Popen[Any]":
+    """`python -m MODULE ARGV...` of this very pos (its folder first on the import path, where
+    it was not installed): pos's helper processes. `popen`: subprocess.Popen's other keywords."""
+    here = str(Path(__file__).resolve().parent.parent)
+    rest = os.environ.get("PYTHONPATH")
+    return subprocess.Popen([sys.executable, "-m", module, *argv],
+                            env={**os.environ, "PYTHONPATH": f"{here}:{rest}" if rest else here},
+                            **popen)
 
 
 def describe(pid: int) -> tuple[str, str]:

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,11 +28,10 @@ from typing import Any, Callable, Optional, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from pos import image
+from pos import host, image
 from pos.cron import retention, targets, times
 from pos.cron.times import Clock, SystemClock
 from pos.errors import BadInput, PosError
-from pos.operation.watchdog import _import_path
 from pos.process import procs
 from pos.store import images, schedules
 from pos.store.db import open_db
@@ -61,10 +59,8 @@ class ChildWorker:
     def __init__(self, argv: list[str]) -> None:
         self.out = tempfile.TemporaryFile()
         self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pos.cron.snapshot", *argv], stdin=subprocess.DEVNULL,
-            stdout=self.out, stderr=self.err, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": _import_path()})
+        self.proc = host.pos_module("pos.cron.snapshot", *argv, stdin=subprocess.DEVNULL,
+                                    stdout=self.out, stderr=self.err, start_new_session=True)
         self.pid = self.proc.pid
 
     def poll(self) -> Optional[tuple[int, dict[str, Any]]]:

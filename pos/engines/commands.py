@@ -223,12 +223,18 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
         raise BadInput(f"no restore service answers on {service_socket()}",
                        "start `pos restore-service` first: --standby holds the job ready there")
 
+    from contextlib import nullcontext
+
     from pos.engines import engines
     from pos.image.opened import open_image
+    from pos.operation import steps
     from pos.progress import Progress
+    from pos.store.ahead import Ahead
 
     load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
-    with Progress.on_terminal(f"restore {directory}", as_json) as progress:
+    # the record's store opened beside the restore, in a process of its own (see ahead.py)
+    with Ahead(db) if gpu_only_pid is None else nullcontext() as ahead, \
+            Progress.on_terminal(f"restore {directory}", as_json) as progress:
         if to_gpu is not None:      # an image or a host that cannot move it: said first
             from pos.concurrent.restore import movable
             from pos.operation import gpumap
@@ -240,10 +246,8 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
                   if gpu_only_pid is not None else
                   engines.for_image(img, settings, _lines(as_json, progress), progress))
         r = engine.restore(img, load)
-    if gpu_only_pid is None:      # its import (SQLAlchemy's) waits for the job: beside the
-        from pos.operation import steps    # restore it slowed the checks 0.6 s on the H200 host
-
-        steps.timed(r.timings, "record", lambda: _mark_restored(db, Path(r.path)))
+        if ahead is not None:
+            steps.timed(r.timings, "record", lambda: ahead.restored(str(Path(r.path))))
     _report(r, as_json)
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from pos import host
 from pos.agent.control import MAX_FDS
 from pos.errors import PosError
 from pos.image import names
@@ -325,10 +326,9 @@ class Watchdog:
         exists it knows what to undo, however soon pos dies."""
         self.sock, theirs = socket.socketpair()
         self.send(plan)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pos.operation.watchdog"], stdin=theirs.fileno(),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": _import_path()})
+        self.proc = host.pos_module("pos.operation.watchdog", stdin=theirs.fileno(),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
         theirs.close()
 
     def send(self, plan: Plan) -> None:
@@ -348,13 +348,6 @@ class Watchdog:
             pass
         self.sock.close()
         self.proc.wait()
-
-
-def _import_path() -> str:
-    """PYTHONPATH for the watchdog: wherever this pos was imported from comes first."""
-    here = str(Path(__file__).resolve().parent.parent.parent)
-    rest = os.environ.get("PYTHONPATH")
-    return f"{here}:{rest}" if rest else here
 
 
 def _log_to(path: str) -> Callable[[str], None]:
