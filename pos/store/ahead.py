@@ -1,15 +1,16 @@
 """The store opened by a helper process while a restore runs, so that recording the restore once
-the job runs costs milliseconds: SQLAlchemy's import alone took 0.40 s of the Llama job's
-restore on the H200 host, after the job's release, and beside the restore in pos's own process
-it held up the image's checks (the interpreter's one lock); in a process of its own it takes
-another core.
+the job runs costs milliseconds: SQLAlchemy's import and the store's opening took 0.29-0.40 s
+of the Llama job's restore on the H200 host, after the job's release; beside the restore in
+pos's own process they held up the image's checks (the interpreter's one lock). In a process of
+its own they take another core.
 
     Ahead(db) at the restore's start; .restored(path) once the job runs; .close() in any case
     (an Ahead closed before .restored records nothing)
 
-The helper, `python -m pos.store.ahead DB` (DB "" for the default store), imports the store,
-then reads one image path from stdin and marks it restored. An empty stdin (the restore failed,
-or pos died) records nothing. It answers on stdout: nothing when recorded, else a Failure.
+The helper, `python -m pos.store.ahead DB` (DB "" for the default store), imports and opens the
+store, then reads one image path from stdin and marks it restored. An empty stdin (the restore
+failed, or pos died) records nothing. It answers with one line on stdout, before it exits: the
+JSON of a Failure, or an empty object when recorded.
 """
 
 import json
@@ -32,6 +33,11 @@ class Failure:
     fix: str
     exit_code: int
 
+    def error(self) -> PosError:
+        e = PosError(self.cause, self.fix)
+        e.exit_code = self.exit_code
+        return e
+
 
 class Ahead:
     """pos's side of the helper."""
@@ -40,30 +46,39 @@ class Ahead:
         self.proc = host.pos_module("pos.store.ahead", db or "", stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)   # a terminal's ^C is pos's to act on
+        self.answered = False
 
     def restored(self, path: str) -> None:
         """Mark the image at `path` restored (see pos/store/images.py mark_restored)."""
-        out, err = self.proc.communicate(path + "\n", timeout=TIMEOUT_S)
-        if self.proc.returncode == 0:
-            return
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            f = Failure(**json.loads(out))
-        except (ValueError, TypeError):
+            self.proc.stdin.write(path + "\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:       # it died: its stderr says why
+            pass
+        answer = self.proc.stdout.readline()
+        self.answered = bool(answer)
+        try:
+            fields = json.loads(answer)
+        except ValueError:
+            _, err = self.proc.communicate(timeout=TIMEOUT_S)
             last = (err.strip().splitlines() or [f"exit {self.proc.returncode}"])[-1]
             raise PosError(f"recording the restore of {path} in pos's store failed ({last})",
-                           "the job runs; `pos images --db` says whether the store can be read") from None
-        e = PosError(f.cause, f.fix)
-        e.exit_code = f.exit_code
-        raise e
+                           "the job runs; `pos images --db` says whether the store can be "
+                           "read") from None
+        if fields:
+            raise Failure(**fields).error()
 
     def close(self) -> None:
-        """The helper ended: at once where it recorded, else told there is nothing to record."""
-        if self.proc.returncode is None:
-            try:
-                self.proc.communicate("", timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Unless it answered (it ends on its own then), the helper told there is nothing to
+        record, and ended."""
+        if self.answered or self.proc.returncode is not None:
+            return
+        try:
+            self.proc.communicate("", timeout=TIMEOUT_S)
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            self.proc.kill()
+            self.proc.wait()
 
     def __enter__(self) -> "Ahead":
         return self
@@ -74,16 +89,25 @@ class Ahead:
 
 def main() -> int:
     db = sys.argv[1] or None
-    from pos.store import images     # what this process is for
+    from pos.store import db as store
+    from pos.store import images
 
+    engine, failed = None, None
+    try:
+        engine = store.open_store(db)     # ready: the UPDATE alone then waits for the job
+    except PosError as e:
+        failed = e
     path = sys.stdin.readline().strip()
     if not path:
         return 0
     try:
-        images.mark_restored(db, path)
+        if failed is not None:
+            raise failed
+        images.mark_restored(db, path, engine)
     except PosError as e:
-        sys.stdout.write(json.dumps(asdict(Failure(e.cause, e.fix, e.exit_code))))
+        print(json.dumps(asdict(Failure(e.cause, e.fix, e.exit_code))), flush=True)
         return 1
+    print("{}", flush=True)
     return 0
 
 

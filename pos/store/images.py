@@ -4,7 +4,7 @@ import json
 from datetime import datetime, timezone
 from typing import Optional, Sequence
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.orm import Session
 
 from pos.store.db import open_existing, open_store
@@ -27,9 +27,10 @@ def record(db: Optional[str], path: str, manifest_json: str) -> int:
         return row.id
 
 
-def mark_restored(db: Optional[str], path: str) -> None:
-    """Stamp the row of the image at `path` (if any) with the time of its restore."""
-    engine = open_store(db)
+def mark_restored(db: Optional[str], path: str, engine: Optional[Engine] = None) -> None:
+    """Stamp the row of the image at `path` (if any) with the time of its restore. `engine`:
+    the store at `db`, opened already."""
+    engine = engine or open_store(db)
     with Session(engine) as s:
         s.execute(update(Image).where(Image.path == path)
                   .values(restored_at=datetime.now(timezone.utc)))
