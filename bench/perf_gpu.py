@@ -36,7 +36,8 @@ def steps_of(timings: dict[str, float]) -> dict[str, float]:
 def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> dict[str, Any]:
     """The issue's keys, from one raw run of scale_gpu.one_row (None where a step did not
     happen: the error says why)."""
-    rep = (run.get("concurrent") or {}).get("report") or {}
+    concurrent = run.get("concurrent") or {}
+    rep = concurrent.get("report") or {}
     tim = rep.get("timings") or {}
     saw = run.get("job_saw") or {}
     restore = run.get("restore") or {}
@@ -75,8 +76,10 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "disk_write_gbps": facts["disk_write_gbps"],
         "phases": steps_of(tim),
         "restore_phases": steps_of(((restore.get("report") or {}).get("timings")) or {}),
-        "error": None if exact else (run.get("error") or (run.get("concurrent") or {})
-                                     .get("err", "")[-400:] or "not bit-exact"),
+        # the checkpoint's own sentence first (--json prints it on stdout)
+        "error": None if exact else (run.get("error") or concurrent.get("err", "")[-400:]
+                                     or concurrent.get("out", "").strip()[-400:]
+                                     or "not bit-exact"),
     }
 
 
