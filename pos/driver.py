@@ -276,10 +276,7 @@ class Driver(Functions):
 
     def init(self) -> None:
         """cuInit once per process."""
-        with self._lock:
-            if not self._initialised:
-                self.cuInit(0)
-                self._initialised = True
+        self._start(None)
 
     def init_seeing(self, uuids: list[str]) -> bool:
         """cuInit seeing only the GPUs `uuids` (NVML's form, each on this host), where CUDA has
@@ -288,14 +285,23 @@ class Driver(Functions):
         saw is the process's CUDA for its life: only a process with one job's work to do (`pos
         restore`, not the restore service) asks. The variable is set for the call alone, the
         caller's only thread then, so that the programs pos starts (CRIU) never see it."""
+        if VISIBLE_ENV in os.environ or not uuids:
+            return False
+        return self._start(",".join(uuids))
+
+    def _start(self, visible: Optional[str]) -> bool:
+        """cuInit, unless this process made it already (whether it did now), with `visible`
+        as CUDA_VISIBLE_DEVICES for the call alone where given."""
         with self._lock:
-            if self._initialised or VISIBLE_ENV in os.environ or not uuids:
+            if self._initialised:
                 return False
-            os.environ[VISIBLE_ENV] = ",".join(uuids)
+            if visible is not None:
+                os.environ[VISIBLE_ENV] = visible
             try:
                 self.cuInit(0)
             finally:
-                del os.environ[VISIBLE_ENV]
+                if visible is not None:
+                    del os.environ[VISIBLE_ENV]
             self._initialised = True
             return True
 

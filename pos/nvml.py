@@ -68,26 +68,28 @@ class Gpu:
     index: int
     uuid: str
     name: str
+    persistent: bool     # in persistence mode: the driver keeps it started while idle
+
+
+def _listing(nv: Any) -> list[Gpu]:
+    out = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        out.append(Gpu(i, _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h)),
+                       nv.nvmlDeviceGetPersistenceMode(h) == nv.NVML_FEATURE_ENABLED))
+    return out
 
 
 def gpus() -> list[Gpu]:
     """The host's GPUs in NVML order (empty without NVML)."""
-    def query(nv: Any) -> list[Gpu]:
-        out = []
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            out.append(Gpu(i, _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h))))
-        return out
-    return _query(query) or []
+    return _query(_listing) or []
 
 
 def persistent() -> bool:
     """Whether every GPU of the host is in persistence mode (the driver keeps an idle GPU
     started); False without NVML."""
-    def query(nv: Any) -> bool:
-        return all(nv.nvmlDeviceGetPersistenceMode(nv.nvmlDeviceGetHandleByIndex(i))
-                   == nv.NVML_FEATURE_ENABLED for i in range(nv.nvmlDeviceGetCount()))
-    return bool(_query(query))
+    here = _query(_listing)
+    return here is not None and all(g.persistent for g in here)
 
 
 def gpus_of(pids: list[int]) -> dict[str, int]:

@@ -26,7 +26,7 @@ def test_without_the_modules_version_nvml_answers(tmp_path: Path, monkeypatch, t
 
 
 class Persistence:
-    """pynvml's calls that persistent() makes: GPUs in persistence mode or not."""
+    """pynvml's calls that the GPUs' listing makes: GPUs in persistence mode or not."""
     NVML_FEATURE_ENABLED = 1
 
     class NVMLError(Exception):
@@ -44,11 +44,19 @@ class Persistence:
     def nvmlDeviceGetPersistenceMode(self, handle: int) -> int:
         return self.modes[handle]
 
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        return f"GPU-{handle}".encode()
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        return "NVIDIA H200"
+
 
 @pytest.mark.parametrize("modes, every", [([1, 1, 1, 1], True), ([1, 0], False), ([], True)])
 def test_persistence_mode_of_every_gpu(monkeypatch, modes, every) -> None:
     monkeypatch.setattr(nvml, "_nvml", lambda: Persistence(modes))
     assert nvml.persistent() is every
+    assert [(g.uuid, g.persistent) for g in nvml.gpus()] == [
+        (f"GPU-{i}", m == 1) for i, m in enumerate(modes)]
 
 
 def test_without_nvml_no_persistence_is_known(monkeypatch) -> None:

@@ -63,8 +63,9 @@ def start_cuda(targets: Sequence[Optional[str]]) -> bool:
     if not nvml.available():
         return False
     wanted = list(dict.fromkeys(t for t in targets if t))
-    if not wanted or None in targets or not nvml.persistent():
+    if not wanted or None in targets:
         return False
-    here = {g.uuid for g in nvml.gpus()}
-    return all(u in here for u in wanted) and len(wanted) < len(here) and \
-        driver().init_seeing(wanted)
+    gpus = nvml.gpus()
+    here = {g.uuid for g in gpus}
+    return all(g.persistent for g in gpus) and all(u in here for u in wanted) and \
+        len(wanted) < len(here) and driver().init_seeing(wanted)

@@ -411,7 +411,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from pos.concurrent import devices
     from pos.engines import migrate
 
-    here = [nvml.Gpu(0, JOB_GPU, "fake"), nvml.Gpu(1, FAKE_GPU, "fake")]
+    here = [nvml.Gpu(0, JOB_GPU, "fake", True), nvml.Gpu(1, FAKE_GPU, "fake", True)]
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "gpus", lambda: here)
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: {JOB_GPU: 1 << 20} if pids else {})

@@ -78,9 +78,8 @@ def host_has(monkeypatch: pytest.MonkeyPatch) -> Started:
     CUDA is started."""
     started = Started()
     monkeypatch.setattr(nvml, "available", lambda: True)
-    monkeypatch.setattr(nvml, "persistent", lambda: True)
-    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, HERE, "H200"),
-                                               nvml.Gpu(1, OTHER, "H200")])
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, HERE, "H200", True),
+                                               nvml.Gpu(1, OTHER, "H200", True)])
     monkeypatch.setattr(cu, "driver", lambda: started)
     return started
 
@@ -121,7 +120,8 @@ def test_without_nvml_cuda_starts_as_it_would(host_has, monkeypatch) -> None:
 
 def test_without_persistence_mode_cuda_sees_every_gpu(host_has, monkeypatch) -> None:
     """(or without NVML, which would say)"""
-    monkeypatch.setattr(nvml, "persistent", lambda: False)
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, HERE, "H200", True),
+                                               nvml.Gpu(1, OTHER, "H200", False)])
     assert not devices.start_cuda([HERE])
     assert host_has.seeing == []
 

@@ -390,8 +390,8 @@ def test_the_service_keeps_warm_the_gpus_cuda_sees(monkeypatch: pytest.MonkeyPat
         return 0
 
     monkeypatch.setattr(nvml, "available", lambda: True)
-    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, seen, "H200"),
-                                               nvml.Gpu(1, hidden, "H200")])
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, seen, "H200", True),
+                                               nvml.Gpu(1, hidden, "H200", True)])
     monkeypatch.setattr(gpucopy, "ordinal", ordinal)
     monkeypatch.setattr(gpucopy, "Context", lambda device: f"context on {device}")
     assert [(w.index, w.context) for w in svc.keep_warm(None)] == [(0, "context on 0")]

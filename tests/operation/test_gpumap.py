@@ -7,8 +7,8 @@ from pos.errors import BadInput
 from pos.operation import gpumap
 from pos.operation.gpumap import Onto, gpu_pairs
 
-HERE = [nvml.Gpu(0, "GPU-a", "H100"), nvml.Gpu(1, "GPU-b", "H100"),
-        nvml.Gpu(2, "GPU-c", "H100")]
+HERE = [nvml.Gpu(0, "GPU-a", "H100", True), nvml.Gpu(1, "GPU-b", "H100", True),
+        nvml.Gpu(2, "GPU-c", "H100", True)]
 INDEX = {g.uuid: g.index for g in HERE}
 
 

@@ -24,8 +24,8 @@ def on_two_gpus(monkeypatch: pytest.MonkeyPatch):
     p = subprocess.Popen(["sleep", "60"])
     monkeypatch.setattr(nvml, "gpus_of", lambda pids: TWO if p.pid in pids else {})
     monkeypatch.setattr(nvml, "available", lambda: True)
-    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, "GPU-a", "H200"),
-                                               nvml.Gpu(1, "GPU-b", "H200")])
+    monkeypatch.setattr(nvml, "gpus", lambda: [nvml.Gpu(0, "GPU-a", "H200", True),
+                                               nvml.Gpu(1, "GPU-b", "H200", True)])
     monkeypatch.setattr(cudackpt, "gpu_pids", lambda pids: [p.pid])
     monkeypatch.setattr(cudackpt, "lock", lambda *a: pytest.fail("the driver was called"))
     yield p

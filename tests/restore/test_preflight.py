@@ -27,8 +27,9 @@ from tests.conftest import need
 from tests.engines.conftest import one_sentence, pos
 
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
-HERE = [nvml.Gpu(0, "GPU-a", H200), nvml.Gpu(1, "GPU-b", H100),
-        nvml.Gpu(2, "GPU-c", H100)]
+# (not in persistence mode: a restore here leaves CUDA to start as it would, see devices.start_cuda)
+HERE = [nvml.Gpu(0, "GPU-a", H200, False), nvml.Gpu(1, "GPU-b", H100, False),
+        nvml.Gpu(2, "GPU-c", H100, False)]
 FILES_ID = 7                        # the image's one table of descriptors
 VMA_FILE_PRIVATE = 1 << 6 | 1       # with VMA_AREA_REGULAR, as CRIU marks a mapped file
 
