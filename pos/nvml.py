@@ -72,11 +72,17 @@ class Gpu:
 
 
 def _listing(nv: Any) -> list[Gpu]:
+    def persistent(h: Any) -> bool:     # a GPU that cannot say is not known to be
+        try:
+            return bool(nv.nvmlDeviceGetPersistenceMode(h) == nv.NVML_FEATURE_ENABLED)
+        except nv.NVMLError:
+            return False
+
     out = []
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         out.append(Gpu(i, _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h)),
-                       nv.nvmlDeviceGetPersistenceMode(h) == nv.NVML_FEATURE_ENABLED))
+                       persistent(h)))
     return out
 
 

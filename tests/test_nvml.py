@@ -1,6 +1,7 @@
 """pos/nvml.py's driver version: the loaded kernel module's (sysfs), NVML's only without it."""
 
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -26,13 +27,14 @@ def test_without_the_modules_version_nvml_answers(tmp_path: Path, monkeypatch, t
 
 
 class Persistence:
-    """pynvml's calls that the GPUs' listing makes: GPUs in persistence mode or not."""
+    """pynvml's calls that the GPUs' listing makes: GPUs in persistence mode or not (None: a
+    GPU that cannot say)."""
     NVML_FEATURE_ENABLED = 1
 
     class NVMLError(Exception):
         pass
 
-    def __init__(self, modes: list[int]) -> None:
+    def __init__(self, modes: list[Optional[int]]) -> None:
         self.modes = modes
 
     def nvmlDeviceGetCount(self) -> int:
@@ -42,6 +44,8 @@ class Persistence:
         return i
 
     def nvmlDeviceGetPersistenceMode(self, handle: int) -> int:
+        if self.modes[handle] is None:
+            raise self.NVMLError("Not Supported")
         return self.modes[handle]
 
     def nvmlDeviceGetUUID(self, handle: int) -> bytes:
@@ -51,7 +55,8 @@ class Persistence:
         return "NVIDIA H200"
 
 
-@pytest.mark.parametrize("modes, every", [([1, 1, 1, 1], True), ([1, 0], False), ([], True)])
+@pytest.mark.parametrize("modes, every", [([1, 1, 1, 1], True), ([1, 0], False), ([], True),
+                                          ([1, None], False)])
 def test_persistence_mode_of_every_gpu(monkeypatch, modes, every) -> None:
     monkeypatch.setattr(nvml, "_nvml", lambda: Persistence(modes))
     assert nvml.persistent() is every
