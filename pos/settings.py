@@ -13,7 +13,8 @@ Every setting, its variable and its default:
   predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/concurrent/predump.py)
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
   pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
-                                            to the image (beside what it could not shadow)
+                                            to the image (beside what it could not shadow);
+                                            one ring, split among a checkpoint's ranks
   pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (`all`, the
                                             default: all of it; GiB: that much, the rest
                                             while the copy runs, which holds the job longer)

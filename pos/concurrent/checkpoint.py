@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from pos import host, image, nvml
 from pos.agent import peers
-from pos.agent.control import Agent, Cut, Gate, Hoist, Remap
+from pos.agent.control import Agent, Cut, Gate, Hoist, Remap, Status
 from pos.concurrent import predump, staging
 from pos.concurrent.crew import side_by_side
 from pos.concurrent.copier import HostRoom
@@ -81,6 +81,7 @@ class _Whole:
         # age now), the refusals' questions
         self.early: dict[str, float] = {"to_start": host.age(os.getpid()) or 0.0}
         self.agents: list[Agent] = []
+        self.statuses: dict[int, Status] = {}     # each agent's, before anything is touched
         self.savers: list[Saver] = []
         self.taken: list[Taken] = []
         self.cuts: list[Cut] = []
@@ -149,21 +150,23 @@ class _Whole:
         try:
             for p in self.cuda:            # no agent: one sentence, before anything is touched
                 self.agents.append(Agent(p))
-            restorable.peer_memory(self.cuda, {a.pid: a.status() for a in self.agents},
-                                   taken_down=True)
+            self.statuses = {a.pid: a.status() for a in self.agents}
+            restorable.peer_memory(self.cuda, self.statuses, taken_down=True)
         except BaseException:
             self.close()
             raise
 
     def prepare(self) -> None:
         """The savers (page-locked arenas, shadows), the partial image, its manifest, and the
-        plan the watchdog follows. The savers are prepared side by side, on threads, but for
-        the locking of their arenas, which takes turns (HostRoom): one after another, the
-        contexts (0.66 s each) and arenas (1.16 s) of the 4 ranks of the Llama2-13B-shaped job
-        made its wait before the cut 6.95 s, against 1.65 s at one rank
-        (bench/results/2026-11-28-multigpu, run19). Should one fail, those made are closed
-        (`close`) and the first failure is raised."""
-        host_room = HostRoom()
+        plan the watchdog follows. The arenas share the checkpoint's bounds: one ring among the
+        processes with device memory, and POS_PIN_MAX_GIB in all (HostRoom). The savers are
+        prepared side by side, on threads, but for the locking of their arenas, which takes
+        turns (HostRoom): one after another, the contexts (0.66 s each) and arenas (1.16 s) of
+        the 4 ranks of the Llama2-13B-shaped job made its wait before the cut 6.95 s, against
+        1.65 s at one rank (bench/results/2026-11-28-multigpu, run19). Should one fail, those
+        made are closed (`close`) and the first failure is raised."""
+        host_room = HostRoom(self.settings.pin_max_bytes, self.settings.pin_ring_bytes,
+                             sum(1 for st in self.statuses.values() if st.owned_bytes))
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,
             ranks=len(self.agents), host_room=host_room), self.savers.append)

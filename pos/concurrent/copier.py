@@ -84,26 +84,35 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
 
 
 class HostRoom:
-    """The host memory the arenas of one checkpoint may lock, shared by its savers, which are
-    prepared side by side: the host's available memory does not drop until an arena's pages
-    are faulted in, so each arena is sized from what the ones sized before it left. Their
-    locking takes turns (`locking`): it is page-table work in pos's one process, which one
-    arena's threads already fill; four arenas locked at once on 4x H200 took 11.8 s, where
-    one after another they had taken 1.2 s each (run20 and run19, two machines of one kind,
-    bench/results/2026-11-28-multigpu)."""
+    """The page-locked host memory of one checkpoint, shared by its savers: at most `cap`
+    (POS_PIN_MAX_GIB) in all, within what the host can spare, and one ring (POS_PIN_RING_GIB)
+    split among the `sharing` processes with device memory to copy. Per saver, the 4 ranks of
+    the Llama2-13B-shaped job locked four 8.6 GB arenas, 34 GB, one after another: 6.8 of the
+    8.6 s before the cut (bench/results/2026-11-28-multigpu, run23), for one disk they all
+    drain to. The savers are prepared side by side: the host's available memory does not drop
+    until an arena's pages are faulted in, so each arena is sized from what the ones sized
+    before it left. Their locking takes turns (`locking`): it is page-table work in pos's one
+    process, which one arena's threads already fill; four arenas locked at once on 4x H200 took
+    11.8 s, where one after another they had taken 1.2 s each (run20 and run19, two machines of
+    one kind)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: Optional[int] = None, ring: int = DEFAULT_PIN_RING,
+                 sharing: int = 1) -> None:
         self._lock = threading.Lock()
         self.locking = threading.Lock()
         self.left = host_spare()
+        self.cap_left = cap
+        self.ring = ring // max(1, sharing)
 
-    def arena(self, total: int, chunk: int, cap: Optional[int], shadowed: int,
-              ring: int, kept: int = 0) -> int:
+    def arena(self, total: int, chunk: int, shadowed: int, kept: int = 0) -> int:
         """arena_bytes within what is left and the `kept` bytes the arena has in memory
         already (pos/concurrent/kept.py: not in the host's available memory), taken from it."""
         with self._lock:
-            size = arena_bytes(total, chunk, cap, shadowed, ring, self.left + kept)
+            size = arena_bytes(total, chunk, self.cap_left, shadowed, self.ring,
+                               self.left + kept)
             self.left -= max(0, size - kept)
+            if self.cap_left is not None:
+                self.cap_left -= size
             return size
 
 

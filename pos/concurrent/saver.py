@@ -115,12 +115,12 @@ class Saver:
             on_device = min(on_device, self.settings.shadow_max_bytes)
         self.shadow = self.timed("shadow_alloc", lambda: gpucopy.Shadow(
             self.drv, min(on_device, self.owned_bytes)))
-        host_room = host_room or HostRoom()
+        host_room = host_room or HostRoom(self.settings.pin_max_bytes,
+                                          self.settings.pin_ring_bytes)
         keep = kept.take() if self.settings.pin_keep else None
         present = keep.present if keep is not None else 0
         try:
-            arena = host_room.arena(self.owned_bytes, self.chunk, self.settings.pin_max_bytes,
-                                    self.shadow.size, self.settings.pin_ring_bytes, present)
+            arena = host_room.arena(self.owned_bytes, self.chunk, self.shadow.size, present)
         except BaseException:
             if keep is not None:
                 keep.close()

@@ -4,6 +4,7 @@ aside, its order, and what it copies while the job is frozen."""
 import ctypes
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,8 +232,57 @@ def test_arenas_sized_side_by_side_share_what_the_host_can_spare(host) -> None:
     """Savers prepared at once size their arenas before any is faulted in: the second gets
     what the first left, the third is refused."""
     host(32)                            # 30 GiB to spare
-    room = copier.HostRoom()
-    assert room.arena(20 * GIB, CHUNK, None, 0, 0) == 20 * GIB
-    assert room.arena(20 * GIB, CHUNK, None, 0, 0) == 10 * GIB
+    room = copier.HostRoom(ring=0)
+    assert room.arena(20 * GIB, CHUNK, 0) == 20 * GIB
+    assert room.arena(20 * GIB, CHUNK, 0) == 10 * GIB
     with pytest.raises(BadInput, match="this host has 0.00 GiB to spare"):
-        room.arena(20 * GIB, CHUNK, None, 0, 0)
+        room.arena(20 * GIB, CHUNK, 0)
+
+
+def test_the_ranks_share_one_ring(host) -> None:
+    """POS_PIN_RING_GIB is the checkpoint's: 4 ranks whose memory pos shadows on their devices
+    lock 2 GiB each of an 8 GiB ring (not 8 GiB each, for the one disk they drain to)."""
+    host(512)
+    room = copier.HostRoom(ring=8 * GIB, sharing=4)
+    assert [room.arena(20 * GIB, CHUNK, 20 * GIB) for _ in range(4)] == [2 * GIB] * 4
+    # what a rank could not shadow is its own, beside its share
+    assert copier.HostRoom(ring=8 * GIB, sharing=4).arena(20 * GIB, CHUNK, 15 * GIB) == 7 * GIB
+
+
+def test_pos_pin_max_gib_bounds_the_checkpoint(host) -> None:
+    """... not each of its ranks: the second arena gets what the first left of it, the third
+    is refused in one sentence."""
+    host(512)
+    room = copier.HostRoom(cap=30 * GIB, ring=0, sharing=3)
+    assert room.arena(20 * GIB, CHUNK, 0) == 20 * GIB
+    assert room.arena(20 * GIB, CHUNK, 0) == 10 * GIB
+    with pytest.raises(BadInput, match="POS_PIN_MAX_GIB=0 is under"):
+        room.arena(20 * GIB, CHUNK, 0)
+
+
+def test_a_checkpoints_processes_share_one_room(tmp_path: Path, monkeypatch) -> None:
+    """The whole-process checkpoint gives every saver one HostRoom with the settings' bounds,
+    its ring split among the processes with device memory (torchrun's own has none)."""
+    from types import SimpleNamespace
+
+    from pos.concurrent import checkpoint
+    from pos.operation.engine import Save
+    from pos.settings import Settings
+
+    rooms: list[copier.HostRoom] = []
+
+    def prepare(_cls: object, _agent: object, *_a: object, host_room: copier.HostRoom,
+                **_k: object) -> None:
+        rooms.append(host_room)
+        raise BadInput("stop here", "")
+
+    monkeypatch.setattr(checkpoint.Saver, "prepare", classmethod(prepare))
+    whole = checkpoint._Whole(1, tmp_path / "img", Save(), lambda _: None,
+                              Settings(pin_ring_bytes=8 * GIB, pin_max_bytes=30 * GIB))
+    whole.agents = [SimpleNamespace(pid=p) for p in (1, 2, 3)]
+    whole.statuses = {1: SimpleNamespace(owned_bytes=0),
+                      2: SimpleNamespace(owned_bytes=GIB), 3: SimpleNamespace(owned_bytes=GIB)}
+    with pytest.raises(BadInput, match="stop here"):
+        whole.prepare()
+    assert len(rooms) == 3 and rooms[0] is rooms[1] is rooms[2]
+    assert rooms[0].ring == 4 * GIB and rooms[0].cap_left == 30 * GIB

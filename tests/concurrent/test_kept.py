@@ -75,10 +75,10 @@ def test_the_hosts_room_counts_the_kept_memory(monkeypatch: pytest.MonkeyPatch) 
     """A kept file's memory is not in MemAvailable: an arena that fits in it is not refused
     for want of available memory, and leaves the room to the others."""
     monkeypatch.setattr(host, "memory_available", lambda: 3 * GIB)     # 1 GiB to spare
-    room = copier.HostRoom()
+    room = copier.HostRoom(ring=0)
     chunk = 64 << 20
-    assert room.arena(20 * GIB, chunk, None, 0, 0, kept=20 * GIB) == 20 * GIB
-    assert room.arena(1 * GIB, chunk, None, 0, 0) == 1 * GIB
+    assert room.arena(20 * GIB, chunk, 0, kept=20 * GIB) == 20 * GIB
+    assert room.arena(1 * GIB, chunk, 0) == 1 * GIB
     assert room.left == 0
 
 
