@@ -5,6 +5,8 @@ missing prerequisite that the user must fix.
 """
 
 import os
+from dataclasses import dataclass
+from typing import Type, TypeVar
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -24,6 +26,28 @@ class PosError(Exception):
     @property
     def message(self) -> str:
         return f"{self.cause}: {self.fix}." if self.fix else f"{self.cause}."
+
+
+T = TypeVar("T", bound="Told")
+
+
+@dataclass(frozen=True)
+class Told:
+    """A PosError's sentence and exit code, as another pos process (the restore service, the
+    store's helper) sends it, for this one to raise as its own."""
+
+    cause: str
+    fix: str
+    exit_code: int
+
+    @classmethod
+    def of(cls: Type[T], e: PosError) -> T:
+        return cls(e.cause, e.fix, e.exit_code)
+
+    def error(self) -> PosError:
+        e = PosError(self.cause, self.fix)
+        e.exit_code = self.exit_code
+        return e
 
 
 class BadInput(PosError):

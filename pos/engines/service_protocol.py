@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
-from pos.errors import PosError
+from pos.errors import Told
 
 
 @dataclass(frozen=True)
@@ -58,21 +58,8 @@ class Held:
 
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(Told):
     """A PosError's sentence and exit code, for the client to raise as its own."""
-
-    cause: str
-    fix: str
-    exit_code: int
-
-    @classmethod
-    def of(cls, e: PosError) -> "Failed":
-        return cls(e.cause, e.fix, e.exit_code)
-
-    def error(self) -> PosError:
-        e = PosError(self.cause, self.fix)
-        e.exit_code = self.exit_code
-        return e
 
 
 @dataclass(frozen=True)

@@ -10,33 +10,19 @@ its own they take another core.
 The helper, `python -m pos.store.ahead DB` (DB "" for the default store), imports and opens the
 store, then reads one image path from stdin and marks it restored. An empty stdin (the restore
 failed, or pos died) records nothing. It answers with one line on stdout, before it exits: the
-JSON of a Failure, or an empty object when recorded.
+JSON of a Told (pos/errors.py), or an empty object when recorded.
 """
 
 import json
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 from pos import host
-from pos.errors import PosError
+from pos.errors import PosError, Told
 
 TIMEOUT_S = 120     # the import and one UPDATE; SQLite's busy timeout is 10 s
-
-
-@dataclass(frozen=True)
-class Failure:
-    """The helper's PosError, for pos to raise as its own."""
-
-    cause: str
-    fix: str
-    exit_code: int
-
-    def error(self) -> PosError:
-        e = PosError(self.cause, self.fix)
-        e.exit_code = self.exit_code
-        return e
 
 
 class Ahead:
@@ -67,7 +53,7 @@ class Ahead:
                            "the job runs; `pos images --db` says whether the store can be "
                            "read") from None
         if fields:
-            raise Failure(**fields).error()
+            raise Told(**fields).error()
 
     def close(self) -> None:
         """Unless it answered (it ends on its own then), the helper told there is nothing to
@@ -105,7 +91,7 @@ def main() -> int:
             raise failed
         images.mark_restored(db, path, engine)
     except PosError as e:
-        print(json.dumps(asdict(Failure(e.cause, e.fix, e.exit_code))), flush=True)
+        print(json.dumps(asdict(Told.of(e))), flush=True)
         return 1
     print("{}", flush=True)
     return 0
