@@ -2,9 +2,7 @@
 engines' checkpoint and restore. The engine, CRIU and the store are imported inside the
 commands."""
 
-import importlib
 import json
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
@@ -16,10 +14,11 @@ from pos.errors import BadInput
 from pos.options import db_option, json_option
 from pos.usage import MissingArgument, PosCommand, PosPath
 
-if TYPE_CHECKING:      # imported by the commands that draw progress
+if TYPE_CHECKING:      # imported inside the commands that use them
     from pos.operation.engine import Report
     from pos.operation.gpumap import Onto
     from pos.progress import Progress
+    from pos.store.ahead import Ahead
 
 EPILOG_CHECKPOINT = """\b
 Examples:
@@ -215,61 +214,57 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
     settings = Settings.from_env()
     if gpu_only_pid is None:
         # a bad --db is refused before anything is restored; the restore is recorded once the
-        # job runs (SQLAlchemy's import would hold it up)
+        # job runs, by a process that opened the store meanwhile (pos/store/ahead.py)
         store.check(db or store.default_db_path())
-    if not here and _served(directory, to_gpu, db, as_json, standby):
-        return
-    if standby:
-        raise BadInput(f"no restore service answers on {service_socket()}",
-                       "start `pos restore-service` first: --standby holds the job ready there")
 
     from contextlib import nullcontext
 
-    from pos.engines import engines
-    from pos.image.opened import open_image
-    from pos.operation import steps
-    from pos.progress import Progress
     from pos.store.ahead import Ahead
 
-    load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
-    # the record's store opened beside the restore, in a process of its own (see ahead.py)
-    with Ahead(db) if gpu_only_pid is None else nullcontext() as ahead, \
-            Progress.on_terminal(f"restore {directory}", as_json) as progress:
-        if to_gpu is not None:      # an image or a host that cannot move it: said first
-            from pos.concurrent.restore import movable
-            from pos.operation import gpumap
+    # a job held ready is not recorded (the restore that runs it is)
+    with Ahead(db) if gpu_only_pid is None and not standby else nullcontext() as record:
+        if not here and _served(directory, to_gpu, record, as_json, standby):
+            return
+        if standby:
+            raise BadInput(f"no restore service answers on {service_socket()}",
+                           "start `pos restore-service` first: --standby holds the job ready "
+                           "there")
 
-            movable(Path(directory), True)
-            gpumap.check_host(to_gpu)
-        img = open_image(Path(directory))
-        engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
-                  if gpu_only_pid is not None else
-                  engines.for_image(img, settings, _lines(as_json, progress), progress))
-        r = engine.restore(img, load)
-        if ahead is not None:
-            steps.timed(r.timings, "record", lambda: ahead.restored(str(Path(r.path))))
+        from pos.engines import engines
+        from pos.image.opened import open_image
+        from pos.operation import steps
+        from pos.progress import Progress
+
+        load = engines.Load(tuple(inherit_fd), to_gpu, gpu_only_pid, streams)
+        with Progress.on_terminal(f"restore {directory}", as_json) as progress:
+            if to_gpu is not None:      # an image or a host that cannot move it: said first
+                from pos.concurrent.restore import movable
+                from pos.operation import gpumap
+
+                movable(Path(directory), True)
+                gpumap.check_host(to_gpu)
+            img = open_image(Path(directory))
+            engine = (engines.GpuOnly(settings, _lines(as_json, progress), progress)
+                      if gpu_only_pid is not None else
+                      engines.for_image(img, settings, _lines(as_json, progress), progress))
+            r = engine.restore(img, load)
+            if record is not None:
+                steps.timed(r.timings, "record", lambda: record.restored(str(Path(r.path))))
     _report(r, as_json)
 
 
-def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json: bool,
-            standby: bool) -> bool:
-    """The restore done by `pos restore-service`, recorded and printed as one done here is (or
-    with `standby`, the job held ready there, said); False where no service answers, or the
-    restore is this process's to do."""
+def _served(directory: str, to_gpu: Optional["Onto"], record: Optional["Ahead"],
+            as_json: bool, standby: bool) -> bool:
+    """The restore done by `pos restore-service`, recorded (by `record`) and printed as one
+    done here is (or with `standby`, the job held ready there, said); False where no service
+    answers, or the restore is this process's to do."""
     from pos.engines import service_client    # socket and json: before the engines' imports,
                                                 # which the service spares the client
     from pos.engines.service_protocol import Held
 
-    def import_store() -> None:
-        """The record's import (SQLAlchemy's, 0.25-0.43 s on the GPU hosts), made while the
-        service restores rather than once the job runs; a job held ready is not recorded."""
-        if not standby:
-            threading.Thread(target=importlib.import_module, args=("pos.store.images",),
-                             daemon=True).start()
-
     served = service_client.restore(service_socket(), directory,
                                     None if to_gpu is None else str(to_gpu), _lines(as_json),
-                                    import_store, standby)
+                                    standby)
     if served is None:
         return False
     if isinstance(served, Held):
@@ -278,18 +273,13 @@ def _served(directory: str, to_gpu: Optional["Onto"], db: Optional[str], as_json
         else:
             _summary(served.summary)
         return True
-    _mark_restored(db, served.path)
+    if record is not None:
+        record.restored(served.path)
     if as_json:
         click.echo(json.dumps(served.report))
     else:
         _summary(served.summary)
     return True
-
-
-def _mark_restored(db: Optional[str], directory: Any) -> None:
-    from pos.store import images
-
-    images.mark_restored(db, str(directory))
 
 
 @click.command("restore-service", cls=PosCommand, epilog=EPILOG_RESTORE_SERVICE)

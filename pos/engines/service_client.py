@@ -22,13 +22,12 @@ asked of it then, so the restore runs here without a chance of running twice."""
 
 
 def restore(path: str, directory: str, to_gpu: Optional[str],
-            echo: Callable[[str], None], meanwhile: Callable[[], None] = lambda: None,
-            standby: bool = False) -> Optional[Union[Restored, Held]]:
+            echo: Callable[[str], None], standby: bool = False
+            ) -> Optional[Union[Restored, Held]]:
     """The restore of the image in `directory` (onto `to_gpu`, --to-gpu's text), done by the
     service on the socket `path` (`standby`: its job held ready there: Held); None where it
-    is to be done in this process. `meanwhile`: called once the service has the request,
-    while it restores. A failure the service reports is raised here as the PosError it was
-    there."""
+    is to be done in this process. A failure the service reports is raised here as the
+    PosError it was there."""
     if not os.path.exists(path):
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -51,7 +50,6 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
         try:
             conn.sendall(encode(Request(os.path.abspath(directory), to_gpu,
                                         host.age(os.getpid()), os.isatty(0), standby)))
-            meanwhile()
             return _outcome(lines, echo, path)
         except OSError as e:
             raise _broken(path, e.strerror or str(e)) from None

@@ -400,26 +400,6 @@ def test_the_service_keeps_warm_the_gpus_cuda_sees(monkeypatch: pytest.MonkeyPat
         svc.keep_warm((1,))
 
 
-def test_the_client_does_its_own_work_while_the_service_restores(short: Path) -> None:
-    """`meanwhile` (the store's import, for the record) runs once the service has the request
-    and before its outcome, so that it does not wait until the job runs."""
-    from pos.engines import service_client
-
-    sock = short / "restore.sock"
-    order: list[str] = []
-
-    def restored(conn: socket.socket, _request: bytes) -> None:
-        wait_for(lambda: order, 10, "the client's work while the service restores")
-        order.append("restored")
-        conn.sendall(encode(Restored("/img", {}, [])))
-
-    done = one_request(sock, restored)
-    served = service_client.restore(str(sock), "/img", None, lambda _: None,
-                                    lambda: order.append("meanwhile"))
-    done()
-    assert order == ["meanwhile", "restored"] and served is not None and served.path == "/img"
-
-
 # -- restores held ready (pos/engines/standby.py) ---------------------------------------------
 
 def _state(pid: int) -> str:
