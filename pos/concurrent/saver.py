@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos.agent.control import Agent, Buffer, Cut, Refused
 from pos.concurrent import devices, kept
-from pos.concurrent.copier import HostRoom
+from pos.concurrent.copier import Copied, HostRoom
 from pos.concurrent.copier import threads as copier_threads
 from pos.concurrent.crew import Spares
 from pos.concurrent.handout import Handout
@@ -39,6 +39,7 @@ from pos.settings import Settings
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
     from pos.concurrent import copier, gpucopy
+    from pos.driver import Driver
     from pos.image import gpu as gpuimage             # and a restore starts CRIU before it
 
 SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host memory, then disk
@@ -61,17 +62,20 @@ class Saver:
         # at 4 ranks of 64 cores each had taken all 64 twice (548 threads, one interpreter lock)
         self.writers = max(1, filehash.workers() // max(1, ranks))
         self.gpu, used = devices.gpu_use(agent.pid)   # the job's GPU, recorded in its index
-        # pos's context on it, made current again by each step (`use`), let go by `close`
         self.timings: dict[str, float] = {"gpu_used_bytes": used}
+        self.status = agent.status()
+        # pos's context on it, made current again by each step (`use`), let go by `close`;
+        # none for a process that owns no device memory (torchrun's own: a context would cost
+        # its GPU 0.5 GB and the checkpoint 0.13-0.66 s for nothing to copy)
         self.context = self.timed("context", lambda: gpucopy.Context(
-            devices.cuda_device(self.gpu)))
-        self.drv = self.context.drv
+            devices.cuda_device(self.gpu))) if self.status.owned_bytes else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.owned_bytes = self.foreign_bytes = 0
         # the copy's threads, started before this saver's import and pin run beside them
         # (crew.Spares), and its modules, imported beside the pin (`reconnect` waits for them)
-        self.spares = Spares(copier_threads(streams, self.writers), "pos-copy")
+        self.spares = Spares(copier_threads(streams, self.writers) if self.context else 0,
+                             "pos-copy")
         self._imports = threading.Thread(target=import_for_copy, name="pos-import", daemon=True)
         self._imports.start()
 
@@ -95,8 +99,7 @@ class Saver:
         from pos.concurrent import gpucopy
 
         self.use()
-        assert self.agent is not None
-        st = self.agent.status()
+        st = self.status
         if not st.owning:
             raise BadInput(f"the agent of process {self.pid} does not own its memory "
                            "(POS_OWN=0)", "run the job under `pos run` without POS_OWN=0")
@@ -110,6 +113,8 @@ class Saver:
         self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
         self.timings["owned_bytes"] = st.owned_bytes
         self.timings["foreign_bytes"] = st.foreign_bytes
+        if self.context is None:           # nothing to copy: no shadow, no arena
+            return
         on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             on_device = min(on_device, self.settings.shadow_max_bytes)
@@ -137,10 +142,16 @@ class Saver:
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)
 
+    @property
+    def drv(self) -> "Driver":
+        assert self.context is not None     # only a job with device memory is copied
+        return self.context.drv
+
     def use(self) -> None:
         """pos's context on this job's GPU current on this thread: the objects made here keep
         the context current when they were made."""
-        self.context.use()
+        if self.context is not None:
+            self.context.use()
 
     def connected(self) -> Agent:
         """The job's agent; its absence (the job ended by CRIU) is pos's own error."""
@@ -204,11 +215,14 @@ class Saver:
         if self.host is not None:
             self.host.close()
             self.host = None
-        self.context.close()
+        if self.context is not None:
+            self.context.close()
 
 
 class Taken:
-    """A held job's memory in pos's hands: imported, shadowed where it fits, being copied."""
+    """A held job's memory in pos's hands: imported, shadowed where it fits, being copied. A
+    job that owns no device memory (Saver.context None) has nothing taken nor copied: its
+    steps here are the agent's alone, and its GPU index is empty."""
 
     def __init__(self, saver: Saver, rank: Optional[int]) -> None:
         from pos.concurrent import gpucopy
@@ -220,12 +234,18 @@ class Taken:
         self.sources: list[int] = []      # where each buffer's copy reads: shadow or job
         self.shadowed: set[int] = set()
         self.shadow_bytes = 0
-        saver.use()
         agent = saver.connected()
+        self.table: list[Buffer] = agent.table()
+        self.handout = Handout(self.table)
+        if saver.context is None:
+            if self.table:        # made after its status said it had none
+                raise PosError(f"process {saver.pid} allocated device memory while pos "
+                               "prepared its checkpoint", "checkpoint it again")
+            return
+        saver.use()
         # what the job and the rest leave free at the cut (pos's own shadow counted as free)
         saver.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(saver.drv)
                                               + (saver.shadow.size if saver.shadow else 0))
-        self.table: list[Buffer] = agent.table()
         assert saver.host is not None        # Saver.prepare made it
         saver.host.pause()                   # the driver's calls here run alone (Pinned)
         try:
@@ -233,6 +253,7 @@ class Taken:
             self.mem = saver.timed("import", lambda: gpucopy.Imported(saver.drv, self.table,
                                                                       self.fds))
             self.sources = self._snapshot()
+            self.handout = Handout(self.table, safe=self.shadowed)
         except BaseException:
             self.close()
             raise
@@ -272,6 +293,8 @@ class Taken:
     def start(self, folder: Path) -> None:
         """The copy to host memory and into the image's data files, on threads of its own from
         now on (the job may still be held)."""
+        if self.saver.context is None:
+            return
         self.saver.use()
         self.saver.timed("copy_start", lambda: self._start(folder, self.sources))
 
@@ -281,7 +304,6 @@ class Taken:
 
         s = self.saver
         assert s.host is not None        # Saver.prepare made it
-        self.handout = Handout(self.table, safe=self.shadowed)
         self.writer: gpuimage.Writer = gpuimage.Writer(
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
@@ -289,50 +311,53 @@ class Taken:
                                     s.settings.frozen_copy, s.spares)
         self.copier.start()
 
-    def _copier(self) -> "copier.Copier":
-        assert self.copier is not None   # made by start(), which comes before the rest
-        return self.copier
-
     def freeze(self) -> None:
         """The job is about to be frozen (the driver's calls, CRIU's dump): the CPU and the
         host's memory are theirs, but for the copy of what pos could not shadow. The arena's
         locking waits too: beside CRIU's dump it made the frozen dump 4x slower (0.75 s to
         3.3 s, a 97 GB job on the H200)."""
-        self._copier().hold_scans()
-        self._copier().hold_shadowed()
-        self._copier().hold_locking()
+        if self.copier is not None:
+            self.copier.hold_scans()
+            self.copier.hold_shadowed()
+            self.copier.hold_locking()
 
     def thaw(self) -> None:
         """The frozen part is over: every part of the copy goes on."""
-        self._copier().release_scans()
-        self._copier().release_shadowed()
-        self._copier().release_locking()
+        if self.copier is not None:
+            self.copier.release_scans()
+            self.copier.release_shadowed()
+            self.copier.release_locking()
 
     def paused(self, call: Callable[[], Any]) -> Any:
         """The driver's checkpoint or restore of the job (or the job's remap), with pos's copy
         to host memory and the locking of its arena held: the driver copies the job's context
         over the same bus, and holds the job meanwhile."""
-        self._copier().pause()
+        if self.copier is None:
+            return call()
+        self.copier.pause()
         try:
             return call()
         finally:
-            self._copier().resume()
+            self.copier.resume()
 
     def release(self) -> None:
         """The job goes on: its calls wait only for the buffers they may write that are not
         saved yet (see pos/concurrent/handout.py)."""
         agent = self.saver.connected()
-        self.saver.timings["copied_at_release_bytes"] = self._copier().copied_bytes
+        self.saver.timings["copied_at_release_bytes"] = \
+            self.copier.copied_bytes if self.copier is not None else 0
         agent.copy()
         self.handout.attach(agent)
-        self._copier().watch(agent)
+        if self.copier is not None:
+            self.copier.watch(agent)
 
     def wait_copied(self) -> None:
         """Every buffer is in host memory: pos lets go of the job's memory and its shadow (the
         job keeps its own mapping)."""
-        self._copier().wait_copied()
-        self.saver.timings["d2h"] = self._copier().d2h_s
-        self.saver.timings["d2h_busy"] = self._copier().d2h_busy_s
+        if self.copier is not None:
+            self.copier.wait_copied()
+            self.saver.timings["d2h"] = self.copier.d2h_s
+            self.saver.timings["d2h_busy"] = self.copier.d2h_busy_s
         self._drop_device()
 
     def _drop_device(self) -> None:
@@ -358,14 +383,16 @@ class Taken:
         except PosError:
             return set()
 
-    def write(self, folder: Path) -> "copier.Copied":
+    def write(self, folder: Path) -> Copied:
         """The rest of the data files, then the GPU index."""
         s = self.saver
         s.use()
         hot = self.touched()
-        done = self._copier().join()
-        self.writer.close()
-        s.timings["disk"] = done.disk_s
+        done = Copied(0, 0.0, 0.0)
+        if self.copier is not None:
+            done = self.copier.join()
+            self.writer.close()
+            s.timings["disk"] = done.disk_s
         s.pinned()
         gpuindex.write(folder, gpuindex.GpuIndex(s.pid, s.gpu, tuple(
             gpuindex.BufferRecord(b.va, b.size, b.mapped, b.device, b.va in hot,

@@ -4,7 +4,8 @@ io_uring_setup fails with ENOSYS), is a client of its own store, and supervises 
 processes; each worker holds device memory of the fake driver, talks to the store over TCP at
 every step, and checks that its memory holds what its last step wrote.
 
-  elastic_job.py agent DIR WORKERS     the agent: DIR/agent.txt gets "LOOP epoll|io_uring",
+  elastic_job.py agent DIR WORKERS     the agent (CUDA initialised, no device memory, as
+                                       torchrun's own): DIR/agent.txt gets "LOOP epoll|io_uring",
                                        "HB N" (its own store round trips, one a 20 ms) and at
                                        its end "DONE" (every worker exited 0) or "FAILED R RC"
   elastic_job.py worker DIR RANK PORT  (started by the agent) DIR/rank-R.txt gets "STEP" lines;
@@ -90,6 +91,8 @@ def ask(conn: socket.socket, who: str, n: int) -> None:
 
 
 def agent(folder: Path, workers: int) -> int:
+    # torchrun's own process initialises CUDA (it counts the GPUs) and holds no device memory
+    check(ctypes.CDLL(os.environ.get("POS_LIBCUDA", "libcuda.so.1")).cuInit(0))
     loop, kind = event_loop()
     out = folder / "agent.txt"
     line(out, f"LOOP {kind}")

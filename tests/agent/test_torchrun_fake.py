@@ -6,6 +6,7 @@ checkpoint --concurrent --leave-running --tcp-established` saves the whole tree 
 after SIGKILL of every process `pos restore` brings it back, every worker's memory holds what
 its step says, and the agent goes on supervising its workers to the job's end."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -84,9 +85,17 @@ def test_torchrun_like_tree_saved_while_it_runs_killed_and_restored(
     assert len(job.pids) == 1 + WORKERS and not any(procs.io_urings(p) for p in job.pids)
     img = tmp_path / "img"
     r = pos("checkpoint", str(job.root), "-D", str(img), "--concurrent", "--leave-running",
-            "--tcp-established", env=gpu_env, timeout=180)
+            "--tcp-established", "--json", env=gpu_env, timeout=180)
     assert r.returncode == 0, r.stderr
-    assert gpuindex.jobs(img) == sorted(job.pids[1:])   # each worker's memory, the agent CRIU's
+    # each worker's memory; the agent, with CUDA initialised but no device memory, has an
+    # empty index, and pos made no context nor page-locked memory for it
+    assert gpuindex.jobs(img) == sorted(job.pids)
+    assert gpuindex.read(img, job.root).buffers == ()
+    saved = {x["pid"]: x for x in json.loads(r.stdout)["ranks"]}
+    assert saved[job.root]["bytes"] == 0 and saved[job.pids[1]]["bytes"] > 0
+    assert "context" not in saved[job.root]["timings"], saved[job.root]
+    assert "pinned_peak_bytes" not in saved[job.root]["timings"]
+    assert saved[job.pids[1]]["timings"]["pinned_peak_bytes"] > 0
     job.steps(5)                                 # it ran on, untouched
     at_kill = [len(job.lines(r)) for r in range(WORKERS)]
     hb_at_kill = len(job.agent())
@@ -94,7 +103,7 @@ def test_torchrun_like_tree_saved_while_it_runs_killed_and_restored(
     # The real driver keeps a process's checkpoint state inside the process, so the image holds
     # it as CRIU dumped it: checkpointed. The fake keeps it in a file, which the job's running on
     # after the checkpoint changed: put back what the image holds.
-    for p in job.pids[1:]:
+    for p in job.pids:
         (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(p)).write_text("checkpointed\n")
     r = pos("restore", "-D", str(img), env=gpu_env, timeout=180)
     assert r.returncode == 0, r.stderr

@@ -6,6 +6,7 @@ export's copy needs is imported before the cut."""
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,12 +17,28 @@ from pos.concurrent.saver import export
 NEED = 4 << 20
 
 
-class RefusingAgent:
-    """An agent whose first `refusals` exports fail, lacking NEED bytes (or, need=0, not that)."""
+class QuietAgent:
+    """An agent that answers its status (its job owns `owned` bytes of device memory, 8 MiB
+    unless said) and lets go."""
 
     pid = 4242
 
+    def __init__(self, owned: int = 8 << 20) -> None:
+        self.owned = owned
+
+    def status(self) -> SimpleNamespace:
+        return SimpleNamespace(owning=True, owned_bytes=self.owned, foreign_bytes=0,
+                               foreign_allocs=0)
+
+    def close(self) -> None:
+        return None
+
+
+class RefusingAgent(QuietAgent):
+    """An agent whose first `refusals` exports fail, lacking NEED bytes (or, need=0, not that)."""
+
     def __init__(self, refusals: int, need: int = NEED) -> None:
+        super().__init__()
         self.refusals, self.need, self.asked = refusals, need, 0
 
     def export(self) -> Exported:
@@ -67,18 +84,6 @@ def test_another_refusal_fails_the_checkpoint(saver, refusals: int, need: int) -
     with pytest.raises(Refused, match="refused: exporting the buffer at 0x7000 failed"):
         export(s)
     assert s.agent.asked == refusals and (s.shadow.size == 0) == bool(need)
-
-
-class QuietAgent:
-    """An agent that answers its status and lets go."""
-
-    pid = 4242
-
-    def status(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def test_the_cut_waits_for_the_copys_modules(saver, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,15 +132,6 @@ def test_ranks_saved_at_once_share_the_hosts_cores(fakegpu: dict[str, Path], tmp
         s.close()
 
 
-class OwningAgent(QuietAgent):
-    """An agent whose job owns 8 MiB of device memory."""
-
-    def status(self):  # type: ignore[no-untyped-def]
-        from types import SimpleNamespace
-        return SimpleNamespace(owning=True, owned_bytes=8 << 20, foreign_bytes=0,
-                               foreign_allocs=0)
-
-
 def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
         fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Locking an arena is page-table work in pos's one process: several at once went slower
@@ -170,7 +166,7 @@ def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
     room = copier.HostRoom()
 
     def prepare(_: int) -> Saver:
-        agent: Any = OwningAgent()
+        agent: Any = QuietAgent()
         return Saver.prepare(agent, Settings(), 2, 1 << 20, gpu_only=False, ranks=3,
                              host_room=room)
 
@@ -179,6 +175,53 @@ def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
     for s in savers:
         s.close()
     assert most[0] == 1 and all(s.timings["pin"] >= 0.2 for s in savers)
+
+
+class EmptyAgent(QuietAgent):
+    """torchrun's own process: CUDA initialised, no device memory."""
+
+    def __init__(self) -> None:
+        super().__init__(owned=0)
+
+    def table(self) -> list:
+        return []
+
+
+def test_a_process_without_device_memory_gets_no_context_nor_arena(
+        fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing to copy: no context on its GPU (0.5 GB of it, and 0.13-0.66 s at the H200
+    hosts' checkpoints), no shadow, no page-locked arena, no copy threads; its take and its
+    copy are empty, and its GPU index (which its restore needs) is written."""
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from pos import nvml
+    from pos.concurrent import gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.image import gpuindex
+    from pos.settings import Settings
+
+    def no_context(*_: Any) -> None:
+        raise AssertionError("a context was made")
+
+    monkeypatch.setattr(gpucopy, "Context", no_context)
+    monkeypatch.setattr(gpucopy, "Pinned", no_context)
+    monkeypatch.setattr(nvml, "gpus_of", lambda pids: {})
+    agent: Any = EmptyAgent()
+    s = Saver.prepare(agent, Settings(), 2, 1 << 20, gpu_only=False)
+    try:
+        assert s.context is None and s.host is None and s.shadow is None
+        assert len(s.spares) == 0 and s.owned_bytes == 0
+        t = s.take(4242)
+        t.start(tmp_path)
+        t.freeze()
+        assert t.paused(lambda: "called") == "called"
+        t.thaw()
+        t.wait_copied()
+        assert t.write(tmp_path).bytes == 0
+        assert gpuindex.read(tmp_path, 4242).buffers == ()
+        t.close()
+    finally:
+        s.close()
 
 
 def test_the_ranks_copies_begin_once_every_take_is_done(tmp_path: Path) -> None:
