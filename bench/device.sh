@@ -24,6 +24,9 @@
 #                                # memory and kernel log sampled beside it (~4 min a row)
 #   bench/device.sh pin          # bench/pin_probe.py: how fast this host page-locks memory
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
+#   bench/device.sh anon         # bench/anon_probe.py: whose is the host memory CRIU writes
+#                                # while the Llama job is frozen (its processes' smaps, while
+#                                # it trains under pos run; POS_ANON_RANKS, default 1) (~2 min)
 #   bench/device.sh exit         # bench/exit_probe.py: what a restoring process's end costs
 #                                # (its context and memory let go, its exit), each way beside
 #                                # the others (POS_EXIT_GIB of device memory, default 16) (~1 min)
@@ -89,7 +92,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit attach perf schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -157,6 +160,10 @@ concurrent)
 pin)
     step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
     cat "$out/pin.log" ;;
+anon)
+    export NCCL_NVLS_ENABLE=0
+    step anon python3 bench/anon_probe.py --out "$out" --ranks "${POS_ANON_RANKS:-1}"
+    cat "$out/anon.log" ;;
 exit)
     step exit python3 bench/exit_probe.py --out "$out" --gib "${POS_EXIT_GIB:-16}" --repeat 3
     grep '^row' "$out/exit.log" ;;
