@@ -86,8 +86,9 @@ def main() -> int:
                 return 1
             time.sleep(1)
         rows = [summary(p) for p in procs.tree(job.pid)]
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
+    finally:     # every process of the tree: torchrun starts its workers in sessions of their own
+        for p in reversed(procs.tree(job.pid)):
+            os.kill(p, signal.SIGKILL)
         job.wait()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
