@@ -117,7 +117,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # module is then not its compilation
 python3 -m compileall -q -j 0 /tmp/site pos bench > /dev/null 2>&1 || true
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-{ date -u +%FT%TZ; git log -1 --format=%H 2>/dev/null || true; nvidia-smi --query-gpu=name,driver_version \
+{ date -u +%FT%TZ; echo "${POS_BENCH_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}"; nvidia-smi --query-gpu=name,driver_version \
     --format=csv,noheader; uname -r; ${POS_CRIU:-criu} --version 2>/dev/null | head -1; } \
     > "$out/machine.txt"
 
