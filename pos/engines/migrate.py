@@ -191,15 +191,23 @@ def to_host(pid: int, host: str, engine: "Engine", save: "Save", local: Optional
         timings = {"checkpoint": t1 - t0, "send": t2 - t1, "there": time.monotonic() - t2,
                    "sent_bytes": float(manifest.size_bytes),
                    **{f"checkpoint.{k}": v for k, v in manifest.timings.items()}}
-    if isinstance(reply, proto.Failed):
-        raise PosError(f"{address} could not restore PID {pid}: {reply.cause}",
-                       f"its image stays there for `pos restore` ({reply.path or '?'})")
-    restored = proto.expect(reply, proto.Restored)
-    assert isinstance(restored, proto.Restored)
+    restored = restored_there(reply, address, pid)
     if not keep:     # HOST has the image now
         shutil.rmtree(path, ignore_errors=True)
     engine.echo(f"PID {pid} migrated to {address}: restored there as PID {restored.pid}")
     return restored.pid, timings
+
+
+def restored_there(reply: proto.Message, address: str, pid: int) -> proto.Restored:
+    """The receiver's answer to the image sent: what it restored, or its failure raised as
+    this pos's own, with its exit code."""
+    if isinstance(reply, proto.Failed):
+        raise replace(reply, cause=f"{address} could not restore PID {pid}: {reply.cause}",
+                      fix=f"its image stays there for `pos restore` ({reply.path or '?'})"
+                      ).error()
+    restored = proto.expect(reply, proto.Restored)
+    assert isinstance(restored, proto.Restored)
+    return restored
 
 
 def _wait_listening(port: int, proc: Any) -> None:
@@ -300,7 +308,7 @@ def listen(address: str, port: int, directory: Path, settings: Settings, key: Mi
         except Exception as e:      # the sender learns why, whatever failed here
             image.discard(partial)
             failure = e if isinstance(e, PosError) else PosError(repr(e), "see the receiver")
-            _send(conn, proto.Failed.of(failure, str(directory)))
+            _send(conn, replace(proto.Failed.of(failure), path=str(directory)))
             raise
         _send(conn, proto.Restored(restored or 0))
     return restored or 0

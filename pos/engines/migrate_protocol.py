@@ -11,12 +11,12 @@ message raw.
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Union
 
-from pos.errors import PosError
+from pos.errors import PosError, Told
 
-VERSION = 1
+VERSION = 2        # 2: a Failed carries the exit code
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,11 @@ class Restored:
 
 
 @dataclass(frozen=True)
-class Failed:
-    """A PosError's sentence, for the other side to say; `path`: where the image stays."""
+class Failed(Told):
+    """A PosError's sentence and exit code, for the other side to say; `path`: where the image
+    stays."""
 
-    cause: str
-    fix: str
     path: str = ""
-
-    @classmethod
-    def of(cls, e: PosError, path: str = "") -> "Failed":
-        return cls(e.cause, e.fix, path)
 
 
 Message = Union[Hello, Ready, File, Manifest, Restored, Failed]
@@ -94,6 +89,6 @@ def expect(message: Message, kind: type) -> Message:
     if isinstance(message, kind):
         return message
     if isinstance(message, Failed):
-        raise PosError(f"the other host: {message.cause}", message.fix)
+        raise replace(message, cause=f"the other host: {message.cause}").error()
     raise PosError(f"the other host sent {type(message).__name__} where {kind.__name__} was due",
                    "use the same version of pos on both hosts")

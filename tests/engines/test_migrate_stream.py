@@ -39,11 +39,11 @@ def test_a_size_that_is_no_size_is_refused(tmp_path: Path, size) -> None:
 
 
 @pytest.mark.parametrize("line,fragment", [
-    (b'{"v": 2, "kind": "Ready"}', "speaks version 2 of pos's migration, this pos version 1"),
+    (b'{"v": 1, "kind": "Ready"}', "speaks version 1 of pos's migration, this pos version 2"),
     (b'{"kind": "Ready"}', "no migration message"),
     (b'{"file": "a", "size": 1}', "no migration message"),
-    (b'{"v": 1, "kind": "Exec", "argv": ["sh"]}', "a migration message this pos does not know"),
-    (b'{"v": 1, "kind": "File", "name": "a"}', "a migration message this pos does not know"),
+    (b'{"v": 2, "kind": "Exec", "argv": ["sh"]}', "a migration message this pos does not know"),
+    (b'{"v": 2, "kind": "File", "name": "a"}', "a migration message this pos does not know"),
     (b"\xff\xfe", "no migration message"),
 ])
 def test_a_message_of_another_version_or_none_is_refused(line: bytes, fragment: str) -> None:
@@ -51,8 +51,19 @@ def test_a_message_of_another_version_or_none_is_refused(line: bytes, fragment: 
         proto.decode(line)
 
 
-def test_a_failure_of_the_other_host_is_its_sentence() -> None:
+def test_a_failure_of_the_other_host_is_its_sentence_and_exit_code() -> None:
+    failed = proto.Failed("no room", "free some", 2, "/var/lib/pos/x")
+    assert proto.decode(proto.encode(failed)) == failed
     with pytest.raises(PosError, match="the other host: no room") as e:
-        proto.expect(proto.Failed("no room", "free some"), proto.Ready)
-    assert e.value.fix == "free some"
+        proto.expect(failed, proto.Ready)
+    assert e.value.fix == "free some" and e.value.exit_code == 2
     assert proto.decode(proto.encode(proto.Hello([1, 2], True))) == proto.Hello([1, 2], True)
+
+
+def test_a_restore_that_failed_there_is_said_here_with_its_exit_code() -> None:
+    from pos.engines.migrate import restored_there
+
+    assert restored_there(proto.Restored(77), "hostb", 42) == proto.Restored(77)
+    with pytest.raises(PosError, match="hostb could not restore PID 42: no GPU") as e:
+        restored_there(proto.Failed("no GPU", "add one", 2, "/var/lib/pos/in/x"), "hostb", 42)
+    assert e.value.exit_code == 2 and "(/var/lib/pos/in/x)" in e.value.fix
