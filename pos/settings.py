@@ -15,9 +15,10 @@ Every setting, its variable and its default:
   pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
                                             to the image (beside what it could not shadow);
                                             one ring, split among a checkpoint's ranks
-  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (`all`, the
-                                            default: all of it; GiB: that much, the rest
-                                            while the copy runs, which holds the job longer)
+  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (unset:
+                                            what the shadow cannot hold, which the job's
+                                            writes wait for, and 1 GiB, the rest while the copy
+                                            runs; `all`: all of it; GiB: that much)
   pin_keep            POS_PIN_KEEP          1: the arena's memory is kept for the next
                                             checkpoint, which then locks it sooner
                                             (pos/concurrent/kept.py); 0, the default: freed
@@ -63,11 +64,8 @@ DEFAULT_FILL_PIECE_KIB = 2048
 # shadowed, was held 1.4 s with 8 GiB against 2.0-4.3 s with an arena as large as the job (the
 # host's memory left to CRIU and the driver), and sealed sooner (bench/results/2026-11-28-perf)
 DEFAULT_PIN_RING = 8 << 30
-# Locked before the cut, by default: the ring (its size: a few tenths of a second on the H200
-# host, where the driver locking all of a 48 GiB job's arena first took 16 s). The part for
-# what pos cannot shadow is locked behind the cut: locking beside the job's hold slowed the
-# driver's calls in it (the shadow's copy 0.42 s instead of 0.03, the remap 0.30 instead of
-# 0.03: bench/results/2026-11-28-perf), so the engine holds it then. None: all before the cut.
+# POS_PIN_AHEAD_GIB=all: the whole arena locked before the cut (as much as any arena)
+PIN_AHEAD_ALL = 1 << 62
 DEFAULT_HOIST_STACK: Optional[int] = 0
 DEFAULT_CRIU_WAIT_S = 3600.0
 # off until it is measured against the full restore on the GPU machines
@@ -84,7 +82,7 @@ class Settings:
     predump: bool = True
     pin_max_bytes: Optional[int] = None
     pin_ring_bytes: int = DEFAULT_PIN_RING
-    pin_ahead_bytes: Optional[int] = None      # all of the arena
+    pin_ahead_bytes: Optional[int] = None      # None: what the shadow cannot hold, and a part
     pin_keep: bool = False
     frozen_copy: str = FROZEN_COPIES[0]
     shadow_max_bytes: Optional[int] = None
@@ -157,9 +155,10 @@ class Settings:
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
             pin_ring_bytes=ring,
-            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "all"
+            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: PIN_AHEAD_ALL if raw == "all"
                                 else gib(raw), None, "a number of GiB above 0, or all",
-                                "unset it (the arena is then locked before the cut)"),
+                                "unset it (pos then locks before the cut what the job may "
+                                "wait for)"),
             pin_keep=get("POS_PIN_KEEP", one_of(("0", "1")), "0", "0 or 1",
                          "unset it (the arena's memory is then freed after each checkpoint)")
             == "1",

@@ -242,11 +242,13 @@ class _Whole:
             peers.write(self.partial, self.links)
         g.step("hoist", hoisted=True)
         # every job at once: one after another, the 5 processes of the 4-rank Llama job took
-        # 0.27 s (bench/results/2026-11-28-multigpu, run23)
+        # 0.27 s (bench/results/2026-11-28-multigpu, run23); the copy and the arena's locking
+        # held meanwhile, as around the driver's other calls in the job (Taken.paused)
         hoists: list[Hoist] = []
         g.timed("hoist", lambda: side_by_side(
-            "pos-hoist", [s.connected() for s in self.savers],
-            lambda agent: agent.hoist(self.settings.hoist_stack, self.settings.trim_heap),
+            "pos-hoist", list(zip(self.savers, self.taken)),
+            lambda st: st[1].paused(lambda: st[0].connected().hoist(
+                self.settings.hoist_stack, self.settings.trim_heap)),
             hoists.append))
         for h in hoists:
             g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc

@@ -135,9 +135,17 @@ class Saver:
             keep = None
         if keep is not None:
             self.timings["pin_kept_bytes"] = min(present, arena)
+        ahead = self.settings.pin_ahead_bytes
+        if ahead is None:
+            # before the cut, what the job's writes may wait for (the buffers the shadow cannot
+            # hold) and a part for the copy to begin with; the rest of the ring, which only the
+            # shadow's copies use, behind it, held while the job is held (Taken.freeze, paused):
+            # at one rank its 8 GiB took 0.6-2.6 s of the 1.3-3.3 s before the cut on the H200
+            # host (bench/results/2026-11-29.md)
+            ahead = self.owned_bytes - self.shadow.size + gpucopy.Pinned.PIECE
         with host_room.locking:
             self.host = self.timed("pin", lambda: gpucopy.Pinned(
-                self.drv, arena, ahead=self.settings.pin_ahead_bytes, kept=keep))
+                self.drv, arena, ahead=ahead, kept=keep))
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)

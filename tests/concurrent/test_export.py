@@ -149,6 +149,7 @@ def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
     lock = threading.Lock()
 
     class Recorded:
+        PIECE = 1 << 30
         pinned_bytes, all_s, error = 0, 0.0, None
 
         def __init__(self, _drv: Any, _size: int, **_: Any) -> None:
@@ -175,6 +176,51 @@ def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
     for s in savers:
         s.close()
     assert most[0] == 1 and all(s.timings["pin"] >= 0.2 for s in savers)
+
+
+@pytest.mark.parametrize("free_mib, env, ahead_mib", [
+    (1024 + 100, {}, 1),                    # all 8 MiB shadowed: a part ahead, the rest behind
+    (1024 + 3, {}, 5 + 1),                  # 5 MiB the shadow cannot hold, and a part
+    (1024 + 100, {"POS_PIN_AHEAD_GIB": "all"}, 1 << 42),
+])
+def test_before_the_cut_the_arena_locks_what_the_job_may_wait_for(
+        fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        free_mib: int, env: dict, ahead_mib: int) -> None:
+    """The job's writes to a buffer the shadow could not hold wait until it is in host memory:
+    that much of the arena is locked before the cut, with one part for the copy to begin with;
+    the rest of the ring (the shadow's copies alone use it) is locked behind the cut."""
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from pos.concurrent import gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.settings import Settings
+
+    asked: list = []
+
+    class Recorded:
+        PIECE = 1 << 20
+        pinned_bytes, all_s, error = 0, 0.0, None
+
+        def __init__(self, _drv: Any, size: int, ahead: Any = None, **_: Any) -> None:
+            asked.append((size, ahead))
+
+        def close(self) -> None:
+            return None
+
+    class Shadow:
+        def __init__(self, _drv: Any, size: int) -> None:
+            self.size, self.ptr = size, 0
+
+        def close(self) -> None:
+            return None
+
+    monkeypatch.setattr(gpucopy, "Pinned", Recorded)
+    monkeypatch.setattr(gpucopy, "Shadow", Shadow)
+    monkeypatch.setattr(gpucopy, "free_device_bytes", lambda drv: free_mib << 20)
+    agent: Any = QuietAgent()
+    s = Saver.prepare(agent, Settings.from_env(env), 2, 1 << 20, gpu_only=False)
+    s.close()
+    assert asked == [(8 << 20, ahead_mib << 20)]
 
 
 class EmptyAgent(QuietAgent):

@@ -97,9 +97,10 @@ def test_all_ahead_waits_for_the_whole_arena() -> None:
 
 
 @pytest.mark.parametrize("env, ahead", [({}, None), ({"POS_PIN_RING_GIB": "3"}, None),
-                                        ({"POS_PIN_AHEAD_GIB": "all"}, None),
+                                        ({"POS_PIN_AHEAD_GIB": "all"}, 1 << 62),
                                         ({"POS_PIN_AHEAD_GIB": "2"}, 2 << 30)])
-def test_what_is_locked_before_the_cut_is_the_arena_or_a_setting(env, ahead) -> None:
+def test_what_is_locked_before_the_cut_is_pos_s_choice_or_a_setting(env, ahead) -> None:
+    """None: the saver's choice (Saver._prepare: what the shadow cannot hold, and a part)."""
     from pos.settings import Settings
 
     assert Settings.from_env(env).pin_ahead_bytes == ahead
