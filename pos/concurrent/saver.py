@@ -244,11 +244,11 @@ class Taken:
         self.shadow_bytes = 0
         agent = saver.connected()
         self.table: list[Buffer] = agent.table()
-        self.handout = Handout(self.table)
         if saver.context is None:
             if self.table:        # made after its status said it had none
                 raise PosError(f"process {saver.pid} allocated device memory while pos "
                                "prepared its checkpoint", "checkpoint it again")
+            self.handout = Handout(self.table)
             return
         saver.use()
         # what the job and the rest leave free at the cut (pos's own shadow counted as free)
