@@ -139,9 +139,10 @@ class Saver:
         if ahead is None:
             # before the cut, what the job's writes may wait for (the buffers the shadow cannot
             # hold) and a part for the copy to begin with; the rest of the ring, which only the
-            # shadow's copies use, behind it, held while the job is held (Taken.freeze, paused):
-            # at one rank its 8 GiB took 0.6-2.6 s of the 1.3-3.3 s before the cut on the H200
-            # host (bench/results/2026-11-29.md)
+            # shadow's copies use, behind it, held while the job is held (Taken.freeze, paused:
+            # beside the hold it slowed the driver's calls in it, the shadow's copy 0.42 s
+            # instead of 0.03, bench/results/2026-11-28-perf). At one rank the 8 GiB ring took
+            # 0.6-2.6 s of the 1.3-3.3 s before the cut on the H200 host (2026-11-29.md)
             ahead = self.owned_bytes - self.shadow.size + gpucopy.Pinned.PIECE
         with host_room.locking:
             self.host = self.timed("pin", lambda: gpucopy.Pinned(
