@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -75,7 +76,7 @@ def main() -> int:
                                   ballast_gib=0.0)
     case = torchrun_gpu.Case("llama-fsdp-torchrun-defaults-concurrent")
     work = Path("/tmp/pos-anon")
-    os.system(f"rm -rf {work}")
+    shutil.rmtree(work, ignore_errors=True)
     job = torchrun_gpu.start(case.command(a.python, work, job_args, pos_run=True), work,
                              case.env())
     try:

@@ -62,16 +62,17 @@ class Saver:
         # at 4 ranks of 64 cores each had taken all 64 twice (548 threads, one interpreter lock)
         self.writers = max(1, filehash.workers() // max(1, ranks))
         self.gpu, used = devices.gpu_use(agent.pid)   # the job's GPU, recorded in its index
-        self.timings: dict[str, float] = {"gpu_used_bytes": used}
         self.status = agent.status()
+        self.owned_bytes, self.foreign_bytes = self.status.owned_bytes, self.status.foreign_bytes
+        self.timings: dict[str, float] = {"gpu_used_bytes": used, "owned_bytes": self.owned_bytes,
+                                          "foreign_bytes": self.foreign_bytes}
         # pos's context on it, made current again by each step (`use`), let go by `close`;
         # none for a process that owns no device memory (torchrun's own: a context would cost
         # its GPU 0.5 GB and the checkpoint 0.13-0.66 s for nothing to copy)
         self.context = self.timed("context", lambda: gpucopy.Context(
-            devices.cuda_device(self.gpu))) if self.status.owned_bytes else None
+            devices.cuda_device(self.gpu))) if self.owned_bytes else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
-        self.owned_bytes = self.foreign_bytes = 0
         # the copy's threads, started before this saver's import and pin run beside them
         # (crew.Spares), and its modules, imported beside the pin (`reconnect` waits for them)
         self.spares = Spares(copier_threads(streams, self.writers) if self.context else 0,
@@ -110,9 +111,6 @@ class Saver:
                            "PyTorch's expandable segments): a GPU-only image would lack them",
                            "take a whole-process image (--concurrent without --gpu-only: the "
                            "driver saves them), or run the job without those allocators")
-        self.owned_bytes, self.foreign_bytes = st.owned_bytes, st.foreign_bytes
-        self.timings["owned_bytes"] = st.owned_bytes
-        self.timings["foreign_bytes"] = st.foreign_bytes
         if self.context is None:           # nothing to copy: no shadow, no arena
             return
         on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
