@@ -39,8 +39,14 @@ os.execv("/bin/bash", ["bash", "-euc", sys.argv[1]])
 SCRIPT = """
 podman info --format '{{{{.Host.Conmon.Path}}}} {{{{.Host.OCIRuntime.Path}}}}'
 podman import {tar} {image} >/dev/null
-podman run -d --name c1 {ulimits} -v /usr:/usr:ro,bind {image} /bin/sh -c \
-  'i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done' >/dev/null
+podman run -d --name c1 {ulimits} -v /usr:/usr:ro,bind {image} /usr/bin/python3 -c '
+import itertools, os, time
+for i in itertools.count(1):
+    with open("/tmp/n.new", "w") as f:
+        f.write(str(i))
+    os.replace("/tmp/n.new", "/tmp/n")
+    time.sleep(0.05)
+' >/dev/null
 sleep 0.5
 podman container checkpoint --export {archive} c1 >/dev/null
 echo "saved $(cat "$(podman mount c1)/tmp/n")"
