@@ -17,8 +17,8 @@ Every setting, its variable and its default:
                                             one ring, split among a checkpoint's ranks
   pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (unset:
                                             what the shadow cannot hold, which the job's
-                                            writes wait for, and 1 GiB, the rest while the copy
-                                            runs; `all`: all of it; GiB: that much)
+                                            writes wait for, and 1 GiB, the rest once the
+                                            job runs again; `all`: all of it; GiB: that much)
   pin_keep            POS_PIN_KEEP          1: the arena's memory is kept for the next
                                             checkpoint, which then locks it sooner
                                             (pos/concurrent/kept.py); 0, the default: freed

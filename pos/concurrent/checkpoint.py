@@ -4,7 +4,7 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
   refuse     before anything is touched: no CUDA state, no agent, memory the driver cannot
              restore (pos/operation/restorable.py)
   prepare    each job's device shadow and page-locked arena (its ring: the rest is locked
-             behind the cut) (saver.Saver.prepare)
+             once the job runs again) (saver.Saver.prepare)
   predump    where the kernel and the tree let it, CRIU copies the tree's host memory while
              it runs (pos/concurrent/predump.py), for an incremental frozen dump
   cut        every job held, on a connection made just before it (saver.Saver.reconnect; a
@@ -242,8 +242,8 @@ class _Whole:
             peers.write(self.partial, self.links)
         g.step("hoist", hoisted=True)
         # every job at once: one after another, the 5 processes of the 4-rank Llama job took
-        # 0.27 s (bench/results/2026-11-28-multigpu, run23); the copy and the arena's locking
-        # held meanwhile, as around the driver's other calls in the job (Taken.paused)
+        # 0.27 s (bench/results/2026-11-28-multigpu, run23); the copy held meanwhile, as
+        # around the driver's other calls in the job (Taken.paused)
         hoists: list[Hoist] = []
         g.timed("hoist", lambda: side_by_side(
             "pos-hoist", list(zip(self.savers, self.taken)),

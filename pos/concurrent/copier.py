@@ -135,8 +135,9 @@ class Copier:
     the hashing, scanning and writing (CRIU's dump, on the CPU, took 1.1-1.5 s instead of
     0.5-0.8 beside them on the H100 host), hold_shadowed()/release_shadowed() the copies of
     the shadowed buffers (safe in the shadow, they need not compete with the frozen part for
-    the host's memory); watch(agent) asks the job's agent what its calls wait for, and copies
-    that first."""
+    the host's memory); lock_rest() lets the arena lock the rest of its memory (the job runs
+    again); watch(agent) asks the job's agent what its calls wait for, and copies that
+    first."""
 
     def __init__(self, drv: Driver, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
@@ -210,27 +211,21 @@ class Copier:
                         self.spares)
 
     def pause(self) -> None:
-        """Hold the copies to the arena, and the locking of the rest of it."""
+        """Hold the copies to the arena."""
         self.go.clear()
-        self.arena.pause()
 
     def resume(self) -> None:
         self.go.set()
-        self.arena.resume()
+
+    def lock_rest(self) -> None:
+        """The job runs again, or is stopped for good: the rest of the arena is locked now."""
+        self.arena.lock_rest()
 
     def hold_scans(self) -> None:
         self.scan_go.clear()
 
     def release_scans(self) -> None:
         self.scan_go.set()
-
-    def hold_locking(self) -> None:
-        """The rest of the arena is not locked meanwhile (the job is frozen: its dump goes
-        first)."""
-        self.arena.pause()
-
-    def release_locking(self) -> None:
-        self.arena.resume()
 
     def hold_shadowed(self) -> None:
         """Hold the shadowed buffers' copies, unless the frozen part is to copy them all."""

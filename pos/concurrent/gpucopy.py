@@ -176,10 +176,10 @@ class Pinned:
     faults take), so the parts are all faulted in first, then registered. The memory is
     anonymous, on transparent huge pages.
 
-    Only `ahead` bytes are locked before the constructor returns; the rest is locked behind it
-    while the copy runs: `subscribe(fn)` hears of each part as it is registered.
-    `pause()`/`resume()` hold the locking (the driver's checkpoint of the job runs alone; the
-    holds are counted: it goes on once each holder has resumed it). A
+    Only `ahead` bytes are locked before the constructor returns; the rest once `lock_rest()`
+    is called, while the copy runs: `subscribe(fn)` hears of each part as it is registered. A
+    checkpoint calls it once the job runs again (or is stopped for good): the driver's
+    registrations then never meet the job's export, the driver's checkpoint or CRIU's dump. A
     part that fails to lock is given back and ends the locking: the arena is then what was
     locked (`error` says why), the rest given back. A copy must not cross a part: `grid` cuts
     chunks there."""
@@ -187,11 +187,9 @@ class Pinned:
     PIECE = 1 << 30
     FAULTERS = 16
     REGISTERERS = 8
-    # what one thread faults in at a time, a look at the pause between two: the parts locked
-    # behind the cut, 1 GiB each, took 0.3-0.45 s on the H200 host, which a pause (the driver's
-    # calls in the job, its freeze) would otherwise not stop; and the steps, not the parts, are
-    # shared among the threads, so that the one part locked before the cut is faulted in by
-    # all of them (one thread faulted its 1 GiB in 0.2-0.4 s of the wait before the cut)
+    # what one thread faults in at a time: the steps, not the parts, are shared among the
+    # threads, so that the one part locked before the cut is faulted in by all of them (one
+    # thread faulted its 1 GiB in 0.2-0.43 s of the wait before the cut on the H200 host)
     FAULT_STEP = 64 << 20
 
     def __init__(self, drv: Driver, size: int, ahead: Optional[int] = None,
@@ -221,9 +219,6 @@ class Pinned:
         parts = [(at, min(self.PIECE, self.size - at)) for at in range(0, self.size, self.PIECE)]
         self._ctx = current(drv)
         self._cond = threading.Condition()
-        self._go = threading.Event()
-        self._go.set()
-        self._holds = 0
         self._stop = False
         self._ready: list[tuple[int, int]] = []      # the parts registered: (offset, length)
         self._subscribers: list[Callable[[int, int], None]] = []
@@ -232,18 +227,25 @@ class Pinned:
         self.all_s: Optional[float] = None       # when every part was locked
         want = self.size if ahead is None else min(self.size, ahead)
         first = next(k for k, (at, n) in enumerate(parts) if at + n >= want) + 1
+        self._rest = parts[first:]
         self._behind: Optional[threading.Thread] = None
         try:
             self._lock(parts[:first])
         except BaseException:
             self.close()
             raise
-        if first == len(parts):
+        if not self._rest:
             self.all_s = time.monotonic() - self.t0
-        else:
-            self._behind = threading.Thread(target=self._lock_rest, args=(parts[first:],),
+
+    def lock_rest(self) -> None:
+        """The parts not locked yet are locked from now on, on a thread of their own (a second
+        call, or one on an arena locked whole or closed, does nothing)."""
+        with self._cond:
+            if not self._rest or self._behind is not None or self._stop:
+                return
+            self._behind = threading.Thread(target=self._lock_rest, args=(self._rest,),
                                             name="pos-pin", daemon=True)
-            self._behind.start()
+            self._behind.start()          # under the lock: close() joins a started thread
 
     def _lock(self, parts: Sequence[tuple[int, int]]) -> None:
         """Fault every part in, then register each (see the class's docstring)."""
@@ -277,7 +279,6 @@ class Pinned:
                 self.all_s = time.monotonic() - self.t0
 
     def _go_on(self) -> bool:
-        self._go.wait()
         with self._cond:
             return not self._stop and self.error is None
 
@@ -318,17 +319,6 @@ class Pinned:
         with self._cond:
             return sum(n for _at, n in self._ready)
 
-    def pause(self) -> None:
-        with self._cond:
-            self._holds += 1
-            self._go.clear()
-
-    def resume(self) -> None:
-        with self._cond:
-            self._holds = max(0, self._holds - 1)
-            if self._holds == 0:
-                self._go.set()
-
     def view(self, offset: int, n: int) -> "np.ndarray":
         import numpy as np
 
@@ -337,7 +327,6 @@ class Pinned:
     def close(self) -> None:
         with self._cond:
             self._stop = True
-        self._go.set()
         if self._behind is not None:
             self._behind.join()
         for at, _n in self._ready:

@@ -1,7 +1,7 @@
 """One job's side of a concurrent checkpoint, in the order its types allow:
 
   Saver.prepare(agent, ...)   before the cut: a device shadow and page-locked host memory
-                              (its ring; the rest is locked behind the cut)
+                              (its ring; the rest is locked once the job runs again)
   saver.reconnect()           the cut's own connection, made just before it
   saver.cut(...)              the job held, its calls drained
   saver.take(rank)            -> Taken: its memory exported by the job, imported by pos, what
@@ -137,10 +137,10 @@ class Saver:
         if ahead is None:
             # before the cut, what the job's writes may wait for (the buffers the shadow cannot
             # hold) and a part for the copy to begin with; the rest of the ring, which only the
-            # shadow's copies use, behind it, held while the job is held (Taken.freeze, paused:
-            # beside the hold it slowed the driver's calls in it, the shadow's copy 0.42 s
-            # instead of 0.03, bench/results/2026-11-28-perf). At one rank the 8 GiB ring took
-            # 0.6-2.6 s of the 1.3-3.3 s before the cut on the H200 host (2026-11-29.md)
+            # shadow's copies use, once the job runs again (Taken.thaw, release): locked while
+            # the job was held, the driver's registrations slowed the job's export and pos's
+            # import 2-4x, its take 0.06-0.16 s to 0.43-0.69 s (H200, 2026-11-29.md). At one
+            # rank the 8 GiB ring took 0.6-2.6 s of the 1.3-3.3 s before the cut there
             ahead = self.owned_bytes - self.shadow.size + gpucopy.Pinned.PIECE
         with host_room.locking:
             self.host = self.timed("pin", lambda: gpucopy.Pinned(
@@ -253,8 +253,6 @@ class Taken:
         # what the job and the rest leave free at the cut (pos's own shadow counted as free)
         saver.timings["free_at_cut_bytes"] = (gpucopy.free_device_bytes(saver.drv)
                                               + (saver.shadow.size if saver.shadow else 0))
-        assert saver.host is not None        # Saver.prepare made it
-        saver.host.pause()                   # the driver's calls here run alone (Pinned)
         try:
             self.fds = saver.timed("export", lambda: export(saver))
             self.mem = saver.timed("import", lambda: gpucopy.Imported(saver.drv, self.table,
@@ -264,8 +262,6 @@ class Taken:
         except BaseException:
             self.close()
             raise
-        finally:
-            saver.host.resume()
 
     @property
     def pid(self) -> int:
@@ -320,25 +316,25 @@ class Taken:
 
     def freeze(self) -> None:
         """The job is about to be frozen (the driver's calls, CRIU's dump): the CPU and the
-        host's memory are theirs, but for the copy of what pos could not shadow. The arena's
-        locking waits too: beside CRIU's dump it made the frozen dump 4x slower (0.75 s to
-        3.3 s, a 97 GB job on the H200)."""
+        host's memory are theirs, but for the copy of what pos could not shadow. The rest of
+        the arena is not locked yet (beside CRIU's dump its locking made the frozen dump 4x
+        slower: 0.75 s to 3.3 s, a 97 GB job on the H200)."""
         if self.copier is not None:
             self.copier.hold_scans()
             self.copier.hold_shadowed()
-            self.copier.hold_locking()
 
     def thaw(self) -> None:
-        """The frozen part is over: every part of the copy goes on."""
+        """The frozen part is over (the job runs again next, or is stopped for good): every
+        part of the copy goes on, and the rest of the arena is locked."""
         if self.copier is not None:
             self.copier.release_scans()
             self.copier.release_shadowed()
-            self.copier.release_locking()
+            self.copier.lock_rest()
 
     def paused(self, call: Callable[[], Any]) -> Any:
         """The driver's checkpoint or restore of the job (or the job's remap), with pos's copy
-        to host memory and the locking of its arena held: the driver copies the job's context
-        over the same bus, and holds the job meanwhile."""
+        to host memory held: the driver copies the job's context over the same bus, and holds
+        the job meanwhile."""
         if self.copier is None:
             return call()
         self.copier.pause()
@@ -349,7 +345,8 @@ class Taken:
 
     def release(self) -> None:
         """The job goes on: its calls wait only for the buffers they may write that are not
-        saved yet (see pos/concurrent/handout.py)."""
+        saved yet (see pos/concurrent/handout.py). The rest of the arena is locked from now
+        on, if the frozen part's end did not begin it (thaw)."""
         agent = self.saver.connected()
         self.saver.timings["copied_at_release_bytes"] = \
             self.copier.copied_bytes if self.copier is not None else 0
@@ -357,6 +354,7 @@ class Taken:
         self.handout.attach(agent)
         if self.copier is not None:
             self.copier.watch(agent)
+            self.copier.lock_rest()
 
     def wait_copied(self) -> None:
         """Every buffer is in host memory: pos lets go of the job's memory and its shadow (the

@@ -94,10 +94,7 @@ class _Arena:
     def subscribe(self, fn) -> None:  # type: ignore[no-untyped-def]
         fn(0, self.size)                # locked whole, before the copy
 
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
+    def lock_rest(self) -> None:
         pass
 
 

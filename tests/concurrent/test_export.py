@@ -303,3 +303,29 @@ def test_the_ranks_copies_begin_once_every_take_is_done(tmp_path: Path) -> None:
     assert sorted(events[:4]) == [f"take {p}" for p in (10, 11, 12, 13)]
     assert events[4:] == [f"copy {p}" for p in (10, 11, 12, 13)]
     assert held == [10, 11, 12, 13]
+
+
+def test_the_rest_of_the_arena_is_locked_once_the_job_runs_again() -> None:
+    """Not while the job is held or frozen (the driver's registrations slowed its take 3-4x):
+    from the frozen part's end (the job runs next, or is stopped for good), or, for the GPU
+    state alone, which has no frozen part, from the release."""
+    from pos.concurrent.saver import Taken
+
+    calls: list[str] = []
+
+    class Copier:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *_: calls.append(name)
+
+    agent = SimpleNamespace(copy=lambda: calls.append("job goes on"))
+    t = Taken.__new__(Taken)
+    t.copier = Copier()  # type: ignore[assignment]
+    t.saver = SimpleNamespace(connected=lambda: agent, timings={})  # type: ignore[assignment]
+    t.handout = SimpleNamespace(attach=lambda _agent: None)  # type: ignore[assignment]
+    t.freeze()
+    assert "lock_rest" not in calls
+    t.thaw()
+    assert calls[-1] == "lock_rest"
+    calls.clear()
+    t.release()
+    assert calls == ["job goes on", "watch", "lock_rest"]
