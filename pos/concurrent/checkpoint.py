@@ -169,7 +169,8 @@ class _Whole:
                              sum(1 for st in self.statuses.values() if st.owned_bytes))
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,
-            ranks=len(self.agents), host_room=host_room), self.savers.append)
+            ranks=len(self.agents), host_room=host_room, status=self.statuses[a.pid]),
+            self.savers.append)
         owned = sum(s.owned_bytes for s in self.savers)
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
         self.early["anon_prepared_bytes"] = procs.anonymous_bytes(self.pids)

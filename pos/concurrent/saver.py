@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from pos.agent.control import Agent, Buffer, Cut, Refused
+from pos.agent.control import Agent, Buffer, Cut, Refused, Status
 from pos.concurrent import devices, kept
 from pos.concurrent.copier import Copied, HostRoom
 from pos.concurrent.copier import threads as copier_threads
@@ -52,7 +52,7 @@ class Saver:
     """A job's page-locked arena and device shadow, set aside before its cut."""
 
     def __init__(self, agent: Agent, settings: Settings, streams: int, chunk: int,
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, status: Optional[Status] = None) -> None:
         from pos.concurrent import gpucopy
 
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
@@ -62,7 +62,9 @@ class Saver:
         # at 4 ranks of 64 cores each had taken all 64 twice (548 threads, one interpreter lock)
         self.writers = max(1, filehash.workers() // max(1, ranks))
         self.gpu, used = devices.gpu_use(agent.pid)   # the job's GPU, recorded in its index
-        self.status = agent.status()
+        # the one reading both the ring's split (HostRoom) and the context's choice come from,
+        # when the checkpoint read it already
+        self.status = status or agent.status()
         self.owned_bytes, self.foreign_bytes = self.status.owned_bytes, self.status.foreign_bytes
         self.timings: dict[str, float] = {"gpu_used_bytes": used, "owned_bytes": self.owned_bytes,
                                           "foreign_bytes": self.foreign_bytes}
@@ -82,13 +84,13 @@ class Saver:
 
     @classmethod
     def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
-                gpu_only: bool, ranks: int = 1, host_room: Optional[HostRoom] = None
-                ) -> "Saver":
+                gpu_only: bool, ranks: int = 1, host_room: Optional[HostRoom] = None,
+                status: Optional[Status] = None) -> "Saver":
         """Before the cut: the shadow (the device memory free but 1 GiB, at most the job's) and
         the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring;
-        within `host_room`, shared by the savers prepared beside this one). Closed again if that
-        fails."""
-        saver = cls(agent, settings, streams, chunk, ranks)
+        within `host_room`, shared by the savers prepared beside this one). `status`: the
+        agent's, if read already. Closed again if that fails."""
+        saver = cls(agent, settings, streams, chunk, ranks, status)
         try:
             saver._prepare(gpu_only, host_room)
         except BaseException:

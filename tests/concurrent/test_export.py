@@ -329,3 +329,30 @@ def test_the_rest_of_the_arena_is_locked_once_the_job_runs_again() -> None:
     calls.clear()
     t.release()
     assert calls == ["job goes on", "watch", "lock_rest"]
+
+
+def test_a_saver_decides_from_the_status_the_checkpoint_read_first(
+        fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring's split among the processes (HostRoom) counts from the checkpoint's reading of
+    each agent's status; the saver's context and arena come from that reading too, not from a
+    second one, which a job allocating between the two would make disagree."""
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from pos import nvml
+    from pos.concurrent import gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.settings import Settings
+
+    class Grown(EmptyAgent):
+        def status(self) -> SimpleNamespace:       # allocated since the checkpoint asked
+            return QuietAgent().status()
+
+    monkeypatch.setattr(gpucopy, "Context", lambda *_: pytest.fail("a context was made"))
+    monkeypatch.setattr(nvml, "gpus_of", lambda pids: {})
+    first: Any = EmptyAgent().status()
+    s = Saver.prepare(Grown(), Settings(), 2, 1 << 20, gpu_only=False,  # type: ignore[arg-type]
+                      status=first)
+    try:
+        assert s.status is first and s.owned_bytes == 0 and s.context is None
+    finally:
+        s.close()
