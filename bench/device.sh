@@ -30,6 +30,9 @@
 #   bench/device.sh exit         # bench/exit_probe.py: what a restoring process's end costs
 #                                # (its context and memory let go, its exit), each way beside
 #                                # the others (POS_EXIT_GIB of device memory, default 16) (~1 min)
+#   bench/device.sh export       # bench/export_probe.py: whether the driver's properties of
+#                                # an allocation say, before an export, that its own restore
+#                                # made the allocation unexportable (~1 min)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
 #                                # costs (every GPU, one, side by side) and whether a CUDA
 #                                # start then finds its GPU attached; pos's listing beside the
@@ -92,7 +95,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -167,6 +170,9 @@ anon)
 exit)
     step exit python3 bench/exit_probe.py --out "$out" --gib "${POS_EXIT_GIB:-16}" --repeat 3
     grep '^row' "$out/exit.log" ;;
+export)
+    step export python3 bench/export_probe.py --out "$out"
+    cat "$out/export.log" ;;
 attach)
     step attach python3 bench/attach_probe.py --out "$out" --ways "${POS_ATTACH_WAYS:-nvml-all,ctx-cold,ctx-one,ctx-held,nvml-beside,pos-again,pos-thread-one,pos-thread-all,pos-ctx-one,pos-ctx-all}"
     cat "$out/attach.log" ;;

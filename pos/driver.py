@@ -200,6 +200,8 @@ class Functions:
     cuMemUnmap = Fn(CUdeviceptr, c_size_t)
     cuMemSetAccess = Fn(CUdeviceptr, c_size_t, P(CUmemAccessDesc), c_size_t)
     # the shareable handle: an int written at the pointer (export), the fd as a pointer (import)
+    cuMemGetAllocationPropertiesFromHandle = Fn(P(CUmemAllocationProp),
+                                                CUmemGenericAllocationHandle)
     cuMemExportToShareableHandle = Fn(c_void_p, CUmemGenericAllocationHandle,
                                       CUmemAllocationHandleType, c_ulonglong)
     cuMemImportFromShareableHandle = Fn(P(CUmemGenericAllocationHandle), c_void_p,

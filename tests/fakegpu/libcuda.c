@@ -578,6 +578,7 @@ struct vmm_handle {
     size_t size;
     long restores; /* the driver's restores of this process before the handle was made */
     int imported;  /* made by cuMemImportFromShareableHandle: another process's memory */
+    int handle_types; /* as cuMemCreate was asked (an import: the descriptor it came from) */
 };
 
 /* Live mappings of imported memory, by address: the driver's restore of a process that had one
@@ -669,6 +670,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     h->size = size;
     h->restores = stale_exports() ? restores_of_self() : 0;
     h->imported = 0;
+    h->handle_types = prop->requestedHandleTypes;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
@@ -801,6 +803,23 @@ static void leak_nvidiactl(void) {
     }
 }
 
+/* What the handle was made with: the driver's restore of the process leaves that as it was (an
+ * H200, driver 580.159.04, bench/export_probe.py). */
+API CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                    CUmemGenericAllocationHandle handle) {
+    NEED_CONTEXT();
+    struct vmm_handle *h = vmm_handle(handle);
+    if (!h)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(prop, 0, sizeof(*prop));
+    prop->type = 1;
+    prop->requestedHandleTypes = h->handle_types;
+    prop->location.type = 1;
+    return CUDA_SUCCESS;
+}
+
 /* Shareable handles: the memfd itself, as the driver's POSIX file descriptor handle is. */
 API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
                                           int type, unsigned long long flags) {
@@ -842,6 +861,7 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
     h->size = (size_t)sb.st_size;
     h->restores = stale_exports() ? restores_of_self() : 0;
     h->imported = 1;
+    h->handle_types = 1;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
