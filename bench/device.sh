@@ -103,12 +103,19 @@ if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
         pyseccomp
 fi
 out=${OUT:?run this through the device tool: it sets OUT}
+# POS_BENCH_TOUCH=1: bench/touch_host.py first (most of the free memory written once and freed,
+# twice over: the first pass's rate against the next's), so that a freshly started machine's
+# first tree does not meet memory never written since it started; into $OUT/touch*.json
+if [ "${POS_BENCH_TOUCH:-0}" = 1 ]; then
+    python3 bench/touch_host.py --out "$out/touch-1.json"
+    python3 bench/touch_host.py --out "$out/touch-2.json"
+fi
 if [ -n "${POS_BENCH_BASE:-}" ]; then
     base=$(realpath "$POS_BENCH_BASE")
     ln -sfn "$PWD/.device" "$base/.device"
     ln -sfn "$PWD/.whl" "$base/.whl"
     mkdir -p "$out/base"
-    (cd "$base" && OUT="$out/base" POS_BENCH_BASE='' \
+    (cd "$base" && OUT="$out/base" POS_BENCH_BASE='' POS_BENCH_TOUCH=0 \
         POS_BENCH_COMMIT="${POS_BENCH_BASE_COMMIT:-baseline}" bash bench/device.sh "$group")
 fi
 
