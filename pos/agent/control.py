@@ -110,6 +110,13 @@ class Exported:
     reseated_bytes: int    # memory at the same addresses first (see hook/export.c: reseat)
     reseat_s: float
     leaked: int            # /dev/nvidiactl descriptors the driver's refusals left, closed
+    # where the export's seconds went: the agent's wait for its table's lock and its loop over
+    # the buffers (exports, copies of descriptors; as it timed them), the rest of the time to
+    # its answer, and the descriptors' passage after it (as pos timed them)
+    lock_s: float = 0.0
+    loop_s: float = 0.0
+    answer_s: float = 0.0
+    passage_s: float = 0.0
 
 
 class NoAnswer(PosError):
@@ -407,10 +414,14 @@ class Agent:
 
     def export(self) -> Exported:
         """Every owned allocation as a descriptor (table order); the caller owns them."""
+        t0 = time.monotonic()
         r = self._ask("export")
-        return Exported(self._take_fds(r["fds"]), int(r.get("reseated", 0)),
-                        int(r.get("reseated_bytes", 0)), float(r.get("reseat_s", 0.0)),
-                        int(r.get("leaked", 0)))
+        t1 = time.monotonic()
+        fds = self._take_fds(r["fds"])
+        lock_s, loop_s = float(r.get("lock_s", 0.0)), float(r.get("loop_s", 0.0))
+        return Exported(fds, int(r.get("reseated", 0)), int(r.get("reseated_bytes", 0)),
+                        float(r.get("reseat_s", 0.0)), int(r.get("leaked", 0)), lock_s, loop_s,
+                        max(0.0, t1 - t0 - lock_s - loop_s), time.monotonic() - t1)
 
     def hoist(self, stack: Optional[int] = None, trim: bool = False) -> Hoist:
         """The job gives its physical memory up (pos must hold it); `stack`: and its context's

@@ -455,6 +455,8 @@ def export(saver: Saver) -> list[int]:
     if x.reseated or x.leaked:
         saver.timings.update(reseat=x.reseat_s, reseated_bytes=x.reseated_bytes,
                              leaked_closed_n=x.leaked)
+    saver.timings.update(export_lock=x.lock_s, export_loop=x.loop_s, export_answer=x.answer_s,
+                         export_passage=x.passage_s)
     return x.fds
 
 

@@ -520,7 +520,13 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     assert not torn(image_values(img))
     # CRIU wrote into the huge-page tmpfs while the job was frozen; its files moved into the
     # image afterwards, and nothing is left there
-    assert "move" in json.loads((img / names.MANIFEST).read_text())["timings"]
+    timings = json.loads((img / names.MANIFEST).read_text())["timings"]
+    assert "move" in timings
+    # the job's export, in parts: the agent's wait for its lock and its loop, the rest of the
+    # time to its answer, the descriptors' passage; together no longer than the export
+    parts = [timings[f"export_{k}"] for k in ("lock", "loop", "answer", "passage")]
+    assert min(parts) >= 0 and timings["export_loop"] > 0
+    assert sum(parts) <= timings["export"] + 1e-3
     assert (img / names.INVENTORY).is_file()
     assert staged(img) == []
     with Agent(job.pid) as a:

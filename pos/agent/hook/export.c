@@ -180,7 +180,9 @@ static CUresult export_one(struct owned *o, int *fd, const int *done, size_t ndo
  * frees its shadow and asks again. A buffer left with no memory at all ends the process: it
  * must not compute without it. */
 void do_export(struct conn *c) {
+    uint64_t asked = now_ns();
     pthread_mutex_lock(&mu);
+    uint64_t locked = now_ns();
     int ph = atomic_load(&phase);
     size_t n = ntab, done = 0;
     int *fds = calloc(n ? n : 1, sizeof(int));
@@ -193,6 +195,7 @@ void do_export(struct conn *c) {
     for (; fds && r == CUDA_SUCCESS && done < n; done++)
         r = export_one(&tab[done], &fds[done], fds, done, &x);
     CUdeviceptr at = done ? tab[done - 1].va : 0;
+    uint64_t looped = now_ns();
     pthread_mutex_unlock(&mu);
     free(x.before.has);
     if (!fds || r != CUDA_SUCCESS) {
@@ -218,8 +221,9 @@ void do_export(struct conn *c) {
     }
     if (reply(c,
               "{\"ok\":true,\"fds\":%zu,\"reseated\":%zu,\"reseated_bytes\":%zu,"
-              "\"reseat_s\":%.6f,\"leaked\":%zu}",
-              n, x.reseated, x.reseated_bytes, secs(x.reseat_ns), x.leaked) == 0)
+              "\"reseat_s\":%.6f,\"leaked\":%zu,\"lock_s\":%.6f,\"loop_s\":%.6f}",
+              n, x.reseated, x.reseated_bytes, secs(x.reseat_ns), x.leaked,
+              secs(locked - asked), secs(looped - locked)) == 0)
         send_fds(c, fds, n);
     for (size_t i = 0; i < n; i++)
         close(fds[i]);
