@@ -18,7 +18,9 @@ copy to host memory takes every buffer while the job is frozen (POS_FROZEN_COPY=
 baseline of holding the shadowed ones); `+keep`: the arena kept for the next checkpoint
 (POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and removed before the one
 measured, which finds its arena's memory there (`warm` in the raw run; the kept files removed
-after the row). For each row:
+after the row); `+again`: the same first checkpoint without keeping the arena, so that the one
+measured is a job's second, as a schedule makes them (the job then holds a descriptor of each
+buffer, which its export copies). For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
      image the job's memory is pos's descriptors, which the driver's engine refuses), its
      stall as the job saw it; the image removed;
@@ -134,7 +136,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    [+keep] (see the module's docstring)."""
+    [+keep][+again] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -144,6 +146,7 @@ class Spec:
         self.images = Path("/dev/shm/pos-scale") if "shm" in flags else images
         self.stw = stw and "nostw" not in flags
         self.keep = "keep" in flags
+        self.warm = self.keep or "again" in flags    # a first checkpoint before the one measured
         self.env = {**({"POS_PIN_MAX_GIB": "8"} if "ring" in flags else {}),
                     **({"POS_PIN_AHEAD_GIB": "all", "POS_PIN_RING_GIB": "4096"}
                        if "pinall" in flags else {}),
@@ -200,7 +203,7 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
             want = spec.held * total_gib - gpu_used_gib() - 0.6
             other = hog(want, out / f"{spec.name}-hog.err")
             run["hog_gib"] = round(want, 2)
-        if spec.keep:         # the checkpoint before, which leaves its arena kept
+        if spec.warm:         # the checkpoint before (with +keep, it leaves its arena kept)
             run["warm"] = pos_cmd("checkpoint", str(p.pid), "-D", str(images / "warm"),
                                   "--concurrent", "--leave-running", "--json", timeout=1200,
                                   env=spec.env)
