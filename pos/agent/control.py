@@ -119,6 +119,16 @@ class Exported:
     passage_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Room:
+    """The job's table of descriptors made to hold more before the cut (hook/export.c)."""
+
+    top: int               # its highest open descriptor
+    room: int              # the descriptor made and closed there: the table holds more
+    made: bool             # False: the limit (RLIMIT_NOFILE) or the kernel refused
+    seconds: float
+
+
 class NoAnswer(PosError):
     """The agent did not answer within the connection's timeout."""
 
@@ -422,6 +432,12 @@ class Agent:
         return Exported(fds, int(r.get("reseated", 0)), int(r.get("reseated_bytes", 0)),
                         float(r.get("reseat_s", 0.0)), int(r.get("leaked", 0)), lock_s, loop_s,
                         max(0.0, t1 - t0 - lock_s - loop_s), time.monotonic() - t1)
+
+    def room(self, n: int) -> Room:
+        """Room in the job's table for `n` more descriptors, so that the export and the remap
+        do not grow it while the job is held (pos/process/fdroom.py says why)."""
+        r = self._ask(f"room {n}")
+        return Room(int(r["top"]), int(r["room"]), bool(r["made"]), float(r["room_s"]))
 
     def hoist(self, stack: Optional[int] = None, trim: bool = False) -> Hoist:
         """The job gives its physical memory up (pos must hold it); `stack`: and its context's

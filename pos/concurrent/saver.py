@@ -35,6 +35,7 @@ from pos.errors import BadInput, PosError
 from pos.image import filehash, gpuindex, names
 from pos.operation import steps
 from pos.operation.timings import Kind, kind
+from pos.process import fdroom
 from pos.settings import Settings
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the
 SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host memory, then disk
 DEFAULT_CHUNK_MB = 64          # a checkpoint's chunk of a buffer (copied, hashed, written)
 SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
+FD_MARGIN = 64                 # descriptors beyond a job's buffers that the tables make room for
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 
 
@@ -58,6 +60,7 @@ class Saver:
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
         self.pid = agent.pid
         self.settings, self.streams, self.chunk = settings, streams, chunk
+        self.ranks = ranks
         # the host's cores shared among the `ranks` savers that copy at once, in one process:
         # at 4 ranks of 64 cores each had taken all 64 twice (548 threads, one interpreter lock)
         self.writers = max(1, filehash.workers() // max(1, ranks))
@@ -115,6 +118,7 @@ class Saver:
                            "driver saves them), or run the job without those allocators")
         if self.context is None:           # nothing to copy: no shadow, no arena
             return
+        self._make_room(st.buffers + FD_MARGIN)
         on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             on_device = min(on_device, self.settings.shadow_max_bytes)
@@ -147,6 +151,17 @@ class Saver:
         with host_room.locking:
             self.host = self.timed("pin", lambda: gpucopy.Pinned(
                 self.drv, arena, ahead=ahead, kept=keep))
+
+    def _make_room(self, n: int) -> None:
+        """Room for the descriptors of the export and the remap, `n` a process, in pos's
+        table (for every job checkpointed beside this one) and in the job's, made while it runs
+        (pos/process/fdroom.py). An agent older than the request leaves its table to grow at
+        the export, as before."""
+        self.timed("fd_room_pos", lambda: fdroom.make(self.ranks * n))
+        try:
+            self.timings["fd_room"] = self.connected().room(n).seconds
+        except Refused:
+            pass
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         return steps.timed(self.timings, name, fn)

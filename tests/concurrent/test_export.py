@@ -11,24 +11,30 @@ from typing import Any
 
 import pytest
 
-from pos.agent.control import Exported, Refused
-from pos.concurrent.saver import export
+from pos.agent.control import Exported, Refused, Room
+from pos.concurrent.saver import FD_MARGIN, export
 
 NEED = 4 << 20
 
 
 class QuietAgent:
     """An agent that answers its status (its job owns `owned` bytes of device memory, 8 MiB
-    unless said) and lets go."""
+    unless said, in 4 buffers), makes room in its job's table of descriptors (`rooms`: for how
+    many it was asked) and lets go."""
 
     pid = 4242
 
     def __init__(self, owned: int = 8 << 20) -> None:
         self.owned = owned
+        self.rooms: list[int] = []
 
     def status(self) -> SimpleNamespace:
         return SimpleNamespace(owning=True, owned_bytes=self.owned, foreign_bytes=0,
-                               foreign_allocs=0)
+                               foreign_allocs=0, buffers=4 if self.owned else 0)
+
+    def room(self, n: int) -> Room:
+        self.rooms.append(n)
+        return Room(10, 10 + n, True, 0.003)
 
     def close(self) -> None:
         return None
@@ -356,3 +362,49 @@ def test_a_saver_decides_from_the_status_the_checkpoint_read_first(
         assert s.status is first and s.owned_bytes == 0 and s.context is None
     finally:
         s.close()
+
+
+class OldAgent(QuietAgent):
+    """The agent of a job started under a pos from before the `room` request."""
+
+    def room(self, n: int) -> Room:
+        raise Refused(self.pid, {"ok": False, "error": "unknown request"})
+
+
+@pytest.mark.parametrize("agent_class", [QuietAgent, OldAgent])
+def test_before_the_cut_both_tables_have_room_for_the_descriptors(
+        fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        agent_class: type) -> None:
+    """The export's descriptors and the remap's are made while the job is held, where each
+    growth of a table that threads share waits for an RCU grace period (fdroom.py): so room
+    for them is made beforehand, in pos's table for every rank prepared beside this one, and
+    in the job's. An agent from before the request leaves its table to grow, as before."""
+    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
+    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
+    from pos.concurrent import gpucopy
+    from pos.concurrent.saver import Saver
+    from pos.process import fdroom
+    from pos.settings import Settings
+
+    class Unlocked:
+        PIECE = 1 << 20
+        pinned_bytes, all_s, error = 0, 0.0, None
+
+        def __init__(self, *_: Any, **__: Any) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    made: list[int] = []
+    monkeypatch.setattr(gpucopy, "Pinned", Unlocked)
+    monkeypatch.setattr(fdroom, "make", made.append)
+    agent: Any = agent_class()
+    s = Saver.prepare(agent, Settings(), 2, 1 << 20, gpu_only=False, ranks=3)
+    s.close()
+    n = 4 + FD_MARGIN
+    assert made == [3 * n]
+    if agent_class is QuietAgent:
+        assert agent.rooms == [n] and s.timings["fd_room"] == 0.003
+    else:
+        assert "fd_room" not in s.timings

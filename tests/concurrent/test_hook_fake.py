@@ -6,6 +6,7 @@ job's buffers from outside; what this cannot prove is GPU behaviour (tests/gpu d
 import json
 import os
 import re
+import resource
 import stat
 import subprocess
 import sys
@@ -508,6 +509,27 @@ def test_plain_migrate_to_gpu_refuses_memory_pos_mapped_back(fill_job, tmp_path:
     assert (Path(gpu_env["POS_FAKECUDA_STATE_DIR"]) / str(job.pid)).read_text().strip() \
         == "running"
     assert job.alive()
+
+
+def test_the_agent_makes_room_in_the_jobs_table_touching_no_descriptor(fill_job) -> None:
+    """Before the cut, room for the export's descriptors in the job's table, so that the
+    kernel does not grow it while the job is held (pos/process/fdroom.py says why); asked for
+    more than the job's RLIMIT_NOFILE allows, as much as it does."""
+    from tests.process.test_fdroom import table_size
+
+    job = fill_job()
+    fds = f"/proc/{job.pid}/fd"
+    before = {n: os.readlink(f"{fds}/{n}") for n in os.listdir(fds)}
+    size = table_size(str(job.pid))
+    with Agent(job.pid) as a:
+        r = a.room(size + 1000)
+    assert r.made and r.top >= max(int(n) for n in before) and r.room == r.top + size + 1000
+    assert table_size(str(job.pid)) > r.room
+    with Agent(job.pid) as a:
+        assert a.room(1 << 40).room < resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    # the agent closes its end of each connection once pos's is closed
+    wait_for(lambda: {n: os.readlink(f"{fds}/{n}") for n in os.listdir(fds)} == before,
+             what="the job's descriptors as they were")
 
 
 def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_ready,

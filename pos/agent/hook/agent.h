@@ -263,6 +263,7 @@ void reply_built(struct conn *c, void (*build)(FILE *));
 /* ---- the requests (cut.c, export.c, hoist.c, ops.c) ---------------------------------------- */
 void do_cut(struct conn *c, long timeout_ms, long at);
 void do_export(struct conn *c);
+void do_room(struct conn *c, size_t n);
 void do_hoist(struct conn *c, const char *stack_arg);
 void do_remap(struct conn *c, size_t want, int then_restore);
 void mark_done(char *args);

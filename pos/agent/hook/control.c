@@ -202,6 +202,8 @@ static void serve(int fd) {
             do_peer_up(c, args ? strtoul(args, NULL, 10) : 0);
         else if (!strcmp(cmd, "export"))
             do_export(c);
+        else if (!strcmp(cmd, "room"))
+            do_room(c, args ? strtoul(args, NULL, 10) : 0);
         else if (!strcmp(cmd, "hoist"))
             do_hoist(c, args);
         else if (!strcmp(cmd, "remap"))

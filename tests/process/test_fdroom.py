@@ -1,0 +1,51 @@
+"""pos/process/fdroom.py against the kernel: the table holds the room asked for, within
+RLIMIT_NOFILE, and no descriptor is left open or touched."""
+
+import os
+import resource
+import subprocess
+import sys
+
+from pos.process import fdroom
+
+
+def table_size(pid: str = "self") -> int:
+    """The slots of the process's table of descriptors (/proc/PID/status, FDSize)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("FDSize:"))
+
+
+def open_fds() -> dict[int, tuple[int, int]]:
+    """Each open descriptor's device and inode, but the listing's own."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(int(name))
+        except OSError:
+            continue            # the listing's descriptor, closed by now
+        out[int(name)] = (st.st_dev, st.st_ino)
+    return out
+
+
+def test_the_table_holds_the_room_asked_and_no_descriptor_is_touched() -> None:
+    before, size = open_fds(), table_size()
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n = size + 1000 if soft == resource.RLIM_INFINITY else min(size + 1000,
+                                                               soft - max(before) - 8)
+    assert max(before) + n >= size, f"RLIMIT_NOFILE {soft} leaves too little room to tell"
+    fdroom.make(n)
+    assert table_size() > max(before) + n - 1
+    assert open_fds() == before
+
+
+def test_the_room_stays_within_the_limit() -> None:
+    """Asked for more than RLIMIT_NOFILE allows, the table grows as far as the limit lets it
+    (the kernel rounds a table's size up) and no further, and nothing is raised."""
+    code = ("import resource; from pos.process import fdroom; from tests.process.test_fdroom "
+            "import table_size; resource.setrlimit(resource.RLIMIT_NOFILE, (300, "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[1])); fdroom.make(100000); "
+            "print(table_size())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert 256 <= int(r.stdout) <= 512
