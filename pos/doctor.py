@@ -50,6 +50,26 @@ def _criu() -> Optional[PosError]:
     return None
 
 
+def _criu_cache() -> Optional[PosError]:
+    """Whether CRIU finds its kernel-feature cache (pos/process/kdat.py): without it, each
+    dump and restore probes the kernel first, while the job is held."""
+    from pos.process import criu, kdat
+
+    try:
+        found = criu.find()
+    except PosError:
+        return PosError("no CRIU whose cache to keep", "install CRIU (the line above)")
+    cache = kdat.keep(found.path, found.version_text)
+    if cache.state is kdat.State.UNPRIVILEGED:
+        raise PermissionError(errno.EPERM, "only root keeps it", str(kdat.CACHE))
+    if cache.state is kdat.State.FAILED:
+        return PosError(f"CRIU's kernel-feature cache cannot be kept ({cache.reason}), so each "
+                        "dump and restore probes the kernel first (30-70 ms while the job is "
+                        "held)", "give pos CAP_SYS_ADMIN (it mounts a tmpfs on /run/pos/kdat)"
+                        ", or mount a tmpfs on /run as systemd does (a container: --tmpfs /run)")
+    return None
+
+
 def _soft_dirty() -> Optional[PosError]:
     """Whether CRIU can copy a job's host memory before the freeze (pos/concurrent/predump.py)."""
     from pos.concurrent import predump
@@ -118,6 +138,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
     ("NVIDIA driver library", _nvidia_driver),
     ("GPUs in persistence mode (a restore starts CUDA on its own GPUs alone)", _persistence),
     ("CRIU >= 4.0 (checkpoint/restore)", _criu),
+    ("CRIU's kernel-feature cache (/run/criu.kdat)", _criu_cache),
     ("soft-dirty tracking (CRIU's pre-dump, of jobs that map no device)", _soft_dirty),
     ("pos run's preload library (libposhook.so, built with gcc)", _hook),
     ("pos run's io_uring filter (pyseccomp over libseccomp2)", _seccomp),
@@ -125,7 +146,7 @@ CHECKS: tuple[tuple[str, Callable[[], Optional[PosError]]], ...] = (
 )
 
 # what pos can do without: n/a when absent
-OPTIONAL = (_nvidia_driver, _persistence, _soft_dirty, _migrate_key)
+OPTIONAL = (_nvidia_driver, _persistence, _criu_cache, _soft_dirty, _migrate_key)
 
 
 @dataclass

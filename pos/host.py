@@ -81,16 +81,60 @@ def memory_available() -> int:
     return 0
 
 
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+CLONE_NEWNS = 0x00020000
+TMPFS_MAGIC = 0x01021994          # linux/magic.h
+
+
+def _checked(ret: int, what: object) -> None:
+    """OSError for a libc call that failed (its errno, and `what` it was about)."""
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), str(what))
+
+
+def _mount(source: Optional[Path], target: Path, fstype: Optional[bytes], flags: int,
+           data: Optional[bytes] = None) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    _checked(libc.mount(str(source).encode() if source is not None else None,
+                        str(target).encode(), fstype, ctypes.c_ulong(flags), data), target)
+
+
 def mount_tmpfs(root: Path, options: bytes) -> None:
     """A tmpfs mounted at `root` (made, mode 0700, if need be) unless one is there: OSError
     when the kernel refuses (no CAP_SYS_ADMIN, a read-only /run)."""
     if os.path.ismount(root):
         return
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _mount(Path("tmpfs"), root, b"tmpfs", 0, options)
+
+
+def bind_mount(source: Path, target: Path) -> None:
+    """`source` (a file or a folder) seen at `target` too, which must exist and be of its kind."""
+    _mount(source, target, None, MS_BIND)
+
+
+def unmount(target: Path) -> None:
+    """The mount at `target` taken away, at once for new lookups (lazily for those in use)."""
+    _checked(ctypes.CDLL(None, use_errno=True).umount2(str(target).encode(), MNT_DETACH), target)
+
+
+def own_mounts() -> None:
+    """This process in a mount namespace of its own, whose mounts reach no other namespace:
+    what it mounts from then on only it and its children see."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", str(root).encode(), b"tmpfs", ctypes.c_ulong(0), options) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+    _checked(libc.unshare(CLONE_NEWNS), "unshare")
+    _mount(None, Path("/"), None, MS_REC | MS_PRIVATE)
+
+
+def fs_magic(path: Path) -> int:
+    """The kind of file system that holds `path` (statfs's f_type: TMPFS_MAGIC, ...)."""
+    buf = ctypes.create_string_buffer(256)      # struct statfs: 120 bytes, f_type first
+    _checked(ctypes.CDLL(None, use_errno=True).statfs(str(path).encode(), buf), path)
+    return ctypes.c_long.from_buffer(buf).value
 
 
 def effective_capabilities() -> int:

@@ -135,13 +135,14 @@ def warm_up(wanted: Optional[tuple[int, ...]]) -> list[Warm]:
     pos/concurrent/devices.py start_cuda), the GPUs' contexts."""
     from pos import nvml
     from pos.driver import driver
-    from pos.process import criu
+    from pos.process import criu, kdat
     from pos.settings import Settings
 
     for name in RESTORE_MODULES:
         importlib.import_module(name)
     try:
-        criu.find(Settings.from_env())     # `criu --version`, asked once a process
+        found = criu.find(Settings.from_env())   # `criu --version`, asked once a process
+        kdat.keep(found.path, found.version_text)   # and its probes kept, for every restore
     except PosError:
         pass                   # no CRIU here, or a bad setting: each restore says so
     nvml.available()           # NVML's first use initialises it

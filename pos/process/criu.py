@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from pos.errors import BadInput, PosError
 from pos.image import names
-from pos.process import procs
+from pos.process import kdat, procs
 from pos.settings import DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_LOG_DIR, Settings
 
 SETUP_COPY = "/opt/pos/criu/criu"
@@ -285,7 +285,10 @@ class Criu:
         its parasite code runs inside the target (pos decides what to do instead). `pass_fds`
         stay open in CRIU: the descriptors that --inherit-fd hands to the restored tree.
         `terminal`: CRIU gets pos's stdin, a terminal, which a shell job's restore attaches
-        the job to (CRIU takes the terminal of its own stdin)."""
+        the job to (CRIU takes the terminal of its own stdin). CRIU's kernel-feature cache
+        is kept first, where CRIU cannot keep it itself (pos/process/kdat.py): without it, CRIU
+        probes the kernel for 30-70 ms before it starts on a job."""
+        kdat.keep(self.path, self.version_text)
         return subprocess.Popen(argv, stdin=0 if terminal else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 preexec_fn=os.setpgrp, pass_fds=pass_fds)
