@@ -33,6 +33,8 @@
 #   bench/device.sh export       # bench/export_probe.py: whether the driver's properties of
 #                                # an allocation say, before an export, that its own restore
 #                                # made the allocation unexportable (~1 min)
+#   bench/device.sh kdat         # bench/kdat_probe.sh: CRIU's start with and without its
+#                                # kernel-feature cache, and with pos's (~10 s)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
 #                                # costs (every GPU, one, side by side) and whether a CUDA
 #                                # start then finds its GPU attached; pos's listing beside the
@@ -95,7 +97,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export kdat schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -121,6 +123,9 @@ fi
 
 # shellcheck disable=SC1091
 source .device/setup.sh
+# each tree starts without the CRIU cache that pos keeps (pos/process/kdat.py), which a tree run
+# before it on this machine would otherwise find; POS_BENCH_KDAT=keep leaves it
+[ "${POS_BENCH_KDAT:-drop}" = keep ] || umount /run/criu.kdat /run/pos/kdat 2> /dev/null
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
 # byte-compiled, as an installed pos and its dependencies are: a command's first import of a
@@ -177,6 +182,9 @@ anon)
 exit)
     step exit python3 bench/exit_probe.py --out "$out" --gib "${POS_EXIT_GIB:-16}" --repeat 3
     grep '^row' "$out/exit.log" ;;
+kdat)
+    step kdat bash bench/kdat_probe.sh
+    cat "$out/kdat.log" ;;
 export)
     step export python3 bench/export_probe.py --out "$out"
     cat "$out/export.log" ;;

@@ -549,6 +549,8 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     parts = [timings[f"export_{k}"] for k in ("lock", "loop", "answer", "passage")]
     assert min(parts) >= 0 and timings["export_loop"] > 0
     assert sum(parts) <= timings["export"] + 1e-3
+    # CRIU's kernel-feature cache kept before the cut (pos/process/kdat.py), timed
+    assert timings["criu_cache"] >= 0
     assert (img / names.INVENTORY).is_file()
     assert staged(img) == []
     with Agent(job.pid) as a:
