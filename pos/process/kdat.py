@@ -27,7 +27,7 @@ from pathlib import Path
 from pos import host
 
 RUN = Path("/run")
-ROOT = Path("/run/pos/kdat")         # pos's tmpfs: the cache, its stamp, the lock
+ROOT = Path("/run/pos/kdat")         # pos's tmpfs: the cache and its stamp
 CACHE = RUN / "criu.kdat"            # where CRIU reads it (its KDAT_RUNDIR, built in)
 OPTIONS = b"mode=0700,size=1m"
 CHECK = ("check", "--feature", "mnt_id")   # any CRIU command probes first; this one is quick
@@ -69,17 +69,21 @@ def keep(criu: str, version: str) -> Cache:
         done = _known(want)
         if done is not None:
             return cache(*done)
-        host.mount_tmpfs(ROOT, OPTIONS)
-        with open(ROOT / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)       # another pos may be making it
+        ROOT.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(ROOT.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)     # another pos may be making it, tmpfs and all
             done = _known(want)
             if done is not None:
                 return cache(*done)
+            host.mount_tmpfs(ROOT, OPTIONS)
             try:
                 why = _make(criu)
             except (OSError, subprocess.SubprocessError) as e:
                 why = str(e) or type(e).__name__
             (ROOT / "stamp").write_text(f"{want}\n{why}")
+        finally:
+            os.close(lock)
     except (OSError, subprocess.SubprocessError) as e:
         return cache(State.FAILED, str(e))
     return cache(State.FAILED, why) if why else cache(State.MADE)

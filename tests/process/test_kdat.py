@@ -21,11 +21,12 @@ from tests.conftest import ROOT, need
 CHILD = r'''
 import json, os, subprocess, sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from pos import host
 from pos.process import criu, kdat
 
-folder, run_kind, other = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+folder, run_kind, other, together = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 host.own_mounts()
 if run_kind == "tmpfs":
     host.mount_tmpfs(Path("/run"), b"mode=0755")
@@ -38,6 +39,10 @@ def mount_points():
 before = mount_points()      # the host's, /run/criu.kdat among them where pos keeps one there
 c = criu.find()
 out = {"states": [], "reasons": []}
+if together > 1:             # pos's processes at once: threads, each with its own lock's open
+    with ThreadPoolExecutor(together) as pool:
+        kept = list(pool.map(lambda _: kdat.keep(c.path, c.version_text), range(together)))
+    out["together"] = sorted(k.state.value for k in kept)
 for path in (c.path, c.path, *([other, other] if other else [])):
     kept = kdat.keep(path, c.version_text)
     out["states"].append(kept.state.value)
@@ -69,10 +74,12 @@ def folder(tmp_path: Path) -> Iterator[Path]:
     need(False, "no folder off a tmpfs to stand for /run")
 
 
-def child(folder: Path, run_kind: str = "disk", other: str = "") -> dict[str, Any]:
-    """CHILD's findings: keep() twice for pos's CRIU, then twice for `other` if given, with
-    /run on `run_kind`; then a dump by the last CRIU."""
-    p = subprocess.run([sys.executable, "-c", CHILD, str(folder), run_kind, other],
+def child(folder: Path, run_kind: str = "disk", other: str = "", together: int = 1
+          ) -> dict[str, Any]:
+    """CHILD's findings: keep() twice for pos's CRIU (first `together` at once), then twice
+    for `other` if given, with /run on `run_kind`; then a dump by the last CRIU."""
+    p = subprocess.run([sys.executable, "-c", CHILD, str(folder), run_kind, other,
+                        str(together)],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
@@ -88,6 +95,14 @@ def test_criu_loads_the_cache_pos_keeps_where_run_is_not_a_tmpfs(criu_ready,
     assert "Loaded kdat cache from /run/criu.kdat" in out["log"]
     assert out["mounts"].count("/run/criu.kdat") == 1
     assert out["mounts"].count(str(kdat.ROOT)) == 1
+
+
+def test_made_once_when_several_ask_at_once(criu_ready, folder: Path) -> None:
+    out = child(folder, together=4)
+    assert out["together"] == ["kept", "kept", "kept", "made"]
+    assert out["mounts"].count("/run/criu.kdat") == 1
+    assert out["mounts"].count(str(kdat.ROOT)) == 1
+    assert out["rc"] == 0 and "Loaded kdat cache from /run/criu.kdat" in out["log"]
 
 
 def test_a_cache_for_another_criu_replaces_the_one_there(criu_ready, folder: Path) -> None:
