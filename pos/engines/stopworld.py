@@ -27,7 +27,7 @@ from pos.operation.manifest import new_manifest
 from pos.operation.plan import CheckpointPlan
 from pos.operation.steps import Echo, Guard, folder_bytes
 from pos.process import criu as criu_mod
-from pos.process import cudackpt, procs
+from pos.process import cudackpt, kdat, procs
 from pos.progress import QUIET, Progress
 from pos.settings import Settings
 
@@ -85,6 +85,8 @@ def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
     with Guard(plan, echo, settings, progress) as g:
         echo(f"checkpointing PID {pid} ({comm}): {len(pids)} process(es), {len(cuda)} with "
              "CUDA state")
+        # CRIU's probes of the kernel kept before the job is held (pos/process/kdat.py)
+        g.timed("criu_cache", lambda: kdat.keep(criu.path, criu.version_text))
         start = time.monotonic()
         g.each("lock", cuda, lambda p: cudackpt.lock(p, save.lock_timeout_ms))
         restorable.recheck_locked(cuda, agents)
