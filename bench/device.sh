@@ -89,7 +89,8 @@
 # cannot dump a process with a TCP/UDP socket on Linux >= 6.16): scripts/criu-debs.sh
 # .device/criu. For containers (the GPU machine has no
 # podman): scripts/podman-debs.sh .device/podman, beside .device/criu (no bcc: 7 + 18 MiB).
-# Then carry .whl and .device.
+# Then carry .whl and .device. What a group leaves under $OUT comes back as one archive,
+# $OUT/all.tgz (POS_BENCH_PACK=0: as loose files).
 #
 # The baseline in the same run, for a change: POS_BENCH_BASE=DIR runs the group first from
 # another tree, a checkout of the commit to compare against (here: `mkdir .base && git archive
@@ -117,7 +118,7 @@ if [ -n "${POS_BENCH_BASE:-}" ]; then
     ln -sfn "$PWD/.device" "$base/.device"
     ln -sfn "$PWD/.whl" "$base/.whl"
     mkdir -p "$out/base"
-    (cd "$base" && OUT="$out/base" POS_BENCH_BASE='' POS_BENCH_TOUCH=0 \
+    (cd "$base" && OUT="$out/base" POS_BENCH_BASE='' POS_BENCH_TOUCH=0 POS_BENCH_PACK=0 \
         POS_BENCH_COMMIT="${POS_BENCH_BASE_COMMIT:-baseline}" bash bench/device.sh "$group")
 fi
 
@@ -310,3 +311,9 @@ containers)
     echo "unknown group $group: trace analyze checkpoint checkpoint32 concurrent restart pin perf schedule scale floor multigpu nccl torchrun serve containers" >&2
     exit 2 ;;
 esac
+# everything under $OUT (the baseline's too) as one archive, $OUT/all.tgz: only so many files
+# come back from a call, and those past the limit are lost (POS_BENCH_PACK=0: left as they are)
+if [ "${POS_BENCH_PACK:-1}" = 1 ]; then
+    tar czf /tmp/pos-bench-all.tgz -C "$out" . && find "$out" -mindepth 1 -delete &&
+        mv /tmp/pos-bench-all.tgz "$out/all.tgz"
+fi
