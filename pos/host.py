@@ -122,11 +122,16 @@ def unmount(target: Path) -> None:
     _checked(ctypes.CDLL(None, use_errno=True).umount2(str(target).encode(), MNT_DETACH), target)
 
 
+def unshare(flags: int) -> None:
+    """This process in new namespaces of the kinds `flags` names (CLONE_NEW*): OSError when the
+    kernel refuses."""
+    _checked(ctypes.CDLL(None, use_errno=True).unshare(flags), "unshare")
+
+
 def own_mounts() -> None:
     """This process in a mount namespace of its own, whose mounts reach no other namespace:
     what it mounts from then on only it and its children see."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    _checked(libc.unshare(CLONE_NEWNS), "unshare")
+    unshare(CLONE_NEWNS)
     _mount(None, Path("/"), None, MS_REC | MS_PRIVATE)
 
 

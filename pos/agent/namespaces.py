@@ -19,12 +19,12 @@ waits for them. `pos run` stays outside as its parent, passes the usual signals 
 with its status.
 """
 
-import ctypes
 import errno
 import os
 import signal
 import sys
 
+from pos import host
 from pos.errors import BadInput, PosError
 
 CLONE_NEWNET = 0x40000000
@@ -34,15 +34,15 @@ PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 def _unshare(flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        if err == errno.EPERM:
+    try:
+        host.unshare(flags)
+    except OSError as e:
+        if e.errno == errno.EPERM:
             raise BadInput("a job in namespaces of its own needs root (CAP_SYS_ADMIN makes PID "
                            "and network namespaces)", "run pos with sudo, or leave out "
-                           "--clonable")
-        raise PosError(f"the job's namespaces could not be made: {os.strerror(err)}",
-                       "leave out --clonable")
+                           "--clonable") from None
+        raise PosError(f"the job's namespaces could not be made: {e.strerror}",
+                       "leave out --clonable") from None
 
 
 def _loopback_up() -> None:
