@@ -21,6 +21,7 @@ from pos.operation.plan import RestorePlan
 from pos.process import criu as criu_mod
 from pos.process.criu import Criu, Options
 from pos.settings import Settings
+from tests.conftest import reaped
 from tests.image.damage import damage, largest
 from tests.engines.conftest import alive, one_sentence, pos, reap, wait_for
 from tests.restore.test_restore_bounds import nothing_left
@@ -237,6 +238,9 @@ def test_the_kernel_s_refusal_is_one_sentence_with_nothing_left(tmp_path, env, j
                  "profile), refuses CRIU the userfaultfd that a lazy restore needs: set "
                  "POS_LAZY_PAGES=0 (CRIU then restores all of the memory before the job runs)")
     nothing_left(img, env, [job.pid])
+    # the task CRIU restored, ended after CRIU: an orphan of this process (the subreaper), whose
+    # zombie keeps its PID until reaped here, as PID 1 reaps it on a host
+    wait_for(lambda: reaped(job.pid), what="the refused restore's task to be reaped")
     assert timings(restore(img, env, "0", "--json"))
     assert job.holds()[0] == job.start.read_text()
 
