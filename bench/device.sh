@@ -33,6 +33,10 @@
 #   bench/device.sh export       # bench/export_probe.py: whether the driver's properties of
 #                                # an allocation say, before an export, that its own restore
 #                                # made the allocation unexportable (~1 min)
+#   bench/device.sh drain        # bench/drain_probe.py: how fast the ring drains into an image
+#                                # in /dev/shm while the GPU copies into it, two stages (hash,
+#                                # then write) against one pass (POS_DRAIN_GIB, default 16;
+#                                # POS_DRAIN_DEST: folders, default /dev/shm) (~1 min a folder)
 #   bench/device.sh kdat         # bench/kdat_probe.sh: CRIU's start with and without its
 #                                # kernel-feature cache, and with pos's (~10 s)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
@@ -98,7 +102,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export kdat schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export drain kdat schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -183,6 +187,10 @@ anon)
 exit)
     step exit python3 bench/exit_probe.py --out "$out" --gib "${POS_EXIT_GIB:-16}" --repeat 3
     grep '^row' "$out/exit.log" ;;
+drain)
+    step drain python3 bench/drain_probe.py --out "$out" --gib "${POS_DRAIN_GIB:-16}" \
+        --dest "${POS_DRAIN_DEST:-/dev/shm}" --threads "${POS_DRAIN_THREADS:-16,8}"
+    grep '^row' "$out/drain.log" ;;
 kdat)
     step kdat bash bench/kdat_probe.sh
     cat "$out/kdat.log" ;;

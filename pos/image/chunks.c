@@ -271,6 +271,40 @@ EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, 
     return pieces(fd, NULL, out, NULL, 0, n, at, piece, starts, ends, k, hits, hash);
 }
 
+/* Write the chunk of n bytes at buf to fd (at its offset), `piece` bytes at a time (a multiple
+ * of GROUP), each piece hashed, and the ranges its words point into marked, just before its
+ * write, while it is in the CPU's cache: hashing a whole 64 MiB chunk and then writing it read
+ * it from memory twice, beside the copy engine writing the next ones into it. Returns 0, -1
+ * for a piece that is no whole number of groups, or -errno of the write that failed. *hash: the
+ * chunk's checksum (pos_fold_point's, bit for bit). */
+EXPORT int64_t pos_write_chunk(int fd, const unsigned char *buf, size_t n, size_t piece,
+                               const uint64_t *starts, const uint64_t *ends, size_t k,
+                               unsigned char *hits, uint64_t *hash) {
+    if (piece == 0 || piece % GROUP)
+        return -1;
+    uint64_t lanes[4];
+    start(n, lanes);
+    size_t whole = n / GROUP * GROUP;
+    for (size_t done = 0; done < n;) {
+        size_t end = done + piece < n ? done + piece : n;
+        size_t grouped = (end < whole ? end : whole) - done;
+        pass((unsigned char *)buf + done, buf + done, grouped / GROUP, 0, lanes, starts, ends, k,
+             hits);
+        for (size_t put = done; put < end;) {
+            ssize_t w = write(fd, buf + put, end - put);
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w <= 0)
+                return w < 0 ? -(int64_t)errno : -(int64_t)EIO;
+            put += (size_t)w;
+        }
+        done = end;
+    }
+    pos_point(buf + whole, (n - whole) / 8, starts, ends, k, hits);
+    *hash = close_hash(lanes, buf + whole, n);
+    return 0;
+}
+
 /* Fill n bytes of device memory at dst from position `at` of a data file through the ring (its
  * piece size a multiple of GROUP): read from fd, or copied from `mapped` (the whole file mapped
  * read-only, at least at + n bytes long; NULL: read); see `pieces`. The caller waits for the

@@ -36,6 +36,9 @@ _lib.pos_point.restype = None
 _lib.pos_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
 _lib.pos_fold_point.restype = ctypes.c_uint64
 _lib.pos_fold_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
+_lib.pos_write_chunk.restype = ctypes.c_int64
+_lib.pos_write_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_size_t, _P, _P,
+                                 ctypes.c_size_t, _P, ctypes.POINTER(ctypes.c_uint64)]
 _lib.pos_read_chunk.restype = ctypes.c_int64
 _lib.pos_read_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_int64,
                                 ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P,
