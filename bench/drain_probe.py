@@ -12,6 +12,8 @@ GiB of device memory, the files in a new folder under each --dest, removed after
   hash         the chunk hashed and scanned for 256 buffers' addresses (pos_fold_point) only
   write        the chunk written to the thread's data file only
   overwrite    the same into files as large, written just before: their pages are there
+  direct       no ring: the GPU copies into the image's files themselves, each 1 GiB of them
+               mapped, its pages made and page-locked first (the checksum would be the GPU's)
   two-stage    hashed and scanned by one set of threads, then written by another (the copier
                of 2026-11-29: 16 and 16)
   one-pass     each 1 MiB piece hashed and scanned, then written while it is in the CPU's
@@ -23,6 +25,7 @@ DIR/drain.json and prints one line a way.
 import argparse
 import ctypes as C
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -182,6 +185,67 @@ class Drain:
                 "gbps": round(self.total / s / 1e9, 2), "written_gb": round(written / 1e9, 2)}
 
 
+_libc = C.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [C.c_void_p, C.c_size_t, C.c_int]
+MADV_POPULATE_WRITE = 23
+
+
+def direct(drv: Any, src: int, total: int, folder: Path, threads: int) -> dict[str, Any]:
+    """No ring and no write: each 1 GiB of the image is a file mapped shared, its pages made
+    (MADV_POPULATE_WRITE) and page-locked (cuMemHostRegister), the GPU copying into them (one
+    stream a thread); what a copy with its checksum made on the GPU could reach."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = gpucopy.current(drv)
+    parts = list(range(total // GIB))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        drv.cuCtxSetCurrent(ctx)
+        stream = C.c_void_p()
+        drv.cuStreamCreate(C.byref(stream), 1)
+        try:
+            while True:
+                with lock:
+                    if not parts or errors:
+                        return
+                    k = parts.pop(0)
+                fd = os.open(folder / f"data-{k}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.ftruncate(fd, GIB)
+                    m = mmap.mmap(fd, GIB, flags=mmap.MAP_SHARED)
+                    at = C.addressof(C.c_char.from_buffer(m))
+                    if _libc.madvise(at, GIB, MADV_POPULATE_WRITE) != 0:
+                        raise OSError(C.get_errno(), "madvise")
+                    drv.cuMemHostRegister_v2(at, GIB, 0)
+                    for off in range(0, GIB, CHUNK):
+                        drv.cuMemcpyDtoHAsync_v2(at + off, src + k * GIB + off, CHUNK, stream)
+                    drv.cuStreamSynchronize(stream)
+                    drv.cuMemHostUnregister(at)
+                    del at
+                    m.close()
+                finally:
+                    os.close(fd)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            drv.cuStreamDestroy_v2(stream)
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    s = time.monotonic() - t0
+    written = sum(f.stat().st_size for f in folder.iterdir())
+    shutil.rmtree(folder)
+    if errors:
+        raise errors[0]
+    return {"way": "direct", "threads": threads, "seconds": round(s, 3),
+            "gbps": round(total / s / 1e9, 2), "written_gb": round(written / 1e9, 2)}
+
+
 def memcpy(gib: int, threads: int) -> dict[str, Any]:
     """The host's memory copy: `threads` threads memmove 256 MiB blocks, --gib GiB in all."""
     a = np.ones(gib * GIB, np.uint8)
@@ -244,6 +308,7 @@ def main() -> None:
                     row(d.run(way, threads), str(folder.parent))
                 row(d.run("write", threads, keep=True), str(folder.parent))
                 row(d.run("overwrite", threads), str(folder.parent))
+                row(direct(drv, src.value, total, folder, threads), str(folder.parent))
         row(link.run("d2h", 0))
         for threads in (1, 8, 16):
             row(memcpy(4, threads))
