@@ -37,6 +37,9 @@
 #                                # in /dev/shm while the GPU copies into it, two stages (hash,
 #                                # then write) against one pass (POS_DRAIN_GIB, default 16;
 #                                # POS_DRAIN_DEST: folders, default /dev/shm) (~1 min a folder)
+#   bench/device.sh criudest     # bench/criu_dest_probe.py: CRIU's frozen dump of a process's
+#                                # 1.4 GB into /dev/shm and into pos's staging tmpfs, on the
+#                                # host as it is, beside 60 GiB held in /dev/shm, after (~2 min)
 #   bench/device.sh kdat         # bench/kdat_probe.sh: CRIU's start with and without its
 #                                # kernel-feature cache, and with pos's (~10 s)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
@@ -102,7 +105,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export drain kdat schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -191,6 +194,9 @@ drain)
     step drain python3 bench/drain_probe.py --out "$out" --gib "${POS_DRAIN_GIB:-16}" \
         --dest "${POS_DRAIN_DEST:-/dev/shm}" --threads "${POS_DRAIN_THREADS:-16,8}"
     grep '^row' "$out/drain.log" ;;
+criudest)
+    step criu-dest python3 bench/criu_dest_probe.py --out "$out"
+    grep '^row' "$out/criu-dest.log" ;;
 kdat)
     step kdat bash bench/kdat_probe.sh
     cat "$out/kdat.log" ;;
