@@ -1,8 +1,9 @@
 """A checkpoint's copy of the job's device memory into its image, outside the job.
 
-Each chunk goes device-to-host into a slot of one page-locked arena, is hashed and scanned for
-the addresses of the job's buffers there (pos/image/chunks.c: one pass, without the GIL), and
-is written to the image's data files by writer threads, which give its slot back. The arena may
+Each chunk goes device-to-host into a slot of one page-locked arena, and a saver thread writes
+it to the image's data files, hashing it and scanning it for the addresses of the job's buffers
+piece by piece as it writes (pos/image/chunks.c: one pass, without the GIL), then gives its
+slot back. The arena may
 be smaller than the job: the copy then streams at the disk's pace instead of needing host
 memory as large as the GPU's (pinning 54 GiB took 23 s on the H100 host before the cut, and the
 host may not have it); and its parts come as they are locked, the ring before the cut, the rest
@@ -48,9 +49,8 @@ HOST_RESERVE = 2 << 30            # host memory left to everything else
 
 
 def threads(streams: int, writers: int) -> int:
-    """The threads a Copier runs: its reader, a copy thread per stream, `writers` scanners and
-    as many writers."""
-    return 1 + streams + 2 * max(1, writers)
+    """The threads a Copier runs: its reader, a copy thread per stream, and `writers` savers."""
+    return 1 + streams + max(1, writers)
 
 
 def host_spare() -> int:
@@ -125,15 +125,15 @@ class Copied:
 
 class Copier:
     """Copies `table`'s buffers from `sources` (pos's shadow, or its mapping of the job's own
-    memory) through `arena` into `writer`. Three kinds of threads: one per stream copies chunks
+    memory) through `arena` into `writer`. Two kinds of threads: one per stream copies chunks
     to the arena (gpucopy.run_chunks; the handout learns as each buffer is all in host memory:
-    `captured`), others hash them and scan them for addresses (the handout learns what each
-    buffer points into, and when it is all known: `came_back`), others write them and give
-    their slot back. start(), then wait_copied() (device memory no longer needed), then join()
-    (all written); close() in any case. pause()/resume() hold the copies to the arena (the
-    driver's own copies of the job's context go faster alone), hold_scans()/release_scans()
-    the hashing, scanning and writing (CRIU's dump, on the CPU, took 1.1-1.5 s instead of
-    0.5-0.8 beside them on the H100 host), hold_shadowed()/release_shadowed() the copies of
+    `captured`), the savers write them, hashing and scanning them for addresses as they go
+    (the handout learns what each buffer points into, and when it is all known: `came_back`),
+    and give their slot back. start(), then wait_copied() (device memory no longer needed),
+    then join() (all written); close() in any case. pause()/resume() hold the copies to the
+    arena (the driver's own copies of the job's context go faster alone),
+    hold_scans()/release_scans() the savers (CRIU's dump, on the CPU, took 1.1-1.5 s instead
+    of 0.5-0.8 beside them on the H100 host), hold_shadowed()/release_shadowed() the copies of
     the shadowed buffers (safe in the shadow, they need not compete with the frozen part for
     the host's memory); lock_rest() lets the arena lock the rest of its memory (the job runs
     again); watch(agent) asks the job's agent what its calls wait for, and copies that
@@ -176,10 +176,9 @@ class Copier:
         self.chunk = chunk
         arena.subscribe(self._add_slots)        # its parts as they are locked
         self.scans: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
-        self.writes: queue.Queue[Optional[tuple[int, int, int, int, int]]] = queue.Queue()
         self.go = threading.Event()             # the copies to host memory may go on
         self.go.set()
-        self.scan_go = threading.Event()        # the hashing and scanning may go on
+        self.scan_go = threading.Event()        # the savers may go on
         self.scan_go.set()
         self.shadow_go = threading.Event()      # the shadowed buffers' copies may go on
         self.shadow_go.set()
@@ -190,8 +189,7 @@ class Copier:
         self.d2h_s = self.disk_s = 0.0
         self.d2h_busy_s = 0.0        # the seconds in which at least one chunk was copied
         self.copying, self.busy_since = 0, 0.0
-        self.threads = max(1, writers)          # scanners, and as many writers
-        self.scanning = self.threads            # scanners not ended yet
+        self.threads = max(1, writers)          # savers
         self.crew = Crew("pos-copy", on_stop=self._wake)
         self.spares = spares
         self.watcher: Optional[threading.Thread] = None
@@ -206,8 +204,7 @@ class Copier:
             if n == 0:                  # an empty buffer: nothing to scan (nor to copy)
                 self.handout.came_back(i)
         self.crew.start([("reader", self._copy)]
-                        + [(f"scan-{k}", self._scan) for k in range(self.threads)]
-                        + [(f"write-{k}", self._write) for k in range(self.threads)],
+                        + [(f"save-{k}", self._save) for k in range(self.threads)],
                         self.spares)
 
     def pause(self) -> None:
@@ -255,8 +252,7 @@ class Copier:
 
     def _copy(self) -> None:
         """One thread per stream copies chunks to the arena, in the order's order (the handout
-        learns as each buffer is all there); then the scanners and the writers are told there
-        is no more."""
+        learns as each buffer is all there); then the savers are told there is no more."""
         def one(stream: Any, i: int, off: int, n: int) -> None:
             self.go.wait()
             if i in self.shadowed:          # taken only once no other buffer's chunk is left
@@ -292,48 +288,22 @@ class Copier:
             for _ in range(self.threads):
                 self.scans.put(None)
 
-    def _scan(self) -> None:
-        """Hash and scan each chunk copied; the last scanner to end tells the writers."""
-        try:
-            self._scan_each()
-        finally:
-            with self.lock:
-                self.scanning -= 1
-                last = self.scanning == 0
-            if last:
-                for _ in range(self.threads):
-                    self.writes.put(None)
-
-    def _scan_each(self) -> None:
-        import numpy as np
-
-        from pos.image import gpu as gpuimage
-
+    def _save(self) -> None:
+        """Write each chunk copied, hashed and scanned as it goes, and give its slot back; the
+        handout learns what the chunk points into, and when its buffer is all known."""
         while self.scan_go.wait() and (item := self.scans.get()) is not None:
             i, off, n, slot = item
-            if self.crew.stopped.is_set():
-                self.slots.put(slot)
-                continue
             try:
-                h, hits = gpuimage.checksum_points(self.arena.view(slot, n), self.targets)
-                self.handout.points(i, self.index_of[np.flatnonzero(hits)].tolist())
+                if self.crew.stopped.is_set():
+                    continue
+                hits = self.writer.put_scanned(self.table[i].va, off, self.arena.view(slot, n),
+                                               self.targets)
+                self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
                 with self.lock:
                     self.scan_left[i] -= 1
                     whole = self.scan_left[i] == 0
                 if whole:
                     self.handout.came_back(i)     # may tell the agent: its socket may fail
-            except BaseException as e:
-                self.slots.put(slot)
-                self.crew.fail(e)
-                continue
-            self.writes.put((i, off, n, slot, h))
-
-    def _write(self) -> None:
-        while (item := self.writes.get()) is not None:
-            i, off, n, slot, h = item
-            try:
-                if not self.crew.stopped.is_set():
-                    self.writer.put(self.table[i].va, off, self.arena.view(slot, n), h)
             except BaseException as e:
                 self.crew.fail(e)
             finally:

@@ -274,14 +274,14 @@ EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, 
 /* Write the chunk of n bytes at buf to fd (at its offset), `piece` bytes at a time (a multiple
  * of GROUP), each piece hashed, and the ranges its words point into marked, just before its
  * write, while it is in the CPU's cache: hashing a whole 64 MiB chunk and then writing it read
- * it from memory twice, beside the copy engine writing the next ones into it. Returns 0, -1
- * for a piece that is no whole number of groups, or -errno of the write that failed. *hash: the
- * chunk's checksum (pos_fold_point's, bit for bit). */
+ * it from memory twice, beside the copy engine writing the next ones into it. Returns 0,
+ * -EINVAL for a piece that is no whole number of groups, or -errno of the write that failed.
+ * *hash: the chunk's checksum (pos_fold_point's, bit for bit). */
 EXPORT int64_t pos_write_chunk(int fd, const unsigned char *buf, size_t n, size_t piece,
                                const uint64_t *starts, const uint64_t *ends, size_t k,
                                unsigned char *hits, uint64_t *hash) {
     if (piece == 0 || piece % GROUP)
-        return -1;
+        return -EINVAL;
     uint64_t lanes[4];
     start(n, lanes);
     size_t whole = n / GROUP * GROUP;

@@ -14,6 +14,7 @@ from pos.agent.control import Buffer
 from pos.concurrent import copier, gpucopy
 from pos.concurrent.handout import Handout
 from pos.errors import BadInput
+from pos.image.gpu import Targets
 from pos.settings import Settings
 from tests.conftest import wait_for
 
@@ -102,8 +103,9 @@ class _Writer:
     def __init__(self) -> None:
         self.data: dict[tuple[int, int], bytes] = {}
 
-    def put(self, va: int, off: int, view: np.ndarray, _h: int) -> None:
+    def put_scanned(self, va: int, off: int, view: np.ndarray, targets: Targets) -> np.ndarray:
         self.data[(va, off)] = view.tobytes()
+        return targets.hits()
 
 
 class _Handout(Handout):

@@ -114,8 +114,8 @@ def test_the_cut_waits_for_the_copys_modules(saver, monkeypatch: pytest.MonkeyPa
 def test_ranks_saved_at_once_share_the_hosts_cores(fakegpu: dict[str, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch, cores: int,
                                                    ranks: int, writers: int) -> None:
-    """Each saver of a several-rank checkpoint copies with its share of the cores (its scanners
-    and writers, and the spare threads started for them), all in one process."""
+    """Each saver of a several-rank checkpoint copies with its share of the cores (its savers,
+    and the spare threads started for them), all in one process."""
     monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
     monkeypatch.setattr("os.cpu_count", lambda: cores)

@@ -221,18 +221,19 @@ def test_an_arena_smaller_than_the_job_streams_an_exact_image(
         done = max(values)
 
 
-@pytest.mark.parametrize("where", ["write", "scan"])
+@pytest.mark.parametrize("where", ["write", "handout"])
 def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
         fill_job, tmp_path: Path, monkeypatch, where: str) -> None:
-    """A chunk's write (a full disk) or its scan failing on one of the copy's threads, with a
-    small arena whose slots the failed chunk held: the checkpoint ends in that error, not a
-    hang; no image is left; the job computes on, its agent idle."""
+    """A chunk's write (a full disk), or what its scan tells the handout, failing on one of the
+    copy's threads, with a small arena whose slots the failed chunk held: the checkpoint ends
+    in that error, not a hang; no image is left; the job computes on, its agent idle."""
     from pos.concurrent import copier
+    from pos.concurrent.handout import Handout
 
     monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
     monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
     calls = [0]
-    target = (gpuimage.Writer, "put") if where == "write" else (gpuimage, "checksum_points")
+    target = (gpuimage.Writer, "put_scanned") if where == "write" else (Handout, "points")
     real = getattr(*target)
 
     def failing(*args, **kw):   # type: ignore[no-untyped-def]

@@ -4,6 +4,7 @@ several writer threads, land where they belong; a corrupt chunk is refused."""
 import ctypes as C
 import os
 import random
+import signal
 import threading
 from pathlib import Path
 
@@ -109,6 +110,55 @@ def test_a_chunk_read_says_which_buffers_its_words_point_into(tmp_path: Path, mo
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, fds, targets)) == [0, 2]
     assert (out == data).all()
     assert list(gpuimage.read_chunk_into(tmp_path, chunk, out, fds)) == []   # no targets given
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("n", [8, 100, 4096 * 3 + 40, (1 << 16) + 13])
+def test_a_chunk_saved_in_one_pass_is_hashed_and_scanned_as_checksum_points_says(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compress: bool, n: int,
+        fds: dict[str, int]) -> None:
+    """put_scanned (each piece hashed, scanned and written in turn) records the checksum and
+    marks the targets that checksum_points gives for the whole chunk, whatever its length
+    against the pieces and the hash's groups; the chunk reads back exact, after another."""
+    monkeypatch.setattr(gpuimage, "PIECE", 4096)
+    targets = gpuimage.Targets([(0x7F00_0000_0000, 0x7F00_0020_0000),
+                                (0x7F00_0040_0000, 0x7F00_0060_0000),
+                                (0x7F00_0080_0000, 0x7F00_00A0_0000)])
+    data = np.random.default_rng(n).integers(0, 256, n, np.uint8)
+    words = data[:n // 8 * 8].view(np.uint64)
+    if len(words) > 2:
+        words[-1] = 0x7F00_0091_2345                  # buffer 2, in the last piece
+        words[1] = 0x7F00_0000_0000                   # buffer 0, its start
+    want_h, want_hits = gpuimage.checksum_points(data, targets)
+    w = gpuimage.Writer(tmp_path, compress)
+    w.put(0x7000_0000, 0, data[::-1].copy())          # the file holds another chunk first
+    hits = w.put_scanned(0x7000_0000, n, data, targets)
+    w.close()
+    assert list(hits) == list(want_hits)
+    assert list(hits.nonzero()[0]) == ([0, 2] if len(words) > 2 else [])
+    chunk = w.chunks_of(0x7000_0000)[1]
+    assert (chunk.offset, chunk.raw, chunk.hash) == (n, n, want_h)
+    out = np.zeros(n, np.uint8)
+    gpuimage.read_chunk_into(tmp_path, chunk, out, fds)
+    assert (out == data).all()
+
+
+def test_a_chunk_that_cannot_be_written_says_which_file(tmp_path: Path) -> None:
+    """A data file the kernel refuses to grow (here: its size limit) is an OSError naming it,
+    not a short chunk recorded as whole."""
+    import resource
+    w = gpuimage.Writer(tmp_path, False)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    was = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+    try:
+        with pytest.raises(OSError, match="writing .*" + names.data_prefix()):
+            w.put_scanned(0x7000_0000, 0, np.ones(3 * 4096, np.uint8), gpuimage.NO_TARGETS)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, was)
+        w.close()
+    assert w.chunks_of(0x7000_0000) == ()
 
 
 # a ring whose "device" is host memory: the C loop's copy is a memmove, its events are no-ops
