@@ -185,6 +185,17 @@ class Drain:
                 "gbps": round(self.total / s / 1e9, 2), "written_gb": round(written / 1e9, 2)}
 
 
+def timed_threads(fn: Callable[[], None], threads: int) -> float:
+    """Seconds for `threads` threads each running fn, from the first start to the last end."""
+    ts = [threading.Thread(target=fn) for _ in range(threads)]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.monotonic() - t0
+
+
 _libc = C.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [C.c_void_p, C.c_size_t, C.c_int]
 MADV_POPULATE_WRITE = 23
@@ -231,13 +242,7 @@ def direct(drv: Any, src: int, total: int, folder: Path, threads: int) -> dict[s
         finally:
             drv.cuStreamDestroy_v2(stream)
 
-    ts = [threading.Thread(target=run) for _ in range(threads)]
-    t0 = time.monotonic()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    s = time.monotonic() - t0
+    s = timed_threads(run, threads)
     written = sum(f.stat().st_size for f in folder.iterdir())
     shutil.rmtree(folder)
     if errors:
@@ -262,13 +267,7 @@ def memcpy(gib: int, threads: int) -> dict[str, Any]:
                 off = todo.pop()
             C.memmove(b.ctypes.data + off, a.ctypes.data + off, block)
 
-    ts = [threading.Thread(target=run) for _ in range(threads)]
-    t0 = time.monotonic()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    s = time.monotonic() - t0
+    s = timed_threads(run, threads)
     return {"way": "memcpy", "threads": threads, "seconds": round(s, 3),
             "gbps": round(gib * GIB / s / 1e9, 2)}
 
