@@ -23,6 +23,8 @@ Every setting, its variable and its default:
                                             checkpoint, which then locks it sooner
                                             (pos/concurrent/kept.py); 0, the default: freed
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
+  savers_held         POS_SAVERS_HELD       when the copy's savers wait while the job is
+                                            frozen (see SAVERS_HELD)
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
@@ -52,6 +54,12 @@ DEFAULT_LOCK_TIMEOUT_MS = 10_000   # how long the driver may take to lock a CUDA
 DEFAULT_LOG_DIR = "/var/log/pos"
 DEFAULT_CRIU_LOG_MAX_MB = 256
 FROZEN_COPIES = ("unshadowed", "all")
+# the copy's savers (hash, scan and write, on every core) wait while the job is frozen: through
+# the whole frozen part (`frozen`), or only while CRIU dumps (`criu`, the CPU's part of it): the
+# ring they drain then has room again when the job runs, so that its writes to what pos could
+# not shadow wait less (the driver's calls are the GPU's and the bus's; the copy to the ring is
+# paused for them anyway)
+SAVERS_HELD = ("frozen", "criu")
 # a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
 # restore, which copies the context back to the device and took twice as long beside it (0.39 s
 # against 0.18 s at 16 GiB on the H100); start: no pause; release: it starts at the job's release
@@ -85,6 +93,7 @@ class Settings:
     pin_ahead_bytes: Optional[int] = None      # None: what the shadow cannot hold, and a part
     pin_keep: bool = False
     frozen_copy: str = FROZEN_COPIES[0]
+    savers_held: str = SAVERS_HELD[0]
     shadow_max_bytes: Optional[int] = None
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
     fill_mapped: bool = True
@@ -165,6 +174,9 @@ class Settings:
             frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
                             f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
                             "then copies only what pos could not shadow)"),
+            savers_held=get("POS_SAVERS_HELD", one_of(SAVERS_HELD), SAVERS_HELD[0],
+                            f"one of {', '.join(SAVERS_HELD)}", "unset it (the copy's savers "
+                            "then wait through the whole frozen part)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -273,12 +274,15 @@ class _Whole:
         g.timings["anon_frozen_bytes"] = procs.anonymous_bytes(self.pids)
         g.step("dump")
         dump = self.dump
-        if dump is not None:
-            g.timed("dump", lambda: dump(g, dumped))
-            return
-        g.dump(self.criu, self.criu.dump_argv(
-            self.pid, dumped, self.options, self.leave_running,
-            parent=names.PARENT if self.pre.used else None), dumped)
+        with ExitStack() as alone:        # every job's copy savers held for it (Taken)
+            for t in self.taken:
+                alone.enter_context(t.criu_alone())
+            if dump is not None:
+                g.timed("dump", lambda: dump(g, dumped))
+                return
+            g.dump(self.criu, self.criu.dump_argv(
+                self.pid, dumped, self.options, self.leave_running,
+                parent=names.PARENT if self.pre.used else None), dumped)
 
     def thaw(self, g: Guard) -> None:
         """--leave-running: the jobs back on the GPU with their memory, released. Otherwise

@@ -184,6 +184,7 @@ class Copier:
         self.shadow_go.set()
         self.copied = threading.Event()
         self.copied_bytes = 0
+        self.saved_bytes = 0                    # written by the savers
         self.lock = threading.Lock()
         self.t0 = 0.0
         self.d2h_s = self.disk_s = 0.0
@@ -300,6 +301,7 @@ class Copier:
                                                self.targets)
                 self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
                 with self.lock:
+                    self.saved_bytes += n
                     self.scan_left[i] -= 1
                     whole = self.scan_left[i] == 0
                 if whole:

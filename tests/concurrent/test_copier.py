@@ -5,6 +5,7 @@ import ctypes
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from pos import host as pos_host
 from pos.agent.control import Buffer
 from pos.concurrent import copier, gpucopy
 from pos.concurrent.handout import Handout
+from pos.concurrent.saver import Taken
 from pos.errors import BadInput
 from pos.image.gpu import Targets
 from pos.settings import Settings
@@ -160,6 +162,48 @@ def test_the_baseline_copies_every_buffer_while_frozen() -> None:
 def test_a_bad_frozen_copy_setting_is_one_sentence() -> None:
     with pytest.raises(BadInput, match="POS_FROZEN_COPY=some is not one of unshadowed, all"):
         Settings.from_env({"POS_FROZEN_COPY": "some"})
+
+
+def test_a_bad_savers_held_setting_is_one_sentence() -> None:
+    with pytest.raises(BadInput, match="POS_SAVERS_HELD=dump is not one of frozen, criu"):
+        Settings.from_env({"POS_SAVERS_HELD": "dump"})
+
+
+@pytest.mark.parametrize("held, through_driver", [("frozen", False), ("criu", True)])
+def test_the_savers_wait_through_the_frozen_part_or_for_criu_alone(held: str,
+                                                                  through_driver: bool) -> None:
+    """POS_SAVERS_HELD: the copy's savers wait from the freeze to the thaw (`frozen`), or only
+    around CRIU's dump (`criu`): they then write what is in the ring while the driver's calls
+    run. What they had written when the dump began is timed; after the thaw they run."""
+    chunk = 1 << 20
+    memory = np.full(4 * chunk, 5, np.uint8)
+    table = [Buffer(memory.ctypes.data, memory.size, memory.size, 0, True)]
+    writer = _Writer()
+    c = copier.Copier(_HostDriver(), table, [table[0].va], set(), _Arena(8 * chunk), chunk, 1,
+                      writer, _Handout(table, set()), 1)   # type: ignore[arg-type]
+    taken = Taken.__new__(Taken)           # its copier and settings are all these steps use
+    taken.copier = c
+    taken.saver = SimpleNamespace(settings=Settings.from_env({"POS_SAVERS_HELD": held}),
+                                  timings={})   # type: ignore[assignment]
+    try:
+        taken.freeze()
+        c.start()
+        c.wait_copied()                    # the unshadowed buffer, in the ring
+        if through_driver:
+            wait_for(lambda: c.saved_bytes == 4 * chunk, 10, "the savers during the freeze")
+        else:
+            time.sleep(0.2)    # a time, not a wait: held, the savers write nothing in it
+            assert c.saved_bytes == 0
+        with taken.criu_alone():
+            assert not c.scan_go.is_set()
+        assert taken.saver.timings["saved_at_dump_bytes"] == (4 * chunk if through_driver
+                                                              else 0)
+        assert c.scan_go.is_set() == through_driver
+        taken.thaw()
+        assert c.join().bytes == 4 * chunk
+    finally:
+        c.close()
+    assert sorted(writer.data) == [(table[0].va, off) for off in range(0, 4 * chunk, chunk)]
 
 
 def test_close_returns_when_everything_was_copied_with_the_scans_held() -> None:

@@ -562,6 +562,24 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
 
 
+def test_savers_that_wait_only_for_criu_leave_an_exact_image(fill_job, tmp_path: Path,
+                                                             criu_ready, gpu_env) -> None:
+    """POS_SAVERS_HELD=criu, with buffers pos could not shadow: the savers write while the
+    driver's calls run, and the image is still the state after one exact operation; what they
+    had written at the dump and at the release is timed."""
+    job = fill_job()
+    ran_past(job.pid, 0)
+    img = tmp_path / own("img")
+    r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--leave-running",
+            "--chunk-mb", "1", env={**gpu_env, "POS_SAVERS_HELD": "criu",
+                                    "POS_SHADOW_MAX_BYTES": str(3 << 20)})
+    assert r.returncode == 0, r.stderr
+    assert not torn(image_values(img))
+    timings = json.loads((img / names.MANIFEST).read_text())["timings"]
+    assert 0 <= timings["saved_at_dump_bytes"] <= timings["saved_at_release_bytes"]
+    assert job.alive()
+
+
 def test_a_whole_process_checkpoint_says_whether_criu_predumped(fill_job, tmp_path: Path,
                                                                criu_ready, gpu_env) -> None:
     """Where the kernel keeps soft-dirty bits CRIU pre-dumps the running job (the fake driver
