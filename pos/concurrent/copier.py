@@ -3,15 +3,14 @@
 Each chunk goes device-to-host into a slot of one page-locked arena, and a saver thread writes
 it to the image's data files, hashing it and scanning it for the addresses of the job's buffers
 piece by piece as it writes (pos/image/chunks.c: one pass, without the GIL), then gives its
-slot back. The arena may
-be smaller than the job: the copy then streams at the disk's pace instead of needing host
-memory as large as the GPU's (pinning 54 GiB took 23 s on the H100 host before the cut, and the
-host may not have it); and its parts come as they are locked, the ring before the cut, the rest
-while the copy runs (gpucopy.Pinned). The copy starts as soon as pos has shadowed what fits: in
-a whole-process checkpoint the buffers pos could not shadow are copied while the driver and
-CRIU hold the job, whose memory cannot change then, so that by the job's release much or all of
-them is saved; the shadowed ones, safe on the device, wait for the release (see
-`Copier.hold_shadowed`).
+slot back. The arena may be smaller than the job: the copy then streams at the disk's pace
+instead of needing host memory as large as the GPU's (pinning 54 GiB took 23 s on the H100
+host before the cut, and the host may not have it); and its parts come as they are locked, the
+ring before the cut, the rest while the copy runs (gpucopy.Pinned). The copy starts as soon as
+pos has shadowed what fits: in a whole-process checkpoint the buffers pos could not shadow are
+copied while the driver and CRIU hold the job, whose memory cannot change then, so that by the
+job's release much or all of them is saved; the shadowed ones, safe on the device, wait for the
+release (see `Copier.hold_shadowed`).
 
 Order: the buffers pos could not shadow first (the job's calls that may write them wait until
 they are saved; what pos shadowed is safe from the start), smallest first within each kind
@@ -132,7 +131,7 @@ class Copier:
     and give their slot back. start(), then wait_copied() (device memory no longer needed),
     then join() (all written); close() in any case. pause()/resume() hold the copies to the
     arena (the driver's own copies of the job's context go faster alone),
-    hold_scans()/release_scans() the savers (CRIU's dump, on the CPU, took 1.1-1.5 s instead
+    hold_savers()/release_savers() the savers (CRIU's dump, on the CPU, took 1.1-1.5 s instead
     of 0.5-0.8 beside them on the H100 host), hold_shadowed()/release_shadowed() the copies of
     the shadowed buffers (safe in the shadow, they need not compete with the frozen part for
     the host's memory); lock_rest() lets the arena lock the rest of its memory (the job runs
@@ -175,11 +174,12 @@ class Copier:
         self.slots: queue.Queue[int] = queue.Queue()
         self.chunk = chunk
         arena.subscribe(self._add_slots)        # its parts as they are locked
-        self.scans: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
+        # the chunks in host memory, for the savers: (buffer, offset, length, slot)
+        self.in_host: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
         self.go = threading.Event()             # the copies to host memory may go on
         self.go.set()
-        self.scan_go = threading.Event()        # the savers may go on
-        self.scan_go.set()
+        self.save_go = threading.Event()        # the savers may go on
+        self.save_go.set()
         self.shadow_go = threading.Event()      # the shadowed buffers' copies may go on
         self.shadow_go.set()
         self.copied = threading.Event()
@@ -219,11 +219,11 @@ class Copier:
         """The job runs again, or is stopped for good: the rest of the arena is locked now."""
         self.arena.lock_rest()
 
-    def hold_scans(self) -> None:
-        self.scan_go.clear()
+    def hold_savers(self) -> None:
+        self.save_go.clear()
 
-    def release_scans(self) -> None:
-        self.scan_go.set()
+    def release_savers(self) -> None:
+        self.save_go.set()
 
     def hold_shadowed(self) -> None:
         """Hold the shadowed buffers' copies, unless the frozen part is to copy them all."""
@@ -240,7 +240,7 @@ class Copier:
     def _wake(self) -> None:
         """The copy stopped: nothing of it waits for what will not come."""
         self.go.set()
-        self.scan_go.set()
+        self.save_go.set()
         self.shadow_go.set()
 
     def _slot(self) -> int:
@@ -277,7 +277,7 @@ class Copier:
                         self.d2h_busy_s += time.monotonic() - self.busy_since
             with self.lock:
                 self.copied_bytes += n
-            self.scans.put((i, off, n, slot))
+            self.in_host.put((i, off, n, slot))
 
         try:
             self.drv.cuCtxSetCurrent(self.ctx)
@@ -287,12 +287,12 @@ class Copier:
         finally:
             self.copied.set()
             for _ in range(self.threads):
-                self.scans.put(None)
+                self.in_host.put(None)
 
     def _save(self) -> None:
         """Write each chunk copied, hashed and scanned as it goes, and give its slot back; the
         handout learns what the chunk points into, and when its buffer is all known."""
-        while self.scan_go.wait() and (item := self.scans.get()) is not None:
+        while self.save_go.wait() and (item := self.in_host.get()) is not None:
             i, off, n, slot = item
             try:
                 if self.crew.stopped.is_set():

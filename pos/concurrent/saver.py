@@ -342,15 +342,15 @@ class Taken:
         slower: 0.75 s to 3.3 s, a 97 GB job on the H200)."""
         if self.copier is not None:
             if self.saver.settings.savers_held == "frozen":
-                self.copier.hold_scans()
+                self.copier.hold_savers()
             self.copier.hold_shadowed()
 
     @contextmanager
     def criu_alone(self) -> Iterator[None]:
         """Around CRIU's dump (or a container runtime's): the copy's savers held where they
         were not held already (POS_SAVERS_HELD=criu). CRIU writes the job's memory on one
-        core, and beside 32 of pos's threads it took 1.1-1.5 s instead of 0.5-0.8 on the H100
-        host."""
+        core, and beside the copy's hashing and writing it took 1.1-1.5 s instead of 0.5-0.8
+        on the H100 host."""
         if self.copier is None:
             yield
             return
@@ -359,17 +359,17 @@ class Taken:
         if self.saver.settings.savers_held != "criu":
             yield
             return
-        self.copier.hold_scans()
+        self.copier.hold_savers()
         try:
             yield
         finally:
-            self.copier.release_scans()
+            self.copier.release_savers()
 
     def thaw(self) -> None:
         """The frozen part is over (the job runs again next, or is stopped for good): every
         part of the copy goes on, and the rest of the arena is locked."""
         if self.copier is not None:
-            self.copier.release_scans()
+            self.copier.release_savers()
             self.copier.release_shadowed()
             self.copier.lock_rest()
 

@@ -195,10 +195,10 @@ def test_the_savers_wait_through_the_frozen_part_or_for_criu_alone(held: str,
             time.sleep(0.2)    # a time, not a wait: held, the savers write nothing in it
             assert c.saved_bytes == 0
         with taken.criu_alone():
-            assert not c.scan_go.is_set()
+            assert not c.save_go.is_set()
         assert taken.saver.timings["saved_at_dump_bytes"] == (4 * chunk if through_driver
                                                               else 0)
-        assert c.scan_go.is_set() == through_driver
+        assert c.save_go.is_set() == through_driver
         taken.thaw()
         assert c.join().bytes == 4 * chunk
     finally:
@@ -206,7 +206,7 @@ def test_the_savers_wait_through_the_frozen_part_or_for_criu_alone(held: str,
     assert sorted(writer.data) == [(table[0].va, off) for off in range(0, 4 * chunk, chunk)]
 
 
-def test_close_returns_when_everything_was_copied_with_the_scans_held() -> None:
+def test_close_returns_when_everything_was_copied_with_the_savers_held() -> None:
     """A checkpoint that fails in its frozen part after the whole job reached host memory: the
     copy's threads, waiting for the scans to be let go, end all the same."""
     chunk = 1 << 20
@@ -215,7 +215,7 @@ def test_close_returns_when_everything_was_copied_with_the_scans_held() -> None:
     writer = _Writer()
     c = copier.Copier(_HostDriver(), table, [b.va for b in table], {0}, _Arena(4 * chunk), chunk,
                       2, writer, _Handout(table, {0}), 2)   # type: ignore[arg-type]
-    c.hold_scans()
+    c.hold_savers()
     c.start()
     c.wait_copied()
     closing = threading.Thread(target=c.close, daemon=True)
