@@ -316,6 +316,7 @@ def test_the_rest_of_the_arena_is_locked_once_the_job_runs_again() -> None:
     from the frozen part's end (the job runs next, or is stopped for good), or, for the GPU
     state alone, which has no frozen part, from the release."""
     from pos.concurrent.saver import Taken
+    from pos.settings import Settings
 
     calls: list[str] = []
 
@@ -326,7 +327,8 @@ def test_the_rest_of_the_arena_is_locked_once_the_job_runs_again() -> None:
     agent = SimpleNamespace(copy=lambda: calls.append("job goes on"))
     t = Taken.__new__(Taken)
     t.copier = Copier()  # type: ignore[assignment]
-    t.saver = SimpleNamespace(connected=lambda: agent, timings={})  # type: ignore[assignment]
+    t.saver = SimpleNamespace(connected=lambda: agent, timings={},  # type: ignore[assignment]
+                              settings=Settings())
     t.handout = SimpleNamespace(attach=lambda _agent: None)  # type: ignore[assignment]
     t.freeze()
     assert "lock_rest" not in calls
