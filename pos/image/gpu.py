@@ -95,9 +95,8 @@ class Writer:
         done = 0
         while done < len(view):
             done += f.write(view[done:])
-        rec = ChunkRecord(offset, name, at, len(view), int(data.shape[0]), h, self.compress)
-        with self._lock:
-            self._chunks.setdefault(base, []).append(rec)
+        self._record(base, ChunkRecord(offset, name, at, len(view), int(data.shape[0]), h,
+                                       self.compress))
         return len(view)
 
     def put_scanned(self, base: int, offset: int, data: np.ndarray, targets: "Targets"
@@ -120,10 +119,13 @@ class Writer:
         if r != 0:
             raise OSError(-r, f"writing {self.folder / name}: {os.strerror(-r)}")
         n = int(data.shape[0])
-        rec = ChunkRecord(offset, name, at, n, n, int(digest.value), False)
+        self._record(base, ChunkRecord(offset, name, at, n, n, int(digest.value), False))
+        return hits
+
+    def _record(self, base: int, rec: ChunkRecord) -> None:
+        """A chunk of buffer `base` written: one more record for the index."""
         with self._lock:
             self._chunks.setdefault(base, []).append(rec)
-        return hits
 
     def chunks_of(self, base: int) -> tuple[ChunkRecord, ...]:
         """The chunks of buffer `base` written so far, by offset: its BufferRecord's."""
