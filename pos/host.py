@@ -81,6 +81,7 @@ def memory_available() -> int:
     return 0
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)   # mount, umount2, unshare, statfs
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
@@ -98,9 +99,8 @@ def _checked(ret: int, what: object) -> None:
 
 def _mount(source: Optional[Path], target: Path, fstype: Optional[bytes], flags: int,
            data: Optional[bytes] = None) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    _checked(libc.mount(str(source).encode() if source is not None else None,
-                        str(target).encode(), fstype, ctypes.c_ulong(flags), data), target)
+    _checked(_LIBC.mount(str(source).encode() if source is not None else None,
+                         str(target).encode(), fstype, ctypes.c_ulong(flags), data), target)
 
 
 def mount_tmpfs(root: Path, options: bytes) -> None:
@@ -119,13 +119,13 @@ def bind_mount(source: Path, target: Path) -> None:
 
 def unmount(target: Path) -> None:
     """The mount at `target` taken away, at once for new lookups (lazily for those in use)."""
-    _checked(ctypes.CDLL(None, use_errno=True).umount2(str(target).encode(), MNT_DETACH), target)
+    _checked(_LIBC.umount2(str(target).encode(), MNT_DETACH), target)
 
 
 def unshare(flags: int) -> None:
     """This process in new namespaces of the kinds `flags` names (CLONE_NEW*): OSError when the
     kernel refuses."""
-    _checked(ctypes.CDLL(None, use_errno=True).unshare(flags), "unshare")
+    _checked(_LIBC.unshare(flags), "unshare")
 
 
 def own_mounts() -> None:
@@ -138,7 +138,7 @@ def own_mounts() -> None:
 def fs_magic(path: Path) -> int:
     """The kind of file system that holds `path` (statfs's f_type: TMPFS_MAGIC, ...)."""
     buf = ctypes.create_string_buffer(256)      # struct statfs: 120 bytes, f_type first
-    _checked(ctypes.CDLL(None, use_errno=True).statfs(str(path).encode(), buf), path)
+    _checked(_LIBC.statfs(str(path).encode(), buf), path)
     return ctypes.c_long.from_buffer(buf).value
 
 
