@@ -16,7 +16,8 @@ of the arena locked before the cut, the rest behind it (POS_PIN_AHEAD_GIB=8);
 memory, on a host whose disk holds no such job's image); `+nostw`: no stop-the-world baseline; `+frozenall`: the
 copy to host memory takes every buffer while the job is frozen (POS_FROZEN_COPY=all, the
 baseline of holding the shadowed ones); `+saverscriu`: the copy's savers wait only for CRIU's
-dump, not the driver's calls (POS_SAVERS_HELD=criu); `+keep`: the arena kept for the next checkpoint
+dump, not the driver's calls (POS_SAVERS_HELD=criu, the default since perf runs 17-18);
+`+saversfrozen`: they wait through the whole frozen part (POS_SAVERS_HELD=frozen, the baseline); `+keep`: the arena kept for the next checkpoint
 (POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and removed before the one
 measured, which finds its arena's memory there (`warm` in the raw run; the kept files removed
 after the row); `+again`: the same first checkpoint without keeping the arena, so that the one
@@ -137,7 +138,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    [+saverscriu][+keep][+again] (see the module's docstring)."""
+    [+saverscriu][+saversfrozen][+keep][+again] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -155,6 +156,7 @@ class Spec:
                     **({"POS_SHADOW_MAX_BYTES": str(8 * GIB)} if "shadow8" in flags else {}),
                     **({"POS_FROZEN_COPY": "all"} if "frozenall" in flags else {}),
                     **({"POS_SAVERS_HELD": "criu"} if "saverscriu" in flags else {}),
+                    **({"POS_SAVERS_HELD": "frozen"} if "saversfrozen" in flags else {}),
                     **({"POS_PIN_KEEP": "1"} if self.keep else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.name = text.replace("@", "-at-").replace("+", "-")

@@ -54,12 +54,14 @@ DEFAULT_LOCK_TIMEOUT_MS = 10_000   # how long the driver may take to lock a CUDA
 DEFAULT_LOG_DIR = "/var/log/pos"
 DEFAULT_CRIU_LOG_MAX_MB = 256
 FROZEN_COPIES = ("unshadowed", "all")
-# the copy's savers (hash, scan and write, on every core) wait while the job is frozen: through
-# the whole frozen part (`frozen`), or only while CRIU dumps (`criu`, the CPU's part of it): the
-# ring they drain then has room again when the job runs, so that its writes to what pos could
-# not shadow wait less (the driver's calls are the GPU's and the bus's; the copy to the ring is
-# paused for them anyway)
-SAVERS_HELD = ("frozen", "criu")
+# the copy's savers (hash, scan and write, on every core) wait while the job is frozen: only while
+# CRIU dumps (`criu`, the CPU's part of it), so that the ring they drain has room again when the
+# job runs and its writes to what pos could not shadow wait less (the driver's calls are the
+# GPU's and the bus's; the copy to the ring is paused for them anyway): a 97 GB job on the H200
+# with its page-locked memory bounded to 8 GiB stalled 0.20-0.34 s less; or through the whole
+# frozen part (`frozen`), which let the driver's restore take 0.22-0.24 s against 0.28-0.29
+# (bench/results/2026-11-29.md, perf runs 17-18)
+SAVERS_HELD = ("criu", "frozen")
 # a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
 # restore, which copies the context back to the device and took twice as long beside it (0.39 s
 # against 0.18 s at 16 GiB on the H100); start: no pause; release: it starts at the job's release
@@ -176,7 +178,7 @@ class Settings:
                             "then copies only what pos could not shadow)"),
             savers_held=get("POS_SAVERS_HELD", one_of(SAVERS_HELD), SAVERS_HELD[0],
                             f"one of {', '.join(SAVERS_HELD)}", "unset it (the copy's savers "
-                            "then wait through the whole frozen part)"),
+                            "then wait only for CRIU's dump)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,

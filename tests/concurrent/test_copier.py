@@ -165,7 +165,7 @@ def test_a_bad_frozen_copy_setting_is_one_sentence() -> None:
 
 
 def test_a_bad_savers_held_setting_is_one_sentence() -> None:
-    with pytest.raises(BadInput, match="POS_SAVERS_HELD=dump is not one of frozen, criu"):
+    with pytest.raises(BadInput, match="POS_SAVERS_HELD=dump is not one of criu, frozen"):
         Settings.from_env({"POS_SAVERS_HELD": "dump"})
 
 

@@ -562,16 +562,18 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     assert max(second) > max(first)             # running, and re-exported (kept descriptors)
 
 
-def test_savers_that_wait_only_for_criu_leave_an_exact_image(fill_job, tmp_path: Path,
-                                                             criu_ready, gpu_env) -> None:
-    """POS_SAVERS_HELD=criu, with buffers pos could not shadow: the savers write while the
-    driver's calls run, and the image is still the state after one exact operation; what they
-    had written at the dump and at the release is timed."""
+@pytest.mark.parametrize("held", ["criu", "frozen"])
+def test_savers_held_either_way_leave_an_exact_image(held: str, fill_job, tmp_path: Path,
+                                                     criu_ready, gpu_env) -> None:
+    """POS_SAVERS_HELD, with buffers pos could not shadow: whether the savers write while the
+    driver's calls run (`criu`) or wait through the whole frozen part, the image is the state
+    after one exact operation; what they had written at the dump and at the release is
+    timed."""
     job = fill_job()
     ran_past(job.pid, 0)
     img = tmp_path / own("img")
     r = pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent", "--leave-running",
-            "--chunk-mb", "1", env={**gpu_env, "POS_SAVERS_HELD": "criu",
+            "--chunk-mb", "1", env={**gpu_env, "POS_SAVERS_HELD": held,
                                     "POS_SHADOW_MAX_BYTES": str(3 << 20)})
     assert r.returncode == 0, r.stderr
     assert not torn(image_values(img))
