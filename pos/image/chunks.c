@@ -5,81 +5,15 @@
  * Why C and not numba: a restore must start filling the job's memory within a moment of the
  * job's release, and numba's import took 0.6-1.4 s of the GIL on the H100 host beside CRIU;
  * this library loads in a millisecond. Same hash as before, bit for bit (images stay readable).
- *
- * The checksum: four lanes of 64-bit words, each lane (lane ^ word) * P1, then ^ >> 29; then
- * folded with the word count and the words that made no group of four, then the zero-padded
- * tail of 1-7 bytes hashed as one more word. A chunk's checksum starts from its length. */
-#include <stddef.h>
-#include <stdint.h>
+ * The hash and its two kinds of chunk checksum are stated in hash.h, which the GPU's kernel
+ * (blocks.cu) shares. */
 #include <errno.h>
-#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define P1 0x9E3779B97F4A7C15ull
-#define P2 0xC2B2AE3D27D4EB4Full
-#define GROUP 32 /* bytes the four lanes take per round */
+#include "hash.h"
 
 #define EXPORT __attribute__((visibility("default")))
-
-static void start(uint64_t h, uint64_t lanes[4]) {
-    for (int j = 0; j < 4; j++)
-        lanes[j] = h ^ (P2 * (uint64_t)(j + 1));
-}
-
-/* The lanes folded, after n_words words of which the last `rest` (< 4) made no group. */
-static uint64_t finish(const uint64_t lanes[4], uint64_t n_words, const unsigned char *rest,
-                       size_t nrest) {
-    uint64_t out = n_words * P2;
-    for (int j = 0; j < 4; j++)
-        out = (out ^ lanes[j]) * P1;
-    for (size_t i = 0; i < nrest; i++) {
-        uint64_t w;
-        memcpy(&w, rest + 8 * i, 8);
-        out = (out ^ w) * P2;
-        out ^= out >> 31;
-    }
-    return out;
-}
-
-/* The lanes finished over a chunk of n bytes, their whole groups passed already; `rest`
- * points at the chunk's byte n / GROUP * GROUP (the words that made no group, then the tail). */
-static uint64_t close_hash(const uint64_t lanes[4], const unsigned char *rest, size_t n) {
-    size_t words = n / 8, whole = n / GROUP * GROUP;
-    uint64_t out = finish(lanes, words, rest, words - whole / 8);
-    if (n % 8) {
-        unsigned char tail[8] = {0};
-        memcpy(tail, rest + (words * 8 - whole), n % 8);
-        uint64_t t[4];
-        start(out, t);
-        out = finish(t, 1, tail, 1);
-    }
-    return out;
-}
-
-/* Marks the one of the k sorted, disjoint ranges [starts[j], ends[j]) that w falls into, if
- * any; the caller has checked that w lies between the first start and the last end. */
-static inline void mark(uint64_t w, const uint64_t *starts, const uint64_t *ends, size_t k,
-                        unsigned char *hits) {
-    size_t a = 0, b = k; /* the last range starting at or below w */
-    while (b - a > 1) {
-        size_t m = (a + b) / 2;
-        if (starts[m] <= w)
-            a = m;
-        else
-            b = m;
-    }
-    if (w < ends[a])
-        hits[a] = 1;
-}
-
-/* The span [lo, lo + span) that holds every range (span 0: no ranges), so that a word outside
- * all of them costs one subtraction and one compare. */
-static inline void bounds(const uint64_t *starts, const uint64_t *ends, size_t k, uint64_t *lo,
-                          uint64_t *span) {
-    *lo = k ? starts[0] : 0;
-    *span = k ? ends[k - 1] - starts[0] : 0;
-}
 
 /* Marks hits[j] = 1 for each of the k sorted, disjoint ranges [starts[j], ends[j]) that one of
  * the n words at p falls into: a buffer whose words point into others is usable only once
@@ -87,12 +21,12 @@ static inline void bounds(const uint64_t *starts, const uint64_t *ends, size_t k
 EXPORT void pos_point(const unsigned char *p, size_t n, const uint64_t *starts,
                       const uint64_t *ends, size_t k, unsigned char *hits) {
     uint64_t lo, span;
-    bounds(starts, ends, k, &lo, &span);
+    pos_bounds(starts, ends, k, &lo, &span);
     for (size_t i = 0; i < n; i++) {
         uint64_t w;
         memcpy(&w, p + 8 * i, 8);
         if (w - lo < span)
-            mark(w, starts, ends, k, hits);
+            pos_mark(w, starts, ends, k, hits);
     }
 }
 
@@ -105,21 +39,18 @@ static inline __attribute__((always_inline)) void
 pass(unsigned char *dst, const unsigned char *src, size_t groups, int copy, uint64_t lanes[4],
      const uint64_t *starts, const uint64_t *ends, size_t k, unsigned char *hits) {
     uint64_t a = lanes[0], b = lanes[1], c = lanes[2], d = lanes[3], lo, span;
-    bounds(starts, ends, k, &lo, &span);
+    pos_bounds(starts, ends, k, &lo, &span);
     for (size_t i = 0; i < groups; i++, src += GROUP, dst += GROUP) {
         uint64_t w[4];
         memcpy(w, src, sizeof(w));
         if (copy)
             memcpy(dst, w, sizeof(w));
-        a = (a ^ w[0]) * P1, a ^= a >> 29;
-        b = (b ^ w[1]) * P1, b ^= b >> 29;
-        c = (c ^ w[2]) * P1, c ^= c >> 29;
-        d = (d ^ w[3]) * P1, d ^= d >> 29;
+        a = pos_lane(a, w[0]), b = pos_lane(b, w[1]), c = pos_lane(c, w[2]), d = pos_lane(d, w[3]);
         if (__builtin_expect((w[0] - lo < span) | (w[1] - lo < span) | (w[2] - lo < span) |
                                  (w[3] - lo < span), 0))
             for (int j = 0; j < 4; j++)
                 if (w[j] - lo < span)
-                    mark(w[j], starts, ends, k, hits);
+                    pos_mark(w[j], starts, ends, k, hits);
     }
     lanes[0] = a, lanes[1] = b, lanes[2] = c, lanes[3] = d;
 }
@@ -127,9 +58,9 @@ pass(unsigned char *dst, const unsigned char *src, size_t groups, int copy, uint
 /* The hash of buf's n bytes continuing from h (a chunk's checksum: h = n). */
 EXPORT uint64_t pos_fold(const unsigned char *buf, size_t n, uint64_t h) {
     uint64_t lanes[4];
-    start(h, lanes);
+    pos_start(h, lanes);
     pass((unsigned char *)buf, buf, n / GROUP, 0, lanes, NULL, NULL, 0, NULL);
-    return close_hash(lanes, buf + n / GROUP * GROUP, n);
+    return pos_close(lanes, buf + n / GROUP * GROUP, n);
 }
 
 /* pos_fold of a chunk taken piece by piece as it is read (an image's files, pos/image/filehash.py:
@@ -138,7 +69,7 @@ EXPORT uint64_t pos_fold(const unsigned char *buf, size_t n, uint64_t h) {
  * closed over the last piece's rest (its bytes from the chunk's n / GROUP * GROUP on). Bit for
  * bit pos_fold(chunk, n, h). */
 EXPORT void pos_fold_start(uint64_t h, uint64_t lanes[4]) {
-    start(h, lanes);
+    pos_start(h, lanes);
 }
 
 EXPORT void pos_fold_groups(const unsigned char *buf, size_t groups, uint64_t lanes[4]) {
@@ -146,7 +77,7 @@ EXPORT void pos_fold_groups(const unsigned char *buf, size_t groups, uint64_t la
 }
 
 EXPORT uint64_t pos_fold_close(const uint64_t lanes[4], const unsigned char *rest, size_t n) {
-    return close_hash(lanes, rest, n);
+    return pos_close(lanes, rest, n);
 }
 
 /* A chunk's checksum (pos_fold from n), marking hits[j] for each of the k sorted ranges its
@@ -156,10 +87,30 @@ EXPORT uint64_t pos_fold_point(const unsigned char *buf, size_t n, const uint64_
                                const uint64_t *ends, size_t k, unsigned char *hits) {
     uint64_t lanes[4];
     size_t whole = n / GROUP * GROUP;
-    start(n, lanes);
+    pos_start(n, lanes);
     pass((unsigned char *)buf, buf, n / GROUP, 0, lanes, starts, ends, k, hits);
     pos_point(buf + whole, (n - whole) / 8, starts, ends, k, hits);
-    return close_hash(lanes, buf + whole, n);
+    return pos_close(lanes, buf + whole, n);
+}
+
+/* The checksum of kind `blocks` (hash.h) of the n bytes at buf, marking the ranges its words
+ * point into: each BLOCK bytes as pos_fold_point, folded in order into n. */
+EXPORT uint64_t pos_blocks_point(const unsigned char *buf, size_t n, const uint64_t *starts,
+                                 const uint64_t *ends, size_t k, unsigned char *hits) {
+    uint64_t h = n;
+    for (size_t at = 0; at < n; at += BLOCK)
+        h = pos_blocks_step(h, pos_fold_point(buf + at, n - at < BLOCK ? n - at : BLOCK, starts,
+                                              ends, k, hits));
+    return h;
+}
+
+/* The checksum of kind `blocks` of n bytes, from the hashes of its ceil(n / BLOCK) blocks (the
+ * GPU's, pos/image/blocks.cu). */
+EXPORT uint64_t pos_blocks_fold(const uint64_t *hashes, size_t n) {
+    uint64_t h = n;
+    for (size_t b = 0; b * BLOCK < n; b++)
+        h = pos_blocks_step(h, hashes[b]);
+    return h;
 }
 
 /* The driver's calls a fill makes, handed over by pos/driver.py (the one place that loads
@@ -211,16 +162,17 @@ static int populate(const unsigned char *p, size_t n) {
  * mapped), piece by piece: into out (ring NULL), or through the ring's slots to the device at
  * dst. Each piece is hashed, and the ranges its words point
  * into marked, while it is in the CPU's cache. Returns the bytes read (fewer: the file ended or
- * a read failed), -1 for a piece that is no whole number of groups, -2 when the driver failed
- * (ring->error). *hash: the chunk's checksum. */
+ * a read failed), -1 for a piece that is no whole number of groups (of blocks for a checksum of
+ * kind `blocks`), -2 when the driver failed (ring->error). *hash: the chunk's checksum, of kind
+ * `blocks` where `blocks` is set (each block hashed as it lies in the piece), else `words`. */
 static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
                       struct pos_ring *ring, uint64_t dst, size_t n, int64_t at, size_t piece,
-                      const uint64_t *starts, const uint64_t *ends, size_t k,
+                      int blocks, const uint64_t *starts, const uint64_t *ends, size_t k,
                       unsigned char *hits, uint64_t *hash) {
-    if (piece == 0 || piece % GROUP)
+    if (piece == 0 || piece % (blocks ? BLOCK : GROUP))
         return -1;
-    uint64_t lanes[4];
-    start(n, lanes);
+    uint64_t lanes[4], h = n;      /* kind `words`: the lanes; kind `blocks`: h */
+    pos_start(n, lanes);
     size_t whole = n / GROUP * GROUP, words = n / 8 * 8, done = 0;
     const unsigned char *rest = out;
     if (src && n && populate(src + at, n))
@@ -240,7 +192,16 @@ static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
          * and the tail; `done` is a multiple of the piece, so never past `whole` */
         size_t grouped = (end < whole ? end : whole) - done;
         size_t loose = (end < words ? end : words) - done - grouped;
-        if (src) {
+        if (blocks) {   /* whole blocks but the chunk's last, each hashed from its length */
+            if (src)
+                memcpy(p, src + at + done, end - done);
+            else if (read_all(fd, p, end - done, at + (int64_t)done))
+                return (int64_t)done;
+            for (size_t b = 0; b < end - done; b += BLOCK)
+                h = pos_blocks_step(h, pos_fold_point(p + b, end - done - b < BLOCK ?
+                                                      end - done - b : BLOCK, starts, ends, k,
+                                                      hits));
+        } else if (src) {
             pass(p, src + at + done, grouped / GROUP, 1, lanes, starts, ends, k, hits);
             memcpy(p + grouped, src + at + done + grouped, end - done - grouped);
         } else if (read_all(fd, p, end - done, at + (int64_t)done)) {
@@ -248,7 +209,8 @@ static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
         } else {
             pass(p, p, grouped / GROUP, 0, lanes, starts, ends, k, hits);
         }
-        pos_point(p + grouped, loose / 8, starts, ends, k, hits);
+        if (!blocks)
+            pos_point(p + grouped, loose / 8, starts, ends, k, hits);
         if (end == n)
             rest = p + (whole - done);   /* the last piece starts at or below `whole` */
         if (ring) {   /* on failure the caller waits for the ring's stream before anything */
@@ -259,16 +221,16 @@ static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
         }
         done = end;
     }
-    *hash = close_hash(lanes, rest, n);
+    *hash = blocks ? h : pos_close(lanes, rest, n);
     return (int64_t)n;
 }
 
 /* Read n bytes at file position `at` of fd into out, `piece` bytes at a time (a multiple of
- * GROUP); see `pieces`. */
+ * GROUP, or of BLOCK for a checksum of kind `blocks`); see `pieces`. */
 EXPORT int64_t pos_read_chunk(int fd, unsigned char *out, size_t n, int64_t at, size_t piece,
-                              const uint64_t *starts, const uint64_t *ends, size_t k,
+                              int blocks, const uint64_t *starts, const uint64_t *ends, size_t k,
                               unsigned char *hits, uint64_t *hash) {
-    return pieces(fd, NULL, out, NULL, 0, n, at, piece, starts, ends, k, hits, hash);
+    return pieces(fd, NULL, out, NULL, 0, n, at, piece, blocks, starts, ends, k, hits, hash);
 }
 
 /* Write the chunk of n bytes at buf to fd (at its offset), `piece` bytes at a time (a multiple
@@ -283,7 +245,7 @@ EXPORT int64_t pos_write_chunk(int fd, const unsigned char *buf, size_t n, size_
     if (piece == 0 || piece % GROUP)
         return -EINVAL;
     uint64_t lanes[4];
-    start(n, lanes);
+    pos_start(n, lanes);
     size_t whole = n / GROUP * GROUP;
     for (size_t done = 0; done < n;) {
         size_t end = done + piece < n ? done + piece : n;
@@ -301,17 +263,19 @@ EXPORT int64_t pos_write_chunk(int fd, const unsigned char *buf, size_t n, size_
         done = end;
     }
     pos_point(buf + whole, (n - whole) / 8, starts, ends, k, hits);
-    *hash = close_hash(lanes, buf + whole, n);
+    *hash = pos_close(lanes, buf + whole, n);
     return 0;
 }
 
 /* Fill n bytes of device memory at dst from position `at` of a data file through the ring (its
- * piece size a multiple of GROUP): read from fd, or copied from `mapped` (the whole file mapped
- * read-only, at least at + n bytes long; NULL: read); see `pieces`. The caller waits for the
- * ring's stream before it tells anyone the memory is back, and only if the checksum matched. */
+ * piece size a multiple of GROUP, or of BLOCK for a checksum of kind `blocks`): read from fd, or
+ * copied from `mapped` (the whole file mapped read-only, at least at + n bytes long; NULL:
+ * read); see `pieces`. The caller waits for the ring's stream before it tells anyone the memory
+ * is back, and only if the checksum matched. */
 EXPORT int64_t pos_fill_chunk(struct pos_ring *ring, int fd, const unsigned char *mapped,
-                              uint64_t dst, size_t n, int64_t at, const uint64_t *starts,
-                              const uint64_t *ends, size_t k, unsigned char *hits,
-                              uint64_t *hash) {
-    return pieces(fd, mapped, NULL, ring, dst, n, at, ring->piece, starts, ends, k, hits, hash);
+                              uint64_t dst, size_t n, int64_t at, int blocks,
+                              const uint64_t *starts, const uint64_t *ends, size_t k,
+                              unsigned char *hits, uint64_t *hash) {
+    return pieces(fd, mapped, NULL, ring, dst, n, at, ring->piece, blocks, starts, ends, k, hits,
+                  hash);
 }

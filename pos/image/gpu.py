@@ -24,7 +24,7 @@ from pos.errors import BadInput
 from pos.image import names
 from pos.image.checksum import LIB as _lib
 from pos.image.checksum import checksum
-from pos.image.gpuindex import ChunkRecord
+from pos.image.gpuindex import HASH_KINDS, ChunkRecord
 
 # A reader hashes what it read in pieces this big (a multiple of the hash's 32-byte groups),
 # while they are in the CPU's cache: hashing a whole 64 MiB chunk afterwards reads it from
@@ -36,16 +36,20 @@ _lib.pos_point.restype = None
 _lib.pos_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
 _lib.pos_fold_point.restype = ctypes.c_uint64
 _lib.pos_fold_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
+_lib.pos_blocks_point.restype = ctypes.c_uint64
+_lib.pos_blocks_point.argtypes = [_P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P]
+_lib.pos_blocks_fold.restype = ctypes.c_uint64
+_lib.pos_blocks_fold.argtypes = [_P, ctypes.c_size_t]
 _lib.pos_write_chunk.restype = ctypes.c_int64
 _lib.pos_write_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_size_t, _P, _P,
                                  ctypes.c_size_t, _P, ctypes.POINTER(ctypes.c_uint64)]
 _lib.pos_read_chunk.restype = ctypes.c_int64
 _lib.pos_read_chunk.argtypes = [ctypes.c_int, _P, ctypes.c_size_t, ctypes.c_int64,
-                                ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P,
+                                ctypes.c_size_t, ctypes.c_int, _P, _P, ctypes.c_size_t, _P,
                                 ctypes.POINTER(ctypes.c_uint64)]
 _lib.pos_fill_chunk.restype = ctypes.c_int64
 _lib.pos_fill_chunk.argtypes = [_P, ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_size_t,
-                                ctypes.c_int64, _P, _P, ctypes.c_size_t, _P,
+                                ctypes.c_int64, ctypes.c_int, _P, _P, ctypes.c_size_t, _P,
                                 ctypes.POINTER(ctypes.c_uint64)]
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = _P
@@ -80,9 +84,10 @@ class Writer:
             self._local.file, self._local.name = f, name
         return f, self._local.name
 
-    def put(self, base: int, offset: int, data: np.ndarray, h: Optional[int] = None) -> int:
-        """Checksum (unless the caller has: `h`), maybe compress, and append one chunk of
-        buffer `base`; bytes stored."""
+    def put(self, base: int, offset: int, data: np.ndarray, h: Optional[int] = None,
+            kind: str = HASH_KINDS[0]) -> int:
+        """Checksum (unless the caller has: `h`, of kind `kind`), maybe compress, and append
+        one chunk of buffer `base`; bytes stored."""
         h = checksum(data) if h is None else h
         payload: Any = data
         if self.compress:
@@ -96,7 +101,7 @@ class Writer:
         while done < len(view):
             done += f.write(view[done:])
         self._record(base, ChunkRecord(offset, name, at, len(view), int(data.shape[0]), h,
-                                       self.compress))
+                                       self.compress, kind))
         return len(view)
 
     def put_scanned(self, base: int, offset: int, data: np.ndarray, targets: "Targets"
@@ -165,6 +170,25 @@ def checksum_points(data: np.ndarray, targets: Targets) -> tuple[int, np.ndarray
     return int(h), hits
 
 
+def blocks_points(data: np.ndarray, targets: Targets) -> tuple[int, np.ndarray]:
+    """checksum_points with a checksum of kind `blocks`, made on the CPU (pos/image/hash.h)."""
+    hits = targets.hits()
+    h = _lib.pos_blocks_point(data.ctypes.data, data.shape[0], targets.starts.ctypes.data,
+                              targets.ends.ctypes.data, targets.starts.shape[0], hits.ctypes.data)
+    return int(h), hits
+
+
+def blocks_fold(hashes: np.ndarray, n: int) -> int:
+    """The checksum of kind `blocks` of n bytes from its blocks' hashes (uint64, as the GPU
+    made them: pos/image/blocks.cu)."""
+    return int(_lib.pos_blocks_fold(hashes.ctypes.data, n))
+
+
+def _sum(data: np.ndarray, kind: str) -> int:
+    """A chunk's checksum of kind `kind`."""
+    return checksum(data) if kind == HASH_KINDS[0] else blocks_points(data, NO_TARGETS)[0]
+
+
 def _point(words: np.ndarray, targets: Targets, hits: np.ndarray) -> None:
     """hits[j] = 1 for each of the targets' ranges j that one of `words` (uint64) falls into."""
     _lib.pos_point(words.ctypes.data, words.shape[0], targets.starts.ctypes.data,
@@ -184,7 +208,8 @@ def _open(folder: Path, chunk: ChunkRecord, fds: dict[str, int]) -> int:
 
 def _checked(folder: Path, chunk: ChunkRecord, got: int, h: int) -> None:
     if got == -1:
-        raise ValueError("a fill piece must be a whole number of the hash's 32-byte groups")
+        raise ValueError("a fill piece must be a whole number of the checksum's 32-byte groups "
+                         "(4 KiB blocks for a checksum of kind `blocks`)")
     if got < chunk.raw:
         raise BadInput(f"{folder}/{chunk.file} is truncated", "take a new checkpoint")
     if h != chunk.hash:
@@ -210,7 +235,7 @@ def read_chunk_into(folder: Path, chunk: ChunkRecord, out: np.ndarray,
         raise ValueError("the output is smaller than the chunk")
     h = ctypes.c_uint64()
     got = _lib.pos_read_chunk(fd, out.ctypes.data, chunk.raw, chunk.at, PIECE,
-                              targets.starts.ctypes.data, targets.ends.ctypes.data,
+                              chunk.kind == "blocks", targets.starts.ctypes.data, targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     _checked(folder, chunk, got, h.value)
     return np.flatnonzero(hits)
@@ -268,7 +293,7 @@ def fill_chunk(ring: Any, folder: Path, chunk: ChunkRecord, dst: int, fds: dict[
     h = ctypes.c_uint64()
     src = maps.address(folder, chunk) if maps is not None else None
     got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, src, dst, chunk.raw, chunk.at,
-                              targets.starts.ctypes.data, targets.ends.ctypes.data,
+                              chunk.kind == "blocks", targets.starts.ctypes.data, targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     if got == -2:
         drv = driver()
@@ -290,7 +315,7 @@ def read_chunk(folder: Path, chunk: ChunkRecord, out: np.ndarray) -> None:
 
         data = zstandard.ZstdDecompressor().decompress(data, max_output_size=chunk.raw)
     raw = np.frombuffer(data, np.uint8)
-    if raw.shape[0] != chunk.raw or checksum(raw) != chunk.hash:
+    if raw.shape[0] != chunk.raw or _sum(raw, chunk.kind) != chunk.hash:
         raise BadInput(f"a chunk of {folder}/{chunk.file} does not match its checksum",
                        "the image is corrupt: take a new checkpoint")
     out[: chunk.raw] = raw

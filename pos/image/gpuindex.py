@@ -22,11 +22,17 @@ FORMAT = 1
 _T = TypeVar("_T")
 
 
+# the kinds of a chunk's checksum (pos/image/hash.h): the words' four lanes over the whole
+# chunk (made on the CPU), or 4 KiB blocks hashed so and folded (made on the GPU)
+HASH_KINDS = ("words", "blocks")
+
+
 @dataclass(frozen=True)
 class ChunkRecord:
     """One chunk of a buffer: `raw` bytes at `offset` in the buffer, stored as `stored` bytes at
     `at` in the data file `file` (zstd-compressed or not); `hash`: pos's 64-bit checksum of
-    the raw bytes (pos/image/checksum.py)."""
+    the raw bytes (pos/image/checksum.py), of kind `kind` (HASH_KINDS; images that name none
+    have the first)."""
 
     offset: int
     file: str
@@ -35,16 +41,24 @@ class ChunkRecord:
     raw: int
     hash: int
     zstd: bool
+    kind: str = HASH_KINDS[0]
 
     def to_json(self) -> dict[str, Any]:
-        return {"offset": self.offset, "file": self.file, "at": self.at, "stored": self.stored,
-                "raw": self.raw, "hash": f"{self.hash:016x}", "zstd": self.zstd}
+        d = {"offset": self.offset, "file": self.file, "at": self.at, "stored": self.stored,
+             "raw": self.raw, "hash": f"{self.hash:016x}", "zstd": self.zstd}
+        if self.kind != HASH_KINDS[0]:
+            d["hash_kind"] = self.kind
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkRecord:
+        kind = _is(str, d.get("hash_kind", HASH_KINDS[0]))
+        if kind not in HASH_KINDS:
+            raise BadInput(f"a chunk's checksum is of a kind this pos does not know ({kind!r})",
+                           "restore the image with the pos that took it, or a newer one")
         return cls(_is(int, d["offset"]), _is(str, d["file"]), _is(int, d["at"]),
                    _is(int, d["stored"]), _is(int, d["raw"]), int(_is(str, d["hash"]), 16),
-                   _is(bool, d["zstd"]))
+                   _is(bool, d["zstd"]), kind)
 
 
 @dataclass(frozen=True)

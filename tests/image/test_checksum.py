@@ -37,6 +37,28 @@ def reference(data: bytes) -> int:
     return out
 
 
+def reference_blocks(data: bytes) -> int:
+    """The checksum of kind `blocks` as specified: each 4 KiB block's `reference`, folded in
+    order into the length."""
+    out = len(data)
+    for at in range(0, len(data), 4096):
+        out = (out ^ reference(data[at:at + 4096])) * P1 & M
+        out ^= out >> 31
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 13, 1 << 16])
+def test_the_blocks_checksum_is_the_specified_fold(n: int) -> None:
+    """Kind `blocks`, on the CPU (how a restore checks what the GPU hashed at the checkpoint),
+    and folded from the blocks' hashes (how a checkpoint takes the GPU's)."""
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    want = reference_blocks(data)
+    assert gpuimage.blocks_points(np.frombuffer(data, np.uint8), gpuimage.NO_TARGETS)[0] == want
+    hashes = np.array([reference(data[at:at + 4096]) for at in range(0, n, 4096)] or [0],
+                      np.uint64)
+    assert gpuimage.blocks_fold(hashes, n) == want
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 100, 257, 4096 + 13])
 def test_checksum_is_the_specified_hash(n: int) -> None:
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
@@ -58,6 +80,13 @@ def test_the_reader_hashing_piece_by_piece_equals_the_whole(tmp_path, monkeypatc
     (tmp_path / "d.bin").write_bytes(b"x" * 7 + data.tobytes())
     chunk = ChunkRecord(offset=0, file="d.bin", at=7, stored=n, raw=n, hash=checksum(data),
                         zstd=False)
+    blocks = ChunkRecord(offset=0, file="d.bin", at=7, stored=n, raw=n,
+                         hash=reference_blocks(data.tobytes()), zstd=False, kind="blocks")
+    for piece in (4096, 3 * 4096, 1 << 20):     # kind `blocks`: pieces of whole blocks
+        monkeypatch.setattr(gpuimage, "PIECE", piece)
+        out = np.zeros(n + 3, np.uint8)
+        gpuimage.read_chunk_into(tmp_path, blocks, out, fds)
+        assert (out[:n] == data).all()
     for piece in (32, 96, 1 << 20):
         monkeypatch.setattr(gpuimage, "PIECE", piece)
         out = np.zeros(n + 3, np.uint8)

@@ -168,13 +168,15 @@ _RECORD = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p)(lambda _event, _stream: 0
 _WAIT = C.CFUNCTYPE(C.c_int, C.c_void_p)(lambda _event: 0)
 
 
+@pytest.mark.parametrize("kind", ["words", "blocks"])
 @pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("n", [8, 100, 4096 * 3 + 40, (1 << 16) + 13])
-def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Path,
-                                                                   mapped: bool, n: int) -> None:
+def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Path, mapped: bool,
+                                                                   n: int, kind: str) -> None:
     """The restore's fill loop (chunks.c: pass) on the CPU: every byte arrives, the checksum
-    holds, and exactly the buffers that some 8-byte word points into are named, pointers at a
-    buffer's first and last byte included, one just past the end excluded."""
+    holds (either kind: the CPU's, or the GPU's blocks), and exactly the buffers that some
+    8-byte word points into are named, pointers at a buffer's first and last byte included,
+    one just past the end excluded."""
     from pos.concurrent.gpucopy import Ring
 
     rng = np.random.default_rng(n)
@@ -193,9 +195,11 @@ def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Pat
                                                  "last"]) if where != "past"}
     truth = [i for i, (a, b) in enumerate(ranges) if ((words >= a) & (words < b)).any()]
     w = gpuimage.Writer(tmp_path, False)
-    w.put(0x7000_0000, 0, data)
+    w.put(0x7000_0000, 0, data, None if kind == "words" else
+          gpuimage.blocks_points(data, gpuimage.NO_TARGETS)[0], kind)
     w.close()
     chunk, = w.chunks_of(0x7000_0000)
+    assert chunk.kind == kind
     piece, depth = 4096, 3
     slots = np.zeros(piece * depth, np.uint8)
     events, pending = (C.c_void_p * depth)(), (C.c_ubyte * depth)()
@@ -214,3 +218,26 @@ def test_a_fill_through_a_ring_copies_hashes_and_marks_in_one_pass(tmp_path: Pat
     assert (out[:n] == data).all() and not out[n:].any()
     assert list(hits) == truth and inside <= set(truth)
     assert len(picks) < 3 or picks[2] not in truth       # just past its end
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_damaged_chunk_of_blocks_is_refused(tmp_path: Path, compress: bool,
+                                             fds: dict[str, int]) -> None:
+    """A chunk whose checksum is of kind `blocks` (the GPU's) reads back exact, and one byte
+    changed in its third block is refused, compressed or not."""
+    data = np.random.default_rng(9).integers(0, 256, 5 * 4096 + 3, np.uint8)
+    w = gpuimage.Writer(tmp_path, compress)
+    w.put(0x7000_0000, 0, data, gpuimage.blocks_points(data, gpuimage.NO_TARGETS)[0], "blocks")
+    w.close()
+    chunk, = w.chunks_of(0x7000_0000)
+    out = np.zeros(len(data), np.uint8)
+    gpuimage.read_chunk_into(tmp_path, chunk, out, fds)
+    assert (out == data).all()
+    bad = data.copy()
+    bad[2 * 4096 + 100] ^= 1
+    w = gpuimage.Writer(tmp_path / "bad", compress)
+    (tmp_path / "bad").mkdir()
+    w.put(0x7000_0000, 0, bad, chunk.hash, "blocks")
+    w.close()
+    with pytest.raises(BadInput, match="does not match its checksum"):
+        gpuimage.read_chunk_into(tmp_path / "bad", w.chunks_of(0x7000_0000)[0], out, fds)

@@ -151,3 +151,20 @@ def test_a_missing_or_damaged_index_is_one_sentence(tmp_path: Path, text, says: 
         (tmp_path / names.INDEX).write_text(text)
     with pytest.raises(BadInput, match=says.replace("(", r"\(").replace(")", r"\)")):
         gpuindex.read(tmp_path)
+
+
+def test_a_chunk_hashed_on_the_gpu_names_its_kind_and_an_unknown_kind_is_refused(
+        tmp_path: Path) -> None:
+    """A chunk of kind `blocks` says so (`hash_kind`) and reads back so; one of the first kind
+    writes no key (as before); a kind this pos does not know is one sentence."""
+    blocks = ChunkRecord(0, "gpu-data-00.bin", 0, 8, 8, 0xABC, False, "blocks")
+    index = GpuIndex(pid=11, gpu=None, buffers=(BufferRecord(0x7000, 8, 4096, 1, False,
+                                                             (blocks,)),))
+    gpuindex.write(tmp_path, index, 11)
+    assert gpuindex.read(tmp_path, 11) == index
+    assert blocks.to_json()["hash_kind"] == "blocks" and "hash_kind" not in CHUNK.to_json()
+    d = json.loads((tmp_path / names.index_name(11)).read_text())
+    d["buffers"][0]["chunks"][0]["hash_kind"] = "sha3"
+    (tmp_path / names.index_name(11)).write_text(json.dumps(d))
+    with pytest.raises(BadInput, match="kind this pos does not know .'sha3'."):
+        gpuindex.read(tmp_path, 11)
