@@ -180,10 +180,12 @@ class Functions:
     cuMemAlloc_v2 = Fn(P(CUdeviceptr), c_size_t)
     cuMemFree_v2 = Fn(CUdeviceptr)
     cuMemAllocHost_v2 = Fn(P(c_void_p), c_size_t)
+    cuMemHostAlloc = Fn(P(c_void_p), c_size_t, c_uint)
     cuMemFreeHost = Fn(c_void_p)
     cuMemHostRegister_v2 = Fn(c_void_p, c_size_t, c_uint)
     cuMemHostUnregister = Fn(c_void_p)
     cuMemsetD8_v2 = Fn(CUdeviceptr, c_ubyte, c_size_t)
+    cuMemsetD8Async = Fn(CUdeviceptr, c_ubyte, c_size_t, CUstream)
     cuMemsetD32_v2 = Fn(CUdeviceptr, c_uint, c_size_t)
     cuMemcpyHtoD_v2 = Fn(CUdeviceptr, c_void_p, c_size_t)
     cuMemcpyDtoH_v2 = Fn(c_void_p, CUdeviceptr, c_size_t)
@@ -211,6 +213,7 @@ class Functions:
     # modules, launches
     cuModuleLoadData = Fn(P(CUmodule), c_void_p)
     cuModuleGetFunction = Fn(P(CUfunction), CUmodule, c_char_p)
+    cuModuleUnload = Fn(CUmodule)
     cuLaunchKernel = Fn(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
                         CUstream, P(c_void_p), P(c_void_p))
     # the process checkpoint API (driver >= 570)

@@ -25,6 +25,8 @@ Every setting, its variable and its default:
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   savers_held         POS_SAVERS_HELD       when the copy's savers wait while the job is
                                             frozen (see SAVERS_HELD)
+  hash_on             POS_HASH_ON           where a checkpoint's copy hashes and scans each
+                                            chunk (see HASH_ONS)
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
@@ -62,6 +64,12 @@ FROZEN_COPIES = ("unshadowed", "all")
 # frozen part (`frozen`), which let the driver's restore take 0.22-0.24 s against 0.28-0.29
 # (bench/results/2026-11-29.md, perf runs 17-18)
 SAVERS_HELD = ("criu", "frozen")
+# where the concurrent copy's checksum and pointer scan of each chunk are made: by the savers on
+# the CPU, piece by piece as they write (`cpu`); or on the GPU that holds the chunk, by pos's
+# kernel (pos/concurrent/gpuhash.py: `gpu`, a driver of CUDA 13 or newer), so that the savers
+# only write, which they did at 20-26 GB/s into /dev/shm on the H200 host where hashing and
+# writing ran at 15-20 (bench/results/2026-11-29-drain)
+HASH_ONS = ("cpu", "gpu")
 # a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
 # restore, which copies the context back to the device and took twice as long beside it (0.39 s
 # against 0.18 s at 16 GiB on the H100); start: no pause; release: it starts at the job's release
@@ -96,6 +104,7 @@ class Settings:
     pin_keep: bool = False
     frozen_copy: str = FROZEN_COPIES[0]
     savers_held: str = SAVERS_HELD[0]
+    hash_on: str = HASH_ONS[0]
     shadow_max_bytes: Optional[int] = None
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
     fill_mapped: bool = True
@@ -179,6 +188,9 @@ class Settings:
             savers_held=get("POS_SAVERS_HELD", one_of(SAVERS_HELD), SAVERS_HELD[0],
                             f"one of {', '.join(SAVERS_HELD)}", "unset it (the copy's savers "
                             "then wait only for CRIU's dump)"),
+            hash_on=get("POS_HASH_ON", one_of(HASH_ONS), HASH_ONS[0],
+                        f"one of {', '.join(HASH_ONS)}", "unset it (the copy's savers then "
+                        "hash and scan each chunk on the CPU)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,

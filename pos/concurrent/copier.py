@@ -41,8 +41,10 @@ from pos.errors import BadInput
 from pos.settings import DEFAULT_PIN_RING
 
 if TYPE_CHECKING:
+    from pos.concurrent.gpuhash import Kernel
     from pos.image import gpu as gpuimage
 
+Summed = tuple[int, Any]           # a chunk's checksum and hits, as the GPU made them
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
 
@@ -141,12 +143,14 @@ class Copier:
     def __init__(self, drv: Driver, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
                  handout: Handout, writers: int, frozen_copy: str = "unshadowed",
-                 spares: Optional[Spares] = None) -> None:
+                 spares: Optional[Spares] = None, kernel: Optional[Kernel] = None) -> None:
         """`frozen_copy`: what the copy takes while the job is frozen (Settings.frozen_copy:
         `unshadowed`, or `all`, the measurement's baseline: on the H200 CRIU wrote the same
         1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one).
         `spares`: threads started before the cut (as many as `threads` says), on which the
-        copy's threads run."""
+        copy's threads run. `kernel`: pos's checksum kernel in this context
+        (POS_HASH_ON=gpu): each chunk is hashed and scanned on the GPU, and the savers only
+        write it."""
         import numpy as np
 
         from pos.image import gpu as gpuimage
@@ -170,12 +174,19 @@ class Copier:
         self.targets = gpuimage.Targets([(table[i].va, table[i].va + table[i].mapped)
                                          for i in by_va])
         self.index_of = np.array(by_va, np.int64)     # a target's buffer
+        self.sums = None
+        if kernel is not None:
+            from pos.concurrent.gpuhash import Sums
+
+            self.sums = Sums(drv, kernel, self.targets, chunk)
         self.by_va = {b.va: i for i, b in enumerate(table)}
         self.slots: queue.Queue[int] = queue.Queue()
         self.chunk = chunk
         arena.subscribe(self._add_slots)        # its parts as they are locked
-        # the chunks in host memory, for the savers: (buffer, offset, length, slot)
-        self.in_host: queue.Queue[Optional[tuple[int, int, int, int]]] = queue.Queue()
+        # the chunks in host memory, for the savers: (buffer, offset, length, slot, and the
+        # GPU's checksum and hits, or None: the savers make them)
+        self.in_host: queue.Queue[Optional[tuple[int, int, int, int, Optional[Summed]]]] = \
+            queue.Queue()
         self.go = threading.Event()             # the copies to host memory may go on
         self.go.set()
         self.save_go = threading.Event()        # the savers may go on
@@ -263,10 +274,15 @@ class Copier:
                 if not self.copying:
                     self.busy_since = time.monotonic()
                 self.copying += 1
+            summed = None
             try:
+                if self.sums is not None:
+                    self.sums.launch(stream, self.sources[i] + off, n)
                 self.drv.cuMemcpyDtoHAsync_v2(self.arena.ptr + slot, self.sources[i] + off, n,
                                               stream)
                 self.drv.cuStreamSynchronize(stream)
+                if self.sums is not None:
+                    summed = self.sums.result(stream, n)
             except BaseException:
                 self.slots.put(slot)
                 raise
@@ -277,7 +293,7 @@ class Copier:
                         self.d2h_busy_s += time.monotonic() - self.busy_since
             with self.lock:
                 self.copied_bytes += n
-            self.in_host.put((i, off, n, slot))
+            self.in_host.put((i, off, n, slot, summed))
 
         try:
             self.drv.cuCtxSetCurrent(self.ctx)
@@ -290,15 +306,20 @@ class Copier:
                 self.in_host.put(None)
 
     def _save(self) -> None:
-        """Write each chunk copied, hashed and scanned as it goes, and give its slot back; the
-        handout learns what the chunk points into, and when its buffer is all known."""
+        """Write each chunk copied, hashed and scanned as it goes (unless the GPU did), and
+        give its slot back; the handout learns what the chunk points into, and when its buffer
+        is all known."""
         while self.save_go.wait() and (item := self.in_host.get()) is not None:
-            i, off, n, slot = item
+            i, off, n, slot, summed = item
             try:
                 if self.crew.stopped.is_set():
                     continue
-                hits = self.writer.put_scanned(self.table[i].va, off, self.arena.view(slot, n),
-                                               self.targets)
+                data = self.arena.view(slot, n)
+                if summed is None:
+                    hits = self.writer.put_scanned(self.table[i].va, off, data, self.targets)
+                else:
+                    h, hits = summed
+                    self.writer.put(self.table[i].va, off, data, h, "blocks")
                 self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
                 with self.lock:
                     self.saved_bytes += n
@@ -344,3 +365,5 @@ class Copier:
         self.crew.stop()
         self.stop_copying()
         self.crew.wait()
+        if self.sums is not None:
+            self.sums.close()

@@ -43,6 +43,7 @@ from pos.settings import Settings
 
 if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the H100 host,
     from pos.concurrent import copier, gpucopy
+    from pos.concurrent.gpuhash import Kernel
     from pos.driver import Driver
     from pos.image import gpu as gpuimage             # and a restore starts CRIU before it
 
@@ -81,6 +82,7 @@ class Saver:
             devices.cuda_device(self.gpu))) if self.owned_bytes else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
+        self.kernel: Optional[Kernel] = None     # pos's checksum kernel (POS_HASH_ON=gpu)
         # the copy's threads, started before this saver's import and pin run beside them
         # (crew.Spares), and its modules, imported beside the pin (`reconnect` waits for them)
         self.spares = Spares(copier_threads(streams, self.writers) if self.context else 0,
@@ -122,6 +124,10 @@ class Saver:
         if self.context is None:           # nothing to copy: no shadow, no arena
             return
         self._make_room(st.buffers + FD_MARGIN)
+        if self.settings.hash_on == "gpu":
+            from pos.concurrent.gpuhash import Kernel
+
+            self.kernel = self.timed("hash_load", lambda: Kernel(self.drv))
         on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             on_device = min(on_device, self.settings.shadow_max_bytes)
@@ -239,6 +245,9 @@ class Saver:
         self.spares.close()
         self.use()
         self.drop_shadow()
+        if self.kernel is not None:
+            self.kernel.close()
+            self.kernel = None
         if self.host is not None:
             self.host.close()
             self.host = None
@@ -331,7 +340,7 @@ class Taken:
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
                                     s.streams, self.writer, self.handout, s.writers,
-                                    s.settings.frozen_copy, s.spares)
+                                    s.settings.frozen_copy, s.spares, s.kernel)
         self.copier.start()
 
     def freeze(self) -> None:

@@ -15,6 +15,8 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
+EXPORT const size_t pos_block = BLOCK; /* for the Python that launches the GPU's kernel */
+
 /* Marks hits[j] = 1 for each of the k sorted, disjoint ranges [starts[j], ends[j]) that one of
  * the n words at p falls into: a buffer whose words point into others is usable only once
  * those are back too. */

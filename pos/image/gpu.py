@@ -30,6 +30,8 @@ from pos.image.gpuindex import HASH_KINDS, ChunkRecord
 # while they are in the CPU's cache: hashing a whole 64 MiB chunk afterwards reads it from
 # memory again.
 PIECE = 1 << 20
+# the bytes of a block of a checksum of kind `blocks` (pos/image/hash.h)
+BLOCK = ctypes.c_size_t.in_dll(_lib, "pos_block").value
 
 _P = ctypes.c_void_p
 _lib.pos_point.restype = None

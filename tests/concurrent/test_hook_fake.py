@@ -139,6 +139,34 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2), taken
 
 
+@pytest.mark.parametrize("shadow_max", [None, 3 << 20])
+def test_chunks_hashed_on_the_gpu_make_an_exact_image_that_restores(
+        shadow_max, fill_job, tmp_path: Path, monkeypatch) -> None:
+    """POS_HASH_ON=gpu: pos's kernel hashes and scans each chunk (the fake runs it with
+    hash.h's code) and the savers only write, from the shadow or (3 of 12 buffers shadowed)
+    from the running job; every chunk says its checksum is of kind `blocks`, the image is
+    exact, and a restore checks and fills it: the job computes on from there."""
+    monkeypatch.setenv("POS_HASH_ON", "gpu")
+    if shadow_max:
+        monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(shadow_max))
+    job = fill_job()
+    ran_past(job.pid, 0)
+    r = concurrent.checkpoint_gpu(job.pid, tmp_path / "img")
+    assert "hash_load" in r.timings
+    index = gpuindex.read(Path(r.path))
+    assert {c.kind for b in index.buffers for c in b.chunks} == {"blocks"}
+    saved = image_values(Path(r.path))
+    assert not torn(saved)
+    made = job.hold()
+    concurrent.restore_gpu(job.pid, open_image(Path(r.path)))
+    monkeypatch.delenv("POS_HASH_ON")
+    back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
+    assert image_values(Path(back.path)) == saved
+    job.pause.unlink()
+    ran_past(job.pid, made)
+    assert job.alive()
+
+
 def test_a_gpu_only_image_is_not_restored_as_a_process(fill_job, tmp_path: Path,
                                                       gpu_env) -> None:
     job = fill_job()

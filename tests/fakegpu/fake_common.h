@@ -142,7 +142,9 @@ static int dev_free(uintptr_t p) {
 #define FATBIN_MAGIC 0xBA55ED50u         /* fatbin header (plain or compressed entries) */
 #define FATBIN_WRAPPER_MAGIC 0x466243B1u /* __fatBinC_Wrapper_t: {magic, version, data, ...} */
 
-enum image_kind { IMAGE_BAD = 0, IMAGE_ELF, IMAGE_FATBIN, IMAGE_WRAPPER, IMAGE_OFFLOAD_BUNDLE };
+enum image_kind {
+    IMAGE_BAD = 0, IMAGE_ELF, IMAGE_FATBIN, IMAGE_WRAPPER, IMAGE_OFFLOAD_BUNDLE, IMAGE_PTX
+};
 
 static enum image_kind image_kind(const void *image) {
     if (!image)
@@ -161,6 +163,8 @@ static enum image_kind image_kind(const void *image) {
     }
     if (memcmp(b, "__CLANG_OFFLOAD_BUNDLE__", 24) == 0 || memcmp(b, "CCOB", 4) == 0)
         return IMAGE_OFFLOAD_BUNDLE; /* HIP code objects: plain and compressed bundles */
+    if (memcmp(b, "//", 2) == 0 || memcmp(b, ".version", 8) == 0)
+        return IMAGE_PTX;            /* PTX text (pos's own checksum kernel, image/blocks.ptx) */
     return IMAGE_BAD;
 }
 

@@ -29,6 +29,7 @@
 #include <sys/sysmacros.h>
 
 #include "fake_common.h"
+#include "../../pos/image/hash.h" /* pos_blocks, run on the CPU (see run_pos_blocks) */
 
 /* ---- cuda.h types (CUDA 13), as far as these entry points need them ---------------------- */
 typedef int CUresult;
@@ -1087,6 +1088,12 @@ static CUresult lookup(struct fake_function **out, struct fake_module *m, const 
     return CUDA_SUCCESS;
 }
 
+API CUresult cuModuleUnload(CUmodule hmod) {
+    if (!initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return is_module(hmod) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; /* kept: handles stay valid */
+}
+
 API CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
     return lookup(hfunc, hmod, name, MAGIC_FUNCTION);
 }
@@ -1170,6 +1177,25 @@ API CUresult cuKernelGetName(const char **name, CUkernel kernel) { return name_o
 #define LAUNCH_PARAM_BUFFER_POINTER 1
 #define LAUNCH_PARAM_BUFFER_SIZE 2
 
+/* pos's own checksum kernel (pos/image/blocks.cu), the one kernel the fake runs: each of its
+ * `threads` threads hashes one block with hash.h's code, as the GPU's threads do, so that the
+ * engine's use of it (pos/concurrent/gpuhash.py) is tested here; that the GPU computes the
+ * same is tests/gpu's. Its memory is host memory, as all of the fake's. */
+static CUresult run_pos_blocks(uint64_t threads, void **params) {
+    if (!params)
+        return CUDA_ERROR_INVALID_VALUE;
+    const unsigned char *src = *(const unsigned char **)params[0];
+    uint64_t n = *(uint64_t *)params[1], k = *(uint64_t *)params[5];
+    uint64_t *hashes = *(uint64_t **)params[2];
+    const uint64_t *starts = *(const uint64_t **)params[3], *ends = *(const uint64_t **)params[4];
+    unsigned char *hits = *(unsigned char **)params[6];
+    for (uint64_t b = 0; b < threads && b * BLOCK < n; b++) {
+        uint64_t at = b * BLOCK, len = n - at < BLOCK ? n - at : BLOCK;
+        hashes[b] = pos_hash_point(src + at, len, starts, ends, k, hits);
+    }
+    return CUDA_SUCCESS;
+}
+
 static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                        unsigned by, unsigned bz, unsigned shmem, CUstream s, void **params,
                        void **extra) {
@@ -1200,6 +1226,8 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     } else if (!params && f->has_params == 1) {
         return CUDA_ERROR_INVALID_VALUE;
     }
+    if (strcmp(f->name, "pos_blocks") == 0)
+        return run_pos_blocks(gx * (uint64_t)bx, params);
     return CUDA_SUCCESS;
 }
 
