@@ -64,12 +64,13 @@ FROZEN_COPIES = ("unshadowed", "all")
 # frozen part (`frozen`), which let the driver's restore take 0.22-0.24 s against 0.28-0.29
 # (bench/results/2026-11-29.md, perf runs 17-18)
 SAVERS_HELD = ("criu", "frozen")
-# where the concurrent copy's checksum and pointer scan of each chunk are made: by the savers on
-# the CPU, piece by piece as they write (`cpu`); or on the GPU that holds the chunk, by pos's
-# kernel (pos/concurrent/gpuhash.py: `gpu`, a driver of CUDA 13 or newer), so that the savers
-# only write, which they did at 20-26 GB/s into /dev/shm on the H200 host where hashing and
-# writing ran at 15-20 (bench/results/2026-11-29-drain)
-HASH_ONS = ("cpu", "gpu")
+# where the concurrent copy's checksum and pointer scan of each chunk are made: on the GPU that
+# holds the chunk, by pos's kernel (pos/concurrent/gpuhash.py), so that the savers only write
+# (`gpu`; a driver that cannot load the kernel is refused), where the driver can load it
+# (`auto`: a driver of CUDA 13 or newer), or by the savers on the CPU as they write (`cpu`).
+# On the H200 host the copy ran 8-44% faster on the GPU, and a 97 GB job bounded to 8 GiB of
+# page-locked memory stalled 0.4-1.2 s less (bench/results/2026-11-29.md, perf runs 19-20)
+HASH_ONS = ("auto", "gpu", "cpu")
 # a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
 # restore, which copies the context back to the device and took twice as long beside it (0.39 s
 # against 0.18 s at 16 GiB on the H100); start: no pause; release: it starts at the job's release
@@ -189,8 +190,8 @@ class Settings:
                             f"one of {', '.join(SAVERS_HELD)}", "unset it (the copy's savers "
                             "then wait only for CRIU's dump)"),
             hash_on=get("POS_HASH_ON", one_of(HASH_ONS), HASH_ONS[0],
-                        f"one of {', '.join(HASH_ONS)}", "unset it (the copy's savers then "
-                        "hash and scan each chunk on the CPU)"),
+                        f"one of {', '.join(HASH_ONS)}", "unset it (each chunk is then hashed "
+                        "on the GPU where the driver can)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,

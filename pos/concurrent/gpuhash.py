@@ -1,14 +1,17 @@
 """The checksum and pointer scan of each chunk of a checkpoint's copy, made on the GPU that holds
-it (POS_HASH_ON=gpu): pos's kernel (pos/image/blocks.cu) hashes the chunk's 4 KiB blocks and
-marks which of the job's buffers its words point into, on the chunk's own stream just before
-its copy to host memory, so that the savers on the CPU only write it. On the H200 host the
-savers hashed, scanned and wrote a ring into /dev/shm at 15-20 GB/s, where the writes alone
-ran at 20-26 (bench/results/2026-11-29-drain). The chunk's checksum is then of kind `blocks`
+it (POS_HASH_ON: `auto`, the default, where the driver can load the kernel; `gpu`): pos's
+kernel (pos/image/blocks.cu) hashes the chunk's 4 KiB blocks and marks which of the job's
+buffers its words point into, on the chunk's own stream just before its copy to host memory,
+so that the savers on the CPU only write it. On the H200 host the savers hashed, scanned and
+wrote a ring into /dev/shm at 15-20 GB/s, where the writes alone ran at 20-26
+(bench/results/2026-11-29-drain). The chunk's checksum is then of kind `blocks`
 (pos/image/hash.h), which a restore checks on the CPU as it fills.
 
-The kernel is loaded before the cut (the driver compiles its PTX for the GPU then, and a driver
-that cannot is refused in one sentence there, the job untouched); each copy then gives it the
-buffers' address ranges and each stream a little device and page-locked memory of its own.
+The kernel is loaded before the cut (the driver compiles its PTX for the GPU then: 0.13 s the
+first time on the H200 host, 2 ms once its cache held it). A driver that cannot load it is
+refused there in one sentence under `gpu`, the job untouched, and leaves the hashing to the
+CPU under `auto`. Each copy then gives the kernel the buffers' address ranges, and each
+stream a little device and page-locked memory of its own.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class Kernel:
             drv.cuModuleLoadData(C.byref(self.module), native.ptx())
         except DriverError as e:
             raise BadInput(f"the CUDA driver cannot load pos's checksum kernel ({e.name})",
-                           "unset POS_HASH_ON (the copy then hashes on the CPU), or use a "
-                           "driver of CUDA 13 or newer") from None
+                           "set POS_HASH_ON=auto or cpu (the copy then hashes on the CPU), "
+                           "or use a driver of CUDA 13 or newer") from None
         try:
             drv.cuModuleGetFunction(C.byref(self.fn), self.module, b"pos_blocks")
         except BaseException:

@@ -124,10 +124,14 @@ class Saver:
         if self.context is None:           # nothing to copy: no shadow, no arena
             return
         self._make_room(st.buffers + FD_MARGIN)
-        if self.settings.hash_on == "gpu":
+        if self.settings.hash_on != "cpu":
             from pos.concurrent.gpuhash import Kernel
 
-            self.kernel = self.timed("hash_load", lambda: Kernel(self.drv))
+            try:
+                self.kernel = self.timed("hash_load", lambda: Kernel(self.drv))
+            except BadInput:
+                if self.settings.hash_on == "gpu":
+                    raise            # `auto`: the savers hash on the CPU, as the driver must
         on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
         if self.settings.shadow_max_bytes is not None:
             on_device = min(on_device, self.settings.shadow_max_bytes)

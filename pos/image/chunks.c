@@ -83,16 +83,26 @@ EXPORT uint64_t pos_fold_close(const uint64_t lanes[4], const unsigned char *res
 }
 
 /* A chunk's checksum (pos_fold from n), marking hits[j] for each of the k sorted ranges its
- * words point into, in the same pass: a checkpoint learns, as it saves each buffer, which
- * others a kernel could reach through the addresses the buffer holds. */
-EXPORT uint64_t pos_fold_point(const unsigned char *buf, size_t n, const uint64_t *starts,
-                               const uint64_t *ends, size_t k, unsigned char *hits) {
+ * words point into, in the same pass (copying src to dst as it goes, where `copy`): a
+ * checkpoint learns, as it saves each buffer, which others a kernel could reach through the
+ * addresses the buffer holds. */
+static inline __attribute__((always_inline)) uint64_t
+copy_fold_point(unsigned char *dst, const unsigned char *src, size_t n, int copy,
+                const uint64_t *starts, const uint64_t *ends, size_t k, unsigned char *hits) {
     uint64_t lanes[4];
     size_t whole = n / GROUP * GROUP;
     pos_start(n, lanes);
-    pass((unsigned char *)buf, buf, n / GROUP, 0, lanes, starts, ends, k, hits);
-    pos_point(buf + whole, (n - whole) / 8, starts, ends, k, hits);
-    return pos_close(lanes, buf + whole, n);
+    pass(dst, src, n / GROUP, copy, lanes, starts, ends, k, hits);
+    if (copy)
+        memcpy(dst + whole, src + whole, n - whole);
+    pos_point(dst + whole, (n - whole) / 8, starts, ends, k, hits);
+    return pos_close(lanes, dst + whole, n);
+}
+
+/* copy_fold_point in place. */
+EXPORT uint64_t pos_fold_point(const unsigned char *buf, size_t n, const uint64_t *starts,
+                               const uint64_t *ends, size_t k, unsigned char *hits) {
+    return copy_fold_point((unsigned char *)buf, buf, n, 0, starts, ends, k, hits);
 }
 
 /* The checksum of kind `blocks` (hash.h) of the n bytes at buf, marking the ranges its words
@@ -195,14 +205,15 @@ static int64_t pieces(int fd, const unsigned char *src, unsigned char *out,
         size_t grouped = (end < whole ? end : whole) - done;
         size_t loose = (end < words ? end : words) - done - grouped;
         if (blocks) {   /* whole blocks but the chunk's last, each hashed from its length */
-            if (src)
-                memcpy(p, src + at + done, end - done);
-            else if (read_all(fd, p, end - done, at + (int64_t)done))
+            if (!src && read_all(fd, p, end - done, at + (int64_t)done))
                 return (int64_t)done;
-            for (size_t b = 0; b < end - done; b += BLOCK)
-                h = pos_blocks_step(h, pos_fold_point(p + b, end - done - b < BLOCK ?
-                                                      end - done - b : BLOCK, starts, ends, k,
-                                                      hits));
+            for (size_t b = 0; b < end - done; b += BLOCK) {
+                size_t len = end - done - b < BLOCK ? end - done - b : BLOCK;
+                h = pos_blocks_step(h, src ? copy_fold_point(p + b, src + at + done + b, len, 1,
+                                                             starts, ends, k, hits)
+                                           : copy_fold_point(p + b, p + b, len, 0, starts,
+                                                             ends, k, hits));
+            }
         } else if (src) {
             pass(p, src + at + done, grouped / GROUP, 1, lanes, starts, ends, k, hits);
             memcpy(p + grouped, src + at + done + grouped, end - done - grouped);

@@ -142,11 +142,10 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
 @pytest.mark.parametrize("shadow_max", [None, 3 << 20])
 def test_chunks_hashed_on_the_gpu_make_an_exact_image_that_restores(
         shadow_max, fill_job, tmp_path: Path, monkeypatch) -> None:
-    """POS_HASH_ON=gpu: pos's kernel hashes and scans each chunk (the fake runs it with
+    """POS_HASH_ON's default: pos's kernel hashes and scans each chunk (the fake runs it with
     hash.h's code) and the savers only write, from the shadow or (3 of 12 buffers shadowed)
     from the running job; every chunk says its checksum is of kind `blocks`, the image is
     exact, and a restore checks and fills it: the job computes on from there."""
-    monkeypatch.setenv("POS_HASH_ON", "gpu")
     if shadow_max:
         monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(shadow_max))
     job = fill_job()
@@ -159,11 +158,33 @@ def test_chunks_hashed_on_the_gpu_make_an_exact_image_that_restores(
     assert not torn(saved)
     made = job.hold()
     concurrent.restore_gpu(job.pid, open_image(Path(r.path)))
-    monkeypatch.delenv("POS_HASH_ON")
+    monkeypatch.setenv("POS_HASH_ON", "cpu")
     back = concurrent.checkpoint_gpu(job.pid, tmp_path / "back")
+    assert {c.kind for b in gpuindex.read(Path(back.path)).buffers for c in b.chunks} == \
+        {"words"}
     assert image_values(Path(back.path)) == saved
     job.pause.unlink()
     ran_past(job.pid, made)
+    assert job.alive()
+
+
+def test_a_driver_that_cannot_load_the_checksum_kernel(fill_job, tmp_path: Path,
+                                                       monkeypatch) -> None:
+    """A driver older than the kernel's PTX: by default the savers hash on the CPU and the
+    image is exact; POS_HASH_ON=gpu is refused in one sentence before the cut, and the job
+    runs on."""
+    monkeypatch.setenv("POS_FAKECUDA_FAIL", "cuModuleLoadData")
+    job = fill_job()
+    ran_past(job.pid, 0)
+    r = concurrent.checkpoint_gpu(job.pid, tmp_path / "img")
+    assert {c.kind for b in gpuindex.read(Path(r.path)).buffers for c in b.chunks} == {"words"}
+    assert not torn(image_values(Path(r.path)))
+    monkeypatch.setenv("POS_HASH_ON", "gpu")
+    with pytest.raises(BadInput, match="cannot load pos's checksum kernel "
+                                       r"\(CUDA_ERROR_UNSUPPORTED_PTX_VERSION\)"):
+        concurrent.checkpoint_gpu(job.pid, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    ran_past(job.pid, max(image_values(Path(r.path))))
     assert job.alive()
 
 
@@ -249,19 +270,24 @@ def test_an_arena_smaller_than_the_job_streams_an_exact_image(
         done = max(values)
 
 
-@pytest.mark.parametrize("where", ["write", "handout"])
+@pytest.mark.parametrize("where", ["write", "write-hashing", "handout"])
 def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
         fill_job, tmp_path: Path, monkeypatch, where: str) -> None:
-    """A chunk's write (a full disk), or what its scan tells the handout, failing on one of the
-    copy's threads, with a small arena whose slots the failed chunk held: the checkpoint ends
-    in that error, not a hang; no image is left; the job computes on, its agent idle."""
+    """A chunk's write (a full disk; the GPU hashed it, or its saver hashes it as it writes:
+    POS_HASH_ON=cpu), or what its scan tells the handout, failing on one of the copy's threads,
+    with a small arena whose slots the failed chunk held: the checkpoint ends in that error,
+    not a hang; no image is left; the job computes on, its agent idle."""
     from pos.concurrent import copier
     from pos.concurrent.handout import Handout
 
     monkeypatch.setattr(copier, "MIN_ARENA", 1 << 20)
     monkeypatch.setenv("POS_PIN_MAX_GIB", str(2 / 1024))
     calls = [0]
-    target = (gpuimage.Writer, "put_scanned") if where == "write" else (Handout, "points")
+    target = {"write": (gpuimage.Writer, "put"),
+              "write-hashing": (gpuimage.Writer, "put_scanned"),
+              "handout": (Handout, "points")}[where]
+    if where == "write-hashing":
+        monkeypatch.setenv("POS_HASH_ON", "cpu")
     real = getattr(*target)
 
     def failing(*args, **kw):   # type: ignore[no-untyped-def]
