@@ -237,7 +237,8 @@ def read_chunk_into(folder: Path, chunk: ChunkRecord, out: np.ndarray,
         raise ValueError("the output is smaller than the chunk")
     h = ctypes.c_uint64()
     got = _lib.pos_read_chunk(fd, out.ctypes.data, chunk.raw, chunk.at, PIECE,
-                              chunk.kind == "blocks", targets.starts.ctypes.data, targets.ends.ctypes.data,
+                              chunk.kind == "blocks", targets.starts.ctypes.data,
+                              targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     _checked(folder, chunk, got, h.value)
     return np.flatnonzero(hits)
@@ -295,7 +296,8 @@ def fill_chunk(ring: Any, folder: Path, chunk: ChunkRecord, dst: int, fds: dict[
     h = ctypes.c_uint64()
     src = maps.address(folder, chunk) if maps is not None else None
     got = _lib.pos_fill_chunk(ctypes.addressof(ring), fd, src, dst, chunk.raw, chunk.at,
-                              chunk.kind == "blocks", targets.starts.ctypes.data, targets.ends.ctypes.data,
+                              chunk.kind == "blocks", targets.starts.ctypes.data,
+                              targets.ends.ctypes.data,
                               targets.starts.shape[0], hits.ctypes.data, ctypes.byref(h))
     if got == -2:
         drv = driver()
