@@ -69,7 +69,7 @@ SAVERS_HELD = ("criu", "frozen")
 # (`gpu`; a driver that cannot load the kernel is refused), where the driver can load it
 # (`auto`: a driver of CUDA 13 or newer), or by the savers on the CPU as they write (`cpu`).
 # On the H200 host the copy ran 8-44% faster on the GPU, and a 97 GB job bounded to 8 GiB of
-# page-locked memory stalled 0.4-1.2 s less (bench/results/2026-11-29.md, perf runs 19-20)
+# page-locked memory stalled 0.4-1.2 s less (bench/results/2026-11-29.md, perf runs 19-21)
 HASH_ONS = ("auto", "gpu", "cpu")
 # a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
 # restore, which copies the context back to the device and took twice as long beside it (0.39 s
