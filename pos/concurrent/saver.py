@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pos.agent.control import Agent, Buffer, Cut, Refused, Status
 from pos.concurrent import devices, kept
-from pos.concurrent.copier import Copied, HostRoom
+from pos.concurrent.copier import Copied, HostRoom, first_needed
 from pos.concurrent.copier import threads as copier_threads
 from pos.concurrent.crew import Spares
 from pos.concurrent.handout import Handout
@@ -82,7 +82,7 @@ class Saver:
             devices.cuda_device(self.gpu))) if self.owned_bytes else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
-        self.kernel: Optional[Kernel] = None     # pos's checksum kernel (POS_HASH_ON=gpu)
+        self.kernel: Optional[Kernel] = None     # pos's checksum kernel (POS_HASH_ON)
         # the copy's threads, started before this saver's import and pin run beside them
         # (crew.Spares), and its modules, imported beside the pin (`reconnect` waits for them)
         self.spares = Spares(copier_threads(streams, self.writers) if self.context else 0,
@@ -301,10 +301,9 @@ class Taken:
         return self.saver.pid
 
     def _snapshot(self) -> list[int]:
-        """Shadow what fits, the smallest buffers first (most of a job's calls use its many
-        small buffers, and a call that may write a buffer not shadowed waits until pos has
-        copied it from the job); the source of each buffer's copy (its shadow, or the job's
-        memory for a buffer that did not fit)."""
+        """Shadow what fits, in copier.first_needed's order (a call that may write a buffer
+        not shadowed waits until pos has copied it from the job); the source of each buffer's
+        copy (its shadow, or the job's memory for a buffer that did not fit)."""
         from pos.concurrent import gpucopy
 
         s, mem = self.saver, self.mem
@@ -313,7 +312,10 @@ class Taken:
         base = s.shadow.ptr if s.shadow else 0
         sources = list(mem.local)
         src, dst, sizes, at = [], [], [], 0
-        for i in sorted(range(len(self.table)), key=lambda i: (self.table[i].size, i)):
+        used_first = s.settings.shadow_first == "used"
+        s.timings["used_before_bytes"] = sum(b.size for b in self.table if b.used_before)
+        for i in sorted(range(len(self.table)),
+                        key=lambda i: first_needed(self.table[i], i, used_first)):
             b = self.table[i]
             if at + b.size <= room:
                 sources[i] = base + at
@@ -323,6 +325,8 @@ class Taken:
                 self.shadowed.add(i)
                 at += b.size
         self.shadow_bytes = at
+        s.timings["used_shadowed_bytes"] = sum(self.table[i].size for i in self.shadowed
+                                               if self.table[i].used_before)
         s.timed("shadow", lambda: gpucopy.device_to_device(s.drv, dst, src, sizes))
         return sources
 
@@ -344,7 +348,8 @@ class Taken:
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
                                     s.streams, self.writer, self.handout, s.writers,
-                                    s.settings.frozen_copy, s.spares, s.kernel)
+                                    s.settings.frozen_copy, s.spares, s.kernel,
+                                    s.settings.shadow_first == "used")
         self.copier.start()
 
     def freeze(self) -> None:
