@@ -51,6 +51,7 @@ SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host mem
 DEFAULT_CHUNK_MB = 64          # a checkpoint's chunk of a buffer (copied, hashed, written)
 SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
 FD_MARGIN = 64                 # descriptors beyond a job's buffers that the tables make room for
+SHADOW_ALIGN = 256             # where each shadowed buffer begins: cuMemAlloc's alignment
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
 
 
@@ -317,14 +318,17 @@ class Taken:
         for i in sorted(range(len(self.table)),
                         key=lambda i: first_needed(self.table[i], i, used_first)):
             b = self.table[i]
-            if at + b.size <= room:
-                sources[i] = base + at
+            # each copy at an aligned address, as the job's own allocations are: the GPU's
+            # checksum kernel reads 16 bytes at a time (gpuhash.py)
+            start = -(-at // SHADOW_ALIGN) * SHADOW_ALIGN
+            if start + b.size <= room:
+                sources[i] = base + start
                 src.append(mem.local[i])
                 dst.append(sources[i])
                 sizes.append(b.size)
                 self.shadowed.add(i)
-                at += b.size
-        self.shadow_bytes = at
+                self.shadow_bytes += b.size
+                at = start + b.size
         s.timings["used_shadowed_bytes"] = sum(self.table[i].size for i in self.shadowed
                                                if self.table[i].used_before)
         s.timed("shadow", lambda: gpucopy.device_to_device(s.drv, dst, src, sizes))

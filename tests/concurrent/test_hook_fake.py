@@ -139,16 +139,19 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         assert len(taken) == 12 and sorted(taken) == list(range(12)) and taken[0] not in (0, 1, 2), taken
 
 
-@pytest.mark.parametrize("shadow_max", [None, 3 << 20])
+@pytest.mark.parametrize("shadow_max, size", [(None, 1 << 20), (3 << 20, 1 << 20),
+                                              (None, (1 << 20) + 4)])
 def test_chunks_hashed_on_the_gpu_make_an_exact_image_that_restores(
-        shadow_max, fill_job, tmp_path: Path, monkeypatch) -> None:
+        shadow_max, size: int, fill_job, tmp_path: Path, monkeypatch) -> None:
     """POS_HASH_ON's default: pos's kernel hashes and scans each chunk (the fake runs it with
-    hash.h's code) and the savers only write, from the shadow or (3 of 12 buffers shadowed)
-    from the running job; every chunk says its checksum is of kind `blocks`, the image is
-    exact, and a restore checks and fills it: the job computes on from there."""
+    hash.h's code, and refuses a chunk that is not 16-byte aligned, as the GPU's loads would)
+    and the savers only write, from the shadow (buffers of a size that is no multiple of 16
+    among them) or (3 of 12 buffers shadowed) from the running job; every chunk says its
+    checksum is of kind `blocks`, the image is exact, and a restore checks and fills it: the
+    job computes on from there."""
     if shadow_max:
         monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(shadow_max))
-    job = fill_job()
+    job = fill_job(size=size)
     ran_past(job.pid, 0)
     r = concurrent.checkpoint_gpu(job.pid, tmp_path / "img")
     assert "hash_load" in r.timings

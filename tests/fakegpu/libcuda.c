@@ -130,6 +130,7 @@ enum {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_UNKNOWN = 999,
 };
@@ -150,6 +151,8 @@ static const struct {
     {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_MISALIGNED_ADDRESS, "CUDA_ERROR_MISALIGNED_ADDRESS",
+     "misaligned address"},
     {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
      "the provided PTX was compiled with an unsupported toolchain."},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
@@ -1194,6 +1197,8 @@ static CUresult run_pos_blocks(uint64_t threads, void **params) {
     uint64_t *hashes = *(uint64_t **)params[2];
     const uint64_t *starts = *(const uint64_t **)params[3], *ends = *(const uint64_t **)params[4];
     unsigned char *hits = *(unsigned char **)params[6];
+    if ((uintptr_t)src % 16) /* the GPU's 16-byte loads need it */
+        return CUDA_ERROR_MISALIGNED_ADDRESS;
     for (uint64_t b = 0; b < threads && b * BLOCK < n; b++) {
         uint64_t at = b * BLOCK, len = n - at < BLOCK ? n - at : BLOCK;
         hashes[b] = pos_hash_point(src + at, len, starts, ends, k, hits);
