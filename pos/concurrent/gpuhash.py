@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes as C
 import threading
 from dataclasses import dataclass
+
 import numpy as np
 
 from pos import native

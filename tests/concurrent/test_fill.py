@@ -20,15 +20,6 @@ CHUNK = 1 << 16
 SIZES = [5 * CHUNK + 123, 3 * CHUNK + 40, 77, CHUNK]   # tails: 123, 40, 77 bytes
 
 
-@pytest.fixture
-def drv(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
-    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
-    from pos.concurrent import gpucopy
-
-    return gpucopy.Context(0).drv
-
-
 def image(folder: Path) -> tuple[list[Buffer], dict[int, Saved], list[np.ndarray]]:
     rng = np.random.default_rng(11)
     datas = [rng.integers(0, 256, n, np.uint8) for n in SIZES]

@@ -20,13 +20,6 @@ from pos.image import gpu as gpuimage
 CHUNK = 1 << 16
 
 
-@pytest.fixture
-def drv(fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
-    monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
-    return gpucopy.Context(0).drv
-
-
 def test_the_shipped_kernel_was_made_from_its_sources() -> None:
     """blocks.ptx names the digest of blocks.cu and hash.h it was made from: a change to
     either without `python -m pos.native --ptx` would ship a kernel that hashes otherwise than
