@@ -151,6 +151,10 @@ class Settings:
                 return raw
             return parse
 
+        def choice(name: str, choices: tuple[str, ...], fix: str) -> str:
+            """One of `choices` (the first when unset)."""
+            return get(name, one_of(choices), choices[0], f"one of {', '.join(choices)}", fix)
+
         def piece(raw: str) -> int:
             kib = int(raw)
             if not 256 <= kib <= 4096 or kib & (kib - 1):
@@ -193,27 +197,22 @@ class Settings:
             pin_keep=get("POS_PIN_KEEP", one_of(("0", "1")), "0", "0 or 1",
                          "unset it (the arena's memory is then freed after each checkpoint)")
             == "1",
-            frozen_copy=get("POS_FROZEN_COPY", one_of(FROZEN_COPIES), FROZEN_COPIES[0],
-                            f"one of {', '.join(FROZEN_COPIES)}", "unset it (the frozen part "
-                            "then copies only what pos could not shadow)"),
-            savers_held=get("POS_SAVERS_HELD", one_of(SAVERS_HELD), SAVERS_HELD[0],
-                            f"one of {', '.join(SAVERS_HELD)}", "unset it (the copy's savers "
-                            "then wait only for CRIU's dump)"),
-            hash_on=get("POS_HASH_ON", one_of(HASH_ONS), HASH_ONS[0],
-                        f"one of {', '.join(HASH_ONS)}", "unset it (each chunk is then hashed "
-                        "on the GPU where the driver can)"),
+            frozen_copy=choice("POS_FROZEN_COPY", FROZEN_COPIES, "unset it (the frozen part then "
+                               "copies only what pos could not shadow)"),
+            savers_held=choice("POS_SAVERS_HELD", SAVERS_HELD, "unset it (the copy's savers then "
+                               "wait only for CRIU's dump)"),
+            hash_on=choice("POS_HASH_ON", HASH_ONS, "unset it (each chunk is then hashed on the "
+                           "GPU where the driver can)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
-            shadow_first=get("POS_SHADOW_FIRST", one_of(SHADOW_FIRSTS), SHADOW_FIRSTS[0],
-                             f"one of {', '.join(SHADOW_FIRSTS)}", "unset it (the shadow then "
-                             "takes the smallest buffers first)"),
+            shadow_first=choice("POS_SHADOW_FIRST", SHADOW_FIRSTS, "unset it (the shadow then "
+                                "takes the smallest buffers first)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),
             fill_mapped=env.get("POS_FILL_MAPPED") != "0",
-            fill_from=get("POS_FILL_FROM", one_of(FILL_FROMS), FILL_FROMS[0],
-                          f"one of {', '.join(FILL_FROMS)}",
-                          "unset it (the fill then pauses for the driver's restore)"),
+            fill_from=choice("POS_FILL_FROM", FILL_FROMS,
+                             "unset it (the fill then pauses for the driver's restore)"),
             hoist_stack=get("POS_HOIST_STACK", stack, DEFAULT_HOIST_STACK,
                             "a number of bytes or off",
                             "unset it (the hoisted context then keeps no stack)"),
