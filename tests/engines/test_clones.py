@@ -64,10 +64,12 @@ def test_the_options_save_its_network_namespace_empty(criu_ready: None) -> None:
 def test_pos_run_clonable_makes_the_job_pid_1_and_passes_its_status_and_signals(
         tmp_path: Path, criu_ready: None) -> None:
     out = tmp_path / "out"
+    # its PID written once its handler is in place: PID 1 ignores a signal it has no handler
+    # for, and a SIGTERM sent between the two left it asleep
     code = ("import os, signal, sys, time, socket\n"
-            f"open({str(out)!r}, 'w').write(str(os.getpid()))\n"
             "socket.create_server(('127.0.0.1', 0)).close()   # its loopback is up\n"
             "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+            f"open({str(out)!r}, 'w').write(str(os.getpid()))\n"
             "time.sleep(60)\n")
     p = subprocess.Popen([*CLONABLE, sys.executable, "-c", code], cwd=ROOT,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
