@@ -22,14 +22,7 @@ EXPORT const size_t pos_block = BLOCK; /* for the Python that launches the GPU's
  * those are back too. */
 EXPORT void pos_point(const unsigned char *p, size_t n, const uint64_t *starts,
                       const uint64_t *ends, size_t k, unsigned char *hits) {
-    uint64_t lo, span;
-    pos_bounds(starts, ends, k, &lo, &span);
-    for (size_t i = 0; i < n; i++) {
-        uint64_t w;
-        memcpy(&w, p + 8 * i, 8);
-        if (w - lo < span)
-            pos_mark(w, starts, ends, k, hits);
-    }
+    pos_point_words(p, n, starts, ends, k, hits);
 }
 
 /* One pass over `groups` groups at src: each group is copied to dst (when `copy`), folded into

@@ -114,6 +114,18 @@ POS_FN void pos_bounds(const uint64_t *starts, const uint64_t *ends, size_t k, u
     *span = k ? ends[k - 1] - starts[0] : 0;
 }
 
+/* Marks the ranges that each of the n words at p (8-aligned on the GPU) points into. */
+POS_FN void pos_point_words(const unsigned char *p, size_t n, const uint64_t *starts,
+                            const uint64_t *ends, size_t k, unsigned char *hits) {
+    uint64_t lo, span;
+    pos_bounds(starts, ends, k, &lo, &span);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t w = pos_load(p + 8 * i);
+        if (w - lo < span)
+            pos_mark(w, starts, ends, k, hits);
+    }
+}
+
 /* One block's hash folded into the chunk's (which starts from the chunk's length). */
 POS_FN uint64_t pos_blocks_step(uint64_t h, uint64_t block_hash) {
     h = (h ^ block_hash) * P1;
@@ -138,11 +150,7 @@ POS_FN uint64_t pos_hash_point(const unsigned char *p, size_t n, const uint64_t 
                 pos_mark(w[j], starts, ends, k, hits);
     }
     lanes[0] = a, lanes[1] = b, lanes[2] = c, lanes[3] = d;
-    for (size_t at = whole; at + 8 <= n; at += 8) {     /* the words that made no group */
-        uint64_t w = pos_load(p + at);
-        if (w - lo < span)
-            pos_mark(w, starts, ends, k, hits);
-    }
+    pos_point_words(p + whole, (n - whole) / 8, starts, ends, k, hits); /* made no group */
     return pos_close(lanes, p + whole, n);
 }
 
