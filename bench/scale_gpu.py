@@ -237,6 +237,7 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
             run["job_saw"] = lines.excess(t, end)
             return run
         shutil.copy(img / names.DUMP_LOG, out / f"{spec.name}-{names.DUMP_LOG}")
+        shutil.copy(img / names.INDEX, out / f"{spec.name}-{names.INDEX}")  # the gate's `on`s
         at_kill = steps_in(log) + 8
         wait_steps(log, at_kill, p)
         run["job_saw"] = lines.excess(t, end)
