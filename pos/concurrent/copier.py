@@ -18,6 +18,14 @@ order (`first_needed`: the smallest first, after what the job used since its las
 where asked). As each buffer is in host memory the handout (pos/concurrent/handout.py) tells
 the job's gate which buffers its calls may write again.
 
+The shadow's scan: a call on a shadowed buffer waits too, until the buffers its words point
+into are known and saved (handout.py), and the copy reaches the shadowed buffers last. Where
+the GPU hashes (POS_HASH_ON), it scans the shadow from the copy's start, on a stream of its
+own: a moment's work, after which a shadowed buffer waits only for the unshadowed ones it
+points into. The copy then uses these checksums rather than making them again. (On the H200
+the 60% job's calls waited 0.13-0.43 s each, one after another, for five shadowed buffers of
+2-198 MiB after its release: bench/results/2026-11-29.md.)
+
 numpy and the image's chunk module are imported where used, not with this module: every
 checkpoint command imports it (arena_bytes), and numpy's import took 0.3 s of the command's
 start on the H200 host. A checkpoint imports them beside its pin (saver.import_for_copy).
@@ -44,7 +52,7 @@ if TYPE_CHECKING:
     from pos.concurrent.gpuhash import Kernel
     from pos.image import gpu as gpuimage
 
-Summed = tuple[int, Any]           # a chunk's checksum and hits, as the GPU made them
+Summed = tuple[int, list[int]]     # a chunk's checksum and the buffers it points into (GPU's)
 MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would crawl
 HOST_RESERVE = 2 << 30            # host memory left to everything else
 
@@ -58,8 +66,9 @@ def first_needed(b: Buffer, i: int, used_first: bool) -> tuple[bool, int, int]:
 
 
 def threads(streams: int, writers: int) -> int:
-    """The threads a Copier runs: its reader, a copy thread per stream, and `writers` savers."""
-    return 1 + streams + max(1, writers)
+    """The threads a Copier runs: its reader, a copy thread per stream, `writers` savers, and
+    the scan of the shadow."""
+    return 2 + streams + max(1, writers)
 
 
 def host_spare() -> int:
@@ -188,6 +197,7 @@ class Copier:
             from pos.concurrent.gpuhash import Sums
 
             self.sums = Sums(drv, kernel, self.targets, chunk)
+        self.summed: dict[tuple[int, int], Summed] = {}     # the shadow's scan's, by chunk
         self.by_va = {b.va: i for i, b in enumerate(table)}
         self.slots: queue.Queue[int] = queue.Queue()
         self.chunk = chunk
@@ -203,11 +213,14 @@ class Copier:
         self.shadow_go = threading.Event()      # the shadowed buffers' copies may go on
         self.shadow_go.set()
         self.copied = threading.Event()
+        self.scanned = threading.Event()        # the shadow's scan is over (or never began)
+        self.scanned.set()
         self.copied_bytes = 0
         self.saved_bytes = 0                    # written by the savers
         self.lock = threading.Lock()
         self.t0 = 0.0
         self.d2h_s = self.disk_s = 0.0
+        self.scan_s = 0.0            # from the start until the shadow was all scanned
         self.d2h_busy_s = 0.0        # the seconds in which at least one chunk was copied
         self.copying, self.busy_since = 0, 0.0
         self.threads = max(1, writers)          # savers
@@ -224,8 +237,12 @@ class Copier:
         for i, n in enumerate(self.scan_left):
             if n == 0:                  # an empty buffer: nothing to scan (nor to copy)
                 self.handout.came_back(i)
+        scan = self.sums is not None and 0 < len(self.shadowed) < len(self.table)
+        if scan:
+            self.scanned.clear()
         self.crew.start([("reader", self._copy)]
-                        + [(f"save-{k}", self._save) for k in range(self.threads)],
+                        + [(f"save-{k}", self._save) for k in range(self.threads)]
+                        + ([("scan", self._scan_shadow)] if scan else []),
                         self.spares)
 
     def pause(self) -> None:
@@ -283,15 +300,16 @@ class Copier:
                 if not self.copying:
                     self.busy_since = time.monotonic()
                 self.copying += 1
-            summed = None
+            with self.lock:
+                summed = self.summed.pop((i, off), None)
             try:
-                if self.sums is not None:
+                if self.sums is not None and summed is None:
                     self.sums.launch(stream, self.sources[i] + off, n)
                 self.drv.cuMemcpyDtoHAsync_v2(self.arena.ptr + slot, self.sources[i] + off, n,
                                               stream)
                 self.drv.cuStreamSynchronize(stream)
-                if self.sums is not None:
-                    summed = self.sums.result(stream, n)
+                if self.sums is not None and summed is None:
+                    summed = self._summed(stream, n)
             except BaseException:
                 self.slots.put(slot)
                 raise
@@ -314,6 +332,43 @@ class Copier:
             for _ in range(self.threads):
                 self.in_host.put(None)
 
+    def _summed(self, stream: Any, n: int) -> Summed:
+        """The checksum and pointers of the n bytes the kernel took last on `stream`."""
+        assert self.sums is not None
+        h, hits = self.sums.result(stream, n)
+        return h, self.index_of[hits.nonzero()[0]].tolist()
+
+    def _scan_shadow(self) -> None:
+        """The shadowed buffers' chunks hashed and scanned on the GPU in the copy's order, held
+        with the copy (pause): each buffer is back (handout.py) once all its chunks are, its
+        checksums kept for its copy."""
+        left = {i: self.scan_left[i] for i in self.shadowed}
+        self.drv.cuCtxSetCurrent(self.ctx)
+        stream = gpucopy.stream(self.drv)
+        try:
+            for i, off, n in self.work:
+                if i not in self.shadowed:
+                    continue
+                self.go.wait()
+                self.crew.check()
+                if self.copied.is_set():     # the copy took every chunk itself
+                    return
+                assert self.sums is not None     # started only with the kernel
+                self.sums.launch(stream, self.sources[i] + off, n)
+                self.drv.cuStreamSynchronize(stream)
+                summed = self._summed(stream, n)
+                self.handout.points(i, summed[1])
+                with self.lock:
+                    self.summed[(i, off)] = summed
+                left[i] -= 1
+                if left[i] == 0:
+                    self.handout.came_back(i)
+            self.scan_s = time.monotonic() - self.t0
+        finally:
+            self.drv.raw.cuStreamSynchronize(stream)
+            self.drv.raw.cuStreamDestroy_v2(stream)
+            self.scanned.set()
+
     def _save(self) -> None:
         """Write each chunk copied, hashed and scanned as it goes (unless the GPU did), and
         give its slot back; the handout learns what the chunk points into, and when its buffer
@@ -326,10 +381,11 @@ class Copier:
                 data = self.arena.view(slot, n)
                 if summed is None:
                     hits = self.writer.put_scanned(self.table[i].va, off, data, self.targets)
+                    self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
                 else:
-                    h, hits = summed
+                    h, into = summed
                     self.writer.put(self.table[i].va, off, data, h, "blocks")
-                self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
+                    self.handout.points(i, into)
                 with self.lock:
                     self.saved_bytes += n
                     self.scan_left[i] -= 1
@@ -345,6 +401,7 @@ class Copier:
         """Every chunk is in host memory (or the copy failed: raised); the agent is no longer
         asked what its calls wait for."""
         self.copied.wait()
+        self.scanned.wait()                # the scan reads the shadow too
         if self.watcher is not None:
             self.watcher.join()
         self.crew.raise_failure()
@@ -364,6 +421,7 @@ class Copier:
         if not self.copied.is_set():
             self.crew.stop()
         self.copied.wait()
+        self.scanned.wait()                # the scan reads the shadow too
         if self.watcher is not None:
             self.watcher.join()
 

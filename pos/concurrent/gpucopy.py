@@ -457,6 +457,13 @@ def grid(sizes: Sequence[int], chunk: int, starts: Optional[Sequence[int]] = Non
     return out
 
 
+def stream(drv: Driver) -> C.c_void_p:
+    """A new stream of the current context that does not wait for the job's default stream."""
+    s = CUstream()
+    drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
+    return s
+
+
 class _Streams:
     """One stream per worker thread, made current with the caller's context."""
 
@@ -471,8 +478,7 @@ class _Streams:
         s = getattr(self.local, "stream", None)
         if s is None:
             self.drv.cuCtxSetCurrent(self.ctx)
-            s = CUstream()
-            self.drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
+            s = stream(self.drv)
             self.local.stream = s
             with self.lock:
                 self.all.append(s)
@@ -577,8 +583,7 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
 def device_to_device(drv: Driver, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int]
                      ) -> None:
     """Copy src[i] -> dst[i] on one stream and wait: the shadow taken while the job is held."""
-    s = CUstream()
-    drv.cuStreamCreate(C.byref(s), CU_STREAM_NON_BLOCKING)
+    s = stream(drv)
     try:
         for d, a, n in zip(dst, src, sizes):
             drv.cuMemcpyDtoDAsync_v2(d, a, n, s)

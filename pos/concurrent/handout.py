@@ -1,6 +1,7 @@
 """Which of the job's buffers its agent may let calls use during a concurrent operation, told as
 pos learns it: one rule for the restore (a buffer is *back* once filled from the image) and for
-the checkpoint (a buffer is *back* once its bytes as of the cut are in host memory).
+the checkpoint (a buffer is *back* once its bytes as of the cut are in host memory, or, one pos
+shadowed, once the GPU has scanned its shadow: copier.py).
 
 A kernel reaches the buffers its parameter words point into (the agent's gate checks those),
 and through them the buffers whose addresses they hold: so a buffer is handed out only once
@@ -67,7 +68,7 @@ class Handout:
     def came_back(self, i: int) -> None:
         with self.lock:
             self.back.add(i)
-            self.back_at[i] = time.monotonic()
+            self.back_at.setdefault(i, time.monotonic())
             self._tell()
 
     def rest_at(self, t0: float) -> dict[str, float]:

@@ -428,6 +428,7 @@ class Taken:
         if self.copier is not None:
             self.copier.wait_copied()
             self.saver.timings["d2h"] = self.copier.d2h_s
+            self.saver.timings["shadow_scan"] = self.copier.scan_s
             self.saver.timings["d2h_busy"] = self.copier.d2h_busy_s
         self._drop_device()
 
