@@ -272,7 +272,8 @@ class Copier:
 
     def watch(self, agent: Any) -> None:
         """Until every chunk is in host memory, copy first what the job's calls wait for."""
-        self.watcher = self.order.follow(lambda: agent, self.by_va, self.copied)
+        self.watcher = self.order.follow(lambda: agent, self.by_va, self.copied,
+                                         self.handout.needed)
 
     def _wake(self) -> None:
         """The copy stopped: nothing of it waits for what will not come."""

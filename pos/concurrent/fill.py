@@ -82,7 +82,7 @@ def fill(drv: Driver, table: list[Buffer], dest: list[int], saved: dict[int, Sav
     order = gpucopy.Order(work)        # what the job's calls wait for first, once it runs
     filled = threading.Event()
     watcher = order.follow(lambda: handout.agent, {b.va: i for i, b in enumerate(table)},
-                           filled)
+                           filled, handout.needed)
     try:    # the first chunk to fail stops the fill, and is what the user is told
         seconds = gpucopy.run_chunks(drv, work, len(table), streams, copy_chunk,
                                      handout.came_back, order)

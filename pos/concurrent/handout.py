@@ -71,6 +71,22 @@ class Handout:
             self.back_at.setdefault(i, time.monotonic())
             self._tell()
 
+    def needed(self, buffers: Iterable[int]) -> list[int]:
+        """What the job's calls on these buffers wait for: each of them not back, and each
+        buffer not back that one reaches through the addresses in their bytes (a shadowed
+        buffer, back, may point into one that is not)."""
+        with self.lock:
+            seen, todo, out = set(buffers), list(buffers), []
+            while todo:
+                i = todo.pop()
+                if i not in self.back:
+                    out.append(i)
+                for j in self.refers.get(i, ()):
+                    if j not in seen:
+                        seen.add(j)
+                        todo.append(j)
+            return out
+
     def rest_at(self, t0: float) -> dict[str, float]:
         """From t0: when every buffer but the biggest (the ones most calls wait for) was back,
         and handed to the job; and when all of them were back."""
