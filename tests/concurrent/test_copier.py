@@ -104,10 +104,16 @@ class _Arena:
 class _Writer:
     def __init__(self) -> None:
         self.data: dict[tuple[int, int], bytes] = {}
+        self.sums: dict[tuple[int, int], tuple[int, str]] = {}
 
     def put_scanned(self, va: int, off: int, view: np.ndarray, targets: Targets) -> np.ndarray:
         self.data[(va, off)] = view.tobytes()
         return targets.hits()
+
+    def put(self, va: int, off: int, view: np.ndarray, h: int, kind: str) -> None:
+        """A chunk the GPU hashed."""
+        self.data[(va, off)] = view.tobytes()
+        self.sums[(va, off)] = (h, kind)
 
 
 class _Handout(Handout):
@@ -141,6 +147,72 @@ def test_while_frozen_only_what_pos_could_not_shadow_is_copied() -> None:
         c.close()
     assert {k: v[:1] for k, v in writer.data.items()} == {
         (table[i].va, off): bytes([i + 1]) for i in (0, 1) for off in (0, chunk)}
+
+
+class _Agent:
+    """What the handout tells the job's agent."""
+
+    def __init__(self) -> None:
+        self.told: list[int] = []
+
+    def done(self, vas: list[int]) -> None:
+        self.told += vas
+
+
+def test_the_gpu_scans_the_shadow_so_a_shadowed_buffer_waits_only_for_what_it_points_into(
+        drv) -> None:
+    """Buffers 0 and 1 shadowed, 2 not, and 0 holds an address in 2. With the shadow's copies
+    and the savers held, and room in host memory for one chunk of 2's two, the GPU's scan of
+    the shadow alone hands 1 to the job, while 0 waits
+    for 2, which is what a call on 0 makes the copy take first; the shadow's chunks are then
+    written with the scan's checksums, equal to the CPU's."""
+    import ctypes as C
+
+    from pos.concurrent.gpuhash import Kernel
+    from pos.driver import CUdeviceptr
+    from pos.image import gpu as gpuimage
+
+    chunk = 1 << 16
+    rng = np.random.default_rng(5)
+    datas = [rng.integers(0, 256, 2 * chunk, np.uint8) for _ in range(3)]
+    ptrs = []
+    for _ in datas:
+        p = CUdeviceptr()
+        drv.cuMemAlloc_v2(C.byref(p), 2 * chunk)
+        ptrs.append(p.value)
+    datas[0][chunk + 64:chunk + 72].view(np.uint64)[0] = ptrs[2] + 8   # in 0's second chunk
+    for p, d in zip(ptrs, datas):
+        drv.cuMemcpyHtoD_v2(p, d.ctypes.data, d.size)
+    table = [Buffer(p, 2 * chunk, 2 * chunk, 0, True) for p in ptrs]
+    kernel = Kernel(drv)
+    handout, writer, agent = _Handout(table, {0, 1}), _Writer(), _Agent()
+    handout.attach(agent)
+    # one chunk of page-locked memory, the savers held: buffer 2 is never all in host memory
+    c = copier.Copier(drv, table, ptrs, {0, 1}, _Arena(chunk), chunk, 2,
+                      writer, handout, 2, kernel=kernel)   # type: ignore[arg-type]
+    c.hold_shadowed()
+    c.hold_savers()
+    c.start()
+    try:
+        wait_for(lambda: ptrs[1] in agent.told, 10, "the scan of buffer 1's shadow")
+        assert handout.needed([0, 1]) == [2]
+        assert ptrs[0] not in agent.told and ptrs[2] not in agent.told
+        c.release_savers()
+        wait_for(lambda: ptrs[0] in agent.told, 10, "buffer 2's save")
+        c.release_shadowed()
+        c.wait_copied()
+        c.join()
+    finally:
+        c.close()
+        kernel.close()
+        for p in ptrs:
+            drv.cuMemFree_v2(p)
+    targets = gpuimage.Targets(sorted((p, p + 2 * chunk) for p in ptrs))
+    for p, d in zip(ptrs, datas):
+        for off in (0, chunk):
+            piece = d[off:off + chunk]
+            assert writer.data[(p, off)] == piece.tobytes()
+            assert writer.sums[(p, off)] == (gpuimage.blocks_points(piece, targets)[0], "blocks")
 
 
 def test_the_baseline_copies_every_buffer_while_frozen() -> None:

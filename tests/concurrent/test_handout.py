@@ -58,3 +58,17 @@ def test_a_restore_hands_out_nothing_before_it_is_back() -> None:
     assert agent.told == [0x1000]
     h.came_back(1)
     assert agent.told == [0x1000, 0x2000]
+
+
+def test_a_call_on_a_buffer_waits_for_what_it_reaches_that_is_not_back() -> None:
+    # 0 (shadowed, scanned: back) -> 1 (back) -> 2 (not back) -> 0; 3 not back, unreached
+    h = Handout(_table(4), safe={0})
+    h.points(0, [1])
+    h.points(1, [2])
+    h.points(2, [0])
+    h.came_back(0)
+    h.came_back(1)
+    assert h.needed([0]) == [2]
+    assert sorted(h.needed([0, 3])) == [2, 3]
+    h.came_back(2)
+    assert h.needed([0]) == []
