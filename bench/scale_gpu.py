@@ -13,15 +13,14 @@ memory (POS_PIN_MAX_GIB=8: the copy streams to the image); `+shm`: the images in
 before the cut (the baseline of a ring beside what pos cannot shadow); `+behind`: only 8 GiB
 of the arena locked before the cut, the rest behind it (POS_PIN_AHEAD_GIB=8);
 `+shadow8`: pos shadows at most 8 GiB (POS_SHADOW_MAX_BYTES: a job larger than the free device
-memory, on a host whose disk holds no such job's image); `+nostw`: no stop-the-world baseline; `+frozenall`: the
-copy to host memory takes every buffer while the job is frozen (POS_FROZEN_COPY=all, the
-baseline of holding the shadowed ones); `+saverscriu`: the copy's savers wait only for CRIU's
-dump, not the driver's calls (POS_SAVERS_HELD=criu, the default since perf runs 17-18);
-`+saversfrozen`: they wait through the whole frozen part (POS_SAVERS_HELD=frozen, the baseline);
-`+gpuhash`: each chunk hashed and scanned on the GPU, the savers only writing (POS_HASH_ON=gpu);
-`+hashcpu`: by the savers on the CPU as they write (POS_HASH_ON=cpu, the baseline);
-`+usedfirst`: the shadow takes first what the job used after its last checkpoint
-(POS_SHADOW_FIRST=used: with `+again` or `+keep`, whose first checkpoint marks them); `+keep`: the arena kept for the next checkpoint
+memory, on a host whose disk holds no such job's image); `+nostw`: no stop-the-world baseline;
+`+frozenall`: the copy to host memory takes every buffer while the job is frozen
+(POS_FROZEN_COPY=all, the baseline of holding the shadowed ones); `+saverscriu`: the copy's
+savers wait only for CRIU's dump, not the driver's calls (POS_SAVERS_HELD=criu, the default
+since perf runs 17-18); `+saversfrozen`: they wait through the whole frozen part
+(POS_SAVERS_HELD=frozen, the baseline); `+gpuhash`: each chunk hashed and scanned on the GPU,
+the savers only writing (POS_HASH_ON=gpu); `+hashcpu`: by the savers on the CPU as they write
+(POS_HASH_ON=cpu, the baseline); `+keep`: the arena kept for the next checkpoint
 (POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and removed before the one
 measured, which finds its arena's memory there (`warm` in the raw run; the kept files removed
 after the row); `+again`: the same first checkpoint without keeping the arena, so that the one
@@ -142,7 +141,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+usedfirst][+keep][+again] (see the module's docstring)."""
+    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+keep][+again] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -163,7 +162,6 @@ class Spec:
                     **({"POS_SAVERS_HELD": "frozen"} if "saversfrozen" in flags else {}),
                     **({"POS_HASH_ON": "gpu"} if "gpuhash" in flags else {}),
                     **({"POS_HASH_ON": "cpu"} if "hashcpu" in flags else {}),
-                    **({"POS_SHADOW_FIRST": "used"} if "usedfirst" in flags else {}),
                     **({"POS_PIN_KEEP": "1"} if self.keep else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.name = text.replace("@", "-at-").replace("+", "-")

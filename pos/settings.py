@@ -28,8 +28,6 @@ Every setting, its variable and its default:
   hash_on             POS_HASH_ON           where a checkpoint's copy hashes and scans each
                                             chunk (see HASH_ONS)
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
-  shadow_first        POS_SHADOW_FIRST      which buffers the shadow takes first (see
-                                            SHADOW_FIRSTS)
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
@@ -73,13 +71,6 @@ SAVERS_HELD = ("criu", "frozen")
 # On the H200 host the copy ran 8-44% faster on the GPU, and a 97 GB job bounded to 8 GiB of
 # page-locked memory stalled 0.4-1.2 s less (bench/results/2026-11-29.md, perf runs 19-21)
 HASH_ONS = ("auto", "gpu", "cpu")
-# which buffers the shadow takes first, and the copy takes first among those it could not
-# shadow: the smallest (`small`: most calls use a job's many small buffers), or those the job
-# used after its last checkpoint's release, smallest first, then the rest (`used`: a job whose
-# working set is a part of its memory, as a server beside its cache or a job beside buffers it
-# no longer touches, then writes only shadowed buffers after the release; its first checkpoint
-# has no such marks, and takes the smallest first)
-SHADOW_FIRSTS = ("small", "used")
 # a restore's fill starts once pos's new memory exists, beside CRIU, and pauses for the driver's
 # restore, which copies the context back to the device and took twice as long beside it (0.39 s
 # against 0.18 s at 16 GiB on the H100); start: no pause; release: it starts at the job's release
@@ -116,7 +107,6 @@ class Settings:
     savers_held: str = SAVERS_HELD[0]
     hash_on: str = HASH_ONS[0]
     shadow_max_bytes: Optional[int] = None
-    shadow_first: str = SHADOW_FIRSTS[0]
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
     fill_mapped: bool = True
     fill_from: str = FILL_FROMS[0]
@@ -205,8 +195,6 @@ class Settings:
                            "GPU where the driver can)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
-            shadow_first=choice("POS_SHADOW_FIRST", SHADOW_FIRSTS, "unset it (the shadow then "
-                                "takes the smallest buffers first)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),

@@ -35,9 +35,6 @@ class Buffer:
     # a call the gate let through since the operation began may use it (the job needs it
     # first: a restore fills it first)
     touched: bool = False
-    # touched in the operation before this one (the job's first uses after its last
-    # checkpoint's release): pos may shadow it first (POS_SHADOW_FIRST)
-    used_before: bool = False
 
 
 @dataclass(frozen=True)
@@ -407,8 +404,7 @@ class Agent:
         r = self._ask("table")
         if int(r.get("version", 1)) >= 2:      # named fields (a later version may add some)
             return [Buffer(int(b["va"]), int(b["size"]), int(b["mapped"]), int(b["device"]),
-                           bool(b["present"]), bool(b["touched"]),
-                           bool(b.get("used_before", False))) for b in r["buffers"]]
+                           bool(b["present"]), bool(b["touched"])) for b in r["buffers"]]
         # version 1, the agent of a job started under an older pos: positional arrays, five
         # of them from an agent built before `touched`
         return [Buffer(va, size, mapped, dev, bool(present), bool(rest and rest[0]))

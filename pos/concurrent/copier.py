@@ -14,9 +14,8 @@ release (see `Copier.hold_shadowed`).
 
 Order: the buffers pos could not shadow first (the job's calls that may write them wait until
 they are saved; what pos shadowed is safe from the start), within each kind in the shadow's
-order (`first_needed`: the smallest first, after what the job used since its last checkpoint
-where asked). As each buffer is in host memory the handout (pos/concurrent/handout.py) tells
-the job's gate which buffers its calls may write again.
+order (`first_needed`). As each buffer is in host memory the handout (pos/concurrent/handout.py)
+tells the job's gate which buffers its calls may write again.
 
 The shadow's scan: a call on a shadowed buffer waits too, until the buffers its words point
 into are known and saved (handout.py), and the copy reaches the shadowed buffers last. Where
@@ -57,12 +56,11 @@ MIN_ARENA = 1 << 30               # below this a checkpoint is refused: it would
 HOST_RESERVE = 2 << 30            # host memory left to everything else
 
 
-def first_needed(b: Buffer, i: int, used_first: bool) -> tuple[bool, int, int]:
+def first_needed(b: Buffer, i: int) -> tuple[int, int]:
     """The order in which the shadow takes buffer i, and the copy within what was shadowed or
     not: the smallest first (most calls use a job's many small buffers, and one big buffer
-    does not hold them up), after those the job used following its last checkpoint's release
-    where `used_first` (POS_SHADOW_FIRST=used)."""
-    return (used_first and not b.used_before, b.size, i)
+    does not hold them up)."""
+    return (b.size, i)
 
 
 def threads(streams: int, writers: int) -> int:
@@ -160,15 +158,13 @@ class Copier:
     def __init__(self, drv: Driver, table: list[Buffer], sources: list[int], shadowed: set[int],
                  arena: gpucopy.Pinned, chunk: int, streams: int, writer: gpuimage.Writer,
                  handout: Handout, writers: int, frozen_copy: str = "unshadowed",
-                 spares: Optional[Spares] = None, kernel: Optional[Kernel] = None,
-                 used_first: bool = False) -> None:
+                 spares: Optional[Spares] = None, kernel: Optional[Kernel] = None) -> None:
         """`frozen_copy`: what the copy takes while the job is frozen (Settings.frozen_copy:
         `unshadowed`, or `all`, the measurement's baseline: on the H200 CRIU wrote the same
         1,042 MiB frozen in 0.62 s beside a 41 GiB copy against 0.41 s beside a 22 GiB one).
         `spares`: threads started before the cut (as many as `threads` says), on which the
-        copy's threads run. `used_first`: see first_needed. `kernel`: pos's checksum kernel in
-        this context (POS_HASH_ON): each chunk is hashed and scanned on the GPU, and the
-        savers only write it."""
+        copy's threads run. `kernel`: pos's checksum kernel in this context (POS_HASH_ON):
+        each chunk is hashed and scanned on the GPU, and the savers only write it."""
         import numpy as np
 
         from pos.image import gpu as gpuimage
@@ -181,7 +177,7 @@ class Copier:
         self.frozen_copy = frozen_copy
         self.ctx = gpucopy.current(drv)        # the caller's context, for the copy's threads
         rank = {i: k for k, i in enumerate(sorted(range(len(table)), key=lambda i: (
-            i in shadowed, *first_needed(table[i], i, used_first))))}
+            i in shadowed, *first_needed(table[i], i))))}
         self.work = sorted(gpucopy.grid([b.size for b in table], chunk),
                            key=lambda w: (rank[w[0]], w[1]))
         self.order = gpucopy.Order(self.work)

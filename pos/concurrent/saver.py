@@ -313,10 +313,7 @@ class Taken:
         base = s.shadow.ptr if s.shadow else 0
         sources = list(mem.local)
         src, dst, sizes, at = [], [], [], 0
-        used_first = s.settings.shadow_first == "used"
-        s.timings["used_before_bytes"] = sum(b.size for b in self.table if b.used_before)
-        for i in sorted(range(len(self.table)),
-                        key=lambda i: first_needed(self.table[i], i, used_first)):
+        for i in sorted(range(len(self.table)), key=lambda i: first_needed(self.table[i], i)):
             b = self.table[i]
             # each copy at an aligned address, as the job's own allocations are: the GPU's
             # checksum kernel reads 16 bytes at a time (gpuhash.py)
@@ -329,8 +326,6 @@ class Taken:
                 self.shadowed.add(i)
                 self.shadow_bytes += b.size
                 at = start + b.size
-        s.timings["used_shadowed_bytes"] = sum(self.table[i].size for i in self.shadowed
-                                               if self.table[i].used_before)
         s.timed("shadow", lambda: gpucopy.device_to_device(s.drv, dst, src, sizes))
         return sources
 
@@ -352,8 +347,7 @@ class Taken:
             folder, compress=False, prefix=names.data_prefix(self.rank))
         self.copier = copier.Copier(s.drv, self.table, sources, self.shadowed, s.host, s.chunk,
                                     s.streams, self.writer, self.handout, s.writers,
-                                    s.settings.frozen_copy, s.spares, s.kernel,
-                                    s.settings.shadow_first == "used")
+                                    s.settings.frozen_copy, s.spares, s.kernel)
         self.copier.start()
 
     def freeze(self) -> None:

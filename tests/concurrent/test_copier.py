@@ -401,17 +401,3 @@ def test_a_checkpoints_processes_share_one_room(tmp_path: Path, monkeypatch) -> 
         whole.prepare()
     assert len(rooms) == 3 and rooms[0] is rooms[1] is rooms[2]
     assert rooms[0].ring == 4 * GIB and rooms[0].cap_left == 30 * GIB
-
-
-def test_the_shadow_takes_the_smallest_first_or_what_the_job_used_since_its_last_checkpoint(
-        ) -> None:
-    """copier.first_needed: by size (then index); with `used_first`, the buffers the job used
-    after its last checkpoint's release come before the rest, each kind smallest first."""
-    table = [Buffer(0x1000 * (i + 1), size, size, 0, True, used_before=used)
-             for i, (size, used) in enumerate([(8, False), (64, True), (4, False), (32, True),
-                                               (4, True)])]
-    def order(used_first: bool) -> list[int]:
-        return sorted(range(len(table)),
-                      key=lambda i: copier.first_needed(table[i], i, used_first))
-    assert order(False) == [2, 4, 0, 3, 1]
-    assert order(True) == [4, 3, 1, 2, 0]

@@ -56,7 +56,7 @@ def test_the_agent_owns_memory_reached_through_every_lookup(fill_job) -> None:
         table = a.table()
         raw = a._ask("table")
     assert raw["version"] == 2 and set(raw["buffers"][0]) == {
-        "va", "size", "mapped", "device", "present", "touched", "used_before"}
+        "va", "size", "mapped", "device", "present", "touched"}
     # cuMemAlloc came through cuGetProcAddress: owned, each rounded to the granularity
     assert st.owning and st.phase == "idle" and st.buffers == 5
     assert st.owned_bytes == 5 * (3 << 20) and st.foreign_allocs == 0
@@ -310,27 +310,6 @@ def test_a_copy_that_fails_midway_ends_in_its_error_and_the_job_runs_on(
     ran_past(job.pid, max(first))
     then = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "b", chunk_mb=1).path))
     assert job.alive() and not torn(then) and max(then) > max(first)
-
-
-def test_the_buffers_used_after_a_checkpoint_are_marked_at_the_next(fill_job,
-                                                                    tmp_path: Path,
-                                                                    monkeypatch) -> None:
-    """The job launches axpy on its first buffer only: after a checkpoint's release that is the
-    one buffer it uses (the image's `hot`), and the next checkpoint's table says so
-    (`used_before`), which POS_SHADOW_FIRST=used shadows first (room for one buffer)."""
-    monkeypatch.setenv("POS_SHADOW_FIRST", "used")
-    monkeypatch.setenv("POS_SHADOW_MAX_BYTES", str(1 << 20))
-    job = fill_job(buffers=4, launches="_Z4axpyfPKfPfi")
-    first = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
-    a = concurrent.checkpoint_gpu(job.pid, tmp_path / "a")
-    assert a.timings["used_before_bytes"] == 0            # no checkpoint before it
-    assert gpuindex.read(Path(a.path)).hot == frozenset({first})
-    with Agent(job.pid) as agent:
-        assert [b.va for b in agent.table() if b.used_before] == []   # marked at a cut only
-    b = concurrent.checkpoint_gpu(job.pid, tmp_path / "b")
-    assert b.timings["used_before_bytes"] == 1 << 20
-    assert b.device.shadow_bytes == b.timings["used_shadowed_bytes"] == 1 << 20
-    assert job.alive()
 
 
 @pytest.mark.parametrize("kernel, layout_known", [("_Z4axpyfPKfPfi", True),

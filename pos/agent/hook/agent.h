@@ -136,8 +136,6 @@ struct owned {
     int wanted;  /* a call waits for it now (pos copies or fills it first) */
     int touched; /* a call let through a gate since the operation began may use it: the
                     buffers the job needs first, which a restore of its image fills first */
-    int used_before; /* touched in the operation before this one (the job's first uses after
-                        its last checkpoint's release): pos may shadow these first */
 };
 
 enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };

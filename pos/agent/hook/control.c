@@ -100,10 +100,9 @@ static void build_table(FILE *f) {
     for (size_t i = 0; i < ntab; i++)
         fprintf(f,
                 "%s{\"va\":%llu,\"size\":%zu,\"mapped\":%zu,\"device\":%d,\"present\":%s,"
-                "\"touched\":%s,\"used_before\":%s}",
+                "\"touched\":%s}",
                 i ? "," : "", tab[i].va, tab[i].size, tab[i].mapped, tab[i].device,
-                tab[i].h ? "true" : "false", tab[i].touched ? "true" : "false",
-                tab[i].used_before ? "true" : "false");
+                tab[i].h ? "true" : "false", tab[i].touched ? "true" : "false");
     fputs("]}", f);
 }
 

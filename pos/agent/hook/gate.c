@@ -68,8 +68,6 @@ void ungated_lookup(const char *name) {
 void begin_hold(void) { /* caller holds mu; the phase is idle */
     memset(&st, 0, sizeof(st));
     st.started_ns = now_ns();
-    for (size_t i = 0; i < ntab; i++) /* the last operation's marks, before they are reset */
-        tab[i].used_before = tab[i].touched;
     set_phase(P_HOLD);
 }
 
