@@ -339,7 +339,10 @@ class Copier:
         """The shadowed buffers' chunks hashed and scanned on the GPU in the copy's order, held
         with the copy (pause): each buffer is back (handout.py) once all its chunks are, its
         checksums kept for its copy."""
-        left = {i: self.scan_left[i] for i in self.shadowed}
+        left: dict[int, int] = {}
+        for i, _off, _n in self.work:
+            if i in self.shadowed:
+                left[i] = left.get(i, 0) + 1
         self.drv.cuCtxSetCurrent(self.ctx)
         stream = gpucopy.stream(self.drv)
         try:
