@@ -120,11 +120,25 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 # bcc is pure Python over libbcc, installed by apt for the system Python: expose that one
-# package (not all of dist-packages) to the venv.
-bcc_dir=$("$py" -c 'import bcc, os; print(os.path.dirname(os.path.dirname(bcc.__file__)))')
+# package (not all of dist-packages) to the venv, by its real directory (a path file that
+# names another checkout's .venv/distro, left in the system Python's site by an older setup,
+# would otherwise make the link point at itself).
+for d in $("$py" -c 'import site; print(" ".join(site.getsitepackages()))'); do
+  if [ -f "$d/pos-distro-bcc.pth" ]; then
+    rm -f "$d/pos-distro-bcc.pth"
+    log "removed $d/pos-distro-bcc.pth"
+  fi
+done
+bcc_dir=$("$py" -c 'import bcc, os; print(os.path.dirname(os.path.realpath(bcc.__file__)))')
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+case "$site" in
+  "$PWD/.venv/"*) ;;
+  *) echo "setup: .venv/bin/python is not this checkout's virtual environment (its packages" \
+          "go to $site): remove .venv and run this again" >&2
+     exit 1 ;;
+esac
 mkdir -p .venv/distro
-ln -sfn "$bcc_dir/bcc" .venv/distro/bcc
+ln -sfn "$bcc_dir" .venv/distro/bcc
 echo "$PWD/.venv/distro" > "$site/pos-distro-bcc.pth"
 .venv/bin/python -c 'import bcc' || { echo "setup: bcc is not importable from .venv" >&2; exit 1; }
 # the agent that `pos run` preloads into jobs, and the image chunk reader, built with the
