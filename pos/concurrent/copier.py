@@ -181,9 +181,7 @@ class Copier:
         self.work = sorted(gpucopy.grid([b.size for b in table], chunk),
                            key=lambda w: (rank[w[0]], w[1]))
         self.order = gpucopy.Order(self.work)
-        self.scan_left = [0] * len(table)
-        for i, _off, _n in self.work:
-            self.scan_left[i] += 1
+        self.scan_left = gpucopy.chunks_of(self.work, len(table))
         by_va = sorted(range(len(table)), key=lambda i: table[i].va)
         self.targets = gpuimage.Targets([(table[i].va, table[i].va + table[i].mapped)
                                          for i in by_va])
@@ -297,7 +295,6 @@ class Copier:
                 if not self.copying:
                     self.busy_since = time.monotonic()
                 self.copying += 1
-            with self.lock:
                 summed = self.summed.pop((i, off), None)
             try:
                 if self.sums is not None and summed is None:
@@ -339,10 +336,7 @@ class Copier:
         """The shadowed buffers' chunks hashed and scanned on the GPU in the copy's order, held
         with the copy (pause): each buffer is back (handout.py) once all its chunks are, its
         checksums kept for its copy."""
-        left: dict[int, int] = {}
-        for i, _off, _n in self.work:
-            if i in self.shadowed:
-                left[i] = left.get(i, 0) + 1
+        left = gpucopy.chunks_of(self.work, len(self.table))
         self.drv.cuCtxSetCurrent(self.ctx)
         stream = gpucopy.stream(self.drv)
         try:

@@ -464,6 +464,14 @@ def stream(drv: Driver) -> C.c_void_p:
     return s
 
 
+def chunks_of(work: Sequence[tuple[int, int, int]], buffers: int) -> list[int]:
+    """How many of `work`'s chunks (buffer, offset, length) each of `buffers` buffers has."""
+    counts = [0] * buffers
+    for i, _off, _n in work:
+        counts[i] += 1
+    return counts
+
+
 class _Streams:
     """One stream per worker thread, made current with the caller's context."""
 
@@ -545,9 +553,7 @@ def run_chunks(drv: Driver, work: Sequence[tuple[int, int, int]], buffers: int, 
     (else as listed); `buffer_done(i)` once buffer i's chunks are complete (at once for a
     buffer without chunks). The first failure stops the threads taking more chunks and is
     raised. Returns the seconds it took."""
-    left = [0] * buffers
-    for i, _off, _n in work:
-        left[i] += 1
+    left = chunks_of(work, buffers)
     for i, n in enumerate(left):
         if n == 0:
             buffer_done(i)

@@ -14,27 +14,33 @@ spoil the image, and everything is handed out.
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 from pos.agent.control import Agent, Buffer
+
+
+def not_back(start: Iterable[int], back: set[int], refers: dict[int, set[int]]
+             ) -> Iterator[int]:
+    """The buffers not back among `start` and among those reachable from them through the
+    pointers their bytes hold (`refers`), as the walk finds them."""
+    todo = list(start)
+    seen = set(todo)
+    while todo:
+        i = todo.pop()
+        if i not in back:
+            yield i
+        for j in refers.get(i, ()):
+            if j not in seen:
+                seen.add(j)
+                todo.append(j)
 
 
 def usable(back: set[int], refers: dict[int, set[int]], told: set[int]) -> set[int]:
     """The buffers back but not yet `told` that the job may use now: every buffer reachable
     from one through the pointers its bytes hold (`refers`) is back too. A kernel that reads
     an array of addresses out of a buffer then finds what they point to in place."""
-    out = set()
-    for i in back - told:
-        seen, todo = {i}, [i]
-        while todo and todo[-1] in back:
-            for j in refers.get(todo.pop(), ()):
-                if j not in seen:
-                    seen.add(j)
-                    todo.append(j)
-        if not todo:
-            out.add(i)
-    return out
+    return {i for i in back - told if next(not_back([i], back, refers), None) is None}
 
 
 class Handout:
@@ -76,16 +82,7 @@ class Handout:
         buffer not back that one reaches through the addresses in their bytes (a shadowed
         buffer, back, may point into one that is not)."""
         with self.lock:
-            seen, todo, out = set(buffers), list(buffers), []
-            while todo:
-                i = todo.pop()
-                if i not in self.back:
-                    out.append(i)
-                for j in self.refers.get(i, ()):
-                    if j not in seen:
-                        seen.add(j)
-                        todo.append(j)
-            return out
+            return list(not_back(buffers, self.back, self.refers))
 
     def rest_at(self, t0: float) -> dict[str, float]:
         """From t0: when every buffer but the biggest (the ones most calls wait for) was back,
