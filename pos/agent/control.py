@@ -62,6 +62,11 @@ class Status:
     # agent could not keep (its memory ran short): then it cannot say what the job maps
     peer_down: Optional[int] = None
     peer_lost: Optional[int] = None
+    # The job's own cuMem mappings (NCCL's buffers, which its peers import) and their bytes:
+    # memory pos does not own, which the driver's checkpoint copies into the job's host memory
+    # and CRIU then writes while the job is frozen. None: the agent does not say
+    own_maps: Optional[int] = None
+    own_bytes: Optional[int] = None
     # How long the agent waits for a request (POS_AGENT_STALL_S), and how the connection
     # before this one ended, in its words; None: the agent is too old to say (or, last_end,
     # no connection has ended yet)
@@ -383,7 +388,7 @@ class Agent:
     def status(self) -> Status:
         r = self._ask("status")
         told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps", "peer_down",
-                                       "peer_lost") if k in r}
+                                       "peer_lost", "own_maps", "own_bytes") if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
                       int(r.get("nccl_launches", 0)), **told,

@@ -40,14 +40,17 @@ STATUS = {"ok": True, "pid": 7, "phase": "idle", "buffers": 1, "owned_bytes": 40
 
 
 def test_the_status_says_what_the_job_maps_of_other_processes() -> None:
-    st = _agent({**STATUS, "peer_maps": 2, "peer_bytes": 8192, "ipc_maps": 1}).status()
+    st = _agent({**STATUS, "peer_maps": 2, "peer_bytes": 8192, "ipc_maps": 1, "own_maps": 3,
+                 "own_bytes": 6 << 20}).status()
     assert (st.peer_maps, st.peer_bytes, st.ipc_maps) == (2, 8192, 1)
+    assert (st.own_maps, st.own_bytes) == (3, 6 << 20)
 
 
 def test_an_agent_from_before_peer_memory_is_read_as_not_saying() -> None:
     """Not as "no peer memory": pos cannot tell, and must not assume there is none."""
     st = _agent(STATUS).status()
     assert (st.peer_maps, st.peer_bytes, st.ipc_maps) == (None, None, None)
+    assert (st.own_maps, st.own_bytes) == (None, None)
 
 
 def test_how_a_connection_ended_is_acted_on_by_its_code(monkeypatch) -> None:

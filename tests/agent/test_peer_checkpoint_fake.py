@@ -6,6 +6,7 @@ took the import down at its cut and put it back after the driver's restore: in p
 (--leave-running), or in the restored processes; the import is then the owner's memory again
 at its old address."""
 
+import json
 import os
 import re
 import signal
@@ -83,11 +84,15 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
         pair: Pair, tmp_path: Path, gpu_env) -> None:
     img = tmp_path / "img"
     r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", "--leave-running",
-            env=gpu_env)
+            "--json", env=gpu_env)
     assert r.returncode == 0, r.stderr
     [link] = peers.read(img)
     assert (link.importer, link.va, link.size, link.owner) == (
         pair.importer, pair.va, VMM_BYTES, pair.owner)
+    # the report names the owner's own cuMem memory, which the driver's checkpoint copied
+    ranks = {x["pid"]: x["timings"] for x in json.loads(r.stdout)["ranks"]}
+    assert ranks[pair.owner]["own_maps_bytes"] == VMM_BYTES
+    assert ranks[pair.importer]["own_maps_bytes"] == 0
     shares_the_owners_memory(pair)
 
 

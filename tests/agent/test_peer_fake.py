@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -30,11 +31,20 @@ def reported(pid: int) -> tuple[tuple[int, int, int], dict]:
         return (st.peer_maps, st.peer_bytes, st.ipc_maps), a._ask("peers")
 
 
+def own_maps(pid: int) -> tuple[Optional[int], Optional[int]]:
+    """(own_maps, own_bytes) of `status`: the job's own cuMem mappings."""
+    with Agent(pid) as a:
+        st = a.status()
+        return st.own_maps, st.own_bytes
+
+
 def test_an_importer_reports_the_memory_it_maps_until_it_unmaps_it(peer_job) -> None:
     owner = peer_job("own")
     importer = peer_job("import")
     va = int(re.search(r"MAPPED (0x[0-9a-f]+)", importer.printed("READY"))[1], 16)
     assert reported(owner.pid)[0] == (0, 0, 0)
+    # the owner's allocation, which the driver's checkpoint would copy: its own, not a peer's
+    assert own_maps(owner.pid) == (1, VMM_BYTES) and own_maps(importer.pid) == (0, 0)
     counts, listing = reported(importer.pid)
     assert counts == (1, VMM_BYTES, 0)
     assert listing["maps"] == [{"va": va, "size": VMM_BYTES, "offset": 0, "released": False,

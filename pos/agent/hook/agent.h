@@ -223,6 +223,8 @@ void ipc_closed(CUdeviceptr va);
 /* Caller holds mu. */
 struct peer_count {
     size_t maps, bytes, ipc;
+    size_t owns, own_bytes; /* the job's own cuMem mappings (NCCL's buffers): the driver's
+                             * checkpoint copies them into the job's host memory */
     size_t down; /* maps taken down by pos, not yet put back */
     size_t lost; /* records the agent could not keep: pos refuses the job */
 };

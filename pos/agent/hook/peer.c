@@ -231,11 +231,13 @@ void ipc_closed(CUdeviceptr va) {
 }
 
 struct peer_count peer_count(void) {
-    struct peer_count c = {.maps = nmaps, .ipc = nipcs, .lost = lost};
+    struct peer_count c = {.maps = nmaps, .ipc = nipcs, .owns = nowns, .lost = lost};
     for (size_t k = 0; k < nmaps; k++) {
         c.bytes += maps[k].size;
         c.down += maps[k].down;
     }
+    for (size_t k = 0; k < nowns; k++)
+        c.own_bytes += owns[k].size;
     return c;
 }
 
