@@ -267,8 +267,8 @@ class _Whole:
             t.freeze()
         by_pid = {t.pid: t for t in self.taken}
         g.each("lock", self.cuda, lambda p: cudackpt.lock(p, self.lock_timeout_ms))
-        g.each("checkpoint", self.cuda,
-               lambda p: by_pid[p].paused(lambda: cudackpt.checkpoint(p)))
+        g.each("checkpoint", self.cuda, lambda p: by_pid[p].driver(
+            "driver_checkpoint", lambda: cudackpt.checkpoint(p)))
         # against anon_prepared_bytes: what the hoist's trim gave back and the driver's
         # checkpoint added, which CRIU writes while the job is frozen (/proc reads, < 1 ms)
         g.timings["anon_frozen_bytes"] = procs.anonymous_bytes(self.pids)
@@ -295,7 +295,8 @@ class _Whole:
             g.step("copy")
             return
         by_pid = {t.pid: t for t in self.taken}
-        g.each("restore", self.cuda, lambda p: by_pid[p].paused(lambda: cudackpt.restore(p)))
+        g.each("restore", self.cuda,
+               lambda p: by_pid[p].driver("driver_restore", lambda: cudackpt.restore(p)))
         g.each("unlock", self.cuda, cudackpt.unlock)
 
         def remap(st: tuple[Saver, Taken]) -> Remap:

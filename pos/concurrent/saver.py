@@ -391,6 +391,12 @@ class Taken:
             self.copier.release_shadowed()
             self.copier.lock_rest()
 
+    def driver(self, name: str, call: Callable[[], Any]) -> Any:
+        """The driver's checkpoint or restore of this job, paused as below and timed in its own
+        timings (`name`): beside the step's time over every rank, each rank's own shows whether
+        the driver's calls on the ranks overlapped."""
+        return self.saver.timed(name, lambda: self.paused(call))
+
     def paused(self, call: Callable[[], Any]) -> Any:
         """The driver's checkpoint or restore of the job (or the job's remap), with pos's copy
         to host memory held: the driver copies the job's context over the same bus, and holds

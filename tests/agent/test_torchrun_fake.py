@@ -96,6 +96,9 @@ def test_torchrun_like_tree_saved_while_it_runs_killed_and_restored(
     assert "context" not in saved[job.root]["timings"], saved[job.root]
     assert "pinned_peak_bytes" not in saved[job.root]["timings"]
     assert saved[job.pids[1]]["timings"]["pinned_peak_bytes"] > 0
+    # the driver's calls, timed in every rank's own timings as well as over all of them
+    assert all(saved[p]["timings"]["driver_checkpoint"] > 0 and
+               saved[p]["timings"]["driver_restore"] > 0 for p in job.pids)
     job.steps(5)                                 # it ran on, untouched
     at_kill = [len(job.lines(r)) for r in range(WORKERS)]
     hb_at_kill = len(job.agent())
