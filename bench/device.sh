@@ -67,8 +67,10 @@
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
 #                                # of ballast, default 4; POS_MULTI_PARTS; POS_MULTI_DDP_CASES
 #                                # POS_MULTI_DDP_ENGINES, POS_MULTI_DDP_GIB: bench/ddp.py's) (~8 min)
-#   bench/device.sh torchrun     # (two GPUs, four for POS_TORCHRUN_RANKS=4) DDP and FSDP2 as
-#                                # users start them: `pos run -- torchrun --standalone ...`,
+#   bench/device.sh torchrun     # (two GPUs, four for POS_TORCHRUN_RANKS=4; several counts,
+#                                # POS_TORCHRUN_RANKS=8,4,2,1: each count's cases in turn) DDP
+#                                # and FSDP2 as users start them: `pos run -- torchrun
+#                                # --standalone ...`,
 #                                # bench/torchrun_gpu.py's cases (POS_TORCHRUN_CASES, default
 #                                # all: torchrun-sockets-concurrent, torchrun-defaults-concurrent,
 #                                # torchrun-defaults-leave-running,
@@ -292,8 +294,10 @@ torchrun)
         ${POS_TORCHRUN_ARGS:-}
     grep '^row' "$out/torchrun.log"
     cp /var/log/pos/*criu*.log "$out/" 2>/dev/null
-    for f in /tmp/pos-torchrun/*/job.log; do   # torchrun's and the ranks' output, the agents'
-        [ -f "$f" ] && cp "$f" "$out/$(basename "$(dirname "$f")").log"
+    # torchrun's and the ranks' output, the agents', by rank count (r2/CASE/job.log: r2-CASE.log)
+    for f in /tmp/pos-torchrun/r*/*/job.log; do
+        d=$(dirname "$f")
+        [ -f "$f" ] && cp "$f" "$out/$(basename "$(dirname "$d")")-$(basename "$d").log"
     done
     (cd "$out" && tar czf raw.tgz --remove-files ./*.log ./*.txt 2>/dev/null) ;;
 serve)

@@ -5,7 +5,7 @@
 uninterrupted run's. One row per case in OUT/multigpu.json, with the keys of
 bench/results/2026-11-27-multigpu/multigpu.json plus `launcher`, `nccl_version`, `workload`.
 
-USAGE: python3 bench/torchrun_gpu.py --out DIR [--ranks 2] [--cases A,B] [--ballast-gib 2]
+USAGE: python3 bench/torchrun_gpu.py --out DIR [--ranks 2|8,4,2,1] [--cases A,B] [--ballast-gib 2]
 
 Cases (--cases, default all, in this order):
   torchrun-sockets-concurrent       DDP, NCCL over sockets (bench/ddp.py NCCL_ENV): saved,
@@ -26,7 +26,16 @@ Cases (--cases, default all, in this order):
                                     of state a rank, as in the 8-rank job), saved, killed,
                                     restored;
   llama-fsdp-stw-defaults           the same job, stop-the-world, left running: its stall
-                                    beside at one rank (no peers), refused at more.
+                                    beside at one rank (no peers), refused at more;
+  llama-fsdp-stw-sockets            the same job with NCCL over sockets (which the driver
+                                    restores), stop-the-world, left running: the baseline at
+                                    every rank count.
+
+--ranks takes one count or several (8,4,2,1): each count's cases run in turn, in the order
+given. Of several, every row of a case gets `one_rank_stall_s`, the stall of that case's
+1-rank row of the same run, and every concurrent row `stw_stall_s`, the stall of the
+stop-the-world row of its rank count (llama-fsdp-stw-sockets, else -defaults) that was not
+refused.
 
 --repeat N runs each case N times (rows and folders CASE, CASE-2, ...).
 --warm: a concurrent checkpoint made and removed before the one measured (its to_cut as
@@ -66,7 +75,10 @@ from pos.concurrent import kept  # noqa: E402
 
 CASES = ("torchrun-sockets-concurrent", "torchrun-defaults-concurrent",
          "torchrun-defaults-leave-running", "fsdp-torchrun-defaults-concurrent", "stw-defaults",
-         "llama-fsdp-torchrun-defaults-concurrent", "llama-fsdp-stw-defaults")
+         "llama-fsdp-torchrun-defaults-concurrent", "llama-fsdp-stw-defaults",
+         "llama-fsdp-stw-sockets")
+# of a rank count's rows, the stop-the-world baseline: the first of these that has a stall
+STW_BASELINES = ("llama-fsdp-stw-sockets", "llama-fsdp-stw-defaults")
 # NCCL's defaults as the GPU hosts run them: NVLink SHARP (multicast) off, which pos refuses
 DEFAULTS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -245,6 +257,23 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
     return row
 
 
+def same_run(rows: list[dict[str, Any]]) -> None:
+    """Each row's `one_rank_stall_s` (its case's 1-rank row) and, for the concurrent rows,
+    `stw_stall_s` (the stop-the-world baseline of its rank count), from the rows of this run;
+    left as they are where the run has no such row, or it has no stall."""
+    one = {r["case"]: r["stall_s"] for r in rows
+           if r.get("ranks") == 1 and r.get("stall_s") is not None}
+    stw: dict[int, float] = {}
+    for name in reversed(STW_BASELINES):          # the first of STW_BASELINES wins
+        stw.update({r["ranks"]: r["stall_s"] for r in rows
+                    if r["case"] == name and r.get("stall_s") is not None})
+    for r in rows:
+        if r["case"] in one:
+            r["one_rank_stall_s"] = one[r["case"]]
+        if r.get("engine") == "concurrent" and r.get("ranks") in stw:
+            r["stw_stall_s"] = stw[r["ranks"]]
+
+
 def wait_gone(pids: list[int], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
@@ -268,7 +297,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for multigpu.json and the logs")
     ap.add_argument("--python", default=sys.executable, help="a Python with torch (CUDA)")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--ranks", type=int, default=2, help="ranks (one GPU each)")
+    ap.add_argument("--ranks", default="2",
+                    help="ranks (one GPU each), or several counts: 8,4,2,1")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--sleep", type=float, default=0.1, help="between steps")
     ap.add_argument("--at", type=int, default=20, help="checkpoint once every rank made this "
@@ -283,9 +313,14 @@ def main() -> None:
     unknown = [c.name for c in cases if c.name not in CASES]
     if unknown:
         ap.error(f"unknown cases {unknown}: choose from {', '.join(CASES)}")
+    try:
+        counts = [int(n) for n in a.ranks.split(",")]
+    except ValueError:
+        ap.error(f"--ranks {a.ranks}: give a count of ranks, or counts joined by commas")
+    if min(counts) < 1:
+        ap.error("--ranks: every count is at least 1")
     if os.geteuid() != 0:
         sys.exit("bench/torchrun_gpu.py: run as root (CRIU)")
-    ddp.RANKS = a.ranks
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # restored roots become ours
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -296,25 +331,30 @@ def main() -> None:
             "commit": os.environ.get("POS_BENCH_COMMIT") or ddp.git("rev-parse", "--short",
                                                                     "HEAD"),
             "command": " ".join(["bench/torchrun_gpu.py", *sys.argv[1:]])}
-    refs: dict[str, list[list[tuple[int, str]]]] = {}
     rows: list[dict[str, Any]] = []
-    for case in cases:
-        t = time.monotonic()
-        try:
-            if case.ref_key not in refs:
-                refs[case.ref_key] = reference(case, a, work)
-            got = run(case, a, work, refs[case.ref_key])
-        except Exception as e:       # keep the other rows
-            got = {"case": case.name, "ranks": a.ranks, "bit_exact": False, "error": repr(e)}
-            say(f"{case.name}: {e!r}")
-        for kept_file in kept.ROOT.glob("arena-*"):    # --warm with POS_PIN_KEEP=1
-            kept_file.unlink()
-        got.update(info, case_s=round(time.monotonic() - t, 1))
-        rows.append(got)
-        (out / "multigpu.json").write_text(json.dumps(rows, indent=1) + "\n")
-        print("row " + json.dumps({k: got.get(k) for k in (
-            "case", "ranks", "bit_exact", "refused", "job_ran_on", "stall_s", "first_step_s",
-            "restored_bit_exact")}), flush=True)
+    for n in counts:
+        at_n = argparse.Namespace(**{**vars(a), "ranks": n})
+        ddp.RANKS = n
+        refs: dict[str, list[list[tuple[int, str]]]] = {}
+        for case in cases:
+            t = time.monotonic()
+            try:
+                if case.ref_key not in refs:
+                    refs[case.ref_key] = reference(case, at_n, work / f"r{n}")
+                got = run(case, at_n, work / f"r{n}", refs[case.ref_key])
+            except Exception as e:       # keep the other rows
+                got = {"case": case.name, "ranks": n, "bit_exact": False, "error": repr(e)}
+                say(f"{case.name}, {n} ranks: {e!r}")
+            for kept_file in kept.ROOT.glob("arena-*"):    # --warm with POS_PIN_KEEP=1
+                kept_file.unlink()
+            got.update(info, case_s=round(time.monotonic() - t, 1))
+            rows.append(got)
+            same_run(rows)
+            (out / "multigpu.json").write_text(json.dumps(rows, indent=1) + "\n")
+            print("row " + json.dumps({k: got.get(k) for k in (
+                "case", "ranks", "bit_exact", "refused", "job_ran_on", "stall_s",
+                "one_rank_stall_s", "stw_stall_s", "first_step_s", "restored_bit_exact")}),
+                flush=True)
 
 
 if __name__ == "__main__":
