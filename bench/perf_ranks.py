@@ -6,7 +6,10 @@ job measured in the same run on the same machine. No GPU needed:
         --raw-rows raw/runN/four --raw-one raw/runN/one --gpu-gb 150.8 \
         --host "4x NVIDIA H200, ..." --into DIR/perf.json
 
-Appends one row per run of --rows (and the 1-rank row itself) to --into.
+Appends one row per run of --rows (and the 1-rank row itself) to --into. Rows of a run of
+several rank counts (`--ranks 8,4,2,1`) carry their own `one_rank_stall_s`: give that one file
+alone (`--rows RUN/multigpu.json --raw-rows raw/runN`), and each of its concurrent rows is
+appended with it.
 """
 
 import argparse
@@ -57,21 +60,29 @@ def row(run: dict[str, Any], one_rank_stall: float, gpu_gb: float, host: str, ra
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=Path, required=True, help="the several-rank multigpu.json")
-    ap.add_argument("--one-rank", type=Path, required=True,
-                    help="the same job's 1-rank multigpu.json, same run and machine")
+    ap.add_argument("--one-rank", type=Path,
+                    help="the same job's 1-rank multigpu.json, same run and machine (none: "
+                    "--rows come from a run of several rank counts, each row with its own)")
     ap.add_argument("--raw-rows", required=True, help="where --rows' raw runs lie, from --into's")
-    ap.add_argument("--raw-one", required=True, help="where --one-rank's raw run lies")
+    ap.add_argument("--raw-one", help="where --one-rank's raw run lies")
     ap.add_argument("--gpu-gb", type=float, required=True)
     ap.add_argument("--host", required=True)
     ap.add_argument("--into", type=Path, required=True)
     a = ap.parse_args()
-    one = json.loads(a.one_rank.read_text())
-    if len(one) != 1 or one[0]["ranks"] != 1:
-        sys.exit(f"{a.one_rank} does not hold exactly one 1-rank row")
-    base = one[0]["stall_s"]
-    rows = [row(one[0], base, a.gpu_gb, a.host, a.raw_one)]
-    rows += [row(x, base, a.gpu_gb, a.host, a.raw_rows)
-             for x in json.loads(a.rows.read_text())]
+    given = json.loads(a.rows.read_text())
+    if a.one_rank is None:        # a run of several counts: each row says its 1-rank stall
+        rows = [row(x, x["one_rank_stall_s"], a.gpu_gb, a.host, a.raw_rows) for x in given
+                if x.get("engine") == "concurrent" and x.get("one_rank_stall_s") is not None]
+        if not rows:
+            sys.exit(f"{a.rows} has no concurrent row with one_rank_stall_s: give --one-rank")
+    else:
+        one = json.loads(a.one_rank.read_text())
+        if len(one) != 1 or one[0]["ranks"] != 1 or not a.raw_one:
+            sys.exit(f"{a.one_rank} does not hold exactly one 1-rank row, or --raw-one is "
+                     "missing")
+        base = one[0]["stall_s"]
+        rows = [row(one[0], base, a.gpu_gb, a.host, a.raw_one)]
+        rows += [row(x, base, a.gpu_gb, a.host, a.raw_rows) for x in given]
     have = json.loads(a.into.read_text()) if a.into.exists() else []
     a.into.write_text(json.dumps(have + rows, indent=1) + "\n")
     for x in rows:
