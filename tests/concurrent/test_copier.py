@@ -163,9 +163,9 @@ def test_the_gpu_scans_the_shadow_so_a_shadowed_buffer_waits_only_for_what_it_po
         drv) -> None:
     """Buffers 0 and 1 shadowed, 2 not, and 0 holds an address in 2. With the shadow's copies
     and the savers held, and room in host memory for one chunk of 2's two, the GPU's scan of
-    the shadow alone hands 1 to the job, while 0 waits
-    for 2, which is what a call on 0 makes the copy take first; the shadow's chunks are then
-    written with the scan's checksums, equal to the CPU's."""
+    the shadow alone hands 1 to the job, while 0 waits for 2, which is what a call on 0 makes
+    the copy take first; the shadow's chunks are then written with the scan's checksums, equal
+    to the CPU's."""
     import ctypes as C
 
     from pos.concurrent.gpuhash import Kernel
