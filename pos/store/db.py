@@ -96,8 +96,11 @@ def check(path: str, create: bool = True) -> None:
     if not os.access(p, os.R_OK | (os.W_OK if create else 0)):   # used as pos will use it
         denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         raise _denied(path, denied, create, "open")
+    # read-write where this user may write: a store left by a pos killed mid-transaction (a hot
+    # journal) is rolled back by the first connection that reads it, which a read-only one cannot
+    mode = "rw" if os.access(p, os.W_OK) else "ro"
     try:
-        with closing(sqlite3.connect(f"file:{p}?mode=ro", uri=True)) as c:
+        with closing(sqlite3.connect(f"file:{p}?mode={mode}", uri=True)) as c:
             tables = {n for (n,) in c.execute("SELECT name FROM sqlite_master "
                                                 "WHERE type = 'table'")}
     except sqlite3.Error as e:

@@ -19,7 +19,7 @@ from pos.cli import cli
 from pos.errors import BadInput
 from pos.store.db import open_db
 from pos.store.export import export_jsonl, export_perfetto, split_params
-from pos.store.models import Allocation, Trace
+from pos.store.models import Allocation, Meta, Trace
 from pos.store.writer import TraceWriter
 
 BIG = 0xFFFF_8000_0000_1234     # above 2**63: must survive SQLite's signed integers
@@ -212,3 +212,28 @@ def test_a_store_in_a_missing_folder_is_refused_and_no_folder_is_made(tmp_path: 
                                     "create it first, or give --db a file in an existing "
                                     "folder.")
     assert not (tmp_path / "no").exists()
+
+
+def test_a_store_left_mid_transaction_by_a_killed_pos_is_rolled_back_and_used(
+        tmp_path: Path) -> None:
+    """pos killed while it wrote the store can leave a hot journal (a new store is switched to
+    WAL through one): the next pos rolls it back, where a read-only look at it failed ("attempt
+    to write a readonly database", pos killed during `pos checkpoint`'s first write)."""
+    from pos.store.db import check
+
+    db = tmp_path / "t.db"
+    open_db(str(db)).dispose()
+    killed = ("import os, sqlite3, sys\n"
+              "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+              "c.execute('PRAGMA journal_mode=DELETE')\n"
+              "c.execute('PRAGMA cache_size=1')\n"          # pages spill: the journal is hot
+              "c.execute('BEGIN')\n"
+              "for i in range(500):\n"
+              "    c.execute('INSERT INTO meta (key, value) VALUES (?, ?)', (str(i), 'x' * 1000))\n"
+              "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", killed, str(db)], check=True)
+    assert (tmp_path / "t.db-journal").stat().st_size > 0
+    check(str(db), create=False)
+    with Session(open_db(str(db), create=False)) as s:
+        assert s.scalar(select(Meta.value).where(Meta.key == "schema_version")) is not None
+        assert s.scalar(select(Meta.value).where(Meta.key == "499")) is None
