@@ -73,6 +73,8 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         # `pos restore` returned this long after the job's first step
         "restore_exit_after_step_s": r(restore["s"] - run["first_step_s"])
         if restore.get("rc") == 0 and run.get("first_step_s") else None,
+        # +service: `pos restore` answered once the job ran, the service filling the rest
+        "restore_filling": (restore.get("report") or {}).get("filling"),
         "disk_write_gbps": facts["disk_write_gbps"],
         "phases": steps_of(tim),
         "restore_phases": steps_of(((restore.get("report") or {}).get("timings")) or {}),

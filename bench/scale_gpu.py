@@ -25,7 +25,9 @@ the savers only writing (POS_HASH_ON=gpu); `+hashcpu`: by the savers on the CPU 
 measured, which finds its arena's memory there (`warm` in the raw run; the kept files removed
 after the row); `+again`: the same first checkpoint without keeping the arena, so that the one
 measured is a job's second, as a schedule makes them (the job then holds a descriptor of each
-buffer, which its export copies). For each row:
+buffer, which its export copies); `+service`: the restore through a `pos restore-service`
+started for it once the job was killed (its log DIR/<row>-service.log), which answers `pos
+restore` once the job runs and fills the rest of its memory meanwhile. For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
      image the job's memory is pos's descriptors, which the driver's engine refuses), its
      stall as the job saw it; the image removed;
@@ -61,6 +63,7 @@ from typing import Any, Iterator, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa: E402
                             machine, pos_cmd, processes)
+from serve_gpu import Service  # noqa: E402
 
 from pos.concurrent import kept  # noqa: E402
 from pos.image import names  # noqa: E402
@@ -141,7 +144,8 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+keep][+again] (see the module's docstring)."""
+    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+keep][+again][+service] (see the module's
+    docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -152,6 +156,7 @@ class Spec:
         self.stw = stw and "nostw" not in flags
         self.keep = "keep" in flags
         self.warm = self.keep or "again" in flags    # a first checkpoint before the one measured
+        self.service = "service" in flags
         self.env = {**({"POS_PIN_MAX_GIB": "8"} if "ring" in flags else {}),
                     **({"POS_PIN_AHEAD_GIB": "all", "POS_PIN_RING_GIB": "4096"}
                        if "pinall" in flags else {}),
@@ -194,7 +199,8 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
     images = spec.images
     run: dict[str, Any] = {"spec": spec.text}
     p, log = start_job(spec, total_gib, out)
-    other = None
+    other: Optional[subprocess.Popen] = None
+    service: Optional[Service] = None
     try:
         wait_steps(log, 12, p)
         run["gpu_used_gib"] = gpu_used_gib()
@@ -241,8 +247,13 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
         run["job_saw"] = lines.excess(t, end)
         kill(p)
         run["steps_at_kill"] = steps_in(log)
+        env = spec.env
+        if spec.service:      # started now: the killed job's device memory is free for its contexts
+            sock = images / "restore.sock"
+            service = Service(sock, out / f"{spec.name}-service.log", spec.env)
+            env = {**spec.env, "POS_RESTORE_SOCKET": str(sock)}
         lines = LineTimes(log)
-        run["restore"] = pos_cmd("restore", "-D", str(img), "--json", timeout=600, env=spec.env)
+        run["restore"] = pos_cmd("restore", "-D", str(img), "--json", timeout=600, env=env)
         run["first_step_s"] = lines.first(timeout=120)
         if run["restore"]["rc"] == 0 and run["first_step_s"] is not None:
             wait_steps(log, run["steps_at_kill"] + 12, timeout=300)
@@ -253,6 +264,8 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
         run["error"] = repr(e)
         return run
     finally:
+        if service is not None:      # its fill finished first
+            service.stop()
         for q in (p, other):
             if q is not None:
                 kill(q)

@@ -20,7 +20,7 @@ from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
 from pos.image.kinds import ImageKind
 from pos.image.opened import Opened
-from pos.operation.engine import DeviceCopy, Hold, Operation, RankBack, Report
+from pos.operation.engine import DeviceCopy, Hold, Operation, RankBack, Report, Running
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
 from pos.settings import Settings
@@ -42,12 +42,15 @@ class _Refill:
     """The concurrent engine's part of a tree's restore (tree_restore.Splice): each job's CUDA
     context is made at once, beside the checks; its device memory only once the image and this
     host passed them (`checked`), so that a refusal leaves none behind; the fill pauses for
-    the driver's restore; at the end the jobs map their memory back and run (`finish`). What
-    it brought back stays here, for the report."""
+    the driver's restore; at the end the jobs map their memory back and run (`finish`), and
+    `running` is told so while the fill goes on. What it brought back stays here, for the
+    report."""
 
     def __init__(self, img: Opened, pres: list[Prefetch], links: list[peers.Link],
-                 ready: threading.Event, t0: float) -> None:
+                 ready: threading.Event, t0: float, started: Optional[float],
+                 running: Optional[Running]) -> None:
         self.img, self.pres, self.links, self.ready, self.t0 = img, pres, links, ready, t0
+        self.started, self.running = started, running
         self.release_s = self.ended_at = 0.0
         self.copies: list[gpucopy.Copy] = []
         self.gates: list[Gate] = []
@@ -88,6 +91,8 @@ class _Refill:
                 pre.handout.attach(agent)
                 pre.resume()
             g.step("fill")
+            if self.running is not None:
+                self.running(self._running(g, live))
             self.copies = [pre.join() for pre in self.pres]
             self.gates = [agent.end() for agent in agents]
             self.ended_at = time.monotonic() - self.t0
@@ -95,6 +100,18 @@ class _Refill:
         finally:
             for agent in agents:
                 agent.close()
+
+    def _running(self, g: Guard, live: dict[int, int]) -> Report:
+        """What the restore has done by its job's release, its memory still coming back: the
+        steps so far, and what the fill has yet to bring back in all."""
+        m = self.img.manifest
+        timings: dict[str, Any] = {**g.timings, "pos_started_s": self.started}
+        return Report(ImageKind.CONCURRENT.value, Operation.RESTORE, str(self.img.path), m,
+                      timings=timings,
+                      restored_pid=live.get(m.pid, m.pid), filling=True, device=DeviceCopy(
+                          sum(len(pre.table) for pre in self.pres),
+                          sum(b.size for pre in self.pres for b in pre.table), None, None,
+                          release_s=self.release_s))
 
 
 def movable(folder: Path, moving: bool) -> list[peers.Link]:
@@ -113,7 +130,7 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
                  started_s: Optional[float] = None,
                  tree: tree_restore.Tree = tree_restore.restore_tree,
-                 hold: Optional[Hold] = None) -> Report:
+                 hold: Optional[Hold] = None, running: Optional[Running] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet). A job
@@ -123,7 +140,7 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     timings["pos_started_s"] (the restore service's client's; None: this process's age).
     `tree`: what brings the processes back, with this engine's part spliced in (a container's
     runtime does for a container: pos/container/). `hold`: see pos/operation/engine.py Hold;
-    called once the fill has ended too."""
+    called once the fill has ended too. `running`: see Running there."""
     from pos import host
 
     settings = settings or Settings.from_env()
@@ -148,7 +165,7 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     cuda_start = time.monotonic() - cuda_start
     for pre in pres:
         pre.start()
-    refill = _Refill(img, pres, links, ready, t0)
+    refill = _Refill(img, pres, links, ready, t0, started, running)
 
     def filled_then_held() -> None:
         for pre in pres:

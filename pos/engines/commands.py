@@ -185,17 +185,23 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
 @click.option("--standby", is_flag=True,
               help="Have `pos restore-service` restore the job and hold it ready, not running: "
                    "a later `pos restore -D DIR` then only runs it.")
+@click.option("--until-filled", is_flag=True,
+              help="Where `pos restore-service` restores, return once the job's device memory "
+                   "is all back, with the fill's figures, rather than once the job runs (the "
+                   "service fills the rest while it runs). A restore in this process always "
+                   "waits for it.")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
             streams: Optional[int], to_gpu: Optional["Onto"], no_service: bool, standby: bool,
-            db: Optional[str], as_json: bool) -> None:
+            until_filled: bool, db: Optional[str], as_json: bool) -> None:
     """Restore a process tree from an image and resume it once the image's checksums match.
 
     Where `pos restore-service` runs, the restore runs there, with its modules, NVML and GPU
-    contexts ready; --inherit-fd and --gpu-only restore in this process. With --standby the
-    service holds the job ready (restored, checked, its device memory back, not running) until
-    `pos restore -D DIR` asks for it."""
+    contexts ready, and it returns once the job runs (the service fills the rest of its device
+    memory meanwhile; --until-filled waits for it); --inherit-fd and --gpu-only restore in this
+    process. With --standby the service holds the job ready (restored, checked, its device
+    memory back, not running) until `pos restore -D DIR` asks for it."""
     from pathlib import Path
 
     from pos import host
@@ -223,7 +229,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
     # a job held ready is not recorded (the restore that runs it is)
     with Ahead(db) if gpu_only_pid is None and not standby else nullcontext() as record:
-        if not here and _served(directory, to_gpu, record, as_json, standby):
+        if not here and _served(directory, to_gpu, record, as_json, standby, until_filled):
             return
         if standby:
             raise BadInput(f"no restore service answers on {service_socket()}",
@@ -254,7 +260,7 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
 
 def _served(directory: str, to_gpu: Optional["Onto"], record: Optional["Ahead"],
-            as_json: bool, standby: bool) -> bool:
+            as_json: bool, standby: bool, until_filled: bool) -> bool:
     """The restore done by `pos restore-service`, recorded (by `record`) and printed as one
     done here is (or with `standby`, the job held ready there, said); False where no service
     answers, or the restore is this process's to do."""
@@ -264,7 +270,7 @@ def _served(directory: str, to_gpu: Optional["Onto"], record: Optional["Ahead"],
 
     served = service_client.restore(service_socket(), directory,
                                     None if to_gpu is None else str(to_gpu), _lines(as_json),
-                                    standby)
+                                    standby, until_filled)
     if served is None:
         return False
     if isinstance(served, Held):

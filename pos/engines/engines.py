@@ -83,7 +83,8 @@ class Concurrent(_Base):
 
         return concurrent.restore_full(img, load.inherit_fds, echo=self.echo,
                                        to_gpu=load.to_gpu, settings=self.settings,
-                                       started_s=load.started_s, hold=load.hold)
+                                       started_s=load.started_s, hold=load.hold,
+                                       running=load.running)
 
     @one_at_a_time
     def move(self, pid: int, onto: Onto, save: Save, keep: Optional[Path]) -> Report:

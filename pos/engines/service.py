@@ -11,7 +11,9 @@ a restore would first have to set up made once, at its start:
 Each connection (root peers only) carries one request (pos/engines/service_protocol.py). Its
 restore runs on a thread of its own, as `pos restore` runs it (`engines.for_image(...)
 .restore`, with the settings read from the service's environment for each request), and the
-lines it echoes go back as it runs, then its report or its error. Restores run side by side.
+lines it echoes go back as it runs, then its report or its error. A job that runs before its
+device memory is all back (the concurrent engine's fill) is said to run (Running) at once, so
+that `pos restore` returns with it; the service fills the rest. Restores run side by side.
 Off the main thread a restore is as safe as on it: Python runs signal handlers on the main
 thread alone, and a step that holds SIGINT and SIGTERM back there has nothing to hold back on
 another (pos/operation/steps.py `uninterrupted`); the undo runs on the restore's thread.
@@ -48,13 +50,13 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from pos.errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, PosError, denied
 from pos.engines.service_protocol import (Accepted, Echo, Failed, Held, InProcess, Message,
-                                            Request, Restored, decode, encode)
+                                            Request, Restored, Running, decode, encode)
 from pos.engines.standby import Standbys
 
 if TYPE_CHECKING:
     from pos.concurrent import gpucopy
     from pos.image.opened import Opened
-    from pos.operation.engine import Hold
+    from pos.operation.engine import Hold, Report
 
 Say = Callable[[str], None]
 
@@ -215,10 +217,12 @@ class Client:
         self.send(Echo(text))
 
 
-def restore(request: Request, echo: Say, hold: Optional["Hold"] = None
+def restore(request: Request, echo: Say, hold: Optional["Hold"] = None,
+            running: Optional[Callable[[Running], None]] = None
             ) -> Union[Restored, Failed, InProcess]:
     """The restore `pos restore` runs, for `request`; its outcome as the client's message.
-    `hold`: a standby's (pos/engines/standby.py)."""
+    `hold`: a standby's (pos/engines/standby.py). `running`: told, where the job runs before
+    its device memory is all back, what the restore has done by then."""
     from pos.engines import engines, summary
     from pos.image.opened import open_image
     from pos.operation.gpumap import Onto, check_host
@@ -236,7 +240,13 @@ def restore(request: Request, echo: Say, hold: Optional["Hold"] = None
                                "a terminal attaches to it: it cannot be held ready",
                                f"restore it with `pos restore -D {request.directory}`")
             return InProcess("a shell job restored from a terminal is attached to it")
-        load = engines.Load(to_gpu=to_gpu, started_s=request.started_s, hold=hold)
+        def told(r: "Report") -> None:
+            assert running is not None
+            r.served = True
+            running(Running(r.path, r.to_json(), summary.of(r)))
+
+        load = engines.Load(to_gpu=to_gpu, started_s=request.started_s, hold=hold,
+                            running=None if running is None else told)
         r = engines.for_image(img, settings, echo).restore(img, load)
     except PosError as e:
         return Failed.of(e)
@@ -277,8 +287,9 @@ def serve_one(conn: socket.socket, say: Say, standbys: Standbys) -> None:
         return
     conn.settimeout(SEND_S)
     t = time.monotonic()
+    early = None if request.until_filled else client.send    # the client may end at Running
     outcome = standbys.stage(request, client.echo, restore) if request.standby else \
-        standbys.ask(request, client.echo) or restore(request, client.echo)
+        standbys.ask(request, client.echo) or restore(request, client.echo, running=early)
     client.send(outcome)
     said = (outcome.summary[0] if isinstance(outcome, (Restored, Held)) else
             f"restore of {request.directory}: {outcome.error().message}"

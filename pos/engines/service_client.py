@@ -22,12 +22,14 @@ asked of it then, so the restore runs here without a chance of running twice."""
 
 
 def restore(path: str, directory: str, to_gpu: Optional[str],
-            echo: Callable[[str], None], standby: bool = False
+            echo: Callable[[str], None], standby: bool = False, until_filled: bool = False
             ) -> Optional[Union[Restored, Held]]:
     """The restore of the image in `directory` (onto `to_gpu`, --to-gpu's text), done by the
     service on the socket `path` (`standby`: its job held ready there: Held); None where it
-    is to be done in this process. A failure the service reports is raised here as the
-    PosError it was there."""
+    is to be done in this process. It returns once the job runs (Running, where its device
+    memory is still coming back: the service fills the rest), or with `until_filled` once
+    all of it is back. A failure the service reports is raised here as the PosError it was
+    there."""
     if not os.path.exists(path):
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -49,7 +51,8 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
         conn.settimeout(None)     # a restore takes what it takes; its watchdog guards it
         try:
             conn.sendall(encode(Request(os.path.abspath(directory), to_gpu,
-                                        host.age(os.getpid()), os.isatty(0), standby)))
+                                        host.age(os.getpid()), os.isatty(0), standby,
+                                        until_filled)))
             return _outcome(lines, echo, path)
         except OSError as e:
             raise _broken(path, e.strerror or str(e)) from None
@@ -57,7 +60,8 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
 
 def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str
              ) -> Optional[Union[Restored, Held]]:
-    """The lines the restore echoes, printed; then its outcome."""
+    """The lines the restore echoes, printed; then its outcome (Running, a Restored, where the
+    job runs before its memory is all back and the request did not ask `until_filled`)."""
     while True:
         try:
             message: Message = decode(lines.readline())

@@ -6,7 +6,10 @@ the service's unix socket: one JSON object a line, each one of the messages belo
     client -> service   Request
     service -> client   Echo for each line the restore echoes, then its outcome: Restored,
                         Failed, or InProcess (the restore is the client's to run); for a
-                        request to hold the job ready (`standby`), Held once it is
+                        request to hold the job ready (`standby`), Held once it is. Where the
+                        job runs before its device memory is all back (the concurrent
+                        engine's fill), Running comes first: the client may end there (unless
+                        it asked `until_filled`), and the service fills the rest on its own
 
 Only json and dataclasses are imported here: the client reads this module before pos's heavy
 ones, whose import the service is there to spare it. Where the socket is: pos/engines/options.py.
@@ -33,6 +36,7 @@ class Request:
     started_s: Optional[float]     # the client's own start-up: its process's age when it asked
     terminal: bool                 # the client's stdin is a terminal
     standby: bool = False          # restored and held ready, not run, until a request for it
+    until_filled: bool = False     # the outcome once the job's memory is all back, not Running
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,12 @@ class Restored:
     path: str                      # the image, which the client's store records as restored
     report: dict[str, Any]         # Report.to_json(): what `pos restore --json` prints
     summary: list[str]             # pos/engines/summary.py's lines: what `pos restore` prints
+
+
+@dataclass(frozen=True)
+class Running(Restored):
+    """The job runs, its device memory still coming back: what the restore has done so far
+    (its report's `filling` set). The outcome, Restored or Failed, follows once the fill ends."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,9 @@ class InProcess:
     why: str
 
 
-Message = Union[Accepted, Request, Echo, Restored, Held, Failed, InProcess]
-KINDS: dict[str, type] = {k.__name__: k for k in (Accepted, Request, Echo, Restored, Held,
-                                                 Failed, InProcess)}
+Message = Union[Accepted, Request, Echo, Restored, Running, Held, Failed, InProcess]
+KINDS: dict[str, type] = {k.__name__: k for k in (Accepted, Request, Echo, Restored, Running,
+                                                 Held, Failed, InProcess)}
 
 
 def encode(message: Message) -> bytes:

@@ -38,6 +38,11 @@ Hold = Callable[[], None]
 """Where a restore may wait, its tree restored and checked but not yet run; it raises to end
 the restore there (the tree, which never ran, is ended)."""
 
+Running = Callable[["Report"], None]
+"""Told once, with what the restore has done so far (a Report whose `filling` is set), when its
+job runs while its device memory is still coming back (the concurrent engine's fill): the
+restore service answers `pos restore` then, and fills the rest on its own."""
+
 
 @dataclass(frozen=True)
 class Load:
@@ -52,6 +57,7 @@ class Load:
                                            # service); None: this process's age at its start
     hold: Optional[Hold] = None            # a standby's (pos/engines/standby.py): called with
                                            # the tree restored and checked, before it runs
+    running: Optional[Running] = None      # see Running
 
 
 class Engine(Protocol):
@@ -134,6 +140,7 @@ class Report:
     restored_pid: Optional[int] = None   # a restore into a new process: the job's PID there
     device: Optional[DeviceCopy] = None
     served: bool = False           # run by `pos restore-service` for a `pos restore` client
+    filling: bool = False          # a restore's job runs, its device memory still coming back
 
     @property
     def held_s(self) -> Optional[float]:
@@ -156,7 +163,8 @@ class Report:
             "pid": m.pid if m else None, "pids": m.pids if m else [],
             "gpu_pids": m.gpu_pids if m else [], "restored_pid": self.restored_pid,
             "size_bytes": m.size_bytes if m else 0, "files": len(m.files) if m else 0,
-            "timings": self.timings, "served": self.served, "stall_s": m.stall_s if m else None,
+            "timings": self.timings, "served": self.served, "filling": self.filling,
+            "stall_s": m.stall_s if m else None,
             "predumped": m.predumped if m else None, "predump_note": m.predump_note if m else "",
             "logs": m.logs if m else {}}
         device = asdict(self.device) if self.device else {

@@ -4,7 +4,8 @@ a stale socket, --no-service and a service that gives no outcome; SIGTERM and SI
 other than root. With real CRIU (root): plain processes restored by the service, two at once,
 one whose client went away, one running at SIGTERM, a shell job left to a client on a terminal;
 and a `pos run` job on
-the fake GPU, whose report says the service ran it and gives the client's start-up."""
+the fake GPU, whose report says the service ran it and gives the client's start-up, answered
+once the job runs (or with --until-filled once its memory is back)."""
 
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from pos import concurrent
+from pos.image import gpuindex
 from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Request,
                                             Restored, decode, encode)
 from tests.agent.conftest import fill_job, gpu_env, ran_past  # noqa: F401  (fixtures)
@@ -333,6 +335,8 @@ def saved_job(fill_job, gpu_env: dict[str, str], tmp_path: Path) -> tuple[Any, P
 
 def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job, gpu_env,
                                                               tmp_path: Path, criu_ready) -> None:
+    """`pos restore` returns once the job runs, its memory still coming back: the service
+    fills the rest, and says so in its log once it has."""
     s = service(gpu_env)             # the fake driver's one GPU kept warm (CUDA's number 0)
     assert s.log()[0].endswith("(GPUs 0)")
     job, img, saved = saved_job(fill_job, gpu_env, tmp_path)
@@ -342,9 +346,28 @@ def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job,
     assert report["served"] is True and report["restored_pid"] == job.pid
     # the client's start-up, not the age of the service (which had waited for the checkpoint)
     assert 0 <= report["timings"]["pos_started_s"] < time.monotonic() - s.ready_at
+    # answered at the job's release: the fill's figures are not in yet
+    assert report["filling"] is True and report["release_s"] > 0
+    assert report["bytes"] == sum(b.size for b in gpuindex.read(img).buffers)
+    assert "all_back_at" not in report["timings"] and report["h2d_gbps"] is None
+    wait_for(lambda: len(s.log()) == 2, what="the service's line once the fill has ended")
+    assert s.log()[1].startswith(f"restored PID {job.pid} from {img}: ")
     ran_past(job.pid, max(saved))
     later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert not torn(later) and max(later) > max(saved)
+
+
+def test_until_filled_returns_with_the_fill_s_figures(service, fill_job, gpu_env,
+                                                       tmp_path: Path, criu_ready) -> None:
+    s = service(gpu_env)
+    job, img, saved = saved_job(fill_job, gpu_env, tmp_path)
+    r = pos("restore", "-D", str(img), "--until-filled", "--json", env=through(s, gpu_env))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["served"] is True and report["filling"] is False
+    assert report["timings"]["all_back_at"] > 0 and report["h2d_gbps"] > 0
+    assert report["bytes"] == sum(b.size for b in gpuindex.read(img).buffers)
+    ran_past(job.pid, max(saved))
 
 
 def test_a_pos_run_job_held_ready_has_its_memory_back_before_it_runs(
