@@ -210,13 +210,17 @@ class _Whole:
         if self.several:
             from pos.concurrent import collective
 
+            # timed whole (each rank's `cut` is its own): at 2 ranks 0.30-0.37 s passed between
+            # the cut and the hoist against 0.03 s at one, of which the steps timed there
+            # explain about 0.1 s (bench/results/2026-11-29-multigpu, runs 12-13)
             savers = self.savers
-            self.cuts = collective.cut_together(self.agents, lambda i, at: savers[i].cut(
-                at, STALL_S if at is None else collective.REACH_S))
+            self.cuts = g.timed("cut_together", lambda: collective.cut_together(
+                self.agents, lambda i, at: savers[i].cut(
+                    at, STALL_S if at is None else collective.REACH_S)))
         else:
             self.cuts = [self.savers[0].cut()]
         # held now, every rank: nothing maps a peer's memory until they go on
-        statuses = {a.pid: a.status() for a in self.agents}
+        statuses = g.timed("held_status", lambda: {a.pid: a.status() for a in self.agents})
         restorable.peer_memory(self.cuda, statuses, taken_down=True)
         if any(s.peer_maps for s in statuses.values()):
             self.links = g.timed("peers_match", lambda: peers.match(self.agents))
@@ -237,8 +241,11 @@ class _Whole:
         g.timed("take", lambda: side_by_side(
             "pos-take", self.savers,
             lambda s: s.take(s.pid if self.several else None), keep))
-        for t in self.taken:
-            t.start(self.partial)
+        def start_copies() -> None:
+            for t in self.taken:
+                t.start(self.partial)
+
+        g.timed("copy_starts", start_copies)
 
     def hoist(self, g: Guard) -> None:
         if self.links:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -20,7 +21,7 @@ from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
 from pos.image.kinds import ImageKind
 from pos.image.opened import Opened
-from pos.operation.engine import DeviceCopy, Hold, Operation, RankBack, Report, Running
+from pos.operation.engine import DeviceCopy, Hold, OnRun, Operation, RankBack, Report
 from pos.operation.steps import Echo, Guard
 from pos.restore import tree as tree_restore
 from pos.settings import Settings
@@ -47,10 +48,10 @@ class _Refill:
     report."""
 
     def __init__(self, img: Opened, pres: list[Prefetch], links: list[peers.Link],
-                 ready: threading.Event, t0: float, started: Optional[float],
-                 running: Optional[Running]) -> None:
+                 ready: threading.Event, t0: float, early: dict[str, Any],
+                 running: Optional[OnRun]) -> None:
         self.img, self.pres, self.links, self.ready, self.t0 = img, pres, links, ready, t0
-        self.started, self.running = started, running
+        self.early, self.running = early, running     # `early`: timings from before the tree
         self.release_s = self.ended_at = 0.0
         self.copies: list[gpucopy.Copy] = []
         self.gates: list[Gate] = []
@@ -92,7 +93,10 @@ class _Refill:
                 pre.resume()
             g.step("fill")
             if self.running is not None:
-                self.running(self._running(g, live))
+                try:
+                    self.running(self._running(g, live))
+                except Exception:  # noqa: BLE001  (a notice: the job runs on, the fill goes on)
+                    traceback.print_exc()
             self.copies = [pre.join() for pre in self.pres]
             self.gates = [agent.end() for agent in agents]
             self.ended_at = time.monotonic() - self.t0
@@ -103,12 +107,12 @@ class _Refill:
 
     def _running(self, g: Guard, live: dict[int, int]) -> Report:
         """What the restore has done by its job's release, its memory still coming back: the
-        steps so far, and what the fill has yet to bring back in all."""
+        steps so far, and the device memory it fills in all (no rate, no gate yet)."""
         m = self.img.manifest
-        timings: dict[str, Any] = {**g.timings, "pos_started_s": self.started}
+        timings: dict[str, Any] = {**g.timings, **self.early}
         return Report(ImageKind.CONCURRENT.value, Operation.RESTORE, str(self.img.path), m,
                       timings=timings,
-                      restored_pid=live.get(m.pid, m.pid), filling=True, device=DeviceCopy(
+                      restored_pid=live[m.pid], filling=True, device=DeviceCopy(
                           sum(len(pre.table) for pre in self.pres),
                           sum(b.size for pre in self.pres for b in pre.table), None, None,
                           release_s=self.release_s))
@@ -130,7 +134,7 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
                  to_gpu: Optional[Onto] = None, settings: Optional[Settings] = None,
                  started_s: Optional[float] = None,
                  tree: tree_restore.Tree = tree_restore.restore_tree,
-                 hold: Optional[Hold] = None, running: Optional[Running] = None) -> Report:
+                 hold: Optional[Hold] = None, running: Optional[OnRun] = None) -> Report:
     """Start the job of a whole-process concurrent image again, in a new process: CRIU, the
     driver's restore of its small context, then new device memory at the same addresses, filled
     from the image while the job runs (its calls wait only for the buffers not back yet). A job
@@ -140,7 +144,7 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     timings["pos_started_s"] (the restore service's client's; None: this process's age).
     `tree`: what brings the processes back, with this engine's part spliced in (a container's
     runtime does for a container: pos/container/). `hold`: see pos/operation/engine.py Hold;
-    called once the fill has ended too. `running`: see Running there."""
+    called once the fill has ended too. `running`: see OnRun there."""
     from pos import host
 
     settings = settings or Settings.from_env()
@@ -165,7 +169,8 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
     cuda_start = time.monotonic() - cuda_start
     for pre in pres:
         pre.start()
-    refill = _Refill(img, pres, links, ready, t0, started, running)
+    refill = _Refill(img, pres, links, ready, t0,
+                     {"pos_started_s": started, "cuda_start": cuda_start}, running)
 
     def filled_then_held() -> None:
         for pre in pres:

@@ -287,15 +287,22 @@ def serve_one(conn: socket.socket, say: Say, standbys: Standbys) -> None:
         return
     conn.settimeout(SEND_S)
     t = time.monotonic()
-    early = None if request.until_filled else client.send    # the client may end at Running
+    answered: list[Running] = []      # the client ends there: the rest is the service's
+
+    def running(message: Running) -> None:
+        client.send(message)
+        answered.append(message)
+
     outcome = standbys.stage(request, client.echo, restore) if request.standby else \
-        standbys.ask(request, client.echo) or restore(request, client.echo, running=early)
+        standbys.ask(request, client.echo) or restore(
+            request, client.echo, running=running if request.answer_running else None)
     client.send(outcome)
     said = (outcome.summary[0] if isinstance(outcome, (Restored, Held)) else
             f"restore of {request.directory}: {outcome.error().message}"
             if isinstance(outcome, Failed)
             else f"restore of {request.directory}: left to the client ({outcome.why})")
-    gone = ", which went away" if client.gone else ""
+    gone = ", answered when the job ran" if answered else \
+        ", which went away" if client.gone else ""
     say(f"{said} ({time.monotonic() - t:.3f} s, for PID {pid}{gone})")
 
 

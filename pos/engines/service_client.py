@@ -14,7 +14,7 @@ from typing import BinaryIO, Callable, Optional, Union
 from pos import host
 from pos.errors import PosError
 from pos.engines.service_protocol import (Accepted, Echo, Failed, Held, InProcess, Message,
-                                            Request, Restored, decode, encode)
+                                            Request, Restored, Running, decode, encode)
 
 ACCEPT_S = 5.0
 """How long the service may take to accept: one that does not is taken for gone. Nothing was
@@ -23,7 +23,7 @@ asked of it then, so the restore runs here without a chance of running twice."""
 
 def restore(path: str, directory: str, to_gpu: Optional[str],
             echo: Callable[[str], None], standby: bool = False, until_filled: bool = False
-            ) -> Optional[Union[Restored, Held]]:
+            ) -> Optional[Union[Restored, Running, Held]]:
     """The restore of the image in `directory` (onto `to_gpu`, --to-gpu's text), done by the
     service on the socket `path` (`standby`: its job held ready there: Held); None where it
     is to be done in this process. It returns once the job runs (Running, where its device
@@ -52,16 +52,16 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
         try:
             conn.sendall(encode(Request(os.path.abspath(directory), to_gpu,
                                         host.age(os.getpid()), os.isatty(0), standby,
-                                        until_filled)))
+                                        not until_filled)))
             return _outcome(lines, echo, path)
         except OSError as e:
             raise _broken(path, e.strerror or str(e)) from None
 
 
 def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str
-             ) -> Optional[Union[Restored, Held]]:
-    """The lines the restore echoes, printed; then its outcome (Running, a Restored, where the
-    job runs before its memory is all back and the request did not ask `until_filled`)."""
+             ) -> Optional[Union[Restored, Running, Held]]:
+    """The lines the restore echoes, printed; then its outcome (Running where the request
+    asked it and the job ran before its memory was all back)."""
     while True:
         try:
             message: Message = decode(lines.readline())
@@ -69,7 +69,7 @@ def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str
             raise _broken(path, "it closed the connection") from None
         if isinstance(message, Echo):
             echo(message.text)
-        elif isinstance(message, (Restored, Held)):
+        elif isinstance(message, (Restored, Running, Held)):
             return message
         elif isinstance(message, Failed):
             raise message.error()

@@ -6,15 +6,19 @@ the service's unix socket: one JSON object a line, each one of the messages belo
     client -> service   Request
     service -> client   Echo for each line the restore echoes, then its outcome: Restored,
                         Failed, or InProcess (the restore is the client's to run); for a
-                        request to hold the job ready (`standby`), Held once it is. Where the
-                        job runs before its device memory is all back (the concurrent
-                        engine's fill), Running comes first: the client may end there (unless
-                        it asked `until_filled`), and the service fills the rest on its own
+                        request to hold the job ready (`standby`), Held once it is. For a
+                        request that asks it (`answer_running`), Running comes first where
+                        the job runs before its device memory is all back (the concurrent
+                        engine's fill): the client may end there, and the service fills the
+                        rest on its own
+
+A field this side does not know (a pos of another version at the other end) is left out.
 
 Only json and dataclasses are imported here: the client reads this module before pos's heavy
 ones, whose import the service is there to spare it. Where the socket is: pos/engines/options.py.
 """
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
@@ -36,7 +40,7 @@ class Request:
     started_s: Optional[float]     # the client's own start-up: its process's age when it asked
     terminal: bool                 # the client's stdin is a terminal
     standby: bool = False          # restored and held ready, not run, until a request for it
-    until_filled: bool = False     # the outcome once the job's memory is all back, not Running
+    answer_running: bool = False   # Running, where the job runs before its memory is all back
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,14 @@ class Restored:
 
 
 @dataclass(frozen=True)
-class Running(Restored):
+class Running:
     """The job runs, its device memory still coming back: what the restore has done so far
-    (its report's `filling` set). The outcome, Restored or Failed, follows once the fill ends."""
+    (its report's `filling` set), as Restored says it. The outcome, Restored or Failed,
+    follows once the fill ends."""
+
+    path: str
+    report: dict[str, Any]
+    summary: list[str]
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,8 @@ def decode(line: bytes) -> Message:
     try:
         fields = json.loads(line)
         kind = KINDS[fields.pop("kind")]
-        message: Message = kind(**fields)
+        known = {f.name for f in dataclasses.fields(kind)}
+        message: Message = kind(**{k: v for k, v in fields.items() if k in known})
         return message
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"not a message of the restore service: {line[:80]!r}") from None

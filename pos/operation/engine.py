@@ -38,7 +38,7 @@ Hold = Callable[[], None]
 """Where a restore may wait, its tree restored and checked but not yet run; it raises to end
 the restore there (the tree, which never ran, is ended)."""
 
-Running = Callable[["Report"], None]
+OnRun = Callable[["Report"], None]
 """Told once, with what the restore has done so far (a Report whose `filling` is set), when its
 job runs while its device memory is still coming back (the concurrent engine's fill): the
 restore service answers `pos restore` then, and fills the rest on its own."""
@@ -57,7 +57,7 @@ class Load:
                                            # service); None: this process's age at its start
     hold: Optional[Hold] = None            # a standby's (pos/engines/standby.py): called with
                                            # the tree restored and checked, before it runs
-    running: Optional[Running] = None      # see Running
+    running: Optional[OnRun] = None        # see OnRun
 
 
 class Engine(Protocol):

@@ -79,7 +79,8 @@ def check(path: str, create: bool = True) -> None:
     to import."""
     p = Path(path)
     # stat and access, never open: closing any descriptor of an SQLite file drops the locks
-    # that this process's connections hold on it (POSIX locks are per process and file)
+    # that this process's connections hold on it (POSIX locks are per process and file); SQLite's
+    # own connection below is the exception (it keeps such a descriptor open until they end)
     try:
         is_dir = stat.S_ISDIR(p.stat().st_mode)
     except FileNotFoundError:

@@ -27,13 +27,14 @@ import pytest
 from pos import concurrent
 from pos.image import gpuindex
 from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Request,
-                                            Restored, decode, encode)
+                                            Restored, Running, decode, encode)
 from tests.agent.conftest import fill_job, gpu_env, ran_past  # noqa: F401  (fixtures)
 from tests.conftest import ROOT, need, wait_for
 from tests.engines.conftest import Counter, lines, one_sentence, pos
 from tests.test_nonroot import NOBODY
 from workloads.fill_job import image_values, torn
 
+SLOW_LINK_US = 6_000_000   # each of the fill's copies to the device: the fill takes 6 s or more
 READY = re.compile(r"pos restore-service: ready on (\S+) \((no GPU|GPUs \d+(, \d+)*)\)$")
 
 
@@ -335,10 +336,11 @@ def saved_job(fill_job, gpu_env: dict[str, str], tmp_path: Path) -> tuple[Any, P
 
 def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job, gpu_env,
                                                               tmp_path: Path, criu_ready) -> None:
-    """`pos restore` returns once the job runs, its memory still coming back: the service
-    fills the rest, and says so in its log once it has."""
-    s = service(gpu_env)             # the fake driver's one GPU kept warm (CUDA's number 0)
-    assert s.log()[0].endswith("(GPUs 0)")
+    """`pos restore` returns once the job runs, its memory still coming back (the service's
+    copies to the device made slow): the service fills the rest, and says so in its log once
+    it has."""
+    s = service({**gpu_env, "POS_FAKECUDA_HTOD_DELAY_US": str(SLOW_LINK_US)})
+    assert s.log()[0].endswith("(GPUs 0)")   # the fake driver's one GPU kept warm (CUDA's 0)
     job, img, saved = saved_job(fill_job, gpu_env, tmp_path)
     r = pos("restore", "-D", str(img), "--json", env=through(s, gpu_env))
     assert r.returncode == 0, r.stderr
@@ -350,8 +352,10 @@ def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job,
     assert report["filling"] is True and report["release_s"] > 0
     assert report["bytes"] == sum(b.size for b in gpuindex.read(img).buffers)
     assert "all_back_at" not in report["timings"] and report["h2d_gbps"] is None
+    assert len(s.log()) == 1          # the fill goes on: the service has not said it ended
     wait_for(lambda: len(s.log()) == 2, what="the service's line once the fill has ended")
     assert s.log()[1].startswith(f"restored PID {job.pid} from {img}: ")
+    assert s.log()[1].endswith("answered when the job ran)"), s.log()[1]
     ran_past(job.pid, max(saved))
     later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert not torn(later) and max(later) > max(saved)
@@ -496,3 +500,12 @@ def test_standby_needs_the_service(env, tmp_path: Path, short: Path) -> None:
     one_sentence(r, 2, f"no restore service answers on {sock}", "start `pos restore-service`")
     r = pos("restore", "-D", str(tmp_path), "--standby", "--no-service", env=env)
     assert r.returncode == 2 and "--standby is the restore service's" in r.stderr
+
+
+def test_a_message_with_a_field_this_pos_does_not_know_is_read_without_it() -> None:
+    """A pos of another version at the other end: its new fields are left out, not refused."""
+    line = (b'{"kind": "Request", "directory": "/img", "to_gpu": null, "started_s": 0.1, '
+            b'"terminal": false, "a_later_field": 1}\n')
+    assert decode(line) == Request("/img", None, 0.1, False)
+    running = Running("/img", {"filling": True}, ["restored PID 1 from /img: 1 MiB"])
+    assert decode(encode(running)) == running

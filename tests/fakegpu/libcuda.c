@@ -17,7 +17,9 @@
  * named in $POS_FAKECUDA_FAIL (comma-separated; the checkpoint calls,
  * cuMemImportFromShareableHandle and cuMemHostRegister_v2) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
  * the first N calls of that name, counted across processes in the state directory (a transient
- * failure that an undo's retry gets past). */
+ * failure that an undo's retry gets past). $POS_FAKECUDA_HTOD_DELAY_US makes each copy from host
+ * to device memory take that long more (a slow link: a restore's fill that visibly goes on while
+ * the job runs). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -1313,7 +1315,19 @@ API CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUst
 API CUresult cuMemcpyFutureAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     return copy(dst, EITHER, src, EITHER, n, s);
 }
+/* $POS_FAKECUDA_HTOD_DELAY_US, before each copy from host to device memory. */
+static void slow_link(void) {
+    static long us = -1;
+    if (us < 0) {
+        const char *v = getenv("POS_FAKECUDA_HTOD_DELAY_US");
+        us = v && *v ? atol(v) : 0;
+    }
+    if (us > 0)
+        usleep((useconds_t)us);
+}
+
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    slow_link();
     return copy(dst, DEVICE, H(src), HOST, n, 0);
 }
 API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
@@ -1323,9 +1337,11 @@ API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     return copy(dst, DEVICE, src, DEVICE, n, 0);
 }
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    slow_link();
     return copy(dst, DEVICE, H(src), HOST, n, s);
 }
 API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    slow_link();
     return copy(dst, DEVICE, H(src), HOST, n, s);
 }
 API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
