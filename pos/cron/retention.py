@@ -15,6 +15,7 @@ from typing import Optional
 from pos.errors import BadInput, PosError
 from pos import image
 from pos.image import names
+from pos.operation import oplock
 
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNITS_B = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -118,10 +119,16 @@ def select(images: list[Kept], policy: Policy, now: datetime) -> list[Kept]:
 
 def prune(folder: Path, owned: set[str], policy: Policy, now: datetime,
           dry_run: bool = False) -> list[Kept]:
-    """Delete what `select` picks among the images under `folder` that are in `owned`; the
-    deleted (or, dry, the doomed) images."""
+    """Delete what `select` picks among the images under `folder` that are in `owned`, but an
+    image a restore reads now (the next prune takes it); the deleted (or, dry, the doomed)
+    images."""
     doomed = select(images_in(folder, owned), policy, now)
-    if not dry_run:
-        for k in doomed:
-            shutil.rmtree(k.path)
-    return doomed
+    if dry_run:
+        return doomed
+    gone = []
+    for k in doomed:
+        with oplock.deletable(k.path) as free:
+            if free:
+                shutil.rmtree(k.path)
+                gone.append(k)
+    return gone

@@ -22,7 +22,7 @@ from pos.errors import BadInput, PosError
 from pos.operation.engine import Engine, Load, Operation, Report, Save
 from pos.operation.steps import Echo
 from pos.progress import QUIET, Progress
-from pos.operation.oplock import one_at_a_time
+from pos.operation.oplock import one_at_a_time, reads_image
 from pos.settings import Settings
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class StopTheWorld(_Base):
         return stopworld.checkpoint(pid, directory, save, self.settings, self.echo,
                                     self.progress)
 
+    @reads_image
     def restore(self, img: Opened, load: Load) -> Report:
         from pos.restore.tree import TreeRequest, restore_tree
 
@@ -78,6 +79,7 @@ class Concurrent(_Base):
 
         return concurrent.checkpoint_full(pid, directory, save, self.echo, self.settings)
 
+    @reads_image
     def restore(self, img: Opened, load: Load) -> Report:
         from pos import concurrent
 
@@ -138,6 +140,7 @@ class GpuOnly(_Base):
                                          save.chunk_mb or DEFAULT_CHUNK_MB, self.echo,
                                          self.settings)
 
+    @reads_image
     def restore(self, img: Opened, load: Load) -> Report:
         from pos import concurrent
         from pos.concurrent.fill import FILL_STREAMS

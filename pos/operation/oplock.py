@@ -1,7 +1,10 @@
 """One checkpoint of a process at a time: each engine's checkpoint (or move) of a process holds
 an exclusive lock on a file named after the process and its start time while it runs. A second
 pos is told who holds it, instead of failing half-way in CRIU or the agent ("Unable to detach
-from N"). The kernel drops the lock of a pos that dies."""
+from N"). And no image deleted while a restore reads it: a restore holds a shared lock on the
+image's folder until it has read all it needs (the restore service's fill goes on after `pos
+restore` returned), and retention deletes an image only under an exclusive one. The kernel
+drops the locks of a pos that dies."""
 
 import fcntl
 import functools
@@ -52,6 +55,46 @@ def held(pid: int) -> Iterator[None]:
     finally:
         del _held[path]
         os.close(fd)
+
+
+@contextmanager
+def reading(folder: Path) -> Iterator[None]:
+    """The image at `folder` kept for the block (a restore reads it): `deletable` says no."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def deletable(folder: Path) -> Iterator[bool]:
+    """Whether the image at `folder` may be deleted now: no restore reads it (`reading`), and
+    none begins to while the block runs."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def reads_image(method: F) -> F:
+    """An engine's restore of the image given as its first argument, under `reading`."""
+    @functools.wraps(method)
+    def run(self: Any, img: Any, *args: Any, **kwargs: Any) -> Any:
+        with reading(img.path):
+            return method(self, img, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 def one_at_a_time(method: F) -> F:

@@ -10,6 +10,7 @@ from pos import image
 from pos.cron import retention
 from pos.image import Manifest
 from pos.cron.retention import Policy
+from pos.operation import oplock
 from pos.image import names
 
 NOW = datetime(2025, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
@@ -82,6 +83,17 @@ def test_images_the_schedule_did_not_make_are_neither_counted_nor_deleted(
     assert named(retention.prune(tmp_path, mine, Policy(keep=1), NOW)) == [five[3].name]
     assert all(p.is_dir() for p in five[:3]) and five[4].is_dir() and not five[3].exists()
     assert retention.prune(tmp_path, set(), Policy(keep=1), NOW) == []
+
+
+def test_an_image_a_restore_reads_is_kept_until_it_has_read_it(tmp_path: Path,
+                                                                five: list[Path]) -> None:
+    """A restore reads its image until its fill ends, after `pos restore` returned (the
+    restore service's): the prune leaves it, and the next one takes it."""
+    with oplock.reading(five[0]):
+        gone = retention.prune(tmp_path, owned(tmp_path), Policy(keep=2), NOW)
+        assert named(gone) == [p.name for p in five[1:3]]
+        assert five[0].is_dir() and not five[1].exists()
+    assert named(retention.prune(tmp_path, owned(tmp_path), Policy(keep=2), NOW)) == [five[0].name]
 
 
 def test_dry_run_deletes_nothing(tmp_path: Path, five: list[Path]) -> None:

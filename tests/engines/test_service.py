@@ -26,6 +26,7 @@ import pytest
 
 from pos import concurrent
 from pos.image import gpuindex
+from pos.operation import oplock
 from pos.engines.service_protocol import (Accepted, Echo, Failed, InProcess, Request,
                                             Restored, Running, decode, encode)
 from tests.agent.conftest import fill_job, gpu_env, ran_past  # noqa: F401  (fixtures)
@@ -353,9 +354,13 @@ def test_a_pos_run_job_is_restored_with_the_client_s_start_up(service, fill_job,
     assert report["bytes"] == sum(b.size for b in gpuindex.read(img).buffers)
     assert "all_back_at" not in report["timings"] and report["h2d_gbps"] is None
     assert len(s.log()) == 1          # the fill goes on: the service has not said it ended
+    with oplock.deletable(img) as free:
+        assert not free               # retention leaves the image the fill reads
     wait_for(lambda: len(s.log()) == 2, what="the service's line once the fill has ended")
     assert s.log()[1].startswith(f"restored PID {job.pid} from {img}: ")
     assert s.log()[1].endswith("answered when the job ran)"), s.log()[1]
+    with oplock.deletable(img) as free:
+        assert free
     ran_past(job.pid, max(saved))
     later = image_values(Path(concurrent.checkpoint_gpu(job.pid, tmp_path / "after").path))
     assert not torn(later) and max(later) > max(saved)
