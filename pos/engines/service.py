@@ -11,9 +11,10 @@ a restore would first have to set up made once, at its start:
 Each connection (root peers only) carries one request (pos/engines/service_protocol.py). Its
 restore runs on a thread of its own, as `pos restore` runs it (`engines.for_image(...)
 .restore`, with the settings read from the service's environment for each request), and the
-lines it echoes go back as it runs, then its report or its error. A job that runs before its
-device memory is all back (the concurrent engine's fill) is said to run (Running) at once, so
-that `pos restore` returns with it; the service fills the rest. Restores run side by side.
+lines it echoes go back as it runs, then its report or its error. Where the request asks it
+(`pos restore` does, unless --until-filled), a job that runs before its device memory is all
+back (the concurrent engine's fill) is said to run (Running) at once, so that `pos restore`
+returns with it; the service fills the rest. Restores run side by side.
 Off the main thread a restore is as safe as on it: Python runs signal handlers on the main
 thread alone, and a step that holds SIGINT and SIGTERM back there has nothing to hold back on
 another (pos/operation/steps.py `uninterrupted`); the undo runs on the restore's thread.
