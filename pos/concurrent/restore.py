@@ -186,11 +186,10 @@ def restore_full(img: Opened, inherit_fds: tuple[str, ...] = (),
         t1 = time.monotonic()
         side_by_side("pos-let-go", pres, Prefetch.close, lambda _: None)
         let_go = time.monotonic() - t1
-    return _report(result, refill, t0, started, let_go, cuda_start)
+    return _report(result, refill, t0, let_go)
 
 
-def _report(result: Report, back: _Refill, t0: float, started: Optional[float],
-            let_go: float, cuda_start: float) -> Report:
+def _report(result: Report, back: _Refill, t0: float, let_go: float) -> Report:
     from pos.concurrent import gpucopy     # imported by the fill by now
 
     pres = back.pres
@@ -203,9 +202,9 @@ def _report(result: Report, back: _Refill, t0: float, started: Optional[float],
         return at - t0
 
     rest = [pre.handout.rest_at(t0) for pre in pres]
-    # pos_started_s is None where no command started the restore (JSON's null)
-    timings: dict[str, Any] = {**result.timings, "pos_started_s": started,
-               "cuda_start": cuda_start, "h2d": copy.seconds,
+    # the refill's early timings: pos_started_s (None where no command started the restore,
+    # JSON's null) and cuda_start
+    timings: dict[str, Any] = {**result.timings, **back.early, "h2d": copy.seconds,
                "read_threads": copy.read_thread_s, "fill_paused": max(paused),
                # from the restore's start: the new memory made, all of it back, the job's gate
                # ended; and pos's own mapping of the memory let go of
