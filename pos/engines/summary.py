@@ -89,12 +89,13 @@ def _device(r: "Report", d: "DeviceCopy") -> list[str]:
         held += (f"; its longest held call waited {d.gate.held_max_s:.3f} s "
                  f"({d.gate.held} held, {d.gate.held_s:.3f} s in all{longest_wait(d.gate)})")
     rate = d.h2d_gbps if restoring else d.d2h_gbps
-    copy = f"device memory {'read back' if restoring else 'copied'} at {rate or 0:.1f} GB/s " \
-           "(PCIe limit ~55)"
     if r.filling:
         copy = ("the rest of its device memory comes back while it runs, filled by the restore "
                 "service (its calls wait only for buffers not back yet)")
-    elif "all_back_at" in r.timings:
+    else:
+        copy = f"device memory {'read back' if restoring else 'copied'} at {rate or 0:.1f} " \
+               "GB/s (PCIe limit ~55)"
+    if "all_back_at" in r.timings:
         copy += f", all of it back {r.timings['all_back_at']:.3f} s after the restore began"
     out = [first, held, copy, longest_steps(r.timings)]
     if r.manifest is not None and r.manifest.predumped is not None and not restoring:
