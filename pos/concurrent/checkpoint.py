@@ -219,9 +219,11 @@ class _Whole:
                     at, STALL_S if at is None else collective.REACH_S)))
         else:
             self.cuts = [self.savers[0].cut()]
+        g.mark("held")
         # held now, every rank: nothing maps a peer's memory until they go on
         statuses = g.timed("held_status", lambda: {a.pid: a.status() for a in self.agents})
         restorable.peer_memory(self.cuda, statuses, taken_down=True)
+        g.mark("checked")
         if any(s.peer_maps for s in statuses.values()):
             self.links = g.timed("peers_match", lambda: peers.match(self.agents))
         return t0
@@ -246,12 +248,14 @@ class _Whole:
                 t.start(self.partial)
 
         g.timed("copy_starts", start_copies)
+        g.mark("copying")
 
     def hoist(self, g: Guard) -> None:
         if self.links:
             agents = [s.connected() for s in self.savers]
             g.timings["peers_down_bytes"] = g.timed(
                 "peers_down", lambda: peers.take_down(agents, self.links))
+            g.mark("down")
             peers.write(self.partial, self.links)
         g.step("hoist", hoisted=True)
         # every job at once: one after another, the 5 processes of the 4-rank Llama job took

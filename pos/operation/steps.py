@@ -77,7 +77,7 @@ class Guard(Generic[P]):
         """Tell the watchdog which step begins (and what changed in the plan). When each step
         first began is kept (`step_NAME_at`, seconds from the guard's start): the time between
         two steps that no step's own timing covers shows there."""
-        self.timings.setdefault(f"step_{name}_at", round(time.monotonic() - self.t0, 4))
+        self.mark(f"step_{name}")
         unknown = set(changes) - {f.name for f in fields(self.plan)}
         if unknown:         # pos's own mistake: the watchdog would never hear of these
             raise TypeError(f"{type(self.plan).__name__} has no {', '.join(sorted(unknown))}")
@@ -91,6 +91,11 @@ class Guard(Generic[P]):
         point = name + (":criu" if criu_runs else "")
         if self.fault_at.partition("=")[0] == point:
             os.kill(os.getpid(), signal.Signals["SIG" + self.fault_at.partition("=")[2]])
+
+    def mark(self, name: str) -> None:
+        """When `name` was first reached (`NAME_at`, seconds from the guard's start), told to
+        no one: a point inside a step, where its own timings leave time unexplained."""
+        self.timings.setdefault(f"{name}_at", round(time.monotonic() - self.t0, 4))
 
     def hold(self, pid: int, fds: list[int]) -> None:
         """The device memory of the job `pid`, as descriptors that the undo (here or in the
