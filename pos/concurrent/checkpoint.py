@@ -24,6 +24,7 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import ExitStack
@@ -90,6 +91,9 @@ class _Whole:
         self.copies: list[Copied] = []
         self.release_s = 0.0
         self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
+        # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
+        # cut's own check, where the ranks are held
+        self.nvls = functools.cache(restorable.nvls_on)
         self.dump = dump
 
     def run(self) -> Report:
@@ -152,7 +156,7 @@ class _Whole:
             for p in self.cuda:            # no agent: one sentence, before anything is touched
                 self.agents.append(Agent(p))
             self.statuses = {a.pid: a.status() for a in self.agents}
-            restorable.peer_memory(self.cuda, self.statuses, taken_down=True)
+            restorable.peer_memory(self.cuda, self.statuses, taken_down=True, nvls=self.nvls)
         except BaseException:
             self.close()
             raise
@@ -222,7 +226,7 @@ class _Whole:
         g.mark("held")
         # held now, every rank: nothing maps a peer's memory until they go on
         statuses = g.timed("held_status", lambda: {a.pid: a.status() for a in self.agents})
-        restorable.peer_memory(self.cuda, statuses, taken_down=True)
+        restorable.peer_memory(self.cuda, statuses, taken_down=True, nvls=self.nvls)
         g.mark("checked")
         if any(s.peer_maps for s in statuses.values()):
             self.links = g.timed("peers_match", lambda: peers.match(self.agents))

@@ -26,7 +26,7 @@ lost track); the stop-the-world engine, with no agent in its cut, refuses them a
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from pos import nvml
 from pos.agent.control import Agent, Status
@@ -186,11 +186,13 @@ def predicted_sharing(pid: int) -> list[str]:
 
 
 def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]],
-                taken_down: bool = False) -> None:
+                taken_down: bool = False, nvls: Callable[[int], bool] = nvls_on) -> None:
     """Refuse a process that maps another process's GPU memory: seen by its agent where it has
     one that can say, predicted from NCCL's settings otherwise. `taken_down`: the concurrent
     engine takes cuMem imports down at its cut and puts them back (pos/agent/peers.py), so
-    only what it cannot take down is refused: legacy IPC, and an agent that lost track."""
+    only what it cannot take down is refused: legacy IPC, and an agent that lost track.
+    `nvls`: nvls_on, or an answer of it kept from before the cut (it reads the process's
+    maps and environment: 0.09 s a rank of the Llama job, the ranks held)."""
     for p in cuda:
         s = statuses.get(p)
         if s is not None and s.peer_lost:
@@ -206,7 +208,7 @@ def peer_memory(cuda: list[int], statuses: Mapping[int, Optional[Status]],
                                "fails and the job is lost)", "start the job without "
                                "NCCL_CUMEM_ENABLE=0 (cuMem imports pos takes down), or with "
                                + WORKING_SETTINGS.removeprefix("start the job with "))
-            if taken_down and s.peer_maps and nvls_on(p):
+            if taken_down and s.peer_maps and nvls(p):
                 raise BadInput(f"PID {p} maps another process's GPU memory and is a rank of an "
                                "NCCL job whose settings leave NVLink SHARP on (NCCL_NVLS_ENABLE "
                                "not 0), whose multicast memory pos cannot take down before the "
