@@ -256,6 +256,16 @@ class Service:
         line = self.proc.stdout.readline()
         if "ready" not in line:
             raise SystemExit(f"pos restore-service did not start: {line!r} (see {log})")
+        # what it says of each restore (its fill's end, after an early answer) goes to the
+        # log beside its errors
+        threading.Thread(target=self.keep, args=(log,), daemon=True).start()
+
+    def keep(self, log: Path) -> None:
+        assert self.proc.stdout is not None
+        with open(log, "a") as f:
+            for line in self.proc.stdout:
+                f.write(line)
+                f.flush()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
