@@ -214,9 +214,9 @@ class _Whole:
         if self.several:
             from pos.concurrent import collective
 
-            # timed whole (each rank's `cut` is its own): at 2 ranks 0.30-0.37 s passed between
-            # the cut and the hoist against 0.03 s at one, of which the steps timed there
-            # explain about 0.1 s (bench/results/2026-11-29-multigpu, runs 12-13)
+            # timed whole (each rank's `cut` is its own); the marks below place the rest: at
+            # 2 ranks the check after it had taken 0.18 s, the ranks held (self.nvls;
+            # bench/results/2026-11-29-multigpu, runs 15 and 17)
             savers = self.savers
             self.cuts = g.timed("cut_together", lambda: collective.cut_together(
                 self.agents, lambda i, at: savers[i].cut(
