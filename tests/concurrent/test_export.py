@@ -302,7 +302,8 @@ def test_the_ranks_copies_begin_once_every_take_is_done(tmp_path: Path) -> None:
 
     savers = [SimpleNamespace(pid=p, take=lambda rank: Taken(rank)) for p in (10, 11, 12, 13)]
     held: list[int] = []
-    guard = SimpleNamespace(timed=lambda _name, fn: fn(), hold=lambda pid, _fds: held.append(pid))
+    guard = SimpleNamespace(timed=lambda _name, fn: fn(), hold=lambda pid, _fds: held.append(pid),
+                            mark=lambda _name: None)
     whole = _Whole.__new__(_Whole)
     whole.savers, whole.taken, whole.partial = savers, [], tmp_path
     whole.take(guard)
