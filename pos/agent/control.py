@@ -67,6 +67,8 @@ class Status:
     # and CRIU then writes while the job is frozen. None: the agent does not say
     own_maps: Optional[int] = None
     own_bytes: Optional[int] = None
+    # Of those, the allocations pos took (own-take, own-down) and has not put back (own-up)
+    own_down: Optional[int] = None
     # How long the agent waits for a request (POS_AGENT_STALL_S), and how the connection
     # before this one ended, in its words; None: the agent is too old to say (or, last_end,
     # no connection has ended yet)
@@ -99,11 +101,13 @@ class PeerMap:
 @dataclass(frozen=True)
 class OwnAlloc:
     """One of the job's own cuMem allocations, mapped at va (its peers may import it);
-    `released`: the job released its handle, so it cannot be exported again."""
+    `released`: the job released its handle, so it cannot be exported again; `down`: pos took
+    it down (own-down) and has not put it back."""
 
     va: int
     size: int
     released: bool
+    down: bool = False
 
 
 @dataclass(frozen=True)
@@ -388,7 +392,8 @@ class Agent:
     def status(self) -> Status:
         r = self._ask("status")
         told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps", "peer_down",
-                                       "peer_lost", "own_maps", "own_bytes") if k in r}
+                                       "peer_lost", "own_maps", "own_bytes", "own_down")
+                if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),
                       int(r.get("nccl_launches", 0)), **told,
@@ -487,8 +492,8 @@ class Agent:
 
     def exports(self) -> list["OwnAlloc"]:
         """The job's own cuMem allocations (those its peers may have imported)."""
-        return [OwnAlloc(int(a["va"]), int(a["size"]), bool(a["released"]))
-                for a in self._ask("exports")["allocs"]]
+        return [OwnAlloc(int(a["va"]), int(a["size"]), bool(a["released"]),
+                         bool(a.get("down", False))) for a in self._ask("exports")["allocs"]]
 
     def stamp(self, va: int, nonce: bytes) -> None:
         """Write a 16-byte nonce at `va` of one of the job's own allocations (bytes kept)."""
@@ -512,8 +517,27 @@ class Agent:
 
     def peer_up(self, fds: list[int]) -> int:
         """The imports that are down mapped back, one descriptor each in `peers` order."""
-        self._request = "peer-up"
-        self._send(f"peer-up {len(fds)}\n".encode())
+        return self._up("peer-up", fds)
+
+    def own_take(self) -> list[int]:
+        """A fresh export of each of the job's own allocations, in `exports` order:
+        descriptors the caller owns (every import of them down first: peer-down)."""
+        n = int(self._ask("own-take")["fds"])
+        return self._take_fds(n)
+
+    def own_down(self) -> int:
+        """The job's own allocations unmapped and its handles released (what own-take gave
+        holds the memory); the bytes taken down. The job must not run before own-up."""
+        return int(self._ask("own-down")["bytes"])
+
+    def own_up(self, fds: list[int]) -> int:
+        """The job's own allocations that are down mapped back at their addresses from these
+        descriptors, one each in `exports` order."""
+        return self._up("own-up", fds)
+
+    def _up(self, request: str, fds: list[int]) -> int:
+        self._request = request
+        self._send(f"{request} {len(fds)}\n".encode())
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
         return int(self._line()["up"])

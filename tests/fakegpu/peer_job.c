@@ -5,7 +5,8 @@
  * through cuGetProcAddress, as a runtime does ("cuIpcOpenMemHandle" gives the _v2).
  *
  *   peer_job own DIR        cuMemCreate + map 2 MiB filled with 7, export it: "DIR/owner" holds
- *                           "PID FD"
+ *                           "PID FD"; at DIR/export it exports the handle it made again, as
+ *                           NCCL does for a peer that connects later: "DIR/owner2"
  *   peer_job import DIR     import DIR/owner's memory, map it, read it back (7); then at
  *                           DIR/release cuMemRelease (the mapping stays), at DIR/unmap cuMemUnmap
  *   peer_job ipc-own DIR    cuMemAlloc 1 MiB filled with 9 (plain driver memory: run it with
@@ -122,6 +123,14 @@ static void own(void) {
     int n = snprintf(line, sizeof(line), "%d %d\n", getpid(), fd);
     publish("owner", line, (size_t)n);
     ready();
+    while (!exists("stop") && !exists("export"))
+        usleep(1000);
+    if (exists("stop"))
+        return;
+    CHECK(cuMemExportToShareableHandle(&fd, h, 1, 0)); /* the handle it made, whatever came since */
+    n = snprintf(line, sizeof(line), "%d %d\n", getpid(), fd);
+    publish("owner2", line, (size_t)n);
+    say("EXPORTED");
 }
 
 static void import(void) {

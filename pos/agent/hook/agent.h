@@ -85,6 +85,8 @@ struct touch {
  * with its parameters. */
 #define OWN_WRAPPERS(X)                                                                            \
     X(cuInit, (unsigned flags))                                                                    \
+    X(cuMemExportToShareableHandle, (void *fd, CUmemGenericAllocationHandle h, int type,           \
+                                     unsigned long long flags))                                    \
     X(cuMemAlloc_v2, (CUdeviceptr *p, size_t n))                                                   \
     X(cuMemFree_v2, (CUdeviceptr p))                                                               \
     X(cuMemFreeAsync, (CUdeviceptr p, CUstream s))                                                 \
@@ -102,8 +104,6 @@ struct touch {
     X(cuMemAddressReserve, (CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,              \
                             unsigned long long flags))                                             \
     X(cuMemAddressFree, (CUdeviceptr p, size_t n))                                                 \
-    X(cuMemExportToShareableHandle, (void *fd, CUmemGenericAllocationHandle h, int type,           \
-                                     unsigned long long flags))                                    \
     X(cuStreamSynchronize, (CUstream s))                                                           \
     X(cuCtxGetLimit, (size_t *value, int limit))                                                   \
     X(cuCtxSetLimit, (int limit, size_t value))                                                    \
@@ -218,6 +218,9 @@ void peer_released(CUmemGenericAllocationHandle h);
 void peer_mapped(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h);
 void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n);
 void peer_unmapped(CUdeviceptr va, size_t size);
+CUmemGenericAllocationHandle own_current(CUmemGenericAllocationHandle h); /* take mu */
+int own_export(CUmemGenericAllocationHandle h, int *fd); /* takes mu */
+void own_fresh(CUmemGenericAllocationHandle h);
 void ipc_opened(CUdeviceptr va, const CUipcMemHandle *h, unsigned flags);
 void ipc_closed(CUdeviceptr va);
 /* Caller holds mu. */
@@ -225,7 +228,8 @@ struct peer_count {
     size_t maps, bytes, ipc;
     size_t owns, own_bytes; /* the job's own cuMem mappings (NCCL's buffers): the driver's
                              * checkpoint copies them into the job's host memory */
-    size_t down; /* maps taken down by pos, not yet put back */
+    size_t down;     /* maps taken down by pos, not yet put back */
+    size_t own_down; /* the job's own allocations taken down by pos, not yet put back */
     size_t lost; /* records the agent could not keep: pos refuses the job */
 };
 struct peer_count peer_count(void);
@@ -240,6 +244,9 @@ void do_peek(struct conn *c, const char *args);
 void do_peer_down(struct conn *c);
 void do_peer_export(struct conn *c, const char *args);
 void do_peer_up(struct conn *c, size_t want);
+void do_own_take(struct conn *c);
+void do_own_down(struct conn *c);
+void do_own_up(struct conn *c, size_t want);
 
 /* ---- the control socket (wire.c) ------------------------------------------------------------ */
 enum { MAX_FDS = 250 }; /* file descriptors per message (SCM_MAX_FD is 253) */

@@ -74,11 +74,12 @@ static void do_status(struct conn *c) {
           "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
           "\"imported\":%zu,\"nccl_launches\":%ld,\"peer_maps\":%zu,\"peer_bytes\":%zu,"
           "\"ipc_maps\":%zu,\"peer_down\":%zu,\"peer_lost\":%zu,\"own_maps\":%zu,"
-          "\"own_bytes\":%zu,\"ungated\":\"%s\",\"stall_s\":%.3f%s,%s}",
+          "\"own_bytes\":%zu,\"own_down\":%zu,\"ungated\":\"%s\",\"stall_s\":%.3f%s,%s}",
           getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
           (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
           atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, peers.maps,
-          peers.bytes, peers.ipc, peers.down, peers.lost, peers.owns, peers.own_bytes, ungated,
+          peers.bytes, peers.ipc, peers.down, peers.lost, peers.owns, peers.own_bytes,
+          peers.own_down, ungated,
           stall_ms() / 1000.0, end, s);
     pthread_mutex_unlock(&mu);
 }
@@ -201,6 +202,12 @@ static void serve(int fd) {
             do_peer_export(c, args);
         else if (!strcmp(cmd, "peer-up"))
             do_peer_up(c, args ? strtoul(args, NULL, 10) : 0);
+        else if (!strcmp(cmd, "own-take"))
+            do_own_take(c);
+        else if (!strcmp(cmd, "own-down"))
+            do_own_down(c);
+        else if (!strcmp(cmd, "own-up"))
+            do_own_up(c, args ? strtoul(args, NULL, 10) : 0);
         else if (!strcmp(cmd, "export"))
             do_export(c);
         else if (!strcmp(cmd, "room"))

@@ -97,10 +97,11 @@ void do_hoist(struct conn *c, const char *args) {
  * go away at any moment after this, the job must not run on it). */
 void do_remap(struct conn *c, size_t want, int then_restore) {
     pthread_mutex_lock(&mu);
-    size_t down = peer_count().down;
+    struct peer_count pc = peer_count();
+    size_t down = pc.down + pc.own_down;
     pthread_mutex_unlock(&mu);
     if (then_restore && down) { /* the restore gate lets calls run: not without every import */
-        fail(c, "imports of other processes' memory are down: put them back first (peer-up)");
+        fail(c, "mappings pos took down are not back: put them back first (peer-up, own-up)");
         return;
     }
     while (c->nfds < want) {

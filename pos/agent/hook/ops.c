@@ -37,11 +37,12 @@ void do_end(struct conn *c) {
     char s[STATS_CAP];
     pthread_mutex_lock(&mu);
     int bad = unstamp_all();
-    size_t down = peer_count().down;
+    struct peer_count pc = peer_count();
+    size_t down = pc.down + pc.own_down;
     pthread_mutex_unlock(&mu);
     if (bad || down) { /* the job must not run so: pos puts them back, or ends it */
         reply(c, "{\"ok\":false,\"error\":\"%s\"}",
-              down ? "imports of other processes' memory are down: put them back first (peer-up)"
+              down ? "mappings pos took down are not back: put them back first (peer-up, own-up)"
                    : "pos's marks could not be taken out of the job's memory");
         return;
     }

@@ -28,6 +28,15 @@
  * export of the job's own allocation at VA, and `peer-up` maps such exports at the old
  * addresses with the old access (protocol.md).
  *
+ * The job's own allocations can be taken as pos takes the memory it owns: `own-take` exports
+ * each, `own-down` unmaps it and releases the job's handle (pos's import holds the memory, and
+ * the driver's checkpoint no longer copies it: about a third of a 2-rank NCCL job's hold,
+ * bench/results/2026-11-29.md), `own-up` maps pos's descriptors back at the same addresses.
+ * The job keeps the handle it made: NCCL frees from the address (cuMemRetainAllocationHandle,
+ * which finds the handle mapped there now) but exports the handle it made again for a peer
+ * that connects later, and a job may release it; the agent answers those calls with the
+ * allocation mapped there now, until the driver gives that number to a new handle.
+ *
  * Fail closed: a record the agent could not keep (its memory ran short, or more access
  * settings than it keeps) is counted (`peer_lost`), and pos then refuses the job, which would
  * otherwise look as if it mapped less than it does; while any import is down the job never
@@ -35,6 +44,7 @@
  * bound (pos's watchdog puts the imports back on a new connection), then ends the process
  * (its image, taken with the imports down, restores it). */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,12 +66,22 @@ struct peer_map {
     int down; /* taken down by pos (peer-down): unmapped, h released, until peer-up */
 };
 
-/* A live mapping of the job's own cuMem memory (an allocation its peers may import). */
+/* A live mapping of the job's own cuMem memory (an allocation its peers may import). pos may
+ * take it as it takes the memory it owns (own-take, own-down, own-up): the memory then lives
+ * in a fresh allocation mapped at the same address, whose handle becomes the job's. */
 struct own_map {
     CUdeviceptr va;
     size_t size;
-    CUmemGenericAllocationHandle h;
+    CUmemGenericAllocationHandle h; /* the job's handle (0 while down) */
+    CUmemGenericAllocationHandle was; /* the job's first handle, which it may still name (an
+                                       * export for a peer that connects later, a release):
+                                       * answered with h (0: pos never took it) */
     int released; /* the job released h: it cannot be exported again */
+    CUmemAccessDesc access[MAX_ACCESS]; /* what cuMemSetAccess gave its range, by location */
+    int naccess;
+    int down; /* taken down by pos (own-down): unmapped, h released, until own-up */
+    int fd;   /* pos's descriptor it was mapped back from (own-up; -1: none): the driver does
+               * not export an imported handle again, so an export of it is a copy of this */
 };
 
 /* A nonce written over the job's bytes (stamp), for unstamp. */
@@ -121,6 +141,7 @@ static long imported_at(CUmemGenericAllocationHandle h) {
 }
 
 void peer_imported(CUmemGenericAllocationHandle h) {
+    own_fresh(h);
     pthread_mutex_lock(&mu);
     if (imported_at(h) < 0) {
         if (room() && grow((void **)&imports, nimports, &capimports, sizeof(*imports)))
@@ -161,33 +182,92 @@ void peer_mapped(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocat
             lost++;
     } else if (offset == 0) { /* the job's own allocation, from its start */
         if (room() && grow((void **)&owns, nowns, &capowns, sizeof(*owns)))
-            owns[nowns++] = (struct own_map){.va = va, .size = size, .h = h};
+            owns[nowns++] = (struct own_map){.va = va, .size = size, .h = h, .fd = -1};
         else
             lost++;
     }
     pthread_mutex_unlock(&mu);
 }
 
-/* Access is set per location, the others' left as they were: each location's last setting. */
-void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n) {
-    pthread_mutex_lock(&mu);
-    for (size_t k = 0; k < nmaps; k++) {
-        struct peer_map *m = &maps[k];
-        if (m->va >= va + size || va >= m->va + m->size)
-            continue;
-        for (size_t j = 0; j < n; j++) {
-            int a = 0;
-            while (a < m->naccess && (m->access[a].location.type != d[j].location.type ||
-                                      m->access[a].location.id != d[j].location.id))
-                a++;
-            if (a < MAX_ACCESS) {
-                m->access[a] = d[j];
-                m->naccess += a == m->naccess;
-            } else {
-                lost++; /* a putback could not give the range all its access */
-            }
+/* Access is set per location, the others' left as they were: each location's last setting,
+ * into `access` (n used). Caller holds mu. */
+static void keep_access(CUmemAccessDesc *access, int *n, const CUmemAccessDesc *d, size_t k) {
+    for (size_t j = 0; j < k; j++) {
+        int a = 0;
+        while (a < *n && (access[a].location.type != d[j].location.type ||
+                          access[a].location.id != d[j].location.id))
+            a++;
+        if (a < MAX_ACCESS) {
+            access[a] = d[j];
+            *n += a == *n;
+        } else {
+            lost++; /* a putback could not give the range all its access */
         }
     }
+}
+
+void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n) {
+    pthread_mutex_lock(&mu);
+    for (size_t k = 0; k < nmaps; k++)
+        if (maps[k].va < va + size && va < maps[k].va + maps[k].size)
+            keep_access(maps[k].access, &maps[k].naccess, d, n);
+    for (size_t k = 0; k < nowns; k++)
+        if (owns[k].va < va + size && va < owns[k].va + owns[k].size)
+            keep_access(owns[k].access, &owns[k].naccess, d, n);
+    pthread_mutex_unlock(&mu);
+}
+
+/* The handle the driver knows for `h`, a handle the job holds: h itself, or for the first handle
+ * of an allocation pos took, the allocation's handle now. */
+CUmemGenericAllocationHandle own_current(CUmemGenericAllocationHandle h) {
+    pthread_mutex_lock(&mu);
+    for (size_t k = 0; k < nowns; k++)
+        if (owns[k].was && owns[k].was == h && !owns[k].down) {
+            h = owns[k].h;
+            break;
+        }
+    pthread_mutex_unlock(&mu);
+    return h;
+}
+
+/* An export (a POSIX descriptor) of the allocation at owns[k]: a copy of pos's descriptor it
+ * was mapped back from, or the driver's own export. Caller holds mu. */
+static CUresult export_own(size_t k, int *fd) {
+    if (owns[k].fd >= 0) {
+        *fd = fcntl(owns[k].fd, F_DUPFD_CLOEXEC, 0);
+        return *fd >= 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return DRV(cuMemExportToShareableHandle)(fd, owns[k].h, HANDLE_POSIX_FD, 0);
+}
+
+/* The job's export of `h` (a POSIX descriptor, no flags) where h names an allocation pos took
+ * (its first handle, or the one it has now): 1 and *fd (-1: none could be made); 0 where h
+ * is not such a handle, for the driver to answer. */
+int own_export(CUmemGenericAllocationHandle h, int *fd) {
+    pthread_mutex_lock(&mu);
+    int ours = 0;
+    for (size_t k = 0; k < nowns && !ours; k++)
+        if (!owns[k].down && owns[k].fd >= 0 && h && (owns[k].was == h || owns[k].h == h)) {
+            ours = 1;
+            if (export_own(k, fd) != CUDA_SUCCESS)
+                *fd = -1;
+        }
+    pthread_mutex_unlock(&mu);
+    return ours;
+}
+
+/* The driver made a handle `h` (a create, an import, the job's or pos's): a first handle kept
+ * under that number is no longer the job's to name, and is answered no more (a call on it is
+ * the new allocation's). Caller holds mu. */
+static void forget_was(CUmemGenericAllocationHandle h) {
+    for (size_t k = 0; k < nowns; k++)
+        if (owns[k].was == h)
+            owns[k].was = 0;
+}
+
+void own_fresh(CUmemGenericAllocationHandle h) {
+    pthread_mutex_lock(&mu);
+    forget_was(h);
     pthread_mutex_unlock(&mu);
 }
 
@@ -199,10 +279,13 @@ void peer_unmapped(CUdeviceptr va, size_t size) {
         else
             k++;
     for (size_t k = 0; k < nowns;)
-        if (owns[k].va >= va && owns[k].va < va + size)
+        if (owns[k].va >= va && owns[k].va < va + size) {
+            if (owns[k].fd >= 0)
+                close(owns[k].fd);
             owns[k] = owns[--nowns];
-        else
+        } else {
             k++;
+        }
     pthread_mutex_unlock(&mu);
 }
 
@@ -236,8 +319,10 @@ struct peer_count peer_count(void) {
         c.bytes += maps[k].size;
         c.down += maps[k].down;
     }
-    for (size_t k = 0; k < nowns; k++)
+    for (size_t k = 0; k < nowns; k++) {
         c.own_bytes += owns[k].size;
+        c.own_down += owns[k].down;
+    }
     return c;
 }
 
@@ -266,9 +351,16 @@ void build_peers(FILE *f) {
 
 void build_exports(FILE *f) {
     fputs("{\"ok\":true,\"allocs\":[", f);
-    for (size_t k = 0; k < nowns; k++)
-        fprintf(f, "%s{\"va\":%llu,\"size\":%zu,\"released\":%s}", k ? "," : "", owns[k].va,
-                owns[k].size, owns[k].released ? "true" : "false");
+    for (size_t k = 0; k < nowns; k++) {
+        const struct own_map *o = &owns[k];
+        fprintf(f, "%s{\"va\":%llu,\"size\":%zu,\"released\":%s,\"down\":%s,\"access\":[",
+                k ? "," : "", o->va, o->size, o->released ? "true" : "false",
+                o->down ? "true" : "false");
+        for (int a = 0; a < o->naccess; a++)
+            fprintf(f, "%s{\"type\":%d,\"id\":%d,\"flags\":%d}", a ? "," : "",
+                    o->access[a].location.type, o->access[a].location.id, o->access[a].flags);
+        fputs("]}", f);
+    }
     fputs("]}", f);
 }
 
@@ -427,7 +519,7 @@ void do_peer_export(struct conn *c, const char *args) {
     CUresult r = k < 0 || owns[k].released ? CUDA_ERROR_INVALID_VALUE : use_context();
     int fd = -1;
     if (r == CUDA_SUCCESS)
-        r = DRV(cuMemExportToShareableHandle)(&fd, owns[k].h, HANDLE_POSIX_FD, 0);
+        r = export_own((size_t)k, &fd);
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS) {
         reply(c, "{\"ok\":false,\"error\":\"peer-export: %s\",\"rc\":%d}",
@@ -496,6 +588,127 @@ void do_peer_up(struct conn *c, size_t want) {
                  "\"rc\":%d}", (int)r, up, want, (int)r);
 }
 
+/* ---- the job's own cuMem memory taken as pos takes its owned memory -------------------------- */
+
+/* `own-take`: a fresh export of each of the job's own allocations, in `exports` order (the
+ * driver's own call: no gate). Every import of them must be down first (peer-down in each
+ * importer), since pos copies them while every process is held. */
+void do_own_take(struct conn *c) {
+    if (!held(c, "own-take"))
+        return;
+    pthread_mutex_lock(&mu);
+    int *fds = calloc(nowns ? nowns : 1, sizeof(int));
+    CUresult r = fds ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
+    size_t n = 0, bytes = 0;
+    const char *why = "the driver did not export it";
+    for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
+        if (owns[k].released || owns[k].down) {
+            why = owns[k].down ? "it is down" : "the job released its handle";
+            r = CUDA_ERROR_INVALID_VALUE;
+            break;
+        }
+        int fd = -1;
+        r = export_own(k, &fd);
+        if (r == CUDA_SUCCESS)
+            fds[n++] = fd, bytes += owns[k].size;
+    }
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS) {
+        reply(c, "{\"ok\":false,\"error\":\"own-take: allocation %zu: %s\",\"rc\":%d}", n,
+              why, (int)r);
+    } else {
+        reply(c, "{\"ok\":true,\"fds\":%zu,\"bytes\":%zu}", n, bytes);
+        send_fds(c, fds, n);
+    }
+    for (size_t i = 0; i < n; i++)
+        close(fds[i]);
+    free(fds);
+}
+
+/* `own-down`: each of the job's own allocations unmapped (its address range kept) and the
+ * job's handle released: what pos took (own-take) holds the memory, and the driver's
+ * checkpoint no longer copies it. From here on the job must not run before `own-up`. */
+void do_own_down(struct conn *c) {
+    if (!held(c, "own-down"))
+        return;
+    pthread_mutex_lock(&mu);
+    CUresult r = use_context();
+    size_t n = 0, bytes = 0;
+    for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
+        struct own_map *o = &owns[k];
+        if (o->down)
+            continue;
+        if ((r = DRV(cuMemUnmap)(o->va, o->size)) != CUDA_SUCCESS)
+            break;
+        o->down = 1, n++, bytes += o->size; /* from here on it must come back before a run */
+        if (!o->was)
+            o->was = o->h; /* the number the job keeps */
+        if (o->fd >= 0) /* CRIU cannot dump it; what own-take gave pos holds the memory */
+            close(o->fd), o->fd = -1;
+        if (!o->released)
+            r = DRV(cuMemRelease)(o->h);
+        o->h = 0;
+    }
+    pthread_mutex_unlock(&mu);
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true,\"down\":%zu,\"bytes\":%zu}", n, bytes);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"own-down: the driver answered %d\",\"rc\":%d}",
+              (int)r, (int)r);
+}
+
+/* `own-up N` + N descriptors: the job's own allocations that are down, in `exports` order, each
+ * imported, mapped at its old address, given its old access; the imported handle is the job's
+ * from here on (released again where the job had released its own), and the job's first
+ * handle is answered with it. A failure leaves the rest down and the job held. */
+void do_own_up(struct conn *c, size_t want) {
+    while (c->nfds < want) {
+        if (rx(c, 30000) <= 0) {
+            fail(c, "own-up: fewer descriptors came than announced");
+            return;
+        }
+    }
+    if (!held(c, "own-up"))
+        return;
+    pthread_mutex_lock(&mu);
+    size_t down = peer_count().own_down, up = 0, fd_at = 0;
+    CUresult r = down == want ? use_context() : CUDA_ERROR_INVALID_VALUE;
+    for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
+        struct own_map *o = &owns[k];
+        if (!o->down)
+            continue;
+        CUmemGenericAllocationHandle h = 0;
+        int fd = c->fds[fd_at++];
+        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
+        if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(o->va, o->size, 0, h, 0)))
+            DRV(cuMemRelease)(h);
+        if (r == CUDA_SUCCESS && o->naccess &&
+            (r = DRV(cuMemSetAccess)(o->va, o->size, o->access, (size_t)o->naccess))) {
+            DRV(cuMemUnmap)(o->va, o->size);
+            DRV(cuMemRelease)(h);
+        }
+        if (r != CUDA_SUCCESS)
+            break;
+        forget_was(h);
+        o->down = 0, up++;
+        o->fd = fd, c->fds[fd_at - 1] = -1; /* kept for the next export */
+        if (o->released)
+            DRV(cuMemRelease)(h); /* the mapping alone holds it, as before */
+        else
+            o->h = h;
+    }
+    pthread_mutex_unlock(&mu);
+    for (size_t i = 0; i < c->nfds; i++)
+        if (c->fds[i] >= 0)
+            close(c->fds[i]);
+    c->nfds = 0;
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true,\"up\":%zu}", up);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"own-up: the driver answered %d after %zu of %zu\","
+                 "\"rc\":%d}", (int)r, up, want, (int)r);
+}
+
 static int waiting_grace;
 static void grace_done(void) {
     pthread_mutex_lock(&mu);
@@ -511,7 +724,8 @@ static void *grace(void *arg) {
     uint64_t until = now_ns() + (uint64_t)(limit_s * 1e9);
     for (;;) {
         pthread_mutex_lock(&mu);
-        size_t down = peer_count().down + nstamps;
+        struct peer_count pc = peer_count();
+        size_t down = pc.down + pc.own_down + nstamps;
         pthread_mutex_unlock(&mu);
         if (!down) {
             grace_done();
@@ -522,7 +736,7 @@ static void *grace(void *arg) {
         usleep(100000);
     }
     fprintf(stderr,
-            "pos: this process's mappings of other processes' memory stayed taken down for "
+            "pos: mappings of GPU memory that pos took down in this process stayed down for "
             "%g s after pos went away; ending the process (pos's image restores it)\n",
             limit_s);
     kill(getpid(), SIGKILL);
@@ -536,7 +750,8 @@ static void *grace(void *arg) {
  * leaves it held (a remap for a restore is refused then: hoist.c). Caller holds mu. */
 int peers_fail_closed(double limit_s) {
     int bad = unstamp_all();
-    size_t down = peer_count().down;
+    struct peer_count pc = peer_count();
+    size_t down = pc.down + pc.own_down;
     if (!down && !bad)
         return 0;
     if (!waiting_grace) {
@@ -557,4 +772,22 @@ int peers_fail_closed(double limit_s) {
         }
     }
     return 1;
+}
+
+/* The job's export of an allocation: of one pos took, a copy of pos's descriptor that maps it
+ * now (the driver does not export that imported handle), whether the job names the handle it
+ * had or the one it has; the driver's answer otherwise. */
+EXPORT CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, int type,
+                                             unsigned long long flags) {
+    struct touch t = T_NONE;
+    t.call = "cuMemExportToShareableHandle";
+    gate_enter(&t);
+    int mine = -1;
+    CUresult r;
+    if (fd && type == HANDLE_POSIX_FD && !flags && own_export(h, &mine))
+        r = mine >= 0 ? (*(int *)fd = mine, CUDA_SUCCESS) : CUDA_ERROR_OUT_OF_MEMORY;
+    else
+        r = DRV(cuMemExportToShareableHandle)(fd, own_current(h), type, flags);
+    gate_exit();
+    return r;
 }

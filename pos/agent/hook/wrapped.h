@@ -281,7 +281,7 @@
       (p, pitch, w, h, e), T_NONE, IF_OK(foreign_add(*p, pitch ? *pitch * h : 0)))                 \
     X(cuMemCreate,                                                                                 \
       (CUmemGenericAllocationHandle * h, size_t n, const void *prop, unsigned long long f),        \
-      (h, n, prop, f), T_NONE, NOAFTER)                                                            \
+      (h, n, prop, f), T_NONE, IF_OK(own_fresh(*h)))                                               \
     X(cuMemMap,                                                                                    \
       (CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h, unsigned long long f),   \
       (p, n, o, h, f), T_NONE, IF_OK(foreign_add(p, n); peer_mapped(p, n, o, h)))                  \
@@ -291,7 +291,8 @@
       T_NONE, IF_OK(peer_access(p, n, d, k)))                                                      \
     X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle * h, void *fd, int type),      \
       (h, fd, type), T_NONE, IF_OK(peer_imported(*h)))                                             \
-    X(cuMemRelease, (CUmemGenericAllocationHandle h), (h), T_NONE, IF_OK(peer_released(h)))        \
+    X(cuMemRelease, (CUmemGenericAllocationHandle h), (h = own_current(h)), T_NONE,                \
+      IF_OK(peer_released(h)))                                                                     \
     X(cuIpcOpenMemHandle, (CUdeviceptr * p, CUipcMemHandle h, unsigned f), (p, h, f), T_NONE,      \
       IF_OK(ipc_opened(*p, &h, f)))                                                                \
     X(cuIpcOpenMemHandle_v2, (CUdeviceptr * p, CUipcMemHandle h, unsigned f), (p, h, f), T_NONE,   \

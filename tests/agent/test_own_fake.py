@@ -1,0 +1,127 @@
+"""The job's own cuMem memory taken as pos takes the memory it owns (pos/agent/hook/peer.c:
+own-take, own-down, own-up), against the fake driver. NCCL's buffers are such memory: the job
+made and mapped them itself, its peers import them, and the driver's checkpoint copies them into
+the job's host memory, which CRIU then writes while the job is frozen (a third of a 2-rank job's
+hold, bench/results/2026-11-29.md). Taken, they live in what pos holds through the driver's
+cycle and come back at the same address; the job's later calls on the handle it made reach the
+memory it has now; the job never runs while they are down."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from pos.agent import peers
+from pos.agent.control import Agent, Refused
+from pos.process import cudackpt
+from tests.agent.test_peer_fake import SEVEN, VMM_BYTES, gone, held, let_go
+
+
+def mapped_at(importer) -> int:
+    return int(re.search(r"MAPPED (0x[0-9a-f]+)", importer.printed("READY"))[1], 16)
+
+
+def driver_cycle(*pids: int) -> None:
+    """The driver's checkpoint and restore of each, in place."""
+    for p in pids:
+        cudackpt.lock(p, 5000)
+        cudackpt.checkpoint(p)
+    for p in pids:
+        cudackpt.restore(p)
+        cudackpt.unlock(p)
+
+
+def taken(agents: list[Agent]) -> tuple[list[peers.Link], list[int]]:
+    """Every import down, then the owner's (agents[-1]) own memory taken and down: the links
+    and pos's descriptors of that memory."""
+    links = peers.match(agents)
+    peers.take_down(agents, links)
+    fds = agents[-1].own_take()
+    assert agents[-1].own_down() == VMM_BYTES
+    return links, fds
+
+
+def test_own_memory_taken_through_the_drivers_cycle_comes_back_at_its_address(
+        peer_job) -> None:
+    owner = peer_job("own")
+    importer = peer_job("import")
+    va = mapped_at(importer)
+    agents = held(importer, owner)
+    fds: list[int] = []
+    try:
+        own_va = agents[1].exports()[0].va
+        links, fds = taken(agents)
+        assert len(fds) == 1
+        st = agents[1].status()
+        assert (st.own_maps, st.own_down) == (1, 1)
+        assert [(a.va, a.down) for a in agents[1].exports()] == [(own_va, True)]
+        with pytest.raises(Refused, match="put them back first"):
+            agents[1].end()                     # never a run with its own memory down
+        driver_cycle(importer.pid, owner.pid)
+        assert agents[1].own_up(fds) == 1
+        assert agents[1].status().own_down == 0
+        assert peers.put_back(agents, links) == 1
+        assert agents[0].peek(va) == SEVEN      # the owner's bytes, through the importer
+        nonce = os.urandom(16)
+        agents[1].stamp(own_va, nonce)
+        assert agents[0].peek(va) == nonce      # one memory, the owner's and the importer's
+        agents[1].unstamp()
+    finally:
+        for fd in fds:
+            os.close(fd)
+        let_go(agents)
+    with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
+        assert os.pread(mem.fileno(), 16, own_va) == SEVEN
+
+
+def test_the_handle_the_job_made_exports_the_memory_it_has_after_the_take(peer_job) -> None:
+    """NCCL exports a buffer's first handle again for a peer that connects later: the agent
+    answers with the memory mapped there now (the driver does not export the imported handle
+    that maps it, and the first one is gone: the fake driver refuses it)."""
+    owner = peer_job("own")
+    importer = peer_job("import")
+    agents = held(importer, owner)
+    fds: list[int] = []
+    try:
+        links, fds = taken(agents)
+        driver_cycle(owner.pid)
+        agents[1].own_up(fds)
+        peers.put_back(agents, links)
+        own_va = agents[1].exports()[0].va
+    finally:
+        for fd in fds:
+            os.close(fd)
+        let_go(agents)
+    exchange = Path(owner.proc.args[-1])
+    (exchange / "export").touch()
+    owner.printed("EXPORTED")
+    late = exchange.parent / "late"
+    late.mkdir()
+    (late / "owner").write_text((exchange / "owner2").read_text())
+    newcomer = peer_job("import", folder="late")
+    va = mapped_at(newcomer)
+    nonce = os.urandom(16)                      # written where the owner maps it now
+    with open(f"/proc/{owner.pid}/mem", "r+b", buffering=0) as mem:
+        os.pwrite(mem.fileno(), nonce, own_va)
+    with Agent(newcomer.pid) as a:
+        a.cut(5)
+        try:
+            assert a.peek(va) == nonce
+        finally:
+            a.end()
+
+
+def test_pos_gone_with_own_memory_down_ends_the_job_after_its_stall_bound(peer_job) -> None:
+    """The job never runs without the memory it mapped: held while pos's watchdog may still put
+    it back, then ended (its image restores it)."""
+    owner = peer_job("own", stall_s=5)
+    agents = held(owner)
+    for fd in agents[0].own_take():
+        os.close(fd)
+    agents[0].own_down()
+    agents[0].close()
+    with Agent(owner.pid) as a:
+        assert a.status().phase == "hold"
+    gone(owner.pid, timeout=15)
+    assert "ending the process" in owner.out.read_text()
