@@ -28,6 +28,10 @@ Every setting, its variable and its default:
   hash_on             POS_HASH_ON           where a checkpoint's copy hashes and scans each
                                             chunk (see HASH_ONS)
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
+  own_memory_max_bytes POS_OWN_MEMORY_MAX_GIB the most of a job's own cuMem memory (NCCL's
+                                            buffers) that a concurrent checkpoint takes while
+                                            the job is held (pos/concurrent/ownmem.py); more,
+                                            or 0, leaves it to the driver's checkpoint
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
@@ -83,6 +87,7 @@ DEFAULT_FILL_PIECE_KIB = 2048
 # shadowed, was held 1.4 s with 8 GiB against 2.0-4.3 s with an arena as large as the job (the
 # host's memory left to CRIU and the driver), and sealed sooner (bench/results/2026-11-28-perf)
 DEFAULT_PIN_RING = 8 << 30
+DEFAULT_OWN_MEMORY_MAX = 4 << 30
 # POS_PIN_AHEAD_GIB=all: the whole arena locked before the cut (as much as any arena)
 PIN_AHEAD_ALL = 1 << 62
 DEFAULT_HOIST_STACK: Optional[int] = 0
@@ -107,6 +112,7 @@ class Settings:
     savers_held: str = SAVERS_HELD[0]
     hash_on: str = HASH_ONS[0]
     shadow_max_bytes: Optional[int] = None
+    own_memory_max_bytes: int = DEFAULT_OWN_MEMORY_MAX
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
     fill_mapped: bool = True
     fill_from: str = FILL_FROMS[0]
@@ -166,6 +172,12 @@ class Settings:
                 raise ValueError(raw)
             return int(value * 2**30)
 
+        def gib_or_none(raw: str) -> int:
+            value = float(raw)
+            if value < 0:
+                raise ValueError(raw)
+            return int(value * 2**30)
+
         ring = get("POS_PIN_RING_GIB", gib, DEFAULT_PIN_RING, "a number of GiB above 0",
                    f"unset it (the ring is then {DEFAULT_PIN_RING >> 30} GiB)")
         return cls(
@@ -195,6 +207,10 @@ class Settings:
                            "GPU where the driver can)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
+            own_memory_max_bytes=get("POS_OWN_MEMORY_MAX_GIB", gib_or_none,
+                                     DEFAULT_OWN_MEMORY_MAX, "a number of GiB, 0 or more",
+                                     "unset it (a checkpoint then takes up to "
+                                     f"{DEFAULT_OWN_MEMORY_MAX >> 30} GiB of it)"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),

@@ -13,7 +13,9 @@ gpuonly.py), whose phases are the methods of `_Whole`, in the order `run` calls 
              import of another's memory matched with its owner (pos/agent/peers.py)
   take       each job's memory exported, imported by pos, shadowed; its copy begins; the
              descriptors handed to the watchdog (the jobs side by side, a thread each)
-  hoist      the imports taken down, the jobs give their physical memory up (pos holds it)
+  hoist      the imports taken down; each job's own cuMem memory (NCCL's buffers) copied and
+             given up (pos/concurrent/ownmem.py); the jobs give their physical memory up (pos
+             holds it)
   freeze     the driver locks and checkpoints the now small contexts; CRIU dumps the tree
   thaw       --leave-running: the driver restores and unlocks, each job maps its memory again,
              the imports are put back, and it is released, gated; otherwise CRIU left the
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from pos import host, image, nvml
 from pos.agent import peers
 from pos.agent.control import Agent, Cut, Gate, Hoist, Remap, Status
-from pos.concurrent import predump, staging
+from pos.concurrent import ownmem, predump, staging
 from pos.concurrent.crew import side_by_side
 from pos.concurrent.copier import HostRoom
 from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
@@ -91,6 +93,8 @@ class _Whole:
         self.copies: list[Copied] = []
         self.release_s = 0.0
         self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
+        self.held: dict[int, Status] = {}         # each agent's status once its job was held
+        self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
         self.nvls = functools.cache(restorable.nvls_on)
@@ -226,6 +230,7 @@ class _Whole:
         g.mark("held")
         # held now, every rank: nothing maps a peer's memory until they go on
         statuses = g.timed("held_status", lambda: {a.pid: a.status() for a in self.agents})
+        self.held = statuses
         restorable.peer_memory(self.cuda, statuses, taken_down=True, nvls=self.nvls)
         g.mark("checked")
         if any(s.peer_maps for s in statuses.values()):
@@ -261,6 +266,7 @@ class _Whole:
                 "peers_down", lambda: peers.take_down(agents, self.links))
             g.mark("down")
             peers.write(self.partial, self.links)
+        self.take_own(g)
         g.step("hoist", hoisted=True)
         # every job at once: one after another, the 5 processes of the 4-rank Llama job took
         # 0.27 s (bench/results/2026-11-28-multigpu, run23); the copy held meanwhile, as
@@ -274,6 +280,31 @@ class _Whole:
         for h in hoists:
             g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
+
+    def take_own(self, g: Guard) -> None:
+        """Each job's own cuMem memory (NCCL's buffers) copied into the image and given up
+        (ownmem), every job held and every import of it down, where there is no more of it in
+        all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint. From here on
+        a job runs only once its memory is back (own-up): should pos fail before that, its
+        agent holds it for its stall bound and then ends it (its image restores it)."""
+        mine = [s for s in self.savers
+                if s.context is not None and (self.held[s.pid].own_bytes or 0)]
+        total = sum(self.held[s.pid].own_bytes or 0 for s in mine)
+        if not mine or total > self.settings.own_memory_max_bytes:
+            return
+
+        def take(s: Saver) -> tuple[int, ownmem.Taken]:
+            s.use()
+            assert s.context is not None     # mine: a job with a context
+            return s.pid, ownmem.take(s.connected(), s.drv, s.context.device, self.partial,
+                                      s.pid if self.several else None)
+
+        g.timed("own_take", lambda: side_by_side("pos-own", mine, take,
+                                                 lambda kept: self.own.update([kept])))
+        g.timings["own_taken_bytes"] = sum(t.bytes for t in self.own.values())
+        g.timed("own_down", lambda: side_by_side("pos-own-down", mine,
+                                                 lambda s: s.connected().own_down(),
+                                                 lambda _: None))
 
     def freeze(self, g: Guard, dumped: Path) -> None:
         """The driver's checkpoint of every job at once, then CRIU's dump into `dumped`."""
@@ -323,6 +354,11 @@ class _Whole:
         g.timed("remap", lambda: side_by_side("pos-remap", list(zip(self.savers, self.taken)),
                                               remap, backs.append))
         g.timings["stack_back"] = max(b.stack_s for b in backs)
+        if self.own:           # before the imports: the peers import this memory again
+            owners = [s for s in self.savers if s.pid in self.own]
+            g.timed("own_up", lambda: side_by_side(
+                "pos-own-up", owners, lambda s: s.connected().own_up(self.own[s.pid].fds),
+                lambda _: None))
         if self.links:         # every job held still: none runs before its imports are back
             agents = [s.connected() for s in self.savers]
             g.timed("peers_up", lambda: peers.put_back(agents, self.links))
@@ -349,6 +385,8 @@ class _Whole:
     def close(self) -> None:
         for t in self.taken:
             t.close()
+        for own in self.own.values():
+            own.close()
         for s in self.savers:
             s.close()
         for a in self.agents:

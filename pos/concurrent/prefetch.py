@@ -15,7 +15,7 @@ from pos.concurrent import devices
 from pos.concurrent.fill import FILL_DEPTH, fill
 from pos.concurrent.handout import Handout
 from pos.errors import PosError
-from pos.image import gpuindex
+from pos.image import gpuindex, names
 from pos.image.opened import Opened
 from pos.settings import Settings
 
@@ -95,12 +95,16 @@ class Prefetch:
             from pos.concurrent import gpucopy     # here, beside CRIU: see the imports above
 
             self.imported_at = time.monotonic()
-            if not self.table:      # a process of the tree with no device memory (torchrun's
-                self._nothing()     # own): no context, no memory
+            own = (self.img.path / names.own_memory(self.rank)[0]).exists()
+            if not self.table and not own:   # a process of the tree with no device memory
+                self._nothing()              # (torchrun's own): no context, no memory
                 return
             device = fill_device(self.onto, self.taken_on, self.img.gpus)
             self.context = gpucopy.Context(device)
             drv = self.context.drv
+            if not self.table:      # only its own cuMem memory, which the restore's finish
+                self._nothing()     # makes in this context (pos/concurrent/ownmem.py)
+                return
             self.context_at = time.monotonic()
             self.checked.wait()
             if self.cancelled:

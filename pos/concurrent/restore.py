@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pos.agent import peers
 from pos.agent.control import Agent, Gate, Remap
-from pos.concurrent import devices
+from pos.concurrent import devices, ownmem
 from pos.concurrent.crew import side_by_side
 from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
 from pos.errors import BadInput, PosError
+from pos.image import names
 from pos.image.kinds import ImageKind
 from pos.image.opened import Opened
 from pos.operation.engine import DeviceCopy, Hold, OnRun, Operation, RankBack, Report
@@ -79,6 +80,13 @@ class _Refill:
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match "
                                    f"{self.img.path}'s GPU index", "take a new checkpoint")
+            owners = [(pre, agent) for pre, agent in zip(self.pres, agents)
+                      if pre.context is not None and ownmem.saved(self.img.path, pre.rank)]
+            if owners:         # before the imports: the peers import this memory again
+                back: list[int] = []
+                g.timed("own_up", lambda: side_by_side(
+                    "pos-own-up", owners, lambda pa: self._own_back(*pa), back.append))
+                g.timings["own_back_bytes"] = sum(back)
             renamed = peers.renamed(self.links, live)
             if renamed:        # every job held still (hoisted): none runs before they are back
                 g.timed("peers_up", lambda: peers.put_back(agents, renamed))
@@ -105,6 +113,14 @@ class _Refill:
             for agent in agents:
                 agent.close()
 
+    def _own_back(self, pre: Prefetch, agent: Agent) -> int:
+        """The job's own cuMem memory that its checkpoint took, made on its GPU, filled and
+        mapped back (ownmem.put_back); the bytes."""
+        assert pre.context is not None
+        pre.context.use()
+        return ownmem.put_back(agent, pre.context.drv, pre.context.device, self.img.path,
+                               pre.rank)
+
     def _running(self, g: Guard, live: dict[int, int]) -> Report:
         """What the restore has done by its job's release, its memory still coming back: the
         steps so far, and the device memory it fills in all (no rate, no gate yet)."""
@@ -122,7 +138,7 @@ def movable(folder: Path, moving: bool) -> list[peers.Link]:
     """The image's peer links; refused when it is to move to other GPUs and has some (said
     before this host's GPUs are looked at: no host could move it)."""
     links = peers.read(folder)
-    if moving and links:
+    if moving and (links or any(folder.glob(names.OWN_MEMORY_INDEXES))):
         raise BadInput(f"the processes of {folder} map each other's GPU memory (NCCL's P2P "
                        "or SHM on cuMem), whose access pos puts back only on the GPUs they had",
                        "restore it without --to-gpu, onto the GPUs it was taken on")

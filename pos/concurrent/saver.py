@@ -79,10 +79,13 @@ class Saver:
         if self.status.own_bytes is not None:    # NCCL's buffers, of those foreign bytes
             self.timings["own_maps_bytes"] = self.status.own_bytes
         # pos's context on it, made current again by each step (`use`), let go by `close`;
-        # none for a process that owns no device memory (torchrun's own: a context would cost
-        # its GPU 0.5 GB and the checkpoint 0.13-0.66 s for nothing to copy)
+        # none for a process that owns no device memory and has none of its own for pos to
+        # take (torchrun's own: a context would cost its GPU 0.5 GB and the checkpoint
+        # 0.13-0.66 s for nothing to copy)
+        own = self.status.own_bytes or 0
         self.context = self.timed("context", lambda: gpucopy.Context(
-            devices.cuda_device(self.gpu))) if self.owned_bytes else None
+            devices.cuda_device(self.gpu))) \
+            if self.owned_bytes or 0 < own <= settings.own_memory_max_bytes else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.kernel: Optional[Kernel] = None     # pos's checksum kernel (POS_HASH_ON)

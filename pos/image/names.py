@@ -39,6 +39,8 @@ INDEX = "gpu-index.json"             # the GPU index of an image of one job
 CONTAINER_ARCHIVE = "container.tar"  # a container's image: its runtime's export (pos/container)
 PEER_LINKS = "peer-links.json"       # the imports of other processes' memory the checkpoint
                                      # took down, each with its owner (the agent side: peers.py)
+_OWN_MEMORY = "own-memory"           # the job's own cuMem memory pos took (pos/concurrent/ownmem.py)
+OWN_MEMORY_INDEXES = f"{_OWN_MEMORY}*.json"   # every such index of an image, as a glob
 _RANK_INDEX = re.compile(r"gpu-index-(\d+)\.json")
 _DATA = "gpu-data-"
 
@@ -76,6 +78,13 @@ def rank_of(name: str) -> Optional[int]:
     file is no such index)."""
     m = _RANK_INDEX.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def own_memory(pid: Optional[int] = None) -> tuple[str, str]:
+    """The index and the data of the job's own cuMem memory that a checkpoint took, of an image
+    of one job (None) or of the process `pid` of several."""
+    stem = _OWN_MEMORY if pid is None else f"{_OWN_MEMORY}-{pid}"
+    return f"{stem}.json", f"{stem}.bin"
 
 
 def data_prefix(pid: Optional[int] = None) -> str:

@@ -89,10 +89,16 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
     [link] = peers.read(img)
     assert (link.importer, link.va, link.size, link.owner) == (
         pair.importer, pair.va, VMM_BYTES, pair.owner)
-    # the report names the owner's own cuMem memory, which the driver's checkpoint copied
-    ranks = {x["pid"]: x["timings"] for x in json.loads(r.stdout)["ranks"]}
+    # the report names the owner's own cuMem memory, which pos took into the image (the
+    # driver's checkpoint would have copied it into the owner's host memory)
+    report = json.loads(r.stdout)
+    ranks = {x["pid"]: x["timings"] for x in report["ranks"]}
     assert ranks[pair.owner]["own_maps_bytes"] == VMM_BYTES
     assert ranks[pair.importer]["own_maps_bytes"] == 0
+    assert report["timings"]["own_taken_bytes"] == VMM_BYTES
+    index, data = names.own_memory(pair.owner)
+    assert (img / data).read_bytes()[:16] == SEVEN and (img / index).is_file()
+    assert not (img / names.own_memory(pair.importer)[0]).exists()
     shares_the_owners_memory(pair)
 
 
@@ -105,8 +111,10 @@ def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
     pair.proc.wait(timeout=30)                      # CRIU's dump, then the tree ended
     for p in (pair.owner, pair.importer):
         wait_for(lambda: reaped(p), what=f"process {p}'s end")
-    r = pos("restore", "-D", str(img), env=gpu_env)
+    r = pos("restore", "-D", str(img), "--json", env=gpu_env)
     assert r.returncode == 0, r.stderr
+    # the owner's memory came from the image: CRIU's dump did not hold it
+    assert json.loads(r.stdout)["timings"]["own_back_bytes"] == VMM_BYTES
     shares_the_owners_memory(pair)
     again = tmp_path / "again"                      # a second checkpoint after the restore
     r = pos("checkpoint", str(pair.root), "-D", str(again), "--concurrent", "--leave-running",
