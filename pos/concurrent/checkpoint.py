@@ -266,8 +266,8 @@ class _Whole:
                 "peers_down", lambda: peers.take_down(agents, self.links))
             g.mark("down")
             peers.write(self.partial, self.links)
-        self.take_own(g)
         g.step("hoist", hoisted=True)
+        self.take_own(g)
         # every job at once: one after another, the 5 processes of the 4-rank Llama job took
         # 0.27 s (bench/results/2026-11-28-multigpu, run23); the copy held meanwhile, as
         # around the driver's other calls in the job (Taken.paused)
@@ -299,8 +299,11 @@ class _Whole:
             return s.pid, ownmem.take(s.connected(), s.drv, s.context.device, self.partial,
                                       s.pid if self.several else None)
 
-        g.timed("own_take", lambda: side_by_side("pos-own", mine, take,
-                                                 lambda kept: self.own.update([kept])))
+        def keep(kept: tuple[int, ownmem.Taken]) -> None:
+            self.own[kept[0]] = kept[1]
+            g.hold(kept[0], kept[1].fds, own=True)     # the undo maps it back (own-up)
+
+        g.timed("own_take", lambda: side_by_side("pos-own", mine, take, keep))
         g.timings["own_taken_bytes"] = sum(t.bytes for t in self.own.values())
         g.timed("own_down", lambda: side_by_side("pos-own-down", mine,
                                                  lambda s: s.connected().own_down(),

@@ -15,7 +15,7 @@ from typing import Any, Callable, Generic, Iterator, Literal, Optional, Sequence
 from pos.errors import PosError
 from pos.image import criustats, names
 from pos.operation.plan import CheckpointPlan, ImagePlan, Plan, RestorePlan
-from pos.operation.watchdog import Watchdog, discard_leftovers, end_tree, recover
+from pos.operation.watchdog import Memory, Watchdog, discard_leftovers, end_tree, recover
 from pos.process import criu as criu_mod
 from pos.process import cudackpt
 from pos.progress import QUIET, Progress
@@ -67,7 +67,7 @@ class Guard(Generic[P]):
         self.timings: dict[str, float] = {}
         self.t0 = time.monotonic()
         self.watchdog: Optional[Watchdog] = None
-        self.memory: dict[int, list[int]] = {}   # descriptors of each job's hoisted memory
+        self.memory = Memory()     # descriptors of the device memory the jobs gave up
 
     def __enter__(self) -> "Guard[P]":
         self.watchdog = Watchdog(self.plan)
@@ -97,12 +97,13 @@ class Guard(Generic[P]):
         no one: a point inside a step, where its own timings leave time unexplained."""
         self.timings.setdefault(f"{name}_at", round(time.monotonic() - self.t0, 4))
 
-    def hold(self, pid: int, fds: list[int]) -> None:
+    def hold(self, pid: int, fds: list[int], own: bool = False) -> None:
         """The device memory of the job `pid`, as descriptors that the undo (here or in the
-        watchdog) maps back into it should this operation fail while the memory is pos's."""
-        self.memory.setdefault(pid, []).extend(fds)
+        watchdog) maps back into it should this operation fail while the memory is pos's
+        (`own`: the job's own cuMem memory that pos took, pos/concurrent/ownmem.py)."""
+        (self.memory.own if own else self.memory.hoisted).setdefault(pid, []).extend(fds)
         assert self.watchdog is not None
-        self.watchdog.hold(pid, fds)
+        self.watchdog.hold(pid, fds, own)
 
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one step and add its duration to timings[name]."""

@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -55,8 +55,16 @@ LOG_ENV = "POS_WATCHDOG_LOG"
 DEFAULT_LOG = "/var/lib/pos/watchdog.log"
 
 Log = Callable[[str], None]
-Memory = dict[int, list[int]]      # each job's descriptors of its hoisted memory, in its
-                                   # agent's table order
+
+
+@dataclass
+class Memory:
+    """The jobs' device memory that pos (or the watchdog) holds while they have given it up:
+    each job's descriptors of its hoisted memory, in its agent's table order, and of its own
+    cuMem memory that pos took (pos/concurrent/ownmem.py), in its agent's `exports` order."""
+
+    hoisted: dict[int, list[int]] = field(default_factory=dict)
+    own: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _wait_criu(pid: int, plan: ImagePlan, log: Log, runaway: Callable[[], bool]) -> bool:
@@ -129,11 +137,11 @@ def _finish_gpu(plan: Plan, pairs: list[tuple[str, str]], log: Log) -> None:
 
 
 def _give_back(plan: CheckpointPlan, memory: Memory, log: Log) -> None:
-    """Map the hoisted memory back into each job (its calls wait for it), put back the imports
-    of each other's memory that the checkpoint took down (its image's links: each owner
-    exports again, each importer maps), and release them. An importer whose imports cannot
-    come back is not released: its agent ends it once let go (hook/peer.c), never running
-    without them."""
+    """Map the hoisted memory back into each job (its calls wait for it), and its own cuMem
+    memory that pos took, put back the imports of each other's memory that the checkpoint
+    took down (its image's links: each owner exports again, each importer maps), and release
+    them. A job whose memory or imports cannot come back is not released: its agent ends it
+    once let go (hook/peer.c), never running without them."""
     from pos.agent import peers
     from pos.agent.control import Agent
 
@@ -141,11 +149,24 @@ def _give_back(plan: CheckpointPlan, memory: Memory, log: Log) -> None:
         return
     agents: list[Agent] = []
     try:
-        for pid, fds in memory.items():
+        for pid, fds in memory.hoisted.items():
             if procs.alive(pid):
                 log(f"PID {pid}: giving its device memory back ({len(fds)} buffers)")
                 agents.append(Agent(pid))
                 agents[-1].remap(fds)
+        by_pid = {a.pid: a for a in agents}
+        for pid, fds in memory.own.items():
+            if not procs.alive(pid):
+                continue
+            agent = by_pid.get(pid) or Agent(pid)
+            if agent.pid not in by_pid:
+                agents.append(agent)
+            if any(a.down for a in agent.exports()):
+                log(f"PID {pid}: giving its own cuMem memory back ({len(fds)} allocations)")
+                try:
+                    agent.own_up(fds)
+                except PosError as e:
+                    log(f"PID {pid}'s own memory could not come back ({e.message}): it ends")
         links = peers.read(Path(plan.images)) if plan.images else []
         if links:
             log(f"putting back {len(links)} imports of other processes' memory")
@@ -310,7 +331,7 @@ def recover(plan: Plan, log: Log, memory: Optional[Memory] = None, stopped: bool
     the plan's type; what it left them doing. `memory`: the descriptors of each job's hoisted
     memory. `stopped`: the user stopped the operation (SIGINT/SIGTERM): a restore is ended
     rather than finished."""
-    return UNDO[type(plan)].recover(plan, log, memory or {}, stopped)
+    return UNDO[type(plan)].recover(plan, log, memory or Memory(), stopped)
 
 
 def discard_leftovers(plan: Plan) -> None:
@@ -334,10 +355,11 @@ class Watchdog:
     def send(self, plan: Plan) -> None:
         self.sock.sendall((plan.to_json() + "\n").encode())
 
-    def hold(self, pid: int, fds: list[int]) -> None:
+    def hold(self, pid: int, fds: list[int], own: bool = False) -> None:
         """The watchdog keeps its own copies of these descriptors (the hoisted memory of the
-        job `pid`)."""
-        self.sock.sendall(json.dumps({"hold": len(fds), "pid": pid}).encode() + b"\n")
+        job `pid`; `own`: its own cuMem memory that pos took)."""
+        self.sock.sendall(json.dumps({"hold": len(fds), "pid": pid, "own": own}).encode()
+                          + b"\n")
         for at in range(0, len(fds), MAX_FDS):
             socket.send_fds(self.sock, [b" "], fds[at:at + MAX_FDS])
 
@@ -386,20 +408,20 @@ def main() -> int:
     log = _log_to(os.environ.get(LOG_ENV) or DEFAULT_LOG)
     plan: Optional[Plan] = None
     fds: list[int] = []                     # every descriptor, in the order they came
-    holds: list[tuple[int, int]] = []       # (job, how many of them), in the same order
+    holds: list[tuple[int, int, bool]] = []   # (job, how many, its own memory), in that order
     for msg in _messages(socket.socket(fileno=0), fds):
         if msg.get("done"):
             return 0
         if "plan" in msg:
             plan = from_json(msg["plan"])
         if "hold" in msg:
-            holds.append((int(msg["pid"]), int(msg["hold"])))
+            holds.append((int(msg["pid"]), int(msg["hold"]), bool(msg.get("own"))))
     if plan is None:
         return 0
-    memory: dict[int, list[int]] = {}
+    memory = Memory()
     at = 0
-    for pid, n in holds:
-        memory.setdefault(pid, []).extend(fds[at:at + n])
+    for pid, n, own in holds:
+        (memory.own if own else memory.hoisted).setdefault(pid, []).extend(fds[at:at + n])
         at += n
     log(f"pos died during {plan.WHAT} of PID {plan.pids[:1]} at step {plan.step}: undoing")
     try:
