@@ -102,6 +102,17 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
     shares_the_owners_memory(pair)
 
 
+def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
+        pair: Pair, tmp_path: Path, gpu_env) -> None:
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", "--leave-running",
+            "--json", env={**gpu_env, "POS_OWN_MEMORY_MAX_GIB": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "own_taken_bytes" not in json.loads(r.stdout)["timings"]
+    assert not list(img.glob(names.OWN_MEMORY_INDEXES))
+    shares_the_owners_memory(pair)
+
+
 def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
         pair: Pair, tmp_path: Path, gpu_env) -> None:
     img = tmp_path / "img"

@@ -5,6 +5,7 @@ which GPUs pos's own CUDA sees in a restore (devices.start_cuda, Driver.init_see
 import os
 import threading
 import types
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -174,7 +175,7 @@ def test_a_process_with_no_device_memory_gets_no_context(monkeypatch: pytest.Mon
     """torchrun's own process, under the agent with none of the job's memory: a context
     would cost its GPU 0.5 GB and the restore 0.6 s; its fill is done at once."""
     index = types.SimpleNamespace(pid=7, gpu=None, buffers=[])
-    img = types.SimpleNamespace(path="/nowhere", gpus=[], index=lambda rank: index)
+    img = types.SimpleNamespace(path=Path("/nowhere"), gpus=[], index=lambda rank: index)
     monkeypatch.setattr(prefetch.gpuindex, "saved", lambda path, idx: {})
 
     def no_context(device: int) -> None:
