@@ -519,11 +519,11 @@ class Agent:
         """The imports that are down mapped back, one descriptor each in `peers` order."""
         return self._up("peer-up", fds)
 
-    def own_take(self) -> list[int]:
-        """A fresh export of each of the job's own allocations, in `exports` order:
-        descriptors the caller owns (every import of them down first: peer-down)."""
-        n = int(self._ask("own-take")["fds"])
-        return self._take_fds(n)
+    def own_take(self) -> tuple[list[int], list[int]]:
+        """A fresh export of each of the job's own allocations that can be exported, in
+        `exports` order: their addresses, and descriptors the caller owns."""
+        r = self._ask("own-take")
+        return [int(v) for v in r["vas"]], self._take_fds(int(r["fds"]))
 
     def own_down(self) -> int:
         """The job's own allocations unmapped and its handles released (what own-take gave

@@ -61,12 +61,14 @@ class Taken:
 
 
 def take(agent: Agent, drv: "Driver", device: int, folder: Path, pid: Optional[int]) -> Taken:
-    """The held job's own allocations exported, copied into `folder` (the image being written;
-    `pid`: the process's, in an image of several), and kept as descriptors. The job still maps
-    them: its agent's own-down gives them up."""
-    allocs = agent.exports()
-    fds = agent.own_take() if allocs else []
-    taken = Taken([Region(a.va, a.size, device) for a in allocs], fds)
+    """The held job's own allocations that the driver exports, copied into `folder` (the image
+    being written; `pid`: the process's, in an image of several), and kept as descriptors. The
+    job still maps them: its agent's own-down gives them up."""
+    size = {a.va: a.size for a in agent.exports()}
+    vas, fds = agent.own_take() if size else ([], [])
+    taken = Taken([Region(va, size[va], device) for va in vas], fds)
+    if not vas:       # none the driver would export: the driver's checkpoint keeps them
+        return taken
     try:
         _write(drv, taken, folder, pid)
     except BaseException:

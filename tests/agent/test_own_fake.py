@@ -37,7 +37,8 @@ def taken(agents: list[Agent]) -> tuple[list[peers.Link], list[int]]:
     and pos's descriptors of that memory."""
     links = peers.match(agents)
     peers.take_down(agents, links)
-    fds = agents[-1].own_take()
+    vas, fds = agents[-1].own_take()
+    assert vas == [agents[-1].exports()[0].va]
     assert agents[-1].own_down() == VMM_BYTES
     return links, fds
 
@@ -117,7 +118,7 @@ def test_pos_gone_with_own_memory_down_ends_the_job_after_its_stall_bound(peer_j
     it back, then ended (its image restores it)."""
     owner = peer_job("own", stall_s=5)
     agents = held(owner)
-    for fd in agents[0].own_take():
+    for fd in agents[0].own_take()[1]:
         os.close(fd)
     agents[0].own_down()
     agents[0].close()

@@ -79,7 +79,8 @@ struct own_map {
     int released; /* the job released h: it cannot be exported again */
     CUmemAccessDesc access[MAX_ACCESS]; /* what cuMemSetAccess gave its range, by location */
     int naccess;
-    int down; /* taken down by pos (own-down): unmapped, h released, until own-up */
+    int taken; /* exported to pos by own-take: own-down takes it down */
+    int down;  /* taken down by pos (own-down): unmapped, h released, until own-up */
     int fd;   /* pos's descriptor it was mapped back from (own-up; -1: none): the driver does
                * not export an imported handle again, so an export of it is a copy of this */
 };
@@ -590,39 +591,39 @@ void do_peer_up(struct conn *c, size_t want) {
 
 /* ---- the job's own cuMem memory taken as pos takes its owned memory -------------------------- */
 
-/* `own-take`: a fresh export of each of the job's own allocations, in `exports` order (the
- * driver's own call: no gate). Every import of them must be down first (peer-down in each
- * importer), since pos copies them while every process is held. */
+/* `own-take`: a fresh export of each of the job's own allocations that can be exported, in
+ * `exports` order (the driver's own call: no gate); one the job released, or made without a
+ * POSIX descriptor handle, stays the job's, for the driver's checkpoint. The answer lists the
+ * addresses of those taken. pos copies them while every process is held. */
 void do_own_take(struct conn *c) {
     if (!held(c, "own-take"))
         return;
     pthread_mutex_lock(&mu);
     int *fds = calloc(nowns ? nowns : 1, sizeof(int));
-    CUresult r = fds ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
-    size_t n = 0, bytes = 0;
-    const char *why = "the driver did not export it";
+    char *vas = calloc(nowns ? nowns : 1, 24);
+    CUresult r = fds && vas ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
+    size_t n = 0, bytes = 0, at = 0;
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
-        if (owns[k].released || owns[k].down) {
-            why = owns[k].down ? "it is down" : "the job released its handle";
-            r = CUDA_ERROR_INVALID_VALUE;
-            break;
-        }
         int fd = -1;
-        r = export_own(k, &fd);
-        if (r == CUDA_SUCCESS)
-            fds[n++] = fd, bytes += owns[k].size;
+        owns[k].taken = 0;
+        if (owns[k].released || owns[k].down || export_own(k, &fd) != CUDA_SUCCESS)
+            continue;
+        owns[k].taken = 1;
+        fds[n++] = fd, bytes += owns[k].size;
+        at += (size_t)snprintf(vas + at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
     }
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS) {
-        reply(c, "{\"ok\":false,\"error\":\"own-take: allocation %zu: %s\",\"rc\":%d}", n,
-              why, (int)r);
+        reply(c, "{\"ok\":false,\"error\":\"own-take: the driver answered %d\",\"rc\":%d}",
+              (int)r, (int)r);
     } else {
-        reply(c, "{\"ok\":true,\"fds\":%zu,\"bytes\":%zu}", n, bytes);
+        reply(c, "{\"ok\":true,\"fds\":%zu,\"bytes\":%zu,\"vas\":[%s]}", n, bytes, vas);
         send_fds(c, fds, n);
     }
     for (size_t i = 0; i < n; i++)
         close(fds[i]);
     free(fds);
+    free(vas);
 }
 
 /* `own-down`: each of the job's own allocations unmapped (its address range kept) and the
@@ -636,7 +637,7 @@ void do_own_down(struct conn *c) {
     size_t n = 0, bytes = 0;
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
         struct own_map *o = &owns[k];
-        if (o->down)
+        if (o->down || !o->taken)
             continue;
         if ((r = DRV(cuMemUnmap)(o->va, o->size)) != CUDA_SUCCESS)
             break;
@@ -690,7 +691,7 @@ void do_own_up(struct conn *c, size_t want) {
         if (r != CUDA_SUCCESS)
             break;
         forget_was(h);
-        o->down = 0, up++;
+        o->down = o->taken = 0, up++;
         o->fd = fd, c->fds[fd_at - 1] = -1; /* kept for the next export */
         if (o->released)
             DRV(cuMemRelease)(h); /* the mapping alone holds it, as before */
