@@ -285,8 +285,9 @@ class _Whole:
         """Each job's own cuMem memory (NCCL's buffers) copied into the image and given up
         (ownmem), every job held and every import of it down, where there is no more of it in
         all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint. From here on
-        a job runs only once its memory is back (own-up): should pos fail before that, its
-        agent holds it for its stall bound and then ends it (its image restores it)."""
+        a job runs only once its memory is back (own-up): should pos fail before that, the
+        undo maps it back from the descriptors the watchdog holds too (and where even that
+        fails, the job's agent ends it rather than let it run without)."""
         mine = [s for s in self.savers
                 if s.context is not None and (self.held[s.pid].own_bytes or 0)]
         total = sum(self.held[s.pid].own_bytes or 0 for s in mine)
@@ -358,7 +359,7 @@ class _Whole:
                                               remap, backs.append))
         g.timings["stack_back"] = max(b.stack_s for b in backs)
         if self.own:           # before the imports: the peers import this memory again
-            owners = [s for s in self.savers if s.pid in self.own]
+            owners = [s for s in self.savers if s.pid in self.own and self.own[s.pid].fds]
             g.timed("own_up", lambda: side_by_side(
                 "pos-own-up", owners, lambda s: s.connected().own_up(self.own[s.pid].fds),
                 lambda _: None))
