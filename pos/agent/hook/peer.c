@@ -533,18 +533,55 @@ void do_peer_export(struct conn *c, const char *args) {
     close(fd);
 }
 
+/* The `want` descriptors of an `up` request (peer-up, own-up) came, and the job is held: 1;
+ * else the request is answered (0). */
+static int up_ready(struct conn *c, size_t want, const char *what) {
+    while (c->nfds < want) {
+        if (rx(c, 30000) <= 0) {
+            char msg[96];
+            snprintf(msg, sizeof(msg), "%s: fewer descriptors came than announced", what);
+            fail(c, msg);
+            return 0;
+        }
+    }
+    return held(c, what);
+}
+
+/* The memory of descriptor `fd` imported, mapped at [va, va+size) from `offset` and given
+ * `access`, into *h; on a failure nothing of it is left. Caller holds mu. */
+static CUresult map_back(int fd, CUdeviceptr va, size_t size, size_t offset,
+                         const CUmemAccessDesc *access, int naccess,
+                         CUmemGenericAllocationHandle *h) {
+    CUresult r = DRV(cuMemImportFromShareableHandle)(h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
+    if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(va, size, offset, *h, 0)))
+        DRV(cuMemRelease)(*h);
+    if (r == CUDA_SUCCESS && naccess &&
+        (r = DRV(cuMemSetAccess)(va, size, access, (size_t)naccess))) {
+        DRV(cuMemUnmap)(va, size);
+        DRV(cuMemRelease)(*h);
+    }
+    return r;
+}
+
+/* An `up` request's end: the descriptors not kept closed, the answer. */
+static void up_answer(struct conn *c, const char *what, CUresult r, size_t up, size_t want) {
+    for (size_t i = 0; i < c->nfds; i++)
+        if (c->fds[i] >= 0)
+            close(c->fds[i]);
+    c->nfds = 0;
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true,\"up\":%zu}", up);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"%s: the driver answered %d after %zu of %zu\","
+                 "\"rc\":%d}", what, (int)r, up, want, (int)r);
+}
+
 /* `peer-up N` + N descriptors: the imports that are down, in the order `peers` lists them,
  * each imported, mapped at its old address and offset, given its old access; its handle
  * released again where the job had released it, kept (as the job's) otherwise. A failure
  * leaves the rest down and the job held. */
 void do_peer_up(struct conn *c, size_t want) {
-    while (c->nfds < want) {
-        if (rx(c, 30000) <= 0) {
-            fail(c, "peer-up: fewer descriptors came than announced");
-            return;
-        }
-    }
-    if (!held(c, "peer-up"))
+    if (!up_ready(c, want, "peer-up"))
         return;
     pthread_mutex_lock(&mu);
     size_t down = 0, up = 0, fd_at = 0;
@@ -555,16 +592,8 @@ void do_peer_up(struct conn *c, size_t want) {
         struct peer_map *m = &maps[k];
         if (!m->down)
             continue;
-        int fd = c->fds[fd_at++];
         CUmemGenericAllocationHandle h = 0;
-        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
-        if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(m->va, m->size, m->offset, h, 0)))
-            DRV(cuMemRelease)(h);
-        if (r == CUDA_SUCCESS && m->naccess &&
-            (r = DRV(cuMemSetAccess)(m->va, m->size, m->access, (size_t)m->naccess))) {
-            DRV(cuMemUnmap)(m->va, m->size);
-            DRV(cuMemRelease)(h);
-        }
+        r = map_back(c->fds[fd_at++], m->va, m->size, m->offset, m->access, m->naccess, &h);
         if (r != CUDA_SUCCESS)
             break;
         m->down = 0, up++;
@@ -579,14 +608,7 @@ void do_peer_up(struct conn *c, size_t want) {
         }
     }
     pthread_mutex_unlock(&mu);
-    for (size_t i = 0; i < c->nfds; i++)
-        close(c->fds[i]);
-    c->nfds = 0;
-    if (r == CUDA_SUCCESS)
-        reply(c, "{\"ok\":true,\"up\":%zu}", up);
-    else
-        reply(c, "{\"ok\":false,\"error\":\"peer-up: the driver answered %d after %zu of %zu\","
-                 "\"rc\":%d}", (int)r, up, want, (int)r);
+    up_answer(c, "peer-up", r, up, want);
 }
 
 /* ---- the job's own cuMem memory taken as pos takes its owned memory -------------------------- */
@@ -663,13 +685,7 @@ void do_own_down(struct conn *c) {
  * from here on (released again where the job had released its own), and the job's first
  * handle is answered with it. A failure leaves the rest down and the job held. */
 void do_own_up(struct conn *c, size_t want) {
-    while (c->nfds < want) {
-        if (rx(c, 30000) <= 0) {
-            fail(c, "own-up: fewer descriptors came than announced");
-            return;
-        }
-    }
-    if (!held(c, "own-up"))
+    if (!up_ready(c, want, "own-up"))
         return;
     pthread_mutex_lock(&mu);
     size_t down = peer_count().own_down, up = 0, fd_at = 0;
@@ -680,14 +696,7 @@ void do_own_up(struct conn *c, size_t want) {
             continue;
         CUmemGenericAllocationHandle h = 0;
         int fd = c->fds[fd_at++];
-        r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
-        if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(o->va, o->size, 0, h, 0)))
-            DRV(cuMemRelease)(h);
-        if (r == CUDA_SUCCESS && o->naccess &&
-            (r = DRV(cuMemSetAccess)(o->va, o->size, o->access, (size_t)o->naccess))) {
-            DRV(cuMemUnmap)(o->va, o->size);
-            DRV(cuMemRelease)(h);
-        }
+        r = map_back(fd, o->va, o->size, 0, o->access, o->naccess, &h);
         if (r != CUDA_SUCCESS)
             break;
         forget_was(h);
@@ -699,15 +708,7 @@ void do_own_up(struct conn *c, size_t want) {
             o->h = h;
     }
     pthread_mutex_unlock(&mu);
-    for (size_t i = 0; i < c->nfds; i++)
-        if (c->fds[i] >= 0)
-            close(c->fds[i]);
-    c->nfds = 0;
-    if (r == CUDA_SUCCESS)
-        reply(c, "{\"ok\":true,\"up\":%zu}", up);
-    else
-        reply(c, "{\"ok\":false,\"error\":\"own-up: the driver answered %d after %zu of %zu\","
-                 "\"rc\":%d}", (int)r, up, want, (int)r);
+    up_answer(c, "own-up", r, up, want);
 }
 
 static int waiting_grace;
