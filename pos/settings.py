@@ -31,7 +31,8 @@ Every setting, its variable and its default:
   own_memory_max_bytes POS_OWN_MEMORY_MAX_GIB the most of a job's own cuMem memory (NCCL's
                                             buffers) that a concurrent checkpoint takes while
                                             the job is held (pos/concurrent/ownmem.py); more,
-                                            or 0, leaves it to the driver's checkpoint
+                                            or 0, the default, leaves it to the driver's
+                                            checkpoint
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
@@ -87,7 +88,7 @@ DEFAULT_FILL_PIECE_KIB = 2048
 # shadowed, was held 1.4 s with 8 GiB against 2.0-4.3 s with an arena as large as the job (the
 # host's memory left to CRIU and the driver), and sealed sooner (bench/results/2026-11-28-perf)
 DEFAULT_PIN_RING = 8 << 30
-DEFAULT_OWN_MEMORY_MAX = 4 << 30
+DEFAULT_OWN_MEMORY_MAX = 0        # off until measured on GPUs (docs/engines.md)
 # POS_PIN_AHEAD_GIB=all: the whole arena locked before the cut (as much as any arena)
 PIN_AHEAD_ALL = 1 << 62
 DEFAULT_HOIST_STACK: Optional[int] = 0
@@ -209,8 +210,8 @@ class Settings:
                                  "unset it (the shadow then takes what the device has free)"),
             own_memory_max_bytes=get("POS_OWN_MEMORY_MAX_GIB", gib_or_none,
                                      DEFAULT_OWN_MEMORY_MAX, "a number of GiB, 0 or more",
-                                     "unset it (a checkpoint then takes up to "
-                                     f"{DEFAULT_OWN_MEMORY_MAX >> 30} GiB of it)"),
+                                     "unset it (the driver's checkpoint then keeps it), or "
+                                     "give a number such as 4"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),

@@ -778,18 +778,13 @@ int peers_fail_closed(double limit_s) {
 
 /* The job's export of an allocation: of one pos took, a copy of pos's descriptor that maps it
  * now (the driver does not export that imported handle), whether the job names the handle it
- * had or the one it has; the driver's answer otherwise. */
+ * had or the one it has; the driver's answer otherwise. Not held by a cut, as before it was
+ * wrapped: an export touches no memory, and a rank held at the cut must not hold a peer that
+ * is still connecting to it (NCCL's proxy exports for the peer) short of the same point. */
 EXPORT CUresult cuMemExportToShareableHandle(void *fd, CUmemGenericAllocationHandle h, int type,
                                              unsigned long long flags) {
-    struct touch t = T_NONE;
-    t.call = "cuMemExportToShareableHandle";
-    gate_enter(&t);
     int mine = -1;
-    CUresult r;
     if (fd && type == HANDLE_POSIX_FD && !flags && own_export(h, &mine))
-        r = mine >= 0 ? (*(int *)fd = mine, CUDA_SUCCESS) : CUDA_ERROR_OUT_OF_MEMORY;
-    else
-        r = DRV(cuMemExportToShareableHandle)(fd, own_current(h), type, flags);
-    gate_exit();
-    return r;
+        return mine >= 0 ? (*(int *)fd = mine, CUDA_SUCCESS) : CUDA_ERROR_OUT_OF_MEMORY;
+    return DRV(cuMemExportToShareableHandle)(fd, own_current(h), type, flags);
 }
