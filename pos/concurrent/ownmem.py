@@ -111,7 +111,8 @@ def saved(folder: Path, pid: Optional[int]) -> list[Region]:
                    for r in json.loads(path.read_text())]
     except (ValueError, TypeError, KeyError) as e:
         raise BadInput(f"{path} is damaged ({e})", "restore another image of the job") from None
-    if (folder / data_name).stat().st_size != sum(r.size for r in regions):
+    data = folder / data_name
+    if (data.stat().st_size if data.exists() else -1) != sum(r.size for r in regions):
         raise BadInput(f"{folder / data_name} does not hold what {path} lists",
                        "restore another image of the job")
     return regions
