@@ -132,7 +132,7 @@ class Settings:
                 return default
             try:
                 return parse(raw)
-            except ValueError:
+            except (ValueError, OverflowError):    # OverflowError: inf, a size in GiB
                 raise BadInput(f"{name}={raw} is not {what}", fix) from None
 
         def positive_int(raw: str) -> int:

@@ -67,8 +67,11 @@ class Status:
     # and CRIU then writes while the job is frozen. None: the agent does not say
     own_maps: Optional[int] = None
     own_bytes: Optional[int] = None
-    # Of those, the allocations pos took (own-take, own-down) and has not put back (own-up)
+    # Of those, the allocations pos took (own-take, own-down) and has not put back (own-up),
+    # and those mapped back from pos's descriptors, which every checkpoint must take again
+    # (the driver cannot checkpoint the import that maps them)
     own_down: Optional[int] = None
+    own_kept: Optional[int] = None
     # How long the agent waits for a request (POS_AGENT_STALL_S), and how the connection
     # before this one ended, in its words; None: the agent is too old to say (or, last_end,
     # no connection has ended yet)
@@ -392,7 +395,8 @@ class Agent:
     def status(self) -> Status:
         r = self._ask("status")
         told = {k: int(r[k]) for k in ("peer_maps", "peer_bytes", "ipc_maps", "peer_down",
-                                       "peer_lost", "own_maps", "own_bytes", "own_down")
+                                       "peer_lost", "own_maps", "own_bytes", "own_down",
+                                       "own_kept")
                 if k in r}
         return Status(r["pid"], r["phase"], r["buffers"], r["owned_bytes"], r["foreign_allocs"],
                       r["foreign_bytes"], r["owning"], r["imported"], Gate.from_reply(r),

@@ -284,14 +284,17 @@ class _Whole:
     def take_own(self, g: Guard) -> None:
         """Each job's own cuMem memory (NCCL's buffers) copied into the image and given up
         (ownmem), every job held and every import of it down, where there is no more of it in
-        all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint. From here on
+        all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint, but for what
+        an earlier checkpoint or restore mapped back from pos's descriptors, which the driver
+        cannot checkpoint and which is always taken (the agents' own_kept). From here on
         a job runs only once its memory is back (own-up): should pos fail before that, the
         undo maps it back from the descriptors the watchdog holds too (and where even that
         fails, the job's agent ends it rather than let it run without)."""
         mine = [s for s in self.savers
                 if s.context is not None and (self.held[s.pid].own_bytes or 0)]
         total = sum(self.held[s.pid].own_bytes or 0 for s in mine)
-        if not mine or total > self.settings.own_memory_max_bytes:
+        kept = any(self.held[s.pid].own_kept for s in mine)
+        if not mine or (total > self.settings.own_memory_max_bytes and not kept):
             return
 
         def take(s: Saver) -> tuple[int, ownmem.Taken]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from pos.agent.control import Agent, Buffer
-from pos.errors import BadInput
+from pos.errors import BadInput, PosError
 from pos.image import names
 
 if TYPE_CHECKING:
@@ -128,6 +128,10 @@ def put_back(agent: Agent, drv: "Driver", device: int, folder: Path,
     regions = [Region(r.va, r.size, device) for r in saved(folder, pid)]
     if not regions:
         return 0
+    down = [(a.va, a.size) for a in agent.exports() if a.down]
+    if down != [(r.va, r.size) for r in regions]:
+        raise PosError(f"the restored process {agent.pid}'s own allocations do not match "
+                       f"{folder}'s", "take a new checkpoint")
     mem, fds = gpucopy.Imported.create(drv, _buffers(regions))
     try:
         host = C.create_string_buffer(min(PIECE, max(r.size for r in regions)))

@@ -85,7 +85,8 @@ class Saver:
         own = self.status.own_bytes or 0
         self.context = self.timed("context", lambda: gpucopy.Context(
             devices.cuda_device(self.gpu))) \
-            if self.owned_bytes or 0 < own <= settings.own_memory_max_bytes else None
+            if self.owned_bytes or self.status.own_kept \
+            or 0 < own <= settings.own_memory_max_bytes else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.kernel: Optional[Kernel] = None     # pos's checksum kernel (POS_HASH_ON)

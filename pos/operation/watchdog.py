@@ -158,15 +158,15 @@ def _give_back(plan: CheckpointPlan, memory: Memory, log: Log) -> None:
         for pid, fds in memory.own.items():
             if not procs.alive(pid):
                 continue
-            agent = by_pid.get(pid) or Agent(pid)
-            if agent.pid not in by_pid:
-                agents.append(agent)
-            if any(a.down for a in agent.exports()):
-                log(f"PID {pid}: giving its own cuMem memory back ({len(fds)} allocations)")
-                try:
+            try:
+                agent = by_pid.get(pid) or Agent(pid)
+                if agent.pid not in by_pid:
+                    agents.append(agent)
+                if any(a.down for a in agent.exports()):
+                    log(f"PID {pid}: giving its own cuMem memory back ({len(fds)} allocations)")
                     agent.own_up(fds)
-                except PosError as e:
-                    log(f"PID {pid}'s own memory could not come back ({e.message}): it ends")
+            except PosError as e:
+                log(f"PID {pid}'s own memory could not come back ({e.message}): it ends")
         links = peers.read(Path(plan.images)) if plan.images else []
         if links:
             log(f"putting back {len(links)} imports of other processes' memory")

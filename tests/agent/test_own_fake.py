@@ -8,6 +8,7 @@ memory it has now; the job never runs while they are down."""
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,44 @@ def test_pos_gone_with_own_memory_down_ends_the_job_after_its_stall_bound(peer_j
         assert a.status().phase == "hold"
     gone(owner.pid, timeout=15)
     assert "ending the process" in owner.out.read_text()
+
+
+def test_the_jobs_export_while_its_memory_is_down_waits_for_it(peer_job) -> None:
+    """A peer connecting while pos holds the memory: NCCL's proxy exports the buffer's first
+    handle; the export waits for own-up, as the job's other calls wait for their memory, and
+    then reaches the memory mapped there."""
+    owner = peer_job("own")
+    agents = held(owner)
+    fds: list[int] = []
+    try:
+        vas, fds = agents[0].own_take()
+        agents[0].own_down()
+        exchange = Path(owner.proc.args[-1])
+        (exchange / "export").touch()
+        time.sleep(1)
+        assert "EXPORTED" not in owner.out.read_text()
+        driver_cycle(owner.pid)
+        agents[0].own_up(fds)
+        owner.printed("EXPORTED")
+    finally:
+        for fd in fds:
+            os.close(fd)
+        let_go(agents)
+
+
+def test_memory_an_own_down_left_mapped_keeps_its_own(peer_job) -> None:
+    """own-up takes one descriptor for each allocation own-take took: one still mapped (an
+    own-down that failed part way, or none) stays the job's, and the job runs on."""
+    owner = peer_job("own")
+    agents = held(owner)
+    vas, fds = agents[0].own_take()
+    try:
+        assert agents[0].own_up(fds) == 0
+        assert [(a.va, a.down) for a in agents[0].exports()] == [(vas[0], False)]
+        assert agents[0].status().own_kept == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+        let_go(agents)
+    with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
+        assert os.pread(mem.fileno(), 16, vas[0]) == SEVEN

@@ -123,6 +123,28 @@ def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
     shares_the_owners_memory(pair)
 
 
+def test_own_memory_mapped_back_is_taken_again_whatever_the_setting(
+        pair: Pair, tmp_path: Path, gpu_env) -> None:
+    """After pos mapped the owner's memory back from its descriptors, the driver cannot
+    checkpoint it (it is an import now): a later checkpoint takes it again though the setting
+    is off, and the stop-the-world engine refuses the job."""
+    r = pos("checkpoint", str(pair.root), "-D", str(tmp_path / "one"), "--concurrent",
+            "--leave-running", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    with Agent(pair.owner) as a:
+        st = a.status()
+    assert (st.own_kept, st.imported) == (1, 1)
+    off = {k: v for k, v in gpu_env.items() if k != "POS_OWN_MEMORY_MAX_GIB"}
+    r = pos("checkpoint", str(pair.root), "-D", str(tmp_path / "two"), "--concurrent",
+            "--leave-running", "--json", env=off)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["timings"]["own_taken_bytes"] == VMM_BYTES
+    shares_the_owners_memory(pair)
+    r = pos("checkpoint", str(pair.owner), "-D", str(tmp_path / "stw"), "--leave-running",
+            env=off)
+    assert r.returncode == 2 and "were mapped back" in r.stderr, r.stderr
+
+
 def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
         pair: Pair, tmp_path: Path, gpu_env) -> None:
     img = tmp_path / "img"

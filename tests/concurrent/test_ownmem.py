@@ -20,7 +20,7 @@ def test_the_setting_bounds_what_is_taken_and_is_off_by_default(value, taken) ->
     assert Settings.from_env(env).own_memory_max_bytes == taken
 
 
-@pytest.mark.parametrize("value", ["-1", "lots"])
+@pytest.mark.parametrize("value", ["-1", "lots", "inf"])
 def test_a_bad_setting_is_refused_in_one_sentence(value) -> None:
     with pytest.raises(BadInput, match="POS_OWN_MEMORY_MAX_GIB"):
         Settings.from_env({"POS_OWN_MEMORY_MAX_GIB": value})

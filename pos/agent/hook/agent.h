@@ -109,7 +109,9 @@ struct touch {
     X(cuCtxSetLimit, (int limit, size_t value))                                                    \
     X(cuDeviceGetCount, (int *n))                                                                  \
     X(cuDeviceCanAccessPeer, (int *can, CUdevice d, CUdevice peer))                                \
-    X(cuMemGetAddressRange_v2, (CUdeviceptr *base, size_t *size, CUdeviceptr p))
+    X(cuMemGetAddressRange_v2, (CUdeviceptr *base, size_t *size, CUdeviceptr p))                   \
+    X(cuMemGetAllocationPropertiesFromHandle,                                                      \
+      (CUmemAllocationProp * prop, CUmemGenericAllocationHandle h))
 #define OWN(X) OWN_WRAPPERS(X) OWN_CALLED(X)
 #define DECLARE_OWN(name, params) extern void *volatile real_##name;
 #define PROTO_WRAPPER(name, params) EXPORT CUresult name params;
@@ -220,7 +222,8 @@ void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n
 void peer_unmapped(CUdeviceptr va, size_t size);
 CUmemGenericAllocationHandle own_current(CUmemGenericAllocationHandle h); /* take mu */
 int own_export(CUmemGenericAllocationHandle h, int *fd); /* takes mu */
-void own_fresh(CUmemGenericAllocationHandle h);
+void own_fresh(CUmemGenericAllocationHandle h);  /* takes mu */
+void forget_was(CUmemGenericAllocationHandle h); /* caller holds mu */
 void ipc_opened(CUdeviceptr va, const CUipcMemHandle *h, unsigned flags);
 void ipc_closed(CUdeviceptr va);
 /* Caller holds mu. */
@@ -230,6 +233,8 @@ struct peer_count {
                              * checkpoint copies them into the job's host memory */
     size_t down;     /* maps taken down by pos, not yet put back */
     size_t own_down; /* the job's own allocations taken down by pos, not yet put back */
+    size_t own_kept; /* of them, those mapped back from pos's descriptors: a driver's
+                      * checkpoint cannot restore such imports, so pos takes them every time */
     size_t lost; /* records the agent could not keep: pos refuses the job */
 };
 struct peer_count peer_count(void);

@@ -129,6 +129,7 @@ static CUresult reseat(struct owned *o, int *lost) {
     CUresult r = DRV(cuMemCreate)(&h, o->mapped, &prop, 0);
     if (r != CUDA_SUCCESS)
         return r;
+    forget_was(h); /* a number the job's first handle of its own memory had */
     if ((r = DRV(cuMemAddressReserve)(&tmp, o->mapped, 0, 0, 0)) == CUDA_SUCCESS) {
         if ((r = map_rw(tmp, o->mapped, h, o->device)) == CUDA_SUCCESS) {
             if ((r = DRV(cuMemcpyDtoD_v2)(tmp, o->va, o->mapped)) == CUDA_SUCCESS)

@@ -119,6 +119,8 @@ void do_remap(struct conn *c, size_t want, int then_restore) {
             continue; /* never given up */
         CUmemGenericAllocationHandle h = 0;
         r = DRV(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)c->fds[i], HANDLE_POSIX_FD);
+        if (r == CUDA_SUCCESS)
+            forget_was(h); /* a number the job's first handle of its own memory had */
         if (r == CUDA_SUCCESS && (r = map_rw(tab[i].va, tab[i].mapped, h, tab[i].device)))
             DRV(cuMemRelease)(h);
         if (r == CUDA_SUCCESS) {

@@ -247,20 +247,28 @@ static CUresult export_own(size_t k, int *fd) {
 int own_export(CUmemGenericAllocationHandle h, int *fd) {
     pthread_mutex_lock(&mu);
     int ours = 0;
-    for (size_t k = 0; k < nowns && !ours; k++)
-        if (!owns[k].down && owns[k].fd >= 0 && h && (owns[k].was == h || owns[k].h == h)) {
-            ours = 1;
-            if (export_own(k, fd) != CUDA_SUCCESS)
-                *fd = -1;
-        }
+    for (size_t k = 0; k < nowns && !ours && h; k++) {
+        if (owns[k].was != h && owns[k].h != h)
+            continue;
+        /* down (pos holds it, the driver's cycle under way): the export waits for own-up, as
+         * the job's other calls wait for its memory; a process whose memory never comes back
+         * is ended (peers_fail_closed) */
+        while (owns[k].down)
+            pthread_cond_wait(&cv, &mu);
+        if (owns[k].fd < 0 || (owns[k].was != h && owns[k].h != h))
+            break; /* not mapped back from pos's (or no longer this handle): the driver's */
+        ours = 1;
+        if (export_own(k, fd) != CUDA_SUCCESS)
+            *fd = -1;
+    }
     pthread_mutex_unlock(&mu);
     return ours;
 }
 
-/* The driver made a handle `h` (a create, an import, the job's or pos's): a first handle kept
- * under that number is no longer the job's to name, and is answered no more (a call on it is
- * the new allocation's). Caller holds mu. */
-static void forget_was(CUmemGenericAllocationHandle h) {
+/* The driver made a handle `h` (a create, an import, the job's or the agent's own): a first
+ * handle kept under that number is no longer the job's to name, and is answered no more (a
+ * call on it is the new allocation's). Caller holds mu. */
+void forget_was(CUmemGenericAllocationHandle h) {
     for (size_t k = 0; k < nowns; k++)
         if (owns[k].was == h)
             owns[k].was = 0;
@@ -323,6 +331,7 @@ struct peer_count peer_count(void) {
     for (size_t k = 0; k < nowns; k++) {
         c.own_bytes += owns[k].size;
         c.own_down += owns[k].down;
+        c.own_kept += owns[k].fd >= 0;
     }
     return c;
 }
@@ -553,6 +562,8 @@ static CUresult map_back(int fd, CUdeviceptr va, size_t size, size_t offset,
                          const CUmemAccessDesc *access, int naccess,
                          CUmemGenericAllocationHandle *h) {
     CUresult r = DRV(cuMemImportFromShareableHandle)(h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
+    if (r == CUDA_SUCCESS)
+        forget_was(*h);
     if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(va, size, offset, *h, 0)))
         DRV(cuMemRelease)(*h);
     if (r == CUDA_SUCCESS && naccess &&
@@ -613,6 +624,17 @@ void do_peer_up(struct conn *c, size_t want) {
 
 /* ---- the job's own cuMem memory taken as pos takes its owned memory -------------------------- */
 
+/* Whether owns[k] is device memory (not NCCL's cuMem host memory, which pos would make
+ * anew on the device). Caller holds mu. */
+static int on_device(size_t k) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    __typeof__(&cuMemGetAllocationPropertiesFromHandle) props =
+        DRV(cuMemGetAllocationPropertiesFromHandle);
+    return props && props(&prop, owns[k].h) == CUDA_SUCCESS &&
+           prop.location.type == LOCATION_DEVICE;
+}
+
 /* `own-take`: a fresh export of each of the job's own allocations that can be exported, in
  * `exports` order (the driver's own call: no gate); one the job released, or made without a
  * POSIX descriptor handle, stays the job's, for the driver's checkpoint. The answer lists the
@@ -628,8 +650,10 @@ void do_own_take(struct conn *c) {
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
         int fd = -1;
         owns[k].taken = 0;
-        if (owns[k].released || owns[k].down || export_own(k, &fd) != CUDA_SUCCESS)
-            continue;
+        if (owns[k].down || (owns[k].fd < 0 && (owns[k].released || !on_device(k))) ||
+            export_own(k, &fd) != CUDA_SUCCESS)
+            continue; /* one mapped back from pos's is always taken: the driver cannot
+                       * checkpoint the import that maps it */
         owns[k].taken = 1;
         fds[n++] = fd, bytes += owns[k].size;
         at += (size_t)snprintf(vas + at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
@@ -680,26 +704,33 @@ void do_own_down(struct conn *c) {
               (int)r, (int)r);
 }
 
-/* `own-up N` + N descriptors: the job's own allocations that are down, in `exports` order, each
- * imported, mapped at its old address, given its old access; the imported handle is the job's
- * from here on (released again where the job had released its own), and the job's first
- * handle is answered with it. A failure leaves the rest down and the job held. */
+/* `own-up N` + N descriptors: one for each allocation the last own-take took, in `exports`
+ * order; each that is down imported, mapped at its old address, given its old access (one an
+ * own-down that failed part way left mapped keeps its memory: its descriptor is closed). The
+ * imported handle is the job's from here on (released again where the job had released its
+ * own), and the job's first handle is answered with it. A failure leaves the rest down and the
+ * job held. */
 void do_own_up(struct conn *c, size_t want) {
     if (!up_ready(c, want, "own-up"))
         return;
     pthread_mutex_lock(&mu);
-    size_t down = peer_count().own_down, up = 0, fd_at = 0;
-    CUresult r = down == want ? use_context() : CUDA_ERROR_INVALID_VALUE;
+    size_t taken = 0, up = 0, fd_at = 0;
+    for (size_t k = 0; k < nowns; k++)
+        taken += owns[k].taken;
+    CUresult r = taken == want ? use_context() : CUDA_ERROR_INVALID_VALUE;
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
         struct own_map *o = &owns[k];
-        if (!o->down)
+        if (!o->taken)
             continue;
+        if (!o->down) {
+            o->taken = 0, fd_at++; /* still the job's own: its descriptor is closed below */
+            continue;
+        }
         CUmemGenericAllocationHandle h = 0;
         int fd = c->fds[fd_at++];
         r = map_back(fd, o->va, o->size, 0, o->access, o->naccess, &h);
         if (r != CUDA_SUCCESS)
             break;
-        forget_was(h);
         o->down = o->taken = 0, up++;
         o->fd = fd, c->fds[fd_at - 1] = -1; /* kept for the next export */
         if (o->released)
@@ -707,6 +738,7 @@ void do_own_up(struct conn *c, size_t want) {
         else
             o->h = h;
     }
+    pthread_cond_broadcast(&cv); /* exports that waited for it */
     pthread_mutex_unlock(&mu);
     up_answer(c, "own-up", r, up, want);
 }

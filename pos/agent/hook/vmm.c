@@ -98,6 +98,8 @@ CUresult own_alloc(CUdeviceptr *out, size_t size, int whole) {
     if ((r = reserve(&va, n, g)) != CUDA_SUCCESS)
         return r;
     r = DRV(cuMemCreate)(&h, n, &prop, 0);
+    if (r == CUDA_SUCCESS)
+        own_fresh(h); /* a number the job's first handle of its own memory had */
     if (r == CUDA_SUCCESS && (r = map_rw(va, n, h, dev)) != CUDA_SUCCESS)
         DRV(cuMemRelease)(h);
     if (r != CUDA_SUCCESS) {
