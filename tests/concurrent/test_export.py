@@ -30,7 +30,8 @@ class QuietAgent:
 
     def status(self) -> SimpleNamespace:
         return SimpleNamespace(owning=True, owned_bytes=self.owned, foreign_bytes=0,
-                               foreign_allocs=0, own_bytes=0, buffers=4 if self.owned else 0)
+                               foreign_allocs=0, own_bytes=0, own_kept=0,
+                               buffers=4 if self.owned else 0)
 
     def room(self, n: int) -> Room:
         self.rooms.append(n)
