@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from pos.agent.control import Agent, Buffer
 from pos.errors import BadInput, PosError
@@ -81,20 +81,30 @@ def _buffers(regions: list[Region]) -> list[Buffer]:
     return [Buffer(r.va, r.size, r.size, r.device, True) for r in regions]
 
 
+def _staging(regions: list[Region]) -> C.Array[C.c_char]:
+    """The host memory each copy between the device and the image goes through."""
+    return C.create_string_buffer(min(PIECE, max((r.size for r in regions), default=0)) or 1)
+
+
+def _pieces(regions: list[Region], local: list[int]) -> Iterator[tuple[int, int]]:
+    """Each piece of the regions, mapped in pos at `local`, in the image's order: its address
+    in pos and its bytes."""
+    for r, base in zip(regions, local):
+        for at in range(0, r.size, PIECE):
+            yield base + at, min(PIECE, r.size - at)
+
+
 def _write(drv: "Driver", taken: Taken, folder: Path, pid: Optional[int]) -> None:
     from pos.concurrent import gpucopy
 
     index_name, data_name = names.own_memory(pid)
     mem = gpucopy.Imported(drv, _buffers(taken.regions), taken.fds)
     try:
-        host = C.create_string_buffer(min(PIECE, max((r.size for r in taken.regions),
-                                                     default=0)) or 1)
+        host = _staging(taken.regions)
         with open(folder / data_name, "wb") as f:
-            for r, local in zip(taken.regions, mem.local):
-                for at in range(0, r.size, PIECE):
-                    n = min(PIECE, r.size - at)
-                    drv.cuMemcpyDtoH_v2(host, local + at, n)
-                    f.write(memoryview(host)[:n])
+            for at, n in _pieces(taken.regions, mem.local):
+                drv.cuMemcpyDtoH_v2(host, at, n)
+                f.write(memoryview(host)[:n])
     finally:
         mem.close()
     (folder / index_name).write_text(json.dumps([asdict(r) for r in taken.regions]) + "\n")
@@ -118,14 +128,14 @@ def saved(folder: Path, pid: Optional[int]) -> list[Region]:
     return regions
 
 
-def put_back(agent: Agent, drv: "Driver", device: int, folder: Path,
-             pid: Optional[int]) -> int:
-    """A restored job's own allocations made anew on `device`, filled from the image and mapped
-    at their addresses (the job's agent: own-up), before any process of the job runs; the
-    bytes."""
+def put_back(agent: Agent, drv: "Driver", device: int, folder: Path, pid: Optional[int],
+             listed: list[Region]) -> int:
+    """A restored job's own allocations, as the image lists them (`saved`), made anew on
+    `device`, filled from the image and mapped at their addresses (the job's agent: own-up),
+    before any process of the job runs; the bytes."""
     from pos.concurrent import gpucopy
 
-    regions = [Region(r.va, r.size, device) for r in saved(folder, pid)]
+    regions = [Region(r.va, r.size, device) for r in listed]
     if not regions:
         return 0
     down = [(a.va, a.size) for a in agent.exports() if a.down]
@@ -134,15 +144,13 @@ def put_back(agent: Agent, drv: "Driver", device: int, folder: Path,
                        f"{folder}'s", "take a new checkpoint")
     mem, fds = gpucopy.Imported.create(drv, _buffers(regions))
     try:
-        host = C.create_string_buffer(min(PIECE, max(r.size for r in regions)))
+        host = _staging(regions)
         with open(folder / names.own_memory(pid)[1], "rb") as f:
-            for r, local in zip(regions, mem.local):
-                for at in range(0, r.size, PIECE):
-                    n = min(PIECE, r.size - at)
-                    if f.readinto(memoryview(host)[:n]) != n:
-                        raise BadInput(f"{folder} ends inside the job's own memory",
-                                       "restore another image of the job")
-                    drv.cuMemcpyHtoD_v2(local + at, host, n)
+            for at, n in _pieces(regions, mem.local):
+                if f.readinto(memoryview(host)[:n]) != n:
+                    raise BadInput(f"{folder} ends inside the job's own memory",
+                                   "restore another image of the job")
+                drv.cuMemcpyHtoD_v2(at, host, n)
         agent.own_up(fds)
     finally:
         for fd in fds:

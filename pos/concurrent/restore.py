@@ -80,12 +80,13 @@ class _Refill:
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match "
                                    f"{self.img.path}'s GPU index", "take a new checkpoint")
-            owners = [(pre, agent) for pre, agent in zip(self.pres, agents)
-                      if pre.context is not None and ownmem.saved(self.img.path, pre.rank)]
+            owners = [(pre, agent, listed) for pre, agent in zip(self.pres, agents)
+                      if pre.context is not None
+                      and (listed := ownmem.saved(self.img.path, pre.rank))]
             if owners:         # before the imports: the peers import this memory again
                 back: list[int] = []
                 g.timed("own_up", lambda: side_by_side(
-                    "pos-own-up", owners, lambda pa: self._own_back(*pa), back.append))
+                    "pos-own-up", owners, lambda own: self._own_back(*own), back.append))
                 g.timings["own_back_bytes"] = sum(back)
             renamed = peers.renamed(self.links, live)
             if renamed:        # every job held still (hoisted): none runs before they are back
@@ -113,13 +114,13 @@ class _Refill:
             for agent in agents:
                 agent.close()
 
-    def _own_back(self, pre: Prefetch, agent: Agent) -> int:
-        """The job's own cuMem memory that its checkpoint took, made on its GPU, filled and
-        mapped back (ownmem.put_back); the bytes."""
+    def _own_back(self, pre: Prefetch, agent: Agent, listed: list[ownmem.Region]) -> int:
+        """The job's own cuMem memory that its checkpoint took (`listed`), made on its GPU,
+        filled and mapped back (ownmem.put_back); the bytes."""
         assert pre.context is not None
         pre.context.use()
         return ownmem.put_back(agent, pre.context.drv, pre.context.device, self.img.path,
-                               pre.rank)
+                               pre.rank, listed)
 
     def _running(self, g: Guard, live: dict[int, int]) -> Report:
         """What the restore has done by its job's release, its memory still coming back: the
