@@ -282,9 +282,9 @@ class _Whole:
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
 
     def take_own(self, g: Guard) -> None:
-        """Each job's own cuMem memory (NCCL's buffers) copied into the image and given up
-        (ownmem), every job held and every import of it down, where there is no more of it in
-        all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint, but for what
+        """Each job's own cuMem memory (NCCL's buffers) copied and given up (ownmem; written
+        into the image at the seal), every job held and every import of it down, where there is
+        no more of it in all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint, but for what
         an earlier checkpoint or restore mapped back from pos's descriptors, which the driver
         cannot checkpoint and which is always taken (the agents' own_kept). From here on
         a job runs only once its memory is back (own-up): should pos fail before that, the
@@ -300,8 +300,7 @@ class _Whole:
         def take(s: Saver) -> tuple[int, ownmem.Taken]:
             s.use()
             assert s.context is not None     # mine: a job with a context
-            return s.pid, ownmem.take(s.connected(), s.drv, s.context.device, self.partial,
-                                      s.pid if self.several else None)
+            return s.pid, ownmem.take(s.connected(), s.drv, s.context.device)
 
         def keep(kept: tuple[int, ownmem.Taken]) -> None:
             self.own[kept[0]] = kept[1]
@@ -378,6 +377,8 @@ class _Whole:
     def seal(self, g: Guard) -> Path:
         for t in self.taken:
             t.wait_copied()
+        if self.own:
+            g.timed("own_write", self.write_own)
         self.gates = [s.agent.end() if s.agent is not None else None for s in self.savers]
         g.step("seal")
         self.copies = [t.write(self.partial) for t in self.taken]
@@ -389,11 +390,22 @@ class _Whole:
             g.end(hoisted=False)       # the image holds the job now
         return final
 
+    def write_own(self) -> None:
+        """The own memory each job's take copied, into the image, the jobs side by side."""
+        def write(s: Saver) -> None:
+            s.use()
+            self.own[s.pid].write(s.drv, self.partial, s.pid if self.several else None)
+
+        side_by_side("pos-own-write", [s for s in self.savers if s.pid in self.own], write,
+                     lambda _: None)
+
     def close(self) -> None:
         for t in self.taken:
             t.close()
-        for own in self.own.values():
-            own.close()
+        for s in self.savers:
+            if s.pid in self.own:
+                s.use()               # the context its shadow was made in
+                self.own[s.pid].close()
         for s in self.savers:
             s.close()
         for a in self.agents:

@@ -406,6 +406,9 @@ class Rings:
         self.arena.close()
 
 
+SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing a shadow
+
+
 class Shadow:
     """Device memory of pos's own holding a copy of some buffers, taken device-to-device."""
 
@@ -426,6 +429,11 @@ def free_device_bytes(drv: Driver) -> int:
     free, total = C.c_size_t(), C.c_size_t()
     drv.cuMemGetInfo_v2(C.byref(free), C.byref(total))
     return free.value
+
+
+def shadow_room(drv: Driver) -> int:
+    """The device memory pos may take for shadows now: what is free but SHADOW_RESERVE."""
+    return max(0, free_device_bytes(drv) - SHADOW_RESERVE)
 
 
 @dataclass

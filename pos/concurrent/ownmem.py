@@ -6,10 +6,14 @@ job's hold (1.4 of 3.9 s on two H200s, bench/results/2026-11-29.md, with NCCL's 
 to two).
 
 Taken, each is copied while every process is held (the peers write into it through their own
-mappings, which no gate of its owner sees), given up by the job (the agent's own-down: pos's
-descriptors hold the memory), and mapped back after the driver's restore (own-up), in place; a
-restored process gets it made anew and filled before any process of the job runs. The agent's
-side, and how the job's later calls on the handle it made are answered: pos/agent/hook/peer.c.
+mappings, which no gate of its owner sees): device to device into memory of pos's own, where
+the GPU has room, else into host memory; it is given up by the job (the agent's own-down: pos's
+descriptors hold the memory) and mapped back after the driver's restore (own-up), in place. The
+copy is written into the image once the job runs again: written while the job was held, 1 GB
+of the 2-rank Llama job's NCCL buffers had held it 2.2 s more (bench/results/2026-11-30.md). A
+restored process gets the memory made anew and filled before any process of the job runs. The
+agent's side, and how the job's later calls on the handle it made are answered:
+pos/agent/hook/peer.c.
 
 The image holds, for each process with such memory, an index (address, size, device of each
 allocation, in the agent's `exports` order) and the bytes, one allocation after another
@@ -29,6 +33,7 @@ from pos.errors import BadInput, PosError
 from pos.image import names
 
 if TYPE_CHECKING:
+    from pos.concurrent import gpucopy
     from pos.driver import Driver
 
 PIECE = 64 << 20    # bytes copied between the device and the host at a time
@@ -45,36 +50,89 @@ class Region:
 
 class Taken:
     """What a checkpoint took of one job's own memory: pos's descriptors, which hold it while
-    the job has given it up (own-up maps them back in place)."""
+    the job has given it up (own-up maps them back in place), and its bytes at the cut, on the
+    device or in host memory, until `write` puts them into the image."""
 
     def __init__(self, regions: list[Region], fds: list[int]) -> None:
         self.regions, self.fds = regions, fds
+        self.shadow: Optional[gpucopy.Shadow] = None
+        self.host: Optional[bytearray] = None
 
     @property
     def bytes(self) -> int:
         return sum(r.size for r in self.regions)
 
+    def write(self, drv: "Driver", folder: Path, pid: Optional[int]) -> None:
+        """The bytes taken at the cut into `folder` (the image being written; `pid`: the
+        process's, in an image of several), with the index; pos's copy of them let go. Called
+        with the context current that `take` ran in."""
+        if not self.regions:
+            return
+        index_name, data_name = names.own_memory(pid)
+        with open(folder / data_name, "wb") as f:
+            if self.host is not None:
+                f.write(self.host)
+            elif self.shadow is not None:
+                host = _staging(self.regions)
+                for at in range(0, self.bytes, PIECE):
+                    n = min(PIECE, self.bytes - at)
+                    drv.cuMemcpyDtoH_v2(host, self.shadow.ptr + at, n)
+                    f.write(memoryview(host)[:n])
+        (folder / index_name).write_text(json.dumps([asdict(r) for r in self.regions]) + "\n")
+        self.drop()
+
+    def drop(self) -> None:
+        """pos's copy of the bytes let go (the context `take` ran in current)."""
+        if self.shadow is not None:
+            self.shadow.close()
+        self.shadow, self.host = None, None
+
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+        self.drop()
 
 
-def take(agent: Agent, drv: "Driver", device: int, folder: Path, pid: Optional[int]) -> Taken:
-    """The held job's own allocations that the driver exports, copied into `folder` (the image
-    being written; `pid`: the process's, in an image of several), and kept as descriptors. The
-    job still maps them: its agent's own-down gives them up."""
+def take(agent: Agent, drv: "Driver", device: int) -> Taken:
+    """The held job's own allocations that the driver exports, kept as descriptors, their bytes
+    copied: device to device where pos's shadow rule leaves the GPU room
+    (gpucopy.shadow_room), else into host memory. The job still maps them: its agent's
+    own-down gives them up."""
     size = {a.va: a.size for a in agent.exports()}
     vas, fds = agent.own_take() if size else ([], [])
     taken = Taken([Region(va, size[va], device) for va in vas], fds)
     if not vas:       # none the driver would export: the driver's checkpoint keeps them
         return taken
+    from pos.concurrent import gpucopy
+
     try:
-        _write(drv, taken, folder, pid)
+        mem = gpucopy.Imported(drv, _buffers(taken.regions), taken.fds)
+        try:
+            _copy(drv, taken, mem.local)
+        finally:
+            mem.close()
     except BaseException:
         taken.close()
         raise
     return taken
+
+
+def _copy(drv: "Driver", taken: Taken, local: list[int]) -> None:
+    """`taken`'s bytes, mapped in pos at `local`, copied into its shadow or host memory."""
+    from pos.concurrent import gpucopy
+
+    sizes = [r.size for r in taken.regions]
+    if gpucopy.shadow_room(drv) >= taken.bytes:
+        taken.shadow = gpucopy.Shadow(drv, taken.bytes)
+        starts = [taken.shadow.ptr + sum(sizes[:i]) for i in range(len(sizes))]
+        gpucopy.device_to_device(drv, starts, local, sizes)
+        return
+    taken.host = bytearray(taken.bytes)
+    into = C.addressof((C.c_char * taken.bytes).from_buffer(taken.host))
+    for at, n in _pieces(taken.regions, local):
+        drv.cuMemcpyDtoH_v2(into, at, n)
+        into += n
 
 
 def _buffers(regions: list[Region]) -> list[Buffer]:
@@ -92,22 +150,6 @@ def _pieces(regions: list[Region], local: list[int]) -> Iterator[tuple[int, int]
     for r, base in zip(regions, local):
         for at in range(0, r.size, PIECE):
             yield base + at, min(PIECE, r.size - at)
-
-
-def _write(drv: "Driver", taken: Taken, folder: Path, pid: Optional[int]) -> None:
-    from pos.concurrent import gpucopy
-
-    index_name, data_name = names.own_memory(pid)
-    mem = gpucopy.Imported(drv, _buffers(taken.regions), taken.fds)
-    try:
-        host = _staging(taken.regions)
-        with open(folder / data_name, "wb") as f:
-            for at, n in _pieces(taken.regions, mem.local):
-                drv.cuMemcpyDtoH_v2(host, at, n)
-                f.write(memoryview(host)[:n])
-    finally:
-        mem.close()
-    (folder / index_name).write_text(json.dumps([asdict(r) for r in taken.regions]) + "\n")
 
 
 def saved(folder: Path, pid: Optional[int]) -> list[Region]:

@@ -49,7 +49,6 @@ if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the
 
 SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host memory, then disk
 DEFAULT_CHUNK_MB = 64          # a checkpoint's chunk of a buffer (copied, hashed, written)
-SHADOW_RESERVE = 1 << 30       # device memory left free for the job when sizing the shadow
 FD_MARGIN = 64                 # descriptors beyond a job's buffers that the tables make room for
 SHADOW_ALIGN = 256             # where each shadowed buffer begins: cuMemAlloc's alignment
 STALL_S = 60.0                 # the cut's bound on the calls already inside the driver
@@ -139,7 +138,7 @@ class Saver:
             except BadInput:
                 if self.settings.hash_on == "gpu":
                     raise            # `auto`: the savers hash on the CPU, as the driver must
-        on_device = max(0, gpucopy.free_device_bytes(self.drv) - SHADOW_RESERVE)
+        on_device = gpucopy.shadow_room(self.drv)
         if self.settings.shadow_max_bytes is not None:
             on_device = min(on_device, self.settings.shadow_max_bytes)
         self.shadow = self.timed("shadow_alloc", lambda: gpucopy.Shadow(

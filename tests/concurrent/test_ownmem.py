@@ -1,16 +1,19 @@
-"""pos/concurrent/ownmem.py apart from a job: its setting, and an image whose own-memory files
-do not agree. The taking itself runs against the fake driver in
+"""pos/concurrent/ownmem.py: its setting, an image whose own-memory files do not agree, and the
+copy a take makes, against the fake driver. The whole cycle runs in
 tests/agent/test_own_fake.py and tests/agent/test_peer_checkpoint_fake.py."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from pos.concurrent import ownmem
+from pos.agent.control import Agent
+from pos.concurrent import gpucopy, ownmem
 from pos.errors import BadInput
 from pos.image import names
 from pos.settings import Settings
+from tests.agent.test_peer_fake import SEVEN
 
 
 @pytest.mark.parametrize("value, taken", [(None, 0), ("0", 0), ("4", 4 << 30),
@@ -42,3 +45,30 @@ def test_own_memory_whose_bytes_do_not_match_its_index_is_refused(tmp_path: Path
     (tmp_path / index).write_text("[{")
     with pytest.raises(BadInput, match="is damaged"):
         ownmem.saved(tmp_path, 7)
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["device", "host"])
+def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tmp_path: Path,
+                                                              monkeypatch, room: bool) -> None:
+    """The take copies the memory while the job is held (to the device where pos's shadow rule
+    leaves room, else to host memory); the image is written later, once the job runs and writes
+    its memory again: it gets the bytes of the take."""
+    if not room:
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
+    owner = peer_job("own")
+    agent = Agent(owner.pid)
+    agent.cut(5)
+    taken = ownmem.take(agent, drv, 0)
+    try:
+        assert (taken.shadow is not None, taken.host is not None) == (room, not room)
+        agent.stamp(taken.regions[0].va, os.urandom(16))     # the job writes after the take
+        taken.write(drv, tmp_path, 7)
+        agent.unstamp()
+        assert ownmem.saved(tmp_path, 7) == taken.regions
+        data = (tmp_path / names.own_memory(7)[1]).read_bytes()
+        assert len(data) == taken.bytes and data[:16] == SEVEN
+        assert (taken.shadow, taken.host) == (None, None)      # pos's copy let go
+    finally:
+        taken.close()
+        agent.end()
+        agent.close()
