@@ -74,9 +74,8 @@ class Taken:
                 f.write(self.host)
             elif self.shadow is not None:
                 host = _staging(self.regions)
-                for at in range(0, self.bytes, PIECE):
-                    n = min(PIECE, self.bytes - at)
-                    drv.cuMemcpyDtoH_v2(host, self.shadow.ptr + at, n)
+                for at, n in _pieces(self.regions, _starts(self.shadow.ptr, self.regions)):
+                    drv.cuMemcpyDtoH_v2(host, at, n)
                     f.write(memoryview(host)[:n])
         (folder / index_name).write_text(json.dumps([asdict(r) for r in self.regions]) + "\n")
         self.drop()
@@ -122,11 +121,10 @@ def _copy(drv: "Driver", taken: Taken, local: list[int]) -> None:
     """`taken`'s bytes, mapped in pos at `local`, copied into its shadow or host memory."""
     from pos.concurrent import gpucopy
 
-    sizes = [r.size for r in taken.regions]
     if gpucopy.shadow_room(drv) >= taken.bytes:
         taken.shadow = gpucopy.Shadow(drv, taken.bytes)
-        starts = [taken.shadow.ptr + sum(sizes[:i]) for i in range(len(sizes))]
-        gpucopy.device_to_device(drv, starts, local, sizes)
+        gpucopy.device_to_device(drv, _starts(taken.shadow.ptr, taken.regions), local,
+                                 [r.size for r in taken.regions])
         return
     taken.host = bytearray(taken.bytes)
     into = C.addressof((C.c_char * taken.bytes).from_buffer(taken.host))
@@ -142,6 +140,15 @@ def _buffers(regions: list[Region]) -> list[Buffer]:
 def _staging(regions: list[Region]) -> C.Array[C.c_char]:
     """The host memory each copy between the device and the image goes through."""
     return C.create_string_buffer(min(PIECE, max((r.size for r in regions), default=0)) or 1)
+
+
+def _starts(base: int, regions: list[Region]) -> list[int]:
+    """Where each region begins in a copy of them all, one after another, at `base`."""
+    starts, at = [], base
+    for r in regions:
+        starts.append(at)
+        at += r.size
+    return starts
 
 
 def _pieces(regions: list[Region], local: list[int]) -> Iterator[tuple[int, int]]:

@@ -72,3 +72,26 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
         taken.close()
         agent.end()
         agent.close()
+
+
+@pytest.mark.parametrize("sizes", [(3 << 18, 1 << 19, 1 << 18), (3 << 18, 5 << 20, 1 << 18)],
+                         ids=["each-below-a-piece", "one-of-several-pieces"])
+def test_allocations_of_several_sizes_are_written_each_whole_in_order(drv, tmp_path: Path,
+                                                                       monkeypatch, sizes) -> None:
+    """NCCL's buffers come in several sizes, most below a piece: each is written whole, in the
+    index's order, whether the take left its copy on the device or in host memory."""
+    import ctypes as C
+
+    monkeypatch.setattr(ownmem, "PIECE", 1 << 20)
+    regions = [ownmem.Region((i + 1) << 40, n, 0) for i, n in enumerate(sizes)]
+    want = os.urandom(sum(sizes))
+    for where in ("device", "host"):
+        taken = ownmem.Taken(regions, [])
+        if where == "device":
+            taken.shadow = gpucopy.Shadow(drv, len(want))
+            drv.cuMemcpyHtoD_v2(taken.shadow.ptr, C.c_char_p(want), len(want))
+        else:
+            taken.host = bytearray(want)
+        taken.write(drv, tmp_path, None)
+        assert ownmem.saved(tmp_path, None) == regions
+        assert (tmp_path / names.own_memory(None)[1]).read_bytes() == want, where
