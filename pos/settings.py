@@ -31,8 +31,7 @@ Every setting, its variable and its default:
   own_memory_max_bytes POS_OWN_MEMORY_MAX_GIB the most of a job's own cuMem memory (NCCL's
                                             buffers) that a concurrent checkpoint takes while
                                             the job is held (pos/concurrent/ownmem.py); more,
-                                            or 0, the default, leaves it to the driver's
-                                            checkpoint
+                                            or 0, leaves it to the driver's checkpoint
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
@@ -88,7 +87,10 @@ DEFAULT_FILL_PIECE_KIB = 2048
 # shadowed, was held 1.4 s with 8 GiB against 2.0-4.3 s with an arena as large as the job (the
 # host's memory left to CRIU and the driver), and sealed sooner (bench/results/2026-11-28-perf)
 DEFAULT_PIN_RING = 8 << 30
-DEFAULT_OWN_MEMORY_MAX = 0        # off until measured on GPUs (docs/engines.md)
+# the job's own cuMem memory a concurrent checkpoint takes (NCCL's buffers: 0.5 GB a rank of the
+# Llama2-13B-shaped FSDP2 job, 8 ranks' worth); taken, they held its 2 ranks on two H200s 2.79 s
+# against 3.39 s left to the driver (bench/results/2026-11-30.md)
+DEFAULT_OWN_MEMORY_MAX = 4 << 30
 # POS_PIN_AHEAD_GIB=all: the whole arena locked before the cut (as much as any arena)
 PIN_AHEAD_ALL = 1 << 62
 DEFAULT_HOIST_STACK: Optional[int] = 0

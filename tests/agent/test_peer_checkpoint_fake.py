@@ -59,13 +59,6 @@ def pair(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str], criu
     p.kill()
 
 
-@pytest.fixture(autouse=True)
-def own_memory_taken(gpu_env: dict[str, str]) -> None:
-    """The owner's own cuMem memory, which its peer imports, taken into the image (off by
-    default: pos/concurrent/ownmem.py)."""
-    gpu_env["POS_OWN_MEMORY_MAX_GIB"] = "4"
-
-
 def shares_the_owners_memory(pair: Pair) -> None:
     """The importer maps the owner's memory at its old address: it reads the owner's bytes,
     and a nonce the owner writes; every job then runs on (idle), nothing down."""
@@ -109,14 +102,12 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
     shares_the_owners_memory(pair)
 
 
-@pytest.mark.parametrize("setting", [None, "0", "0.001"], ids=["default", "off", "too-small"])
+@pytest.mark.parametrize("setting", ["0", "0.001"], ids=["off", "too-small"])
 def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
         pair: Pair, tmp_path: Path, gpu_env, setting) -> None:
     img = tmp_path / "img"
-    env = {k: v for k, v in gpu_env.items() if k != "POS_OWN_MEMORY_MAX_GIB"}
     r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", "--leave-running",
-            "--json", env={**env, **({} if setting is None else
-                                     {"POS_OWN_MEMORY_MAX_GIB": setting})})
+            "--json", env={**gpu_env, "POS_OWN_MEMORY_MAX_GIB": setting})
     assert r.returncode == 0, r.stderr
     assert "own_taken_bytes" not in json.loads(r.stdout)["timings"]
     assert not list(img.glob(names.OWN_MEMORY_INDEXES))
@@ -134,7 +125,7 @@ def test_own_memory_mapped_back_is_taken_again_whatever_the_setting(
     with Agent(pair.owner) as a:
         st = a.status()
     assert (st.own_kept, st.imported) == (1, 1)
-    off = {k: v for k, v in gpu_env.items() if k != "POS_OWN_MEMORY_MAX_GIB"}
+    off = {**gpu_env, "POS_OWN_MEMORY_MAX_GIB": "0"}
     r = pos("checkpoint", str(pair.root), "-D", str(tmp_path / "two"), "--concurrent",
             "--leave-running", "--json", env=off)
     assert r.returncode == 0, r.stderr

@@ -16,9 +16,9 @@ from pos.settings import Settings
 from tests.agent.test_peer_fake import SEVEN
 
 
-@pytest.mark.parametrize("value, taken", [(None, 0), ("0", 0), ("4", 4 << 30),
+@pytest.mark.parametrize("value, taken", [(None, 4 << 30), ("0", 0), ("8", 8 << 30),
                                           ("0.5", 1 << 29)])
-def test_the_setting_bounds_what_is_taken_and_is_off_by_default(value, taken) -> None:
+def test_the_setting_bounds_what_is_taken(value, taken) -> None:
     env = {} if value is None else {"POS_OWN_MEMORY_MAX_GIB": value}
     assert Settings.from_env(env).own_memory_max_bytes == taken
 
