@@ -55,6 +55,7 @@ from pos.settings import Settings
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.concurrent.copier import Copied
+    from pos.concurrent.gpucopy import Shadow
 
 # What dumps the tree once its jobs are small: `dump(guard, folder)` writes into `folder` (the
 # default is pos's CRIU; a container's runtime dumps its container instead: pos/container/)
@@ -95,6 +96,7 @@ class _Whole:
         self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
+        self.own_shadows: dict[int, Shadow] = {}   # made for it before the cut, by PID
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
         self.nvls = functools.cache(restorable.nvls_on)
@@ -181,6 +183,7 @@ class _Whole:
             ranks=len(self.agents), host_room=host_room, status=self.statuses[a.pid]),
             self.savers.append)
         owned = sum(s.owned_bytes for s in self.savers)
+        steps.timed(self.early, "own_reserve", self.reserve_own)
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host
         steps.timed(self.early, "criu_cache", lambda: kdat.keep(self.criu.path,
@@ -281,6 +284,25 @@ class _Whole:
             g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
 
+    def owning(self, statuses: dict[int, Status]) -> list[Saver]:
+        """The jobs whose own cuMem memory a checkpoint takes, by their agents' `statuses`:
+        those with some, where there is no more of it in all than POS_OWN_MEMORY_MAX_GIB or
+        an earlier checkpoint or restore mapped some back from pos's descriptors (own_kept)."""
+        mine = [s for s in self.savers
+                if s.context is not None and (statuses[s.pid].own_bytes or 0)]
+        total = sum(statuses[s.pid].own_bytes or 0 for s in mine)
+        kept = any(statuses[s.pid].own_kept for s in mine)
+        return mine if total <= self.settings.own_memory_max_bytes or kept else []
+
+    def reserve_own(self) -> None:
+        """The device memory each take will copy its job's own memory into, made now."""
+        for s in self.owning(self.statuses):
+            s.use()
+            shadow = ownmem.reserve(s.drv, self.statuses[s.pid].own_bytes or 0)
+            if shadow is not None:
+                self.own_shadows[s.pid] = shadow
+        self.early["own_reserved_bytes"] = sum(x.size for x in self.own_shadows.values())
+
     def take_own(self, g: Guard) -> None:
         """Each job's own cuMem memory (NCCL's buffers) copied and given up (ownmem; written
         into the image at the seal), every job held and every import of it down, where there is
@@ -290,17 +312,15 @@ class _Whole:
         a job runs only once its memory is back (own-up): should pos fail before that, the
         undo maps it back from the descriptors the watchdog holds too (and where even that
         fails, the job's agent ends it rather than let it run without)."""
-        mine = [s for s in self.savers
-                if s.context is not None and (self.held[s.pid].own_bytes or 0)]
-        total = sum(self.held[s.pid].own_bytes or 0 for s in mine)
-        kept = any(self.held[s.pid].own_kept for s in mine)
-        if not mine or (total > self.settings.own_memory_max_bytes and not kept):
+        mine = self.owning(self.held)
+        if not mine:
             return
 
         def take(s: Saver) -> tuple[int, ownmem.Taken]:
             s.use()
             assert s.context is not None     # mine: a job with a context
-            return s.pid, ownmem.take(s.connected(), s.drv, s.context.device)
+            return s.pid, ownmem.take(s.connected(), s.drv, s.context.device, s.timed,
+                                      self.own_shadows.pop(s.pid, None))
 
         def keep(kept: tuple[int, ownmem.Taken]) -> None:
             self.own[kept[0]] = kept[1]
@@ -403,9 +423,12 @@ class _Whole:
         for t in self.taken:
             t.close()
         for s in self.savers:
-            if s.pid in self.own:
+            if s.pid in self.own or s.pid in self.own_shadows:
                 s.use()               # the context its shadow was made in
+            if s.pid in self.own:
                 self.own[s.pid].close()
+            if s.pid in self.own_shadows:
+                self.own_shadows.pop(s.pid).close()
         for s in self.savers:
             s.close()
         for a in self.agents:

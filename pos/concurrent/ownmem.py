@@ -27,7 +27,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from pos.agent.control import Agent, Buffer
 from pos.errors import BadInput, PosError
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from pos.driver import Driver
 
 PIECE = 64 << 20    # bytes copied between the device and the host at a time
+Timed = Callable[[str, Callable[[], Any]], Any]    # a part's name, the part: what it returns
 
 
 @dataclass(frozen=True)
@@ -94,22 +95,47 @@ class Taken:
         self.drop()
 
 
-def take(agent: Agent, drv: "Driver", device: int) -> Taken:
-    """The held job's own allocations that the driver exports, kept as descriptors, their bytes
-    copied: device to device where pos's shadow rule leaves the GPU room
-    (gpucopy.shadow_room), else into host memory. The job still maps them: its agent's
-    own-down gives them up."""
-    size = {a.va: a.size for a in agent.exports()}
-    vas, fds = agent.own_take() if size else ([], [])
-    taken = Taken([Region(va, size[va], device) for va in vas], fds)
-    if not vas:       # none the driver would export: the driver's checkpoint keeps them
-        return taken
+def reserve(drv: "Driver", size: int) -> Optional["gpucopy.Shadow"]:
+    """Device memory for a take's copy of `size` bytes, made before the cut (made while the
+    ranks were held, it was part of the take's 0.16-0.40 s at 2 ranks,
+    bench/results/2026-11-30.md), where pos's shadow rule leaves the GPU room; None where it
+    does not, or there is nothing to take."""
     from pos.concurrent import gpucopy
 
+    if not size or gpucopy.shadow_room(drv) < size:
+        return None
+    return gpucopy.Shadow(drv, size)
+
+
+def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
+         shadow: Optional["gpucopy.Shadow"] = None) -> Taken:
+    """The held job's own allocations that the driver exports, kept as descriptors, their bytes
+    copied: device to device into `shadow` (`reserve`'s; it is the Taken's from here on) where
+    it holds them all, else into new device memory where pos's shadow rule leaves the GPU room
+    (gpucopy.shadow_room), else into host memory. The job still maps them: its agent's
+    own-down gives them up. `timed`: where the parts' seconds go (own_export, own_map,
+    own_copy)."""
+    from pos.concurrent import gpucopy
+
+    size = {a.va: a.size for a in agent.exports()}
     try:
-        mem = gpucopy.Imported(drv, _buffers(taken.regions), taken.fds)
+        vas, fds = timed("own_export", agent.own_take) if size else ([], [])
+    except BaseException:
+        if shadow is not None:
+            shadow.close()
+        raise
+    taken = Taken([Region(va, size[va], device) for va in vas], fds)
+    if shadow is not None and (not vas or shadow.size < taken.bytes):
+        shadow.close()       # nothing to copy, or more than was there before the cut
+        shadow = None
+    taken.shadow = shadow
+    if not vas:       # none the driver would export: the driver's checkpoint keeps them
+        return taken
+    try:
+        mem = timed("own_map", lambda: gpucopy.Imported(drv, _buffers(taken.regions),
+                                                        taken.fds))
         try:
-            _copy(drv, taken, mem.local)
+            timed("own_copy", lambda: _copy(drv, taken, mem.local))
         finally:
             mem.close()
     except BaseException:
@@ -119,11 +145,13 @@ def take(agent: Agent, drv: "Driver", device: int) -> Taken:
 
 
 def _copy(drv: "Driver", taken: Taken, local: list[int]) -> None:
-    """`taken`'s bytes, mapped in pos at `local`, copied into its shadow or host memory."""
+    """`taken`'s bytes, mapped in pos at `local`, copied into its shadow (made now where it has
+    none and the GPU has room) or into host memory."""
     from pos.concurrent import gpucopy
 
-    if gpucopy.shadow_room(drv) >= taken.bytes:
+    if taken.shadow is None and gpucopy.shadow_room(drv) >= taken.bytes:
         taken.shadow = gpucopy.Shadow(drv, taken.bytes)
+    if taken.shadow is not None:
         gpucopy.device_to_device(drv, _starts(taken.shadow.ptr, taken.regions), local,
                                  [r.size for r in taken.regions])
         return

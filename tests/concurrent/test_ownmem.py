@@ -47,20 +47,33 @@ def test_own_memory_whose_bytes_do_not_match_its_index_is_refused(tmp_path: Path
         ownmem.saved(tmp_path, 7)
 
 
-@pytest.mark.parametrize("room", [True, False], ids=["device", "host"])
+def timed_into(timings: dict[str, float]):
+    def timed(name: str, fn):
+        timings[name] = 0.0
+        return fn()
+    return timed
+
+
+@pytest.mark.parametrize("where", ["reserved", "device", "host"])
 def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tmp_path: Path,
-                                                              monkeypatch, room: bool) -> None:
-    """The take copies the memory while the job is held (to the device where pos's shadow rule
-    leaves room, else to host memory); the image is written later, once the job runs and writes
-    its memory again: it gets the bytes of the take."""
-    if not room:
-        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
+                                                              monkeypatch, where: str) -> None:
+    """The take copies the memory while the job is held (into device memory made before the
+    cut, or at the take where pos's shadow rule leaves room, else into host memory); the image
+    is written later, once the job runs and writes its memory again: it gets the bytes of the
+    take."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
+    reserved = ownmem.reserve(drv, agent.status().own_bytes) if where == "reserved" else None
+    if where == "host":
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
     agent.cut(5)
-    taken = ownmem.take(agent, drv, 0)
+    timings: dict[str, float] = {}
+    taken = ownmem.take(agent, drv, 0, timed_into(timings), reserved)
     try:
-        assert (taken.shadow is not None, taken.host is not None) == (room, not room)
+        assert set(timings) == {"own_export", "own_map", "own_copy"}
+        assert (taken.shadow is not None, taken.host is not None) == (where != "host",
+                                                                      where == "host")
+        assert where != "reserved" or taken.shadow is reserved
         agent.stamp(taken.regions[0].va, os.urandom(16))     # the job writes after the take
         taken.write(drv, tmp_path, 7)
         agent.unstamp()
@@ -72,6 +85,35 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
         taken.close()
         agent.end()
         agent.close()
+
+
+def test_memory_made_before_the_cut_too_small_for_the_take_is_let_go(peer_job, drv) -> None:
+    """The job made more of its own memory after the reservation: the take copies into device
+    memory made at the take, and the reservation is freed."""
+    owner = peer_job("own")
+    agent = Agent(owner.pid)
+    small = gpucopy.Shadow(drv, 4096)
+    freed: list[int] = []
+    close = small.close
+    small.close = lambda: (freed.append(small.ptr), close())    # type: ignore[method-assign]
+    agent.cut(5)
+    taken = ownmem.take(agent, drv, 0, timed_into({}), small)
+    try:
+        assert freed and taken.shadow is not None and taken.shadow is not small
+        assert taken.shadow.size == taken.bytes
+    finally:
+        taken.close()
+        agent.end()
+        agent.close()
+
+
+def test_no_room_on_the_gpu_reserves_nothing(drv, monkeypatch) -> None:
+    monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
+    assert ownmem.reserve(drv, 2 << 20) is None
+    assert ownmem.reserve(drv, 0) is None
+    shadow = ownmem.reserve(drv, 1 << 20)
+    assert shadow is not None and shadow.size == 1 << 20
+    shadow.close()
 
 
 @pytest.mark.parametrize("sizes", [(3 << 18, 1 << 19, 1 << 18), (3 << 18, 5 << 20, 1 << 18)],
