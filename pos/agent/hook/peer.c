@@ -486,6 +486,16 @@ void do_peek(struct conn *c, const char *args) {
     reply(c, "{\"ok\":true,\"bytes\":\"%s\"}", hex);
 }
 
+/* The answer to a command that took memory down: how many allocations and bytes, or the
+ * driver's code where it stopped part way (those taken down stay down). */
+static void reply_down(struct conn *c, const char *what, CUresult r, size_t n, size_t bytes) {
+    if (r == CUDA_SUCCESS)
+        reply(c, "{\"ok\":true,\"down\":%zu,\"bytes\":%zu}", n, bytes);
+    else
+        reply(c, "{\"ok\":false,\"error\":\"%s: the driver answered %d\",\"rc\":%d}", what,
+              (int)r, (int)r);
+}
+
 /* `peer-down`: every live import unmapped (its address range kept) and its handle released. */
 void do_peer_down(struct conn *c) {
     if (!held(c, "peer-down"))
@@ -509,11 +519,7 @@ void do_peer_down(struct conn *c) {
         }
     }
     pthread_mutex_unlock(&mu);
-    if (r == CUDA_SUCCESS)
-        reply(c, "{\"ok\":true,\"down\":%zu,\"bytes\":%zu}", n, bytes);
-    else
-        reply(c, "{\"ok\":false,\"error\":\"peer-down: the driver answered %d\",\"rc\":%d}",
-              (int)r, (int)r);
+    reply_down(c, "peer-down", r, n, bytes);
 }
 
 /* `peer-export VA`: a fresh export of the job's own allocation at VA, as one descriptor, in any
@@ -697,11 +703,7 @@ void do_own_down(struct conn *c) {
         o->h = 0;
     }
     pthread_mutex_unlock(&mu);
-    if (r == CUDA_SUCCESS)
-        reply(c, "{\"ok\":true,\"down\":%zu,\"bytes\":%zu}", n, bytes);
-    else
-        reply(c, "{\"ok\":false,\"error\":\"own-down: the driver answered %d\",\"rc\":%d}",
-              (int)r, (int)r);
+    reply_down(c, "own-down", r, n, bytes);
 }
 
 /* `own-up N` + N descriptors: one for each allocation the last own-take took, in `exports`
