@@ -30,8 +30,9 @@ Every setting, its variable and its default:
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
   own_memory_max_bytes POS_OWN_MEMORY_MAX_GIB the most of a job's own cuMem memory (NCCL's
                                             buffers) that a concurrent checkpoint takes while
-                                            the job is held (pos/concurrent/ownmem.py); more,
-                                            or 0, leaves it to the driver's checkpoint
+                                            the job is held, in a job whose processes map
+                                            each other's memory (pos/concurrent/ownmem.py);
+                                            more, or 0, leaves it to the driver's checkpoint
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)

@@ -286,13 +286,17 @@ class _Whole:
 
     def owning(self, statuses: dict[int, Status]) -> list[Saver]:
         """The jobs whose own cuMem memory a checkpoint takes, by their agents' `statuses`:
-        those with some, where there is no more of it in all than POS_OWN_MEMORY_MAX_GIB or
-        an earlier checkpoint or restore mapped some back from pos's descriptors (own_kept)."""
+        those with some, in a tree whose processes map each other's memory (NCCL's P2P and
+        SHM on cuMem: what was measured; an image with such links is not moved to other GPUs
+        either) where there is no more of it in all than POS_OWN_MEMORY_MAX_GIB; and those
+        to which an earlier checkpoint or restore mapped some back from pos's descriptors
+        (own_kept), always."""
         mine = [s for s in self.savers
                 if s.context is not None and (statuses[s.pid].own_bytes or 0)]
         total = sum(statuses[s.pid].own_bytes or 0 for s in mine)
         kept = any(statuses[s.pid].own_kept for s in mine)
-        return mine if total <= self.settings.own_memory_max_bytes or kept else []
+        shared = any(st.peer_maps for st in statuses.values())
+        return mine if kept or (shared and total <= self.settings.own_memory_max_bytes) else []
 
     def reserve_own(self) -> None:
         """The device memory each take will copy its job's own memory into, made now."""

@@ -117,6 +117,19 @@ def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
     shares_the_owners_memory(pair)
 
 
+def test_a_process_whose_memory_no_peer_maps_keeps_its_own_through_the_driver(
+        peer_job, tmp_path: Path, criu_ready) -> None:
+    """Own cuMem memory of a process alone (PyTorch's expandable segments) is left to the
+    driver's checkpoint, as before: its image moves to other GPUs."""
+    owner = peer_job("own")
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent",
+            "--leave-running", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "own_taken_bytes" not in json.loads(r.stdout)["timings"]
+    assert not list(img.glob(names.OWN_MEMORY_INDEXES))
+
+
 def test_own_memory_mapped_back_is_taken_again_whatever_the_setting(
         pair: Pair, tmp_path: Path, gpu_env) -> None:
     """After pos mapped the owner's memory back from its descriptors, the driver cannot
