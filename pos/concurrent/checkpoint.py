@@ -309,13 +309,11 @@ class _Whole:
 
     def take_own(self, g: Guard) -> None:
         """Each job's own cuMem memory (NCCL's buffers) copied and given up (ownmem; written
-        into the image at the seal), every job held and every import of it down, where there is
-        no more of it in all than POS_OWN_MEMORY_MAX_GIB; more is left to the driver's checkpoint, but for what
-        an earlier checkpoint or restore mapped back from pos's descriptors, which the driver
-        cannot checkpoint and which is always taken (the agents' own_kept). From here on
-        a job runs only once its memory is back (own-up): should pos fail before that, the
-        undo maps it back from the descriptors the watchdog holds too (and where even that
-        fails, the job's agent ends it rather than let it run without)."""
+        into the image at the seal), every job held and every import of it down, for the jobs
+        `owning` names; the rest is left to the driver's checkpoint. From here on a job runs
+        only once its memory is back (own-up): should pos fail before that, the undo maps it
+        back from the descriptors the watchdog holds too (and where even that fails, the job's
+        agent ends it rather than let it run without)."""
         mine = self.owning(self.held)
         if not mine:
             return
