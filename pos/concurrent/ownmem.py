@@ -206,32 +206,49 @@ def saved(folder: Path, pid: Optional[int]) -> list[Region]:
     return regions
 
 
-def put_back(agent: Agent, drv: "Driver", device: int, folder: Path, pid: Optional[int],
-             listed: list[Region]) -> int:
-    """A restored job's own allocations, as the image lists them (`saved`), made anew on
-    `device`, filled from the image and mapped at their addresses (the job's agent: own-up),
-    before any process of the job runs; the bytes."""
-    from pos.concurrent import gpucopy
+class Made:
+    """A restored process's own allocations, as its image lists them (`saved`), made anew on
+    its GPU and filled from the image while CRIU restores the process (the restore's prefetch,
+    pos/concurrent/prefetch.py): pos's mapping, and one descriptor an allocation for the job to
+    map (`hand_over`)."""
 
-    regions = [Region(r.va, r.size, device) for r in listed]
-    if not regions:
-        return 0
-    down = [(a.va, a.size) for a in agent.exports() if a.down]
-    if down != [(r.va, r.size) for r in regions]:
-        raise PosError(f"the restored process {agent.pid}'s own allocations do not match "
-                       f"{folder}'s", "take a new checkpoint")
-    mem, fds = gpucopy.Imported.create(drv, _buffers(regions))
-    try:
-        host = _staging(regions)
-        with open(folder / names.own_memory(pid)[1], "rb") as f:
-            for at, n in _pieces(regions, mem.local):
-                if f.readinto(memoryview(host)[:n]) != n:
-                    raise BadInput(f"{folder} ends inside the job's own memory",
-                                   "restore another image of the job")
-                drv.cuMemcpyHtoD_v2(at, host, n)
-        agent.own_up(fds)
-    finally:
-        for fd in fds:
+    def __init__(self, drv: "Driver", device: int, folder: Path, pid: Optional[int],
+                 listed: list[Region]) -> None:
+        from pos.concurrent import gpucopy
+
+        self.folder = folder
+        self.regions = [Region(r.va, r.size, device) for r in listed]
+        self.mem, self.fds = gpucopy.Imported.create(drv, _buffers(self.regions))
+        try:
+            host = _staging(self.regions)
+            with open(folder / names.own_memory(pid)[1], "rb") as f:
+                for at, n in _pieces(self.regions, self.mem.local):
+                    if f.readinto(memoryview(host)[:n]) != n:
+                        raise BadInput(f"{folder} ends inside the job's own memory",
+                                       "restore another image of the job")
+                    drv.cuMemcpyHtoD_v2(at, host, n)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.size for r in self.regions)
+
+    def hand_over(self, agent: Agent) -> int:
+        """The memory mapped at its addresses by the restored job's agent (own-up), before any
+        process of the job runs; the bytes."""
+        down = [(a.va, a.size) for a in agent.exports() if a.down]
+        if down != [(r.va, r.size) for r in self.regions]:
+            raise PosError(f"the restored process {agent.pid}'s own allocations do not match "
+                           f"{self.folder}'s", "take a new checkpoint")
+        agent.own_up(self.fds)
+        return self.bytes
+
+    def close(self) -> None:
+        """pos's mapping and descriptors let go (the job's mappings hold the memory once it
+        has it; the context it was made in current)."""
+        for fd in self.fds:
             os.close(fd)
-        mem.close()        # the job's mappings hold the memory now
-    return sum(r.size for r in regions)
+        self.fds = []
+        self.mem.close()

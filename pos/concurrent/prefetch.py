@@ -1,6 +1,8 @@
 """One job's device memory during a whole-process restore: made anew at the image's addresses
 and filled from the image on a thread of its own while CRIU and the driver bring the process
-back (they need no GPU copy), so that by the time the job maps the memory much of it is back."""
+back (they need no GPU copy), so that by the time the job maps the memory much of it is back.
+The job's own cuMem memory that its checkpoint took (NCCL's buffers, pos/concurrent/ownmem.py)
+is made and filled whole on the same thread first: the job maps it before it runs."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pos.agent.control import Buffer
-from pos.concurrent import devices
+from pos.concurrent import devices, ownmem
 from pos.concurrent.fill import FILL_DEPTH, fill
 from pos.concurrent.handout import Handout
 from pos.errors import PosError
-from pos.image import gpuindex, names
+from pos.image import gpuindex
 from pos.image.opened import Opened
 from pos.settings import Settings
 
@@ -67,6 +69,7 @@ class Prefetch:
         self.handout = Handout(self.table)
         self.context: Optional[gpucopy.Context] = None
         self.mem: Optional[gpucopy.Imported] = None
+        self.own: Optional[ownmem.Made] = None     # its own cuMem memory, filled
         self.rings: Optional[gpucopy.Rings] = None
         self.fds: list[int] = []
         self.copy: Optional[gpucopy.Copy] = None
@@ -81,6 +84,7 @@ class Prefetch:
         # when (time.monotonic) the copier's modules were imported, the driver's context was
         # up, the memory existed, the staging was pinned, all was back
         self.imported_at = self.context_at = self.memory_at = self.pinned_at = 0.0
+        self.own_at = 0.0         # when its own cuMem memory was made and filled
         self.started_at = self.filled_at = self.resumed_at = 0.0
         self.blocked_at = 0.0     # when the last fill thread stopped at the pause
         self.lock = threading.Lock()
@@ -95,19 +99,22 @@ class Prefetch:
             from pos.concurrent import gpucopy     # here, beside CRIU: see the imports above
 
             self.imported_at = time.monotonic()
-            own = (self.img.path / names.own_memory(self.rank)[0]).exists()
+            own = ownmem.saved(self.img.path, self.rank)
             if not self.table and not own:   # a process of the tree with no device memory
                 self._nothing()              # (torchrun's own): no context, no memory
                 return
             device = fill_device(self.onto, self.taken_on, self.img.gpus)
             self.context = gpucopy.Context(device)
             drv = self.context.drv
-            if not self.table:      # only its own cuMem memory, which the restore's finish
-                self._nothing()     # makes in this context (pos/concurrent/ownmem.py)
-                return
             self.context_at = time.monotonic()
             self.checked.wait()
             if self.cancelled:
+                return
+            if own:
+                self.own = ownmem.Made(drv, device, self.img.path, self.rank, own)
+                self.own_at = time.monotonic()
+            if not self.table:      # only its own cuMem memory
+                self._no_fill(self.own_at)
                 return
             mine = [replace(b, device=device) for b in self.table]
             self.mem, self.fds = gpucopy.Imported.create(drv, mine)
@@ -132,10 +139,14 @@ class Prefetch:
     def _nothing(self) -> None:
         """Done at once: a context would cost the GPU 0.5 GB and the restore 0.6 s, beside
         NVML's start for the GPU to make it on."""
+        self.context_at = self.imported_at
+        self._no_fill(self.imported_at)
+
+    def _no_fill(self, at: float) -> None:
+        """No memory of the job's table to make or fill: all of it there `at` (time.monotonic)."""
         from pos.concurrent import gpucopy
 
-        self.context_at = self.memory_at = self.pinned_at = self.imported_at
-        self.started_at = self.filled_at = self.imported_at
+        self.memory_at = self.pinned_at = self.started_at = self.filled_at = at
         self.copy = gpucopy.Copy(0, 0.0, 0.0)
 
     def pause(self) -> None:
@@ -194,6 +205,8 @@ class Prefetch:
             self.rings.close()
         if self.mem is not None:
             self.mem.close()
+        if self.own is not None:
+            self.own.close()
         for fd in self.fds:
             os.close(fd)
         self.fds = []

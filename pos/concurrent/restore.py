@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pos.agent import peers
 from pos.agent.control import Agent, Gate, Remap
-from pos.concurrent import devices, ownmem
+from pos.concurrent import devices
 from pos.concurrent.crew import side_by_side
 from pos.concurrent.fill import FILL_STREAMS
 from pos.concurrent.prefetch import Prefetch
@@ -80,13 +80,12 @@ class _Refill:
                 if [(b.va, b.size) for b in table] != [(b.va, b.size) for b in pre.table]:
                     raise PosError(f"the restored job's allocations do not match "
                                    f"{self.img.path}'s GPU index", "take a new checkpoint")
-            owners = [(pre, agent, listed) for pre, agent in zip(self.pres, agents)
-                      if pre.context is not None
-                      and (listed := ownmem.saved(self.img.path, pre.rank))]
+            owners = [(made, agent) for pre, agent in zip(self.pres, agents)
+                      if (made := pre.own) is not None]
             if owners:         # before the imports: the peers import this memory again
                 back: list[int] = []
                 g.timed("own_up", lambda: side_by_side(
-                    "pos-own-up", owners, lambda own: self._own_back(*own), back.append))
+                    "pos-own-up", owners, lambda own: own[0].hand_over(own[1]), back.append))
                 g.timings["own_back_bytes"] = sum(back)
             renamed = peers.renamed(self.links, live)
             if renamed:        # every job held still (hoisted): none runs before they are back
@@ -113,14 +112,6 @@ class _Refill:
         finally:
             for agent in agents:
                 agent.close()
-
-    def _own_back(self, pre: Prefetch, agent: Agent, listed: list[ownmem.Region]) -> int:
-        """The job's own cuMem memory that its checkpoint took (`listed`), made on its GPU,
-        filled and mapped back (ownmem.put_back); the bytes."""
-        assert pre.context is not None
-        pre.context.use()
-        return ownmem.put_back(agent, pre.context.drv, pre.context.device, self.img.path,
-                               pre.rank, listed)
 
     def _running(self, g: Guard, live: dict[int, int]) -> Report:
         """What the restore has done by its job's release, its memory still coming back: the
@@ -227,6 +218,8 @@ def _report(result: Report, back: _Refill, t0: float, let_go: float) -> Report:
                # ended; and pos's own mapping of the memory let go of
                "imported_at": last(max(p.imported_at for p in pres)),
                "context_at": last(max(p.context_at for p in pres)),
+               **({"own_at": last(max(p.own_at for p in pres))}
+                  if any(p.own_at for p in pres) else {}),
                "memory_at": last(max(p.memory_at for p in pres)),
                "pinned_at": last(max(p.pinned_at for p in pres)),
                "filled_at": last(max(p.filled_at for p in pres)),

@@ -21,7 +21,7 @@ from pos.agent import peers
 from pos.agent.control import Agent
 from pos.image import names
 from tests.conftest import ROOT, ShellJobs, kill, reaped
-from tests.engines.conftest import pos, wait_for
+from tests.engines.conftest import one_sentence, pos, wait_for
 
 SEVEN = bytes([7, 0, 0, 0]) * 4      # peer_job's owner's memory
 VMM_BYTES = 2 << 20
@@ -163,14 +163,29 @@ def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
         wait_for(lambda: reaped(p), what=f"process {p}'s end")
     r = pos("restore", "-D", str(img), "--json", env=gpu_env)
     assert r.returncode == 0, r.stderr
-    # the owner's memory came from the image: CRIU's dump did not hold it
-    assert json.loads(r.stdout)["timings"]["own_back_bytes"] == VMM_BYTES
+    # the owner's memory came from the image: CRIU's dump did not hold it; made and filled
+    # while CRIU restored the processes
+    timings = json.loads(r.stdout)["timings"]
+    assert timings["own_back_bytes"] == VMM_BYTES and 0 < timings["own_at"]
     shares_the_owners_memory(pair)
     again = tmp_path / "again"                      # a second checkpoint after the restore
     r = pos("checkpoint", str(pair.root), "-D", str(again), "--concurrent", "--leave-running",
             env=gpu_env)
     assert r.returncode == 0, r.stderr
     shares_the_owners_memory(pair)
+
+
+def test_an_image_whose_own_memory_was_cut_short_is_refused_in_one_sentence(
+        pair: Pair, tmp_path: Path, gpu_env) -> None:
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    pair.proc.wait(timeout=30)
+    for p in (pair.owner, pair.importer):
+        wait_for(lambda: reaped(p), what=f"process {p}'s end")
+    data = img / names.own_memory(pair.owner)[1]
+    os.truncate(data, data.stat().st_size // 2)
+    one_sentence(pos("restore", "-D", str(img), env=gpu_env), 2, data.name)
 
 
 def test_the_stop_the_world_engine_still_refuses_untouched(pair: Pair, tmp_path: Path,
