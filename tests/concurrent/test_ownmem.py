@@ -2,9 +2,11 @@
 copy a take makes, against the fake driver. The whole cycle runs in
 tests/agent/test_own_fake.py and tests/agent/test_peer_checkpoint_fake.py."""
 
+import ctypes as C
 import json
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -47,8 +49,9 @@ def test_own_memory_whose_bytes_do_not_match_its_index_is_refused(tmp_path: Path
         ownmem.saved(tmp_path, 7)
 
 
-def timed_into(timings: dict[str, float]):
-    def timed(name: str, fn):
+def timed_into(timings: dict[str, float]) -> ownmem.Timed:
+    """A `timed` for the take that notes which parts it timed."""
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
         timings[name] = 0.0
         return fn()
     return timed
@@ -122,8 +125,6 @@ def test_allocations_of_several_sizes_are_written_each_whole_in_order(drv, tmp_p
                                                                        monkeypatch, sizes) -> None:
     """NCCL's buffers come in several sizes, most below a piece: each is written whole, in the
     index's order, whether the take left its copy on the device or in host memory."""
-    import ctypes as C
-
     monkeypatch.setattr(ownmem, "PIECE", 1 << 20)
     regions = [ownmem.Region((i + 1) << 40, n, 0) for i, n in enumerate(sizes)]
     want = os.urandom(sum(sizes))
