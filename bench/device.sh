@@ -78,7 +78,9 @@
 #                                # at a random step, the tree SIGKILLed and restored, every loss
 #                                # against an uninterrupted run's (POS_TORCHRUN_GIB of ballast a
 #                                # rank, default 2; POS_TORCHRUN_ARGS: more of its arguments,
-#                                # e.g. "--repeat 3 --steps 200") (~6 min at 2 ranks)
+#                                # e.g. "--repeat 3 --steps 200", or "--pos-env
+#                                # default,POS_OWN_MEMORY_MAX_GIB=0": pos's settings in turn)
+#                                # (~6 min at 2 ranks)
 #   bench/device.sh containers   # GPU jobs in podman containers: bench/containers_gpu.py, a
 #                                # training job with pos's agent through CDI saved while it
 #                                # runs, killed and restored exact, then its image restored as

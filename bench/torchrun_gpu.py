@@ -38,6 +38,11 @@ stop-the-world row of its rank count (llama-fsdp-stw-sockets, else -defaults) th
 refused.
 
 --repeat N runs each case N times (rows and folders CASE, CASE-2, ...).
+--pos-env default,NAME=VALUE,...: settings of pos to compare in one run, each case run once
+with each in turn (with --repeat, the turns again): `default` as the environment has them,
+several settings of one turn joined by `+` (e.g. default,POS_OWN_MEMORY_MAX_GIB=0). Each row
+says its turn's (`pos_env`); a row's `one_rank_stall_s` comes from the 1-rank row of its case
+and turn.
 --warm: a concurrent checkpoint made and removed before the one measured (its to_cut as
 warm_to_cut_s): with POS_PIN_KEEP=1 in the environment the measured one finds the ranks'
 arenas kept; the kept files are removed after each case. The warm checkpoint is waited for
@@ -55,6 +60,7 @@ restore`'s start to the first new line. Needs root, CRIU, PyTorch with CUDA, N G
 """
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import json
@@ -65,7 +71,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -99,9 +105,10 @@ def torchrun(python: str) -> list[str]:
 class Case:
     """One row's job: its NCCL setting, workload, engine, and whether it is killed."""
 
-    def __init__(self, name: str, run: int = 1) -> None:
+    def __init__(self, name: str, run: int = 1, pos_env: str = "default") -> None:
         self.name = name
         self.folder = name if run == 1 else f"{name}-{run}"
+        self.pos_env = pos_env      # the settings of pos this run compares (--pos-env)
         words = name.split("-")
         self.nccl = "sockets" if "sockets" in words else "defaults"
         self.model = "llama13b" if words[0] == "llama" else "mlp"
@@ -114,6 +121,12 @@ class Case:
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **(ddp.NCCL_ENV if self.nccl == "sockets" else DEFAULTS_ENV)}
+
+    def settings(self) -> dict[str, str]:
+        """The environment of pos's commands this run sets (`pos_env`)."""
+        if self.pos_env == "default":
+            return {}
+        return dict(one.split("=", 1) for one in self.pos_env.split("+"))
 
     def command(self, python: str, outdir: Path, a: argparse.Namespace, pos_run: bool
                 ) -> list[str]:
@@ -257,19 +270,34 @@ def run(case: Case, a: argparse.Namespace, work: Path, ref: list[list[tuple[int,
     return row
 
 
+@contextlib.contextmanager
+def settings(env: dict[str, str]) -> Iterator[None]:
+    """pos's commands (ddp.pos: this process's environment) run with `env` set."""
+    was = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in was.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def same_run(rows: list[dict[str, Any]]) -> None:
     """Each row's `one_rank_stall_s` (its case's 1-rank row) and, for the concurrent rows,
     `stw_stall_s` (the stop-the-world baseline of its rank count), from the rows of this run;
     left as they are where the run has no such row, or it has no stall."""
-    one = {r["case"]: r["stall_s"] for r in rows
+    one = {(r["case"], r.get("pos_env")): r["stall_s"] for r in rows
            if r.get("ranks") == 1 and r.get("stall_s") is not None}
     stw: dict[int, float] = {}
     for name in reversed(STW_BASELINES):          # the first of STW_BASELINES wins
         stw.update({r["ranks"]: r["stall_s"] for r in rows
                     if r["case"] == name and r.get("stall_s") is not None})
     for r in rows:
-        if r["case"] in one:
-            r["one_rank_stall_s"] = one[r["case"]]
+        if (r["case"], r.get("pos_env")) in one:
+            r["one_rank_stall_s"] = one[(r["case"], r.get("pos_env"))]
         if r.get("engine") == "concurrent" and r.get("ranks") in stw:
             r["stw_stall_s"] = stw[r["ranks"]]
 
@@ -308,8 +336,15 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/pos-torchrun", help="scratch folder (emptied)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each case")
     ap.add_argument("--warm", action="store_true", help="a checkpoint before the one measured")
+    ap.add_argument("--pos-env", default="default",
+                    help="settings of pos to compare, in turn (see above)")
     a = ap.parse_args()
-    cases = [Case(c, k) for c in a.cases.split(",") for k in range(1, a.repeat + 1)]
+    turns = a.pos_env.split(",")
+    if any(t != "default" and not all("=" in x for x in t.split("+")) for t in turns):
+        ap.error(f"--pos-env {a.pos_env}: give `default` or NAME=VALUE settings joined by `+`, "
+                 "turns joined by commas")
+    cases = [Case(c, k, turns[(k - 1) % len(turns)]) for c in a.cases.split(",")
+             for k in range(1, a.repeat * len(turns) + 1)]
     unknown = [c.name for c in cases if c.name not in CASES]
     if unknown:
         ap.error(f"unknown cases {unknown}: choose from {', '.join(CASES)}")
@@ -341,10 +376,12 @@ def main() -> None:
             try:
                 if case.ref_key not in refs:
                     refs[case.ref_key] = reference(case, at_n, work / f"r{n}")
-                got = run(case, at_n, work / f"r{n}", refs[case.ref_key])
+                with settings(case.settings()):
+                    got = run(case, at_n, work / f"r{n}", refs[case.ref_key])
             except Exception as e:       # keep the other rows
                 got = {"case": case.name, "ranks": n, "bit_exact": False, "error": repr(e)}
                 say(f"{case.name}, {n} ranks: {e!r}")
+            got["pos_env"] = case.pos_env
             for kept_file in kept.ROOT.glob("arena-*"):    # --warm with POS_PIN_KEEP=1
                 kept_file.unlink()
             got.update(info, case_s=round(time.monotonic() - t, 1))
