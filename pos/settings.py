@@ -170,15 +170,9 @@ class Settings:
         def stack(raw: str) -> Optional[int]:
             return None if raw == "off" else int(raw)
 
-        def gib(raw: str) -> int:
+        def gib(raw: str, zero: bool = False) -> int:
             value = float(raw)
-            if value <= 0:
-                raise ValueError(raw)
-            return int(value * 2**30)
-
-        def gib_or_none(raw: str) -> int:
-            value = float(raw)
-            if value < 0:
+            if value < 0 or (value == 0 and not zero):
                 raise ValueError(raw)
             return int(value * 2**30)
 
@@ -211,10 +205,11 @@ class Settings:
                            "GPU where the driver can)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",
                                  "unset it (the shadow then takes what the device has free)"),
-            own_memory_max_bytes=get("POS_OWN_MEMORY_MAX_GIB", gib_or_none,
-                                     DEFAULT_OWN_MEMORY_MAX, "a number of GiB, 0 or more",
-                                     "unset it (the driver's checkpoint then keeps it), or "
-                                     "give a number such as 4"),
+            own_memory_max_bytes=get("POS_OWN_MEMORY_MAX_GIB",
+                                     lambda raw: gib(raw, zero=True), DEFAULT_OWN_MEMORY_MAX,
+                                     "a number of GiB, 0 or more",
+                                     f"unset it (up to {DEFAULT_OWN_MEMORY_MAX >> 30} GiB is "
+                                     "then taken), or give 0 to leave it to the driver"),
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),
