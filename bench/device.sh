@@ -36,7 +36,10 @@
 #   bench/device.sh drain        # bench/drain_probe.py: how fast the ring drains into an image
 #                                # in /dev/shm while the GPU copies into it, two stages (hash,
 #                                # then write) against one pass (POS_DRAIN_GIB, default 16;
-#                                # POS_DRAIN_DEST: folders, default /dev/shm) (~1 min a folder)
+#                                # POS_DRAIN_DEST: folders, default /dev/shm; POS_DRAIN_WAYS:
+#                                # only these; POS_DRAIN_HUGETLB=2M,1G: hugetlbfs folders of
+#                                # those page sizes mounted, their pages reserved, and added
+#                                # to the folders) (~1 min a folder)
 #   bench/device.sh criudest     # bench/criu_dest_probe.py: CRIU's frozen dump of a process's
 #                                # 1.4 GB into /dev/shm and into pos's staging tmpfs, on the
 #                                # host as it is, beside 60 GiB held in /dev/shm, after (~2 min)
@@ -195,8 +198,18 @@ exit)
     step exit python3 bench/exit_probe.py --out "$out" --gib "${POS_EXIT_GIB:-16}" --repeat 3
     grep '^row' "$out/exit.log" ;;
 drain)
+    dest=${POS_DRAIN_DEST:-/dev/shm}
+    for size in ${POS_DRAIN_HUGETLB//,/ }; do   # the image's GiB and one more, in such pages
+        kib=2048; [ "$size" = 1G ] && kib=1048576
+        pages=$(( (${POS_DRAIN_GIB:-16} + 1) * 1048576 / kib ))
+        echo "$pages" > "/sys/kernel/mm/hugepages/hugepages-${kib}kB/nr_hugepages"
+        grep . /sys/kernel/mm/hugepages/hugepages-${kib}kB/{nr,free}_hugepages >> "$out/hugetlb.txt"
+        mkdir -p "/mnt/pos-hugetlb-$size"
+        mount -t hugetlbfs -o "pagesize=$size" none "/mnt/pos-hugetlb-$size"
+        dest=$dest,/mnt/pos-hugetlb-$size
+    done
     step drain python3 bench/drain_probe.py --out "$out" --gib "${POS_DRAIN_GIB:-16}" \
-        --dest "${POS_DRAIN_DEST:-/dev/shm}" --threads "${POS_DRAIN_THREADS:-16,8}"
+        --dest "$dest" --threads "${POS_DRAIN_THREADS:-16,8}" --ways "${POS_DRAIN_WAYS:-}"
     grep '^row' "$out/drain.log" ;;
 criudest)
     step criu-dest python3 bench/criu_dest_probe.py --out "$out"

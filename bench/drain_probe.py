@@ -3,6 +3,7 @@ the GPU copies into it: the copy off the GPU is bound by that drain (11-14 GB/s 
 the H200 host, 2026-11-29), not by the link (about 55 GB/s). Root, on an NVIDIA GPU:
 
     python3 bench/drain_probe.py --out DIR [--gib 16] [--ring-gib 8] [--dest /dev/shm]
+        [--ways WAY,...]
 
 The engine's copy as pos/concurrent/copier.py makes it: 8 streams copy 64 MiB chunks of device
 memory (random bytes) into the slots of one ring (gpucopy.Pinned), and threads take each chunk
@@ -18,6 +19,10 @@ GiB of device memory, the files in a new folder under each --dest, removed after
                of 2026-11-29: 16 and 16)
   one-pass     each 1 MiB piece hashed and scanned, then written while it is in the CPU's
                cache, by one set of threads (pos_write_chunk)
+  map          no write: the chunk copied (memmove) into one file of the image's size, mapped
+               shared, its pages made before the drain (`prepare_s`); on a hugetlbfs folder
+               (2 MiB or 1 GiB pages) the kernel has no per-page work left to do
+  hash-map     each 1 MiB piece hashed and scanned, then copied into that mapping
 and the host's own memory copy (memmove of 256 MiB blocks) by 1, 8 and 16 threads. Writes
 DIR/drain.json and prints one line a way.
 """
@@ -67,13 +72,15 @@ class Drain:
         slots: queue.Queue[int] = queue.Queue()
         for k in range(self.ring.size // CHUNK):
             slots.put(k * CHUNK)
-        first: queue.Queue[Optional[tuple[int, int]]] = queue.Queue()
+        first: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         second: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         self.folder.mkdir(parents=True, exist_ok=True)
         errors: list[BaseException] = []
         lock = threading.Lock()
         local = threading.local()
         fds: list[int] = []
+        mapped = self.mapping() if way in ("map", "hash-map") else None
+        prepare_s = 0.0 if mapped is None else mapped[1]
 
         def fd() -> int:
             if not hasattr(local, "fd"):
@@ -101,17 +108,31 @@ class Drain:
             if r != 0:
                 raise OSError(-r, os.strerror(-r))
 
-        single: dict[str, Callable[[int, int], Any]] = {
-            "hash": scan, "write": write_all, "overwrite": write_all, "one-pass": one_pass}
+        def to_map(slot: int, n: int, off: int, hashed: bool) -> None:
+            assert mapped is not None
+            for p in range(0, n, gpuimage.PIECE):
+                k = min(gpuimage.PIECE, n - p)
+                if hashed:
+                    LIB.pos_fold_point(self.ring.ptr + slot + p, k, self.tg.starts.ctypes.data,
+                                       self.tg.ends.ctypes.data, self.tg.starts.shape[0],
+                                       self.tg.hits().ctypes.data)
+                C.memmove(mapped[0] + off + p, self.ring.ptr + slot + p, k)
+
+        single: dict[str, Callable[[int, int, int], Any]] = {
+            "hash": lambda s, n, _o: scan(s, n), "write": lambda s, n, _o: write_all(s, n),
+            "overwrite": lambda s, n, _o: write_all(s, n),
+            "one-pass": lambda s, n, _o: one_pass(s, n),
+            "map": lambda s, n, o: to_map(s, n, o, False),
+            "hash-map": lambda s, n, o: to_map(s, n, o, True)}
 
         def take() -> None:      # the first (or only) stage
             try:
                 while (item := first.get()) is not None:
-                    slot, n = item
+                    slot, n, off = item
                     if way == "two-stage":
                         second.put((slot, n, scan(slot, n)))
                         continue
-                    single[way](slot, n)
+                    single[way](slot, n, off)
                     slots.put(slot)
             except BaseException as e:
                 errors.append(e)
@@ -152,7 +173,7 @@ class Drain:
                     if way == "d2h":
                         slots.put(slot)
                     else:
-                        first.put((slot, n))
+                        first.put((slot, n, off))
             finally:
                 self.drv.cuStreamDestroy_v2(stream)
 
@@ -177,12 +198,46 @@ class Drain:
         written = sum(f.stat().st_size for f in self.folder.iterdir())
         for f in fds:
             os.close(f)
+        if mapped is not None:
+            mapped[2].close()
         if not keep:
             shutil.rmtree(self.folder)
         if errors:
             raise errors[0]
         return {"way": way, "threads": threads, "seconds": round(s, 3),
-                "gbps": round(self.total / s / 1e9, 2), "written_gb": round(written / 1e9, 2)}
+                "gbps": round(self.total / s / 1e9, 2), "written_gb": round(written / 1e9, 2),
+                "prepare_s": round(prepare_s, 3)}
+
+    def mapping(self) -> tuple[int, float, mmap.mmap]:
+        """One file of the image's size in the folder, mapped shared and its pages made by 16
+        threads: its address, the seconds that took, the mapping."""
+        t0 = time.monotonic()
+        fd = os.open(self.folder / "data", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, self.total)
+            m = mmap.mmap(fd, self.total, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        at = C.addressof(C.c_char.from_buffer(m))
+        parts = list(range(0, self.total, GIB))
+        lock = threading.Lock()
+        errors: list[int] = []
+
+        def populate() -> None:
+            while True:
+                with lock:
+                    if not parts:
+                        return
+                    off = parts.pop()
+                if _libc.madvise(at + off, min(GIB, self.total - off), MADV_POPULATE_WRITE):
+                    errors.append(C.get_errno())
+
+        timed_threads(populate, 16)
+        if errors:
+            m.close()
+            raise OSError(errors[0], f"making the pages of {self.folder / 'data'}: "
+                          f"{os.strerror(errors[0])}")
+        return at, time.monotonic() - t0, m
 
 
 def timed_threads(fn: Callable[[], None], threads: int) -> float:
@@ -279,6 +334,8 @@ def main() -> None:
     ap.add_argument("--ring-gib", type=int, default=8)
     ap.add_argument("--dest", default="/dev/shm", help="folders, comma-separated")
     ap.add_argument("--threads", default="16,8")
+    ap.add_argument("--ways", default="", help="only these ways (and d2h, memcpy), in order; "
+                    "default: every way but map and hash-map")
     a = ap.parse_args()
     drv = driver()
     drv.init()
@@ -303,6 +360,11 @@ def main() -> None:
         for folder in folders:
             d = Drain(drv, src.value, total, ring, folder, targets(src.value))
             for threads in (int(t) for t in a.threads.split(",")):
+                if a.ways:
+                    for way in a.ways.split(","):
+                        row(direct(drv, src.value, total, folder, threads) if way == "direct"
+                            else d.run(way, threads), str(folder.parent))
+                    continue
                 for way in ("hash", "write", "two-stage", "one-pass", "two-stage", "one-pass"):
                     row(d.run(way, threads), str(folder.parent))
                 row(d.run("write", threads, keep=True), str(folder.parent))
