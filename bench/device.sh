@@ -210,6 +210,11 @@ drain)
     done
     step drain python3 bench/drain_probe.py --out "$out" --gib "${POS_DRAIN_GIB:-16}" \
         --dest "$dest" --threads "${POS_DRAIN_THREADS:-16,8}" --ways "${POS_DRAIN_WAYS:-}"
+    for size in ${POS_DRAIN_HUGETLB//,/ }; do   # the reserved pages given back
+        umount "/mnt/pos-hugetlb-$size"
+        kib=2048; [ "$size" = 1G ] && kib=1048576
+        echo 0 > "/sys/kernel/mm/hugepages/hugepages-${kib}kB/nr_hugepages"
+    done
     grep '^row' "$out/drain.log" ;;
 criudest)
     step criu-dest python3 bench/criu_dest_probe.py --out "$out"
