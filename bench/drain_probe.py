@@ -362,8 +362,13 @@ def main() -> None:
             for threads in (int(t) for t in a.threads.split(",")):
                 if a.ways:
                     for way in a.ways.split(","):
-                        row(direct(drv, src.value, total, folder, threads) if way == "direct"
-                            else d.run(way, threads), str(folder.parent))
+                        try:
+                            row(direct(drv, src.value, total, folder, threads) if way == "direct"
+                                else d.run(way, threads), str(folder.parent))
+                        except OSError as e:   # hugetlbfs has no write(): the way's row says so
+                            shutil.rmtree(folder, ignore_errors=True)
+                            row({"way": way, "threads": threads, "error": str(e)},
+                                str(folder.parent))
                     continue
                 for way in ("hash", "write", "two-stage", "one-pass", "two-stage", "one-pass"):
                     row(d.run(way, threads), str(folder.parent))
