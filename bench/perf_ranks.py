@@ -53,6 +53,7 @@ def row(run: dict[str, Any], one_rank_stall: float, gpu_gb: float, host: str, ra
         if run.get("criu_written_mib") else None,
         "phases": steps_of(tim), "restore_phases": steps_of(run.get("restore_timings") or {}),
         "error": None if run["bit_exact"] else "not bit-exact",
+        "pos_env": run.get("pos_env"),   # pos's settings in this run (--pos-env), if any
         "raw": raw, "host": host,
     }
 
