@@ -21,6 +21,7 @@ from pos.errors import BadInput, PosError
 MAX_FDS = 250   # descriptors per message (the kernel takes up to 253): the agent's, the watchdog's
 PROBE_S = 3.0   # a connection pos found gone: how long a new one may take to say why
 STALL_S = 60.0  # the agent's default bound on a silent pos (POS_AGENT_STALL_S in the job)
+LINE_ROOM = 60000   # bytes of a request line the agent reads whole (control.c: 64 KiB)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,19 @@ class OwnAlloc:
     size: int
     released: bool
     down: bool = False
+
+
+@dataclass(frozen=True)
+class OwnExport:
+    """The job's own allocations that can be taken (own-export, own-take), in `exports` order:
+    their addresses and serials, and descriptors the caller owns. `same`: an own-take given
+    the serials of an own-export made before the cut found them unchanged, and sent no
+    descriptors: the earlier ones name this memory."""
+
+    vas: list[int]
+    serials: list[int]
+    fds: list[int]
+    same: bool
 
 
 @dataclass(frozen=True)
@@ -523,11 +537,20 @@ class Agent:
         """The imports that are down mapped back, one descriptor each in `peers` order."""
         return self._up("peer-up", fds)
 
-    def own_take(self) -> tuple[list[int], list[int]]:
-        """A fresh export of each of the job's own allocations that can be exported, in
-        `exports` order: their addresses, and descriptors the caller owns."""
-        r = self._ask("own-take")
-        return [int(v) for v in r["vas"]], self._take_fds(int(r["fds"]))
+    def own_export(self) -> OwnExport:
+        """What own_take would export, while the job runs; nothing marked for own-down."""
+        return self._own(self._ask("own-export"))
+
+    def own_take(self, serials: Optional[list[int]] = None) -> OwnExport:
+        """The job's own allocations that can be taken, marked for own-down: a fresh export of
+        each, unless `serials` (an own_export's) are still those allocations (`same`)."""
+        given = ",".join(str(n) for n in serials or [])
+        fits = 0 < len(given) < LINE_ROOM       # longer: a fresh export
+        return self._own(self._ask(f"own-take {given}" if fits else "own-take"))
+
+    def _own(self, r: dict[str, Any]) -> OwnExport:
+        return OwnExport([int(v) for v in r["vas"]], [int(n) for n in r["serials"]],
+                         self._take_fds(int(r["fds"])), bool(r["same"]))
 
     def own_down(self) -> int:
         """The job's own allocations unmapped and its handles released (what own-take gave

@@ -55,7 +55,6 @@ from pos.settings import Settings
 
 if TYPE_CHECKING:     # numpy's import (0.15 s) is left to the copy
     from pos.concurrent.copier import Copied
-    from pos.concurrent.gpucopy import Shadow
 
 # What dumps the tree once its jobs are small: `dump(guard, folder)` writes into `folder` (the
 # default is pos's CRIU; a container's runtime dumps its container instead: pos/container/)
@@ -96,7 +95,7 @@ class _Whole:
         self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
-        self.own_shadows: dict[int, Shadow] = {}   # made for it before the cut, by PID
+        self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
         self.nvls = functools.cache(restorable.nvls_on)
@@ -299,13 +298,16 @@ class _Whole:
         return mine if kept or (shared and total <= self.settings.own_memory_max_bytes) else []
 
     def reserve_own(self) -> None:
-        """The device memory each take will copy its job's own memory into, made now."""
+        """What each take needs made now (ownmem.ready): the device memory it will copy its
+        job's own memory into, and that memory exported and mapped."""
         for s in self.owning(self.statuses):
             s.use()
-            shadow = ownmem.reserve(s.drv, self.statuses[s.pid].own_bytes or 0)
-            if shadow is not None:
-                self.own_shadows[s.pid] = shadow
-        self.early["own_reserved_bytes"] = sum(x.size for x in self.own_shadows.values())
+            assert s.context is not None     # owning: a job with a context
+            self.own_ready[s.pid] = ownmem.ready(s.connected(), s.drv, s.context.device,
+                                                 self.statuses[s.pid].own_bytes or 0)
+        self.early["own_reserved_bytes"] = sum(r.shadow.size for r in self.own_ready.values()
+                                               if r.shadow is not None)
+        self.early["own_ready_bytes"] = sum(r.bytes for r in self.own_ready.values())
 
     def take_own(self, g: Guard) -> None:
         """Each job's own cuMem memory (NCCL's buffers) copied and given up (ownmem; written
@@ -322,7 +324,7 @@ class _Whole:
             s.use()
             assert s.context is not None     # mine: a job with a context
             return s.pid, ownmem.take(s.connected(), s.drv, s.context.device, s.timed,
-                                      self.own_shadows.pop(s.pid, None))
+                                      self.own_ready.pop(s.pid, None))
 
         def keep(kept: tuple[int, ownmem.Taken]) -> None:
             self.own[kept[0]] = kept[1]
@@ -425,12 +427,12 @@ class _Whole:
         for t in self.taken:
             t.close()
         for s in self.savers:
-            if s.pid in self.own or s.pid in self.own_shadows:
-                s.use()               # the context its shadow was made in
+            if s.pid in self.own or s.pid in self.own_ready:
+                s.use()               # the context its shadow and mapping were made in
             if s.pid in self.own:
                 self.own[s.pid].close()
-            if s.pid in self.own_shadows:
-                self.own_shadows.pop(s.pid).close()
+            if s.pid in self.own_ready:
+                self.own_ready.pop(s.pid).close()
         for s in self.savers:
             s.close()
         for a in self.agents:

@@ -95,45 +95,95 @@ class Taken:
         self.drop()
 
 
-def reserve(drv: "Driver", size: int) -> Optional["gpucopy.Shadow"]:
-    """Device memory for a take's copy of `size` bytes, made before the cut (made while the
-    ranks were held, it was part of the take's 0.16-0.40 s at 2 ranks,
-    bench/results/2026-11-30.md), where pos's shadow rule leaves the GPU room; None where it
-    does not, or there is nothing to take."""
+class Ready:
+    """What a take needs, made before the cut, while the job runs: device memory for its copy
+    (made while the ranks were held, it was part of the take's 0.16-0.40 s at 2 ranks), and the
+    job's own memory exported and mapped in pos (own-export; the export and the mapping were
+    0.03-0.11 s of each rank's take, its copy 0.001-0.005 s: bench/results/2026-11-30.md). At
+    the cut the take is then only its copy, where the job's own allocations are still those
+    exported (the agent's serials), and a fresh export otherwise."""
+
+    def __init__(self, shadow: Optional["gpucopy.Shadow"], regions: list[Region],
+                 serials: list[int], fds: list[int],
+                 mem: Optional["gpucopy.Imported"]) -> None:
+        self.shadow, self.regions, self.serials, self.fds, self.mem = \
+            shadow, regions, serials, fds, mem
+
+    @property
+    def bytes(self) -> int:
+        """The job's own memory exported and mapped before the cut."""
+        return sum(r.size for r in self.regions)
+
+    def close(self) -> None:
+        """Whatever the take did not use let go (the context `ready` ran in current)."""
+        if self.mem is not None:
+            self.mem.close()
+        for fd in self.fds:
+            os.close(fd)
+        if self.shadow is not None:
+            self.shadow.close()
+        self.mem, self.fds, self.shadow = None, [], None
+
+
+def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
+    """The device memory for a take's copy of `size` bytes, where pos's shadow rule leaves the
+    GPU room, and the job's own allocations exported and mapped; nothing where there is
+    nothing to take."""
     from pos.concurrent import gpucopy
 
-    if not size or gpucopy.shadow_room(drv) < size:
-        return None
-    return gpucopy.Shadow(drv, size)
+    if not size:
+        return Ready(None, [], [], [], None)
+    sizes = {a.va: a.size for a in agent.exports()}
+    got = agent.own_export()
+    out = Ready(None, [Region(va, sizes[va], device) for va in got.vas], got.serials, got.fds,
+                None)
+    try:
+        if out.regions:
+            out.mem = gpucopy.Imported(drv, _buffers(out.regions), out.fds)
+        if gpucopy.shadow_room(drv) >= size:
+            out.shadow = gpucopy.Shadow(drv, size)
+    except BaseException:
+        out.close()
+        raise
+    return out
 
 
 def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
-         shadow: Optional["gpucopy.Shadow"] = None) -> Taken:
+         made: Optional[Ready] = None) -> Taken:
     """The held job's own allocations that the driver exports, kept as descriptors, their bytes
-    copied: device to device into `shadow` (`reserve`'s; it is the Taken's from here on) where
-    it holds them all, else into new device memory where pos's shadow rule leaves the GPU room
-    (gpucopy.shadow_room), else into host memory. The job still maps them: its agent's
-    own-down gives them up. `timed`: where the parts' seconds go (own_export, own_map,
-    own_copy)."""
+    copied: device to device into `made`'s shadow where it holds them all, else into new device
+    memory where pos's shadow rule leaves the GPU room (gpucopy.shadow_room), else into host
+    memory. Where the allocations are those `made` exported before the cut, its descriptors
+    and mapping serve; else they are exported and mapped now. What of `made` the take does not
+    use is let go. The job still maps them: its agent's own-down gives them up. `timed`: where
+    the parts' seconds go (own_export, own_map, own_copy)."""
     from pos.concurrent import gpucopy
 
-    size = {a.va: a.size for a in agent.exports()}
+    made = made or Ready(None, [], [], [], None)
     try:
-        vas, fds = timed("own_export", agent.own_take) if size else ([], [])
+        got = timed("own_export", lambda: agent.own_take(made.serials))
+        if got.same:
+            taken = Taken(made.regions, made.fds)
+            mem, made.fds, made.mem = made.mem, [], None
+        else:
+            sizes = {a.va: a.size for a in agent.exports()} if got.vas else {}
+            taken = Taken([Region(va, sizes[va], device) for va in got.vas], got.fds)
+            mem = None
     except BaseException:
-        if shadow is not None:
-            shadow.close()
+        made.close()
         raise
-    taken = Taken([Region(va, size[va], device) for va in vas], fds)
-    if shadow is not None and (not vas or shadow.size < taken.bytes):
+    shadow, made.shadow = made.shadow, None
+    made.close()        # what the take does not use: the job's allocations changed since
+    if shadow is not None and (not taken.regions or shadow.size < taken.bytes):
         shadow.close()       # nothing to copy, or more than was there before the cut
         shadow = None
     taken.shadow = shadow
-    if not vas:       # none the driver would export: the driver's checkpoint keeps them
+    if not taken.regions:       # none the driver would export: the driver's checkpoint keeps them
         return taken
     try:
-        mem = timed("own_map", lambda: gpucopy.Imported(drv, _buffers(taken.regions),
-                                                        taken.fds))
+        if mem is None:
+            mem = timed("own_map", lambda: gpucopy.Imported(drv, _buffers(taken.regions),
+                                                            taken.fds))
         try:
             timed("own_copy", lambda: _copy(drv, taken, mem.local))
         finally:

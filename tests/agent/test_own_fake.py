@@ -38,8 +38,9 @@ def taken(agents: list[Agent]) -> tuple[list[peers.Link], list[int]]:
     and pos's descriptors of that memory."""
     links = peers.match(agents)
     peers.take_down(agents, links)
-    vas, fds = agents[-1].own_take()
-    assert vas == [agents[-1].exports()[0].va]
+    got = agents[-1].own_take()
+    vas, fds = got.vas, got.fds
+    assert vas == [agents[-1].exports()[0].va] and not got.same
     assert agents[-1].own_down() == VMM_BYTES
     return links, fds
 
@@ -119,7 +120,7 @@ def test_pos_gone_with_own_memory_down_ends_the_job_after_its_stall_bound(peer_j
     it back, then ended (its image restores it)."""
     owner = peer_job("own", stall_s=5)
     agents = held(owner)
-    for fd in agents[0].own_take()[1]:
+    for fd in agents[0].own_take().fds:
         os.close(fd)
     agents[0].own_down()
     agents[0].close()
@@ -137,7 +138,7 @@ def test_the_jobs_export_while_its_memory_is_down_waits_for_it(peer_job) -> None
     agents = held(owner)
     fds: list[int] = []
     try:
-        vas, fds = agents[0].own_take()
+        fds = agents[0].own_take().fds
         agents[0].own_down()
         exchange = Path(owner.proc.args[-1])
         (exchange / "export").touch()
@@ -157,7 +158,8 @@ def test_memory_an_own_down_left_mapped_keeps_its_own(peer_job) -> None:
     own-down that failed part way, or none) stays the job's, and the job runs on."""
     owner = peer_job("own")
     agents = held(owner)
-    vas, fds = agents[0].own_take()
+    got = agents[0].own_take()
+    vas, fds = got.vas, got.fds
     try:
         assert agents[0].own_up(fds) == 0
         assert [(a.va, a.down) for a in agents[0].exports()] == [(vas[0], False)]
@@ -168,3 +170,35 @@ def test_memory_an_own_down_left_mapped_keeps_its_own(peer_job) -> None:
         let_go(agents)
     with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
         assert os.pread(mem.fileno(), 16, vas[0]) == SEVEN
+
+
+def test_an_export_before_the_cut_serves_the_take_while_the_memory_is_the_same(peer_job) -> None:
+    """own-export, while the job runs, exports what own-take would and marks nothing; own-take
+    given its serials exports nothing more while those allocations are the job's (`same`), and
+    freshly once they are not: after an own-up, the memory mapped there is pos's, not what the
+    export named."""
+    owner = peer_job("own")
+    with Agent(owner.pid) as a:
+        early = a.own_export()
+        assert a.status().phase == "idle" and not early.same
+    fds = list(early.fds)
+    agents = held(owner)
+    try:
+        assert early.vas == [agents[0].exports()[0].va] and len(early.serials) == 1
+        assert agents[0].own_take([early.serials[0] + 1]).same is False   # not those: fresh
+        for fd in agents[0].own_take([early.serials[0] + 1]).fds:
+            os.close(fd)
+        got = agents[0].own_take(early.serials)
+        assert (got.same, got.vas, got.fds) == (True, early.vas, [])
+        assert agents[0].own_down() == VMM_BYTES       # own-take marked it: down it goes
+        driver_cycle(owner.pid)
+        assert agents[0].own_up(fds) == 1
+        again = agents[0].own_take(early.serials)
+        fds += again.fds
+        assert not again.same and again.serials != early.serials and len(again.fds) == 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+        let_go(agents)
+    with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
+        assert os.pread(mem.fileno(), 16, early.vas[0]) == SEVEN

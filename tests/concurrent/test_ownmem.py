@@ -15,7 +15,7 @@ from pos.concurrent import gpucopy, ownmem
 from pos.errors import BadInput
 from pos.image import names
 from pos.settings import Settings
-from tests.agent.test_peer_fake import SEVEN
+from tests.agent.test_peer_fake import SEVEN, VMM_BYTES
 
 
 @pytest.mark.parametrize("value, taken", [(None, 4 << 30), ("0", 0), ("8", 8 << 30),
@@ -57,26 +57,29 @@ def timed_into(timings: dict[str, float]) -> ownmem.Timed:
     return timed
 
 
-@pytest.mark.parametrize("where", ["reserved", "device", "host"])
+@pytest.mark.parametrize("where", ["ready", "device", "host"])
 def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tmp_path: Path,
                                                               monkeypatch, where: str) -> None:
     """The take copies the memory while the job is held (into device memory made before the
-    cut, or at the take where pos's shadow rule leaves room, else into host memory); the image
-    is written later, once the job runs and writes its memory again: it gets the bytes of the
-    take."""
+    cut, through the export and mapping made then too; or at the take where pos's shadow rule
+    leaves room, else into host memory); the image is written later, once the job runs and
+    writes its memory again: it gets the bytes of the take."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
-    reserved = ownmem.reserve(drv, agent.status().own_bytes) if where == "reserved" else None
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes) if where == "ready" else None
     if where == "host":
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
     agent.cut(5)
     timings: dict[str, float] = {}
-    taken = ownmem.take(agent, drv, 0, timed_into(timings), reserved)
+    shadow, fds = (made.shadow, list(made.fds)) if made else (None, [])
+    taken = ownmem.take(agent, drv, 0, timed_into(timings), made)
     try:
-        assert set(timings) == {"own_export", "own_map", "own_copy"}
+        assert set(timings) == ({"own_export", "own_copy"} if made else
+                                {"own_export", "own_map", "own_copy"})
         assert (taken.shadow is not None, taken.host is not None) == (where != "host",
                                                                       where == "host")
-        assert where != "reserved" or taken.shadow is reserved
+        assert made is None or (taken.shadow is shadow and taken.fds == fds
+                                and (made.shadow, made.fds, made.mem) == (None, [], None))
         agent.stamp(taken.regions[0].va, os.urandom(16))     # the job writes after the take
         taken.write(drv, tmp_path, 7)
         agent.unstamp()
@@ -100,7 +103,7 @@ def test_memory_made_before_the_cut_too_small_for_the_take_is_let_go(peer_job, d
     close = small.close
     small.close = lambda: (freed.append(small.ptr), close())    # type: ignore[method-assign]
     agent.cut(5)
-    taken = ownmem.take(agent, drv, 0, timed_into({}), small)
+    taken = ownmem.take(agent, drv, 0, timed_into({}), ownmem.Ready(small, [], [], [], None))
     try:
         assert freed and taken.shadow is not None and taken.shadow is not small
         assert taken.shadow.size == taken.bytes
@@ -110,13 +113,47 @@ def test_memory_made_before_the_cut_too_small_for_the_take_is_let_go(peer_job, d
         agent.close()
 
 
-def test_no_room_on_the_gpu_reserves_nothing(drv, monkeypatch) -> None:
-    monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
-    assert ownmem.reserve(drv, 2 << 20) is None
-    assert ownmem.reserve(drv, 0) is None
-    shadow = ownmem.reserve(drv, 1 << 20)
-    assert shadow is not None and shadow.size == 1 << 20
-    shadow.close()
+def test_no_room_on_the_gpu_reserves_no_device_memory(peer_job, drv, monkeypatch) -> None:
+    """Where pos's shadow rule leaves the GPU too little room, the take's device memory is not
+    made before the cut, but the job's own memory is still exported and mapped; with nothing
+    to take, nothing is asked of the job."""
+    agent = Agent(peer_job("own").pid)
+    try:
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
+        none = ownmem.ready(agent, drv, 0, 2 << 20)
+        assert none.shadow is None and none.bytes == VMM_BYTES and none.mem is not None
+        none.close()
+        assert (none.fds, none.mem) == ([], None)
+        nothing = ownmem.ready(None, drv, 0, 0)     # type: ignore[arg-type]  # never asked
+        assert (nothing.shadow, nothing.regions, nothing.fds) == (None, [], [])
+        made = ownmem.ready(agent, drv, 0, 1 << 20)
+        assert made.shadow is not None and made.shadow.size == 1 << 20
+        made.close()
+    finally:
+        agent.close()
+
+
+def test_a_job_whose_own_memory_changed_since_the_export_is_exported_again(
+        peer_job, drv, tmp_path: Path) -> None:
+    """The job's own allocations are no longer those exported before the cut (the agent's
+    serials): the take exports and maps them afresh, lets the early ones go, and the image
+    still gets the job's bytes."""
+    agent = Agent(peer_job("own").pid)
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes)
+    made.serials = [n + 1000 for n in made.serials]      # as if the job had mapped anew
+    early = list(made.fds)
+    agent.cut(5)
+    timings: dict[str, float] = {}
+    taken = ownmem.take(agent, drv, 0, timed_into(timings), made)
+    try:
+        assert set(timings) == {"own_export", "own_map", "own_copy"}
+        assert taken.fds and not set(taken.fds) & set(early) and made.fds == []
+        taken.write(drv, tmp_path, None)
+        assert (tmp_path / names.own_memory(None)[1]).read_bytes()[:16] == SEVEN
+    finally:
+        taken.close()
+        agent.end()
+        agent.close()
 
 
 @pytest.mark.parametrize("sizes", [(3 << 18, 1 << 19, 1 << 18), (3 << 18, 5 << 20, 1 << 18)],

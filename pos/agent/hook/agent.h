@@ -249,7 +249,8 @@ void do_peek(struct conn *c, const char *args);
 void do_peer_down(struct conn *c);
 void do_peer_export(struct conn *c, const char *args);
 void do_peer_up(struct conn *c, size_t want);
-void do_own_take(struct conn *c);
+void do_own_export(struct conn *c);
+void do_own_take(struct conn *c, const char *serials);
 void do_own_down(struct conn *c);
 void do_own_up(struct conn *c, size_t want);
 

@@ -203,8 +203,10 @@ static void serve(int fd) {
             do_peer_export(c, args);
         else if (!strcmp(cmd, "peer-up"))
             do_peer_up(c, args ? strtoul(args, NULL, 10) : 0);
+        else if (!strcmp(cmd, "own-export"))
+            do_own_export(c);
         else if (!strcmp(cmd, "own-take"))
-            do_own_take(c);
+            do_own_take(c, args);
         else if (!strcmp(cmd, "own-down"))
             do_own_down(c);
         else if (!strcmp(cmd, "own-up"))

@@ -28,8 +28,9 @@
  * export of the job's own allocation at VA, and `peer-up` maps such exports at the old
  * addresses with the old access (protocol.md).
  *
- * The job's own allocations can be taken as pos takes the memory it owns: `own-take` exports
- * each, `own-down` unmaps it and releases the job's handle (pos's import holds the memory, and
+ * The job's own allocations can be taken as pos takes the memory it owns: `own-export` exports
+ * each before the cut, `own-take` at the cut marks them (exporting again only what changed
+ * since: each mapping has a serial), `own-down` unmaps it and releases the job's handle (pos's import holds the memory, and
  * the driver's checkpoint no longer copies it: about a third of a 2-rank NCCL job's hold,
  * bench/results/2026-11-29.md), `own-up` maps pos's descriptors back at the same addresses.
  * The job keeps the handle it made: NCCL frees from the address (cuMemRetainAllocationHandle,
@@ -83,6 +84,9 @@ struct own_map {
     int down;  /* taken down by pos (own-down): unmapped, h released, until own-up */
     int fd;   /* pos's descriptor it was mapped back from (own-up; -1: none): the driver does
                * not export an imported handle again, so an export of it is a copy of this */
+    unsigned long serial; /* this mapping's number, new with each map and own-up: an export
+                           * pos made before the cut (own-export) names the same memory at the
+                           * cut only while the numbers it was given are still there */
 };
 
 /* A nonce written over the job's bytes (stamp), for unstamp. */
@@ -109,6 +113,7 @@ static struct ipc_map *ipcs;
 static size_t nipcs, capipcs;
 static struct own_map *owns;
 static size_t nowns, capowns;
+static unsigned long own_serials; /* the last own_map serial given */
 static struct stamp *stamps;
 static size_t nstamps, capstamps;
 static size_t lost; /* records not kept: pos must refuse the job */
@@ -183,7 +188,8 @@ void peer_mapped(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocat
             lost++;
     } else if (offset == 0) { /* the job's own allocation, from its start */
         if (room() && grow((void **)&owns, nowns, &capowns, sizeof(*owns)))
-            owns[nowns++] = (struct own_map){.va = va, .size = size, .h = h, .fd = -1};
+            owns[nowns++] = (struct own_map){.va = va, .size = size, .h = h, .fd = -1,
+                                             .serial = ++own_serials};
         else
             lost++;
     }
@@ -641,41 +647,89 @@ static int on_device(size_t k) {
            prop.location.type == LOCATION_DEVICE;
 }
 
-/* `own-take`: a fresh export of each of the job's own allocations that can be exported, in
- * `exports` order (the driver's own call: no gate); one the job released, or made without a
- * POSIX descriptor handle, stays the job's, for the driver's checkpoint. The answer lists the
- * addresses of those taken. pos copies them while every process is held. */
-void do_own_take(struct conn *c) {
-    if (!held(c, "own-take"))
-        return;
+/* Whether owns[k] can be taken: mapped, and its memory exportable (one the job released, or
+ * made without a POSIX descriptor handle, stays the job's, for the driver's checkpoint; one
+ * mapped back from pos's descriptor is always taken: the driver cannot checkpoint the import
+ * that maps it). Caller holds mu. */
+static int takeable(size_t k) {
+    return !owns[k].down && (owns[k].fd >= 0 || (!owns[k].released && on_device(k)));
+}
+
+/* A fresh export of each takeable allocation, in `exports` order, answered with their count,
+ * bytes, addresses and serials, then the descriptors; `take`: marked for own-down. */
+static void export_takeable(struct conn *c, int take) {
     pthread_mutex_lock(&mu);
     int *fds = calloc(nowns ? nowns : 1, sizeof(int));
-    char *vas = calloc(nowns ? nowns : 1, 24);
-    CUresult r = fds && vas ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
-    size_t n = 0, bytes = 0, at = 0;
+    char *vas = calloc(nowns ? nowns : 1, 24), *serials = calloc(nowns ? nowns : 1, 24);
+    CUresult r = fds && vas && serials ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
+    size_t n = 0, bytes = 0, at = 0, sat = 0;
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
         int fd = -1;
-        owns[k].taken = 0;
-        if (owns[k].down || (owns[k].fd < 0 && (owns[k].released || !on_device(k))) ||
-            export_own(k, &fd) != CUDA_SUCCESS)
-            continue; /* one mapped back from pos's is always taken: the driver cannot
-                       * checkpoint the import that maps it */
-        owns[k].taken = 1;
+        if (take)
+            owns[k].taken = 0;
+        if (!takeable(k) || export_own(k, &fd) != CUDA_SUCCESS)
+            continue;
+        if (take)
+            owns[k].taken = 1;
         fds[n++] = fd, bytes += owns[k].size;
         at += (size_t)snprintf(vas + at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
+        sat += (size_t)snprintf(serials + sat, 24, "%s%lu", n > 1 ? "," : "", owns[k].serial);
     }
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS) {
-        reply(c, "{\"ok\":false,\"error\":\"own-take: the driver answered %d\",\"rc\":%d}",
-              (int)r, (int)r);
+        reply(c, "{\"ok\":false,\"error\":\"%s: the driver answered %d\",\"rc\":%d}",
+              take ? "own-take" : "own-export", (int)r, (int)r);
     } else {
-        reply(c, "{\"ok\":true,\"fds\":%zu,\"bytes\":%zu,\"vas\":[%s]}", n, bytes, vas);
+        reply(c, "{\"ok\":true,\"fds\":%zu,\"bytes\":%zu,\"vas\":[%s],\"serials\":[%s],"
+                 "\"same\":false}", n, bytes, vas, serials);
         send_fds(c, fds, n);
     }
     for (size_t i = 0; i < n; i++)
         close(fds[i]);
     free(fds);
     free(vas);
+    free(serials);
+}
+
+/* `own-export`: what own-take would export, while the job runs, marking nothing: pos imports
+ * and maps it before the cut, so that the take at the cut is only its copy (the export and
+ * the mapping were 0.03-0.11 s of each rank's take, the ranks held, bench/results/2026-11-30.md).
+ * The memory stays the job's. */
+void do_own_export(struct conn *c) {
+    export_takeable(c, 0);
+}
+
+/* `own-take [S,S,...]`: the job's own allocations that can be taken, marked for own-down. With
+ * the serials an own-export gave, and those still the takeable ones: no new export (`same`,
+ * `fds: 0`): pos's descriptors from then name this memory. Else a fresh export of each. pos
+ * copies them while every process is held. */
+void do_own_take(struct conn *c, const char *serials) {
+    if (!held(c, "own-take"))
+        return;
+    if (serials && *serials) {
+        pthread_mutex_lock(&mu);
+        char *vas = calloc(nowns ? nowns : 1, 24), *now = calloc(nowns ? nowns : 1, 24);
+        size_t n = 0, bytes = 0, at = 0, sat = 0;
+        for (size_t k = 0; k < nowns && vas && now; k++) {
+            if (!takeable(k))
+                continue;
+            n++, bytes += owns[k].size;
+            at += (size_t)snprintf(vas + at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
+            sat += (size_t)snprintf(now + sat, 24, "%s%lu", n > 1 ? "," : "", owns[k].serial);
+        }
+        int same = vas && now && strcspn(serials, "\r\n") == sat && !strncmp(serials, now, sat);
+        for (size_t k = 0; k < nowns && same; k++)
+            owns[k].taken = takeable(k);
+        pthread_mutex_unlock(&mu);
+        if (same)
+            reply(c, "{\"ok\":true,\"fds\":0,\"bytes\":%zu,\"vas\":[%s],\"serials\":[%s],"
+                     "\"same\":true}", bytes, vas, now);
+        free(vas);
+        free(now);
+        if (same)
+            return;
+    }
+    export_takeable(c, 1);
 }
 
 /* `own-down`: each of the job's own allocations unmapped (its address range kept) and the
@@ -734,6 +788,7 @@ void do_own_up(struct conn *c, size_t want) {
         if (r != CUDA_SUCCESS)
             break;
         o->down = o->taken = 0, up++;
+        o->serial = ++own_serials; /* pos's memory now, not what an export before named */
         o->fd = fd, c->fds[fd_at - 1] = -1; /* kept for the next export */
         if (o->released)
             DRV(cuMemRelease)(h); /* the mapping alone holds it, as before */
