@@ -60,7 +60,7 @@ def held(pid: int) -> Iterator[None]:
 @contextmanager
 def reading(folder: Path) -> Iterator[None]:
     """The image at `folder` kept for the block (a restore reads it): `deletable` says no."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = _opened(folder)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         yield
@@ -73,7 +73,7 @@ def deletable(folder: Path) -> Iterator[bool]:
     """Whether the image at `folder` may be deleted now: no restore reads it (`reading`), and
     none begins to while the block runs."""
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = _opened(folder)
     except FileNotFoundError:
         yield False
         return
@@ -86,6 +86,11 @@ def deletable(folder: Path) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+def _opened(folder: Path) -> int:
+    """The image's folder, opened for its lock (a flock on the folder itself)."""
+    return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def reads_image(method: F) -> F:
