@@ -549,8 +549,10 @@ class Agent:
         return self._own(self._ask(f"own-take {given}" if fits else "own-take"))
 
     def _own(self, r: dict[str, Any]) -> OwnExport:
-        return OwnExport([int(v) for v in r["vas"]], [int(n) for n in r["serials"]],
-                         self._take_fds(int(r["fds"])), bool(r["same"]))
+        # an agent older than own-export (a job started under an older pos) has no serials:
+        # its answer is always a fresh export
+        return OwnExport([int(v) for v in r["vas"]], [int(n) for n in r.get("serials", [])],
+                         self._take_fds(int(r["fds"])), bool(r.get("same", False)))
 
     def own_down(self) -> int:
         """The job's own allocations unmapped and its handles released (what own-take gave

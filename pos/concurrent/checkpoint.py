@@ -177,10 +177,11 @@ class _Whole:
         made are closed (`close`) and the first failure is raised."""
         host_room = HostRoom(self.settings.pin_max_bytes, self.settings.pin_ring_bytes,
                              sum(1 for st in self.statuses.values() if st.owned_bytes))
+        taking = own_taken(self.statuses, self.settings.own_memory_max_bytes)
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,
-            ranks=len(self.agents), host_room=host_room, status=self.statuses[a.pid]),
-            self.savers.append)
+            ranks=len(self.agents), host_room=host_room, status=self.statuses[a.pid],
+            take_own=a.pid in taking), self.savers.append)
         owned = sum(s.owned_bytes for s in self.savers)
         steps.timed(self.early, "own_reserve", self.reserve_own)
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
@@ -284,18 +285,10 @@ class _Whole:
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
 
     def owning(self, statuses: dict[int, Status]) -> list[Saver]:
-        """The jobs whose own cuMem memory a checkpoint takes, by their agents' `statuses`:
-        those with some, in a tree whose processes map each other's memory (NCCL's P2P and
-        SHM on cuMem: what was measured; an image with such links is not moved to other GPUs
-        either) where there is no more of it in all than POS_OWN_MEMORY_MAX_GIB; and those
-        to which an earlier checkpoint or restore mapped some back from pos's descriptors
-        (own_kept), always."""
-        mine = [s for s in self.savers
-                if s.context is not None and (statuses[s.pid].own_bytes or 0)]
-        total = sum(statuses[s.pid].own_bytes or 0 for s in mine)
-        kept = any(statuses[s.pid].own_kept for s in mine)
-        shared = any(st.peer_maps for st in statuses.values())
-        return mine if kept or (shared and total <= self.settings.own_memory_max_bytes) else []
+        """The jobs whose own cuMem memory a checkpoint takes (own_taken, by their agents'
+        `statuses`), of those with a context."""
+        taking = own_taken(statuses, self.settings.own_memory_max_bytes)
+        return [s for s in self.savers if s.context is not None and s.pid in taking]
 
     def reserve_own(self) -> None:
         """What each take needs made now (ownmem.ready): the device memory it will copy its
@@ -455,3 +448,17 @@ class _Whole:
                           sum(t.shadow_bytes for t in self.taken), self.release_s,
                           copied / d2h_s / 1e9 if d2h_s else None, None,
                           sum(s.foreign_bytes for s in self.savers), ranks))
+
+
+def own_taken(statuses: dict[int, Status], max_bytes: int) -> set[int]:
+    """The processes whose own cuMem memory a checkpoint takes, by their agents' `statuses`:
+    those with some, in a tree whose processes map each other's memory (NCCL's P2P and SHM on
+    cuMem: what was measured; an image with such links is not moved to other GPUs either)
+    where there is no more of it in all than `max_bytes` (POS_OWN_MEMORY_MAX_GIB); and those
+    to which an earlier checkpoint or restore mapped some back from pos's descriptors
+    (own_kept), always. A process alone keeps its own through the driver's checkpoint."""
+    mine = {pid for pid, st in statuses.items() if st.own_bytes}
+    total = sum(statuses[pid].own_bytes or 0 for pid in mine)
+    kept = any(statuses[pid].own_kept for pid in mine)
+    shared = any(st.peer_maps for st in statuses.values())
+    return mine if kept or (shared and total <= max_bytes) else set()

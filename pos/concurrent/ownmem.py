@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from pos.agent.control import Agent, Buffer
+from pos.agent.control import Agent, Buffer, OwnExport, Refused
 from pos.errors import BadInput, PosError
 from pos.image import names
 
@@ -134,7 +134,10 @@ def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
     if not size:
         return Ready(None, [], [], [], None)
     sizes = {a.va: a.size for a in agent.exports()}
-    got = agent.own_export()
+    try:
+        got = agent.own_export()
+    except Refused:     # an agent older than own-export, or the driver said no: the take
+        got = OwnExport([], [], [], False)      # exports at the cut (and says so there)
     out = Ready(None, [Region(va, sizes[va], device) for va in got.vas], got.serials, got.fds,
                 None)
     try:

@@ -58,7 +58,8 @@ class Saver:
     """A job's page-locked arena and device shadow, set aside before its cut."""
 
     def __init__(self, agent: Agent, settings: Settings, streams: int, chunk: int,
-                 ranks: int = 1, status: Optional[Status] = None) -> None:
+                 ranks: int = 1, status: Optional[Status] = None, take_own: bool = False
+                 ) -> None:
         from pos.concurrent import gpucopy
 
         self.agent: Optional[Agent] = agent   # None once the job is gone (CRIU ended it)
@@ -78,14 +79,12 @@ class Saver:
         if self.status.own_bytes is not None:    # NCCL's buffers, of those foreign bytes
             self.timings["own_maps_bytes"] = self.status.own_bytes
         # pos's context on it, made current again by each step (`use`), let go by `close`;
-        # none for a process that owns no device memory and has none of its own for pos to
-        # take (torchrun's own: a context would cost its GPU 0.5 GB and the checkpoint
-        # 0.13-0.66 s for nothing to copy)
-        own = self.status.own_bytes or 0
+        # none for a process that owns no device memory and has none of its own that pos
+        # takes (`take_own`: torchrun's own, a process alone with PyTorch's expandable
+        # segments): a context would cost its GPU 0.5 GB and the checkpoint 0.13-0.66 s for
+        # nothing to copy
         self.context = self.timed("context", lambda: gpucopy.Context(
-            devices.cuda_device(self.gpu))) \
-            if self.owned_bytes or self.status.own_kept \
-            or 0 < own <= settings.own_memory_max_bytes else None
+            devices.cuda_device(self.gpu))) if self.owned_bytes or take_own else None
         self.host: Optional[gpucopy.Pinned] = None
         self.shadow: Optional[gpucopy.Shadow] = None
         self.kernel: Optional[Kernel] = None     # pos's checksum kernel (POS_HASH_ON)
@@ -99,12 +98,13 @@ class Saver:
     @classmethod
     def prepare(cls, agent: Agent, settings: Settings, streams: int, chunk: int,
                 gpu_only: bool, ranks: int = 1, host_room: Optional[HostRoom] = None,
-                status: Optional[Status] = None) -> "Saver":
+                status: Optional[Status] = None, take_own: bool = False) -> "Saver":
         """Before the cut: the shadow (the device memory free but 1 GiB, at most the job's) and
         the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring;
         within `host_room`, shared by the savers prepared beside this one). `status`: the
-        agent's, if read already. Closed again if that fails."""
-        saver = cls(agent, settings, streams, chunk, ranks, status)
+        agent's, if read already; `take_own`: the checkpoint takes the job's own cuMem memory
+        (checkpoint.own_taken). Closed again if that fails."""
+        saver = cls(agent, settings, streams, chunk, ranks, status, take_own)
         try:
             saver._prepare(gpu_only, host_room)
         except BaseException:

@@ -123,14 +123,33 @@ def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
 def test_a_process_whose_memory_no_peer_maps_keeps_its_own_through_the_driver(
         peer_job, tmp_path: Path, criu_ready) -> None:
     """Own cuMem memory of a process alone (PyTorch's expandable segments) is left to the
-    driver's checkpoint, as before: its image moves to other GPUs."""
+    driver's checkpoint, as before: its image moves to other GPUs. Owning no other device
+    memory, it gets no context of pos's: there is nothing for one to copy."""
     owner = peer_job("own")
     img = tmp_path / "img"
     r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent",
             "--leave-running", "--json")
     assert r.returncode == 0, r.stderr
-    assert "own_taken_bytes" not in json.loads(r.stdout)["timings"]
+    timings = json.loads(r.stdout)["timings"]
+    assert "own_taken_bytes" not in timings and "context" not in timings
     assert not list(img.glob(names.OWN_MEMORY_INDEXES))
+
+
+def test_a_process_alone_with_only_its_own_memory_is_restored_with_it(
+        peer_job, tmp_path: Path, gpu_env, criu_ready) -> None:
+    """Checkpointed without a context of pos's, and ended: restored, its own memory is what the
+    driver's checkpoint saved, at its address."""
+    owner = peer_job("own")
+    with Agent(owner.pid) as a:
+        va = a.exports()[0].va
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    owner.proc.wait(timeout=30)
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
+        assert os.pread(mem.fileno(), 16, va) == SEVEN
 
 
 def test_own_memory_mapped_back_is_taken_again_whatever_the_setting(

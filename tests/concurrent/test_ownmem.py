@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 
-from pos.agent.control import Agent
+from pos.agent.control import Agent, Refused
 from pos.concurrent import gpucopy, ownmem
 from pos.errors import BadInput
 from pos.image import names
@@ -175,3 +175,27 @@ def test_allocations_of_several_sizes_are_written_each_whole_in_order(drv, tmp_p
         taken.write(drv, tmp_path, None)
         assert ownmem.saved(tmp_path, None) == regions
         assert (tmp_path / names.own_memory(None)[1]).read_bytes() == want, where
+
+
+def test_an_agent_that_cannot_export_before_the_cut_has_its_memory_taken_at_it(
+        peer_job, drv, monkeypatch) -> None:
+    """The job's agent refuses own-export (a job started under an older pos, whose agent lacks
+    it): the device memory is still made before the cut, and the take exports and maps at it."""
+    agent = Agent(peer_job("own").pid)
+
+    def refused() -> None:
+        raise Refused(agent.pid, {"ok": False, "error": "unknown request"})
+
+    monkeypatch.setattr(agent, "own_export", refused)
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes)
+    assert made.regions == [] and made.shadow is not None
+    agent.cut(5)
+    timings: dict[str, float] = {}
+    taken = ownmem.take(agent, drv, 0, timed_into(timings), made)
+    try:
+        assert set(timings) == {"own_export", "own_map", "own_copy"}
+        assert taken.bytes == VMM_BYTES and taken.shadow is not None
+    finally:
+        taken.close()
+        agent.end()
+        agent.close()
