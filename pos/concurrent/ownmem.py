@@ -99,9 +99,10 @@ class Ready:
     """What a take needs, made before the cut, while the job runs: device memory for its copy
     (made while the ranks were held, it was part of the take's 0.16-0.40 s at 2 ranks), and the
     job's own memory exported and mapped in pos (own-export; the export and the mapping were
-    0.03-0.11 s of each rank's take, its copy 0.001-0.005 s: bench/results/2026-11-30.md). At
-    the cut the take is then only its copy, where the job's own allocations are still those
-    exported (the agent's serials), and a fresh export otherwise."""
+    0.03-0.11 s of each rank's take, its copy 0.001-0.005 s). At the cut the take is then only
+    its copy, where the job's own allocations are still those exported (the agent's serials),
+    and a fresh export otherwise: 0.051 s against 0.099 s with the 2 ranks held, in one call
+    (bench/results/2026-11-30.md, run 9)."""
 
     def __init__(self, shadow: Optional["gpucopy.Shadow"], regions: list[Region],
                  serials: list[int], fds: list[int],
@@ -163,17 +164,20 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     from pos.concurrent import gpucopy
 
     made = made or Ready(None, [], [], [], None)
+    mem: Optional[gpucopy.Imported] = None
+    taken = Taken([], [])
     try:
         got = timed("own_export", lambda: agent.own_take(made.serials))
         if got.same:
-            taken = Taken(made.regions, made.fds)
+            taken.regions, taken.fds = made.regions, made.fds
             mem, made.fds, made.mem = made.mem, [], None
         else:
+            taken.fds = got.fds          # closed with the take whatever happens next
             sizes = {a.va: a.size for a in agent.exports()} if got.vas else {}
-            taken = Taken([Region(va, sizes[va], device) for va in got.vas], got.fds)
-            mem = None
+            taken.regions = [Region(va, sizes[va], device) for va in got.vas]
     except BaseException:
         made.close()
+        taken.close()
         raise
     shadow, made.shadow = made.shadow, None
     made.close()        # what the take does not use: the job's allocations changed since
@@ -181,7 +185,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
         shadow.close()       # nothing to copy, or more than was there before the cut
         shadow = None
     taken.shadow = shadow
-    if not taken.regions:       # none the driver would export: the driver's checkpoint keeps them
+    if not taken.regions:     # none the driver would export: its checkpoint keeps them
         return taken
     try:
         if mem is None:
