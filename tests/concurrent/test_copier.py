@@ -395,8 +395,8 @@ def test_a_checkpoints_processes_share_one_room(tmp_path: Path, monkeypatch) -> 
     whole = checkpoint._Whole(1, tmp_path / "img", Save(), lambda _: None,
                               Settings(pin_ring_bytes=8 * GIB, pin_max_bytes=30 * GIB))
     whole.agents = [SimpleNamespace(pid=p) for p in (1, 2, 3)]
-    whole.statuses = {1: SimpleNamespace(owned_bytes=0),
-                      2: SimpleNamespace(owned_bytes=GIB), 3: SimpleNamespace(owned_bytes=GIB)}
+    whole.statuses = {p: SimpleNamespace(owned_bytes=n, own_bytes=None, own_kept=0, peer_maps=0)
+                      for p, n in ((1, 0), (2, GIB), (3, GIB))}
     with pytest.raises(BadInput, match="stop here"):
         whole.prepare()
     assert len(rooms) == 3 and rooms[0] is rooms[1] is rooms[2]
