@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes as C
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -95,6 +95,7 @@ class Taken:
         self.drop()
 
 
+@dataclass
 class Ready:
     """What a take needs, made before the cut, while the job runs: device memory for its copy
     (made while the ranks were held, it was part of the take's 0.16-0.40 s at 2 ranks), and the
@@ -104,11 +105,11 @@ class Ready:
     and a fresh export otherwise: 0.051 s against 0.099 s with the 2 ranks held, in one call
     (bench/results/2026-11-30.md, run 9)."""
 
-    def __init__(self, shadow: Optional["gpucopy.Shadow"], regions: list[Region],
-                 serials: list[int], fds: list[int],
-                 mem: Optional["gpucopy.Imported"]) -> None:
-        self.shadow, self.regions, self.serials, self.fds, self.mem = \
-            shadow, regions, serials, fds, mem
+    shadow: Optional["gpucopy.Shadow"] = None
+    regions: list[Region] = field(default_factory=list)
+    serials: list[int] = field(default_factory=list)     # the agent's, of each mapping
+    fds: list[int] = field(default_factory=list)
+    mem: Optional["gpucopy.Imported"] = None
 
     @property
     def bytes(self) -> int:
@@ -133,15 +134,14 @@ def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
     from pos.concurrent import gpucopy
 
     if not size:
-        return Ready(None, [], [], [], None)
-    sizes = {a.va: a.size for a in agent.exports()}
+        return Ready()
     try:
         got = agent.own_export()
     except Refused:     # an agent older than own-export, or the driver said no: the take
         got = OwnExport([], [], [], False)      # exports at the cut (and says so there)
-    out = Ready(None, [Region(va, sizes[va], device) for va in got.vas], got.serials, got.fds,
-                None)
+    out = Ready(serials=got.serials, fds=got.fds)
     try:
+        out.regions = _regions(agent, got.vas, device)
         if out.regions:
             out.mem = gpucopy.Imported(drv, _buffers(out.regions), out.fds)
         if gpucopy.shadow_room(drv) >= size:
@@ -163,7 +163,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     the parts' seconds go (own_export, own_map, own_copy)."""
     from pos.concurrent import gpucopy
 
-    made = made or Ready(None, [], [], [], None)
+    made = made or Ready()
     mem: Optional[gpucopy.Imported] = None
     taken = Taken([], [])
     try:
@@ -173,8 +173,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
             mem, made.fds, made.mem = made.mem, [], None
         else:
             taken.fds = got.fds          # closed with the take whatever happens next
-            sizes = {a.va: a.size for a in agent.exports()} if got.vas else {}
-            taken.regions = [Region(va, sizes[va], device) for va in got.vas]
+            taken.regions = _regions(agent, got.vas, device)
     except BaseException:
         made.close()
         taken.close()
@@ -199,6 +198,15 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
         taken.close()
         raise
     return taken
+
+
+def _regions(agent: Agent, vas: list[int], device: int) -> list[Region]:
+    """The job's own allocations at `vas` (an own-export's or own-take's), with their sizes
+    as the agent lists them."""
+    if not vas:
+        return []
+    sizes = {a.va: a.size for a in agent.exports()}
+    return [Region(va, sizes[va], device) for va in vas]
 
 
 def _copy(drv: "Driver", taken: Taken, local: list[int]) -> None:

@@ -103,7 +103,7 @@ def test_memory_made_before_the_cut_too_small_for_the_take_is_let_go(peer_job, d
     close = small.close
     small.close = lambda: (freed.append(small.ptr), close())    # type: ignore[method-assign]
     agent.cut(5)
-    taken = ownmem.take(agent, drv, 0, timed_into({}), ownmem.Ready(small, [], [], [], None))
+    taken = ownmem.take(agent, drv, 0, timed_into({}), ownmem.Ready(shadow=small))
     try:
         assert freed and taken.shadow is not None and taken.shadow is not small
         assert taken.shadow.size == taken.bytes

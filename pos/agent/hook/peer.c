@@ -655,6 +655,13 @@ static int takeable(size_t k) {
     return !owns[k].down && (owns[k].fd >= 0 || (!owns[k].released && on_device(k)));
 }
 
+/* owns[k] as the n-th of a reply's lists: its address onto `vas`, its serial onto `serials`
+ * (each 24 bytes an allocation). Caller holds mu. */
+static void listed(size_t k, size_t n, char *vas, size_t *at, char *serials, size_t *sat) {
+    *at += (size_t)snprintf(vas + *at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
+    *sat += (size_t)snprintf(serials + *sat, 24, "%s%lu", n > 1 ? "," : "", owns[k].serial);
+}
+
 /* A fresh export of each takeable allocation, in `exports` order, answered with their count,
  * bytes, addresses and serials, then the descriptors; `take`: marked for own-down. */
 static void export_takeable(struct conn *c, int take) {
@@ -672,8 +679,7 @@ static void export_takeable(struct conn *c, int take) {
         if (take)
             owns[k].taken = 1;
         fds[n++] = fd, bytes += owns[k].size;
-        at += (size_t)snprintf(vas + at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
-        sat += (size_t)snprintf(serials + sat, 24, "%s%lu", n > 1 ? "," : "", owns[k].serial);
+        listed(k, n, vas, &at, serials, &sat);
     }
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS) {
@@ -714,8 +720,7 @@ void do_own_take(struct conn *c, const char *serials) {
             if (!takeable(k))
                 continue;
             n++, bytes += owns[k].size;
-            at += (size_t)snprintf(vas + at, 24, "%s%llu", n > 1 ? "," : "", owns[k].va);
-            sat += (size_t)snprintf(now + sat, 24, "%s%lu", n > 1 ? "," : "", owns[k].serial);
+            listed(k, n, vas, &at, now, &sat);
         }
         int same = vas && now && strcspn(serials, "\r\n") == sat && !strncmp(serials, now, sat);
         for (size_t k = 0; k < nowns && same; k++)
