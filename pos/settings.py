@@ -25,6 +25,8 @@ Every setting, its variable and its default:
   frozen_copy         POS_FROZEN_COPY       what the copy takes while the job is frozen
   savers_held         POS_SAVERS_HELD       when the copy's savers wait while the job is
                                             frozen (see SAVERS_HELD)
+  copy_paused         POS_COPY_PAUSED       when the copy to host memory waits while the job
+                                            is held (see COPY_PAUSED)
   hash_on             POS_HASH_ON           where a checkpoint's copy hashes and scans each
                                             chunk (see HASH_ONS)
   shadow_max_bytes    POS_SHADOW_MAX_BYTES  device memory the shadow takes at most
@@ -69,6 +71,12 @@ FROZEN_COPIES = ("unshadowed", "all")
 # frozen part (`frozen`), which let the driver's restore take 0.22-0.24 s against 0.28-0.29
 # (bench/results/2026-11-29.md, perf runs 17-18)
 SAVERS_HELD = ("criu", "frozen")
+# the copy to host memory (the streams into the page-locked ring) waits while the driver
+# checkpoints and restores the job and while the job gives its memory up and maps it back
+# (`driver`: the driver copies the job's context over the same bus), or goes on through them
+# (`never`), so that less is left to copy when the job runs again: what a job that writes more
+# than pos could shadow then waits for
+COPY_PAUSED = ("driver", "never")
 # where the concurrent copy's checksum and pointer scan of each chunk are made: on the GPU that
 # holds the chunk, by pos's kernel (pos/concurrent/gpuhash.py), so that the savers only write
 # (`gpu`; a driver that cannot load the kernel is refused), where the driver can load it
@@ -114,6 +122,7 @@ class Settings:
     pin_keep: bool = False
     frozen_copy: str = FROZEN_COPIES[0]
     savers_held: str = SAVERS_HELD[0]
+    copy_paused: str = COPY_PAUSED[0]
     hash_on: str = HASH_ONS[0]
     shadow_max_bytes: Optional[int] = None
     own_memory_max_bytes: int = DEFAULT_OWN_MEMORY_MAX
@@ -201,6 +210,8 @@ class Settings:
                                "copies only what pos could not shadow)"),
             savers_held=choice("POS_SAVERS_HELD", SAVERS_HELD, "unset it (the copy's savers then "
                                "wait only for CRIU's dump)"),
+            copy_paused=choice("POS_COPY_PAUSED", COPY_PAUSED, "unset it (the copy to host "
+                               "memory then waits for the driver's calls)"),
             hash_on=choice("POS_HASH_ON", HASH_ONS, "unset it (each chunk is then hashed on the "
                            "GPU where the driver can)"),
             shadow_max_bytes=get("POS_SHADOW_MAX_BYTES", int, None, "a number of bytes",

@@ -401,10 +401,10 @@ class Taken:
         return self.saver.timed(name, lambda: self.paused(call))
 
     def paused(self, call: Callable[[], Any]) -> Any:
-        """The driver's checkpoint or restore of the job (or the job's remap), with pos's copy
-        to host memory held: the driver copies the job's context over the same bus, and holds
-        the job meanwhile."""
-        if self.copier is None:
+        """The driver's checkpoint or restore of the job (or the job's hoist or remap), with
+        pos's copy to host memory held (the driver copies the job's context over the same bus,
+        and holds the job meanwhile; POS_COPY_PAUSED=never: it goes on)."""
+        if self.copier is None or self.saver.settings.copy_paused == "never":
             return call()
         self.copier.pause()
         try:

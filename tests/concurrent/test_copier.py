@@ -401,3 +401,26 @@ def test_a_checkpoints_processes_share_one_room(tmp_path: Path, monkeypatch) -> 
         whole.prepare()
     assert len(rooms) == 3 and rooms[0] is rooms[1] is rooms[2]
     assert rooms[0].ring == 4 * GIB and rooms[0].cap_left == 30 * GIB
+
+
+@pytest.mark.parametrize("paused, going", [("driver", False), ("never", True)])
+def test_the_copy_waits_for_the_drivers_calls_unless_told_not_to(paused: str,
+                                                                 going: bool) -> None:
+    """POS_COPY_PAUSED: the copy to host memory is held while the driver checkpoints or restores
+    the job (`driver`, the default), or goes on through them (`never`); either way it goes on
+    after."""
+    taken = Taken.__new__(Taken)           # its copier and settings are all paused uses
+    taken.copier = SimpleNamespace(go=threading.Event())   # type: ignore[assignment]
+    taken.copier.go.set()
+    taken.copier.pause = taken.copier.go.clear
+    taken.copier.resume = taken.copier.go.set
+    taken.saver = SimpleNamespace(settings=Settings.from_env({"POS_COPY_PAUSED": paused}),
+                                  timings={})   # type: ignore[assignment]
+    assert taken.paused(taken.copier.go.is_set) is going
+    assert taken.copier.go.is_set()
+
+
+def test_a_bad_copy_paused_setting_is_one_sentence() -> None:
+    with pytest.raises(BadInput, match="POS_COPY_PAUSED=always is not one of driver, never"):
+        Settings.from_env({"POS_COPY_PAUSED": "always"})
+    assert Settings.from_env({}).copy_paused == "driver"
