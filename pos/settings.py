@@ -74,8 +74,10 @@ SAVERS_HELD = ("criu", "frozen")
 # the copy to host memory (the streams into the page-locked ring) waits while the driver
 # checkpoints and restores the job and while the job gives its memory up and maps it back
 # (`driver`: the driver copies the job's context over the same bus), or goes on through them
-# (`never`), so that less is left to copy when the job runs again: what a job that writes more
-# than pos could shadow then waits for
+# (`never`), so that less is left to copy when the job runs again. Going on, it made the
+# driver's calls and the remap 0.2-0.6 s slower in all, more than it gained: a 97 GB job on the
+# H200 bounded to 8 GiB stalled 1.75-2.20 s against 1.64 s, a 142 GB one 2.08 against 1.81 s,
+# though the latter lost 1.0 s less over all its steps (bench/results/2026-11-30.md, last part)
 COPY_PAUSED = ("driver", "never")
 # where the concurrent copy's checksum and pointer scan of each chunk are made: on the GPU that
 # holds the chunk, by pos's kernel (pos/concurrent/gpuhash.py), so that the savers only write
