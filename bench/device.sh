@@ -84,6 +84,8 @@
 #                                # e.g. "--repeat 3 --steps 200", or "--pos-env
 #                                # default,POS_OWN_MEMORY_MAX_GIB=0": pos's settings in turn)
 #                                # (~6 min at 2 ranks)
+#   bench/device.sh tests        # the GPU tests that need CRIU and no bcc: tests/gpu's
+#                                # checkpoint, concurrent, gpuhash and scale tests (~6 min)
 #   bench/device.sh containers   # GPU jobs in podman containers: bench/containers_gpu.py, a
 #                                # training job with pos's agent through CDI saved while it
 #                                # runs, killed and restored exact, then its image restored as
@@ -112,7 +114,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 concurrent restart pin exit anon attach perf export drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 tests concurrent restart pin exit anon attach perf export drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -175,6 +177,11 @@ checkpoint)
     step checkpoint-test python3 -m pytest -ra -s tests/gpu/test_checkpoint_gpu.py
     step checkpoint-bench python3 bench/checkpoint_gpu.py --sizes 1,4,16 \
         --out "$out/checkpoint-h100.json" --images /tmp ;;
+tests)
+    step native python3 -m pos.native
+    step gpu-tests python3 -m pytest -ra -s tests/gpu/test_checkpoint_gpu.py \
+        tests/gpu/test_concurrent_gpu.py tests/gpu/test_gpuhash_gpu.py tests/gpu/test_scale_gpu.py
+    tail -15 "$out/gpu-tests.log" ;;
 checkpoint32)
     step checkpoint-bench-32 python3 bench/checkpoint_gpu.py --sizes 32 \
         --out "$out/checkpoint-h100-32.json" --images /tmp ;;
