@@ -57,10 +57,13 @@ def test_a_job_at_85_percent_of_the_gpu_is_restored_bit_for_bit() -> None:
     work.mkdir()
     log, img = work / "job.log", work / "img"
     env = {**os.environ, **env}
-    job = subprocess.Popen([*POS, "run", "--", sys.executable, "workloads/train_gpt.py",
-                            str(log), "--steps", "0", "--ctx", "512", "--fill-to",
-                            f"{job_gib:.2f}", "--digest-every", "10"], cwd=ROOT,
-                           stdout=subprocess.DEVNULL, start_new_session=True)
+    # its stderr appended to a file of its own: a file the job writes that is not opened to
+    # append, as the test's own output may be, is refused by the restore once it has grown
+    with open(work / "job.err", "ab") as err:
+        job = subprocess.Popen([*POS, "run", "--", sys.executable, "workloads/train_gpt.py",
+                                str(log), "--steps", "0", "--ctx", "512", "--fill-to",
+                                f"{job_gib:.2f}", "--digest-every", "10"], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         _wait_steps(log, 12)
         time.sleep(random.uniform(0, 1.0))
