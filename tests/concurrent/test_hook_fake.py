@@ -361,6 +361,72 @@ def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
     assert (gate.held_all >= 1) == (not layout_known)
 
 
+# kernels named as PyTorch's elementwise kernels for one output, and as its kernel for several
+ELEMENTWISE = ("_ZN2at6native29vectorized_elementwise_kernelILi4EN4test4CopyESt5arrayIPcLm2EEEE"
+               "viT0_T1_")
+UNROLLED = "_ZN2at6native27unrolled_elementwise_kernelIN4test4CopyESt5arrayIPcLm2EELi4EEEviT_T0_"
+MULTI = ("_ZN2at6native45unrolled_elementwise_kernel_for_multi_outputsILi2EN4test4CopyESt5arrayI"
+         "PcLm2EEEEviT0_T1_")
+
+
+@pytest.mark.parametrize("kernel, reads_pass", [(ELEMENTWISE, True), (UNROLLED, True),
+                                                (MULTI, False)])
+def test_an_elementwise_kernel_passes_the_copy_gate_while_only_its_input_is_pending(
+        fill_job, kernel: str, reads_pass: bool) -> None:
+    """The job launches a kernel with the parameters PyTorch's elementwise kernels take: its
+    data array names the second buffer (the output), then the first (the input); its functor
+    holds the third's address. In the checkpoint's copy its launches wait while the output or
+    the functor's address is pending, and pass while only the input is, which the kernel only
+    reads. A kernel of another name (PyTorch's for several outputs) waits for the input too."""
+    job = fill_job(buffers=4, elementwise=kernel)
+    printed = job.out.read_text()
+    source, output, held = (int(printed.split(f"BUFFER{i} ")[1].split()[0], 16)
+                            for i in range(3))
+    with Agent(job.pid) as a:
+        a.cut(5)
+        a.copy()                                # every buffer pending
+        try:
+            a.done([b.va for b in a.table() if b.va not in (source, output, held)])
+            for waited in (held, output):       # in the order of the parameters
+                # a time, not a wait: no launch may pass in it, `waited` pending
+                time.sleep(0.2)
+                assert a.status().gate.passed == 0
+                assert a.wanted() == [waited]
+                a.done([waited])
+            if not reads_pass:
+                time.sleep(0.2)                 # as above: the input pending
+                assert a.status().gate.passed == 0
+                a.done([source])
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+        finally:
+            gate = a.end()
+    assert gate.held_max_s >= 0.4 and {w.what for w in gate.waits} == {kernel}
+
+
+def test_an_elementwise_kernel_waits_in_the_restore_gate_for_its_input(fill_job) -> None:
+    """In a restore a kernel reads only what is back: the elementwise kernel's launches wait
+    for their input as for every buffer they name."""
+    job = fill_job(buffers=4, elementwise=ELEMENTWISE)
+    source = int(job.out.read_text().split("BUFFER0 ")[1].split()[0], 16)
+    with Agent(job.pid) as a:
+        a.cut(5)
+        fds = a.export().fds
+        a.hoist()
+        a.remap(fds, restore=True)              # every buffer pending
+        try:
+            a.done([b.va for b in a.table() if b.va != source])
+            time.sleep(0.2)                     # a time, not a wait: none may pass in it
+            assert a.status().gate.passed == 0
+            assert a.wanted() == [source]
+            a.done([source])
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+        finally:
+            gate = a.end()
+        for fd in fds:
+            os.close(fd)
+    assert max(gate.waits, key=lambda w: w.s).on == source
+
+
 def test_the_buffers_the_job_uses_once_released_are_marked_hot_in_its_image(
         fill_job, tmp_path: Path) -> None:
     """The job launches axpy on its first buffer only: the image says that buffer is the one

@@ -8,7 +8,10 @@
  * (cuMemAllocAsync), which pos cannot own. FILL_JOB_AXPY=NAME makes every
  * operation a launch of the kernel NAME with axpy's parameters on the first buffer instead
  * (nothing changes: the fake runs no kernel), whose address it prints as "BUFFER0 0x..."
- * before READY. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel named as NCCL's
+ * before READY. FILL_JOB_ELEMENTWISE=NAME (N >= 3) launches NAME instead as PyTorch launches
+ * its elementwise kernels for one output: (count, a functor holding the third buffer's address,
+ * the data array {second buffer, first buffer}: the output, then the input), and prints the
+ * three addresses as BUFFER0-2. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel named as NCCL's
  * are, one operation every 2 ms, as a rank of a DDP job makes a collective now and then: two
  * such jobs cut before the same NCCL launch hold the same state. FILL_JOB_COPY=NAME looks the
  * driver's copy NAME up (cuGetProcAddress) and, every operation, copies the first buffer onto
@@ -82,6 +85,9 @@ int main(int argc, char **argv) {
     CHECK(cuModuleGetFunction(&fn, mod, nccl ? "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
                                               : "no_params"));
     const char *axpy_name = getenv("FILL_JOB_AXPY");
+    const char *elementwise = getenv("FILL_JOB_ELEMENTWISE");
+    if (elementwise)
+        axpy_name = elementwise;
     int launches_only = axpy_name != NULL;
     CUfunction axpy;
     if (launches_only)
@@ -105,8 +111,8 @@ int main(int argc, char **argv) {
         CUdeviceptr p;
         CHECK(cuMemAllocAsync(&p, strtoull(pool, NULL, 0), NULL));
     }
-    if (launches_only)
-        printf("BUFFER0 0x%llx\n", buf[0]);
+    for (int i = 0; launches_only && i < (elementwise ? 3 : 1); i++)
+        printf("BUFFER%d 0x%llx\n", i, buf[i]);
     printf("READY %d\n", getpid());
     fflush(stdout);
     struct stat sb;
@@ -124,10 +130,17 @@ int main(int argc, char **argv) {
                 fflush(stdout);
             }
         }
-        if (launches_only) {
+        if (launches_only && !elementwise) {
             float alpha = 1.0f;
             int count = (int)(bytes / 4);
             void *params[] = {&alpha, &buf[0], &buf[0], &count};
+            CHECK(cuLaunchKernel(axpy, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
+            continue;
+        }
+        if (launches_only) { /* as PyTorch's: (N, a functor holding buf[2], {buf[1], buf[0]}) */
+            int count = (int)(bytes / 4);
+            CUdeviceptr data[2] = {buf[1], buf[0]};
+            void *params[] = {&count, &buf[2], data};
             CHECK(cuLaunchKernel(axpy, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
             continue;
         }

@@ -1126,7 +1126,7 @@ API CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
 }
 
 /* The parameter layout of a kernel, as cuFuncGetParamInfo answers it. The fake parses no
- * image: it knows axpy's layout only, and says "not supported" for the rest (as a driver
+ * image: it knows these layouts only, and says "not supported" for the rest (as a driver
  * before 12.4 would), fill_job's no_params included. */
 static const struct {
     const char *name;
@@ -1134,6 +1134,14 @@ static const struct {
     size_t offset[4], size[4];
 } param_layouts[] = {
     {"_Z4axpyfPKfPfi", 4, {0, 8, 16, 24}, {4, 8, 8, 4}}, /* axpy(float, const float*, float*, int) */
+    /* PyTorch's elementwise kernels for one output, and the one for several: (int N, a functor
+     * holding an address, std::array<char*, 2> data) */
+    {"_ZN2at6native29vectorized_elementwise_kernelILi4EN4test4CopyESt5arrayIPcLm2EEEEviT0_T1_", 3,
+     {0, 8, 16}, {4, 8, 16}},
+    {"_ZN2at6native27unrolled_elementwise_kernelIN4test4CopyESt5arrayIPcLm2EELi4EEEviT_T0_", 3,
+     {0, 8, 16}, {4, 8, 16}},
+    {"_ZN2at6native45unrolled_elementwise_kernel_for_multi_outputsILi2EN4test4CopyESt5arrayIPcLm2EEEEviT0_T1_",
+     3, {0, 8, 16}, {4, 8, 16}},
 };
 
 static CUresult param_info(CUfunction f, size_t i, size_t *offset, size_t *size) {

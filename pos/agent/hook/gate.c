@@ -16,37 +16,56 @@ __thread int in_agent;
 long nccl_launches;       /* NCCL kernels launched (mu) */
 long hold_at = -1;        /* a cut waits for the launch past this count (mu); -1: none */
 
-/* Whether a kernel is NCCL's, remembered per function: a launch asks the driver for a name
- * once per kernel (NCCL's are ncclDevKernel_* or, before 2.19, ncclKernel_*, mangled or not). */
+/* What the gate knows of a kernel by its name, remembered per function: a launch asks the
+ * driver for a name once per kernel.
+ * - NCCL's kernels (ncclDevKernel_* or, before 2.19, ncclKernel_*, mangled or not) are counted.
+ * - PyTorch's elementwise kernels only read the tensors of their data array after the first.
+ *   TensorIterator's gpu_kernel (ATen/native/cuda/CUDALoops.cuh) launches
+ *   vectorized_elementwise_kernel(int N, func_t f, array_t data) and
+ *   unrolled_elementwise_kernel(int N, func_t f, array_t data, ...) for exactly one output:
+ *   data[0] is the output's address, data[1..] the inputs'. The kernels for several outputs
+ *   have other names; the functor f may hold addresses it writes (AMP's found_inf), so only
+ *   the data array's words after the first are reads. */
+enum { K_LEARNT = 1, K_NCCL = 2, K_ELEMENTWISE = 4 };
+#define DATA_PARAM 2 /* the data array's place among those kernels' parameters */
 #define KINDS 4096
 static struct {
     _Atomic(uintptr_t) f;
-    _Atomic int nccl; /* 0: being learnt, 1: not NCCL's, 2: NCCL's */
+    _Atomic int kind; /* 0: being learnt, else K_LEARNT and what was learnt */
 } kinds[KINDS];
 
-static int named_nccl(const struct touch *t) {
+static const char *const elementwise[] = {"_ZN2at6native29vectorized_elementwise_kernelI",
+                                          "_ZN2at6native27unrolled_elementwise_kernelI"};
+
+static int named_kind(const struct touch *t) {
     const char *n = call_name(t);
-    return strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel");
+    int k = K_LEARNT;
+    if (strstr(n, "ncclDevKernel") || strstr(n, "ncclKernel"))
+        k |= K_NCCL;
+    for (size_t i = 0; i < sizeof(elementwise) / sizeof(*elementwise); i++)
+        if (!strncmp(n, elementwise[i], strlen(elementwise[i])))
+            k |= K_ELEMENTWISE;
+    return k;
 }
 
-static int is_nccl(const struct touch *t) {
+static int kind_of(const struct touch *t) {
     uintptr_t f = (uintptr_t)t->f;
     size_t h = (size_t)((f >> 4) * 0x9E3779B97F4A7C15ull) % KINDS;
     for (int probe = 0; f && probe < 64; probe++, h = (h + 1) % KINDS) {
         uintptr_t seen = atomic_load(&kinds[h].f);
         if (!seen && atomic_compare_exchange_strong(&kinds[h].f, &seen, f)) {
-            int yes = named_nccl(t);
-            atomic_store(&kinds[h].nccl, yes ? 2 : 1);
-            return yes;
+            int k = named_kind(t);
+            atomic_store(&kinds[h].kind, k);
+            return k;
         }
         if (seen == f) {
-            int k = atomic_load(&kinds[h].nccl);
+            int k = atomic_load(&kinds[h].kind);
             if (k)
-                return k == 2;
+                return k;
             break; /* being learnt by another thread: ask the driver here too */
         }
     }
-    return named_nccl(t);
+    return named_kind(t);
 }
 
 /* ---- entry points the gate does not know (gated.h) ------------------------------------------ */
@@ -108,7 +127,15 @@ static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
     return n;
 }
 
-static int launch_words(const struct touch *t, CUdeviceptr *words) {
+/* A launch's words: *words the count (-1: unknown), reads[0..1] the range of those the kernel
+ * only reads (empty for most kernels: see kind_of). */
+struct words {
+    int n, reads[2];
+    CUdeviceptr w[MAX_WORDS];
+};
+
+static void launch_words(const struct touch *t, struct words *out) {
+    out->reads[0] = out->reads[1] = 0;
     if (!t->kp) { /* the parameters' buffer and its size in `extra`, or none */
         const void *buf = NULL;
         size_t size = 0;
@@ -118,7 +145,8 @@ static int launch_words(const struct touch *t, CUdeviceptr *words) {
             else if (t->ex[i] == LAUNCH_PARAM_BUFFER_SIZE && t->ex[i + 1])
                 size = *(const size_t *)t->ex[i + 1];
         }
-        return buf ? add_words(words, 0, buf, size) : t->ex ? -1 : 0;
+        out->n = buf ? add_words(out->w, 0, buf, size) : t->ex ? -1 : 0;
+        return;
     }
     param_info_fn info = (param_info_fn)real_of(&real_cuFuncGetParamInfo, "cuFuncGetParamInfo");
     size_t off, size;
@@ -129,44 +157,58 @@ static int launch_words(const struct touch *t, CUdeviceptr *words) {
         CUresult rk = k ? k(t->f, 0, &off, &size) : CUDA_ERROR_NOT_FOUND;
         if (rk == CUDA_SUCCESS)
             info = k, r = rk;
-        else /* both say "no parameter 0": a kernel without parameters */
-            return r == CUDA_ERROR_INVALID_VALUE && rk == CUDA_ERROR_INVALID_VALUE ? 0 : -1;
+        else { /* both say "no parameter 0": a kernel without parameters */
+            out->n = r == CUDA_ERROR_INVALID_VALUE && rk == CUDA_ERROR_INVALID_VALUE ? 0 : -1;
+            return;
+        }
     }
-    int n = 0;
-    for (size_t i = 0; r == CUDA_SUCCESS && n >= 0; r = info(t->f, ++i, &off, &size))
-        n = add_words(words, n, t->kp[i], size);
-    return n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
+    int n = 0, reads = kind_of(t) & K_ELEMENTWISE;
+    for (size_t i = 0; r == CUDA_SUCCESS && n >= 0; r = info(t->f, ++i, &off, &size)) {
+        int from = n;
+        n = add_words(out->w, n, t->kp[i], size);
+        if (reads && i == DATA_PARAM && n >= 0 && size % sizeof(CUdeviceptr) == 0)
+            out->reads[0] = from + 1, out->reads[1] = n;
+    }
+    out->n = n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
 }
 
-/* A pending buffer among `p`, or 0. Caller holds mu. */
-static CUdeviceptr first_pending(const CUdeviceptr *p, int n) {
+/* A pending buffer among `p`, or 0; those from skip[0] to skip[1] left out. Caller holds
+ * mu. */
+static CUdeviceptr pending_but(const CUdeviceptr *p, int n, const int skip[2]) {
     for (int i = 0; i < n; i++)
-        if (pending(p[i]))
+        if ((i < skip[0] || i >= skip[1]) && pending(p[i]))
             return p[i];
     return 0;
 }
 
-/* Whether a call touching `t` must wait in the current phase; `words`: a launch's (nwords < 0:
+static const int NO_SKIP[2] = {0, 0};
+
+static CUdeviceptr first_pending(const CUdeviceptr *p, int n) {
+    return pending_but(p, n, NO_SKIP);
+}
+
+/* Whether a call touching `t` must wait in the current phase; `k`: a launch's words (k->n < 0:
  * unknown). `*on`: the pending buffer it waits for (0: every buffer, or the phase holds all).
  * Caller holds mu. */
-static int must_wait(const struct touch *t, const CUdeviceptr *words, int nwords, CUdeviceptr *on) {
+static int must_wait(const struct touch *t, const struct words *k, CUdeviceptr *on) {
     *on = 0;
     switch (atomic_load(&phase)) {
     case P_IDLE:
         return 0;
     case P_COPY: /* writes wait for their buffer to be saved; reads pass; a launch may write
                     any buffer its parameter words point into (pos reports a buffer saved only
-                    once the buffers its own bytes point into are saved too), and one whose
-                    parameters cannot be known waits for every buffer */
-        if (t->all || (t->launch && nwords < 0))
+                    once the buffers its own bytes point into are saved too) but those its
+                    kernel is known only to read (kind_of), and one whose parameters cannot be
+                    known waits for every buffer */
+        if (t->all || (t->launch && k->n < 0))
             return npending > 0;
         return (*on = first_pending(t->w, t->nw)) ||
-               (t->launch && (*on = first_pending(words, nwords)));
+               (t->launch && (*on = pending_but(k->w, k->n, k->reads)));
     case P_RESTORE: /* reads and writes wait for their buffer to be back */
-        if (t->all || (t->launch && nwords < 0))
+        if (t->all || (t->launch && k->n < 0))
             return npending > 0;
         return (*on = first_pending(t->w, t->nw)) || (*on = first_pending(t->r, t->nr)) ||
-               (*on = first_pending(words, nwords));
+               (*on = first_pending(k->w, k->n));
     default: /* the cut and the hoist hold everything */
         return 1;
     }
@@ -210,7 +252,7 @@ const char *call_name(const struct touch *t) {
 void gate_enter(const struct touch *t) {
     if (in_agent)
         return;
-    if (t->launch && is_nccl(t))
+    if (t->launch && (kind_of(t) & K_NCCL))
         nccl_arrive();
     atomic_fetch_add(&inflight, 1);
     if (atomic_load(&phase) == P_IDLE)
@@ -218,12 +260,13 @@ void gate_enter(const struct touch *t) {
     atomic_fetch_sub(&inflight, 1);
     /* a launch's parameter words, asked of the driver once a gate is open (a call held since
      * before, as in a job that CRIU restored, asks when it opens) */
-    CUdeviceptr words[MAX_WORDS];
+    struct words k = {.n = -1};
     int asked = t->launch && gated(atomic_load(&phase));
-    int nwords = asked ? launch_words(t, words) : -1;
+    if (asked)
+        launch_words(t, &k);
     CUdeviceptr on, last = 0;
     pthread_mutex_lock(&mu);
-    if (must_wait(t, words, nwords, &on)) {
+    if (must_wait(t, &k, &on)) {
         uint64_t t0 = now_ns();
         waiting++;
         do {
@@ -233,8 +276,8 @@ void gate_enter(const struct touch *t) {
                 tab[w].wanted = 1;
             pthread_cond_wait(&cv, &mu);
             if (t->launch && !asked && gated(atomic_load(&phase)))
-                asked = 1, nwords = launch_words(t, words);
-        } while (must_wait(t, words, nwords, &on));
+                asked = 1, launch_words(t, &k);
+        } while (must_wait(t, &k, &on));
         waiting--;
         pthread_cond_broadcast(&cv);
         /* a wait begun before this operation (a job restored by CRIU while its calls were
@@ -255,7 +298,7 @@ void gate_enter(const struct touch *t) {
         }
     }
     if (asked || gated(atomic_load(&phase))) /* what it may use (unknown words: nothing) */
-        mark_touched(t, words, nwords);
+        mark_touched(t, k.w, k.n);
     st.passed++;
     if (!st.first_pass_ns && atomic_load(&phase) != P_IDLE)
         st.first_pass_ns = now_ns();
