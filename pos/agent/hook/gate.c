@@ -127,8 +127,8 @@ static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
     return n;
 }
 
-/* A launch's words: *words the count (-1: unknown), reads[0..1] the range of those the kernel
- * only reads (empty for most kernels: see kind_of). */
+/* A launch's parameter words, `n` of them (-1: unknown), and from reads[0] to reads[1] those
+ * its kernel only reads (none for most kernels: see kind_of). */
 struct words {
     int n, reads[2];
     CUdeviceptr w[MAX_WORDS];
