@@ -21,12 +21,12 @@ since perf runs 17-18); `+saversfrozen`: they wait through the whole frozen part
 (POS_SAVERS_HELD=frozen, the baseline); `+gpuhash`: each chunk hashed and scanned on the GPU,
 the savers only writing (POS_HASH_ON=gpu); `+hashcpu`: by the savers on the CPU as they write
 (POS_HASH_ON=cpu, the baseline); `+nopause`: the copy to host memory goes on while the driver
-checkpoints and restores the job (POS_COPY_PAUSED=never; the default pauses it); `+keep`: the arena kept for the next checkpoint
-(POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and removed before the one
-measured, which finds its arena's memory there (`warm` in the raw run; the kept files removed
-after the row); `+again`: the same first checkpoint without keeping the arena, so that the one
-measured is a job's second, as a schedule makes them (the job then holds a descriptor of each
-buffer, which its export copies); `+service`: the restore through a `pos restore-service`
+checkpoints and restores the job (POS_COPY_PAUSED=never; the default pauses it); `+keep`: the arena
+kept for the next checkpoint (POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and
+removed before the one measured, which finds its arena's memory there (`warm` in the raw run; the
+kept files removed after the row); `+again`: the same first checkpoint without keeping the arena, so
+that the one measured is a job's second, as a schedule makes them (the job then holds a descriptor
+of each buffer, which its export copies); `+service`: the restore through a `pos restore-service`
 started for it once the job was killed (its log DIR/<row>-service.log), which answers `pos
 restore` once the job runs and fills the rest of its memory meanwhile. For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
@@ -146,8 +146,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
     [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+keep][+again][+service] (see the
-    module's
-    docstring)."""
+    module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")

@@ -130,14 +130,14 @@ def fill_job(tmp_path: Path, fakegpu: dict[str, Path], gpu_env: dict[str, str]
               pool_bytes: int = 0, launches: str = "", nccl: bool = False,
               copy: str = "", copy_when: Optional[Path] = None,
               linked: bool = False, elementwise: str = "") -> FillJob:
-        """`launches`: every operation launches this kernel with axpy's parameters on the
-        first buffer (FILL_JOB_AXPY); `elementwise`: this kernel instead, with the parameters
-        PyTorch's elementwise kernels take, the first buffer the input, the second the output,
-        the third an address the functor holds (FILL_JOB_ELEMENTWISE); `nccl`: an NCCL-named kernel, every 2 ms; `copy`: every
-        operation also copies through the driver's entry point of that name, looked up with
-        cuGetProcAddress (FILL_JOB_COPY), looked up once `copy_when` exists
-        (FILL_JOB_COPY_WHEN); `linked`: through the fake's cuMemcpyFutureAsync,
-        which a library it loads links to (FILL_JOB_LINKED)."""
+        """`launches`: every operation launches this kernel with axpy's parameters on the first
+        buffer (FILL_JOB_AXPY); `elementwise`: this kernel instead, with the parameters PyTorch's
+        elementwise kernels take, the first buffer the input, the second the output, the third an
+        address the functor holds (FILL_JOB_ELEMENTWISE); `nccl`: an NCCL-named kernel, every 2 ms;
+        `copy`: every operation also copies through the driver's entry point of that name, looked up
+        with cuGetProcAddress (FILL_JOB_COPY), looked up once `copy_when` exists
+        (FILL_JOB_COPY_WHEN); `linked`: through the fake's cuMemcpyFutureAsync, which a library it
+        loads links to (FILL_JOB_LINKED)."""
         d = tmp_path / f"job{len(started)}"
         d.mkdir(exist_ok=True)
         env = {**gpu_env, **({"FILL_JOB_POOL_BYTES": str(pool_bytes)} if pool_bytes else {}),
