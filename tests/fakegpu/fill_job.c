@@ -14,11 +14,11 @@
  * three addresses as BUFFER0-2. FILL_JOB_NCCL=1 makes each operation's launch one of a kernel
  * named as NCCL's are, one operation every 2 ms, as a rank of a DDP job makes a collective now
  * and then: two such jobs cut before the same NCCL launch hold the same state.
- * FILL_JOB_COPY=NAME looks the driver's copy NAME up (cuGetProcAddress) and, every operation, copies the first buffer onto
- * itself through it (nothing changes), as a runtime newer than pos would; with
- * FILL_JOB_COPY_WHEN=FILE, it looks it up (and prints "LOOKED UP") at the first operation that
- * finds FILE. FILL_JOB_LINKED=LIB copies so through LIB's future_copy instead (a library linked
- * to such an entry point).
+ * FILL_JOB_COPY=NAME looks the driver's copy NAME up (cuGetProcAddress) and, every operation,
+ * copies the first buffer onto itself through it (nothing changes), as a runtime newer than pos
+ * would; with FILL_JOB_COPY_WHEN=FILE, it looks it up (and prints "LOOKED UP") at the first
+ * operation that finds FILE. FILL_JOB_LINKED=LIB copies so through LIB's future_copy instead (a
+ * library linked to such an entry point).
  *
  *   fill_job KERNELS.cubin N BYTES [PAUSE_FILE]       prints "READY <pid>" once allocated
  */
