@@ -45,6 +45,8 @@
 #                                # host as it is, beside 60 GiB held in /dev/shm, after (~2 min)
 #   bench/device.sh kdat         # bench/kdat_probe.sh: CRIU's start with and without its
 #                                # kernel-feature cache, and with pos's (~10 s)
+#   bench/device.sh tensormap    # bench/tensormap_probe.py: whether a TMA descriptor holds its
+#                                # tensor's address as a plain word, which the gate reads (~10 s)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
 #                                # costs (every GPU, one, side by side) and whether a CUDA
 #                                # start then finds its GPU attached; pos's listing beside the
@@ -114,7 +116,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 tests concurrent restart pin exit anon attach perf export drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 tests concurrent restart pin exit anon attach perf export tensormap drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -229,6 +231,9 @@ criudest)
 kdat)
     step kdat bash bench/kdat_probe.sh
     cat "$out/kdat.log" ;;
+tensormap)
+    step tensormap python3 bench/tensormap_probe.py --out "$out"
+    cat "$out/tensormap.log" ;;
 export)
     step export python3 bench/export_probe.py --out "$out"
     cat "$out/export.log" ;;
