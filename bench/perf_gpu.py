@@ -9,8 +9,10 @@ Each case is a row of bench/scale_gpu.py (its spec: a fraction of the GPU's memo
 SIGKILLed a few steps later, `pos restore` into a new process, every loss line compared. Writes
 DIR/perf.json: one row per run with the issue's keys (`to_cut_s`: from the command's start to
 the cut, as pos timed it; `stall_s`: the job's longest step gap less its median step;
-`pos_restore_exit_s`: when `pos restore` returned, from its start; `phases`: the checkpoint's
-steps in seconds; `restore_phases`: the restore's), the raw runs in DIR/perf-runs.json.
+`pos_restore_exit_s`: when `pos restore` returned, from its start; `waited_after_release_s`:
+what the job's calls waited in all after the release, and on which kernels or driver calls;
+`phases`: the checkpoint's steps in seconds; `restore_phases`: the restore's), the raw runs in
+DIR/perf-runs.json.
 """
 
 import argparse
@@ -47,6 +49,11 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         return round(x, n) if x is not None else None
 
     stalled = stall(saw)
+    gate = rep.get("gate") or {}
+    # the job's calls that began to wait after the release: for buffers pos had neither
+    # shadowed nor saved (the gate's account keeps its first 16 waits)
+    after = [w for w in gate.get("waits") or []
+             if rep.get("release_s") is not None and w["end_s"] - w["s"] >= rep["release_s"]]
     return {
         "case": run["spec"], "gpu": facts["gpu"], "gpu_gb": round(total_gib * GIB / GB, 1),
         "driver": facts["driver"], "commit": facts["commit"], "date": facts["date"],
@@ -55,7 +62,10 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "one_rank_stall_s": stalled, "bit_exact": exact,
         "to_cut_s": r(tim.get("to_cut")), "stall_s": stalled,
         "pos_held_s": r(rep.get("release_s")),
-        "gate_held_max_s": r((rep.get("gate") or {}).get("held_max_s")),
+        "gate_held_max_s": r(gate.get("held_max_s")),
+        "waits_after_release": len(after),
+        "waited_after_release_s": r(sum(w["s"] for w in after)),
+        "waited_after_release_on": sorted({w["what"] for w in after}),
         "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim
         else None,
         "pin_before_cut_s": r(tim.get("pin")), "pin_all_s": r(tim.get("pin_all")),
