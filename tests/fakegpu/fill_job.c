@@ -84,14 +84,12 @@ int main(int argc, char **argv) {
     int nccl = getenv("FILL_JOB_NCCL") != NULL;
     CHECK(cuModuleGetFunction(&fn, mod, nccl ? "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
                                               : "no_params"));
-    const char *axpy_name = getenv("FILL_JOB_AXPY");
     const char *elementwise = getenv("FILL_JOB_ELEMENTWISE");
-    if (elementwise)
-        axpy_name = elementwise;
-    int launches_only = axpy_name != NULL;
-    CUfunction axpy;
+    const char *launched_name = elementwise ? elementwise : getenv("FILL_JOB_AXPY");
+    int launches_only = launched_name != NULL;
+    CUfunction launched; /* the kernel every operation launches instead */
     if (launches_only)
-        CHECK(cuModuleGetFunction(&axpy, mod, axpy_name));
+        CHECK(cuModuleGetFunction(&launched, mod, launched_name));
     CUdeviceptr *buf = calloc((size_t)n, sizeof(*buf));
     for (int i = 0; i < n; i++) {
         CHECK(alloc(&buf[i], bytes));
@@ -134,14 +132,14 @@ int main(int argc, char **argv) {
             float alpha = 1.0f;
             int count = (int)(bytes / 4);
             void *params[] = {&alpha, &buf[0], &buf[0], &count};
-            CHECK(cuLaunchKernel(axpy, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
+            CHECK(cuLaunchKernel(launched, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
             continue;
         }
         if (launches_only) { /* as PyTorch's: (N, a functor holding buf[2], {buf[1], buf[0]}) */
             int count = (int)(bytes / 4);
             CUdeviceptr data[2] = {buf[1], buf[0]};
             void *params[] = {&count, &buf[2], data};
-            CHECK(cuLaunchKernel(axpy, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
+            CHECK(cuLaunchKernel(launched, 1, 1, 1, 256, 1, 1, 0, NULL, params, NULL));
             continue;
         }
         CHECK(memset32(buf[(k - 1) % (uint32_t)n], k, bytes / 4));

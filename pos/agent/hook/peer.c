@@ -29,10 +29,11 @@
  * addresses with the old access (protocol.md).
  *
  * The job's own allocations can be taken as pos takes the memory it owns: `own-export` exports
- * each before the cut, `own-take` at the cut marks them (exporting again only what changed
- * since: each mapping has a serial), `own-down` unmaps it and releases the job's handle (pos's import holds the memory, and
- * the driver's checkpoint no longer copies it: about a third of a 2-rank NCCL job's hold,
- * bench/results/2026-11-29.md), `own-up` maps pos's descriptors back at the same addresses.
+ * each before the cut, `own-take` at the cut marks them (and exports them all again if any
+ * mapping changed since: each has a serial), `own-down` unmaps each and releases the job's
+ * handle (pos's import holds the memory, and the driver's checkpoint no longer copies it:
+ * about a third of a 2-rank NCCL job's hold, bench/results/2026-11-29.md), `own-up` maps
+ * pos's descriptors back at the same addresses.
  * The job keeps the handle it made: NCCL frees from the address (cuMemRetainAllocationHandle,
  * which finds the handle mapped there now) but exports the handle it made again for a peer
  * that connects later, and a job may release it; the agent answers those calls with the
