@@ -83,8 +83,10 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         # `pos restore` returned this long after the job's first step
         "restore_exit_after_step_s": r(restore["s"] - run["first_step_s"])
         if restore.get("rc") == 0 and run.get("first_step_s") else None,
-        # +service: `pos restore` answered once the job ran, the service filling the rest
+        # `pos restore` answered once the job ran, the service (+service) or a process of
+        # pos's own filling the rest; that process ended this long after the restore began
         "restore_filling": (restore.get("report") or {}).get("filling"),
+        "restore_filled_s": r(run.get("filler_ended_s")),
         "disk_write_gbps": facts["disk_write_gbps"],
         "phases": steps_of(tim),
         "restore_phases": steps_of(((restore.get("report") or {}).get("timings")) or {}),

@@ -120,7 +120,8 @@ class _Refill:
         timings: dict[str, Any] = {**g.timings, **self.early}
         return Report(ImageKind.CONCURRENT.value, Operation.RESTORE, str(self.img.path), m,
                       timings=timings,
-                      restored_pid=live[m.pid], filling=True, device=DeviceCopy(
+                      restored_pid=live[m.pid], filling=True, filler_pid=os.getpid(),
+                      device=DeviceCopy(
                           sum(len(pre.table) for pre in self.pres),
                           sum(b.size for pre in self.pres for b in pre.table), None, None,
                           release_s=self.release_s))

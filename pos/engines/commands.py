@@ -3,7 +3,7 @@ engines' checkpoint and restore. The engine, CRIU and the store are imported ins
 commands."""
 
 import json
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import click
 
@@ -15,6 +15,9 @@ from pos.options import db_option, json_option
 from pos.usage import MissingArgument, PosCommand, PosPath
 
 if TYPE_CHECKING:      # imported inside the commands that use them
+    from pathlib import Path
+
+    from pos.engines.service_protocol import Held, Restored, Running
     from pos.operation.engine import Report
     from pos.operation.gpumap import Onto
     from pos.progress import Progress
@@ -180,16 +183,17 @@ def checkpoint(pid: int, directory: str, leave_running: bool, lock_timeout: floa
               help="With --gpu-only: restorer streams (threads) [default: 16].")
 @to_gpu_option("Restore")
 @click.option("--no-service", is_flag=True,
-              help="Restore in this process even where `pos restore-service` answers (on "
+              help="Restore in this process, and wait for the job's device memory, even "
+                   "where `pos restore-service` answers (on "
                    f"{SERVICE_SOCKET}, or ${SERVICE_SOCKET_ENV}).")
 @click.option("--standby", is_flag=True,
               help="Have `pos restore-service` restore the job and hold it ready, not running: "
                    "a later `pos restore -D DIR` then only runs it.")
 @click.option("--until-filled", is_flag=True,
-              help="Where `pos restore-service` restores, return once the job's device memory "
-                   "is all back, with the fill's figures, rather than once the job runs (the "
-                   "service fills the rest while it runs). A restore in this process always "
-                   "waits for it.")
+              help="Return once the job's device memory is all back, with the fill's "
+                   "figures, rather than once the job runs (the restore service, or a "
+                   "process of pos's own, fills the rest while it runs). A restore in this "
+                   "process (--no-service) always waits for it.")
 @db_option
 @json_option
 def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[int],
@@ -199,7 +203,9 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
 
     Where `pos restore-service` runs, the restore runs there, with its modules, NVML and GPU
     contexts ready, and it returns once the job runs (the service fills the rest of its device
-    memory meanwhile; --until-filled waits for it); --inherit-fd and --gpu-only restore in this
+    memory meanwhile; --until-filled waits for it). Elsewhere a concurrent image's restore runs
+    in a process of pos's own, detached, which fills the rest the same way (its log in
+    POS_LOG_DIR when it fails); --no-service, --inherit-fd and --gpu-only restore in this
     process. With --standby the service holds the job ready (restored, checked, its device
     memory back, not running) until `pos restore -D DIR` asks for it."""
     from pathlib import Path
@@ -235,6 +241,9 @@ def restore(directory: str, inherit_fd: tuple[str, ...], gpu_only_pid: Optional[
             raise BadInput(f"no restore service answers on {service_socket()}",
                            "start `pos restore-service` first: --standby holds the job ready "
                            "there")
+        if not here and _detached(directory, to_gpu, record, as_json, settings.log_dir,
+                                  until_filled):
+            return
 
         from pos.engines import engines
         from pos.image.opened import open_image
@@ -266,11 +275,34 @@ def _served(directory: str, to_gpu: Optional["Onto"], record: Optional["Ahead"],
     answers, or the restore is this process's to do."""
     from pos.engines import service_client    # socket and json: before the engines' imports,
                                                 # which the service spares the client
-    from pos.engines.service_protocol import Held
-
     served = service_client.restore(service_socket(), directory,
                                     None if to_gpu is None else str(to_gpu), _lines(as_json),
                                     standby, until_filled)
+    return _done(served, record, as_json)
+
+
+def _detached(directory: str, to_gpu: Optional["Onto"], record: Optional["Ahead"],
+              as_json: bool, log_dir: "Path", until_filled: bool) -> bool:
+    """A concurrent image's restore done by a process of its own that fills the job's device
+    memory after the command returned (pos/engines/detached.py), recorded and printed as one
+    done here is; False for the other kinds, and where the restore is this process's to do."""
+    from pathlib import Path
+
+    from pos.engines import detached
+    from pos.image.kinds import ImageKind, kind
+
+    if kind(Path(directory)) is not ImageKind.CONCURRENT:
+        return False
+    return _done(detached.restore(directory, None if to_gpu is None else str(to_gpu),
+                                  _lines(as_json), log_dir, until_filled), record, as_json)
+
+
+def _done(served: Optional[Union["Restored", "Running", "Held"]], record: Optional["Ahead"],
+          as_json: bool) -> bool:
+    """A restore done in another process, recorded (by `record`) and printed; False where
+    there was none."""
+    from pos.engines.service_protocol import Held
+
     if served is None:
         return False
     if isinstance(served, Held):

@@ -224,6 +224,7 @@ def restore(request: Request, echo: Say, hold: Optional["Hold"] = None,
     """The restore `pos restore` runs, for `request`; its outcome as the client's message.
     `hold`: a standby's (pos/engines/standby.py). `running`: told, where the job runs before
     its device memory is all back, what the restore has done by then."""
+    from pos.concurrent.restore import movable
     from pos.engines import engines, summary
     from pos.image.opened import open_image
     from pos.operation.gpumap import Onto, check_host
@@ -232,7 +233,8 @@ def restore(request: Request, echo: Say, hold: Optional["Hold"] = None,
     try:
         settings = Settings.from_env()
         to_gpu = Onto.parse(request.to_gpu) if request.to_gpu else None
-        if to_gpu is not None:      # a host that cannot move it: said before the image is read
+        if to_gpu is not None:      # an image or a host that cannot move it: said first
+            movable(Path(request.directory), True)
             check_host(to_gpu)
         img = open_image(Path(request.directory))
         if request.terminal and _takes_terminal(img):

@@ -53,20 +53,21 @@ def restore(path: str, directory: str, to_gpu: Optional[str],
             conn.sendall(encode(Request(os.path.abspath(directory), to_gpu,
                                         host.age(os.getpid()), os.isatty(0), standby,
                                         not until_filled)))
-            return _outcome(lines, echo, path)
+            return outcome(lines, echo, lambda why: _broken(path, why))
         except OSError as e:
             raise _broken(path, e.strerror or str(e)) from None
 
 
-def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str
-             ) -> Optional[Union[Restored, Running, Held]]:
+def outcome(lines: BinaryIO, echo: Callable[[str], None], broken: Callable[[str], PosError]
+            ) -> Optional[Union[Restored, Running, Held]]:
     """The lines the restore echoes, printed; then its outcome (Running where the request
-    asked it and the job ran before its memory was all back)."""
+    asked it and the job ran before its memory was all back). `broken`: the error for a
+    restorer that gave none (why)."""
     while True:
         try:
             message: Message = decode(lines.readline())
         except ValueError:
-            raise _broken(path, "it closed the connection") from None
+            raise broken("it closed the connection") from None
         if isinstance(message, Echo):
             echo(message.text)
         elif isinstance(message, (Restored, Running, Held)):
@@ -76,7 +77,7 @@ def _outcome(lines: BinaryIO, echo: Callable[[str], None], path: str
         elif isinstance(message, InProcess):
             return None
         else:
-            raise _broken(path, f"it answered {type(message).__name__}")
+            raise broken(f"it answered {type(message).__name__}")
 
 
 def _broken(path: str, why: str) -> PosError:

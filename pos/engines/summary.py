@@ -90,8 +90,8 @@ def _device(r: "Report", d: "DeviceCopy") -> list[str]:
                  f"({d.gate.held} held, {d.gate.held_s:.3f} s in all{longest_wait(d.gate)})")
     rate = d.h2d_gbps if restoring else d.d2h_gbps
     if r.filling:
-        copy = ("the rest of its device memory comes back while it runs, filled by the restore "
-                "service (its calls wait only for buffers not back yet)")
+        copy = ("the rest of its device memory comes back while it runs, filled by pos's "
+                f"process {r.filler_pid} (its calls wait only for buffers not back yet)")
     else:
         copy = f"device memory {'read back' if restoring else 'copied'} at {rate or 0:.1f} " \
                "GB/s (PCIe limit ~55)"

@@ -141,6 +141,7 @@ class Report:
     device: Optional[DeviceCopy] = None
     served: bool = False           # run by `pos restore-service` for a `pos restore` client
     filling: bool = False          # a restore's job runs, its device memory still coming back
+    filler_pid: Optional[int] = None   # then: the process that fills it (`tail --pid` waits)
 
     @property
     def held_s(self) -> Optional[float]:
@@ -164,6 +165,7 @@ class Report:
             "gpu_pids": m.gpu_pids if m else [], "restored_pid": self.restored_pid,
             "size_bytes": m.size_bytes if m else 0, "files": len(m.files) if m else 0,
             "timings": self.timings, "served": self.served, "filling": self.filling,
+            "filler_pid": self.filler_pid,
             "stall_s": m.stall_s if m else None,
             "predumped": m.predumped if m else None, "predump_note": m.predump_note if m else "",
             "logs": m.logs if m else {}}

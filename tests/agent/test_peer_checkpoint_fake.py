@@ -183,7 +183,7 @@ def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
     pair.proc.wait(timeout=30)                      # CRIU's dump, then the tree ended
     for p in (pair.owner, pair.importer):
         wait_for(lambda: reaped(p), what=f"process {p}'s end")
-    r = pos("restore", "-D", str(img), "--json", env=gpu_env)
+    r = pos("restore", "-D", str(img), "--json", "--until-filled", env=gpu_env)
     assert r.returncode == 0, r.stderr
     # the owner's memory came from the image: CRIU's dump did not hold it; made and filled
     # while CRIU restored the processes

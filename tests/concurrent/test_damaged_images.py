@@ -48,11 +48,13 @@ def test_a_damaged_whole_process_image_is_refused_with_nothing_run(
         fill_job, tmp_path: Path, criu_ready, env, part: str, how: str) -> None:
     """CRIU's part: refused before CRIU (size, presence) or beside it (checksum, the tree
     stopped); the GPU data: before CRIU, or by the fill's chunk check, which ends the job
-    before its memory is all back."""
+    before its memory is all back (said by the command that waits for the fill; otherwise in
+    the restoring process's log: tests/engines/test_detached.py)."""
     job, img = whole_process_image(fill_job, tmp_path, env)
     target = largest(img, FILES[part])
     damage(target, how)
-    r = pos("restore", "-D", str(img), env=env, timeout=60)
+    wait = ["--until-filled"] if (part, how) == ("data", "flip") else []
+    r = pos("restore", "-D", str(img), *wait, env=env, timeout=60)
     says = "does not match its checksum" if (part, how) == ("data", "flip") else SAYS[how]
     one_sentence(r, 2, says.format(name=target.name))
     nothing_left(job, env)

@@ -464,7 +464,7 @@ def test_whole_process_checkpoint_then_restore_in_a_new_process(fill_job, tmp_pa
     job.proc.wait(timeout=30)                   # CRIU ended it after the dump
     saved = image_values(img)
     assert not torn(saved)
-    r = pos("restore", "-D", str(img), "--json", env={
+    r = pos("restore", "-D", str(img), "--json", "--until-filled", env={
         **gpu_env, "POS_FILL_FROM": fill_from, "POS_FILL_MAPPED": mapped,
         "POS_FILL_PIECE_KIB": piece, "POS_LAZY_PAGES": lazy})
     assert r.returncode == 0, r.stderr
@@ -814,13 +814,15 @@ def test_pos_killed_at_each_step_leaves_the_job_running_with_its_memory(
 def test_pos_killed_during_a_whole_process_restore_ends_the_half_restored_job(
         fill_job, tmp_path: Path, criu_ready, gpu_env, point: str) -> None:
     """Before its memory is all back the restored job must not run on: the watchdog (which
-    checks the image first when CRIU left the tree stopped beside the check) ends it."""
+    checks the image first when CRIU left the tree stopped beside the check) ends it. (pos
+    restores in its own process here; tests/engines/test_detached.py kills the process that
+    restores for it otherwise.)"""
     job = fill_job()
     img = tmp_path / "full"
     assert pos("checkpoint", str(job.pid), "-D", str(img), "--concurrent",
                env=gpu_env).returncode == 0
     job.proc.wait(timeout=30)
-    r = pos("restore", "-D", str(img), env={**gpu_env, "POS_FAULT_AT": point})
+    r = pos("restore", "-D", str(img), "--no-service", env={**gpu_env, "POS_FAULT_AT": point})
     assert r.returncode == -9, (r.returncode, r.stderr)
     wait_for(lambda: not Path(f"/proc/{job.pid}").exists() or
              open(f"/proc/{job.pid}/stat").read().split()[2] == "Z", timeout=60,
