@@ -7,12 +7,13 @@ the restore service does (pos/engines/service.py). In the command's own process 
 The restorer is a grandchild of the command, forked twice before pos imports the engines or
 touches a GPU (a CUDA context does not survive a fork): in a session of its own, so that the
 terminal's ^C and hangup do not reach it; stdin /dev/null; stdout and stderr into a log in
-POS_LOG_DIR, opened by the command, which says so where it cannot. It runs the service's
-restore (`service.restore`) and speaks the service's protocol over a socket pair: the lines the
-restore echoes, Running once the job runs, then the outcome, which nobody reads once the command
-has returned. Its log goes when the restore succeeded and wrote nothing there; otherwise it ends
-with the outcome's sentence. Like any restore it has its own watchdog
-(pos/operation/watchdog.py), which undoes it should the restorer die half-way.
+POS_LOG_DIR (DATE-PID-restore.log), opened by the command, which says so where it cannot. It
+runs the service's restore (`service.restore`) and speaks the service's protocol over a socket
+pair: the lines the restore echoes, Running once the job runs, then the outcome, which nobody
+reads once the command has returned. Its log goes when the restore did not fail and wrote
+nothing there; otherwise it ends with the outcome's sentence (or a bug's traceback). Like any
+restore it has its own watchdog (pos/operation/watchdog.py), which undoes it should the
+restorer die half-way.
 
 What stays in the command's process: a shell job restored from a terminal (it is attached to
 the command's terminal: the restorer answers InProcess), and the restores that --inherit-fd,
@@ -23,6 +24,8 @@ waits for the restorer's outcome, the fill's figures in it.
 import os
 import socket
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Callable, NoReturn, Optional, Union
 
@@ -31,8 +34,9 @@ from pos.errors import BadInput, PosError
 from pos.engines import service_client
 from pos.engines.service_protocol import Failed, Held, Message, Request, Restored, Running
 
-LOG = "restore-{pid}.log"
-"""The restorer's log in POS_LOG_DIR, named for the command's PID."""
+LOG = "{at}-{pid}-restore.log"
+"""The restorer's log in POS_LOG_DIR, named as CRIU's kept logs are there: the command's start
+(local time) and PID."""
 
 
 def restore(directory: str, to_gpu: Optional[str], echo: Callable[[str], None],
@@ -43,7 +47,7 @@ def restore(directory: str, to_gpu: Optional[str], echo: Callable[[str], None],
     all of it came back first (always with `until_filled`); None where it is to be done in
     this process. A failure the restorer reports is raised here as the PosError it was
     there."""
-    log = log_dir / LOG.format(pid=os.getpid())
+    log = log_dir / LOG.format(at=time.strftime("%Y%m%dT%H%M%S"), pid=os.getpid())
     try:
         log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
@@ -55,7 +59,15 @@ def restore(directory: str, to_gpu: Optional[str], echo: Callable[[str], None],
     ours, theirs = socket.socketpair()
     sys.stdout.flush()
     sys.stderr.flush()
-    middle = os.fork()
+    try:
+        middle = os.fork()
+    except OSError as e:        # no process to spare: the restore runs here
+        echo(f"no process for the restore ({e.strerror or e}): restoring in this process")
+        for end in (ours, theirs):
+            end.close()
+        os.close(fd)
+        log.unlink()
+        return None
     if middle == 0:
         ours.close()
         _restorer(theirs, fd, log, request)
@@ -93,13 +105,15 @@ def _restorer(conn: socket.socket, fd: int, log: Path, request: Request) -> NoRe
             os.closerange(3, keep)
             os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
             _serve(conn, log, request)
+    except BaseException:  # noqa: BLE001  (a bug: its traceback into the log; the command
+        traceback.print_exc()   # says the outcome is missing and names the log)
     finally:
         os._exit(0)
 
 
 def _serve(conn: socket.socket, log: Path, request: Request) -> None:
     """The restore, its messages to the command while it listens, its outcome into the log
-    (the log removed where the restore succeeded and nothing else was written there)."""
+    (the log removed where the restore did not fail and nothing else was written there)."""
     from pos.engines import service
 
     client = service.Client(conn)
@@ -108,7 +122,7 @@ def _serve(conn: socket.socket, log: Path, request: Request) -> None:
     client.send(outcome)
     sys.stdout.flush()
     sys.stderr.flush()
-    if isinstance(outcome, Restored) and log.stat().st_size == 0:
-        log.unlink()
-    elif isinstance(outcome, Failed):
+    if isinstance(outcome, Failed):
         print(f"restore of {request.directory}: {outcome.error().message}", flush=True)
+    elif log.stat().st_size == 0:       # restored, or left to the command (InProcess)
+        log.unlink()

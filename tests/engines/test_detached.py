@@ -23,7 +23,7 @@ from workloads.fill_job import image_values, torn
 
 
 def logs(env: dict[str, str]) -> list[Path]:
-    return sorted(Path(env["POS_LOG_DIR"]).glob("restore-*.log"))
+    return sorted(Path(env["POS_LOG_DIR"]).glob("*-restore.log"))
 
 
 def test_the_command_returns_once_the_job_runs_and_the_fill_goes_on(
@@ -93,8 +93,9 @@ def test_a_restorer_killed_half_way_is_one_sentence_and_its_job_ends(
 def test_a_fill_that_fails_after_the_return_ends_the_job_and_says_why_in_the_log(
         fill_job, gpu_env, tmp_path: Path, criu_ready) -> None:
     """A flipped byte of the GPU data is found by the fill's chunk check, after the command
-    returned: the restorer ends the job and its log ends with the sentence."""
-    env = {**gpu_env, "POS_LOG_DIR": str(tmp_path / "logs")}
+    returned (the fill starts at the job's release: by default it may meet the damage before,
+    and the command says it): the restorer ends the job and its log ends with the sentence."""
+    env = {**gpu_env, "POS_LOG_DIR": str(tmp_path / "logs"), "POS_FILL_FROM": "release"}
     job, img, _saved = saved_job(fill_job, gpu_env, tmp_path)
     target = largest(img, names.data_prefix() + "*")
     damage(target, "flip")
