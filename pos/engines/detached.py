@@ -105,8 +105,8 @@ def _restorer(conn: socket.socket, fd: int, log: Path, request: Request) -> NoRe
             os.closerange(3, keep)
             os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
             _serve(conn, log, request)
-    except BaseException:  # noqa: BLE001  (a bug: its traceback into the log; the command
-        traceback.print_exc()   # says the outcome is missing and names the log)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()   # a bug: into the log, which the command names
     finally:
         os._exit(0)
 
