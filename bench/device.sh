@@ -67,7 +67,9 @@
 #                                # concurrent-service,clone; POS_SERVE_SERVICE_ENV: the
 #                                # restore service's settings, e.g. POS_LAZY_PAGES=1;
 #                                # POS_SERVE_CLONES: instances of the clone case, default 0;
-#                                # also concurrent-standby: held ready by the service first)
+#                                # also concurrent-standby: held ready by the service first;
+#                                # concurrent-detached: `pos restore` with no service, its
+#                                # own process filling after it returned)
 #   bench/device.sh multigpu     # (two GPUs) bench/multigpu_gpu.py: migrate --to-gpu with both
 #                                # engines, a process on two GPUs, DDP over NCCL (POS_MULTI_GIB
 #                                # of ballast, default 4; POS_MULTI_PARTS; POS_MULTI_DDP_CASES

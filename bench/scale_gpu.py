@@ -57,6 +57,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -257,16 +258,22 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
         lines = LineTimes(log)
         began = time.monotonic()
         run["restore"] = pos_cmd("restore", "-D", str(img), "--json", timeout=600, env=env)
-        run["first_step_s"] = lines.first(timeout=120)
-        if run["restore"]["rc"] == 0 and run["first_step_s"] is not None:
-            wait_steps(log, run["steps_at_kill"] + 12, timeout=300)
         # where pos restore returned with the job's memory still coming back: when the
         # process that fills it ended, from the restore's start (the next case waits for it)
         filler = (run["restore"].get("report") or {}).get("filler_pid")
+        watch = None
         if filler is not None and not spec.service:
-            while os.path.exists(f"/proc/{filler}") and time.monotonic() - began < 600:
-                time.sleep(0.05)
-            run["filler_ended_s"] = time.monotonic() - began
+            def ended() -> None:
+                while os.path.exists(f"/proc/{filler}") and time.monotonic() - began < 600:
+                    time.sleep(0.01)
+                run["filler_ended_s"] = time.monotonic() - began
+            watch = threading.Thread(target=ended, daemon=True)
+            watch.start()
+        run["first_step_s"] = lines.first(timeout=120)
+        if run["restore"]["rc"] == 0 and run["first_step_s"] is not None:
+            wait_steps(log, run["steps_at_kill"] + 12, timeout=300)
+        if watch is not None:
+            watch.join()
         lines.stop = True
         run["exact"] = exact(log, ref)
         return run

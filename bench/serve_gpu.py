@@ -230,12 +230,17 @@ def pos_async(*args: str, env: Optional[dict[str, str]] = None) -> subprocess.Po
 
 
 # how each case restores a concurrent image: `pos restore`'s extra arguments and environment
-# (concurrent: in pos's own process, as before; -lazy: CRIU's lazy pages; -service: through
-# `pos restore-service`, which has its imports, NVML and CUDA contexts made before; -standby:
-# the same, the server held ready there first with `pos restore --standby`, timed apart)
+# (concurrent: in the command's own process, which waits for the fill, as before; -lazy: the
+# same with CRIU's lazy pages; -detached: as `pos restore` does where no service runs, a
+# detached process of pos's own restoring and filling, the command returning once the server
+# runs; -service: through `pos restore-service`, which has its imports, NVML and CUDA contexts
+# made before; -standby: the same, the server held ready there first with `pos restore
+# --standby`, timed apart)
+NO_SERVICE = {"POS_RESTORE_SOCKET": "/nonexistent/restore.sock"}   # no service answers there
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "concurrent": ((), {}),
-    "concurrent-lazy": ((), {"POS_LAZY_PAGES": "1"}),
+    "concurrent": (("--no-service",), {}),
+    "concurrent-lazy": (("--no-service",), {"POS_LAZY_PAGES": "1"}),
+    "concurrent-detached": ((), NO_SERVICE),
     "concurrent-service": ((), {}),
     "concurrent-standby": ((), {}),
 }
@@ -422,10 +427,7 @@ class Bench:
     # -- an image, restored twice
     def restores(self, model: str, info: dict[str, Any], case: str, image: Path,
                  cold: dict[str, Any], under_pos: bool, ckpt: dict[str, Any]) -> None:
-        args, env = VARIANTS.get(case, ((), {}))
-        served = case in ("concurrent-service", "concurrent-standby")
-        if self.service is not None and not served:
-            args = (*args, "--no-service")      # in pos's own process
+        args, env = VARIANTS.get(case, (("--no-service",), {}))
         image_gib = round(sum(f.stat().st_size for f in image.rglob("*") if f.is_file())
                           / GIB, 2)
         for cache in self.cold_caches:
@@ -452,6 +454,13 @@ class Bench:
                 ttft = first["t_done"] - t0
                 full = self.full_answer("full")[0]
                 run["restore"] = finish(p, t0)
+                # returned while a process of pos's own fills the rest (-detached): when it
+                # ended, the server killed only after
+                filler = (run["restore"].get("report") or {}).get("filler_pid")
+                if filler is not None and case != "concurrent-service":
+                    while os.path.exists(f"/proc/{filler}") and time.time() - t0 < 600:
+                        time.sleep(0.01)
+                    run["filler_ended_s"] = round(time.time() - t0, 3)
                 alone = driver_alone(server, under_pos) if cache == "warm" else {}
                 run["driver_alone"] = alone
             except Exception as e:
@@ -473,6 +482,8 @@ class Bench:
             tim = rep.get("timings") or {}
             split = {k: round(v, 3) for k, v in tim.items() if isinstance(v, (int, float))}
             split["pos_exit_s"] = run["restore"]["exit_s"]
+            if "filler_ended_s" in run:
+                split["filler_ended_s"] = run["filler_ended_s"]
             self.row(model, info, case, cache, ttft, cold[cache]["ttft"],
                      full["tokens"] == cold["warm"]["tokens"], image_gib,
                      alone.get("restore") if alone else None, split,

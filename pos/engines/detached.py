@@ -104,6 +104,8 @@ def _restorer(conn: socket.socket, fd: int, log: Path, request: Request) -> NoRe
             keep = conn.fileno()
             os.closerange(3, keep)
             os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+            sys.stdout = open(1, "w", buffering=1, closefd=False)   # whatever wrapped them
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
             _serve(conn, log, request)
     except BaseException:  # noqa: BLE001
         traceback.print_exc()   # a bug: into the log, which the command names

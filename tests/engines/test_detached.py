@@ -10,8 +10,14 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
 
 from pos import concurrent
+from pos.engines import detached, service
+from pos.engines.service_protocol import Failed, InProcess, Message, Request, Restored, Running
+from pos.errors import BadInput, PosError
 from pos.image import gpuindex, names
 from pos.operation import oplock
 from tests.agent.conftest import fill_job, gpu_env, ran_past  # noqa: F401  (fixtures)
@@ -109,3 +115,85 @@ def test_a_fill_that_fails_after_the_return_ends_the_job_and_says_why_in_the_log
     wait_for(lambda: not os.path.exists(f"/proc/{job.pid}") or
              open(f"/proc/{job.pid}/stat").read().split()[2] == "Z", timeout=60,
              what="the job's end")
+
+
+# ---- the protocol between the command and its restorer, the restore itself stood in for -----
+
+def restorer_does(monkeypatch: pytest.MonkeyPatch, restore: Callable[..., Message]) -> None:
+    """The restorer (a fork of this process) runs `restore(echo, running)` in place of the
+    service's restore."""
+    def stand_in(request: Request, echo: Callable[[str], None],
+                 running: Optional[Callable[[Running], None]] = None) -> Message:
+        return restore(echo, running)
+    monkeypatch.setattr(service, "restore", stand_in)
+
+
+def test_lines_then_running_reach_the_command_and_the_fill_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def restore(echo: Callable[[str], None],
+                running: Optional[Callable[[Running], None]]) -> Message:
+        echo("restoring PID 7")
+        assert running is not None
+        running(Running("/img", {"filling": True}, ["restored PID 7 from /img"]))
+        (tmp_path / "filled").write_text("")          # after the command returned
+        return Restored("/img", {"filling": False}, ["restored PID 7 from /img"])
+    restorer_does(monkeypatch, restore)
+    said: list[str] = []
+    out = detached.restore(str(tmp_path / "img"), None, said.append, tmp_path / "logs")
+    assert isinstance(out, Running) and out.report == {"filling": True}
+    assert said == ["restoring PID 7"]
+    wait_for(lambda: (tmp_path / "filled").exists() and not list(
+        (tmp_path / "logs").glob("*-restore.log")), what="the restorer's end, its log removed")
+
+
+def test_until_filled_asks_for_no_running(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def restore(echo: Callable[[str], None],
+                running: Optional[Callable[[Running], None]]) -> Message:
+        return Restored("/img", {"running": running is not None}, [])
+    restorer_does(monkeypatch, restore)
+    out = detached.restore(str(tmp_path / "img"), "1", lambda _: None, tmp_path / "logs",
+                           until_filled=True)
+    assert isinstance(out, Restored) and out.report == {"running": False}
+
+
+def test_a_restore_left_to_the_command_leaves_no_log(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    restorer_does(monkeypatch, lambda echo, running: InProcess("a shell job"))
+    assert detached.restore(str(tmp_path / "img"), None, lambda _: None,
+                            tmp_path / "logs") is None
+    wait_for(lambda: not list((tmp_path / "logs").glob("*-restore.log")),
+             what="the restorer's log removed")
+
+
+def test_a_failure_is_raised_with_its_exit_code_and_kept_in_the_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    restorer_does(monkeypatch, lambda echo, running: Failed("the image is bad", "take another",
+                                                            2))
+    with pytest.raises(PosError) as e:
+        detached.restore(str(tmp_path / "img"), None, lambda _: None, tmp_path / "logs")
+    assert e.value.exit_code == 2 and e.value.message == "the image is bad: take another."
+    (log,) = (tmp_path / "logs").glob("*-restore.log")
+    wait_for(lambda: log.read_text() == f"restore of {tmp_path / 'img'}: {e.value.message}\n",
+             what="the failure's sentence in the log")
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_bug_in_the_restorer_is_one_sentence_here_and_a_traceback_in_its_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def restore(echo: Callable[[str], None],
+                running: Optional[Callable[[Running], None]]) -> Message:
+        raise RuntimeError("a bug")
+    restorer_does(monkeypatch, restore)
+    with pytest.raises(PosError) as e:
+        detached.restore(str(tmp_path / "img"), None, lambda _: None, tmp_path / "logs")
+    (log,) = (tmp_path / "logs").glob("*-restore.log")
+    assert "gave no outcome" in e.value.message and str(log) in e.value.message
+    assert "RuntimeError: a bug" in log.read_text()
+
+
+def test_an_unwritable_log_folder_is_said_before_anything_is_restored(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(BadInput) as e:
+        detached.restore(str(tmp_path / "img"), None, lambda _: None, tmp_path / "file" / "logs")
+    assert "POS_LOG_DIR" in e.value.message
