@@ -4,7 +4,9 @@ process fills the rest of its device memory (the fake driver's copies to the dev
 and removes its log once the fill succeeded. A failure before the job runs is the command's
 one sentence, with its exit code, and stays in the log; one after it (damaged GPU data) ends
 the job and is said in the log; a restorer killed half-way is said in one sentence, and its
-watchdog ends the half-restored job."""
+watchdog ends the half-restored job. With the restore itself stood in for: the protocol between
+the command and its restorer (lines, Running, --until-filled, a restore left to the command, a
+failure, a bug) and an unwritable log folder."""
 
 import json
 import os
