@@ -128,13 +128,13 @@ static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
 }
 
 /* A launch's parameter words, `n` of them (-1: unknown), and from reads[0] to reads[1] those
- * its kernel only reads (none for most kernels: see kind_of). */
+ * its kernel only reads (none for most kernels: see kind_of, whose answer is `kind`). */
 struct words {
     int n, reads[2];
     CUdeviceptr w[MAX_WORDS];
 };
 
-static void launch_words(const struct touch *t, struct words *out) {
+static void launch_words(const struct touch *t, int kind, struct words *out) {
     out->reads[0] = out->reads[1] = 0;
     if (!t->kp) { /* the parameters' buffer and its size in `extra`, or none */
         const void *buf = NULL;
@@ -162,7 +162,7 @@ static void launch_words(const struct touch *t, struct words *out) {
             return;
         }
     }
-    int n = 0, reads = kind_of(t) & K_ELEMENTWISE;
+    int n = 0, reads = kind & K_ELEMENTWISE;
     for (size_t i = 0; r == CUDA_SUCCESS && n >= 0; r = info(t->f, ++i, &off, &size)) {
         int from = n;
         n = add_words(out->w, n, t->kp[i], size);
@@ -252,7 +252,8 @@ const char *call_name(const struct touch *t) {
 void gate_enter(const struct touch *t) {
     if (in_agent)
         return;
-    if (t->launch && (kind_of(t) & K_NCCL))
+    int kind = t->launch ? kind_of(t) : 0; /* once a call: a launch's words need it too */
+    if (kind & K_NCCL)
         nccl_arrive();
     atomic_fetch_add(&inflight, 1);
     if (atomic_load(&phase) == P_IDLE)
@@ -263,7 +264,7 @@ void gate_enter(const struct touch *t) {
     struct words k = {.n = -1};
     int asked = t->launch && gated(atomic_load(&phase));
     if (asked)
-        launch_words(t, &k);
+        launch_words(t, kind, &k);
     CUdeviceptr on, last = 0;
     pthread_mutex_lock(&mu);
     if (must_wait(t, &k, &on)) {
@@ -276,7 +277,7 @@ void gate_enter(const struct touch *t) {
                 tab[w].wanted = 1;
             pthread_cond_wait(&cv, &mu);
             if (t->launch && !asked && gated(atomic_load(&phase)))
-                asked = 1, launch_words(t, &k);
+                asked = 1, launch_words(t, kind, &k);
         } while (must_wait(t, &k, &on));
         waiting--;
         pthread_cond_broadcast(&cv);
