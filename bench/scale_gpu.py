@@ -65,7 +65,7 @@ from typing import Any, Iterator, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent_gpu import (POS, PY, ROOT, LineTimes, agent_state, kill,  # noqa: E402
                             machine, pos_cmd, processes)
-from serve_gpu import Service  # noqa: E402
+from serve_gpu import Service, wait_ended  # noqa: E402
 
 from pos.concurrent import kept  # noqa: E402
 from pos.image import names  # noqa: E402
@@ -264,8 +264,7 @@ def one_row(spec: Spec, total_gib: float, out: Path, ref: dict[int, str]) -> dic
         watch = None
         if filler is not None and not spec.service:
             def ended() -> None:
-                while os.path.exists(f"/proc/{filler}") and time.monotonic() - began < 600:
-                    time.sleep(0.01)
+                wait_ended(filler)
                 run["filler_ended_s"] = time.monotonic() - began
             watch = threading.Thread(target=ended, daemon=True)
             watch.start()

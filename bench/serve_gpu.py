@@ -119,6 +119,26 @@ def disk_read_gbps(files: list[Path], threads: int = 8) -> dict[str, float]:
     return out
 
 
+def proc_state(pid: int) -> Optional[str]:
+    """The state letter of process `pid` (/proc/PID/stat), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def wait_ended(pid: int, limit_s: float = 600) -> None:
+    """Until process `pid` (not this one's child) has ended, at most `limit_s`: gone, or a
+    zombie, which this subreaper reaps where it became its child."""
+    t = time.monotonic()
+    while time.monotonic() - t < limit_s:
+        state = proc_state(pid)
+        if state is None or state == "Z":
+            reap()
+            return
+        time.sleep(0.01)
+
+
 def kill_pid(pid: int) -> None:
     """SIGKILL a server and wait until its PID is free (its parent, or this subreaper, reaped
     it)."""
@@ -129,9 +149,8 @@ def kill_pid(pid: int) -> None:
     t = time.monotonic()
     while time.monotonic() - t < 30:
         reap()
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        state = proc_state(pid)
+        if state is None:
             return
         if state == "Z":
             try:
@@ -458,8 +477,7 @@ class Bench:
                 # ended, the server killed only after
                 filler = (run["restore"].get("report") or {}).get("filler_pid")
                 if filler is not None and case != "concurrent-service":
-                    while os.path.exists(f"/proc/{filler}") and time.time() - t0 < 600:
-                        time.sleep(0.01)
+                    wait_ended(filler)
                     run["filler_ended_s"] = round(time.time() - t0, 3)
                 alone = driver_alone(server, under_pos) if cache == "warm" else {}
                 run["driver_alone"] = alone
