@@ -190,10 +190,6 @@ class Settings:
                 raise ValueError(raw)
             return int(value * 2**30)
 
-        def ahead(raw: str) -> Optional[int]:
-            return None if raw == "needed" else PIN_AHEAD_ALL if raw == "all" else gib(raw)
-
-        all_ahead: Optional[int] = PIN_AHEAD_ALL
         ring = get("POS_PIN_RING_GIB", gib, DEFAULT_PIN_RING, "a number of GiB above 0",
                    f"unset it (the ring is then {DEFAULT_PIN_RING >> 30} GiB)")
         return cls(
@@ -208,7 +204,8 @@ class Settings:
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
             pin_ring_bytes=ring,
-            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", ahead, all_ahead,
+            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "needed"
+                                else PIN_AHEAD_ALL if raw == "all" else gib(raw), PIN_AHEAD_ALL,
                                 "a number of GiB above 0, all or needed",
                                 "unset it (pos then locks the whole arena before the cut)"),
             pin_keep=get("POS_PIN_KEEP", one_of(("0", "1")), "0", "0 or 1",
