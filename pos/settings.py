@@ -15,11 +15,10 @@ Every setting, its variable and its default:
   pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
                                             to the image (beside what it could not shadow);
                                             one ring, split among a checkpoint's ranks
-  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (unset or
-                                            `all`: all of it; `needed`: what the shadow
-                                            cannot hold, which the job's writes wait for,
-                                            and 1 GiB, the rest once the job runs again;
-                                            GiB: that much)
+  pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (unset:
+                                            what the shadow cannot hold, which the job's
+                                            writes wait for, and 1 GiB, the rest once the
+                                            job runs again; `all`: all of it; GiB: that much)
   pin_keep            POS_PIN_KEEP          1: the arena's memory is kept for the next
                                             checkpoint, which then locks it sooner
                                             (pos/concurrent/kept.py); 0, the default: freed
@@ -103,9 +102,7 @@ DEFAULT_PIN_RING = 8 << 30
 # Llama2-13B-shaped FSDP2 job, 8 ranks' worth); taken, they held its 2 ranks on two H200s 2.79 s
 # against 3.39 s left to the driver (bench/results/2026-11-30.md)
 DEFAULT_OWN_MEMORY_MAX = 4 << 30
-# POS_PIN_AHEAD_GIB=all, the default: the whole arena locked before the cut (as much as any
-# arena). Locked after the cut, beside the copy, the 30% job's 8 GiB ring took 1.85 s against
-# 0.44 s before it, and the copy ran at 13.8 GB/s against 17.9 (H200, 2026-11-30.md)
+# POS_PIN_AHEAD_GIB=all: the whole arena locked before the cut (as much as any arena)
 PIN_AHEAD_ALL = 1 << 62
 DEFAULT_HOIST_STACK: Optional[int] = 0
 DEFAULT_CRIU_WAIT_S = 3600.0
@@ -123,7 +120,7 @@ class Settings:
     predump: bool = True
     pin_max_bytes: Optional[int] = None
     pin_ring_bytes: int = DEFAULT_PIN_RING
-    pin_ahead_bytes: Optional[int] = PIN_AHEAD_ALL  # None: what the shadow cannot hold, a part
+    pin_ahead_bytes: Optional[int] = None      # None: what the shadow cannot hold, and a part
     pin_keep: bool = False
     frozen_copy: str = FROZEN_COPIES[0]
     savers_held: str = SAVERS_HELD[0]
@@ -204,10 +201,10 @@ class Settings:
             pin_max_bytes=get("POS_PIN_MAX_GIB", gib, None, "a number of GiB above 0",
                               "unset it, or give a number such as 8"),
             pin_ring_bytes=ring,
-            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: None if raw == "needed"
-                                else PIN_AHEAD_ALL if raw == "all" else gib(raw), PIN_AHEAD_ALL,
-                                "a number of GiB above 0, all or needed",
-                                "unset it (pos then locks the whole arena before the cut)"),
+            pin_ahead_bytes=get("POS_PIN_AHEAD_GIB", lambda raw: PIN_AHEAD_ALL if raw == "all"
+                                else gib(raw), None, "a number of GiB above 0, or all",
+                                "unset it (pos then locks before the cut what the job may "
+                                "wait for)"),
             pin_keep=get("POS_PIN_KEEP", one_of(("0", "1")), "0", "0 or 1",
                          "unset it (the arena's memory is then freed after each checkpoint)")
             == "1",

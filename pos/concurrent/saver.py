@@ -160,11 +160,12 @@ class Saver:
             self.timings["pin_kept_bytes"] = min(present, arena)
         ahead = self.settings.pin_ahead_bytes
         if ahead is None:
-            # `needed`: before the cut, what the job's writes may wait for (the buffers the
-            # shadow cannot hold) and a part for the copy to begin with; the rest of the ring,
-            # which only the shadow's copies use, once the job runs again (Taken.thaw,
-            # release), never while it is held: then the driver's registrations slowed the
-            # job's export and pos's import 2-4x (H200, 2026-11-29.md)
+            # before the cut, what the job's writes may wait for (the buffers the shadow cannot
+            # hold) and a part for the copy to begin with; the rest of the ring, which only the
+            # shadow's copies use, once the job runs again (Taken.thaw, release): locked while
+            # the job was held, the driver's registrations slowed the job's export and pos's
+            # import 2-4x, its take 0.06-0.16 s to 0.43-0.69 s (H200, 2026-11-29.md). At one
+            # rank the 8 GiB ring took 0.6-2.6 s of the 1.3-3.3 s before the cut there
             ahead = self.owned_bytes - self.shadow.size + gpucopy.Pinned.PIECE
         with host_room.locking:
             self.host = self.timed("pin", lambda: gpucopy.Pinned(

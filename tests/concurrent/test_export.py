@@ -185,22 +185,17 @@ def test_savers_prepared_side_by_side_lock_their_arenas_in_turn(
     assert most[0] == 1 and all(s.timings["pin"] >= 0.2 for s in savers)
 
 
-NEEDED = {"POS_PIN_AHEAD_GIB": "needed"}
-
-
 @pytest.mark.parametrize("free_mib, env, ahead_mib", [
-    (1024 + 100, {}, 1 << 42),              # all of it, by default
-    (1024 + 100, NEEDED, 1),                # all 8 MiB shadowed: a part ahead, the rest later
-    (1024 + 3, NEEDED, 5 + 1),              # 5 MiB the shadow cannot hold, and a part
-    (1024 + 100, {"POS_PIN_AHEAD_GIB": "2"}, 2 << 10),
+    (1024 + 100, {}, 1),                    # all 8 MiB shadowed: a part ahead, the rest later
+    (1024 + 3, {}, 5 + 1),                  # 5 MiB the shadow cannot hold, and a part
+    (1024 + 100, {"POS_PIN_AHEAD_GIB": "all"}, 1 << 42),
 ])
-def test_before_the_cut_the_arena_locks_all_or_what_the_job_may_wait_for(
+def test_before_the_cut_the_arena_locks_what_the_job_may_wait_for(
         fakegpu: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         free_mib: int, env: dict, ahead_mib: int) -> None:
-    """All of the arena is locked before the cut by default. With `needed`: what the job's
-    writes wait for (the buffers the shadow could not hold), with one part for the copy to
-    begin with; the rest of the ring (the shadow's copies alone use it) once the job runs
-    again."""
+    """The job's writes to a buffer the shadow could not hold wait until it is in host memory:
+    that much of the arena is locked before the cut, with one part for the copy to begin with;
+    the rest of the ring (the shadow's copies alone use it) once the job runs again."""
     monkeypatch.setenv("POS_LIBCUDA", str(fakegpu["libcuda"]))
     monkeypatch.setenv("POS_FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda"))
     from pos.concurrent import gpucopy

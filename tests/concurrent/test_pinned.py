@@ -98,11 +98,10 @@ def test_all_ahead_waits_for_the_whole_arena() -> None:
         arena.close()
 
 
-@pytest.mark.parametrize("env, ahead", [({}, 1 << 62), ({"POS_PIN_RING_GIB": "3"}, 1 << 62),
+@pytest.mark.parametrize("env, ahead", [({}, None), ({"POS_PIN_RING_GIB": "3"}, None),
                                         ({"POS_PIN_AHEAD_GIB": "all"}, 1 << 62),
-                                        ({"POS_PIN_AHEAD_GIB": "needed"}, None),
                                         ({"POS_PIN_AHEAD_GIB": "2"}, 2 << 30)])
-def test_what_is_locked_before_the_cut_is_all_unless_a_setting_says_less(env, ahead) -> None:
+def test_what_is_locked_before_the_cut_is_pos_s_choice_or_a_setting(env, ahead) -> None:
     """None: the saver's choice (Saver._prepare: what the shadow cannot hold, and a part)."""
     from pos.settings import Settings
 
@@ -114,7 +113,7 @@ def test_a_bad_ahead_setting_is_one_sentence() -> None:
     from pos.settings import Settings
 
     with pytest.raises(BadInput, match="POS_PIN_AHEAD_GIB=some is not a number of GiB above 0, "
-                                       "all or needed"):
+                                       "or all"):
         Settings.from_env({"POS_PIN_AHEAD_GIB": "some"})
 
 
