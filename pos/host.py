@@ -88,6 +88,7 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 CLONE_NEWNS = 0x00020000
 TMPFS_MAGIC = 0x01021994          # linux/magic.h
+RAMFS_MAGIC = 0x858458F6
 
 
 def _checked(ret: int, what: object) -> None:
@@ -140,6 +141,15 @@ def fs_magic(path: Path) -> int:
     buf = ctypes.create_string_buffer(256)      # struct statfs: 120 bytes, f_type first
     _checked(_LIBC.statfs(str(path).encode(), buf), path)
     return ctypes.c_long.from_buffer(buf).value
+
+
+def in_memory(path: Path) -> bool:
+    """Whether the file system that holds `path` (or, where it does not exist yet, its nearest
+    parent that does) keeps its files in host memory (tmpfs, ramfs: /dev/shm, /run)."""
+    for p in (path, *path.absolute().parents):
+        if p.exists():
+            return fs_magic(p) in (TMPFS_MAGIC, RAMFS_MAGIC)
+    return False
 
 
 def effective_capabilities() -> int:

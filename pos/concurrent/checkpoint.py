@@ -38,7 +38,7 @@ from pos.agent import peers
 from pos.agent.control import Agent, Cut, Gate, Hoist, Remap, Status
 from pos.concurrent import ownmem, predump, staging
 from pos.concurrent.crew import side_by_side
-from pos.concurrent.copier import HostRoom
+from pos.concurrent.copier import host_room
 from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
                                    reconnected, timings_of)
 from pos.errors import BadInput, PosError
@@ -175,12 +175,14 @@ class _Whole:
         the 4 ranks of the Llama2-13B-shaped job made its wait before the cut 6.95 s, against
         1.65 s at one rank (bench/results/2026-11-28-multigpu, run19). Should one fail, those
         made are closed (`close`) and the first failure is raised."""
-        host_room = HostRoom(self.settings.pin_max_bytes, self.settings.pin_ring_bytes,
-                             sum(1 for st in self.statuses.values() if st.owned_bytes))
+        self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
+        image_bytes = self.resident + sum(st.owned_bytes for st in self.statuses.values())
+        room = host_room(self.settings, self.directory, image_bytes,
+                         sum(1 for st in self.statuses.values() if st.owned_bytes))
         taking = own_taken(self.statuses, self.settings.own_memory_max_bytes)
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,
-            ranks=len(self.agents), host_room=host_room, status=self.statuses[a.pid],
+            ranks=len(self.agents), host_room=room, status=self.statuses[a.pid],
             take_own=a.pid in taking), self.savers.append)
         owned = sum(s.owned_bytes for s in self.savers)
         steps.timed(self.early, "own_reserve", self.reserve_own)
@@ -188,7 +190,6 @@ class _Whole:
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host
         steps.timed(self.early, "criu_cache", lambda: kdat.keep(self.criu.path,
                                                                  self.criu.version_text))
-        self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
         self.early["anon_prepared_bytes"] = procs.anonymous_bytes(self.pids)
         self.partial = image.prepare(self.directory, self.resident + owned)
         self.manifest = new_manifest(self.pid, self.pids, self.cuda, self.criu.version_text,

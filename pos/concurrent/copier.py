@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pos import host
@@ -45,7 +46,7 @@ from pos.concurrent.crew import Crew, Spares
 from pos.concurrent.handout import Handout
 from pos.driver import Driver
 from pos.errors import BadInput
-from pos.settings import DEFAULT_PIN_RING
+from pos.settings import DEFAULT_PIN_RING, Settings
 
 if TYPE_CHECKING:
     from pos.concurrent.gpuhash import Kernel
@@ -75,13 +76,15 @@ def host_spare() -> int:
 
 
 def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int = 0,
-                ring: int = DEFAULT_PIN_RING, spare: Optional[int] = None) -> int:
+                ring: int = DEFAULT_PIN_RING, spare: Optional[int] = None,
+                held: int = 0) -> int:
     """The page-locked memory to set aside for a checkpoint of `total` bytes of device memory
     of which pos can shadow about `shadowed`: what it cannot shadow (the job's calls that write
     those buffers wait until they are in host memory, which must not wait for the disk), and a
     `ring` (POS_PIN_RING_GIB) for the rest; at most `cap` (POS_PIN_MAX_GIB), at most what the
-    host has available less 2 GiB (or `spare`: what a HostRoom left); a whole number of
-    chunks. Refused in one sentence when that is under 1 GiB."""
+    host has available less 2 GiB (or `spare`: what a HostRoom left, `held` bytes of the image
+    in memory counted); a whole number of chunks. Refused in one sentence when that is under
+    1 GiB."""
     need = -(-min(total, total - min(shadowed, total) + ring) // chunk) * chunk
     limit = need if cap is None else cap
     if spare is None:
@@ -91,6 +94,12 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
     if limit < least:
         raise BadInput(f"POS_PIN_MAX_GIB={limit / 2**30:g} is under the {least / 2**30:.2f} GiB "
                        "of page-locked host memory a checkpoint needs", "raise it, or unset it")
+    if want < least and held:
+        raise BadInput(f"a checkpoint needs {least / 2**30:.2f} GiB of page-locked host memory "
+                       f"beside the {held / 2**30:.2f} GiB its image takes in host memory (its "
+                       f"folder is a tmpfs), and this host has "
+                       f"{max(spare + held, 0) / 2**30:.2f} GiB to spare",
+                       "give -D a folder on disk, or free host memory and try again")
     if want < least:
         raise BadInput(f"a checkpoint needs {least / 2**30:.2f} GiB of page-locked host memory "
                        f"and this host has {max(spare, 0) / 2**30:.2f} GiB to spare (it keeps "
@@ -110,13 +119,17 @@ class HostRoom:
     before it left. Their locking takes turns (`locking`): it is page-table work in pos's one
     process, which one arena's threads already fill; four arenas locked at once on 4x H200 took
     11.8 s, where one after another they had taken 1.2 s each (run20 and run19, two machines of
-    one kind)."""
+    one kind). `held`: the bytes the image takes of the host's memory as it is written, where
+    its folder is a tmpfs: the arenas leave room for them (a 60% job's 90 GB image in /dev/shm
+    beside its 39 GB arena ran a 126 GiB H200 host out of memory, and the kernel killed pos:
+    2026-11-30.md)."""
 
     def __init__(self, cap: Optional[int] = None, ring: int = DEFAULT_PIN_RING,
-                 sharing: int = 1) -> None:
+                 sharing: int = 1, held: int = 0) -> None:
         self._lock = threading.Lock()
         self.locking = threading.Lock()
-        self.left = host_spare()
+        self.held = held
+        self.left = host_spare() - held
         self.cap_left = cap
         self.ring = ring // max(1, sharing)
 
@@ -125,11 +138,19 @@ class HostRoom:
         already (pos/concurrent/kept.py: not in the host's available memory), taken from it."""
         with self._lock:
             size = arena_bytes(total, chunk, self.cap_left, shadowed, self.ring,
-                               self.left + kept)
+                               self.left + kept, self.held)
             self.left -= max(0, size - kept)
             if self.cap_left is not None:
                 self.cap_left -= size
             return size
+
+
+def host_room(settings: Settings, folder: Path, image_bytes: int, sharing: int = 1
+              ) -> HostRoom:
+    """The HostRoom of a checkpoint whose image of about `image_bytes` goes into `folder`:
+    room left for the image where the folder keeps its files in memory."""
+    return HostRoom(settings.pin_max_bytes, settings.pin_ring_bytes, sharing,
+                    image_bytes if host.in_memory(folder.absolute().parent) else 0)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Optional
 from pos import image, nvml
 from pos.agent.control import Agent
 from pos.concurrent import devices
+from pos.concurrent.copier import host_room
 from pos.concurrent.fill import FILL_DEPTH, FILL_STREAMS, fill
 from pos.concurrent.handout import Handout
 from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
@@ -36,7 +37,10 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
     job: restore_gpu)."""
     settings = settings or Settings.from_env()
     with Agent(pid) as first:
-        saver = Saver.prepare(first, settings, streams, chunk_mb << 20, gpu_only=True)
+        status = first.status()
+        saver = Saver.prepare(first, settings, streams, chunk_mb << 20, gpu_only=True,
+                              status=status, host_room=host_room(settings, Path(directory),
+                                                                 status.owned_bytes))
         taken: Optional[Taken] = None
         try:
             partial = image.prepare(Path(directory), saver.owned_bytes)

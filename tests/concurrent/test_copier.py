@@ -58,6 +58,34 @@ def test_too_little_is_refused_in_one_sentence(host, gib: float, limit, says: st
         copier.arena_bytes(60 * GIB, CHUNK, cap)
 
 
+def test_an_image_kept_in_memory_leaves_its_room(host, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    """An image written into a tmpfs takes the host's memory beside the arena: a 60% job's
+    90 GB in /dev/shm beside its 39 GB arena ran a 126 GiB host out of memory."""
+    host(124)
+    settings = Settings.from_env({})
+    monkeypatch.setattr(pos_host, "fs_magic", lambda p: pos_host.TMPFS_MAGIC)
+    room = copier.host_room(settings, tmp_path / "img", 90 * GIB)
+    assert room.arena(85 * GIB, CHUNK, 54 * GIB) == 32 * GIB      # 124 - 2 - 90, not 39
+    with pytest.raises(BadInput, match=r"beside the 121\.50 GiB its image takes in host "
+                                       r"memory \(its folder is a tmpfs\), and this host has "
+                                       r"122\.00 GiB to spare"):
+        copier.host_room(settings, tmp_path / "img", int(121.5 * GIB)).arena(
+            85 * GIB, CHUNK, 54 * GIB)
+    monkeypatch.setattr(pos_host, "fs_magic", lambda p: 0xEF53)        # ext4: on disk
+    assert copier.host_room(settings, tmp_path / "img", 90 * GIB).arena(
+        85 * GIB, CHUNK, 54 * GIB) == 31 * GIB + copier.DEFAULT_PIN_RING
+
+
+def test_in_memory_asks_the_nearest_folder_that_exists(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    asked: list[Path] = []
+    monkeypatch.setattr(pos_host, "fs_magic",
+                        lambda p: asked.append(p) or pos_host.RAMFS_MAGIC)   # type: ignore
+    assert pos_host.in_memory(tmp_path / "a" / "b")
+    assert asked == [tmp_path]
+
+
 def test_a_small_job_needs_only_itself(host) -> None:
     host(2.5)                           # half a GiB to spare: enough for 64 MiB
     assert copier.arena_bytes(10 << 20, CHUNK) == CHUNK
@@ -377,7 +405,8 @@ def test_pos_pin_max_gib_bounds_the_checkpoint(host) -> None:
 
 def test_a_checkpoints_processes_share_one_room(tmp_path: Path, monkeypatch) -> None:
     """The whole-process checkpoint gives every saver one HostRoom with the settings' bounds,
-    its ring split among the processes with device memory (torchrun's own has none)."""
+    its ring split among the processes with device memory (torchrun's own has none), and room
+    left for the image where its folder is a tmpfs."""
     from types import SimpleNamespace
 
     from pos.concurrent import checkpoint
@@ -395,12 +424,16 @@ def test_a_checkpoints_processes_share_one_room(tmp_path: Path, monkeypatch) -> 
     whole = checkpoint._Whole(1, tmp_path / "img", Save(), lambda _: None,
                               Settings(pin_ring_bytes=8 * GIB, pin_max_bytes=30 * GIB))
     whole.agents = [SimpleNamespace(pid=p) for p in (1, 2, 3)]
+    whole.pids = [1, 2, 3]
     whole.statuses = {p: SimpleNamespace(owned_bytes=n, own_bytes=None, own_kept=0, peer_maps=0)
                       for p, n in ((1, 0), (2, GIB), (3, GIB))}
+    monkeypatch.setattr(checkpoint.procs, "resident_bytes", lambda pids: 3 << 20)
+    monkeypatch.setattr(pos_host, "fs_magic", lambda p: pos_host.TMPFS_MAGIC)
     with pytest.raises(BadInput, match="stop here"):
         whole.prepare()
     assert len(rooms) == 3 and rooms[0] is rooms[1] is rooms[2]
     assert rooms[0].ring == 4 * GIB and rooms[0].cap_left == 30 * GIB
+    assert rooms[0].held == 2 * GIB + (3 << 20)
 
 
 @pytest.mark.parametrize("paused, going", [("driver", False), ("never", True)])
