@@ -178,7 +178,8 @@ class _Whole:
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
         image_bytes = self.resident + sum(st.owned_bytes for st in self.statuses.values())
         room = host_room(self.settings, self.directory, image_bytes,
-                         sum(1 for st in self.statuses.values() if st.owned_bytes))
+                         sum(1 for st in self.statuses.values() if st.owned_bytes),
+                         self.resident if self.settings.dump_staging else 0)
         taking = own_taken(self.statuses, self.settings.own_memory_max_bytes)
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,

@@ -145,12 +145,15 @@ class HostRoom:
             return size
 
 
-def host_room(settings: Settings, folder: Path, image_bytes: int, sharing: int = 1
-              ) -> HostRoom:
+def host_room(settings: Settings, folder: Path, image_bytes: int, sharing: int = 1,
+              staged: int = 0) -> HostRoom:
     """The HostRoom of a checkpoint whose image of about `image_bytes` goes into `folder`:
-    room left for the image where the folder keeps its files in memory."""
+    room left for the image where the folder keeps its files in memory, and for the `staged`
+    bytes of it that are first written to a tmpfs of their own (pos/concurrent/staging.py),
+    which until they are moved into the image take that memory twice over."""
+    in_memory = host.in_memory(folder.absolute().parent)
     return HostRoom(settings.pin_max_bytes, settings.pin_ring_bytes, sharing,
-                    image_bytes if host.in_memory(folder.absolute().parent) else 0)
+                    image_bytes + staged if in_memory else 0)
 
 
 @dataclass(frozen=True)
