@@ -209,7 +209,7 @@ class Requests:
 
     def answers(self, rid: str, n: int = 1, timeout: float = ANSWER_TIMEOUT_S,
                 alive: Optional[subprocess.Popen] = None) -> list[dict[str, Any]]:
-        """The first `n` answers to `rid`, each {"tokens", "t_done", "tag"}."""
+        """The first `n` answers to `rid`, each {"tokens", "t_claimed", "t_done", "tag"}."""
         t = time.monotonic()
         while time.monotonic() - t < timeout:
             found = sorted(self.folder.glob(f"{rid}.*.ans"))
@@ -500,13 +500,17 @@ class Bench:
             tim = rep.get("timings") or {}
             split = {k: round(v, 3) for k, v in tim.items() if isinstance(v, (int, float))}
             split["pos_exit_s"] = run["restore"]["exit_s"]
+            # the server's own clock: when it claimed the first request (it is polled every
+            # 2 ms), so that the answer's wait splits into the job's resuming and its compute
+            split["claimed_s"] = round(first["t_claimed"] - t0, 3)
             if "filler_ended_s" in run:
                 split["filler_ended_s"] = run["filler_ended_s"]
             self.row(model, info, case, cache, ttft, cold[cache]["ttft"],
                      full["tokens"] == cold["warm"]["tokens"], image_gib,
                      alone.get("restore") if alone else None, split,
                      driver_alone=alone or None, checkpoint_s=ckpt.get("s"),
-                     checkpoint_split=ckpt_split(ckpt))
+                     checkpoint_split=ckpt_split(ckpt),
+                     restore_gate=(rep.get("device") or {}).get("gate"))
 
     def saved(self, model: str, mdir: Path, case: str, prefix: tuple[str, ...],
               args: tuple[str, ...], env: Optional[dict[str, str]] = None

@@ -7,7 +7,8 @@ as files with greedy decoding (issue 36's server).
 A request is a file `ID.req` in REQUESTS_DIR holding {"tokens": [...], "new": N}. A server
 claims it by renaming it to `ID.req.TAG` (so that several copies of one server share one
 folder, each request answered once) and writes `ID.TAG.ans` atomically: {"tokens": the N new
-token ids, "t_done": the server's clock (time.time()) when the answer was ready, "tag"}. TAG
+token ids, "t_claimed" and "t_done": the server's clock (time.time()) when it had claimed the
+request and when the answer was ready, "tag"}. TAG
 is the server's PID as /proc names it, read at each claim, so a restored or cloned server
 tags its answers with its own. A token, not text: the bench's weights are random and there is
 no tokenizer to ship.
@@ -64,11 +65,13 @@ def serve(model, folder: str) -> None:
                 os.rename(os.path.join(folder, name), claimed)
             except FileNotFoundError:
                 continue           # another copy took it
+            t_claimed = time.time()
             with open(claimed) as f:
                 req = json.load(f)
             toks = answer(model, req["tokens"], int(req.get("new", 1)))
             write_atomic(os.path.join(folder, f"{name[:-4]}.{me}.ans"),
-                         {"tokens": toks, "t_done": time.time(), "tag": me})
+                         {"tokens": toks, "t_claimed": t_claimed, "t_done": time.time(),
+                          "tag": me})
         time.sleep(POLL_S)
 
 
