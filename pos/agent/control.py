@@ -87,6 +87,8 @@ class Status:
     # linked to) and the gate does not know (hook/gated.h): no cut of the job is taken. "":
     # none, or an agent too old to say
     ungated: str = ""
+    # the job's calls waiting in the gate now (an agent too old to say: 0)
+    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -418,7 +420,7 @@ class Agent:
                       stall_s=float(r["stall_s"]) if "stall_s" in r else None,
                       last_end=r.get("last_end"), last_end_said=bool(r.get("last_end_said")),
                       last_end_code=str(r.get("last_end_code", "")),
-                      ungated=str(r.get("ungated", "")))
+                      ungated=str(r.get("ungated", "")), waiting=int(r.get("waiting", 0)))
 
     def cut(self, timeout_s: float, at: Optional[int] = None) -> Cut:
         """Hold the job's calls, drain and synchronise it; `at`: not now, but just before the

@@ -70,7 +70,10 @@ def test_a_lookup_made_while_the_job_is_held_waits_for_the_operation_to_end(
         a.cut(10.0)
         trigger.touch()
         job.pause.unlink()                 # its next operation looks FUTURE up first
-        wait_for(lambda: a.status().ungated == FUTURE, 10, f"the job to look {FUTURE} up")
+        # the lookup is recorded, then waits in the gate: ended between the two, the operation
+        # would have nothing to hold
+        wait_for(lambda: (st := a.status()).ungated == FUTURE and st.waiting == 1, 10,
+                 f"the job's lookup of {FUTURE} to wait in the gate")
         assert "LOOKED UP" not in job.out.read_text()     # held with every other call
         gate = a.end()
     assert FUTURE in [w.what for w in gate.waits], gate

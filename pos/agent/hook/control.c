@@ -75,13 +75,13 @@ static void do_status(struct conn *c) {
           "\"foreign_allocs\":%llu,\"foreign_bytes\":%llu,\"inflight\":%ld,\"owning\":%s,"
           "\"imported\":%zu,\"nccl_launches\":%ld,\"peer_maps\":%zu,\"peer_bytes\":%zu,"
           "\"ipc_maps\":%zu,\"peer_down\":%zu,\"peer_lost\":%zu,\"own_maps\":%zu,"
-          "\"own_bytes\":%zu,\"own_down\":%zu,\"own_kept\":%zu,\"ungated\":\"%s\",\"stall_s\":%.3f%s,%s}",
+          "\"own_bytes\":%zu,\"own_down\":%zu,\"own_kept\":%zu,\"ungated\":\"%s\",\"waiting\":%ld,"
+          "\"stall_s\":%.3f%s,%s}",
           getpid(), phase_name[atomic_load(&phase)], ntab, owned_bytes,
           (unsigned long long)foreign_allocs, (unsigned long long)foreign_bytes,
           atomic_load(&inflight), owning ? "true" : "false", imported, nccl_launches, peers.maps,
           peers.bytes, peers.ipc, peers.down, peers.lost, peers.owns, peers.own_bytes,
-          peers.own_down, peers.own_kept, ungated,
-          stall_ms() / 1000.0, end, s);
+          peers.own_down, peers.own_kept, ungated, waiting, stall_ms() / 1000.0, end, s);
     pthread_mutex_unlock(&mu);
 }
 
