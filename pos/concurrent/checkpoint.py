@@ -176,8 +176,8 @@ class _Whole:
         1.65 s at one rank (bench/results/2026-11-28-multigpu, run19). Should one fail, those
         made are closed (`close`) and the first failure is raised."""
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
-        image_bytes = self.resident + sum(st.owned_bytes for st in self.statuses.values())
-        room = host_room(self.settings, self.directory, image_bytes,
+        owned = sum(st.owned_bytes for st in self.statuses.values())   # each saver's
+        room = host_room(self.settings, self.directory, self.resident + owned,
                          sum(1 for st in self.statuses.values() if st.owned_bytes),
                          self.resident if self.settings.dump_staging else 0)
         taking = own_taken(self.statuses, self.settings.own_memory_max_bytes)
@@ -185,7 +185,6 @@ class _Whole:
             a, self.settings, self.streams, self.chunk, gpu_only=False,
             ranks=len(self.agents), host_room=room, status=self.statuses[a.pid],
             take_own=a.pid in taking), self.savers.append)
-        owned = sum(s.owned_bytes for s in self.savers)
         steps.timed(self.early, "own_reserve", self.reserve_own)
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host

@@ -94,16 +94,13 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
     if limit < least:
         raise BadInput(f"POS_PIN_MAX_GIB={limit / 2**30:g} is under the {least / 2**30:.2f} GiB "
                        "of page-locked host memory a checkpoint needs", "raise it, or unset it")
-    if want < least and held:
-        raise BadInput(f"a checkpoint needs {least / 2**30:.2f} GiB of page-locked host memory "
-                       f"beside the {held / 2**30:.2f} GiB its image takes in host memory (its "
-                       f"folder is a tmpfs), and this host has "
-                       f"{max(spare + held, 0) / 2**30:.2f} GiB to spare",
-                       "give -D a folder on disk, or free host memory and try again")
     if want < least:
-        raise BadInput(f"a checkpoint needs {least / 2**30:.2f} GiB of page-locked host memory "
-                       f"and this host has {max(spare, 0) / 2**30:.2f} GiB to spare (it keeps "
-                       f"{HOST_RESERVE >> 30} GiB for everything else)",
+        image = (f" beside the {held / 2**30:.2f} GiB its image takes in host memory (its "
+                 "folder is a tmpfs),") if held else ""
+        raise BadInput(f"a checkpoint needs {least / 2**30:.2f} GiB of page-locked host memory"
+                       f"{image} and this host has {max(spare + held, 0) / 2**30:.2f} GiB to "
+                       f"spare (it keeps {HOST_RESERVE >> 30} GiB for everything else)",
+                       ("give -D a folder on disk, or " if held else "") +
                        "free host memory and try again")
     return max(want, chunk)
 
