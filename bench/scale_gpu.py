@@ -21,8 +21,7 @@ since perf runs 17-18); `+saversfrozen`: they wait through the whole frozen part
 (POS_SAVERS_HELD=frozen, the baseline); `+gpuhash`: each chunk hashed and scanned on the GPU,
 the savers only writing (POS_HASH_ON=gpu); `+hashcpu`: by the savers on the CPU as they write
 (POS_HASH_ON=cpu, the baseline); `+nopause`: the copy to host memory goes on while the driver
-checkpoints and restores the job (POS_COPY_PAUSED=never; the default pauses it); `+v4`: the dump's
-CRIU logs every step (POS_CRIU_DUMP_LOG_LEVEL=4, the baseline; 2 by default); `+keep`: the arena
+checkpoints and restores the job (POS_COPY_PAUSED=never; the default pauses it); `+keep`: the arena
 kept for the next checkpoint (POS_PIN_KEEP=1), a first concurrent checkpoint of the job made and
 removed before the one measured, which finds its arena's memory there (`warm` in the raw run; the
 kept files removed after the row); `+again`: the same first checkpoint without keeping the arena, so
@@ -147,8 +146,8 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+v4][+keep][+again][+service]
-    (see the module's docstring)."""
+    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+keep][+again][+service] (see the
+    module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -171,7 +170,6 @@ class Spec:
                     **({"POS_HASH_ON": "gpu"} if "gpuhash" in flags else {}),
                     **({"POS_HASH_ON": "cpu"} if "hashcpu" in flags else {}),
                     **({"POS_COPY_PAUSED": "never"} if "nopause" in flags else {}),
-                    **({"POS_CRIU_DUMP_LOG_LEVEL": "4"} if "v4" in flags else {}),
                     **({"POS_PIN_KEEP": "1"} if self.keep else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.name = text.replace("@", "-at-").replace("+", "-")

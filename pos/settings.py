@@ -8,9 +8,6 @@ Every setting, its variable and its default:
                                             copy that scripts/setup.sh installs)
   log_dir             POS_LOG_DIR           where CRIU's logs of failed runs are kept
   criu_log_max_bytes  POS_CRIU_LOG_MAX_MB   a restore's CRIU is ended when its log passes this
-  criu_dump_log_level POS_CRIU_DUMP_LOG_LEVEL what a dump's CRIU logs, 0-4 (its -v): 2, the
-                                            default, its errors and warnings; 4 every step,
-                                            to debug a failure (see DEFAULT_CRIU_DUMP_LOG_LEVEL)
   keep_restore_log    POS_KEEP_RESTORE_LOG  1: CRIU's restore log is kept on success too
   dump_staging        POS_DUMP_STAGING      0: CRIU writes straight into the image's folder
   predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/concurrent/predump.py)
@@ -65,12 +62,6 @@ DEFAULT_LOCK_TIMEOUT_MS = 10_000   # how long the driver may take to lock a CUDA
                                    # (`--lock-timeout`)
 DEFAULT_LOG_DIR = "/var/log/pos"
 DEFAULT_CRIU_LOG_MAX_MB = 256
-# a dump's CRIU writes each line of its log with a system call while the job is frozen: at -v4
-# a 1 GB training process's dump logs about 38,000 lines (a line a mapped range, an iovec, a
-# parasite call); errors and warnings (-v2) are what pos reads from it when CRIU fails. A
-# restore's CRIU logs every step (-v4): a restorer that loops on an image whose checksums agree
-# logs only there, and its log's bound is what ends it
-DEFAULT_CRIU_DUMP_LOG_LEVEL = 2
 FROZEN_COPIES = ("unshadowed", "all")
 # the copy's savers (hash, scan and write, on every core) wait while the job is frozen: only while
 # CRIU dumps (`criu`, the CPU's part of it), so that the ring they drain has room again when the
@@ -124,7 +115,6 @@ class Settings:
     criu: str = ""
     log_dir: Path = Path(DEFAULT_LOG_DIR)
     criu_log_max_bytes: int = DEFAULT_CRIU_LOG_MAX_MB << 20
-    criu_dump_log_level: int = DEFAULT_CRIU_DUMP_LOG_LEVEL
     keep_restore_log: bool = False
     dump_staging: bool = True
     predump: bool = True
@@ -188,12 +178,6 @@ class Settings:
                 raise ValueError(raw)
             return value
 
-        def level(raw: str) -> int:
-            value = int(raw)
-            if not 0 <= value <= 4:
-                raise ValueError(raw)
-            return value
-
         def stack(raw: str) -> Optional[int]:
             return None if raw == "off" else int(raw)
 
@@ -211,10 +195,6 @@ class Settings:
             criu_log_max_bytes=get("POS_CRIU_LOG_MAX_MB", positive_int, DEFAULT_CRIU_LOG_MAX_MB,
                                    "a whole number of MiB >= 1", "unset it (CRIU's log is then "
                                    f"bounded at {DEFAULT_CRIU_LOG_MAX_MB} MiB)") << 20,
-            criu_dump_log_level=get("POS_CRIU_DUMP_LOG_LEVEL", level,
-                                    DEFAULT_CRIU_DUMP_LOG_LEVEL, "a CRIU log level from 0 to 4",
-                                    "unset it (a dump's CRIU then logs its errors and "
-                                    "warnings), or give 4 for every step"),
             keep_restore_log=env.get("POS_KEEP_RESTORE_LOG") == "1",
             dump_staging=env.get("POS_DUMP_STAGING") != "0",
             predump=env.get("POS_PREDUMP") != "0",

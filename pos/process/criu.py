@@ -22,8 +22,7 @@ from typing import Any, Callable, Optional
 from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.process import kdat, procs
-from pos.settings import (DEFAULT_CRIU_DUMP_LOG_LEVEL, DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_LOG_DIR,
-                          Settings)
+from pos.settings import DEFAULT_CRIU_LOG_MAX_MB, DEFAULT_LOG_DIR, Settings
 
 SETUP_COPY = "/opt/pos/criu/criu"
 MIN_VERSION = (4, 0)
@@ -35,7 +34,6 @@ KEEP_BYTES = 64 << 20          # at most this much of a log is kept there (its h
 TAIL_BYTES = 1 << 20           # where the error lines are looked for
 POLL_S = 0.05                  # how often a restore's CRIU, its log and its stop are looked at
 END_S = 2.0                    # what ending a restore's CRIU may take
-FULL_LOG = 4                   # CRIU's -v for a restore (see DEFAULT_CRIU_DUMP_LOG_LEVEL)
 
 @dataclass(frozen=True)
 class KnownFailure:
@@ -208,11 +206,9 @@ class Criu:
     version_text: str = field(default="")
     log_dir: Path = Path(DEFAULT_LOG_DIR)     # where the logs of failed runs are kept
     log_max: int = DEFAULT_CRIU_LOG_MAX_MB << 20   # a restore whose log passes it is ended
-    dump_log_level: int = DEFAULT_CRIU_DUMP_LOG_LEVEL   # a dump's -v (a restore's: FULL_LOG)
 
-    def _base(self, action: str, images: Path, log: str, workdir: Optional[Path],
-              level: int = FULL_LOG) -> list[str]:
-        argv = [self.path, action, "-D", str(images), "-o", log, f"-v{level}"]
+    def _base(self, action: str, images: Path, log: str, workdir: Optional[Path]) -> list[str]:
+        argv = [self.path, action, "-D", str(images), "-o", log, "-v4"]
         if workdir is not None:
             argv += ["-W", str(workdir)]
         return argv
@@ -225,8 +221,7 @@ class Criu:
         itself, or a pos that died between the dump and the seal would lose the job).
         `parent`: a pre-dump's folder, relative to `images` (predump_argv): the dump writes
         only the pages written since (CRIU takes the rest from there only with --track-mem)."""
-        argv = self._base("dump", images, names.DUMP_LOG, None, self.dump_log_level) + [
-            "-t", str(pid), *opts.argv()]
+        argv = self._base("dump", images, names.DUMP_LOG, None) + ["-t", str(pid), *opts.argv()]
         argv.append("--leave-running" if leave_running else "--leave-stopped")
         if parent is not None:
             argv += ["--track-mem", "--prev-images-dir", parent]
@@ -240,8 +235,7 @@ class Criu:
         soft-dirty bits cleared, for a dump_argv with `parent`. The tree runs on. Read mode:
         the tree is frozen only while CRIU finds its pages, and runs while they are read
         (process_vm_readv) and written; splice, CRIU's default, drains them frozen."""
-        return self._base("pre-dump", images, names.PREDUMP_LOG, None,
-                          self.dump_log_level) + [
+        return self._base("pre-dump", images, names.PREDUMP_LOG, None) + [
             "-t", str(pid), *opts.argv(), "--track-mem", "--pre-dump-mode", "read"]
 
     def restore_argv(self, images: Path, opts: Options, workdir: Path, pidfile: Path,
@@ -282,8 +276,7 @@ class Criu:
         return _plain(said[-1]) if said else f"criu check --feature {feature} failed"
 
     def page_server_argv(self, images: Path, server: PageServer, workdir: Path) -> list[str]:
-        return self._base("page-server", images, names.PAGE_SERVER_LOG, workdir,
-                          self.dump_log_level) + [
+        return self._base("page-server", images, names.PAGE_SERVER_LOG, workdir) + [
             "--address", server.address, "--port", str(server.port), *server.tls]
 
     def start(self, argv: list[str], pass_fds: tuple[int, ...] = (),
@@ -530,5 +523,5 @@ def find(settings: Optional[Settings] = None) -> Criu:
     fix when none fits."""
     s = settings or Settings.from_env()
     return replace(_find(s.criu, shutil.which("criu") or ""), log_dir=s.log_dir,
-                   log_max=s.criu_log_max_bytes, dump_log_level=s.criu_dump_log_level)
+                   log_max=s.criu_log_max_bytes)
 

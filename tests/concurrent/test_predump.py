@@ -93,10 +93,10 @@ def test_the_command_lines_of_a_predump_and_of_the_dump_after_it() -> None:
     image_dir = Path("/img.partial")
     assert c.predump_argv(42, image_dir / names.PARENT, opts) == [
         "/usr/sbin/criu", "pre-dump", "-D", "/img.partial/parent", "-o", "criu-predump.log",
-        "-v2", "-t", "42", "--network-lock", "skip", "--tcp-established", "--track-mem",
+        "-v4", "-t", "42", "--network-lock", "skip", "--tcp-established", "--track-mem",
         "--pre-dump-mode", "read"]
     whole = c.dump_argv(42, image_dir, opts, True)
-    assert whole == ["/usr/sbin/criu", "dump", "-D", "/img.partial", "-o", "criu-dump.log", "-v2",
+    assert whole == ["/usr/sbin/criu", "dump", "-D", "/img.partial", "-o", "criu-dump.log", "-v4",
                      "-t", "42", "--network-lock", "skip", "--tcp-established",
                      "--leave-running"]
     # the parent relative to -D, so that the image moves as one folder
