@@ -11,7 +11,9 @@ memory so that H of the GPU is in use at the cut. `+ring`: at most 8 GiB of page
 memory (POS_PIN_MAX_GIB=8: the copy streams to the image); `+shm`: the images in /dev/shm
 (a host whose disk cannot hold them); `+pinall`: an arena as large as the job, locked
 before the cut (the baseline of a ring beside what pos cannot shadow); `+behind`: only 8 GiB
-of the arena locked before the cut, the rest behind it (POS_PIN_AHEAD_GIB=8);
+of the arena locked before the cut, the rest behind it (POS_PIN_AHEAD_GIB=8); `+bigring`: an
+arena as large as the job, locked before the cut only as far as the default says
+(POS_PIN_RING_GIB=4096; with `+keep`, a kept arena registered mostly after the cut);
 `+shadow8`: pos shadows at most 8 GiB (POS_SHADOW_MAX_BYTES: a job larger than the free device
 memory, on a host whose disk holds no such job's image); `+nostw`: no stop-the-world baseline;
 `+frozenall`: the copy to host memory takes every buffer while the job is frozen
@@ -145,9 +147,9 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 
 
 class Spec:
-    """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+shadow8][+nostw][+frozenall]
-    [+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+keep][+again][+service] (see the
-    module's docstring)."""
+    """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+bigring][+shadow8][+nostw]
+    [+frozenall][+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+keep][+again]
+    [+service] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -163,6 +165,7 @@ class Spec:
                     **({"POS_PIN_AHEAD_GIB": "all", "POS_PIN_RING_GIB": "4096"}
                        if "pinall" in flags else {}),
                     **({"POS_PIN_AHEAD_GIB": "8"} if "behind" in flags else {}),
+                    **({"POS_PIN_RING_GIB": "4096"} if "bigring" in flags else {}),
                     **({"POS_SHADOW_MAX_BYTES": str(8 * GIB)} if "shadow8" in flags else {}),
                     **({"POS_FROZEN_COPY": "all"} if "frozenall" in flags else {}),
                     **({"POS_SAVERS_HELD": "criu"} if "saverscriu" in flags else {}),
