@@ -20,8 +20,8 @@ tells the job's gate which buffers its calls may write again.
 The shadow's scan: a call on a shadowed buffer waits too, until the buffers its words point
 into are known and saved (handout.py), and the copy reaches the shadowed buffers last. Where
 the GPU hashes (POS_HASH_ON), it scans the shadow from the copy's start, on a stream of its
-own: a moment's work, after which a shadowed buffer waits only for the unshadowed ones it
-points into. The copy then uses these checksums rather than making them again. (On the H200
+own, the buffers the job's calls wait for first; a scanned shadowed buffer waits only for the
+unshadowed ones it points into. The copy then uses these checksums rather than making them again. (On the H200
 the 60% job's calls waited 0.13-0.43 s each, one after another, for five shadowed buffers of
 2-198 MiB after its release: bench/results/2026-11-29.md.)
 
@@ -202,6 +202,9 @@ class Copier:
         self.work = sorted(gpucopy.grid([b.size for b in table], chunk),
                            key=lambda w: (rank[w[0]], w[1]))
         self.order = gpucopy.Order(self.work)
+        # the shadow's scan: in the copy's order too, but first the buffers the job's calls
+        # wait for, which wait until their shadow is scanned
+        self.scan_order = gpucopy.Order([w for w in self.work if w[0] in self.shadowed])
         self.scan_left = gpucopy.chunks_of(self.work, len(table))
         by_va = sorted(range(len(table)), key=lambda i: table[i].va)
         self.targets = gpuimage.Targets([(table[i].va, table[i].va + table[i].mapped)
@@ -286,9 +289,10 @@ class Copier:
         self.shadow_go.set()
 
     def watch(self, agent: Any) -> None:
-        """Until every chunk is in host memory, copy first what the job's calls wait for."""
+        """Until every chunk is in host memory, copy and scan first what the job's calls wait
+        for."""
         self.watcher = self.order.follow(lambda: agent, self.by_va, self.copied,
-                                         self.handout.needed)
+                                         self.handout.needed, also=(self.scan_order,))
 
     def _wake(self) -> None:
         """The copy stopped: nothing of it waits for what will not come."""
@@ -354,17 +358,17 @@ class Copier:
         return h, self.index_of[hits.nonzero()[0]].tolist()
 
     def _scan_shadow(self) -> None:
-        """The shadowed buffers' chunks hashed and scanned on the GPU in the copy's order, held
-        with the copy (pause): each buffer is back (handout.py) once all its chunks are, its
-        checksums kept for its copy."""
+        """The shadowed buffers' chunks hashed and scanned on the GPU, those the job's calls
+        wait for first, then in the copy's order (scan_order), held with the copy (pause): each
+        buffer is back (handout.py) once all its chunks are, its checksums kept for its copy.
+        In the copy's order alone, a 60% job's call on a 48 MiB shadowed buffer waited 0.41 s
+        past its release on the H200 (bench/results/2026-11-30.md, perf run 8)."""
         left = gpucopy.chunks_of(self.work, len(self.table))
         self.drv.cuCtxSetCurrent(self.ctx)
         stream = gpucopy.stream(self.drv)
         try:
-            for i, off, n in self.work:
-                if i not in self.shadowed:
-                    continue
-                self.go.wait()
+            while self.go.wait() and (w := self.scan_order.take()) is not None:
+                i, off, n = w
                 self.crew.check()
                 if self.copied.is_set():     # the copy took every chunk itself
                     return

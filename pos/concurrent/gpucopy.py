@@ -522,11 +522,12 @@ class Order:
             self.wanted.extend(i for i in buffers if self.left.get(i))
 
     def follow(self, agent_of: Callable[[], Any], by_va: dict[int, int],
-               until: threading.Event, needed: Callable[[list[int]], list[int]]
-               ) -> threading.Thread:
+               until: threading.Event, needed: Callable[[list[int]], list[int]],
+               also: Sequence["Order"] = ()) -> threading.Thread:
         """Until `until` is set, ask the job's agent (once `agent_of()` gives one) every 2 ms
         which buffers its calls wait for, and take first what those wait for (`needed`:
-        handout.Handout.needed). A failed question ends this: the chunks go on in order."""
+        handout.Handout.needed), in this order and in those of `also`. A failed question ends
+        this: the chunks go on in order."""
         def run() -> None:
             while not until.wait(0.002):
                 agent = agent_of()
@@ -536,7 +537,9 @@ class Order:
                     vas = agent.wanted()
                 except Exception:
                     return
-                self.want(needed([by_va[v] for v in vas if v in by_va]))
+                wanted = needed([by_va[v] for v in vas if v in by_va])
+                for order in (self, *also):
+                    order.want(wanted)
 
         t = threading.Thread(target=run, name="pos-wanted", daemon=True)
         t.start()

@@ -243,6 +243,63 @@ def test_the_gpu_scans_the_shadow_so_a_shadowed_buffer_waits_only_for_what_it_po
             assert writer.sums[(p, off)] == (gpuimage.blocks_points(piece, targets)[0], "blocks")
 
 
+class _Waiting(_Agent):
+    """A job whose calls wait for the buffers at `vas`."""
+
+    def __init__(self, vas: list[int]) -> None:
+        super().__init__()
+        self.vas = vas
+
+    def wanted(self) -> list[int]:
+        return self.vas
+
+
+def test_the_scan_takes_first_the_shadowed_buffer_a_call_waits_for(drv) -> None:
+    """Buffers 0-3 shadowed, 4 not, a call of the job waiting on 3, the last in the copy's
+    order: the GPU's scan of the shadow hands 3 back to the job before the others. (Room in
+    host memory for one chunk of 4's two, the savers held: 4 is never all in host memory,
+    which would hand every shadowed buffer back at once.)"""
+    import ctypes as C
+
+    from pos.concurrent.gpuhash import Kernel
+    from pos.driver import CUdeviceptr
+
+    chunk = 1 << 16
+    sizes = [chunk] * 4 + [2 * chunk]
+    ptrs = []
+    for size in sizes:
+        p = CUdeviceptr()
+        drv.cuMemAlloc_v2(C.byref(p), size)
+        drv.cuMemsetD8_v2(p.value, 0, size)      # no word of it an address
+        ptrs.append(p.value)
+    table = [Buffer(p, n, n, 0, True) for p, n in zip(ptrs, sizes)]
+    kernel = Kernel(drv)
+    shadowed = {0, 1, 2, 3}
+    handout, writer, agent = _Handout(table, shadowed), _Writer(), _Waiting([ptrs[3]])
+    handout.attach(agent)
+    c = copier.Copier(drv, table, ptrs, shadowed, _Arena(chunk), chunk, 2,
+                      writer, handout, 2, kernel=kernel)   # type: ignore[arg-type]
+    c.hold_shadowed()
+    c.hold_savers()
+    c.pause()                   # the scan begins only once the call's wait is known
+    c.watch(agent)
+    c.start()
+    try:
+        wait_for(lambda: 3 in c.scan_order.wanted, 10, "the call's wait, learnt")
+        c.resume()
+        wait_for(lambda: set(ptrs[:4]) <= set(agent.told), 10, "the scan of the shadow")
+        assert agent.told[0] == ptrs[3] and ptrs[4] not in agent.told, agent.told
+        c.release_savers()
+        c.release_shadowed()
+        c.wait_copied()
+        c.join()
+    finally:
+        c.close()
+        kernel.close()
+        for p in ptrs:
+            drv.cuMemFree_v2(p)
+
+
 def test_the_baseline_copies_every_buffer_while_frozen() -> None:
     chunk = 1 << 20
     memory = [np.full(chunk, 7, np.uint8)]
@@ -364,7 +421,8 @@ def test_the_copy_runs_in_the_part_locked_and_takes_the_rest_as_it_comes(rest_la
 
 def test_the_arena_holds_what_pos_cannot_shadow_and_a_ring_for_the_rest(host) -> None:
     host(500)
-    assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=95 * GIB) == 5 * GIB + copier.DEFAULT_PIN_RING
+    assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=95 * GIB) == \
+        5 * GIB + copier.DEFAULT_PIN_RING
     assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=100 * GIB) == copier.DEFAULT_PIN_RING
     assert copier.arena_bytes(4 * GIB, CHUNK, shadowed=4 * GIB) == 4 * GIB   # at most the job
     assert copier.arena_bytes(100 * GIB, CHUNK, shadowed=0) == 100 * GIB
