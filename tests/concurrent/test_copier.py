@@ -1,11 +1,13 @@
 """The checkpoint's copy (pos/concurrent/copier.py): how much page-locked host memory it sets
 aside, its order, and what it copies while the job is frozen."""
 
+import contextlib
 import ctypes
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -177,6 +179,38 @@ def test_while_frozen_only_what_pos_could_not_shadow_is_copied() -> None:
         (table[i].va, off): bytes([i + 1]) for i in (0, 1) for off in (0, chunk)}
 
 
+@contextlib.contextmanager
+def _on_device(drv: Any, sizes: list[int]) -> Iterator[tuple[list[int], Any]]:
+    """Buffers of these sizes on the (fake) device, zeroed, and pos's checksum kernel; freed
+    and closed at the end."""
+    import ctypes as C
+
+    from pos.concurrent.gpuhash import Kernel
+    from pos.driver import CUdeviceptr
+
+    ptrs = []
+    for size in sizes:
+        p = CUdeviceptr()
+        drv.cuMemAlloc_v2(C.byref(p), size)
+        drv.cuMemsetD8_v2(p.value, 0, size)
+        ptrs.append(p.value)
+    kernel = Kernel(drv)
+    try:
+        yield ptrs, kernel
+    finally:
+        kernel.close()
+        for p in ptrs:
+            drv.cuMemFree_v2(p)
+
+
+def _finish(c: copier.Copier) -> None:
+    """Every part of the copy let go, and the copy to its end."""
+    c.release_savers()
+    c.release_shadowed()
+    c.wait_copied()
+    c.join()
+
+
 class _Agent:
     """What the handout tells the job's agent."""
 
@@ -194,47 +228,33 @@ def test_the_gpu_scans_the_shadow_so_a_shadowed_buffer_waits_only_for_what_it_po
     the shadow alone hands 1 to the job, while 0 waits for 2, which is what a call on 0 makes
     the copy take first; the shadow's chunks are then written with the scan's checksums, equal
     to the CPU's."""
-    import ctypes as C
-
-    from pos.concurrent.gpuhash import Kernel
-    from pos.driver import CUdeviceptr
     from pos.image import gpu as gpuimage
 
     chunk = 1 << 16
     rng = np.random.default_rng(5)
     datas = [rng.integers(0, 256, 2 * chunk, np.uint8) for _ in range(3)]
-    ptrs = []
-    for _ in datas:
-        p = CUdeviceptr()
-        drv.cuMemAlloc_v2(C.byref(p), 2 * chunk)
-        ptrs.append(p.value)
-    datas[0][chunk + 64:chunk + 72].view(np.uint64)[0] = ptrs[2] + 8   # in 0's second chunk
-    for p, d in zip(ptrs, datas):
-        drv.cuMemcpyHtoD_v2(p, d.ctypes.data, d.size)
-    table = [Buffer(p, 2 * chunk, 2 * chunk, 0, True) for p in ptrs]
-    kernel = Kernel(drv)
-    handout, writer, agent = _Handout(table, {0, 1}), _Writer(), _Agent()
-    handout.attach(agent)
-    # one chunk of page-locked memory, the savers held: buffer 2 is never all in host memory
-    c = copier.Copier(drv, table, ptrs, {0, 1}, _Arena(chunk), chunk, 2,
-                      writer, handout, 2, kernel=kernel)   # type: ignore[arg-type]
-    c.hold_shadowed()
-    c.hold_savers()
-    c.start()
-    try:
-        wait_for(lambda: ptrs[1] in agent.told, 10, "the scan of buffer 1's shadow")
-        assert handout.needed([0, 1]) == [2]
-        assert ptrs[0] not in agent.told and ptrs[2] not in agent.told
-        c.release_savers()
-        wait_for(lambda: ptrs[0] in agent.told, 10, "buffer 2's save")
-        c.release_shadowed()
-        c.wait_copied()
-        c.join()
-    finally:
-        c.close()
-        kernel.close()
-        for p in ptrs:
-            drv.cuMemFree_v2(p)
+    with _on_device(drv, [2 * chunk] * 3) as (ptrs, kernel):
+        datas[0][chunk + 64:chunk + 72].view(np.uint64)[0] = ptrs[2] + 8   # in 0's 2nd chunk
+        for p, d in zip(ptrs, datas):
+            drv.cuMemcpyHtoD_v2(p, d.ctypes.data, d.size)
+        table = [Buffer(p, 2 * chunk, 2 * chunk, 0, True) for p in ptrs]
+        handout, writer, agent = _Handout(table, {0, 1}), _Writer(), _Agent()
+        handout.attach(agent)
+        # one chunk of page-locked memory, the savers held: buffer 2 is never all in host memory
+        c = copier.Copier(drv, table, ptrs, {0, 1}, _Arena(chunk), chunk, 2,
+                          writer, handout, 2, kernel=kernel)   # type: ignore[arg-type]
+        c.hold_shadowed()
+        c.hold_savers()
+        c.start()
+        try:
+            wait_for(lambda: ptrs[1] in agent.told, 10, "the scan of buffer 1's shadow")
+            assert handout.needed([0, 1]) == [2]
+            assert ptrs[0] not in agent.told and ptrs[2] not in agent.told
+            c.release_savers()
+            wait_for(lambda: ptrs[0] in agent.told, 10, "buffer 2's save")
+            _finish(c)
+        finally:
+            c.close()
     targets = gpuimage.Targets(sorted((p, p + 2 * chunk) for p in ptrs))
     for p, d in zip(ptrs, datas):
         for off in (0, chunk):
@@ -259,45 +279,28 @@ def test_the_scan_takes_first_the_shadowed_buffer_a_call_waits_for(drv) -> None:
     order: the GPU's scan of the shadow hands 3 back to the job before the others. (Room in
     host memory for one chunk of 4's two, the savers held: 4 is never all in host memory,
     which would hand every shadowed buffer back at once.)"""
-    import ctypes as C
-
-    from pos.concurrent.gpuhash import Kernel
-    from pos.driver import CUdeviceptr
-
     chunk = 1 << 16
     sizes = [chunk] * 4 + [2 * chunk]
-    ptrs = []
-    for size in sizes:
-        p = CUdeviceptr()
-        drv.cuMemAlloc_v2(C.byref(p), size)
-        drv.cuMemsetD8_v2(p.value, 0, size)      # no word of it an address
-        ptrs.append(p.value)
-    table = [Buffer(p, n, n, 0, True) for p, n in zip(ptrs, sizes)]
-    kernel = Kernel(drv)
-    shadowed = {0, 1, 2, 3}
-    handout, writer, agent = _Handout(table, shadowed), _Writer(), _Waiting([ptrs[3]])
-    handout.attach(agent)
-    c = copier.Copier(drv, table, ptrs, shadowed, _Arena(chunk), chunk, 2,
-                      writer, handout, 2, kernel=kernel)   # type: ignore[arg-type]
-    c.hold_shadowed()
-    c.hold_savers()
-    c.pause()                   # the scan begins only once the call's wait is known
-    c.watch(agent)
-    c.start()
-    try:
-        wait_for(lambda: 3 in c.scan_order.wanted, 10, "the call's wait, learnt")
-        c.resume()
-        wait_for(lambda: set(ptrs[:4]) <= set(agent.told), 10, "the scan of the shadow")
-        assert agent.told[0] == ptrs[3] and ptrs[4] not in agent.told, agent.told
-        c.release_savers()
-        c.release_shadowed()
-        c.wait_copied()
-        c.join()
-    finally:
-        c.close()
-        kernel.close()
-        for p in ptrs:
-            drv.cuMemFree_v2(p)
+    with _on_device(drv, sizes) as (ptrs, kernel):     # zeroed: no word of them an address
+        table = [Buffer(p, n, n, 0, True) for p, n in zip(ptrs, sizes)]
+        shadowed = {0, 1, 2, 3}
+        handout, writer, agent = _Handout(table, shadowed), _Writer(), _Waiting([ptrs[3]])
+        handout.attach(agent)
+        c = copier.Copier(drv, table, ptrs, shadowed, _Arena(chunk), chunk, 2,
+                          writer, handout, 2, kernel=kernel)   # type: ignore[arg-type]
+        c.hold_shadowed()
+        c.hold_savers()
+        c.pause()                   # the scan begins only once the call's wait is known
+        c.watch(agent)
+        c.start()
+        try:
+            wait_for(lambda: 3 in c.scan_order.wanted, 10, "the call's wait, learnt")
+            c.resume()
+            wait_for(lambda: set(ptrs[:4]) <= set(agent.told), 10, "the scan of the shadow")
+            assert agent.told[0] == ptrs[3] and ptrs[4] not in agent.told, agent.told
+            _finish(c)
+        finally:
+            c.close()
 
 
 def test_the_baseline_copies_every_buffer_while_frozen() -> None:
