@@ -21,9 +21,9 @@ The shadow's scan: a call on a shadowed buffer waits too, until the buffers its 
 into are known and saved (handout.py), and the copy reaches the shadowed buffers last. Where
 the GPU hashes (POS_HASH_ON), it scans the shadow from the copy's start, on a stream of its
 own, the buffers the job's calls wait for first; a scanned shadowed buffer waits only for the
-unshadowed ones it points into. The copy then uses these checksums rather than making them again. (On the H200
-the 60% job's calls waited 0.13-0.43 s each, one after another, for five shadowed buffers of
-2-198 MiB after its release: bench/results/2026-11-29.md.)
+unshadowed ones it points into. The copy then uses these checksums rather than making them
+again. (On the H200 the 60% job's calls waited 0.13-0.43 s each, one after another, for five
+shadowed buffers of 2-198 MiB after its release: bench/results/2026-11-29.md.)
 
 numpy and the image's chunk module are imported where used, not with this module: every
 checkpoint command imports it (arena_bytes), and numpy's import took 0.3 s of the command's
