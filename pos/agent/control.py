@@ -498,8 +498,17 @@ class Agent:
 
     def done(self, vas: list[int]) -> None:
         """These buffers are saved (checkpoint) or back (restore): their calls may go."""
+        self._tell_all("done", vas)
+
+    def saved(self, vas: list[int]) -> None:
+        """In a checkpoint's copy, these buffers' own bytes as of the cut are safe, what they
+        point into perhaps not yet: a kernel that only writes one, at its parameters'
+        addresses (PyTorch's elementwise kernels), may go (hook/gate.c)."""
+        self._tell_all("saved", vas)
+
+    def _tell_all(self, what: str, vas: list[int]) -> None:
         for at in range(0, len(vas), 512):
-            self.tell("done " + " ".join(hex(v) for v in vas[at:at + 512]))
+            self.tell(f"{what} " + " ".join(hex(v) for v in vas[at:at + 512]))
 
     def end(self) -> Gate:
         return Gate.from_reply(self._ask("end"))

@@ -10,6 +10,12 @@ learns a buffer's addresses as it scans its copy; until then, what the buffer po
 unknown, and it waits. Once every buffer whose bytes are not yet in host memory (`captured`) is
 one pos shadowed at the cut (`safe`: its bytes are kept, whatever the job does), no call can
 spoil the image, and everything is handed out.
+
+A checkpoint also tells the agent which buffers' own bytes are safe already (shadowed, or in
+host memory: `saved`), whatever they point into: a kernel that only writes one, at the
+addresses of its parameters (PyTorch's elementwise kernels, hook/gate.c), need not wait for
+more. On the H200 a fill kernel on a 786 MiB shadowed buffer waited 1.53 s after a 60% job's
+release for what the buffer's words point into (bench/results/2026-11-30.md, perf run 13).
 """
 
 import threading
@@ -53,6 +59,7 @@ class Handout:
         self.back: set[int] = set()
         self.refers: dict[int, set[int]] = {}     # buffer -> the others its words point into
         self.told: set[int] = set()
+        self.told_saved: set[int] = set()         # told their own bytes are safe (saved)
         self.kept: set[int] = set()               # a checkpoint's: bytes in host memory
         self.agent: Optional[Agent] = None
         # when (time.monotonic) each buffer came back, and was handed to the job
@@ -108,5 +115,9 @@ class Handout:
             now = usable(self.back, self.refers, self.told)
         self.told |= now
         self.told_at.update((i, time.monotonic()) for i in now)
+        saved = (self.safe | self.kept) - self.told - self.told_saved
+        self.told_saved |= saved
+        if saved:
+            self.agent.saved([self.table[i].va for i in sorted(saved)])
         if now:
             self.agent.done([self.table[i].va for i in sorted(now)])

@@ -216,9 +216,13 @@ class _Agent:
 
     def __init__(self) -> None:
         self.told: list[int] = []
+        self.saved_told: list[int] = []
 
     def done(self, vas: list[int]) -> None:
         self.told += vas
+
+    def saved(self, vas: list[int]) -> None:
+        self.saved_told += vas
 
 
 def test_the_gpu_scans_the_shadow_so_a_shadowed_buffer_waits_only_for_what_it_points_into(

@@ -29,9 +29,13 @@ class _Agent:
 
     def __init__(self) -> None:
         self.told: list[int] = []
+        self.saved_told: list[int] = []
 
     def done(self, vas: list[int]) -> None:
         self.told += vas
+
+    def saved(self, vas: list[int]) -> None:
+        self.saved_told += vas
 
 
 def _table(n: int) -> list[Buffer]:
@@ -51,13 +55,28 @@ def test_a_checkpoint_hands_out_everything_once_only_shadowed_buffers_are_left()
     assert sorted(agent.told) == [0x1000, 0x2000, 0x3000, 0x4000]
 
 
+def test_a_checkpoint_says_which_buffers_own_bytes_are_safe_whatever_they_point_into() -> None:
+    # 0 shadowed (safe from the cut), 1 and 2 copied from the running job; 0 holds an address
+    # in 1. 0's own bytes are safe at once, 1's once in host memory; neither is done before 1
+    # is back (its addresses known), which 0 waits for
+    h, agent = Handout(_table(3), safe={0}), _Agent()
+    h.attach(agent)
+    assert agent.saved_told == [0x1000] and agent.told == []
+    h.points(0, [1])
+    h.came_back(0)
+    h.captured(1)
+    assert agent.saved_told == [0x1000, 0x2000] and agent.told == []
+    h.came_back(1)
+    assert sorted(agent.told) == [0x1000, 0x2000] and agent.saved_told == [0x1000, 0x2000]
+
+
 def test_a_restore_hands_out_nothing_before_it_is_back() -> None:
     h, agent = Handout(_table(2)), _Agent()
     h.came_back(0)
     h.attach(agent)
     assert agent.told == [0x1000]
     h.came_back(1)
-    assert agent.told == [0x1000, 0x2000]
+    assert agent.told == [0x1000, 0x2000] and agent.saved_told == []
 
 
 def test_a_call_on_a_buffer_waits_for_what_it_reaches_that_is_not_back() -> None:

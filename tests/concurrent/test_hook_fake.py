@@ -406,6 +406,30 @@ def test_an_elementwise_kernel_passes_the_copy_gate_while_only_its_input_is_pend
     assert gate.held_max_s >= 0.4 and {w.what for w in gate.waits} == {kernel}
 
 
+@pytest.mark.parametrize("kernel, goes", [(ELEMENTWISE, True), (UNROLLED, True), (MULTI, False)])
+def test_an_elementwise_kernel_writes_a_buffer_whose_own_bytes_are_saved(
+        fill_job, kernel: str, goes: bool) -> None:
+    """In the checkpoint's copy, the output pending but its own bytes saved (shadowed, or in
+    host memory), what it points into perhaps not: the elementwise kernel, which only writes it
+    at its parameters' addresses, goes; a kernel of another name waits until it is done."""
+    job = fill_job(buffers=4, elementwise=kernel)
+    printed = job.out.read_text()
+    output = int(printed.split("BUFFER1 ")[1].split()[0], 16)
+    with Agent(job.pid) as a:
+        a.cut(5)
+        a.copy()                                # every buffer pending
+        try:
+            a.done([b.va for b in a.table() if b.va != output])
+            a.saved([output])
+            if not goes:
+                time.sleep(0.2)                 # a time, not a wait: none may pass in it
+                assert a.status().gate.passed == 0 and a.wanted() == [output]
+                a.done([output])
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+        finally:
+            a.end()
+
+
 def test_an_elementwise_kernel_waits_in_the_restore_gate_for_its_input(fill_job) -> None:
     """In a restore a kernel reads only what is back: the elementwise kernel's launches wait
     for their input as for every buffer they name."""

@@ -138,6 +138,9 @@ struct owned {
     int wanted;  /* a call waits for it now (pos copies or fills it first) */
     int touched; /* a call let through a gate since the operation began may use it: the
                     buffers the job needs first, which a restore of its image fills first */
+    int saved;   /* in a checkpoint's copy, its own bytes as of the cut are safe (shadowed, or
+                    in host memory), what it points into perhaps not yet: a call that only
+                    writes it, at the addresses of its parameters, may go (gate.c) */
 };
 
 enum { P_IDLE, P_HOLD, P_COPY, P_RESTORE, P_HOISTED };
@@ -281,7 +284,7 @@ void do_export(struct conn *c);
 void do_room(struct conn *c, size_t n);
 void do_hoist(struct conn *c, const char *stack_arg);
 void do_remap(struct conn *c, size_t want, int then_restore);
-void mark_done(char *args);
+void mark_done(char *args, int saved_only);
 void do_move(struct conn *c, int from, int to);
 void do_end(struct conn *c);
 

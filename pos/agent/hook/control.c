@@ -224,7 +224,9 @@ static void serve(int fd) {
         else if (!strcmp(cmd, "restore"))
             do_move(c, P_HOLD, P_RESTORE);
         else if (!strcmp(cmd, "done"))
-            mark_done(args ? args : cmd + 4);
+            mark_done(args ? args : cmd + 4, 0);
+        else if (!strcmp(cmd, "saved"))
+            mark_done(args ? args : cmd + 5, 1);
         else if (!strcmp(cmd, "end"))
             do_end(c);
         else if (!strcmp(cmd, "bye")) {

@@ -103,7 +103,7 @@ void do_cut(struct conn *c, long timeout_ms, long at) {
         return;
     }
     for (size_t i = 0; i < ntab; i++)
-        tab[i].status = ST_PENDING;
+        tab[i].status = ST_PENDING, tab[i].saved = 0;
     npending = ntab;
     reply(c, "{\"ok\":true,\"drain_s\":%.6f,\"sync_s\":%.6f,\"buffers\":%zu,\"bytes\":%zu}",
           secs(t1 - t0), secs(t2 - t1), ntab, owned_bytes);

@@ -108,6 +108,13 @@ static int pending(CUdeviceptr p) {
     return i >= 0 && tab[i].status == ST_PENDING;
 }
 
+/* Pending, and its own bytes not yet safe: what a write at a parameter's address alone waits
+ * for in a checkpoint's copy. */
+static int unsaved(CUdeviceptr p) {
+    long i = find(p);
+    return i >= 0 && tab[i].status == ST_PENDING && !tab[i].saved;
+}
+
 /* A launch's parameters as 8-byte words, the values its kernel may use as addresses: the
  * restore gate lets it through once every buffer they point into is back (pos reports a buffer
  * back only when the buffers its own bytes point into are back too, so that pointers kept in
@@ -127,15 +134,17 @@ static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
     return n;
 }
 
-/* A launch's parameter words, `n` of them (-1: unknown), and from reads[0] to reads[1] those
- * its kernel only reads (none for most kernels: see kind_of, whose answer is `kind`). */
+/* A launch's parameter words, `n` of them (-1: unknown), from reads[0] to reads[1] those its
+ * kernel only reads, and `out` the one it only writes at, never reading addresses out of its
+ * buffer (-1: none; both for most kernels: see kind_of, whose answer is `kind`). */
 struct words {
-    int n, reads[2];
+    int n, reads[2], out;
     CUdeviceptr w[MAX_WORDS];
 };
 
 static void launch_words(const struct touch *t, int kind, struct words *out) {
     out->reads[0] = out->reads[1] = 0;
+    out->out = -1;
     if (!t->kp) { /* the parameters' buffer and its size in `extra`, or none */
         const void *buf = NULL;
         size_t size = 0;
@@ -166,17 +175,17 @@ static void launch_words(const struct touch *t, int kind, struct words *out) {
     for (size_t i = 0; r == CUDA_SUCCESS && n >= 0; r = info(t->f, ++i, &off, &size)) {
         int from = n;
         n = add_words(out->w, n, t->kp[i], size);
-        if (reads && i == DATA_PARAM && n >= 0 && size % sizeof(CUdeviceptr) == 0)
-            out->reads[0] = from + 1, out->reads[1] = n;
+        if (reads && i == DATA_PARAM && n > from && size % sizeof(CUdeviceptr) == 0)
+            out->out = from, out->reads[0] = from + 1, out->reads[1] = n;
     }
     out->n = n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
 }
 
-/* A pending buffer among `p`, or 0; those from skip[0] to skip[1] left out. Caller holds
- * mu. */
-static CUdeviceptr pending_but(const CUdeviceptr *p, int n, const int skip[2]) {
+/* A pending buffer among `p`, or 0; those from skip[0] to skip[1] left out, and p[out] only
+ * while its own bytes are not saved. Caller holds mu. */
+static CUdeviceptr pending_but(const CUdeviceptr *p, int n, const int skip[2], int out) {
     for (int i = 0; i < n; i++)
-        if ((i < skip[0] || i >= skip[1]) && pending(p[i]))
+        if ((i < skip[0] || i >= skip[1]) && (i == out ? unsaved(p[i]) : pending(p[i])))
             return p[i];
     return 0;
 }
@@ -184,7 +193,7 @@ static CUdeviceptr pending_but(const CUdeviceptr *p, int n, const int skip[2]) {
 static const int NO_SKIP[2] = {0, 0};
 
 static CUdeviceptr first_pending(const CUdeviceptr *p, int n) {
-    return pending_but(p, n, NO_SKIP);
+    return pending_but(p, n, NO_SKIP, -1);
 }
 
 /* Whether a call touching `t` must wait in the current phase; `k`: a launch's words (k->n < 0:
@@ -196,14 +205,15 @@ static int must_wait(const struct touch *t, const struct words *k, CUdeviceptr *
     case P_IDLE:
         return 0;
     case P_COPY: /* writes wait for their buffer to be saved; reads pass; a launch may write
-                    any buffer its parameter words point into (pos reports a buffer saved only
+                    any buffer its parameter words point into (pos reports a buffer done only
                     once the buffers its own bytes point into are saved too) but those its
-                    kernel is known only to read (kind_of), and one whose parameters cannot be
-                    known waits for every buffer */
+                    kernel is known only to read (kind_of), and the one it only writes at
+                    waits only for its own bytes (`saved`); a launch whose parameters cannot
+                    be known waits for every buffer */
         if (t->all || (t->launch && k->n < 0))
             return npending > 0;
         return (*on = first_pending(t->w, t->nw)) ||
-               (t->launch && (*on = pending_but(k->w, k->n, k->reads)));
+               (t->launch && (*on = pending_but(k->w, k->n, k->reads, k->out)));
     case P_RESTORE: /* reads and writes wait for their buffer to be back */
         if (t->all || (t->launch && k->n < 0))
             return npending > 0;

@@ -138,7 +138,7 @@ void do_remap(struct conn *c, size_t want, int then_restore) {
         memset(&st, 0, sizeof(st));
         st.started_ns = now_ns();
         for (size_t i = 0; i < ntab; i++)
-            tab[i].status = ST_PENDING;
+            tab[i].status = ST_PENDING, tab[i].saved = 0;
         npending = ntab;
         set_phase(P_RESTORE);
     } else if (all && atomic_load(&phase) == P_HOISTED) {

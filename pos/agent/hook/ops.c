@@ -5,11 +5,13 @@
 
 #include "agent.h"
 
-void mark_done(char *args) {
+void mark_done(char *args, int saved_only) {
     pthread_mutex_lock(&mu);
     for (char *t = strtok(args, " "); t; t = strtok(NULL, " ")) {
         long i = find(strtoull(t, NULL, 0));
-        if (i >= 0 && tab[i].status == ST_PENDING)
+        if (i >= 0 && saved_only)
+            tab[i].saved = 1;
+        else if (i >= 0 && tab[i].status == ST_PENDING)
             tab[i].status = ST_DONE, npending--;
     }
     pthread_cond_broadcast(&cv);
