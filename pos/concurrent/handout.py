@@ -12,9 +12,9 @@ one pos shadowed at the cut (`safe`: its bytes are kept, whatever the job does),
 spoil the image, and everything is handed out.
 
 A checkpoint also tells the agent which buffers' own bytes are safe already (shadowed, or in
-host memory: `saved`), whatever they point into: a kernel that only writes one, at the
-addresses of its parameters (PyTorch's elementwise kernels, hook/gate.c), need not wait for
-more. On the H200 a fill kernel on a 786 MiB shadowed buffer waited 1.53 s after a 60% job's
+host memory: `saved`), whatever they point into: a kernel that writes only at the addresses
+of its parameters (PyTorch's elementwise kernels, reductions and foreach kernels, hook/gate.c)
+need not wait for more. On the H200 a fill kernel on a 786 MiB shadowed buffer waited 1.53 s after a 60% job's
 release for what the buffer's words point into (bench/results/2026-11-30.md, perf run 13).
 """
 

@@ -370,6 +370,10 @@ ELEMENTWISE = ("_ZN2at6native29vectorized_elementwise_kernelILi4EN4test4CopyESt5
 UNROLLED = "_ZN2at6native27unrolled_elementwise_kernelIN4test4CopyESt5arrayIPcLm2EELi4EEEviT_T0_"
 MULTI = ("_ZN2at6native45unrolled_elementwise_kernel_for_multi_outputsILi2EN4test4CopyESt5arrayI"
          "PcLm2EEEEviT0_T1_")
+# and as its reduction and foreach kernels, which take every address they use by value
+REDUCE = "_ZN2at6native13reduce_kernelILi512ELi1EN4test4CopyEEEvT1_"
+FOREACH = ("_ZN2at6native50_GLOBAL__N__b6ca21f8_17_ForeachUnaryOp_cu_77fe623d25multi_tensor_apply_"
+           "kernelIN4test4CopyEEEvT_")
 
 
 @pytest.mark.parametrize("kernel, reads_pass", [(ELEMENTWISE, True), (UNROLLED, True),
@@ -425,6 +429,33 @@ def test_an_elementwise_kernel_writes_a_buffer_whose_own_bytes_are_saved(
                 time.sleep(0.2)                 # a time, not a wait: none may pass in it
                 assert a.status().gate.passed == 0 and a.wanted() == [output]
                 a.done([output])
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+        finally:
+            a.end()
+
+
+@pytest.mark.parametrize("kernel, goes", [(REDUCE, True), (FOREACH, True), (ELEMENTWISE, False),
+                                          (MULTI, False)])
+def test_a_kernel_taking_its_addresses_by_value_writes_buffers_whose_own_bytes_are_saved(
+        fill_job, kernel: str, goes: bool) -> None:
+    """In the checkpoint's copy, every buffer pending and the three the launch names saved: a
+    reduction or a foreach kernel, which writes only at its parameters' addresses, goes; the
+    elementwise kernel waits for the buffer its functor names, and the kernel for several
+    outputs for the first it names, until they are done."""
+    job = fill_job(buffers=4, elementwise=kernel)
+    printed = job.out.read_text()
+    source, output, held = (int(printed.split(f"BUFFER{i} ")[1].split()[0], 16)
+                            for i in range(3))
+    with Agent(job.pid) as a:
+        a.cut(5)
+        a.copy()                                # every buffer pending
+        try:
+            a.saved([source, output, held])
+            if not goes:
+                time.sleep(0.2)                 # a time, not a wait: none may pass in it
+                assert a.status().gate.passed == 0
+                assert a.wanted() == [held]     # the functor's word comes first
+                a.done([source, output, held])
             wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
         finally:
             a.end()

@@ -1142,6 +1142,11 @@ static const struct {
      {0, 8, 16}, {4, 8, 16}},
     {"_ZN2at6native45unrolled_elementwise_kernel_for_multi_outputsILi2EN4test4CopyESt5arrayIPcLm2EEEEviT0_T1_",
      3, {0, 8, 16}, {4, 8, 16}},
+    /* named as PyTorch's reduction and foreach kernels, which take every address by value */
+    {"_ZN2at6native13reduce_kernelILi512ELi1EN4test4CopyEEEvT1_", 3, {0, 8, 16}, {4, 8, 16}},
+    {"_ZN2at6native50_GLOBAL__N__b6ca21f8_17_ForeachUnaryOp_cu_77fe623d25multi_tensor_apply_"
+     "kernelIN4test4CopyEEEvT_",
+     3, {0, 8, 16}, {4, 8, 16}},
 };
 
 static CUresult param_info(CUfunction f, size_t i, size_t *offset, size_t *size) {

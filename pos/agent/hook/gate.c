@@ -25,8 +25,14 @@ long hold_at = -1;        /* a cut waits for the launch past this count (mu); -1
  *   unrolled_elementwise_kernel(int N, func_t f, array_t data, ...) for exactly one output:
  *   data[0] is the output's address, data[1..] the inputs'. The kernels for several outputs
  *   have other names; the functor f may hold addresses it writes (AMP's found_inf), so only
- *   the data array's words after the first are reads. */
-enum { K_LEARNT = 1, K_NCCL = 2, K_ELEMENTWISE = 4 };
+ *   the data array's words after the first are reads.
+ * - PyTorch's reductions and foreach kernels take every address they use by value and read
+ *   none out of device memory: reduce_kernel(ReduceOp r) (ATen/native/cuda/Reduce.cuh), its
+ *   src, dst, acc_buf, cta_buf and semaphores in r; multi_tensor_apply_kernel(T meta, U f,
+ *   args...) (ATen/native/cuda/MultiTensorApply.cuh), the tensors' addresses in meta and the
+ *   fused optimizers' lr, grad_scale and found_inf pointers in args. Such a kernel writes only
+ *   at its parameters' addresses, so a write waits only for its buffer's own bytes. */
+enum { K_LEARNT = 1, K_NCCL = 2, K_ELEMENTWISE = 4, K_BYVALUE = 8 };
 #define DATA_PARAM 2 /* the data array's place among those kernels' parameters */
 #define KINDS 4096
 static struct {
@@ -36,6 +42,9 @@ static struct {
 
 static const char *const elementwise[] = {"_ZN2at6native29vectorized_elementwise_kernelI",
                                           "_ZN2at6native27unrolled_elementwise_kernelI"};
+#define ATEN "_ZN2at6native"                          /* at::native, mangled */
+#define REDUCE ATEN "13reduce_kernelI"                  /* at::native::reduce_kernel<...> */
+#define MULTI_TENSOR "25multi_tensor_apply_kernelI"     /* in a namespace of its file's */
 
 static int named_kind(const struct touch *t) {
     const char *n = call_name(t);
@@ -45,6 +54,9 @@ static int named_kind(const struct touch *t) {
     for (size_t i = 0; i < sizeof(elementwise) / sizeof(*elementwise); i++)
         if (!strncmp(n, elementwise[i], strlen(elementwise[i])))
             k |= K_ELEMENTWISE;
+    if (!strncmp(n, REDUCE, strlen(REDUCE)) ||
+        (!strncmp(n, ATEN, strlen(ATEN)) && strstr(n, MULTI_TENSOR)))
+        k |= K_BYVALUE;
     return k;
 }
 
@@ -135,16 +147,16 @@ static int add_words(CUdeviceptr *words, int n, const void *p, size_t size) {
 }
 
 /* A launch's parameter words, `n` of them (-1: unknown), from reads[0] to reads[1] those its
- * kernel only reads, and `out` the one it only writes at, never reading addresses out of its
- * buffer (-1: none; both for most kernels: see kind_of, whose answer is `kind`). */
+ * kernel only reads, and from outs[0] to outs[1] those it writes at without reading addresses
+ * out of their buffers (none of either for most kernels: see kind_of, whose answer is
+ * `kind`). */
 struct words {
-    int n, reads[2], out;
+    int n, reads[2], outs[2];
     CUdeviceptr w[MAX_WORDS];
 };
 
-static void launch_words(const struct touch *t, int kind, struct words *out) {
-    out->reads[0] = out->reads[1] = 0;
-    out->out = -1;
+static void param_words(const struct touch *t, int kind, struct words *out) {
+    out->reads[0] = out->reads[1] = out->outs[0] = out->outs[1] = 0;
     if (!t->kp) { /* the parameters' buffer and its size in `extra`, or none */
         const void *buf = NULL;
         size_t size = 0;
@@ -176,24 +188,32 @@ static void launch_words(const struct touch *t, int kind, struct words *out) {
         int from = n;
         n = add_words(out->w, n, t->kp[i], size);
         if (reads && i == DATA_PARAM && n > from && size % sizeof(CUdeviceptr) == 0)
-            out->out = from, out->reads[0] = from + 1, out->reads[1] = n;
+            out->outs[0] = from, out->outs[1] = out->reads[0] = from + 1, out->reads[1] = n;
     }
     out->n = n >= 0 && r == CUDA_ERROR_INVALID_VALUE ? n : -1;
 }
 
-/* A pending buffer among `p`, or 0; those from skip[0] to skip[1] left out, and p[out] only
- * while its own bytes are not saved. Caller holds mu. */
-static CUdeviceptr pending_but(const CUdeviceptr *p, int n, const int skip[2], int out) {
+static void launch_words(const struct touch *t, int kind, struct words *out) {
+    param_words(t, kind, out);
+    if (kind & K_BYVALUE && out->n > 0)
+        out->outs[0] = 0, out->outs[1] = out->n;
+}
+
+/* A pending buffer among `p`, or 0; those from skip[0] to skip[1] left out, and those from
+ * outs[0] to outs[1] only while their own bytes are not saved. Caller holds mu. */
+static CUdeviceptr pending_but(const CUdeviceptr *p, int n, const int skip[2],
+                               const int outs[2]) {
     for (int i = 0; i < n; i++)
-        if ((i < skip[0] || i >= skip[1]) && (i == out ? unsaved(p[i]) : pending(p[i])))
+        if ((i < skip[0] || i >= skip[1]) &&
+            (i >= outs[0] && i < outs[1] ? unsaved(p[i]) : pending(p[i])))
             return p[i];
     return 0;
 }
 
-static const int NO_SKIP[2] = {0, 0};
+static const int NONE[2] = {0, 0};
 
 static CUdeviceptr first_pending(const CUdeviceptr *p, int n) {
-    return pending_but(p, n, NO_SKIP, -1);
+    return pending_but(p, n, NONE, NONE);
 }
 
 /* Whether a call touching `t` must wait in the current phase; `k`: a launch's words (k->n < 0:
@@ -207,13 +227,13 @@ static int must_wait(const struct touch *t, const struct words *k, CUdeviceptr *
     case P_COPY: /* writes wait for their buffer to be saved; reads pass; a launch may write
                     any buffer its parameter words point into (pos reports a buffer done only
                     once the buffers its own bytes point into are saved too) but those its
-                    kernel is known only to read (kind_of), and the one it only writes at
-                    waits only for its own bytes (`saved`); a launch whose parameters cannot
-                    be known waits for every buffer */
+                    kernel is known only to read (kind_of), and those it writes at without
+                    reading addresses out of them wait only for their own bytes (`saved`); a
+                    launch whose parameters cannot be known waits for every buffer */
         if (t->all || (t->launch && k->n < 0))
             return npending > 0;
         return (*on = first_pending(t->w, t->nw)) ||
-               (t->launch && (*on = pending_but(k->w, k->n, k->reads, k->out)));
+               (t->launch && (*on = pending_but(k->w, k->n, k->reads, k->outs)));
     case P_RESTORE: /* reads and writes wait for their buffer to be back */
         if (t->all || (t->launch && k->n < 0))
             return npending > 0;
