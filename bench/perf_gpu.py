@@ -11,7 +11,7 @@ DIR/perf.json: one row per run with the issue's keys (`to_cut_s`: from the comma
 the cut, as pos timed it; `stall_s`: the job's longest step gap less its median step;
 `pos_restore_exit_s`: when `pos restore` returned, from its start; `waited_after_release_s`:
 what the job's calls waited in all after the release, and on which kernels or driver calls;
-`held_past_release_s`: how long the call held at the cut went on waiting after the release;
+`held_past_release_s`: how long the calls held at the release went on waiting after it;
 `phases`: the checkpoint's steps in seconds; `restore_phases`: the restore's), the raw runs in
 DIR/perf-runs.json.
 """
@@ -53,8 +53,9 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
     gate = rep.get("gate") or {}
     # the job's calls that began to wait after the release: for buffers pos had neither
     # shadowed nor saved (the gate's account keeps its first 16 waits)
-    after = [w for w in gate.get("waits") or []
-             if rep.get("release_s") is not None and w["end_s"] - w["s"] >= rep["release_s"]]
+    release = rep.get("release_s")
+    waits = gate.get("waits") or [] if release is not None else []
+    after = [w for w in waits if w["end_s"] - w["s"] >= release]
     return {
         "case": run["spec"], "gpu": facts["gpu"], "gpu_gb": round(total_gib * GIB / GB, 1),
         "driver": facts["driver"], "commit": facts["commit"], "date": facts["date"],
@@ -67,10 +68,11 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "waits_after_release": len(after),
         "waited_after_release_s": r(sum(w["s"] for w in after)),
         "waited_after_release_on": sorted({w["what"] for w in after}),
-        # how long the job's call held at the cut waited past pos's release: for a buffer the
-        # copy had not saved (or the buffers it points into), a wait the ones above leave out
-        "held_past_release_s": r(max(0.0, gate["held_max_s"] - rep["release_s"]))
-        if gate.get("held_max_s") is not None and rep.get("release_s") is not None else None,
+        # how long the calls held at the release went on waiting past it: for a buffer the copy
+        # had not saved (or the buffers it points into), waits the ones above leave out
+        "held_past_release_s": r(max([0.0] + [w["end_s"] - release for w in waits
+                                              if w["end_s"] - w["s"] < release]))
+        if release is not None else None,
         "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim
         else None,
         "pin_before_cut_s": r(tim.get("pin")), "pin_all_s": r(tim.get("pin_all")),
