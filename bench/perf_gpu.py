@@ -12,6 +12,8 @@ the cut, as pos timed it; `stall_s`: the job's longest step gap less its median 
 `pos_restore_exit_s`: when `pos restore` returned, from its start; `waited_after_release_s`:
 what the job's calls waited in all after the release, and on which kernels or driver calls;
 `held_past_release_s`: how long the calls held at the release went on waiting after it;
+`waited_for`: each buffer the gate's waits named, its size, whether pos shadowed it, the
+buffers its words reach and when the job had it (`told_s`, from the cut);
 `phases`: the checkpoint's steps in seconds; `restore_phases`: the restore's), the raw runs in
 DIR/perf-runs.json.
 """
@@ -73,6 +75,7 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "held_past_release_s": r(max([0.0] + [w["end_s"] - release for w in waits
                                               if w["end_s"] - w["s"] < release]))
         if release is not None else None,
+        "waited_for": rep.get("waited_for") or [],
         "pinned_peak_gb": r(tim["pinned_peak_bytes"] / GB, 2) if "pinned_peak_bytes" in tim
         else None,
         "pin_before_cut_s": r(tim.get("pin")), "pin_all_s": r(tim.get("pin_all")),

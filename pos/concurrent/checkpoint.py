@@ -92,6 +92,7 @@ class _Whole:
         self.gates: list[Optional[Gate]] = []
         self.copies: list[Copied] = []
         self.release_s = 0.0
+        self.cut_at = 0.0                     # when the cut was (time.monotonic)
         self.links: list[peers.Link] = []     # imports of other processes' memory, taken down
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
@@ -121,7 +122,7 @@ class _Whole:
                 stage = staging.directory(self.directory.name, self.partial, self.resident,
                                           self.settings.dump_staging)
                 self.predump(g, stage)
-                t0 = self.cut(g, stage)
+                t0 = self.cut_at = self.cut(g, stage)
                 self.take(g)
                 self.hoist(g)
                 self.freeze(g, stage or self.partial)
@@ -438,8 +439,9 @@ class _Whole:
     def report(self, final: Path) -> Report:
         copied = sum(c.bytes for c in self.copies)
         d2h_s = max(c.d2h_s for c in self.copies)
-        worst = max((x for x in self.gates if x is not None), key=lambda x: x.held_max_s,
-                    default=None)
+        held = [(x.held_max_s, k) for k, x in enumerate(self.gates) if x is not None]
+        k = max(held)[1] if held else None
+        worst = self.gates[k] if k is not None else None
         ranks = ([RankSaved(s.pid, s.gpu, c.bytes, k, x, dict(s.timings))
                   for s, c, k, x in zip(self.savers, self.copies, self.cuts, self.gates)]
                  if self.several else [])
@@ -448,7 +450,8 @@ class _Whole:
                           sum(len(t.table) for t in self.taken), copied, self.cuts[0], worst,
                           sum(t.shadow_bytes for t in self.taken), self.release_s,
                           copied / d2h_s / 1e9 if d2h_s else None, None,
-                          sum(s.foreign_bytes for s in self.savers), ranks))
+                          sum(s.foreign_bytes for s in self.savers), ranks,
+                          self.taken[k].waited_for(worst, self.cut_at) if k is not None else []))
 
 
 def own_taken(statuses: dict[int, Status], max_bytes: int) -> set[int]:

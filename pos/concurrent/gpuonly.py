@@ -56,6 +56,7 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
                 release_s = time.monotonic() - t0
                 taken.wait_copied()
                 gate = agent.end()
+                waited = taken.waited_for(gate, t0)
                 manifest = new_manifest(pid, [pid], [pid], "", Options(), True,
                                         nvml.gpus_of([pid]))
                 copy = taken.write(partial)
@@ -73,7 +74,7 @@ def checkpoint_gpu(pid: int, directory: Path, streams: int = SAVE_STREAMS,
                 saver.agent.close()
     device = DeviceCopy(len(taken.table), copy.bytes, cut, gate, taken.shadow_bytes, release_s,
                         copy.bytes / copy.d2h_s / 1e9 if copy.d2h_s else None, None,
-                        saver.foreign_bytes)
+                        saver.foreign_bytes, waited_for=waited)
     return Report(ImageKind.GPU_ONLY.value, Operation.CHECKPOINT, str(final), manifest,
                   timings=saver.timings, device=device)
 

@@ -14,8 +14,10 @@ spoil the image, and everything is handed out.
 A checkpoint also tells the agent which buffers' own bytes are safe already (shadowed, or in
 host memory: `saved`), whatever they point into: a kernel that writes only at the addresses
 of its parameters (PyTorch's elementwise kernels, reductions and foreach kernels, hook/gate.c)
-need not wait for more. On the H200 a fill kernel on a 786 MiB shadowed buffer waited 1.53 s after a 60% job's
-release for what the buffer's words point into (bench/results/2026-11-30.md, perf run 13).
+need not wait for more. On the H200 a fill kernel on a 786 MiB shadowed buffer waited 1.53 s
+after a 60% job's release for what the buffer's words point into (bench/results/2026-11-30.md,
+perf run 13). A checkpoint's report says, of each buffer its gate's waits named, what it
+reached so (`waited_for`).
 """
 
 import threading
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from typing import Optional
 
 from pos.agent.control import Agent, Buffer
+from pos.operation.engine import WaitedFor
 
 
 def not_back(start: Iterable[int], back: set[int], refers: dict[int, set[int]]
@@ -90,6 +93,19 @@ class Handout:
         buffer, back, may point into one that is not)."""
         with self.lock:
             return list(not_back(buffers, self.back, self.refers))
+
+    def waited_for(self, va: int, t0: float) -> Optional[WaitedFor]:
+        """What a call that waited on the buffer at `va` waited for, the times from t0 (None:
+        no buffer of the table's)."""
+        with self.lock:
+            i = next((k for k, b in enumerate(self.table) if b.va == va), None)
+            if i is None:
+                return None
+            reach = set(not_back([i], set(), self.refers)) - {i}
+            told = self.told_at.get(i)
+            return WaitedFor(va, self.table[i].size, i in self.safe, len(reach),
+                             sum(self.table[j].size for j in reach),
+                             None if told is None else told - t0)
 
     def rest_at(self, t0: float) -> dict[str, float]:
         """From t0: when every buffer but the biggest (the ones most calls wait for) was back,

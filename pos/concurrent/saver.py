@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from pos.agent.control import Agent, Buffer, Cut, Refused, Status
+from pos.agent.control import Agent, Buffer, Cut, Gate, Refused, Status
 from pos.concurrent import devices, kept
 from pos.concurrent.copier import Copied, HostRoom, first_needed
 from pos.concurrent.copier import threads as copier_threads
@@ -46,6 +46,7 @@ if TYPE_CHECKING:     # imported where used: numpy takes 0.15 s to import on the
     from pos.concurrent.gpuhash import Kernel
     from pos.driver import Driver
     from pos.image import gpu as gpuimage             # and a restore starts CRIU before it
+    from pos.operation.engine import WaitedFor
 
 SAVE_STREAMS = 8               # a checkpoint's copy threads: device to host memory, then disk
 DEFAULT_CHUNK_MB = 64          # a checkpoint's chunk of a buffer (copied, hashed, written)
@@ -426,6 +427,12 @@ class Taken:
         if self.copier is not None:
             self.copier.watch(agent)
             self.copier.lock_rest()
+
+    def waited_for(self, gate: Optional[Gate], t0: float) -> list[WaitedFor]:
+        """The buffers that the job's waits in `gate` named, and what each waited for, the
+        times from t0 (handout.py)."""
+        ons = dict.fromkeys(w.on for w in gate.waits if w.on) if gate else {}
+        return [x for x in (self.handout.waited_for(va, t0) for va in ons) if x is not None]
 
     def wait_copied(self) -> None:
         """Every buffer is in host memory: pos lets go of the job's memory and its shadow (the

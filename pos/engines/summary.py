@@ -5,13 +5,14 @@ field stays in the command's `--json` report, and a checkpoint's in `pos inspect
 Built from the engines' one report (pos.operation.engine.Report) and nothing else.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pos.operation.timings import split
 
 if TYPE_CHECKING:
     from pos.agent.control import Gate
-    from pos.operation.engine import DeviceCopy, Report
+    from pos.operation.engine import DeviceCopy, Report, WaitedFor
 
 SHOWN_STEPS = 3
 
@@ -29,13 +30,19 @@ def longest_steps(timings: dict[str, float], n: int = SHOWN_STEPS) -> str:
     return "longest steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in top)
 
 
-def longest_wait(gate: "Gate") -> str:
+def longest_wait(gate: "Gate", waited_for: Sequence["WaitedFor"] = ()) -> str:
     """What the job's longest-held call was and what it waited for: why a job stalled."""
     if not gate.waits:
         return ""
     w = max(gate.waits, key=lambda w: w.s)
     on = f"{w.on:#x}" if w.on else "every buffer"
     what = w.what if len(w.what) <= 60 else w.what[:57] + "..."
+    why = next((x for x in waited_for if x.va == w.on), None)
+    if why is not None:
+        on += (f", {size_text(why.bytes)}{', shadowed' if why.shadowed else ''}, whose words "
+               f"reach {why.reaches} buffers ({size_text(why.reaches_bytes)})")
+        if why.told_s is not None:
+            on += f", the job's {why.told_s:.3f} s after the cut"
     return f"; the longest, {what}, waited for {on}"
 
 
@@ -86,8 +93,9 @@ def _device(r: "Report", d: "DeviceCopy") -> list[str]:
     held = (f"the job ran again {d.release_s:.3f} s after the restore began" if restoring
             else f"the job was held {d.release_s:.3f} s")
     if d.gate:
+        longest = longest_wait(d.gate, d.waited_for)
         held += (f"; its longest held call waited {d.gate.held_max_s:.3f} s "
-                 f"({d.gate.held} held, {d.gate.held_s:.3f} s in all{longest_wait(d.gate)})")
+                 f"({d.gate.held} held, {d.gate.held_s:.3f} s in all{longest})")
     rate = d.h2d_gbps if restoring else d.d2h_gbps
     if r.filling:
         copy = ("the rest of its device memory comes back while it runs, filled by pos's "

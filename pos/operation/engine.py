@@ -103,6 +103,22 @@ class RankBack:
 
 
 @dataclass
+class WaitedFor:
+    """A buffer the job's calls waited for in a checkpoint's copy, and why so long: its size,
+    whether pos had shadowed it (its own bytes safe from the cut), and the buffers reachable
+    through the addresses its words hold, which a call that may read addresses out of it
+    waits for too."""
+
+    va: int
+    bytes: int
+    shadowed: bool
+    reaches: int                   # other buffers reachable through its words
+    reaches_bytes: int
+    told_s: Optional[float]        # from the cut to when the job's calls could use it (None:
+                                   # not before the copy's end)
+
+
+@dataclass
 class DeviceCopy:
     """What pos itself copied of the jobs' device memory (the concurrent engines)."""
 
@@ -118,6 +134,8 @@ class DeviceCopy:
                                    # checkpoint saves it in a whole-process image
     ranks: Sequence[Union[RankSaved, RankBack]] = field(default_factory=list)  # a job of
                                    # several CUDA processes: each one's part
+    waited_for: list[WaitedFor] = field(default_factory=list)   # what the gate's waits named
+                                   # (a checkpoint's: the worst job's)
 
 
 class Operation(enum.Enum):

@@ -1,6 +1,8 @@
 """Which restored buffers a job may use: those whose pointers (kept in their own bytes) lead only
 to buffers that are back too, through any chain or cycle."""
 
+import time
+
 from pos.agent.control import Buffer
 from pos.concurrent.handout import Handout, usable
 
@@ -91,3 +93,23 @@ def test_a_call_on_a_buffer_waits_for_what_it_reaches_that_is_not_back() -> None
     assert sorted(h.needed([0, 3])) == [2, 3]
     h.came_back(2)
     assert h.needed([0]) == []
+
+
+def test_a_checkpoint_says_what_a_waited_for_buffer_reaches_and_when_the_job_had_it() -> None:
+    # 0 shadowed, holding addresses in 1, which holds one in 2: a call on 0 that may read
+    # addresses out of it waits for both; 3 points nowhere
+    h, agent = Handout(_table(4), safe={0}), _Agent()
+    h.points(0, [1])
+    h.points(1, [2])
+    h.attach(agent)
+    t0 = time.monotonic()
+    for i in (0, 3, 1, 2):
+        h.came_back(i)
+    why = h.waited_for(0x1000, t0)
+    assert why is not None and (why.va, why.bytes, why.shadowed) == (0x1000, 0x100, True)
+    assert (why.reaches, why.reaches_bytes) == (2, 0x200)
+    assert why.told_s is not None and 0 <= why.told_s <= time.monotonic() - t0
+    plain = h.waited_for(0x4000, t0)
+    assert plain is not None and (plain.shadowed, plain.reaches, plain.reaches_bytes) == (
+        False, 0, 0)
+    assert h.waited_for(0x9000, t0) is None          # no buffer of the job's

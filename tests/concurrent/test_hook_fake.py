@@ -140,6 +140,14 @@ def test_buffers_the_shadow_cannot_hold_are_copied_from_the_running_job(
         copy = next(t for t in taken.values() if len(t) == 12)
         assert sorted(copy) == list(range(12)) and copy[0] not in (0, 1, 2), copy
         assert all(set(t) <= {0, 1, 2} for t in taken.values() if t is not copy), taken
+        # the report says of each buffer the job's calls waited on its size, and that it was
+        # handed to the job after the cut (the fill job's words hold no addresses)
+        gate = r.device.gate
+        assert gate is not None
+        assert [w.va for w in r.device.waited_for] == list(dict.fromkeys(
+            w.on for w in gate.waits if w.on))
+        assert all(w.bytes == 1 << 20 and w.reaches == 0 and w.told_s is not None
+                   and w.told_s > 0 for w in r.device.waited_for), r.device.waited_for
 
 
 @pytest.mark.parametrize("shadow_max, size", [(None, 1 << 20), (3 << 20, 1 << 20),

@@ -10,7 +10,7 @@ from pos.cli import cli
 from pos.engines import summary
 from pos.engines.summary import longest_wait
 from pos.image import Manifest, write_manifest
-from pos.operation.engine import DeviceCopy, Operation, Report
+from pos.operation.engine import DeviceCopy, Operation, Report, WaitedFor
 from pos.operation.timings import Kind, describe, kind, split
 
 
@@ -30,6 +30,19 @@ def test_the_report_names_the_longest_wait_and_what_it_waited_for() -> None:
     assert longest_wait(gate) == ("; the longest, _Z" + "x" * 55 + "..., waited for "
                                   "0x700000000003")
     assert longest_wait(Gate(0, 0.0, 0.0, 40, None)) == ""
+
+
+def test_the_report_says_what_the_buffer_waited_for_reaches() -> None:
+    """A checkpoint's longest wait on a shadowed buffer: its size, and the buffers reachable
+    through its words that the call waited for too, and when the job had it."""
+    gate = Gate(2, 1.9, 1.78, 40, 0.1, 0, [Wait(0x7000_0000_0000, 1.78, 4.6, "sm80_xmma_gemm"),
+                                          Wait(0x7100_0000_0000, 0.1, 1.7, "_Z4axpyfPKfPfi")])
+    why = [WaitedFor(0x7100_0000_0000, 2**20, False, 0, 0, 1.7),
+           WaitedFor(0x7000_0000_0000, 786 * 2**20, True, 12, 9 * 2**30, 4.625)]
+    assert longest_wait(gate, why) == (
+        "; the longest, sm80_xmma_gemm, waited for 0x700000000000, 786.0 MiB, shadowed, whose "
+        "words reach 12 buffers (9.00 GiB), the job's 4.625 s after the cut")
+    assert longest_wait(gate, why[:1]) == "; the longest, sm80_xmma_gemm, waited for 0x700000000000"
 
 
 def test_longest_steps_are_durations_only() -> None:
