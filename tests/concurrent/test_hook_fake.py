@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ from pos.operation.engine import Report, Save
 from pos.operation.gpumap import Onto
 from pos.process.criu import Criu, Options
 from pos.settings import Settings
-from tests.agent.conftest import ran_past
+from tests.agent.conftest import FillJob, ran_past
 from tests.conftest import ROOT, reaped
 from tests.engines.conftest import (kernel_keeps_soft_dirty, listening, one_sentence, pos,
                                       wait_for)
@@ -394,9 +395,7 @@ def test_an_elementwise_kernel_passes_the_copy_gate_while_only_its_input_is_pend
     the functor's address is pending, and pass while only the input is, which the kernel only
     reads. A kernel of another name (PyTorch's for several outputs) waits for the input too."""
     job = fill_job(buffers=4, elementwise=kernel)
-    printed = job.out.read_text()
-    source, output, held = (int(printed.split(f"BUFFER{i} ")[1].split()[0], 16)
-                            for i in range(3))
+    source, output, held = _launched(job)
     with Agent(job.pid) as a:
         a.cut(5)
         a.copy()                                # every buffer pending
@@ -418,6 +417,33 @@ def test_an_elementwise_kernel_passes_the_copy_gate_while_only_its_input_is_pend
     assert gate.held_max_s >= 0.4 and {w.what for w in gate.waits} == {kernel}
 
 
+def _launched(job: FillJob) -> tuple[int, int, int]:
+    """The buffers the fill job's launches name as PyTorch's elementwise kernels: the input,
+    the output, and the one its functor holds."""
+    printed = job.out.read_text()
+    source, output, held = (int(printed.split(f"BUFFER{i} ")[1].split()[0], 16)
+                            for i in range(3))
+    return source, output, held
+
+
+def _saved_not_done(job: FillJob, pending: set[int], waits_on: Optional[int]) -> None:
+    """In the checkpoint's copy, the buffers `pending` not done but their own bytes saved: the
+    launches go (waits_on None), or they wait for `waits_on` until everything is done."""
+    with Agent(job.pid) as a:
+        a.cut(5)
+        a.copy()                                # every buffer pending
+        try:
+            a.done([b.va for b in a.table() if b.va not in pending])
+            a.saved(sorted(pending))
+            if waits_on is not None:
+                time.sleep(0.2)                 # a time, not a wait: none may pass in it
+                assert a.status().gate.passed == 0 and a.wanted() == [waits_on]
+                a.done(sorted(pending))
+            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
+        finally:
+            a.end()
+
+
 @pytest.mark.parametrize("kernel, goes", [(ELEMENTWISE, True), (UNROLLED, True), (MULTI, False)])
 def test_an_elementwise_kernel_writes_a_buffer_whose_own_bytes_are_saved(
         fill_job, kernel: str, goes: bool) -> None:
@@ -425,48 +451,21 @@ def test_an_elementwise_kernel_writes_a_buffer_whose_own_bytes_are_saved(
     host memory), what it points into perhaps not: the elementwise kernel, which only writes it
     at its parameters' addresses, goes; a kernel of another name waits until it is done."""
     job = fill_job(buffers=4, elementwise=kernel)
-    printed = job.out.read_text()
-    output = int(printed.split("BUFFER1 ")[1].split()[0], 16)
-    with Agent(job.pid) as a:
-        a.cut(5)
-        a.copy()                                # every buffer pending
-        try:
-            a.done([b.va for b in a.table() if b.va != output])
-            a.saved([output])
-            if not goes:
-                time.sleep(0.2)                 # a time, not a wait: none may pass in it
-                assert a.status().gate.passed == 0 and a.wanted() == [output]
-                a.done([output])
-            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
-        finally:
-            a.end()
+    _source, output, _held = _launched(job)
+    _saved_not_done(job, {output}, None if goes else output)
 
 
 @pytest.mark.parametrize("kernel, goes", [(REDUCE, True), (FOREACH, True), (ELEMENTWISE, False),
                                           (MULTI, False)])
 def test_a_kernel_taking_its_addresses_by_value_writes_buffers_whose_own_bytes_are_saved(
         fill_job, kernel: str, goes: bool) -> None:
-    """In the checkpoint's copy, every buffer pending and the three the launch names saved: a
+    """In the checkpoint's copy, the three buffers the launch names pending but saved: a
     reduction or a foreach kernel, which writes only at its parameters' addresses, goes; the
     elementwise kernel waits for the buffer its functor names, and the kernel for several
-    outputs for the first it names, until they are done."""
+    outputs for the first it names (the same), until they are done."""
     job = fill_job(buffers=4, elementwise=kernel)
-    printed = job.out.read_text()
-    source, output, held = (int(printed.split(f"BUFFER{i} ")[1].split()[0], 16)
-                            for i in range(3))
-    with Agent(job.pid) as a:
-        a.cut(5)
-        a.copy()                                # every buffer pending
-        try:
-            a.saved([source, output, held])
-            if not goes:
-                time.sleep(0.2)                 # a time, not a wait: none may pass in it
-                assert a.status().gate.passed == 0
-                assert a.wanted() == [held]     # the functor's word comes first
-                a.done([source, output, held])
-            wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
-        finally:
-            a.end()
+    source, output, held = _launched(job)
+    _saved_not_done(job, {source, output, held}, None if goes else held)
 
 
 def test_an_elementwise_kernel_waits_in_the_restore_gate_for_its_input(fill_job) -> None:
