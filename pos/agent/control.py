@@ -502,8 +502,8 @@ class Agent:
 
     def saved(self, vas: list[int]) -> None:
         """In a checkpoint's copy, these buffers' own bytes as of the cut are safe, what they
-        point into perhaps not yet: a kernel that only writes one, at its parameters'
-        addresses (PyTorch's elementwise kernels), may go (hook/gate.c)."""
+        point into perhaps not yet: a kernel that writes only at its parameters' addresses
+        (PyTorch's elementwise kernels, reductions and foreach kernels) may go (hook/gate.c)."""
         self._tell_all("saved", vas)
 
     def _tell_all(self, what: str, vas: list[int]) -> None:

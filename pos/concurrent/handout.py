@@ -95,10 +95,10 @@ class Handout:
             return list(not_back(buffers, self.back, self.refers))
 
     def waited_for(self, va: int, t0: float) -> Optional[WaitedFor]:
-        """What a call that waited on the buffer at `va` waited for, the times from t0 (None:
-        no buffer of the table's)."""
+        """What a call that waited on the address `va` (a tensor's: perhaps inside a buffer)
+        waited for, the times from t0 (None: in no buffer of the table's)."""
         with self.lock:
-            i = next((k for k, b in enumerate(self.table) if b.va == va), None)
+            i = next((k for k, b in enumerate(self.table) if b.va <= va < b.va + b.size), None)
             if i is None:
                 return None
             reach = set(not_back([i], set(), self.refers)) - {i}

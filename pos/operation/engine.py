@@ -109,8 +109,8 @@ class WaitedFor:
     through the addresses its words hold, which a call that may read addresses out of it
     waits for too."""
 
-    va: int
-    bytes: int
+    va: int                        # the address the gate's wait named (in the buffer)
+    bytes: int                     # the buffer's
     shadowed: bool
     reaches: int                   # other buffers reachable through its words
     reaches_bytes: int

@@ -112,4 +112,6 @@ def test_a_checkpoint_says_what_a_waited_for_buffer_reaches_and_when_the_job_had
     plain = h.waited_for(0x4000, t0)
     assert plain is not None and (plain.shadowed, plain.reaches, plain.reaches_bytes) == (
         False, 0, 0)
-    assert h.waited_for(0x9000, t0) is None          # no buffer of the job's
+    inside = h.waited_for(0x1080, t0)                # a tensor inside buffer 0
+    assert inside is not None and (inside.va, inside.reaches) == (0x1080, 2)
+    assert h.waited_for(0x1100, t0) is None          # past its end: no buffer of the job's
