@@ -13,8 +13,9 @@ Every setting, its variable and its default:
   predump             POS_PREDUMP           0: CRIU never pre-dumps (pos/concurrent/predump.py)
   pin_max_bytes       POS_PIN_MAX_GIB       page-locked host memory a checkpoint takes at most
   pin_ring_bytes      POS_PIN_RING_GIB      of it, what streams what pos shadowed on the device
-                                            to the image (beside what it could not shadow);
-                                            one ring, split among a checkpoint's ranks
+                                            to the image (beside what it could not shadow;
+                                            all of the job, where the image's folder is a
+                                            tmpfs); one ring, split among a checkpoint's ranks
   pin_ahead_bytes     POS_PIN_AHEAD_GIB     of it, what is locked before the cut (unset:
                                             what the shadow cannot hold, which the job's
                                             writes wait for, and 1 GiB, the rest once the

@@ -84,10 +84,11 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
     `ring` (POS_PIN_RING_GIB) for the rest; at most `cap` (POS_PIN_MAX_GIB), at most what the
     host has available less 2 GiB (or `spare`: what a HostRoom left, `held` bytes of the image
     in memory counted); a whole number of chunks. Refused in one sentence when that is under
-    1 GiB. An image in memory (`held`: its folder is a tmpfs) takes the arena's chunks at
-    memory speed, so all of the job streams through the ring: a 97 GB job on an H200 host,
-    45 GB of it unshadowed, had its cut 1.97-2.13 s after the command against 3.07-3.43 s with
-    a 31 GB arena locked first, and was held no longer (bench/results/2026-11-30.md)."""
+    1 GiB. An image in memory (`held`: its folder is a tmpfs) takes the arena's chunks as fast
+    as the copy fills them, so all of the job streams through the ring: a 97 GB job on an H200
+    host, 46 GB of it unshadowed, had its cut 1.39-1.51 s after the command and was held
+    1.15-1.18 s, against 2.72-3.08 s and 1.64-1.69 s with a 31 GB arena locked first
+    (bench/results/2026-11-30.md, perf run 22)."""
     unshadowed = 0 if held else total - min(shadowed, total)
     need = -(-min(total, unshadowed + ring) // chunk) * chunk
     limit = need if cap is None else cap

@@ -62,13 +62,16 @@ def test_too_little_is_refused_in_one_sentence(host, gib: float, limit, says: st
 
 def test_an_image_kept_in_memory_leaves_its_room(host, monkeypatch: pytest.MonkeyPatch,
                                                  tmp_path: Path) -> None:
-    """An image written into a tmpfs takes the host's memory beside the arena: a 60% job's
-    90 GB in /dev/shm beside its 39 GB arena ran a 126 GiB host out of memory."""
+    """An image written into a tmpfs takes the host's memory beside the arena (a 60% job's
+    90 GB in /dev/shm beside its 39 GB arena ran a 126 GiB host out of memory), and drains the
+    ring as fast as the copy fills it: all of the job streams through the ring alone."""
     host(124)
     settings = Settings.from_env({})
     monkeypatch.setattr(pos_host, "fs_magic", lambda p: pos_host.TMPFS_MAGIC)
     room = copier.host_room(settings, tmp_path / "img", 90 * GIB)
-    assert room.arena(85 * GIB, CHUNK, 54 * GIB) == 32 * GIB      # 124 - 2 - 90, not 39
+    assert room.arena(85 * GIB, CHUNK, 54 * GIB) == copier.DEFAULT_PIN_RING   # not 31 + 8
+    assert copier.host_room(settings, tmp_path / "img", 117 * GIB).arena(
+        85 * GIB, CHUNK, 54 * GIB) == 5 * GIB                       # 124 - 2 - 117
     with pytest.raises(BadInput, match=r"beside the 121\.50 GiB its image takes in host "
                                        r"memory \(its folder is a tmpfs\), and this host has "
                                        r"122\.00 GiB to spare"):
