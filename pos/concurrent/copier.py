@@ -14,10 +14,8 @@ release (see `Copier.hold_shadowed`).
 
 Order: the buffers pos could not shadow first (the job's calls that may write them wait until
 they are saved; what pos shadowed is safe from the start), within each kind in the shadow's
-order (`first_needed`); before them, what the job's calls wait for, and next what the buffers
-scanned so far point into (the calls on those wait for it). As each buffer is in host memory
-the handout (pos/concurrent/handout.py) tells the job's gate which buffers its calls may write
-again.
+order (`first_needed`). As each buffer is in host memory the handout (pos/concurrent/handout.py)
+tells the job's gate which buffers its calls may write again.
 
 The shadow's scan: a call on a shadowed buffer waits too, until the buffers its words point
 into are known and saved (handout.py), and the copy reaches the shadowed buffers last. Where
@@ -383,7 +381,7 @@ class Copier:
                 self.sums.launch(stream, self.sources[i] + off, n)
                 self.drv.cuStreamSynchronize(stream)
                 summed = self._summed(stream, n)
-                self._points(i, summed[1])
+                self.handout.points(i, summed[1])
                 with self.lock:
                     self.summed[(i, off)] = summed
                 left[i] -= 1
@@ -394,16 +392,6 @@ class Copier:
             self.drv.raw.cuStreamSynchronize(stream)
             self.drv.raw.cuStreamDestroy_v2(stream)
             self.scanned.set()
-
-    def _points(self, i: int, into: list[int]) -> None:
-        """Buffer i's chunk points into these buffers: the handout learns it, and they go
-        before the rest of the copy and of the scan, since the job's calls on buffer i wait
-        until they are saved. On the H200 a matrix product on a 60% job's 786 MiB shadowed
-        buffer waited 0.22-0.25 s after the release for 2.16 GB its words reached, copied
-        only once it asked (bench/results/2026-11-30.md, perf run 22)."""
-        self.handout.points(i, into)
-        self.order.soon([j for j in into if j not in self.shadowed])
-        self.scan_order.soon([j for j in into if j in self.shadowed])
 
     def _save(self) -> None:
         """Write each chunk copied, hashed and scanned as it goes (unless the GPU did), and
@@ -417,11 +405,11 @@ class Copier:
                 data = self.arena.view(slot, n)
                 if summed is None:
                     hits = self.writer.put_scanned(self.table[i].va, off, data, self.targets)
-                    self._points(i, self.index_of[hits.nonzero()[0]].tolist())
+                    self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
                 else:
                     h, into = summed
                     self.writer.put(self.table[i].va, off, data, h, "blocks")
-                    self._points(i, into)
+                    self.handout.points(i, into)
                 with self.lock:
                     self.saved_bytes += n
                     self.scan_left[i] -= 1

@@ -506,8 +506,8 @@ class _Streams:
 
 
 class Order:
-    """The chunks left to copy: those of a buffer the job's calls wait for first, then those
-    of a buffer they may wait for next (`soon`), then the rest in the copier's order."""
+    """The chunks left to copy: those of a buffer the job's calls wait for first, then the rest
+    in the copier's order."""
 
     def __init__(self, work: list[tuple[int, int, int]]) -> None:
         self.lock = threading.Lock()
@@ -516,15 +516,10 @@ class Order:
             self.left.setdefault(w[0], deque()).append(w)
         self.order = deque(self.left)          # buffers in the order of their first chunk
         self.wanted: deque[int] = deque()
-        self.next: deque[int] = deque()
 
     def want(self, buffers: list[int]) -> None:
         with self.lock:
             self.wanted.extend(i for i in buffers if self.left.get(i))
-
-    def soon(self, buffers: list[int]) -> None:
-        with self.lock:
-            self.next.extend(i for i in buffers if self.left.get(i))
 
     def follow(self, agent_of: Callable[[], Any], by_va: dict[int, int],
                until: threading.Event, needed: Callable[[list[int]], list[int]],
@@ -552,7 +547,7 @@ class Order:
 
     def take(self) -> Optional[tuple[int, int, int]]:
         with self.lock:
-            for q in (self.wanted, self.next, self.order):
+            for q in (self.wanted, self.order):
                 while q and not self.left.get(q[0]):
                     q.popleft()
                 if q:

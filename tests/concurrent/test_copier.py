@@ -18,7 +18,7 @@ from pos.concurrent import copier, gpucopy
 from pos.concurrent.handout import Handout
 from pos.concurrent.saver import Taken
 from pos.errors import BadInput
-from pos.image.gpu import Targets, checksum_points
+from pos.image.gpu import Targets
 from pos.settings import Settings
 from tests.conftest import wait_for
 
@@ -104,35 +104,6 @@ def test_the_buffers_calls_wait_for_are_copied_first() -> None:
     assert order.take() is None
 
 
-def test_what_the_calls_may_wait_for_next_goes_after_what_they_wait_for() -> None:
-    order = gpucopy.Order([(0, 0, 1), (1, 0, 1), (2, 0, 1), (3, 0, 1)])
-    order.soon([3])
-    order.want([2])
-    assert [order.take() for _ in range(4)] == [(2, 0, 1), (3, 0, 1), (0, 0, 1), (1, 0, 1)]
-
-
-def test_what_a_buffer_points_into_is_copied_before_the_rest() -> None:
-    """Buffer 0's words hold buffer 3's address: the job's calls on 0 wait until 3 is saved,
-    so 3 goes before 1 and 2, which come before it in the copy's order (by size). One chunk
-    of arena and one stream: 1's first chunk, taken while 0 was being saved, is copied, then
-    all of 3, then the rest of 1."""
-    chunk = 1 << 20
-    memory = [np.zeros(n * chunk, np.uint8) for n in (1, 2, 3, 4)]
-    memory[0][:8] = np.frombuffer(np.uint64(memory[3].ctypes.data).tobytes(), np.uint8)
-    table = [Buffer(m.ctypes.data, m.size, m.size, 0, True) for m in memory]
-    handout = _Handout(table, set())
-    c = copier.Copier(_HostDriver(), table, [b.va for b in table], set(), _Arena(chunk), chunk,
-                      1, _Scanning(), handout, 1)   # type: ignore[arg-type]
-    c.start()
-    try:
-        c.wait_copied()
-        assert c.join().bytes == 10 * chunk
-    finally:
-        c.close()
-    assert handout.refers[0] == {3}
-    assert sorted(handout.kept_at, key=handout.kept_at.__getitem__) == [0, 3, 1, 2]
-
-
 class _HostDriver:
     """The driver calls the copier makes, on host memory: a device address is a host one; the
     others (contexts, streams) do nothing."""
@@ -176,14 +147,6 @@ class _Writer:
         """A chunk the GPU hashed."""
         self.data[(va, off)] = view.tobytes()
         self.sums[(va, off)] = (h, kind)
-
-
-class _Scanning(_Writer):
-    """A writer that scans each chunk for the buffers' addresses, as the image's does."""
-
-    def put_scanned(self, va: int, off: int, view: np.ndarray, targets: Targets) -> np.ndarray:
-        self.data[(va, off)] = view.tobytes()
-        return checksum_points(view, targets)[1]
 
 
 class _Handout(Handout):
