@@ -13,7 +13,8 @@ the cut, as pos timed it; `stall_s`: the job's longest step gap less its median 
 what the job's calls waited in all after the release, and on which kernels or driver calls;
 `held_past_release_s`: how long the calls held at the release went on waiting after it;
 `waited_for`: each buffer the gate's waits named, its size, whether pos shadowed it, the
-buffers its words reach and when the job had it (`told_s`, from the cut);
+buffers its words reach, when its own addresses were known (`back_s`), when all it reaches was
+back (`reach_back_s`) and when the job had it (`told_s`), from the cut;
 `phases`: the checkpoint's steps in seconds; `restore_phases`: the restore's), the raw runs in
 DIR/perf-runs.json.
 """

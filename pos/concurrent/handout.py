@@ -96,16 +96,22 @@ class Handout:
 
     def waited_for(self, va: int, t0: float) -> Optional[WaitedFor]:
         """What a call that waited on the address `va` (a tensor's: perhaps inside a buffer)
-        waited for, the times from t0 (None: in no buffer of the table's)."""
+        waited for, the times from t0 (None: in no buffer of the table's): when the buffer's
+        own addresses were known and when all it reaches was back, which tell a wait for the
+        shadow's scan from one for the copy."""
         with self.lock:
             i = next((k for k, b in enumerate(self.table) if b.va <= va < b.va + b.size), None)
             if i is None:
                 return None
             reach = set(not_back([i], set(), self.refers)) - {i}
-            told = self.told_at.get(i)
+            told, back = self.told_at.get(i), self.back_at.get(i)
+            reach_back = [self.back_at.get(j) for j in reach]
             return WaitedFor(va, self.table[i].size, i in self.safe, len(reach),
                              sum(self.table[j].size for j in reach),
-                             None if told is None else told - t0)
+                             None if told is None else told - t0,
+                             None if back is None else back - t0,
+                             None if not reach_back or None in reach_back
+                             else max(x for x in reach_back if x is not None) - t0)
 
     def rest_at(self, t0: float) -> dict[str, float]:
         """From t0: when every buffer but the biggest (the ones most calls wait for) was back,

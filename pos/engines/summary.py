@@ -41,6 +41,10 @@ def longest_wait(gate: "Gate", waited_for: Sequence["WaitedFor"] = ()) -> str:
     if why is not None:
         on += (f", {size_text(why.bytes)}{', shadowed' if why.shadowed else ''}, whose words "
                f"reach {why.reaches} buffers ({size_text(why.reaches_bytes)})")
+        if why.back_s is not None:
+            on += f", its addresses known {why.back_s:.3f} s"
+        if why.reach_back_s is not None:
+            on += f", what they reach saved {why.reach_back_s:.3f} s"
         if why.told_s is not None:
             on += f", the job's {why.told_s:.3f} s after the cut"
     return f"; the longest, {what}, waited for {on}"

@@ -109,9 +109,11 @@ def test_a_checkpoint_says_what_a_waited_for_buffer_reaches_and_when_the_job_had
     assert why is not None and (why.va, why.bytes, why.shadowed) == (0x1000, 0x100, True)
     assert (why.reaches, why.reaches_bytes) == (2, 0x200)
     assert why.told_s is not None and 0 <= why.told_s <= time.monotonic() - t0
+    assert why.back_s is not None and why.reach_back_s is not None
+    assert 0 <= why.back_s <= why.reach_back_s <= why.told_s     # 0 came back before 1 and 2
     plain = h.waited_for(0x4000, t0)
     assert plain is not None and (plain.shadowed, plain.reaches, plain.reaches_bytes) == (
-        False, 0, 0)
+        False, 0, 0) and plain.reach_back_s is None
     inside = h.waited_for(0x1080, t0)                # a tensor inside buffer 0
     assert inside is not None and (inside.va, inside.reaches) == (0x1080, 2)
     assert h.waited_for(0x1100, t0) is None          # past its end: no buffer of the job's

@@ -37,11 +37,12 @@ def test_the_report_says_what_the_buffer_waited_for_reaches() -> None:
     through its words that the call waited for too, and when the job had it."""
     gate = Gate(2, 1.9, 1.78, 40, 0.1, 0, [Wait(0x7000_0000_0000, 1.78, 4.6, "sm80_xmma_gemm"),
                                           Wait(0x7100_0000_0000, 0.1, 1.7, "_Z4axpyfPKfPfi")])
-    why = [WaitedFor(0x7100_0000_0000, 2**20, False, 0, 0, 1.7),
-           WaitedFor(0x7000_0000_0000, 786 * 2**20, True, 12, 9 * 2**30, 4.625)]
+    why = [WaitedFor(0x7100_0000_0000, 2**20, False, 0, 0, 1.7, 1.7, None),
+           WaitedFor(0x7000_0000_0000, 786 * 2**20, True, 12, 9 * 2**30, 4.625, 1.2, 4.6)]
     assert longest_wait(gate, why) == (
         "; the longest, sm80_xmma_gemm, waited for 0x700000000000, 786.0 MiB, shadowed, whose "
-        "words reach 12 buffers (9.00 GiB), the job's 4.625 s after the cut")
+        "words reach 12 buffers (9.00 GiB), its addresses known 1.200 s, what they reach saved "
+        "4.600 s, the job's 4.625 s after the cut")
     assert longest_wait(gate, why[:1]) == "; the longest, sm80_xmma_gemm, waited for 0x700000000000"
 
 
