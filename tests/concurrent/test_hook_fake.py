@@ -348,11 +348,9 @@ def test_a_launch_in_a_gate_waits_only_for_the_buffers_its_parameters_name(
             others = [b.va for b in a.table() if b.va != first]
             assert len(others) == 3
             a.done(others[:2])
-            # a time, not a wait: no launch may pass in it (the gate's account of the wait is
-            # checked against it below)
-            time.sleep(0.2)
-            assert a.status().gate.passed == 0   # its own buffer is still pending
-            assert a.wanted() == ([first] if layout_known else [])   # pos copies it first
+            # its own buffer is still pending; pos copies it first (the gate's account of the
+            # wait is checked against the time below)
+            _held_on(a, [first] if layout_known else [])
             a.done([first])                      # others[2] still pending
             if not layout_known:
                 time.sleep(0.2)                  # as above: none may pass in it
@@ -402,10 +400,7 @@ def test_an_elementwise_kernel_passes_the_copy_gate_while_only_its_input_is_pend
         try:
             a.done([b.va for b in a.table() if b.va not in (source, output, held)])
             for waited in (held, output):       # in the order of the parameters
-                # a time, not a wait: no launch may pass in it, `waited` pending
-                time.sleep(0.2)
-                assert a.status().gate.passed == 0
-                assert a.wanted() == [waited]
+                _held_on(a, [waited])
                 a.done([waited])
             if not reads_pass:
                 time.sleep(0.2)                 # as above: the input pending
@@ -415,6 +410,15 @@ def test_an_elementwise_kernel_passes_the_copy_gate_while_only_its_input_is_pend
         finally:
             gate = a.end()
     assert gate.held_max_s >= 0.4 and {w.what for w in gate.waits} == {kernel}
+
+
+def _held_on(a: Agent, wanted: list[int]) -> None:
+    """The job's launches wait on the buffers `wanted` (as its agent tells pos, once a launch
+    has come to the gate), and none passes in a time after that (a time, not a wait)."""
+    wait_for(lambda: a.wanted() == wanted, what=lambda: f"a launch waiting on {wanted}, "
+             f"not {a.wanted()}")
+    time.sleep(0.2)
+    assert a.status().gate.passed == 0 and a.wanted() == wanted
 
 
 def _launched(job: FillJob) -> tuple[int, int, int]:
@@ -436,8 +440,7 @@ def _saved_not_done(job: FillJob, pending: set[int], waits_on: Optional[int]) ->
             a.done([b.va for b in a.table() if b.va not in pending])
             a.saved(sorted(pending))
             if waits_on is not None:
-                time.sleep(0.2)                 # a time, not a wait: none may pass in it
-                assert a.status().gate.passed == 0 and a.wanted() == [waits_on]
+                _held_on(a, [waits_on])
                 a.done(sorted(pending))
             wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
         finally:
@@ -480,9 +483,7 @@ def test_an_elementwise_kernel_waits_in_the_restore_gate_for_its_input(fill_job)
         a.remap(fds, restore=True)              # every buffer pending
         try:
             a.done([b.va for b in a.table() if b.va != source])
-            time.sleep(0.2)                     # a time, not a wait: none may pass in it
-            assert a.status().gate.passed == 0
-            assert a.wanted() == [source]
+            _held_on(a, [source])
             a.done([source])
             wait_for(lambda: a.status().gate.passed > 100, what="the launches to go through")
         finally:
