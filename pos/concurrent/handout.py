@@ -105,13 +105,13 @@ class Handout:
                 return None
             reach = set(not_back([i], set(), self.refers)) - {i}
             told, back = self.told_at.get(i), self.back_at.get(i)
-            reach_back = [self.back_at.get(j) for j in reach]
+            reach_back = [self.back_at[j] for j in reach if j in self.back_at]
             return WaitedFor(va, self.table[i].size, i in self.safe, len(reach),
                              sum(self.table[j].size for j in reach),
                              None if told is None else told - t0,
                              None if back is None else back - t0,
-                             None if not reach_back or None in reach_back
-                             else max(x for x in reach_back if x is not None) - t0)
+                             max(reach_back) - t0 if reach and len(reach_back) == len(reach)
+                             else None)
 
     def rest_at(self, t0: float) -> dict[str, float]:
         """From t0: when every buffer but the biggest (the ones most calls wait for) was back,

@@ -117,8 +117,8 @@ class WaitedFor:
     told_s: Optional[float]        # from the cut to when the job's calls could use it (None:
                                    # not before the copy's end)
     back_s: Optional[float]        # from the cut to when its own addresses were known
-    reach_back_s: Optional[float]  # ... and those of every buffer it reaches, all saved (None:
-                                   # it reaches none, or one was not back before the end)
+    reach_back_s: Optional[float]  # ... when every buffer it reaches was back too (None: it
+                                   # reaches none, or one was not back before the end)
 
 
 @dataclass
