@@ -86,9 +86,9 @@ def arena_bytes(total: int, chunk: int, cap: Optional[int] = None, shadowed: int
     in memory counted); a whole number of chunks. Refused in one sentence when that is under
     1 GiB. An image in memory (`held`: its folder is a tmpfs) takes the arena's chunks as fast
     as the copy fills them, so all of the job streams through the ring: a 97 GB job on an H200
-    host, 46 GB of it unshadowed, had its cut 1.39-1.51 s after the command and was held
+    host, 46 GB of it unshadowed, had its cut 1.39-1.51 s after the command and stalled
     1.15-1.18 s, against 2.72-3.08 s and 1.64-1.69 s with a 31 GB arena locked first
-    (bench/results/2026-11-30.md, perf run 22)."""
+    (bench/results/2026-11-30.md, perf run 22; 1.48-1.63 s and 1.40-1.54 s in run 23)."""
     unshadowed = 0 if held else total - min(shadowed, total)
     need = -(-min(total, unshadowed + ring) // chunk) * chunk
     limit = need if cap is None else cap
