@@ -416,7 +416,7 @@ def _held_on(a: Agent, wanted: list[int]) -> None:
     """The job's launches wait on the buffers `wanted` (as its agent tells pos, once a launch
     has come to the gate), and none passes in a time after that (a time, not a wait)."""
     wait_for(lambda: a.wanted() == wanted, what=lambda: f"a launch waiting on {wanted}, "
-             f"not {a.wanted()}")
+             f"not {a.wanted()} (the agent: {a.status()})")
     time.sleep(0.2)
     assert a.status().gate.passed == 0 and a.wanted() == wanted
 
