@@ -275,6 +275,12 @@ const char *call_name(const struct touch *t) {
     return n ? n : t->call ? t->call : "?";
 }
 
+/* A launch's words into `k`, once (`*asked`), as soon as the phase is one that reads them. */
+static void ask_words(const struct touch *t, int kind, int *asked, struct words *k) {
+    if (t->launch && !*asked && gated(atomic_load(&phase)))
+        *asked = 1, launch_words(t, kind, k);
+}
+
 /* Enter the driver for a call touching `t`: at once when idle (one atomic add), else after
  * waiting for what the phase requires. The add and the phase read are sequentially
  * consistent, as the cut's store and drain: either the cut sees this call in flight and
@@ -292,11 +298,13 @@ void gate_enter(const struct touch *t) {
     /* a launch's parameter words, asked of the driver once a gate is open (a call held since
      * before, as in a job that CRIU restored, asks when it opens) */
     struct words k = {.n = -1};
-    int asked = t->launch && gated(atomic_load(&phase));
-    if (asked)
-        launch_words(t, kind, &k);
+    int asked = 0;
+    ask_words(t, kind, &asked, &k);
     CUdeviceptr on, last = 0;
     pthread_mutex_lock(&mu);
+    /* the gate may have opened since: a launch that had not asked would wait for every buffer,
+     * and, the phase's broadcast gone by, until the next one */
+    ask_words(t, kind, &asked, &k);
     if (must_wait(t, &k, &on)) {
         uint64_t t0 = now_ns();
         waiting++;
@@ -306,8 +314,7 @@ void gate_enter(const struct touch *t) {
             if (w >= 0)
                 tab[w].wanted = 1;
             pthread_cond_wait(&cv, &mu);
-            if (t->launch && !asked && gated(atomic_load(&phase)))
-                asked = 1, launch_words(t, kind, &k);
+            ask_words(t, kind, &asked, &k);
         } while (must_wait(t, &k, &on));
         waiting--;
         pthread_cond_broadcast(&cv);
