@@ -439,11 +439,11 @@ class _Whole:
     def report(self, final: Path) -> Report:
         copied = sum(c.bytes for c in self.copies)
         d2h_s = max(c.d2h_s for c in self.copies)
-        held = [(x.held_max_s, k) for k, x in enumerate(self.gates) if x is not None]
-        k = max(held)[1] if held else None
-        worst = self.gates[k] if k is not None else None
-        ranks = ([RankSaved(s.pid, s.gpu, c.bytes, k, x, dict(s.timings))
-                  for s, c, k, x in zip(self.savers, self.copies, self.cuts, self.gates)]
+        held = [(x.held_max_s, j) for j, x in enumerate(self.gates) if x is not None]
+        worst_job = max(held)[1] if held else None      # whose gate held a call longest
+        worst = self.gates[worst_job] if worst_job is not None else None
+        ranks = ([RankSaved(s.pid, s.gpu, c.bytes, cut, x, dict(s.timings))
+                  for s, c, cut, x in zip(self.savers, self.copies, self.cuts, self.gates)]
                  if self.several else [])
         return Report(ImageKind.CONCURRENT.value, Operation.CHECKPOINT, str(final),
                       self.manifest, timings=self.manifest.timings, device=DeviceCopy(
@@ -451,7 +451,8 @@ class _Whole:
                           sum(t.shadow_bytes for t in self.taken), self.release_s,
                           copied / d2h_s / 1e9 if d2h_s else None, None,
                           sum(s.foreign_bytes for s in self.savers), ranks,
-                          self.taken[k].waited_for(worst, self.cut_at) if k is not None else []))
+                          self.taken[worst_job].waited_for(worst, self.cut_at)
+                          if worst_job is not None else []))
 
 
 def own_taken(statuses: dict[int, Status], max_bytes: int) -> set[int]:
