@@ -170,7 +170,8 @@ class Copier:
     memory) through `arena` into `writer`. Two kinds of threads: one per stream copies chunks
     to the arena (gpucopy.run_chunks; the handout learns as each buffer is all in host memory:
     `captured`), the savers write them, hashing and scanning them for addresses as they go
-    (the handout learns what each buffer points into, and when it is all known: `came_back`),
+    (the handout learns what each buffer points into, and when it is all known: `came_back`;
+    where the GPU hashed and scanned the chunks, the copy's threads tell it instead),
     and give their slot back. start(), then wait_copied() (device memory no longer needed),
     then join() (all written); close() in any case. pause()/resume() hold the copies to the
     arena (the driver's own copies of the job's context go faster alone),
@@ -315,7 +316,9 @@ class Copier:
 
     def _copy(self) -> None:
         """One thread per stream copies chunks to the arena, in the order's order (the handout
-        learns as each buffer is all there); then the savers are told there is no more."""
+        learns as each buffer is all there, and, where the GPU scanned its chunks, that it is
+        back: the job's calls need not wait for the savers to write it); then the savers are
+        told there is no more."""
         def one(stream: Any, i: int, off: int, n: int) -> None:
             self.go.wait()
             if i in self.shadowed:          # taken only once no other buffer's chunk is left
@@ -345,6 +348,8 @@ class Copier:
             with self.lock:
                 self.copied_bytes += n
             self.in_host.put((i, off, n, slot, summed))
+            if summed is not None:          # safe in the arena, its words known
+                self._known(i, summed[1])
 
         try:
             self.drv.cuCtxSetCurrent(self.ctx)
@@ -393,10 +398,20 @@ class Copier:
             self.drv.raw.cuStreamDestroy_v2(stream)
             self.scanned.set()
 
+    def _known(self, i: int, into: list[int]) -> None:
+        """One chunk of buffer i is in host memory, and what its words point into is known:
+        the handout learns it, and that the buffer is back once all its chunks are."""
+        self.handout.points(i, into)
+        with self.lock:
+            self.scan_left[i] -= 1
+            whole = self.scan_left[i] == 0
+        if whole:
+            self.handout.came_back(i)     # may tell the agent: its socket may fail
+
     def _save(self) -> None:
-        """Write each chunk copied, hashed and scanned as it goes (unless the GPU did), and
-        give its slot back; the handout learns what the chunk points into, and when its buffer
-        is all known."""
+        """Write each chunk copied, hashed and scanned as it goes (unless the GPU did: then
+        the handout knew the chunk as it was copied), and give its slot back; the handout
+        learns what a chunk the CPU scanned points into, and when its buffer is all known."""
         while self.save_go.wait() and (item := self.in_host.get()) is not None:
             i, off, n, slot, summed = item
             try:
@@ -405,17 +420,11 @@ class Copier:
                 data = self.arena.view(slot, n)
                 if summed is None:
                     hits = self.writer.put_scanned(self.table[i].va, off, data, self.targets)
-                    self.handout.points(i, self.index_of[hits.nonzero()[0]].tolist())
+                    self._known(i, self.index_of[hits.nonzero()[0]].tolist())
                 else:
-                    h, into = summed
-                    self.writer.put(self.table[i].va, off, data, h, "blocks")
-                    self.handout.points(i, into)
+                    self.writer.put(self.table[i].va, off, data, summed[0], "blocks")
                 with self.lock:
                     self.saved_bytes += n
-                    self.scan_left[i] -= 1
-                    whole = self.scan_left[i] == 0
-                if whole:
-                    self.handout.came_back(i)     # may tell the agent: its socket may fail
             except BaseException as e:
                 self.crew.fail(e)
             finally:

@@ -270,6 +270,40 @@ def test_the_gpu_scans_the_shadow_so_a_shadowed_buffer_waits_only_for_what_it_po
             assert writer.sums[(p, off)] == (gpuimage.blocks_points(piece, targets)[0], "blocks")
 
 
+@pytest.mark.parametrize("gpu_scans", [True, False])
+def test_a_buffer_the_gpu_scanned_is_back_once_in_host_memory(drv, gpu_scans: bool) -> None:
+    """Buffers 0 and 1 of a chunk each, 0 holding an address in 1, and 2 of two chunks; none
+    shadowed, room in host memory for two chunks, the savers held: 2 is never in host memory.
+    Where the GPU hashes and scans each chunk, 0 and 1 are handed to the job as soon as they
+    are in host memory, before a byte of them is written (a call on a buffer that points into
+    another need not wait for the savers' queue); where the savers scan, nothing is handed out
+    until they write."""
+    chunk = 1 << 16
+    with _on_device(drv, [chunk, chunk, 2 * chunk]) as (ptrs, kernel):
+        word = np.array([ptrs[1] + 8], np.uint64)
+        drv.cuMemcpyHtoD_v2(ptrs[0] + 64, word.ctypes.data, 8)
+        table = [Buffer(p, n, n, 0, True) for p, n in zip(ptrs, [chunk, chunk, 2 * chunk])]
+        handout, writer, agent = _Handout(table, set()), _Writer(), _Agent()
+        handout.attach(agent)
+        c = copier.Copier(drv, table, ptrs, set(), _Arena(2 * chunk), chunk, 2, writer,
+                          handout, 2, kernel=kernel if gpu_scans else None)  # type: ignore
+        c.hold_savers()
+        c.start()
+        try:
+            wait_for(lambda: set(handout.kept_at) == {0, 1}, 10, "buffers 0 and 1 copied")
+            if gpu_scans:
+                wait_for(lambda: set(agent.told) == set(ptrs[:2]), 10, "0 and 1 handed out")
+                assert handout.refers.get(0) == {1}
+            else:
+                time.sleep(0.2)     # a time, not a wait: the savers, held, scan nothing in it
+                assert agent.told == []
+            assert writer.data == {} and 2 not in handout.kept_at
+            _finish(c)
+            assert set(agent.told) == set(ptrs) and len(writer.data) == 4
+        finally:
+            c.close()
+
+
 class _Waiting(_Agent):
     """A job whose calls wait for the buffers at `vas`."""
 
