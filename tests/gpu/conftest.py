@@ -36,4 +36,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.gpu)
         if not ok:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU with PyTorch"))
-
