@@ -45,6 +45,10 @@
 #                                # host as it is, beside 60 GiB held in /dev/shm, after (~2 min)
 #   bench/device.sh kdat         # bench/kdat_probe.sh: CRIU's start with and without its
 #                                # kernel-feature cache, and with pos's (~10 s)
+#   bench/device.sh vmm          # bench/vmm_probe.py: the driver's calls for each buffer that
+#                                # the take, the hoist and the remap make, one thread against
+#                                # several (POS_VMM_ARGS: e.g. "--index FILE": an image's
+#                                # buffer sizes) (~1 min)
 #   bench/device.sh tensormap    # bench/tensormap_probe.py: whether a TMA descriptor holds its
 #                                # tensor's address as a plain word, which the gate reads (~10 s)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs
@@ -118,7 +122,7 @@
 # .whl), into $OUT/base, recorded as POS_BENCH_BASE_COMMIT; then this tree's run, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 tests concurrent restart pin exit anon attach perf export tensormap drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
+group=${1:?say which group: wheels trace analyze checkpoint checkpoint32 tests concurrent restart pin exit anon attach perf export vmm tensormap drain criudest kdat schedule scale floor multigpu nccl torchrun serve containers}
 if [ "$group" = wheels ]; then   # CPython 3.12 on the GPU machine
     exec python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl \
@@ -239,6 +243,10 @@ tensormap)
 export)
     step export python3 bench/export_probe.py --out "$out"
     cat "$out/export.log" ;;
+vmm)
+    # shellcheck disable=SC2086  # POS_VMM_ARGS: more arguments for the probe, word-split
+    step vmm python3 bench/vmm_probe.py --out "$out" ${POS_VMM_ARGS:-}
+    cat "$out/vmm.log" ;;
 attach)
     step attach python3 bench/attach_probe.py --out "$out" --ways "${POS_ATTACH_WAYS:-nvml-all,ctx-cold,ctx-one,ctx-held,nvml-beside,pos-again,pos-thread-one,pos-thread-all,pos-ctx-one,pos-ctx-all}"
     cat "$out/attach.log" ;;
