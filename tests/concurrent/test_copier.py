@@ -285,8 +285,9 @@ def test_a_buffer_the_gpu_scanned_is_back_once_in_host_memory(drv, gpu_scans: bo
         table = [Buffer(p, n, n, 0, True) for p, n in zip(ptrs, [chunk, chunk, 2 * chunk])]
         handout, writer, agent = _Handout(table, set()), _Writer(), _Agent()
         handout.attach(agent)
-        c = copier.Copier(drv, table, ptrs, set(), _Arena(2 * chunk), chunk, 2, writer,
-                          handout, 2, kernel=kernel if gpu_scans else None)  # type: ignore
+        scans = kernel if gpu_scans else None
+        c = copier.Copier(drv, table, ptrs, set(), _Arena(2 * chunk), chunk, 2,
+                          writer, handout, 2, kernel=scans)   # type: ignore[arg-type]
         c.hold_savers()
         c.start()
         try:
