@@ -190,6 +190,7 @@ class Hoist:
     stack_rc: int      # the driver's answer to setting it smaller (-1: not asked, or no need)
     trim_s: float = -1.0   # the job's heap gave its free memory back in this long (-1: not
                            # asked, or an agent or libc without it)
+    loop_s: float = 0.0    # the driver's unmap and release of each buffer (0: an older agent)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,9 @@ class Remap:
     mapped: int
     stack_s: float     # setting the stack back (local memory allocated again)
     stack_rc: int      # the driver's answer (not fatal: it grows the stack at a launch anyway)
+    rx_s: float = 0.0      # from the request to the last descriptor's arrival
+    loop_s: float = 0.0    # then the driver's import, map and access of each buffer (0: an
+                           # older agent)
 
 
 @dataclass(frozen=True)
@@ -477,7 +481,7 @@ class Agent:
         words = ["hoist"] + ([str(stack)] if stack is not None else []) + (["trim"] if trim else [])
         r = self._ask(" ".join(words))
         return Hoist(int(r["bytes"]), int(r.get("stack", 0)), int(r.get("stack_rc", -1)),
-                     float(r.get("trim_s", -1.0)))
+                     float(r.get("trim_s", -1.0)), float(r.get("loop_s", 0.0)))
 
     def remap(self, fds: list[int], restore: bool = False) -> "Remap":
         """The job maps these descriptors (table order) at its addresses again, and its
@@ -488,7 +492,8 @@ class Agent:
         for at in range(0, len(fds), MAX_FDS):
             self._send(b"+", fds[at:at + MAX_FDS])
         r = self._line()
-        return Remap(int(r["mapped"]), float(r.get("stack_s", 0.0)), int(r.get("stack_rc", 0)))
+        return Remap(int(r["mapped"]), float(r.get("stack_s", 0.0)), int(r.get("stack_rc", 0)),
+                     float(r.get("rx_s", 0.0)), float(r.get("loop_s", 0.0)))
 
     def copy(self) -> None:
         self._ask("copy")

@@ -285,6 +285,7 @@ class _Whole:
         for h in hoists:
             g.timings["stack_was_bytes"], g.timings["stack_rc"] = h.stack, h.stack_rc
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
+            g.timings["hoist_loop"] = max(g.timings.get("hoist_loop", 0.0), h.loop_s)
 
     def owning(self, statuses: dict[int, Status]) -> list[Saver]:
         """The jobs whose own cuMem memory a checkpoint takes (own_taken, by their agents'
@@ -370,15 +371,24 @@ class _Whole:
                lambda p: by_pid[p].driver("driver_restore", lambda: cudackpt.restore(p)))
         g.each("unlock", self.cuda, cudackpt.unlock)
 
+        connect: list[float] = []
+
         def remap(st: tuple[Saver, Taken]) -> Remap:
             s, t = st
+            t0 = time.monotonic()
             s.agent = Agent(s.pid)
+            connect.append(time.monotonic() - t0)
             return t.paused(lambda: s.connected().remap(t.fds))
 
         backs: list[Remap] = []       # every job at once (one after another: 0.17 s at 4 ranks)
         g.timed("remap", lambda: side_by_side("pos-remap", list(zip(self.savers, self.taken)),
                                               remap, backs.append))
         g.timings["stack_back"] = max(b.stack_s for b in backs)
+        # where the remap's time goes, the slowest job's: pos's new connection to its agent,
+        # the descriptors' passage, the driver's calls for each buffer (bench/vmm_probe.py)
+        g.timings["remap_connect"] = max(connect, default=0.0)
+        g.timings["remap_rx"] = max(b.rx_s for b in backs)
+        g.timings["remap_loop"] = max(b.loop_s for b in backs)
         if self.own:           # before the imports: the peers import this memory again
             owners = [s for s in self.savers if s.pid in self.own and self.own[s.pid].fds]
             g.timed("own_up", lambda: side_by_side(

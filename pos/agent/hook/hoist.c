@@ -66,6 +66,7 @@ void do_hoist(struct conn *c, const char *args) {
     CUresult r = use_context();
     size_t released = 0, bytes = 0;
     set_phase(P_HOISTED);
+    uint64_t t0 = now_ns();
     for (size_t i = 0; i < ntab && r == CUDA_SUCCESS; i++) {
         if (!tab[i].h)
             continue;
@@ -77,6 +78,7 @@ void do_hoist(struct conn *c, const char *args) {
             released++, bytes += tab[i].mapped;
         }
     }
+    double loop_s = secs(now_ns() - t0);
     int stack_rc = r == CUDA_SUCCESS && stack_arg ? shrink_stack(strtoull(stack_arg, NULL, 0)) : -1;
     pthread_mutex_unlock(&mu);
     double trim_s = r == CUDA_SUCCESS && trim ? trim_heap() : -1.0;
@@ -88,14 +90,15 @@ void do_hoist(struct conn *c, const char *args) {
     else
         reply(c,
               "{\"ok\":true,\"released\":%zu,\"bytes\":%zu,\"stack\":%zu,\"stack_rc\":%d,"
-              "\"trim_s\":%.4f}",
-              released, bytes, stack_kept, stack_rc, trim_s);
+              "\"trim_s\":%.4f,\"loop_s\":%.6f}",
+              released, bytes, stack_kept, stack_rc, trim_s, loop_s);
 }
 
 /* Map the descriptors that came with the request at the table's addresses: phase hold, or
  * with `restore` straight into the restore gate (memory that pos is still filling: should pos
  * go away at any moment after this, the job must not run on it). */
 void do_remap(struct conn *c, size_t want, int then_restore) {
+    uint64_t asked = now_ns();
     pthread_mutex_lock(&mu);
     struct peer_count pc = peer_count();
     size_t down = pc.down + pc.own_down;
@@ -111,6 +114,7 @@ void do_remap(struct conn *c, size_t want, int then_restore) {
             return;
         }
     }
+    uint64_t came = now_ns();
     pthread_mutex_lock(&mu);
     CUresult r = want == ntab ? use_context() : CUDA_ERROR_INVALID_VALUE;
     size_t mapped = 0;
@@ -128,6 +132,7 @@ void do_remap(struct conn *c, size_t want, int then_restore) {
             tab[i].fd = c->fds[i], c->fds[i] = -1; /* kept for the next export */
         }
     }
+    uint64_t looped = now_ns();
     int all = 1;
     for (size_t i = 0; i < ntab; i++)
         all &= tab[i].h != 0;
@@ -155,6 +160,8 @@ void do_remap(struct conn *c, size_t want, int then_restore) {
               "announced, %zu in the table)\"}",
               r, want, want, ntab);
     else
-        reply(c, "{\"ok\":true,\"mapped\":%zu,\"stack_s\":%.6f,\"stack_rc\":%d}", mapped, stack_s,
-              stack_rc);
+        reply(c,
+              "{\"ok\":true,\"mapped\":%zu,\"stack_s\":%.6f,\"stack_rc\":%d,\"rx_s\":%.6f,"
+              "\"loop_s\":%.6f}",
+              mapped, stack_s, stack_rc, secs(came - asked), secs(looped - came));
 }
