@@ -742,7 +742,8 @@ def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_r
     # the hoist's and the remap's parts, as the agent timed them: within each step's time
     assert 0 < timings["hoist_loop"] <= timings["hoist"]
     remap = [timings[f"remap_{k}"] for k in ("connect", "rx", "loop")]
-    assert min(remap) > 0 and sum(remap) <= timings["remap"] + 1e-3
+    assert min(remap) >= 0 and timings["remap_loop"] > 0
+    assert sum(remap) <= timings["remap"] + 1e-3
     # CRIU's kernel-feature cache kept before the cut (pos/process/kdat.py), timed
     assert timings["criu_cache"] >= 0
     assert (img / names.INVENTORY).is_file()
