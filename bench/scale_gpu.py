@@ -149,7 +149,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+bigring][+shadow8][+nostw]
     [+frozenall][+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+keep][+again]
-    [+service] (see the module's docstring)."""
+    [+service][+expand] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -175,6 +175,8 @@ class Spec:
                     **({"POS_COPY_PAUSED": "never"} if "nopause" in flags else {}),
                     **({"POS_PIN_KEEP": "1"} if self.keep else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
+        self.job_env = ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+                        if "expand" in flags else {})
         self.name = text.replace("@", "-at-").replace("+", "-")
 
 
@@ -184,7 +186,8 @@ def start_job(spec: Spec, total_gib: float, out: Path) -> tuple[subprocess.Popen
     log.unlink(missing_ok=True)          # an earlier job's steps are not this one's
     p = subprocess.Popen([*POS, "run", "--", *job_argv(log, spec.fraction * total_gib)],
                          cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=open(out / f"{spec.name}-job.err", "ab"), start_new_session=True)
+                         stderr=open(out / f"{spec.name}-job.err", "ab"), start_new_session=True,
+                         env={**os.environ, **spec.job_env})
     return p, log
 
 
