@@ -30,6 +30,7 @@ import functools
 import os
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -97,6 +98,7 @@ class _Whole:
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
+        self.own_left: set[int] = set()     # processes alone whose GPU had no room for it
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
         self.nvls = functools.cache(restorable.nvls_on)
@@ -177,11 +179,14 @@ class _Whole:
         1.65 s at one rank (bench/results/2026-11-28-multigpu, run19). Should one fail, those
         made are closed (`close`) and the first failure is raised."""
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
-        owned = sum(st.owned_bytes for st in self.statuses.values())   # each saver's
+        plan = own_plan(self.statuses, self.settings)
+        # each saver's, and the jobs' own memory that pos takes
+        owned = (sum(st.owned_bytes for st in self.statuses.values())
+                 + plan.bytes(self.statuses))
         room = host_room(self.settings, self.directory, self.resident + owned,
                          sum(1 for st in self.statuses.values() if st.owned_bytes),
                          self.resident if self.settings.dump_staging else 0)
-        taking = own_taken(self.statuses, self.settings.own_memory_max_bytes)
+        taking = plan.pids
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,
             ranks=len(self.agents), host_room=room, status=self.statuses[a.pid],
@@ -288,19 +293,29 @@ class _Whole:
             g.timings["hoist_loop"] = max(g.timings.get("hoist_loop", 0.0), h.loop_s)
 
     def owning(self, statuses: dict[int, Status]) -> list[Saver]:
-        """The jobs whose own cuMem memory a checkpoint takes (own_taken, by their agents'
-        `statuses`), of those with a context."""
-        taking = own_taken(statuses, self.settings.own_memory_max_bytes)
+        """The jobs whose own cuMem memory a checkpoint takes (own_plan, by their agents'
+        `statuses`), of those with a context, but those whose GPU had no room for it
+        (`own_left`)."""
+        taking = own_plan(statuses, self.settings).pids - self.own_left
         return [s for s in self.savers if s.context is not None and s.pid in taking]
 
     def reserve_own(self) -> None:
         """What each take needs made now (ownmem.ready): the device memory it will copy its
-        job's own memory into, and that memory exported and mapped."""
+        job's own memory into, and that memory exported and mapped. A process alone whose GPU
+        has no room for the copy keeps its own memory through the driver's checkpoint."""
+        if_room = own_plan(self.statuses, self.settings).if_room
         for s in self.owning(self.statuses):
             s.use()
             assert s.context is not None     # owning: a job with a context
-            self.own_ready[s.pid] = ownmem.ready(s.connected(), s.drv, s.context.device,
-                                                 self.statuses[s.pid].own_bytes or 0)
+            made = ownmem.ready(s.connected(), s.drv, s.context.device,
+                                self.statuses[s.pid].own_bytes or 0)
+            if if_room and made.shadow is None:
+                made.close()
+                self.own_left.add(s.pid)
+                self.early["own_left_bytes"] = (self.early.get("own_left_bytes", 0)
+                                                + (self.statuses[s.pid].own_bytes or 0))
+                continue
+            self.own_ready[s.pid] = made
         self.early["own_reserved_bytes"] = sum(r.shadow.size for r in self.own_ready.values()
                                                if r.shadow is not None)
         self.early["own_ready_bytes"] = sum(r.bytes for r in self.own_ready.values())
@@ -465,15 +480,36 @@ class _Whole:
                           if worst_job is not None else []))
 
 
-def own_taken(statuses: dict[int, Status], max_bytes: int) -> set[int]:
-    """The processes whose own cuMem memory a checkpoint takes, by their agents' `statuses`:
-    those with some, in a tree whose processes map each other's memory (NCCL's P2P and SHM on
-    cuMem: what was measured; an image with such links is not moved to other GPUs either)
-    where there is no more of it in all than `max_bytes` (POS_OWN_MEMORY_MAX_GIB); and those
-    to which an earlier checkpoint or restore mapped some back from pos's descriptors
-    (own_kept), always. A process alone keeps its own through the driver's checkpoint."""
-    mine = {pid for pid, st in statuses.items() if st.own_bytes}
+@dataclass(frozen=True)
+class OwnPlan:
+    """The processes whose own cuMem memory a checkpoint takes (`pids`), and whether only
+    where their GPU has room to copy it at the cut (`if_room`: the driver's checkpoint could
+    keep it instead)."""
+
+    pids: frozenset[int]
+    if_room: bool
+
+    def bytes(self, statuses: dict[int, Status]) -> int:
+        return sum(statuses[pid].own_bytes or 0 for pid in self.pids)
+
+
+def own_plan(statuses: dict[int, Status], settings: Settings) -> OwnPlan:
+    """Whose own cuMem memory a checkpoint takes, by their agents' `statuses`: of those with
+    some,
+    - in a tree whose processes map each other's memory (NCCL's P2P and SHM on cuMem: what was
+      measured; an image with such links is not moved to other GPUs either), all where there
+      is no more of it in all than POS_OWN_MEMORY_MAX_GIB;
+    - in a tree whose processes map none (PyTorch's expandable segments: all of such a job's
+      memory), each where its GPU has room to copy it at the cut, unless POS_OWN_MEMORY_ALONE
+      is 0: the driver's checkpoint then copies it while the job is held (20 GB held the
+      GPT-2 job 31 s on an H200, bench/results/2026-12-01.md) and its image moves to other
+      GPUs;
+    - those to which an earlier checkpoint or restore mapped some back from pos's descriptors
+      (own_kept), always: the driver cannot restore that memory."""
+    mine = frozenset(pid for pid, st in statuses.items() if st.own_bytes)
     total = sum(statuses[pid].own_bytes or 0 for pid in mine)
-    kept = any(statuses[pid].own_kept for pid in mine)
-    shared = any(st.peer_maps for st in statuses.values())
-    return mine if kept or (shared and total <= max_bytes) else set()
+    if any(statuses[pid].own_kept for pid in mine):
+        return OwnPlan(mine, False)
+    if any(st.peer_maps for st in statuses.values()):
+        return OwnPlan(mine if total <= settings.own_memory_max_bytes else frozenset(), False)
+    return OwnPlan(mine if settings.own_memory_alone else frozenset(), True)

@@ -1,10 +1,12 @@
 """The job's own cuMem memory, taken into the image as pos takes the memory it owns: allocations
 the job made and mapped itself, which pos's agent does not own (NCCL's buffers, which the rank's
-peers import). Left in the job, the driver's checkpoint copies them into its host memory and
-CRIU writes them while the job is frozen: with NCCL's defaults about a third of a 2-rank Llama
-job's hold (1.4 of 3.9 s on two H200s, bench/results/2026-11-29.md, with NCCL's channels cut
-to two). Taken (POS_OWN_MEMORY_MAX_GIB, default 4), the job's 2 ranks were held 2.79 s against
-3.39 s in the same run (bench/results/2026-11-30.md).
+peers import; all of the memory of a job started with PyTorch's expandable segments). Left in
+the job, the driver's checkpoint copies them into its host memory and CRIU writes them while
+the job is frozen: with NCCL's defaults about a third of a 2-rank Llama job's hold (1.4 of 3.9 s
+on two H200s, bench/results/2026-11-29.md, with NCCL's channels cut to two); the whole hold of
+a GPT-2 job with expandable segments, 31 s for 20 GB (bench/results/2026-12-01.md). Taken
+(checkpoint.own_plan says whose), the Llama job's 2 ranks were held 2.79 s against 3.39 s in
+the same run (bench/results/2026-11-30.md).
 
 Taken, each is copied while every process is held (the peers write into it through their own
 mappings, which no gate of its owner sees): device to device into memory of pos's own, where

@@ -81,9 +81,9 @@ class Saver:
             self.timings["own_maps_bytes"] = self.status.own_bytes
         # pos's context on it, made current again by each step (`use`), let go by `close`;
         # none for a process that owns no device memory and has none of its own that pos
-        # takes (`take_own`: torchrun's own, a process alone with PyTorch's expandable
-        # segments): a context would cost its GPU 0.5 GB and the checkpoint 0.13-0.66 s for
-        # nothing to copy
+        # takes (`take_own`, checkpoint.own_plan; torchrun's own process has neither): a
+        # context would cost its GPU 0.5 GB and the checkpoint 0.13-0.66 s for nothing to copy
+        self.take_own = take_own
         self.context = self.timed("context", lambda: gpucopy.Context(
             devices.cuda_device(self.gpu))) if self.owned_bytes or take_own else None
         self.host: Optional[gpucopy.Pinned] = None
@@ -104,7 +104,7 @@ class Saver:
         the page-locked arena (copier.arena_bytes: what the shadow cannot hold, and a ring;
         within `host_room`, shared by the savers prepared beside this one). `status`: the
         agent's, if read already; `take_own`: the checkpoint takes the job's own cuMem memory
-        (checkpoint.own_taken). Closed again if that fails."""
+        (checkpoint.own_plan). Closed again if that fails."""
         saver = cls(agent, settings, streams, chunk, ranks, status, take_own)
         try:
             saver._prepare(gpu_only, host_room)
@@ -130,7 +130,8 @@ class Saver:
                            "driver saves them), or run the job without those allocators")
         if self.context is None:           # nothing to copy: no shadow, no arena
             return
-        self._make_room(st.buffers + FD_MARGIN)
+        # the descriptors of the buffers pos owns, and of the job's own memory it takes
+        self._make_room(st.buffers + (st.own_maps or 0 if self.take_own else 0) + FD_MARGIN)
         if self.settings.hash_on != "cpu":
             from pos.concurrent.gpuhash import Kernel
 

@@ -11,12 +11,21 @@ import resource
 
 
 def make(n: int) -> None:
-    """Room for `n` more descriptors above the highest open one (within RLIMIT_NOFILE): one
+    """Room for `n` more descriptors above the highest open one (within RLIMIT_NOFILE, whose
+    soft limit is raised toward the hard one for them: a job's own memory can come in
+    thousands of pieces, PyTorch's expandable segments mapping 20 MiB at a time): one
     descriptor is made there and closed. F_DUPFD takes the lowest free number from there, so
     no open descriptor is touched; where the limit or the kernel refuses, the table grows as
     the descriptors come, as before."""
     top = max((int(f) for f in os.listdir("/proc/self/fd")), default=0)
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)   # never unlimited: fs.nr_open
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)   # never unlimited: fs.nr_open
+    if top + n >= soft:
+        up = top + n + 1 if hard == resource.RLIM_INFINITY else min(top + n + 1, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (up, hard))
+            soft = up
+        except (ValueError, OSError):
+            pass
     want = min(top + n, soft - 1)
     if want <= top:
         return

@@ -120,33 +120,70 @@ def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
     shares_the_owners_memory(pair)
 
 
-def test_a_process_whose_memory_no_peer_maps_keeps_its_own_through_the_driver(
-        peer_job, tmp_path: Path, criu_ready) -> None:
-    """Own cuMem memory of a process alone (PyTorch's expandable segments) is left to the
-    driver's checkpoint, as before: its image moves to other GPUs. Owning no other device
-    memory, it gets no context of pos's: there is nothing for one to copy."""
+def test_a_process_alone_has_its_own_memory_taken_and_frees_it_as_pytorch_does(
+        peer_job, tmp_path: Path, gpu_env, criu_ready) -> None:
+    """Own cuMem memory of a process alone (PyTorch's expandable segments: all of such a job's
+    memory) is taken at the cut, as NCCL's buffers are, where its GPU has room: the driver's
+    checkpoint no longer copies it while the job is held. The job then frees it as PyTorch
+    does, unmapping it and then releasing the handle it made, which the driver no longer
+    knows: the agent releases the memory mapped there since."""
     owner = peer_job("own")
     img = tmp_path / "img"
     r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent",
-            "--leave-running", "--json")
+            "--leave-running", "--json", env=gpu_env)
     assert r.returncode == 0, r.stderr
     timings = json.loads(r.stdout)["timings"]
-    assert "own_taken_bytes" not in timings and "context" not in timings
+    assert timings["own_taken_bytes"] == VMM_BYTES and "own_left_bytes" not in timings
+    index, data = names.own_memory(None)
+    assert (img / data).read_bytes()[:16] == SEVEN and (img / index).is_file()
+    with Agent(owner.pid) as a:
+        st = a.status()
+    assert (st.own_maps, st.own_kept, st.own_down) == (1, 1, 0)
+    (Path(owner.proc.args[-1]) / "free").touch()
+    owner.printed("FREED")
+    with Agent(owner.pid) as a:
+        st = a.status()
+    assert (st.own_maps, st.own_bytes, st.peer_lost) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("setting", [{"POS_OWN_MEMORY_ALONE": "0"},
+                                     {"POS_FAKECUDA_FREE_MIB": "1"}], ids=["off", "no-room"])
+def test_a_process_alone_keeps_its_own_through_the_driver_when_asked_or_without_room(
+        peer_job, tmp_path: Path, gpu_env, criu_ready, setting) -> None:
+    """With POS_OWN_MEMORY_ALONE=0, or where its GPU has no room to copy it at the cut, a
+    process alone keeps its own memory through the driver's checkpoint, as before; asked not
+    to take it, pos makes no context of its own for a process that owns nothing else."""
+    owner = peer_job("own")
+    img = tmp_path / "img"
+    r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent",
+            "--leave-running", "--json", env={**gpu_env, **setting})
+    assert r.returncode == 0, r.stderr
+    timings = json.loads(r.stdout)["timings"]
+    assert "own_taken_bytes" not in timings
     assert not list(img.glob(names.OWN_MEMORY_INDEXES))
+    if "POS_OWN_MEMORY_ALONE" in setting:
+        assert "context" not in timings and "own_left_bytes" not in timings
+    else:
+        assert timings["own_left_bytes"] == VMM_BYTES
+    with Agent(owner.pid) as a:
+        st = a.status()
+    assert (st.own_maps, st.own_kept, st.imported) == (1, 0, 0)
 
 
+@pytest.mark.parametrize("setting", ["1", "0"], ids=["taken", "driver"])
 def test_a_process_alone_with_only_its_own_memory_is_restored_with_it(
-        peer_job, tmp_path: Path, gpu_env, criu_ready) -> None:
-    """Checkpointed without a context of pos's, and ended: restored, its own memory is what the
-    driver's checkpoint saved, at its address."""
+        peer_job, tmp_path: Path, gpu_env, criu_ready, setting) -> None:
+    """Checkpointed and ended: restored, its own memory is what the checkpoint saved, at its
+    address, whether pos took it (and fills it anew) or the driver's checkpoint kept it."""
     owner = peer_job("own")
     with Agent(owner.pid) as a:
         va = a.exports()[0].va
     img = tmp_path / "img"
-    r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent", env=gpu_env)
+    env = {**gpu_env, "POS_OWN_MEMORY_ALONE": setting}
+    r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent", env=env)
     assert r.returncode == 0, r.stderr
     owner.proc.wait(timeout=30)
-    r = pos("restore", "-D", str(img), env=gpu_env)
+    r = pos("restore", "-D", str(img), env=env)
     assert r.returncode == 0, r.stderr
     with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
         assert os.pread(mem.fileno(), 16, va) == SEVEN

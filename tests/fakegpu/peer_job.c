@@ -6,7 +6,9 @@
  *
  *   peer_job own DIR        cuMemCreate + map 2 MiB filled with 7, export it: "DIR/owner" holds
  *                           "PID FD"; at DIR/export it exports the handle it made again, as
- *                           NCCL does for a peer that connects later: "DIR/owner2"
+ *                           NCCL does for a peer that connects later: "DIR/owner2"; at
+ *                           DIR/free it unmaps the memory, then releases the handle it made,
+ *                           as PyTorch's expandable segments do: "FREED"
  *   peer_job import DIR     import DIR/owner's memory, map it, read it back (7); then at
  *                           DIR/release cuMemRelease (the mapping stays), at DIR/unmap cuMemUnmap
  *   peer_job ipc-own DIR    cuMemAlloc 1 MiB filled with 9 (plain driver memory: run it with
@@ -123,10 +125,16 @@ static void own(void) {
     int n = snprintf(line, sizeof(line), "%d %d\n", getpid(), fd);
     publish("owner", line, (size_t)n);
     ready();
-    while (!exists("stop") && !exists("export"))
+    while (!exists("stop") && !exists("export") && !exists("free"))
         usleep(1000);
     if (exists("stop"))
         return;
+    if (exists("free")) {
+        CHECK(cuMemUnmap(va, VMM_BYTES));
+        CHECK(cuMemRelease(h)); /* the handle it made, whatever came since */
+        say("FREED");
+        return;
+    }
     CHECK(cuMemExportToShareableHandle(&fd, h, 1, 0)); /* the handle it made, whatever came since */
     n = snprintf(line, sizeof(line), "%d %d\n", getpid(), fd);
     publish("owner2", line, (size_t)n);

@@ -55,7 +55,7 @@ static struct fdset fds_open(void) {
 
 /* Room for n more descriptors in the table (asked before the cut, the job running): the
  * export, and the remap after it, then make theirs without the kernel growing the table while
- * the job is held. A table that threads share waits for an RCU grace period at each growth: on
+ * the job is held; the soft RLIMIT_NOFILE is raised for them where the hard one allows. A table that threads share waits for an RCU grace period at each growth: on
  * the 2-core VM a checkpoint of a 400-buffer job (fake driver) spent 15 ms of its export on
  * the job's growth alone. One descriptor is made above the highest open one plus n (within
  * RLIMIT_NOFILE) and closed: F_DUPFD takes the lowest free number from there, so no
@@ -70,8 +70,17 @@ void do_room(struct conn *c, size_t n) {
     struct rlimit rl;
     size_t want = top + n;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
-        want >= rl.rlim_cur)
-        want = rl.rlim_cur ? rl.rlim_cur - 1 : 0;
+        want >= rl.rlim_cur) {
+        /* the soft limit raised toward the hard one: a job's own memory can come in thousands
+         * of pieces (PyTorch's expandable segments map 20 MiB at a time), each a descriptor */
+        struct rlimit up = {want + 1, rl.rlim_max};
+        if (rl.rlim_max != RLIM_INFINITY && up.rlim_cur > rl.rlim_max)
+            up.rlim_cur = rl.rlim_max;
+        if (up.rlim_cur > rl.rlim_cur && setrlimit(RLIMIT_NOFILE, &up) == 0)
+            rl.rlim_cur = up.rlim_cur;
+        if (want >= rl.rlim_cur)
+            want = rl.rlim_cur ? rl.rlim_cur - 1 : 0;
+    }
     int high = s.ok && want > top ? fcntl(c->fd, F_DUPFD_CLOEXEC, (int)want) : -1;
     if (high >= 0)
         close(high);

@@ -36,8 +36,12 @@
  * pos's descriptors back at the same addresses.
  * The job keeps the handle it made: NCCL frees from the address (cuMemRetainAllocationHandle,
  * which finds the handle mapped there now) but exports the handle it made again for a peer
- * that connects later, and a job may release it; the agent answers those calls with the
- * allocation mapped there now, until the driver gives that number to a new handle.
+ * that connects later, and a job may release it (PyTorch's expandable segments do, after
+ * unmapping it); the agent answers those calls with the allocation mapped there now (or last,
+ * `retired`), until the driver gives that number to a new handle.
+ *
+ * A process alone takes part too: its own memory (PyTorch's expandable segments, the whole of a
+ * job started with them) is taken the same way where its GPU has room to copy it at the cut.
  *
  * Fail closed: a record the agent could not keep (its memory ran short, or more access
  * settings than it keeps) is counted (`peer_lost`), and pos then refuses the job, which would
@@ -90,6 +94,14 @@ struct own_map {
                            * cut only while the numbers it was given are still there */
 };
 
+/* The job's first handle of an allocation pos took, after the job unmapped it: PyTorch's
+ * expandable segments unmap each piece, then release the handle they made, which the driver no
+ * longer knows (own-down released it); the release goes to the handle that held the memory
+ * since (own-up's import), until the job makes it or the driver gives the number anew. */
+struct retired {
+    CUmemGenericAllocationHandle was, h;
+};
+
 /* A nonce written over the job's bytes (stamp), for unstamp. */
 struct stamp {
     CUdeviceptr va;
@@ -115,6 +127,8 @@ static size_t nipcs, capipcs;
 static struct own_map *owns;
 static size_t nowns, capowns;
 static unsigned long own_serials; /* the last own_map serial given */
+static struct retired *retireds;
+static size_t nretireds, capretireds;
 static struct stamp *stamps;
 static size_t nstamps, capstamps;
 static size_t lost; /* records not kept: pos must refuse the job */
@@ -171,6 +185,11 @@ void peer_released(CUmemGenericAllocationHandle h) {
     } else {
         for (size_t k = 0; k < nowns; k++)
             owns[k].released |= owns[k].h == h;
+        for (size_t k = 0; k < nretireds;)
+            if (retireds[k].h == h)
+                retireds[k] = retireds[--nretireds];
+            else
+                k++;
     }
     pthread_mutex_unlock(&mu);
 }
@@ -229,13 +248,15 @@ void peer_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *d, size_t n
  * of an allocation pos took, the allocation's handle now. */
 CUmemGenericAllocationHandle own_current(CUmemGenericAllocationHandle h) {
     pthread_mutex_lock(&mu);
-    for (size_t k = 0; k < nowns; k++)
-        if (owns[k].was && owns[k].was == h && !owns[k].down) {
-            h = owns[k].h;
-            break;
-        }
+    CUmemGenericAllocationHandle now = h;
+    for (size_t k = 0; k < nowns && now == h; k++)
+        if (owns[k].was && owns[k].was == h && !owns[k].down)
+            now = owns[k].h;
+    for (size_t k = 0; k < nretireds && now == h; k++)
+        if (retireds[k].was == h)
+            now = retireds[k].h;
     pthread_mutex_unlock(&mu);
-    return h;
+    return now;
 }
 
 /* An export (a POSIX descriptor) of the allocation at owns[k]: a copy of pos's descriptor it
@@ -279,6 +300,11 @@ void forget_was(CUmemGenericAllocationHandle h) {
     for (size_t k = 0; k < nowns; k++)
         if (owns[k].was == h)
             owns[k].was = 0;
+    for (size_t k = 0; k < nretireds;)
+        if (retireds[k].was == h)
+            retireds[k] = retireds[--nretireds];
+        else
+            k++;
 }
 
 void own_fresh(CUmemGenericAllocationHandle h) {
@@ -298,6 +324,12 @@ void peer_unmapped(CUdeviceptr va, size_t size) {
         if (owns[k].va >= va && owns[k].va < va + size) {
             if (owns[k].fd >= 0)
                 close(owns[k].fd);
+            if (owns[k].was && owns[k].h && !owns[k].released) {
+                if (grow((void **)&retireds, nretireds, &capretireds, sizeof(*retireds)))
+                    retireds[nretireds++] = (struct retired){owns[k].was, owns[k].h};
+                else
+                    lost++; /* its release would name a handle the driver does not know */
+            }
             owns[k] = owns[--nowns];
         } else {
             k++;
