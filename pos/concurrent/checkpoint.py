@@ -39,7 +39,7 @@ from pos.agent import peers
 from pos.agent.control import Agent, Cut, Gate, Hoist, Remap, Status
 from pos.concurrent import ownmem, predump, staging
 from pos.concurrent.crew import side_by_side
-from pos.concurrent.copier import host_room
+from pos.concurrent.copier import host_room, host_spare
 from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
                                    reconnected, timings_of)
 from pos.errors import BadInput, PosError
@@ -99,6 +99,7 @@ class _Whole:
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
         self.own_left: set[int] = set()     # processes alone whose GPU had no room for it
+        self.driver_bytes = 0       # device memory the driver's checkpoint brings into the jobs'
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
         self.nvls = functools.cache(restorable.nvls_on)
@@ -121,7 +122,8 @@ class _Whole:
         try:
             self.prepare()
             with Guard(self.plan, self.echo, self.settings) as g:
-                stage = staging.directory(self.directory.name, self.partial, self.resident,
+                stage = staging.directory(self.directory.name, self.partial,
+                                          self.resident + self.driver_bytes,
                                           self.settings.dump_staging)
                 self.predump(g, stage)
                 t0 = self.cut_at = self.cut(g, stage)
@@ -192,6 +194,9 @@ class _Whole:
             ranks=len(self.agents), host_room=room, status=self.statuses[a.pid],
             take_own=a.pid in taking), self.savers.append)
         steps.timed(self.early, "own_reserve", self.reserve_own)
+        self.driver_bytes = driver_bytes(self.statuses, sum(r.bytes for r in
+                                                            self.own_ready.values()))
+        check_host_room(self.driver_bytes, self.directory, host_spare())
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host
         steps.timed(self.early, "criu_cache", lambda: kdat.keep(self.criu.path,
@@ -478,6 +483,35 @@ class _Whole:
                           sum(s.foreign_bytes for s in self.savers), ranks,
                           self.taken[worst_job].waited_for(worst, self.cut_at)
                           if worst_job is not None else []))
+
+
+def driver_bytes(statuses: dict[int, Status], taken: int) -> int:
+    """Device memory that the driver's checkpoint brings into the jobs' host memory: what their
+    agents could not own (`foreign_bytes`: stream-ordered pools, managed memory, the jobs' own
+    VMM mappings) but the other processes' memory that pos takes down (`peer_bytes`) and the
+    jobs' own that it takes (`taken`)."""
+    return max(0, sum(st.foreign_bytes - (st.peer_bytes or 0) for st in statuses.values())
+               - taken)
+
+
+def check_host_room(brought: int, folder: Path, spare: int) -> None:
+    """Refused, in one sentence and before the cut, where the host's `spare` memory cannot hold
+    the `brought` bytes of device memory that the driver's checkpoint puts into the jobs' host
+    memory, and CRIU's copy of them where the image's `folder` keeps its files in memory: the
+    kernel would end the job or pos while the job is frozen. A job with PyTorch's expandable
+    segments whose memory pos cannot copy on the GPU at the cut needs twice its size."""
+    need = brought * (2 if host.in_memory(folder) else 1)
+    if brought and need > spare:
+        raise BadInput(f"the driver's checkpoint would bring {brought / 2**30:.1f} GiB of the "
+                       "job's device memory that pos does not take (its own VMM mappings, such "
+                       "as PyTorch's expandable segments, where the GPU had no room to copy "
+                       "them; stream-ordered pools; managed memory) into host memory"
+                       + (", and CRIU would write it again into the image in memory"
+                          if need > brought else "")
+                       + f": {need / 2**30:.1f} GiB, where the host has "
+                       f"{max(0, spare) / 2**30:.1f} GiB to spare",
+                       "free host memory, or GPU memory for pos's copy of the job's own "
+                       "memory, or write the image to a disk")
 
 
 @dataclass(frozen=True)
