@@ -24,6 +24,7 @@ allocation, in the agent's `exports` order) and the bytes, one allocation after 
 
 from __future__ import annotations
 
+import bisect
 import ctypes as C
 import json
 import os
@@ -76,8 +77,7 @@ class Taken:
             return
         index_name, data_name = names.own_memory(pid)
         if self.shadow is not None:
-            _move(drv, self.regions, _starts(self.shadow.ptr, self.regions),
-                  folder / data_name, to_file=True)
+            _write(drv, self.regions, _starts(self.shadow.ptr, self.regions), folder, pid)
         else:
             with open(folder / data_name, "wb") as f:
                 if self.host is not None:
@@ -234,42 +234,100 @@ def _buffers(regions: list[Region]) -> list[Buffer]:
     return [Buffer(r.va, r.size, r.size, r.device, True) for r in regions]
 
 
-def _move(drv: "Driver", regions: list[Region], local: list[int], path: Path,
-          to_file: bool) -> None:
-    """Every piece of `regions`, mapped in pos at `local`, between the device and the file at
-    `path` (written, or read: short of the regions, refused), in the image's order, on threads
-    of their own, each through page-locked memory of its own, the context current here made
-    current in each. One piece at a time through pageable memory, the 50 GB of a job with
-    PyTorch's expandable segments went into the image at 2.2 GB/s and came back at 3.8 GB/s
-    (bench/results/2026-12-01.md)."""
-    from pos.concurrent import gpucopy
-
+def _write(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
+           pid: Optional[int]) -> None:
+    """Every piece of `regions`, mapped in pos at `local`, into the image's data parts in
+    `folder` (names.own_memory_part), one part a thread, each through page-locked memory of its
+    own. One piece at a time through pageable memory into one file, the 50 GB of a job with
+    PyTorch's expandable segments went into the image at 2.2 GB/s; on threads into one file
+    no faster, a file of a tmpfs taking one write at a time (bench/results/2026-12-01.md)."""
     work = list(_placed(regions, local))
-    threads = max(1, min(MOVERS, filehash.workers(), len(work)))
-    ctx = gpucopy.current(drv)
-    staging = gpucopy.Pinned(drv, threads * PIECE)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC if to_file
-                 else os.O_RDONLY | os.O_CLOEXEC, 0o600)
+    parts = _split(work, _threads(len(work)))
+
+    def write(k: int, host: int, view: memoryview) -> None:
+        with open(folder / names.own_memory_part(pid, k), "wb", buffering=0) as f:
+            for at, _offset, n in parts[k]:
+                drv.cuMemcpyDtoH_v2(host, at, n)
+                done = 0
+                while done < n:
+                    done += f.write(view[done:n]) or 0
+
+    _on_threads(drv, len(parts), write)
+
+
+def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
+          pid: Optional[int]) -> None:
+    """Every piece of `regions`, mapped in pos at `local`, filled from the image's data parts in
+    `folder` on threads, each through page-locked memory of its own: one piece at a time
+    through pageable memory, the 50 GB of that job came back at 3.8 GB/s, on 16 threads at
+    28 GB/s (bench/results/2026-12-01.md). A piece that no part holds whole is refused."""
+    work = list(_placed(regions, local))
+    paths = _parts_of(folder, pid)
+    ends, at_end = [], 0
+    for path in paths:
+        at_end += path.stat().st_size
+        ends.append(at_end)
+    fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in paths]
+    threads = _threads(len(work))
     try:
-        def move(k: int) -> None:
-            drv.cuCtxSetCurrent(ctx)
-            host = staging.ptr + k * PIECE
-            view = memoryview((C.c_char * PIECE).from_address(host)).cast("B")
+        def read(k: int, host: int, view: memoryview) -> None:
             for at, offset, n in work[k::threads]:
-                if to_file:
-                    drv.cuMemcpyDtoH_v2(host, at, n)
-                    done = 0
-                    while done < n:
-                        done += os.pwrite(fd, view[done:n], offset + done)
-                    continue
-                if os.preadv(fd, [view[:n]], offset) != n:
-                    raise BadInput(f"{path.parent} ends inside the job's own memory",
-                                   "restore another image of the job")
+                j = bisect.bisect_right(ends, offset)
+                start = ends[j - 1] if j else 0
+                if j == len(ends) or offset + n > ends[j] or \
+                        os.preadv(fds[j], [view[:n]], offset - start) != n:
+                    raise BadInput(f"{folder} ends inside the job's own memory, or its parts "
+                                   "do not hold it whole", "restore another image of the job")
                 drv.cuMemcpyHtoD_v2(at, host, n)
 
-        side_by_side("pos-own-move", list(range(threads)), move, lambda _: None)
+        _on_threads(drv, threads, read)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+
+def _parts_of(folder: Path, pid: Optional[int]) -> list[Path]:
+    """The data parts an image holds, in order (an image without more than one has its first)."""
+    paths = [folder / names.own_memory_part(pid, 0)]
+    while (more := folder / names.own_memory_part(pid, len(paths))).exists():
+        paths.append(more)
+    return paths
+
+
+def _threads(pieces: int) -> int:
+    return max(1, min(MOVERS, filehash.workers(), pieces))
+
+
+def _split(work: list[tuple[int, int, int]], n: int) -> list[list[tuple[int, int, int]]]:
+    """`work` in `n` runs of about the same bytes, one after another (none empty)."""
+    total = sum(w[2] for w in work)
+    runs: list[list[tuple[int, int, int]]] = [[]]
+    done = 0
+    for w in work:
+        if runs[-1] and done >= total * len(runs) / n:
+            runs.append([])
+        runs[-1].append(w)
+        done += w[2]
+    return runs
+
+
+def _on_threads(drv: "Driver", threads: int,
+                fn: Callable[[int, int, memoryview], None]) -> None:
+    """`fn(k, host, view)` for k in range(threads), each on a thread of its own with the
+    context current here and PIECE bytes of page-locked memory of its own (at `host`, seen
+    through `view`)."""
+    from pos.concurrent import gpucopy
+
+    ctx = gpucopy.current(drv)
+    staging = gpucopy.Pinned(drv, threads * PIECE)
+    try:
+        def run(k: int) -> None:
+            drv.cuCtxSetCurrent(ctx)
+            host = staging.ptr + k * PIECE
+            fn(k, host, memoryview((C.c_char * PIECE).from_address(host)).cast("B"))
+
+        side_by_side("pos-own-move", list(range(threads)), run, lambda _: None)
+    finally:
         staging.close()
 
 
@@ -310,8 +368,8 @@ def saved(folder: Path, pid: Optional[int]) -> list[Region]:
                    for r in json.loads(path.read_text())]
     except (ValueError, TypeError, KeyError) as e:
         raise BadInput(f"{path} is damaged ({e})", "restore another image of the job") from None
-    data = folder / data_name
-    if (data.stat().st_size if data.exists() else -1) != sum(r.size for r in regions):
+    parts = _parts_of(folder, pid)
+    if sum(p.stat().st_size if p.exists() else -1 for p in parts) != sum(r.size for r in regions):
         raise BadInput(f"{folder / data_name} does not hold what {path} lists",
                        "restore another image of the job")
     return regions
@@ -331,8 +389,7 @@ class Made:
         self.regions = [Region(r.va, r.size, device) for r in listed]
         self.mem, self.fds = gpucopy.Imported.create(drv, _buffers(self.regions))
         try:
-            _move(drv, self.regions, self.mem.local, folder / names.own_memory(pid)[1],
-                  to_file=False)
+            _read(drv, self.regions, self.mem.local, folder, pid)
         except BaseException:
             self.close()
             raise

@@ -81,10 +81,17 @@ def rank_of(name: str) -> Optional[int]:
 
 
 def own_memory(pid: Optional[int] = None) -> tuple[str, str]:
-    """The index and the data of the job's own cuMem memory that a checkpoint took, of an image
-    of one job (None) or of the process `pid` of several."""
+    """The index and the data (its first part) of the job's own cuMem memory that a checkpoint
+    took, of an image of one job (None) or of the process `pid` of several."""
     stem = _OWN_MEMORY if pid is None else f"{_OWN_MEMORY}-{pid}"
     return f"{stem}.json", f"{stem}.bin"
+
+
+def own_memory_part(pid: Optional[int], k: int) -> str:
+    """Part `k` of that data: the parts hold it one after another, each written by a thread of
+    its own (a file of a tmpfs or of the page cache takes one write at a time)."""
+    first = own_memory(pid)[1]
+    return first if k == 0 else f"{first[:-len('.bin')]}.{k}.bin"
 
 
 def data_prefix(pid: Optional[int] = None) -> str:

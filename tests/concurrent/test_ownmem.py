@@ -6,7 +6,7 @@ import ctypes as C
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -84,7 +84,7 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
         taken.write(drv, tmp_path, 7)
         agent.unstamp()
         assert ownmem.saved(tmp_path, 7) == taken.regions
-        data = (tmp_path / names.own_memory(7)[1]).read_bytes()
+        data = written(tmp_path, 7)
         assert len(data) == taken.bytes and data[:16] == SEVEN
         assert (taken.shadow, taken.host) == (None, None)      # pos's copy let go
     finally:
@@ -156,25 +156,68 @@ def test_a_job_whose_own_memory_changed_since_the_export_is_exported_again(
         agent.close()
 
 
-@pytest.mark.parametrize("sizes", [(3 << 18, 1 << 19, 1 << 18), (3 << 18, 5 << 20, 1 << 18)],
+def written(folder: Path, pid: Optional[int]) -> bytes:
+    """The data parts of an image's own memory, one after another."""
+    data, k = b"", 0
+    while (part := folder / names.own_memory_part(pid, k)).exists():
+        data, k = data + part.read_bytes(), k + 1
+    return data
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("piece, sizes", [(4 * MIB, (2 * MIB, 2 * MIB, 2 * MIB)),
+                                          (MIB, (2 * MIB, 6 * MIB, 2 * MIB))],
                          ids=["each-below-a-piece", "one-of-several-pieces"])
-def test_allocations_of_several_sizes_are_written_each_whole_in_order(drv, tmp_path: Path,
-                                                                       monkeypatch, sizes) -> None:
+def test_allocations_of_several_sizes_are_written_each_whole_in_order(
+        drv, tmp_path: Path, monkeypatch, piece: int, sizes: tuple[int, ...]) -> None:
     """NCCL's buffers come in several sizes, most below a piece: each is written whole, in the
-    index's order, whether the take left its copy on the device or in host memory."""
-    monkeypatch.setattr(ownmem, "PIECE", 1 << 20)
+    index's order, whether the take left its copy on the device (in parts, a thread each) or
+    in host memory; a restore makes them anew and fills them with those bytes."""
+    monkeypatch.setattr(ownmem, "PIECE", piece)
+    monkeypatch.setattr(ownmem.filehash, "workers", lambda: 4)
     regions = [ownmem.Region((i + 1) << 40, n, 0) for i, n in enumerate(sizes)]
     want = os.urandom(sum(sizes))
     for where in ("device", "host"):
+        folder = tmp_path / where
+        folder.mkdir()
         taken = ownmem.Taken(regions, [])
         if where == "device":
             taken.shadow = gpucopy.Shadow(drv, len(want))
             drv.cuMemcpyHtoD_v2(taken.shadow.ptr, C.c_char_p(want), len(want))
         else:
             taken.host = bytearray(want)
-        taken.write(drv, tmp_path, None)
-        assert ownmem.saved(tmp_path, None) == regions
-        assert (tmp_path / names.own_memory(None)[1]).read_bytes() == want, where
+        taken.write(drv, folder, None)
+        assert ownmem.saved(folder, None) == regions
+        assert written(folder, None) == want, where
+        parts = len(list(folder.glob("own-memory*.bin")))
+        assert parts == (1 if where == "host" else min(4, sum(-(-n // piece) for n in sizes)))
+        made = ownmem.Made(drv, 0, folder, None, regions)
+        try:
+            back = C.create_string_buffer(len(want))
+            at = 0
+            for r, local in zip(regions, made.mem.local):
+                drv.cuMemcpyDtoH_v2(C.addressof(back) + at, local, r.size)
+                at += r.size
+            assert back.raw == want, where
+        finally:
+            made.close()
+
+
+def test_parts_that_do_not_hold_the_pieces_whole_are_refused(drv, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """Parts of the right sizes in all, split inside a piece: the restore's fill refuses the
+    image in one sentence rather than fill a buffer from two parts it cannot tell apart."""
+    monkeypatch.setattr(ownmem, "PIECE", MIB)
+    regions = [ownmem.Region(1 << 40, 2 * MIB, 0)]
+    (tmp_path / names.own_memory(None)[0]).write_text(json.dumps(
+        [{"va": 1 << 40, "size": 2 << 20, "device": 0}]))
+    (tmp_path / names.own_memory_part(None, 0)).write_bytes(bytes(3 << 19))
+    (tmp_path / names.own_memory_part(None, 1)).write_bytes(bytes(1 << 19))
+    assert ownmem.saved(tmp_path, None) == regions
+    with pytest.raises(BadInput, match="do not hold it whole"):
+        ownmem.Made(drv, 0, tmp_path, None, regions)
 
 
 def test_an_agent_that_cannot_export_before_the_cut_has_its_memory_taken_at_it(
