@@ -45,7 +45,7 @@ from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver
 from pos.errors import BadInput, PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
-from pos.operation import restorable, steps
+from pos.operation import hostroom, restorable, steps
 from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report, Save
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import CheckpointPlan
@@ -196,7 +196,12 @@ class _Whole:
         steps.timed(self.early, "own_reserve", self.reserve_own)
         self.driver_bytes = driver_bytes(self.statuses, sum(r.bytes for r in
                                                             self.own_ready.values()))
-        check_host_room(self.driver_bytes, self.directory, host_spare())
+        hostroom.check(self.driver_bytes, "the job's device memory that pos does not take "
+                       "(its own VMM mappings, such as PyTorch's expandable segments, where the "
+                       "GPU had no room to copy them; stream-ordered pools; managed memory)",
+                       host.in_memory(self.directory), host_spare(),
+                       "free host memory, or GPU memory for pos's copy of the job's own memory, "
+                       "or write the image to a disk")
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host
         steps.timed(self.early, "criu_cache", lambda: kdat.keep(self.criu.path,
@@ -492,26 +497,6 @@ def driver_bytes(statuses: dict[int, Status], taken: int) -> int:
     jobs' own that it takes (`taken`)."""
     return max(0, sum(st.foreign_bytes - (st.peer_bytes or 0) for st in statuses.values())
                - taken)
-
-
-def check_host_room(brought: int, folder: Path, spare: int) -> None:
-    """Refused, in one sentence and before the cut, where the host's `spare` memory cannot hold
-    the `brought` bytes of device memory that the driver's checkpoint puts into the jobs' host
-    memory, and CRIU's copy of them where the image's `folder` keeps its files in memory: the
-    kernel would end the job or pos while the job is frozen. A job with PyTorch's expandable
-    segments whose memory pos cannot copy on the GPU at the cut needs twice its size."""
-    need = brought * (2 if host.in_memory(folder) else 1)
-    if brought and need > spare:
-        raise BadInput(f"the driver's checkpoint would bring {brought / 2**30:.1f} GiB of the "
-                       "job's device memory that pos does not take (its own VMM mappings, such "
-                       "as PyTorch's expandable segments, where the GPU had no room to copy "
-                       "them; stream-ordered pools; managed memory) into host memory"
-                       + (", and CRIU would write it again into the image in memory"
-                          if need > brought else "")
-                       + f": {need / 2**30:.1f} GiB, where the host has "
-                       f"{max(0, spare) / 2**30:.1f} GiB to spare",
-                       "free host memory, or GPU memory for pos's copy of the job's own "
-                       "memory, or write the image to a disk")
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pos import image, nvml
+from pos import host, image, nvml
 from pos.errors import PosError
 from pos.image import names
 from pos.image.kinds import ImageKind
-from pos.operation import restorable
+from pos.operation import hostroom, restorable
 from pos.operation.engine import Operation, Report, Save
 from pos.operation.manifest import new_manifest
 from pos.operation.plan import CheckpointPlan
@@ -78,6 +78,11 @@ def checkpoint(pid: int, directory: Path, save: Save, settings: Settings,
     # pages at least as large as what is resident, plus the device memory the dump will hold;
     # a page server takes the pages elsewhere
     needed = 0 if page_server else procs.resident_bytes(pids) + sum(gpu_use.values())
+    hostroom.check(sum(gpu_use.values()), "the job's device memory",
+                   not page_server and host.in_memory(Path(directory)),
+                   host.memory_available(), "free host memory, write the image to a disk, or "
+                   "save the job with `pos checkpoint --concurrent`, which leaves the driver "
+                   "only its small context")
     manifest = new_manifest(pid, pids, cuda, criu.version_text, options, leave_running, gpu_use)
     comm = manifest.comm
     plan = CheckpointPlan(pids, cuda, images=str(names.partial(Path(directory).absolute())))
