@@ -34,14 +34,15 @@ Every setting, its variable and its default:
   own_memory_max_bytes POS_OWN_MEMORY_MAX_GIB the most of a job's own cuMem memory (NCCL's
                                             buffers) that a concurrent checkpoint takes while
                                             the job is held, in a job whose processes map
-                                            each other's memory (pos/concurrent/ownmem.py);
-                                            more, or 0, leaves it to the driver's checkpoint
-  own_memory_alone    POS_OWN_MEMORY_ALONE  1, the default: a process alone has its own cuMem
-                                            memory (PyTorch's expandable segments) taken the
-                                            same way where its GPU has room to copy it at the
-                                            cut; 0: left to the driver's checkpoint (the job
-                                            held while it copies, an image that can move to
-                                            other GPUs)
+                                            each other's memory, into host memory where the
+                                            GPU lacks room (pos/concurrent/ownmem.py)
+  own_memory_on_gpu   POS_OWN_MEMORY_ON_GPU 1, the default: a job's own cuMem memory beyond
+                                            that (all of a job's with PyTorch's expandable
+                                            segments) is taken the same way, each process's
+                                            where its GPU has room to copy it at the cut;
+                                            0: left to the driver's checkpoint (the job held
+                                            while it copies; a job alone then has an image
+                                            that can move to other GPUs)
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
@@ -135,7 +136,7 @@ class Settings:
     hash_on: str = HASH_ONS[0]
     shadow_max_bytes: Optional[int] = None
     own_memory_max_bytes: int = DEFAULT_OWN_MEMORY_MAX
-    own_memory_alone: bool = True
+    own_memory_on_gpu: bool = True
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
     fill_mapped: bool = True
     fill_from: str = FILL_FROMS[0]
@@ -230,10 +231,10 @@ class Settings:
                                      lambda raw: gib(raw, zero=True), DEFAULT_OWN_MEMORY_MAX,
                                      "a number of GiB, 0 or more",
                                      f"unset it (up to {DEFAULT_OWN_MEMORY_MAX >> 30} GiB is "
-                                     "then taken), or give 0 to leave it to the driver"),
-            own_memory_alone=get("POS_OWN_MEMORY_ALONE", one_of(("0", "1")), "1", "0 or 1",
-                                 "unset it (a process alone then has its own cuMem memory "
-                                 "taken where its GPU has room)") == "1",
+                                     "then taken wherever the GPU has room or not), or give 0"),
+            own_memory_on_gpu=get("POS_OWN_MEMORY_ON_GPU", one_of(("0", "1")), "1", "0 or 1",
+                                  "unset it (a job's own cuMem memory is then taken where its "
+                                  "GPU has room to copy it)") == "1",
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),

@@ -515,20 +515,21 @@ class OwnPlan:
 def own_plan(statuses: dict[int, Status], settings: Settings) -> OwnPlan:
     """Whose own cuMem memory a checkpoint takes, by their agents' `statuses`: of those with
     some,
+    - those to which an earlier checkpoint or restore mapped some back from pos's descriptors
+      (own_kept), always: the driver cannot restore that memory;
     - in a tree whose processes map each other's memory (NCCL's P2P and SHM on cuMem: what was
       measured; an image with such links is not moved to other GPUs either), all where there
-      is no more of it in all than POS_OWN_MEMORY_MAX_GIB;
-    - in a tree whose processes map none (PyTorch's expandable segments: all of such a job's
-      memory), each where its GPU has room to copy it at the cut, unless POS_OWN_MEMORY_ALONE
-      is 0: the driver's checkpoint then copies it while the job is held (20 GB held the
-      GPT-2 job 31 s on an H200, bench/results/2026-12-01.md) and its image moves to other
-      GPUs;
-    - those to which an earlier checkpoint or restore mapped some back from pos's descriptors
-      (own_kept), always: the driver cannot restore that memory."""
+      is no more of it in all than POS_OWN_MEMORY_MAX_GIB, into host memory where the GPU
+      lacks room;
+    - else (more of it: a job with PyTorch's expandable segments, all of whose memory is its
+      own), each process's where its GPU has room to copy it at the cut, unless
+      POS_OWN_MEMORY_ON_GPU is 0: the driver's checkpoint then copies it while the job is held
+      (20 GB held the GPT-2 job 31 s on an H200, bench/results/2026-12-01.md), and the image
+      of a process alone can move to other GPUs."""
     mine = frozenset(pid for pid, st in statuses.items() if st.own_bytes)
     total = sum(statuses[pid].own_bytes or 0 for pid in mine)
     if any(statuses[pid].own_kept for pid in mine):
         return OwnPlan(mine, False)
-    if any(st.peer_maps for st in statuses.values()):
-        return OwnPlan(mine if total <= settings.own_memory_max_bytes else frozenset(), False)
-    return OwnPlan(mine if settings.own_memory_alone else frozenset(), True)
+    if any(st.peer_maps for st in statuses.values()) and total <= settings.own_memory_max_bytes:
+        return OwnPlan(mine, False)
+    return OwnPlan(mine if settings.own_memory_on_gpu else frozenset(), True)

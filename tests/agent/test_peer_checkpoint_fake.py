@@ -108,15 +108,26 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
     shares_the_owners_memory(pair)
 
 
-@pytest.mark.parametrize("setting", ["0", "0.001"], ids=["off", "too-small"])
-def test_own_memory_past_the_setting_is_left_to_the_drivers_checkpoint(
-        pair: Pair, tmp_path: Path, gpu_env, setting) -> None:
+@pytest.mark.parametrize("setting, taken", [
+    ({"POS_OWN_MEMORY_MAX_GIB": "0", "POS_FAKECUDA_FREE_MIB": "1"}, False),
+    ({"POS_OWN_MEMORY_MAX_GIB": "0.001", "POS_FAKECUDA_FREE_MIB": "1"}, False),
+    ({"POS_OWN_MEMORY_MAX_GIB": "0.001", "POS_OWN_MEMORY_ON_GPU": "0"}, False),
+    ({"POS_OWN_MEMORY_MAX_GIB": "0.001"}, True)],
+    ids=["off-no-room", "too-small-no-room", "too-small-not-on-gpu", "too-small-room"])
+def test_own_memory_past_the_setting_is_taken_only_where_the_gpu_has_room_for_it(
+        pair: Pair, tmp_path: Path, gpu_env, setting, taken: bool) -> None:
+    """More of the processes' own memory than POS_OWN_MEMORY_MAX_GIB (a rank with PyTorch's
+    expandable segments) is taken only where its GPU has room to copy it at the cut, and
+    POS_OWN_MEMORY_ON_GPU is not 0; else the driver's checkpoint keeps it."""
     img = tmp_path / "img"
     r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", "--leave-running",
-            "--json", env={**gpu_env, "POS_OWN_MEMORY_MAX_GIB": setting})
+            "--json", env={**gpu_env, **setting})
     assert r.returncode == 0, r.stderr
-    assert "own_taken_bytes" not in json.loads(r.stdout)["timings"]
-    assert not list(img.glob(names.OWN_MEMORY_INDEXES))
+    timings = json.loads(r.stdout)["timings"]
+    assert timings.get("own_taken_bytes") == (VMM_BYTES if taken else None)
+    assert bool(list(img.glob(names.OWN_MEMORY_INDEXES))) is taken
+    assert timings.get("own_left_bytes") == (VMM_BYTES if "POS_FAKECUDA_FREE_MIB" in setting
+                                             else None)
     shares_the_owners_memory(pair)
 
 
@@ -146,11 +157,11 @@ def test_a_process_alone_has_its_own_memory_taken_and_frees_it_as_pytorch_does(
     assert (st.own_maps, st.own_bytes, st.peer_lost) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("setting", [{"POS_OWN_MEMORY_ALONE": "0"},
+@pytest.mark.parametrize("setting", [{"POS_OWN_MEMORY_ON_GPU": "0"},
                                      {"POS_FAKECUDA_FREE_MIB": "1"}], ids=["off", "no-room"])
 def test_a_process_alone_keeps_its_own_through_the_driver_when_asked_or_without_room(
         peer_job, tmp_path: Path, gpu_env, criu_ready, setting) -> None:
-    """With POS_OWN_MEMORY_ALONE=0, or where its GPU has no room to copy it at the cut, a
+    """With POS_OWN_MEMORY_ON_GPU=0, or where its GPU has no room to copy it at the cut, a
     process alone keeps its own memory through the driver's checkpoint, as before; asked not
     to take it, pos makes no context of its own for a process that owns nothing else."""
     owner = peer_job("own")
@@ -161,7 +172,7 @@ def test_a_process_alone_keeps_its_own_through_the_driver_when_asked_or_without_
     timings = json.loads(r.stdout)["timings"]
     assert "own_taken_bytes" not in timings
     assert not list(img.glob(names.OWN_MEMORY_INDEXES))
-    if "POS_OWN_MEMORY_ALONE" in setting:
+    if "POS_OWN_MEMORY_ON_GPU" in setting:
         assert "context" not in timings and "own_left_bytes" not in timings
     else:
         assert timings["own_left_bytes"] == VMM_BYTES
@@ -179,7 +190,7 @@ def test_a_process_alone_with_only_its_own_memory_is_restored_with_it(
     with Agent(owner.pid) as a:
         va = a.exports()[0].va
     img = tmp_path / "img"
-    env = {**gpu_env, "POS_OWN_MEMORY_ALONE": setting}
+    env = {**gpu_env, "POS_OWN_MEMORY_ON_GPU": setting}
     r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent", env=env)
     assert r.returncode == 0, r.stderr
     owner.proc.wait(timeout=30)
