@@ -98,7 +98,7 @@ class _Whole:
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
-        self.own_left: set[int] = set()     # processes alone whose GPU had no room for it
+        self.own_left: set[int] = set()     # whose GPU had no room to copy their own memory
         self.driver_bytes = 0       # device memory the driver's checkpoint brings into the jobs'
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
@@ -311,8 +311,9 @@ class _Whole:
 
     def reserve_own(self) -> None:
         """What each take needs made now (ownmem.ready): the device memory it will copy its
-        job's own memory into, and that memory exported and mapped. A process alone whose GPU
-        has no room for the copy keeps its own memory through the driver's checkpoint."""
+        job's own memory into, and that memory exported and mapped. Where own_plan takes it
+        only if the GPU has room to copy it, a process whose GPU has none keeps its own memory
+        through the driver's checkpoint (`own_left`)."""
         if_room = own_plan(self.statuses, self.settings).if_room
         for s in self.owning(self.statuses):
             s.use()

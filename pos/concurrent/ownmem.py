@@ -19,8 +19,8 @@ agent's side, and how the job's later calls on the handle it made are answered:
 pos/agent/hook/peer.c.
 
 The image holds, for each process with such memory, an index (address, size, device of each
-allocation, in the agent's `exports` order) and the bytes, one allocation after another
-(names.own_memory)."""
+allocation, in the agent's `exports` order) and the bytes, one allocation after another, in
+parts that follow each other (names.own_memory, names.own_memory_part)."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ The driver's checkpoint copies the device memory it saves into the job's own hos
 CRIU then writes it into the image: a second copy where the image's folder keeps its files in
 memory (/dev/shm, any tmpfs). Where the host cannot hold that, the kernel ends the job or pos
 while the job is frozen. On an H200 host with 126 GiB of host memory, a job with PyTorch's
-expandable segments at 50% of the GPU would have needed 149.8 GiB (bench/results/2026-12-01.md);
-a stop-the-world image of a job at 90% of the GPU, 127 GB into a disk's image. So both engines
-refuse such a checkpoint first, in one sentence, and leave the job running.
+expandable segments at 50% of the GPU would have needed 149.8 GiB (bench/results/2026-12-01.md),
+and a stop-the-world image of a job at 90% of that GPU would need 127 GB even on a disk. So
+both engines refuse such a checkpoint first, in one sentence, and leave the job running.
 """
 
 from pos.errors import BadInput
