@@ -704,7 +704,8 @@ def test_plain_migrate_to_gpu_refuses_memory_pos_mapped_back(fill_job, tmp_path:
 def test_the_agent_makes_room_in_the_jobs_table_touching_no_descriptor(fill_job) -> None:
     """Before the cut, room for the export's descriptors in the job's table, so that the
     kernel does not grow it while the job is held (pos/process/fdroom.py says why); asked for
-    more than the job's RLIMIT_NOFILE allows, as much as it does."""
+    more than the job's RLIMIT_NOFILE allows, as much as its hard limit does (the soft one
+    raised for it)."""
     from tests.process.test_fdroom import table_size
 
     job = fill_job()
@@ -716,10 +717,27 @@ def test_the_agent_makes_room_in_the_jobs_table_touching_no_descriptor(fill_job)
     assert r.made and r.top >= max(int(n) for n in before) and r.room == r.top + size + 1000
     assert table_size(str(job.pid)) > r.room
     with Agent(job.pid) as a:
-        assert a.room(1 << 40).room < resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert a.room(1 << 40).room < resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     # the agent closes its end of each connection once pos's is closed
     wait_for(lambda: {n: os.readlink(f"{fds}/{n}") for n in os.listdir(fds)} == before,
              what="the job's descriptors as they were")
+
+
+def test_the_agent_raises_the_jobs_soft_limit_for_the_room(fill_job) -> None:
+    """A job's own memory can come in thousands of pieces (PyTorch's expandable segments), a
+    descriptor each: the agent raises the job's soft RLIMIT_NOFILE toward its hard one for the
+    room asked, and no further."""
+    job = fill_job()
+    hard = resource.prlimit(job.pid, resource.RLIMIT_NOFILE)[1]
+    assert hard >= 4096, f"a hard RLIMIT_NOFILE of {hard} leaves too little room to tell"
+    resource.prlimit(job.pid, resource.RLIMIT_NOFILE, (256, hard))
+    with Agent(job.pid) as a:
+        r = a.room(2000)
+    assert r.made and r.room == r.top + 2000
+    assert resource.prlimit(job.pid, resource.RLIMIT_NOFILE) == (r.room + 1, hard)
+    with Agent(job.pid) as a:
+        assert a.room(1 << 40).room == hard - 1
+    assert resource.prlimit(job.pid, resource.RLIMIT_NOFILE) == (hard, hard)
 
 
 def test_whole_process_checkpoint_leave_running(fill_job, tmp_path: Path, criu_ready,

@@ -37,15 +37,31 @@ def test_the_table_holds_the_room_asked_and_no_descriptor_is_touched() -> None:
     assert open_fds() == before
 
 
-def test_the_room_stays_within_the_limit() -> None:
-    """Asked for more than RLIMIT_NOFILE allows, the table grows as far as the limit lets it
-    (the kernel rounds a table's size up) and no further, and nothing is raised."""
+def _in_a_child(soft: int, hard: int, make: str) -> list[int]:
+    """In a new process with RLIMIT_NOFILE (soft, hard): `make`'s calls of fdroom.make, then
+    the table's size and the soft limit."""
     code = ("import resource; from pos.process import fdroom; from tests.process.test_fdroom "
-            "import table_size; resource.setrlimit(resource.RLIMIT_NOFILE, (300, "
-            "resource.getrlimit(resource.RLIMIT_NOFILE)[1])); fdroom.make(100000); "
-            "fdroom.make(1 << 40); "
-            "print(table_size())")
+            f"import table_size; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+            f"{make}; print(table_size(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert r.returncode == 0, r.stderr
-    assert 256 <= int(r.stdout) <= 512
+    return [int(v) for v in r.stdout.split()]
+
+
+def test_the_room_stays_within_the_hard_limit() -> None:
+    """Asked for more than RLIMIT_NOFILE allows, the table grows as far as the limit lets it
+    (the kernel rounds a table's size up) and no further, and nothing is raised."""
+    size, soft = _in_a_child(300, 300, "fdroom.make(100000); fdroom.make(1 << 40)")
+    assert 256 <= size <= 512 and soft == 300
+
+
+def test_the_soft_limit_is_raised_toward_the_hard_one_for_the_room() -> None:
+    """A job's own memory can come in thousands of pieces, a descriptor each: the soft limit
+    is raised for them, as far as the hard one and no further."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert hard >= 4096, f"a hard RLIMIT_NOFILE of {hard} leaves too little room to tell"
+    size, soft = _in_a_child(300, 4096, "fdroom.make(2000)")
+    assert soft > 2000 and size > 2000
+    size, soft = _in_a_child(300, 4096, "fdroom.make(1 << 40)")
+    assert soft == 4096 and 4096 <= size <= 8192
