@@ -55,9 +55,10 @@ static struct fdset fds_open(void) {
 
 /* Room for n more descriptors in the table (asked before the cut, the job running): the
  * export, and the remap after it, then make theirs without the kernel growing the table while
- * the job is held; the soft RLIMIT_NOFILE is raised for them where the hard one allows. A table that threads share waits for an RCU grace period at each growth: on
- * the 2-core VM a checkpoint of a 400-buffer job (fake driver) spent 15 ms of its export on
- * the job's growth alone. One descriptor is made above the highest open one plus n (within
+ * the job is held; the soft RLIMIT_NOFILE is raised for them where the hard one allows. A
+ * table that threads share waits for an RCU grace period at each growth: on the 2-core VM a
+ * checkpoint of a 400-buffer job (fake driver) spent 15 ms of its export on the job's growth
+ * alone. One descriptor is made above the highest open one plus n (within
  * RLIMIT_NOFILE) and closed: F_DUPFD takes the lowest free number from there, so no
  * descriptor of the job's is touched. */
 void do_room(struct conn *c, size_t n) {
