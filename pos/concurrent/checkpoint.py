@@ -99,6 +99,7 @@ class _Whole:
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
         self.own_left: set[int] = set()     # whose GPU had no room to copy their own memory
+        self.own_first = OwnPlan(frozenset(), False)    # own_plan by the statuses of `refuse`
         self.driver_bytes = 0       # device memory the driver's checkpoint brings into the jobs'
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
@@ -181,7 +182,7 @@ class _Whole:
         1.65 s at one rank (bench/results/2026-11-28-multigpu, run19). Should one fail, those
         made are closed (`close`) and the first failure is raised."""
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
-        plan = own_plan(self.statuses, self.settings)
+        plan = self.own_first = own_plan(self.statuses, self.settings)
         # each saver's, and the jobs' own memory that pos takes
         owned = (sum(st.owned_bytes for st in self.statuses.values())
                  + plan.bytes(self.statuses))
@@ -302,11 +303,10 @@ class _Whole:
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
             g.timings["hoist_loop"] = max(g.timings.get("hoist_loop", 0.0), h.loop_s)
 
-    def owning(self, statuses: dict[int, Status]) -> list[Saver]:
-        """The jobs whose own cuMem memory a checkpoint takes (own_plan, by their agents'
-        `statuses`), of those with a context, but those whose GPU had no room for it
-        (`own_left`)."""
-        taking = own_plan(statuses, self.settings).pids - self.own_left
+    def owning(self, plan: OwnPlan) -> list[Saver]:
+        """The jobs whose own cuMem memory `plan` takes, of those with a context, but those
+        whose GPU had no room for it (`own_left`)."""
+        taking = plan.pids - self.own_left
         return [s for s in self.savers if s.context is not None and s.pid in taking]
 
     def reserve_own(self) -> None:
@@ -314,13 +314,12 @@ class _Whole:
         job's own memory into, and that memory exported and mapped. Where own_plan takes it
         only if the GPU has room to copy it, a process whose GPU has none keeps its own memory
         through the driver's checkpoint (`own_left`)."""
-        if_room = own_plan(self.statuses, self.settings).if_room
-        for s in self.owning(self.statuses):
+        for s in self.owning(self.own_first):
             s.use()
             assert s.context is not None     # owning: a job with a context
             made = ownmem.ready(s.connected(), s.drv, s.context.device,
                                 self.statuses[s.pid].own_bytes or 0)
-            if if_room and made.shadow is None:
+            if self.own_first.if_room and made.shadow is None:
                 made.close()
                 self.own_left.add(s.pid)
                 self.early["own_left_bytes"] = (self.early.get("own_left_bytes", 0)
@@ -338,7 +337,7 @@ class _Whole:
         only once its memory is back (own-up): should pos fail before that, the undo maps it
         back from the descriptors the watchdog holds too (and where even that fails, the job's
         agent ends it rather than let it run without)."""
-        mine = self.owning(self.held)
+        mine = self.owning(own_plan(self.held, self.settings))
         if not mine:
             return
 
