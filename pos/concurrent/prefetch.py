@@ -111,7 +111,8 @@ class Prefetch:
             if self.cancelled:
                 return
             if own:
-                self.own = ownmem.Made(drv, device, self.img.path, self.rank, own)
+                self.own = ownmem.Made(drv, device, self.img.path, self.rank, own,
+                                       self.img.manifest)
                 self.own_at = time.monotonic()
             if not self.table:      # only its own cuMem memory
                 self._no_fill(self.own_at)

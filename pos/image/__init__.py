@@ -305,13 +305,42 @@ def check_sums(folder: Path, manifest: Manifest, digests: Optional[Sequence[str]
         for i, (have, rec) in enumerate(zip(got[name], want["chunks"])):
             if have.hex() != rec:
                 first = i * manifest.chunk_bytes
-                last = min(first + manifest.chunk_bytes, want["size"]) - 1
-                raise BadInput(f"image {folder} is corrupt: bytes {first}-{last} of {name} do "
-                               "not match their checksum in the manifest",
-                               "take a new checkpoint")
+                raise corrupt(folder, name, first,
+                              min(first + manifest.chunk_bytes, want["size"]) - first)
         if algorithm.file(got[name], want["size"]) != digest:
-            raise BadInput(f"image {folder} is corrupt: the checksum of {name} does not match "
-                           "its manifest", "take a new checkpoint")
+            raise _unlike_manifest(folder, name)
+
+
+def corrupt(folder: Path, name: str, at: int, length: int) -> BadInput:
+    """What a reader says of `length` bytes at `at` of the image's file `name` that do not
+    match their checksum."""
+    return BadInput(f"image {folder} is corrupt: bytes {at}-{at + length - 1} of {name} do not "
+                    "match their checksum in the manifest", "take a new checkpoint")
+
+
+def sums(folder: Path, manifest: Manifest, name: str) -> filehash.Sums:
+    """The checksums of the image's file `name`, for a reader that checks each chunk as it
+    reads it (`manifest`: check_files's): BadInput where the manifest lists no such file, or
+    its chunk digests do not make the file's."""
+    rec = manifest.files.get(name)
+    if rec is None:
+        raise BadInput(f"image {folder} lacks {name} in its manifest", "take a new checkpoint")
+    named = filehash.named(rec)
+    assert named is not None                   # load refuses a hash this pos does not know
+    how, digest = named
+    chunks = tuple(str(c) for c in rec["chunks"])
+    try:
+        whole = how.file([bytes.fromhex(c) for c in chunks], rec["size"])
+    except ValueError:        # a chunk digest that is no hex
+        whole = None
+    if whole != digest:
+        raise _unlike_manifest(folder, name)
+    return filehash.Sums(rec["size"], how, chunks, manifest.chunk_bytes)
+
+
+def _unlike_manifest(folder: Path, name: str) -> BadInput:
+    return BadInput(f"image {folder} is corrupt: the checksum of {name} does not match its "
+                    "manifest", "take a new checkpoint")
 
 
 def _same_files(folder: Path, manifest: Manifest) -> None:

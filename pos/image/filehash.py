@@ -99,6 +99,27 @@ HASHES = {h.name: h for h in (SHA256, FOLD64)}
 WRITTEN = FOLD64
 
 
+@dataclass(frozen=True)
+class Sums:
+    """One file's checksums as its manifest records them, for a reader that checks each chunk
+    as it reads it rather than the whole file first."""
+
+    size: int
+    how: Hash
+    chunks: tuple[str, ...]     # each chunk's digest, hex
+    chunk_bytes: int
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Where chunk `i` begins in the file, and its bytes."""
+        at = i * self.chunk_bytes
+        return at, min(self.chunk_bytes, self.size - at)
+
+    def holds(self, i: int, data: "np.ndarray") -> bool:
+        """`data` (contiguous uint8) is chunk `i` as the manifest has it."""
+        digest = self.how.chunk(iter([(data, True)]), data.shape[0], i)
+        return digest.hex() == self.chunks[i]
+
+
 def record(size: int, how: Hash, chunks: list[bytes]) -> dict[str, Any]:
     """A file's entry in the manifest's `files`."""
     return {"size": size, "hash": how.name, "digest": how.file(chunks, size),
@@ -118,7 +139,7 @@ def named(rec: dict[str, Any]) -> Optional[tuple[Hash, str]]:
 _local = threading.local()
 
 
-def _read(fd: int, view: "np.ndarray", offset: int) -> int:
+def read_at(fd: int, view: "np.ndarray", offset: int) -> int:
     """Fill `view` from `offset` of fd; fewer bytes only where the file ends."""
     got = 0
     while got < view.shape[0]:
@@ -142,7 +163,7 @@ def _pieces(fd: int, offset: int, length: int, hashed: Hashed) -> Pieces:
     done = 0
     while True:
         want = min(READ_BYTES, length - done)
-        got = _read(fd, buf[:want], offset + done)
+        got = read_at(fd, buf[:want], offset + done)
         if got:
             hashed(got)
         done += got

@@ -107,3 +107,10 @@ def data_name(prefix: str, n: int) -> str:
 def is_gpu_data(name: str) -> bool:
     """The file `name` holds GPU chunks, whose checksums are checked as they are read."""
     return name.startswith(_DATA)
+
+
+def checked_as_read(name: str) -> bool:
+    """The file `name` holds device memory, whose chunks a restore checks as it reads them
+    rather than before the job runs: the GPU data, and the data parts of the job's own
+    memory."""
+    return is_gpu_data(name) or (name.startswith(_OWN_MEMORY) and name.endswith(".bin"))

@@ -34,10 +34,10 @@ class Opened:
 
     @property
     def checked_by_restore(self) -> list[str]:
-        """The files whose checksums a restore verifies: all but the GPU data, each of whose
-        chunks is checked as it is read (a restore does not wait for a hash of gigabytes
-        first)."""
-        return [n for n in self.manifest.files if not names.is_gpu_data(n)]
+        """The files whose checksums a restore verifies: all but the device memory, each of
+        whose chunks is checked as it is read (a restore does not wait for a hash of gigabytes
+        first: at 50 GB of a job's own memory, 2.7-3.1 s, bench/results/2026-12-01.md)."""
+        return [n for n in self.manifest.files if not names.checked_as_read(n)]
 
     def index(self, rank: Optional[int] = None) -> GpuIndex:
         """The GPU index of the job (`rank` None) or of the process `rank` of several, read

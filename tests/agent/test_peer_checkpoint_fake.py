@@ -245,8 +245,12 @@ def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
     shares_the_owners_memory(pair)
 
 
-def test_an_image_whose_own_memory_was_cut_short_is_refused_in_one_sentence(
-        pair: Pair, tmp_path: Path, gpu_env) -> None:
+@pytest.mark.parametrize("damage", ["cut-short", "a-byte-changed"])
+def test_an_image_whose_own_memory_was_damaged_is_refused_in_one_sentence(
+        pair: Pair, tmp_path: Path, gpu_env, damage: str) -> None:
+    """Cut short, the restore refuses before CRIU; a byte changed, the restore's fill finds it
+    as it reads the chunk, and no process of the job is left (the own memory's chunks are
+    checked as read, not before the job runs)."""
     img = tmp_path / "img"
     r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", env=gpu_env)
     assert r.returncode == 0, r.stderr
@@ -254,8 +258,18 @@ def test_an_image_whose_own_memory_was_cut_short_is_refused_in_one_sentence(
     for p in (pair.owner, pair.importer):
         wait_for(lambda: reaped(p), what=f"process {p}'s end")
     data = img / names.own_memory(pair.owner)[1]
-    os.truncate(data, data.stat().st_size // 2)
-    one_sentence(pos("restore", "-D", str(img), env=gpu_env), 2, data.name)
+    if damage == "cut-short":
+        os.truncate(data, data.stat().st_size // 2)
+    else:
+        with open(data, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 1]))
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    one_sentence(r, 2, data.name)
+    assert damage == "cut-short" or "do not match their checksum" in r.stderr, r.stderr
+    for p in (pair.root, pair.owner, pair.importer):
+        assert state(p) in ("X", "Z"), p
 
 
 def test_the_stop_the_world_engine_still_refuses_untouched(pair: Pair, tmp_path: Path,

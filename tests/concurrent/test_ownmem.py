@@ -11,11 +11,14 @@ from typing import Any, Callable, Optional
 import pytest
 
 from pos.agent.control import Agent, Refused
+from pos import image
 from pos.concurrent import gpucopy, ownmem
 from pos.errors import BadInput
 from pos.image import names
+from pos.image.opened import open_image
 from pos.settings import Settings
 from tests.agent.test_peer_fake import SEVEN, VMM_BYTES
+from tests.image.conftest import manifest
 
 
 @pytest.mark.parametrize("value, taken", [(None, 4 << 30), ("0", 0), ("8", 8 << 30),
@@ -167,6 +170,26 @@ def written(folder: Path, pid: Optional[int]) -> bytes:
 MIB = 1 << 20
 
 
+def sealed(folder: Path) -> tuple[Path, image.Manifest]:
+    """The image in `folder` (made by image.prepare), sealed as pos seals one, and its manifest."""
+    done = image.seal(folder, manifest())
+    return done, image.check_files(done)
+
+
+def filled(drv, regions: list[ownmem.Region], folder: Path, want: bytes) -> None:
+    """A restore makes `regions` anew from the image in `folder` and fills them with `want`."""
+    made = ownmem.Made(drv, 0, folder, None, regions, image.check_files(folder))
+    try:
+        back = C.create_string_buffer(len(want))
+        at = 0
+        for r, local in zip(regions, made.mem.local):
+            drv.cuMemcpyDtoH_v2(C.addressof(back) + at, local, r.size)
+            at += r.size
+        assert back.raw == want
+    finally:
+        made.close()
+
+
 @pytest.mark.parametrize("piece, sizes", [(4 * MIB, (2 * MIB, 2 * MIB, 2 * MIB)),
                                           (MIB, (2 * MIB, 6 * MIB, 2 * MIB))],
                          ids=["each-below-a-piece", "one-of-several-pieces"])
@@ -174,14 +197,15 @@ def test_allocations_of_several_sizes_are_written_each_whole_in_order(
         drv, tmp_path: Path, monkeypatch, piece: int, sizes: tuple[int, ...]) -> None:
     """NCCL's buffers come in several sizes, most below a piece: each is written whole, in the
     index's order, whether the take left its copy on the device (in parts, a thread each) or
-    in host memory; a restore makes them anew and fills them with those bytes."""
+    in host memory; a restore makes them anew and fills them with those bytes, chunks of the
+    manifest's (here smaller than a piece, and across the allocations) checked as read."""
     monkeypatch.setattr(ownmem, "PIECE", piece)
     monkeypatch.setattr(ownmem.filehash, "workers", lambda: 4)
+    monkeypatch.setattr(image, "CHUNK_BYTES", 3 * MIB // 2)
     regions = [ownmem.Region((i + 1) << 40, n, 0) for i, n in enumerate(sizes)]
     want = os.urandom(sum(sizes))
     for where in ("device", "host"):
-        folder = tmp_path / where
-        folder.mkdir()
+        folder = image.prepare(tmp_path / where, 0)
         taken = ownmem.Taken(regions, [])
         if where == "device":
             taken.shadow = gpucopy.Shadow(drv, len(want))
@@ -189,35 +213,61 @@ def test_allocations_of_several_sizes_are_written_each_whole_in_order(
         else:
             taken.host = bytearray(want)
         taken.write(drv, folder, None)
+        folder, _ = sealed(folder)
         assert ownmem.saved(folder, None) == regions
         assert written(folder, None) == want, where
         parts = len(list(folder.glob("own-memory*.bin")))
         assert parts == (1 if where == "host" else min(4, sum(-(-n // piece) for n in sizes)))
-        made = ownmem.Made(drv, 0, folder, None, regions)
-        try:
-            back = C.create_string_buffer(len(want))
-            at = 0
-            for r, local in zip(regions, made.mem.local):
-                drv.cuMemcpyDtoH_v2(C.addressof(back) + at, local, r.size)
-                at += r.size
-            assert back.raw == want, where
-        finally:
-            made.close()
+        filled(drv, regions, folder, want)
 
 
-def test_parts_that_do_not_hold_the_pieces_whole_are_refused(drv, tmp_path: Path,
-                                                            monkeypatch) -> None:
-    """Parts of the right sizes in all, split inside a piece: the restore's fill refuses the
-    image in one sentence rather than fill a buffer from two parts it cannot tell apart."""
-    monkeypatch.setattr(ownmem, "PIECE", MIB)
-    regions = [ownmem.Region(1 << 40, 2 * MIB, 0)]
-    (tmp_path / names.own_memory(None)[0]).write_text(json.dumps(
+def own_image(tmp_path: Path, parts: list[bytes]) -> Path:
+    """An image of one 2 MiB allocation whose bytes are held by `parts`, sealed."""
+    folder = image.prepare(tmp_path / "img", 0)
+    (folder / names.own_memory(None)[0]).write_text(json.dumps(
         [{"va": 1 << 40, "size": 2 << 20, "device": 0}]))
-    (tmp_path / names.own_memory_part(None, 0)).write_bytes(bytes(3 << 19))
-    (tmp_path / names.own_memory_part(None, 1)).write_bytes(bytes(1 << 19))
-    assert ownmem.saved(tmp_path, None) == regions
-    with pytest.raises(BadInput, match="do not hold it whole"):
-        ownmem.Made(drv, 0, tmp_path, None, regions)
+    for k, part in enumerate(parts):
+        (folder / names.own_memory_part(None, k)).write_bytes(part)
+    return sealed(folder)[0]
+
+
+def test_parts_split_inside_a_piece_fill_it_whole(drv, tmp_path: Path, monkeypatch) -> None:
+    """Parts of the right sizes in all, split inside a piece and inside a chunk of the
+    manifest: the restore's fill reads them as the one run of bytes they hold."""
+    monkeypatch.setattr(ownmem, "PIECE", MIB)
+    monkeypatch.setattr(image, "CHUNK_BYTES", MIB // 2)
+    want = os.urandom(2 * MIB)
+    folder = own_image(tmp_path, [want[:3 << 19], want[3 << 19:]])
+    regions = [ownmem.Region(1 << 40, 2 * MIB, 0)]
+    assert ownmem.saved(folder, None) == regions
+    filled(drv, regions, folder, want)
+
+
+@pytest.mark.parametrize("damage", ["byte", "digest"])
+def test_a_chunk_that_does_not_match_its_checksum_is_refused_as_it_is_read(
+        drv, tmp_path: Path, monkeypatch, damage: str) -> None:
+    """A byte of the job's own memory changed in the image, or the manifest's digests changed:
+    the fill refuses the image in one sentence naming the bytes (the restore checks these
+    files' chunks as it reads them, not before)."""
+    monkeypatch.setattr(image, "CHUNK_BYTES", MIB // 2)
+    want = os.urandom(2 * MIB)
+    folder = own_image(tmp_path, [want])
+    part = folder / names.own_memory_part(None, 0)
+    if damage == "byte":
+        os.chmod(part, 0o600)
+        with open(part, "r+b") as f:
+            f.seek(MIB + 7)
+            f.write(bytes([want[MIB + 7] ^ 1]))
+        match = f"bytes {MIB}-{MIB + MIB // 2 - 1} of {part.name} do not match"
+    else:
+        m = image.load(folder)
+        m.files[part.name]["chunks"][0] = "0" * 16
+        image.write_manifest(folder, m)
+        match = f"the checksum of {part.name} does not match its manifest"
+    regions = ownmem.saved(folder, None)
+    with pytest.raises(BadInput, match=match):
+        filled(drv, regions, folder, want)
+    assert part.name not in open_image(folder).checked_by_restore
 
 
 def test_an_agent_that_cannot_export_before_the_cut_has_its_memory_taken_at_it(

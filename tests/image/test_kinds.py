@@ -32,8 +32,11 @@ def test_a_missing_directory_is_taken_for_stop_the_world(tmp_path: Path) -> None
     assert kinds.kind(tmp_path / "nothing") is ImageKind.STOP_THE_WORLD
 
 
-def test_a_restore_checks_every_file_but_the_gpu_data(tmp_path: Path) -> None:
-    data = [names.data_name(names.data_prefix(), 0), names.data_name(names.data_prefix(7), 1)]
-    img = make_image(tmp_path, {n: 10 for n in CRIU + [names.INDEX, names.index_name(7)] + data})
-    assert sorted(open_image(img).checked_by_restore) == sorted(CRIU + [names.INDEX,
-                                                                   names.index_name(7)])
+def test_a_restore_checks_every_file_but_the_device_memory(tmp_path: Path) -> None:
+    """The GPU data and the data parts of the job's own memory are checked chunk by chunk as
+    the restore reads them; their indexes, as the rest, before the job runs."""
+    data = [names.data_name(names.data_prefix(), 0), names.data_name(names.data_prefix(7), 1),
+            names.own_memory(7)[1], names.own_memory_part(7, 1), names.own_memory_part(None, 2)]
+    first = CRIU + [names.INDEX, names.index_name(7), names.own_memory(7)[0]]
+    img = make_image(tmp_path, {n: 10 for n in first + data})
+    assert sorted(open_image(img).checked_by_restore) == sorted(first)

@@ -27,4 +27,9 @@ def test_each_rule_reads_back_what_it_makes() -> None:
         assert names.is_gpu_data(names.data_name(prefix, 0))
     assert not any(names.is_gpu_data(n) for n in (names.INDEX, names.index_name(9),
                                                   "pages-1.img", names.MANIFEST))
+    assert all(names.checked_as_read(n) for n in (names.data_name(names.data_prefix(), 0),
+                                                  names.own_memory_part(9, 0),
+                                                  names.own_memory_part(None, 3)))
+    assert not any(names.checked_as_read(n) for n in (names.own_memory(9)[0], names.INDEX,
+                                                      "pages-1.img", names.MANIFEST))
     assert names.is_partial(names.partial(Path("img")).name) and not names.is_partial("img")
