@@ -38,11 +38,11 @@ Every setting, its variable and its default:
                                             GPU lacks room (pos/concurrent/ownmem.py)
   own_memory_on_gpu   POS_OWN_MEMORY_ON_GPU 1, the default: a job's own cuMem memory beyond
                                             that (all of a job's with PyTorch's expandable
-                                            segments) is taken the same way, each process's
-                                            where its GPU has room to copy it at the cut;
-                                            0: left to the driver's checkpoint (the job held
-                                            while it copies; a job alone then has an image
-                                            that can move to other GPUs)
+                                            segments) is taken the same way, copied on its
+                                            GPU as far as it has room, the rest into host
+                                            memory; 0: left to the driver's checkpoint (the
+                                            job held while it copies; a job alone then has
+                                            an image that can move to other GPUs)
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)

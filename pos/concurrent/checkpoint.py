@@ -30,7 +30,6 @@ import functools
 import os
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -98,8 +97,7 @@ class _Whole:
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
-        self.own_left: set[int] = set()     # whose GPU had no room to copy their own memory
-        self.own_first = OwnPlan(frozenset(), False)    # own_plan by the statuses of `refuse`
+        self.own_first: frozenset[int] = frozenset()   # own_plan by the statuses of `refuse`
         self.driver_bytes = 0       # device memory the driver's checkpoint brings into the jobs'
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
         # cut's own check, where the ranks are held
@@ -182,14 +180,13 @@ class _Whole:
         1.65 s at one rank (bench/results/2026-11-28-multigpu, run19). Should one fail, those
         made are closed (`close`) and the first failure is raised."""
         self.resident = procs.resident_bytes(self.pids)      # what CRIU will write, about
-        plan = self.own_first = own_plan(self.statuses, self.settings)
+        taking = self.own_first = own_plan(self.statuses, self.settings)
+        own_bytes = {pid: self.statuses[pid].own_bytes or 0 for pid in taking}
         # each saver's, and the jobs' own memory that pos takes
-        owned = (sum(st.owned_bytes for st in self.statuses.values())
-                 + plan.bytes(self.statuses))
+        owned = sum(st.owned_bytes for st in self.statuses.values()) + sum(own_bytes.values())
         room = host_room(self.settings, self.directory, self.resident + owned,
                          sum(1 for st in self.statuses.values() if st.owned_bytes),
                          self.resident if self.settings.dump_staging else 0)
-        taking = plan.pids
         side_by_side("pos-prepare", self.agents, lambda a: Saver.prepare(
             a, self.settings, self.streams, self.chunk, gpu_only=False,
             ranks=len(self.agents), host_room=room, status=self.statuses[a.pid],
@@ -197,12 +194,16 @@ class _Whole:
         steps.timed(self.early, "own_reserve", self.reserve_own)
         self.driver_bytes = driver_bytes(self.statuses, sum(r.bytes for r in
                                                             self.own_ready.values()))
+        # what the takes will copy into host memory, where the GPU has no room for it
+        on_device = {pid: r.shadow.size if r.shadow is not None else 0
+                     for pid, r in self.own_ready.items()}
+        self.early["own_host_planned_bytes"] = own_host = sum(
+            max(0, n - on_device.get(pid, 0)) for pid, n in own_bytes.items())
         hostroom.check(self.driver_bytes, "the job's device memory that pos does not take "
-                       "(its own VMM mappings, such as PyTorch's expandable segments, where the "
-                       "GPU had no room to copy them; stream-ordered pools; managed memory)",
+                       "(stream-ordered pools, managed memory)",
                        host.in_memory(self.directory), host_spare(),
                        "free host memory, or GPU memory for pos's copy of the job's own memory, "
-                       "or write the image to a disk")
+                       "or write the image to a disk", own_host)
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host
         steps.timed(self.early, "criu_cache", lambda: kdat.keep(self.criu.path,
@@ -303,29 +304,19 @@ class _Whole:
             g.timings["trim"] = max(g.timings.get("trim", 0.0), h.trim_s)
             g.timings["hoist_loop"] = max(g.timings.get("hoist_loop", 0.0), h.loop_s)
 
-    def owning(self, plan: OwnPlan) -> list[Saver]:
-        """The jobs whose own cuMem memory `plan` takes, of those with a context, but those
-        whose GPU had no room for it (`own_left`)."""
-        taking = plan.pids - self.own_left
-        return [s for s in self.savers if s.context is not None and s.pid in taking]
+    def owning(self, plan: frozenset[int]) -> list[Saver]:
+        """The jobs whose own cuMem memory `plan` takes, of those with a context."""
+        return [s for s in self.savers if s.context is not None and s.pid in plan]
 
     def reserve_own(self) -> None:
         """What each take needs made now (ownmem.ready): the device memory it will copy its
-        job's own memory into, and that memory exported and mapped. Where own_plan takes it
-        only if the GPU has room to copy it, a process whose GPU has none keeps its own memory
-        through the driver's checkpoint (`own_left`)."""
+        job's own memory into, as much as the GPU has room for, and that memory exported and
+        mapped."""
         for s in self.owning(self.own_first):
             s.use()
             assert s.context is not None     # owning: a job with a context
-            made = ownmem.ready(s.connected(), s.drv, s.context.device,
-                                self.statuses[s.pid].own_bytes or 0)
-            if self.own_first.if_room and made.shadow is None:
-                made.close()
-                self.own_left.add(s.pid)
-                self.early["own_left_bytes"] = (self.early.get("own_left_bytes", 0)
-                                                + (self.statuses[s.pid].own_bytes or 0))
-                continue
-            self.own_ready[s.pid] = made
+            self.own_ready[s.pid] = ownmem.ready(s.connected(), s.drv, s.context.device,
+                                                 self.statuses[s.pid].own_bytes or 0)
         self.early["own_reserved_bytes"] = sum(r.shadow.size for r in self.own_ready.values()
                                                if r.shadow is not None)
         self.early["own_ready_bytes"] = sum(r.bytes for r in self.own_ready.values())
@@ -353,6 +344,7 @@ class _Whole:
 
         g.timed("own_take", lambda: side_by_side("pos-own", mine, take, keep))
         g.timings["own_taken_bytes"] = sum(t.bytes for t in self.own.values())
+        g.timings["own_host_bytes"] = sum(t.bytes - t.on_device for t in self.own.values())
         g.timed("own_down", lambda: side_by_side("pos-own-down", mine,
                                                  lambda s: s.connected().own_down(),
                                                  lambda _: None))
@@ -499,37 +491,23 @@ def driver_bytes(statuses: dict[int, Status], taken: int) -> int:
                - taken)
 
 
-@dataclass(frozen=True)
-class OwnPlan:
-    """The processes whose own cuMem memory a checkpoint takes (`pids`), and whether only
-    where their GPU has room to copy it at the cut (`if_room`: the driver's checkpoint could
-    keep it instead)."""
-
-    pids: frozenset[int]
-    if_room: bool
-
-    def bytes(self, statuses: dict[int, Status]) -> int:
-        return sum(statuses[pid].own_bytes or 0 for pid in self.pids)
-
-
-def own_plan(statuses: dict[int, Status], settings: Settings) -> OwnPlan:
+def own_plan(statuses: dict[int, Status], settings: Settings) -> frozenset[int]:
     """Whose own cuMem memory a checkpoint takes, by their agents' `statuses`: of those with
     some,
     - those to which an earlier checkpoint or restore mapped some back from pos's descriptors
       (own_kept), always: the driver cannot restore that memory;
     - in a tree whose processes map each other's memory (NCCL's P2P and SHM on cuMem: what was
       measured; an image with such links is not moved to other GPUs either), all where there
-      is no more of it in all than POS_OWN_MEMORY_MAX_GIB, into host memory where the GPU
-      lacks room;
+      is no more of it in all than POS_OWN_MEMORY_MAX_GIB;
     - else (more of it: a job with PyTorch's expandable segments, all of whose memory is its
-      own), each process's where its GPU has room to copy it at the cut, unless
-      POS_OWN_MEMORY_ON_GPU is 0: the driver's checkpoint then copies it while the job is held
-      (20 GB held the GPT-2 job 31 s on an H200, bench/results/2026-12-01.md), and the image
-      of a process alone can move to other GPUs."""
+      own) every process's, unless POS_OWN_MEMORY_ON_GPU is 0: the driver's checkpoint then
+      copies it while the job is held (20 GB held the GPT-2 job 31 s on an H200,
+      bench/results/2026-12-01.md), and the image of a process alone can move to other GPUs.
+    The take copies it on the device as far as the GPU has room, the rest into host memory."""
     mine = frozenset(pid for pid, st in statuses.items() if st.own_bytes)
     total = sum(statuses[pid].own_bytes or 0 for pid in mine)
     if any(statuses[pid].own_kept for pid in mine):
-        return OwnPlan(mine, False)
+        return mine
     if any(st.peer_maps for st in statuses.values()) and total <= settings.own_memory_max_bytes:
-        return OwnPlan(mine, False)
-    return OwnPlan(mine if settings.own_memory_on_gpu else frozenset(), True)
+        return mine
+    return mine if settings.own_memory_on_gpu else frozenset()

@@ -9,8 +9,8 @@ a GPT-2 job with expandable segments, 31 s for 20 GB (bench/results/2026-12-01.m
 the same run (bench/results/2026-11-30.md).
 
 Taken, each is copied while every process is held (the peers write into it through their own
-mappings, which no gate of its owner sees): device to device into memory of pos's own, where
-the GPU has room, else into host memory; it is given up by the job (the agent's own-down: pos's
+mappings, which no gate of its owner sees): device to device into memory of pos's own, as far
+as the GPU has room, the rest into host memory; it is given up by the job (the agent's own-down: pos's
 descriptors hold the memory) and mapped back after the driver's restore (own-up), in place. The
 copy is written into the image once the job runs again: written while the job was held, 1 GB
 of the 2-rank Llama job's NCCL buffers had held it 2.2 s more (bench/results/2026-11-30.md). A
@@ -58,17 +58,24 @@ class Region:
 
 class Taken:
     """What a checkpoint took of one job's own memory: pos's descriptors, which hold it while
-    the job has given it up (own-up maps them back in place), and its bytes at the cut, on the
-    device or in host memory, until `write` puts them into the image."""
+    the job has given it up (own-up maps them back in place), and its bytes at the cut (the
+    regions' one after another), until `write` puts them into the image: the first on the
+    device (`shadow`, as much as the GPU had room for), the rest in host memory (`host`: runs
+    that follow each other, each of pieces that do)."""
 
     def __init__(self, regions: list[Region], fds: list[int]) -> None:
         self.regions, self.fds = regions, fds
         self.shadow: Optional[gpucopy.Shadow] = None
-        self.host: Optional[bytearray] = None
+        self.host: list[list[bytearray]] = []
 
     @property
     def bytes(self) -> int:
         return sum(r.size for r in self.regions)
+
+    @property
+    def on_device(self) -> int:
+        """The bytes of the copy on the device; the rest is in host memory."""
+        return min(self.bytes, self.shadow.size if self.shadow is not None else 0)
 
     def write(self, drv: "Driver", folder: Path, pid: Optional[int]) -> None:
         """The bytes taken at the cut into `folder` (the image being written; `pid`: the
@@ -76,13 +83,26 @@ class Taken:
         with the context current that `take` ran in."""
         if not self.regions:
             return
-        index_name, data_name = names.own_memory(pid)
-        if self.shadow is not None:
-            _write(drv, self.regions, _starts(self.shadow.ptr, self.regions), folder, pid)
-        else:
-            with open(folder / data_name, "wb") as f:
-                if self.host is not None:
-                    f.write(self.host)
+        n = self.on_device
+        ptr = self.shadow.ptr if self.shadow is not None else 0
+        device = [(ptr + at, at, min(PIECE, n - at)) for at in range(0, n, PIECE)]
+        runs = _split(device, _threads(len(device))) if device else []
+        host, self.host = self.host, []
+
+        def put(k: int) -> None:
+            run = host[k]
+            with open(folder / names.own_memory_part(pid, len(runs) + k), "wb",
+                      buffering=0) as f:
+                while run:
+                    _write_all(f, memoryview(run.pop(0)))    # let go once written
+
+        # what is in host memory first, each piece let go once written: where the image is
+        # kept in memory the host never holds it twice
+        if host:
+            side_by_side("pos-own-host", list(range(len(host))), put, lambda _: None)
+        if runs:
+            _write(drv, runs, folder, pid)
+        index_name, _ = names.own_memory(pid)
         (folder / index_name).write_text(json.dumps([asdict(r) for r in self.regions]) + "\n")
         self.drop()
 
@@ -90,7 +110,7 @@ class Taken:
         """pos's copy of the bytes let go (the context `take` ran in current)."""
         if self.shadow is not None:
             self.shadow.close()
-        self.shadow, self.host = None, None
+        self.shadow, self.host = None, []
 
     def close(self) -> None:
         for fd in self.fds:
@@ -132,9 +152,9 @@ class Ready:
 
 
 def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
-    """The device memory for a take's copy of `size` bytes, where pos's shadow rule leaves the
-    GPU room, and the job's own allocations exported and mapped; nothing where there is
-    nothing to take."""
+    """The device memory for a take's copy of `size` bytes, as much of it as pos's shadow rule
+    leaves the GPU room for, and the job's own allocations exported and mapped; nothing where
+    there is nothing to take."""
     from pos.concurrent import gpucopy
 
     if not size:
@@ -148,8 +168,7 @@ def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
         out.regions = _regions(agent, got.vas, device)
         if out.regions:
             out.mem = gpucopy.Imported(drv, _buffers(out.regions), out.fds)
-        if gpucopy.shadow_room(drv) >= size:
-            out.shadow = gpucopy.Shadow(drv, size)
+        out.shadow = _shadow(drv, size)
     except BaseException:
         out.close()
         raise
@@ -159,12 +178,12 @@ def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
 def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
          made: Optional[Ready] = None) -> Taken:
     """The held job's own allocations that the driver exports, kept as descriptors, their bytes
-    copied: device to device into `made`'s shadow where it holds them all, else into new device
-    memory where pos's shadow rule leaves the GPU room (gpucopy.shadow_room), else into host
-    memory. Where the allocations are those `made` exported before the cut, its descriptors
-    and mapping serve; else they are exported and mapped now. What of `made` the take does not
+    copied: device to device into `made`'s shadow (else into device memory made now) as far as
+    pos's shadow rule leaves the GPU room (gpucopy.shadow_room), the rest into host memory.
+    Where the allocations are those `made` exported before the cut, its descriptors and
+    mapping serve; else they are exported and mapped now. What of `made` the take does not
     use is let go. The job still maps them: its agent's own-down gives them up. `timed`: where
-    the parts' seconds go (own_export, own_map, own_copy)."""
+    the parts' seconds go (own_export, own_map, own_copy, own_host)."""
     from pos.concurrent import gpucopy
 
     made = made or Ready()
@@ -184,8 +203,8 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
         raise
     shadow, made.shadow = made.shadow, None
     made.close()        # what the take does not use: the job's allocations changed since
-    if shadow is not None and (not taken.regions or shadow.size < taken.bytes):
-        shadow.close()       # nothing to copy, or more than was there before the cut
+    if shadow is not None and not taken.regions:
+        shadow.close()       # nothing to copy
         shadow = None
     taken.shadow = shadow
     if not taken.regions:     # none the driver would export: its checkpoint keeps them
@@ -195,7 +214,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
             mem = timed("own_map", lambda: gpucopy.Imported(drv, _buffers(taken.regions),
                                                             taken.fds))
         try:
-            timed("own_copy", lambda: _copy(drv, taken, mem.local))
+            _copy(drv, taken, mem.local, timed)
         finally:
             mem.close()
     except BaseException:
@@ -213,47 +232,80 @@ def _regions(agent: Agent, vas: list[int], device: int) -> list[Region]:
     return [Region(va, sizes[va], device) for va in vas]
 
 
-def _copy(drv: "Driver", taken: Taken, local: list[int]) -> None:
-    """`taken`'s bytes, mapped in pos at `local`, copied into its shadow (made now where it has
-    none and the GPU has room) or into host memory."""
+def _shadow(drv: "Driver", size: int) -> Optional["gpucopy.Shadow"]:
+    """Device memory for the first of `size` bytes, as much as pos's shadow rule leaves the GPU
+    room for; None where it leaves none."""
     from pos.concurrent import gpucopy
 
-    if taken.shadow is None and gpucopy.shadow_room(drv) >= taken.bytes:
-        taken.shadow = gpucopy.Shadow(drv, taken.bytes)
-    if taken.shadow is not None:
-        gpucopy.device_to_device(drv, _starts(taken.shadow.ptr, taken.regions), local,
-                                 [r.size for r in taken.regions])
-        return
-    taken.host = bytearray(taken.bytes)
-    into = C.addressof((C.c_char * taken.bytes).from_buffer(taken.host))
-    for at, n in _pieces(taken.regions, local):
-        drv.cuMemcpyDtoH_v2(into, at, n)
-        into += n
+    n = min(size, gpucopy.shadow_room(drv))
+    return gpucopy.Shadow(drv, n) if n > 0 else None
+
+
+def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed) -> None:
+    """`taken`'s bytes, mapped in pos at `local`, copied while the job is held: the first into
+    its shadow (made now where it has none), the rest into host memory on threads. Left to the
+    driver's checkpoint instead, the 20 GB of a job with PyTorch's expandable segments held it
+    31 s, and at 50% of an H200 the host could not hold them (bench/results/2026-12-01.md)."""
+    from pos.concurrent import gpucopy
+
+    if taken.shadow is None:
+        taken.shadow = _shadow(drv, taken.bytes)
+    n = taken.on_device
+    pieces = list(_placed(taken.regions, local))
+    first = [(at, offset, min(size, n - offset)) for at, offset, size in pieces if offset < n]
+    if first:
+        assert taken.shadow is not None       # on_device: some of it fits
+        ptr = taken.shadow.ptr
+        timed("own_copy", lambda: gpucopy.device_to_device(
+            drv, [ptr + offset for _, offset, _ in first], [at for at, _, _ in first],
+            [size for _, _, size in first]))
+    rest = [(at + max(0, n - offset), max(offset, n), size - max(0, n - offset))
+            for at, offset, size in pieces if offset + size > n]
+    if rest:
+        taken.host = timed("own_host", lambda: _to_host(drv, rest))
+
+
+def _to_host(drv: "Driver", work: list[tuple[int, int, int]]) -> list[list[bytearray]]:
+    """The pieces of `work` (an address in pos, a place in the data, bytes) copied into host
+    memory, on threads: one run of them after another, a thread each (written into the image
+    as a part of its own), each piece into a buffer of its own (let go once written)."""
+    runs = _split(work, _threads(len(work)))
+    host = [[bytearray(n) for _, _, n in run] for run in runs]
+
+    def copy(k: int) -> None:
+        for (at, _offset, n), into in zip(runs[k], host[k]):
+            drv.cuMemcpyDtoH_v2(C.addressof((C.c_char * n).from_buffer(into)), at, n)
+
+    _with_context(drv, len(runs), copy)
+    return host
 
 
 def _buffers(regions: list[Region]) -> list[Buffer]:
     return [Buffer(r.va, r.size, r.size, r.device, True) for r in regions]
 
 
-def _write(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
+def _write(drv: "Driver", parts: list[list[tuple[int, int, int]]], folder: Path,
            pid: Optional[int]) -> None:
-    """Every piece of `regions`, mapped in pos at `local`, into the image's data parts in
-    `folder` (names.own_memory_part), one part a thread, each through page-locked memory of its
-    own. One piece at a time through pageable memory into one file, the 50 GB of a job with
-    PyTorch's expandable segments went into the image at 2.2 GB/s; on threads into one file
-    no faster, a file of a tmpfs taking one write at a time (bench/results/2026-12-01.md)."""
-    work = list(_placed(regions, local))
-    parts = _split(work, _threads(len(work)))
-
+    """Runs of pieces (a device address, a place in the data, bytes) into the image's first
+    data parts in `folder` (names.own_memory_part), a run a part and a thread, each through
+    page-locked memory of its own. One piece at a time through pageable memory into one file,
+    the 50 GB of a job with PyTorch's expandable segments went into the image at 2.2 GB/s; on
+    threads into one file no faster, a file of a tmpfs taking one write at a time
+    (bench/results/2026-12-01.md)."""
     def write(k: int, host: int, view: memoryview) -> None:
         with open(folder / names.own_memory_part(pid, k), "wb", buffering=0) as f:
             for at, _offset, n in parts[k]:
                 drv.cuMemcpyDtoH_v2(host, at, n)
-                done = 0
-                while done < n:
-                    done += f.write(view[done:n]) or 0
+                _write_all(f, view[:n])
 
     _on_threads(drv, len(parts), write)
+
+
+def _write_all(f: Any, data: memoryview) -> None:
+    """All of `data` into the unbuffered file `f` (a write may take only some)."""
+    done = 0
+    while done < len(data):
+        done += f.write(data[done:]) or 0
 
 
 def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
@@ -339,17 +391,29 @@ def _on_threads(drv: "Driver", threads: int, fn: Callable[[int, int, memoryview]
     through `view`)."""
     from pos.concurrent import gpucopy
 
-    ctx = gpucopy.current(drv)
     staging = gpucopy.Pinned(drv, threads * each)
     try:
         def run(k: int) -> None:
-            drv.cuCtxSetCurrent(ctx)
             host = staging.ptr + k * each
             fn(k, host, memoryview((C.c_char * each).from_address(host)).cast("B"))
 
-        side_by_side("pos-own-move", list(range(threads)), run, lambda _: None)
+        _with_context(drv, threads, run)
     finally:
         staging.close()
+
+
+def _with_context(drv: "Driver", threads: int, fn: Callable[[int], None]) -> None:
+    """`fn(k)` for k in range(threads), each on a thread of its own with the context current
+    here."""
+    from pos.concurrent import gpucopy
+
+    ctx = gpucopy.current(drv)
+
+    def run(k: int) -> None:
+        drv.cuCtxSetCurrent(ctx)
+        fn(k)
+
+    side_by_side("pos-own-move", list(range(threads)), run, lambda _: None)
 
 
 def _placed(regions: list[Region], local: list[int]) -> Iterator[tuple[int, int, int]]:

@@ -20,6 +20,7 @@ import pytest
 from pos.agent import peers
 from pos.agent.control import Agent
 from pos.image import names
+from tests.concurrent.test_ownmem import written
 from tests.conftest import ROOT, ShellJobs, kill, reaped
 from tests.engines.conftest import one_sentence, pos, wait_for
 
@@ -108,26 +109,28 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
     shares_the_owners_memory(pair)
 
 
-@pytest.mark.parametrize("setting, taken", [
-    ({"POS_OWN_MEMORY_MAX_GIB": "0", "POS_FAKECUDA_FREE_MIB": "1"}, False),
-    ({"POS_OWN_MEMORY_MAX_GIB": "0.001", "POS_FAKECUDA_FREE_MIB": "1"}, False),
-    ({"POS_OWN_MEMORY_MAX_GIB": "0.001", "POS_OWN_MEMORY_ON_GPU": "0"}, False),
-    ({"POS_OWN_MEMORY_MAX_GIB": "0.001"}, True)],
-    ids=["off-no-room", "too-small-no-room", "too-small-not-on-gpu", "too-small-room"])
-def test_own_memory_past_the_setting_is_taken_only_where_the_gpu_has_room_for_it(
-        pair: Pair, tmp_path: Path, gpu_env, setting, taken: bool) -> None:
+@pytest.mark.parametrize("setting, taken, in_host", [
+    ({"POS_OWN_MEMORY_MAX_GIB": "0", "POS_FAKECUDA_FREE_MIB": "1"}, True, VMM_BYTES),
+    ({"POS_OWN_MEMORY_MAX_GIB": "0.001", "POS_FAKECUDA_FREE_MIB": "1025"}, True, VMM_BYTES // 2),
+    ({"POS_OWN_MEMORY_MAX_GIB": "0.001", "POS_OWN_MEMORY_ON_GPU": "0"}, False, None),
+    ({"POS_OWN_MEMORY_MAX_GIB": "0.001"}, True, 0)],
+    ids=["no-room", "room-for-half", "not-taken", "room"])
+def test_own_memory_past_the_setting_is_copied_on_the_gpu_as_far_as_it_has_room(
+        pair: Pair, tmp_path: Path, gpu_env, setting, taken: bool, in_host) -> None:
     """More of the processes' own memory than POS_OWN_MEMORY_MAX_GIB (a rank with PyTorch's
-    expandable segments) is taken only where its GPU has room to copy it at the cut, and
-    POS_OWN_MEMORY_ON_GPU is not 0; else the driver's checkpoint keeps it."""
+    expandable segments) is taken unless POS_OWN_MEMORY_ON_GPU is 0 (the driver's checkpoint
+    keeps it then): copied at the cut on the GPU as far as it has room (a GPU of 1 GiB and 1
+    MiB free has 1 MiB for pos), the rest into host memory; the image holds all of it."""
     img = tmp_path / "img"
     r = pos("checkpoint", str(pair.root), "-D", str(img), "--concurrent", "--leave-running",
             "--json", env={**gpu_env, **setting})
     assert r.returncode == 0, r.stderr
     timings = json.loads(r.stdout)["timings"]
     assert timings.get("own_taken_bytes") == (VMM_BYTES if taken else None)
+    assert timings.get("own_host_bytes") == in_host
     assert bool(list(img.glob(names.OWN_MEMORY_INDEXES))) is taken
-    assert timings.get("own_left_bytes") == (VMM_BYTES if "POS_FAKECUDA_FREE_MIB" in setting
-                                             else None)
+    if taken:
+        assert written(img, pair.owner) == SEVEN * (VMM_BYTES // len(SEVEN))
     shares_the_owners_memory(pair)
 
 
@@ -144,7 +147,7 @@ def test_a_process_alone_has_its_own_memory_taken_and_frees_it_as_pytorch_does(
             "--leave-running", "--json", env=gpu_env)
     assert r.returncode == 0, r.stderr
     timings = json.loads(r.stdout)["timings"]
-    assert timings["own_taken_bytes"] == VMM_BYTES and "own_left_bytes" not in timings
+    assert timings["own_taken_bytes"] == VMM_BYTES and timings["own_host_bytes"] == 0
     index, data = names.own_memory(None)
     assert (img / data).read_bytes()[:16] == SEVEN and (img / index).is_file()
     with Agent(owner.pid) as a:
@@ -157,28 +160,46 @@ def test_a_process_alone_has_its_own_memory_taken_and_frees_it_as_pytorch_does(
     assert (st.own_maps, st.own_bytes, st.peer_lost) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("setting", [{"POS_OWN_MEMORY_ON_GPU": "0"},
-                                     {"POS_FAKECUDA_FREE_MIB": "1"}], ids=["off", "no-room"])
-def test_a_process_alone_keeps_its_own_through_the_driver_when_asked_or_without_room(
-        peer_job, tmp_path: Path, gpu_env, criu_ready, setting) -> None:
-    """With POS_OWN_MEMORY_ON_GPU=0, or where its GPU has no room to copy it at the cut, a
-    process alone keeps its own memory through the driver's checkpoint, as before; asked not
-    to take it, pos makes no context of its own for a process that owns nothing else."""
+def test_a_process_alone_keeps_its_own_through_the_driver_when_asked(
+        peer_job, tmp_path: Path, gpu_env, criu_ready) -> None:
+    """With POS_OWN_MEMORY_ON_GPU=0 a process alone keeps its own memory through the driver's
+    checkpoint, as before; asked not to take it, pos makes no context of its own for a process
+    that owns nothing else."""
     owner = peer_job("own")
     img = tmp_path / "img"
     r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent",
-            "--leave-running", "--json", env={**gpu_env, **setting})
+            "--leave-running", "--json", env={**gpu_env, "POS_OWN_MEMORY_ON_GPU": "0"})
     assert r.returncode == 0, r.stderr
     timings = json.loads(r.stdout)["timings"]
-    assert "own_taken_bytes" not in timings
+    assert "own_taken_bytes" not in timings and "context" not in timings
     assert not list(img.glob(names.OWN_MEMORY_INDEXES))
-    if "POS_OWN_MEMORY_ON_GPU" in setting:
-        assert "context" not in timings and "own_left_bytes" not in timings
-    else:
-        assert timings["own_left_bytes"] == VMM_BYTES
     with Agent(owner.pid) as a:
         st = a.status()
     assert (st.own_maps, st.own_kept, st.imported) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("free_mib, in_host", [("1", VMM_BYTES), ("1025", VMM_BYTES // 2)],
+                         ids=["no-room", "room-for-half"])
+def test_a_process_alone_without_room_on_its_gpu_is_copied_into_host_memory_and_restored(
+        peer_job, tmp_path: Path, gpu_env, criu_ready, free_mib: str, in_host: int) -> None:
+    """Where its GPU has no room for all of its own memory (PyTorch's expandable segments
+    filling the GPU), a process alone has the rest copied into host memory at the cut rather
+    than kept by the driver; ended and restored, it has all of it back at its address."""
+    owner = peer_job("own")
+    with Agent(owner.pid) as a:
+        va = a.exports()[0].va
+    img = tmp_path / "img"
+    env = {**gpu_env, "POS_FAKECUDA_FREE_MIB": free_mib}
+    r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    timings = json.loads(r.stdout)["timings"]
+    assert (timings["own_taken_bytes"], timings["own_host_bytes"]) == (VMM_BYTES, in_host)
+    assert timings["own_host_planned_bytes"] == in_host
+    owner.proc.wait(timeout=30)
+    r = pos("restore", "-D", str(img), env=gpu_env)
+    assert r.returncode == 0, r.stderr
+    with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
+        assert os.pread(mem.fileno(), VMM_BYTES, va) == SEVEN * (VMM_BYTES // len(SEVEN))
 
 
 @pytest.mark.parametrize("setting", ["1", "0"], ids=["taken", "driver"])

@@ -60,27 +60,30 @@ def timed_into(timings: dict[str, float]) -> ownmem.Timed:
     return timed
 
 
-@pytest.mark.parametrize("where", ["ready", "device", "host"])
+@pytest.mark.parametrize("where", ["ready", "device", "host", "split"])
 def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tmp_path: Path,
                                                               monkeypatch, where: str) -> None:
     """The take copies the memory while the job is held (into device memory made before the
-    cut, through the export and mapping made then too; or at the take where pos's shadow rule
-    leaves room, else into host memory); the image is written later, once the job runs and
-    writes its memory again: it gets the bytes of the take."""
+    cut, through the export and mapping made then too; or at the take as far as pos's shadow
+    rule leaves room, the rest into host memory); the image is written later, once the job
+    runs and writes its memory again: it gets the bytes of the take."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
     made = ownmem.ready(agent, drv, 0, agent.status().own_bytes) if where == "ready" else None
-    if where == "host":
-        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
+    if where in ("host", "split"):
+        room = 0 if where == "host" else VMM_BYTES // 2 - 4096
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: room)
     agent.cut(5)
     timings: dict[str, float] = {}
     shadow, fds = (made.shadow, list(made.fds)) if made else (None, [])
     taken = ownmem.take(agent, drv, 0, timed_into(timings), made)
     try:
-        assert set(timings) == ({"own_export", "own_copy"} if made else
-                                {"own_export", "own_map", "own_copy"})
-        assert (taken.shadow is not None, taken.host is not None) == (where != "host",
-                                                                      where == "host")
+        assert set(timings) == ({"own_export"} | ({"own_map"} if made is None else set())
+                                | ({"own_copy"} if where != "host" else set())
+                                | ({"own_host"} if where in ("host", "split") else set()))
+        assert (taken.shadow is not None, bool(taken.host)) == (where != "host",
+                                                                where in ("host", "split"))
+        assert taken.bytes - taken.on_device == sum(len(p) for run in taken.host for p in run)
         assert made is None or (taken.shadow is shadow and taken.fds == fds
                                 and (made.shadow, made.fds, made.mem) == (None, [], None))
         agent.stamp(taken.regions[0].va, os.urandom(16))     # the job writes after the take
@@ -88,28 +91,30 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
         agent.unstamp()
         assert ownmem.saved(tmp_path, 7) == taken.regions
         data = written(tmp_path, 7)
-        assert len(data) == taken.bytes and data[:16] == SEVEN
-        assert (taken.shadow, taken.host) == (None, None)      # pos's copy let go
+        assert data[16:] == SEVEN * (VMM_BYTES // len(SEVEN) - 1)
+        assert data[:16] == SEVEN       # not what the job wrote after the take
+        assert (taken.shadow, taken.host) == (None, [])      # pos's copy let go
     finally:
         taken.close()
         agent.end()
         agent.close()
 
 
-def test_memory_made_before_the_cut_too_small_for_the_take_is_let_go(peer_job, drv) -> None:
-    """The job made more of its own memory after the reservation: the take copies into device
-    memory made at the take, and the reservation is freed."""
+def test_memory_made_before_the_cut_too_small_for_the_take_holds_its_first_bytes(
+        peer_job, drv) -> None:
+    """The job made more of its own memory after the reservation (or the GPU had room for only
+    some): the take copies what the reservation holds on the device, the rest into host
+    memory."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
     small = gpucopy.Shadow(drv, 4096)
-    freed: list[int] = []
-    close = small.close
-    small.close = lambda: (freed.append(small.ptr), close())    # type: ignore[method-assign]
     agent.cut(5)
-    taken = ownmem.take(agent, drv, 0, timed_into({}), ownmem.Ready(shadow=small))
+    timings: dict[str, float] = {}
+    taken = ownmem.take(agent, drv, 0, timed_into(timings), ownmem.Ready(shadow=small))
     try:
-        assert freed and taken.shadow is not None and taken.shadow is not small
-        assert taken.shadow.size == taken.bytes
+        assert taken.shadow is small and taken.on_device == 4096
+        assert [[len(p) for p in run] for run in taken.host] == [[VMM_BYTES - 4096]]
+        assert {"own_copy", "own_host"} <= set(timings)
     finally:
         taken.close()
         agent.end()
@@ -117,21 +122,22 @@ def test_memory_made_before_the_cut_too_small_for_the_take_is_let_go(peer_job, d
 
 
 def test_no_room_on_the_gpu_reserves_no_device_memory(peer_job, drv, monkeypatch) -> None:
-    """Where pos's shadow rule leaves the GPU too little room, the take's device memory is not
-    made before the cut, but the job's own memory is still exported and mapped; with nothing
-    to take, nothing is asked of the job."""
+    """Where pos's shadow rule leaves the GPU no room, the take's device memory is not made
+    before the cut, but the job's own memory is still exported and mapped; where it leaves
+    some, as much as that; with nothing to take, nothing is asked of the job."""
     agent = Agent(peer_job("own").pid)
     try:
-        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
         none = ownmem.ready(agent, drv, 0, 2 << 20)
         assert none.shadow is None and none.bytes == VMM_BYTES and none.mem is not None
         none.close()
         assert (none.fds, none.mem) == ([], None)
         nothing = ownmem.ready(None, drv, 0, 0)     # type: ignore[arg-type]  # never asked
         assert (nothing.shadow, nothing.regions, nothing.fds) == (None, [], [])
-        made = ownmem.ready(agent, drv, 0, 1 << 20)
-        assert made.shadow is not None and made.shadow.size == 1 << 20
-        made.close()
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
+        some = ownmem.ready(agent, drv, 0, 2 << 20)     # as much as there is room for
+        assert some.shadow is not None and some.shadow.size == 1 << 20
+        some.close()
     finally:
         agent.close()
 
@@ -196,28 +202,30 @@ def filled(drv, regions: list[ownmem.Region], folder: Path, want: bytes) -> None
 def test_allocations_of_several_sizes_are_written_each_whole_in_order(
         drv, tmp_path: Path, monkeypatch, piece: int, sizes: tuple[int, ...]) -> None:
     """NCCL's buffers come in several sizes, most below a piece: each is written whole, in the
-    index's order, whether the take left its copy on the device (in parts, a thread each) or
-    in host memory; a restore makes them anew and fills them with those bytes, chunks of the
+    index's order, whether the take left its copy on the device (in parts, a thread each), in
+    host memory (a part each of its runs) or the first on the device and the rest in host
+    memory; a restore makes them anew and fills them with those bytes, chunks of the
     manifest's (here smaller than a piece, and across the allocations) checked as read."""
     monkeypatch.setattr(ownmem, "PIECE", piece)
     monkeypatch.setattr(ownmem.filehash, "workers", lambda: 4)
     monkeypatch.setattr(image, "CHUNK_BYTES", 3 * MIB // 2)
     regions = [ownmem.Region((i + 1) << 40, n, 0) for i, n in enumerate(sizes)]
     want = os.urandom(sum(sizes))
-    for where in ("device", "host"):
+    for where, on_device in (("device", len(want)), ("host", 0), ("split", 3 * MIB)):
         folder = image.prepare(tmp_path / where, 0)
         taken = ownmem.Taken(regions, [])
-        if where == "device":
-            taken.shadow = gpucopy.Shadow(drv, len(want))
-            drv.cuMemcpyHtoD_v2(taken.shadow.ptr, C.c_char_p(want), len(want))
-        else:
-            taken.host = bytearray(want)
+        if on_device:
+            taken.shadow = gpucopy.Shadow(drv, on_device)
+            drv.cuMemcpyHtoD_v2(taken.shadow.ptr, C.c_char_p(want), on_device)
+        rest = want[on_device:]     # two runs, the second of two pieces
+        taken.host = [[bytearray(rest[:MIB])], [bytearray(rest[MIB:2 * MIB]),
+                                                bytearray(rest[2 * MIB:])]] if rest else []
         taken.write(drv, folder, None)
         folder, _ = sealed(folder)
         assert ownmem.saved(folder, None) == regions
         assert written(folder, None) == want, where
-        parts = len(list(folder.glob("own-memory*.bin")))
-        assert parts == (1 if where == "host" else min(4, sum(-(-n // piece) for n in sizes)))
+        parts = len(list(folder.glob("own-memory*.bin")))    # the device's pieces, a run each
+        assert parts == min(4, -(-on_device // piece)) + (2 if on_device < len(want) else 0)
         filled(drv, regions, folder, want)
 
 

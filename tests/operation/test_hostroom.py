@@ -45,6 +45,23 @@ def test_a_host_that_cannot_hold_it_is_refused(in_memory: bool, spare: int,
     assert ("CRIU would write it again" in said) is in_memory
 
 
+def test_what_pos_copies_into_host_memory_counts_beside_what_the_driver_brings() -> None:
+    """The job's own memory that the GPU has no room for is copied into host memory while the
+    job is held: counted with the driver's, once (each piece is let go once in the image),
+    and named apart in the sentence."""
+    hostroom.check(4 * GIB, "pools", False, 10 * GIB, FIX, copied=6 * GIB)
+    with pytest.raises(BadInput) as e:
+        hostroom.check(4 * GIB, "pools", False, 10 * GIB - 1, FIX, copied=6 * GIB)
+    assert str(e.value).startswith("the driver's checkpoint would bring 4.0 GiB of pools into "
+                                   "host memory and pos would copy 6.0 GiB of the job's own "
+                                   "memory")
+    hostroom.check(0, "pools", True, 6 * GIB, FIX, copied=6 * GIB)
+    with pytest.raises(BadInput) as e:
+        hostroom.check(0, "pools", True, 5 * GIB, FIX, copied=6 * GIB)
+    said = str(e.value)
+    assert said.startswith("pos would copy 6.0 GiB") and "6.0 GiB, where the host" in said
+
+
 def test_nothing_brought_is_never_refused() -> None:
     hostroom.check(0, "the job's device memory", True, -GIB, FIX)
 
