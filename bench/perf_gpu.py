@@ -64,6 +64,10 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "driver": facts["driver"], "commit": facts["commit"], "date": facts["date"],
         "command": facts["command"],
         "job_gb": r(rep["bytes"] / GB, 2) if rep else None, "ranks": 1,
+        # the job's own cuMem memory (PyTorch's expandable segments) taken at the cut, and of
+        # it what was copied into host memory while it was held (no room on the GPU)
+        "own_taken_gb": r(tim["own_taken_bytes"] / GB, 2) if "own_taken_bytes" in tim else None,
+        "own_host_gb": r(tim["own_host_bytes"] / GB, 2) if "own_host_bytes" in tim else None,
         "one_rank_stall_s": stalled, "bit_exact": exact,
         "to_cut_s": r(tim.get("to_cut")), "stall_s": stalled,
         "pos_held_s": r(rep.get("release_s")),
