@@ -202,3 +202,34 @@ def test_an_export_before_the_cut_serves_the_take_while_the_memory_is_the_same(p
         let_go(agents)
     with open(f"/proc/{owner.pid}/mem", "rb", buffering=0) as mem:
         assert os.pread(mem.fileno(), 16, early.vas[0]) == SEVEN
+
+
+def test_a_request_gets_every_descriptor_it_announces_past_4096(peer_job) -> None:
+    """The agent keeps every descriptor a request announces, however many: a job with
+    PyTorch's expandable segments at 60% of an H200 gave its own memory up in 4,561 pieces,
+    and the agent, with room for 4,096, had the job end rather than run without them
+    (bench/results/2026-12-01.md). Here 5,000 descriptors for the one allocation taken: the
+    agent counts them all and refuses the count, at once."""
+    from pos.process import fdroom
+
+    n = 5000
+    fdroom.make(n + 64)
+    owner = peer_job("own")
+    with Agent(owner.pid) as a:
+        room = a.room(n + 64)
+        if room.room < room.top + n:
+            pytest.skip(f"this host's limit of open files ({room.room}) is below {n} "
+                        "descriptors; raise the hard RLIMIT_NOFILE to run this test")
+        a.cut(5)
+        for fd in a.own_take().fds:
+            os.close(fd)
+        fds = [os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC) for _ in range(n)]
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(Refused, match=f"after 0 of {n}"):
+                a.own_up(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert time.monotonic() - t0 < 10          # not the wait for descriptors never sent
+        a.end()

@@ -266,8 +266,9 @@ struct conn {
     ino_t ino; /* reuses the number must not leave the agent reading whatever it is now */
     char buf[65536];
     size_t len;
-    int fds[4096]; /* received descriptors not yet consumed, in order */
-    size_t nfds;
+    int *fds; /* received descriptors not yet consumed, in order: grown as they come (a job's
+               * own memory with PyTorch's expandable segments comes in thousands of pieces) */
+    size_t nfds, capfds;
 };
 
 int rx(struct conn *c, int timeout_ms);

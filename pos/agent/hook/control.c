@@ -237,7 +237,9 @@ static void serve(int fd) {
             fail(c, "unknown request");
     }
     for (size_t i = 0; i < c->nfds; i++)
-        close(c->fds[i]);
+        if (c->fds[i] >= 0)
+            close(c->fds[i]);
+    free(c->fds);
     if (fd >= 0)
         close(fd);
     free(c);

@@ -56,9 +56,15 @@ int rx(struct conn *c, int timeout_ms) {
             size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
             int *f = (int *)CMSG_DATA(h);
             for (size_t i = 0; i < k; i++) {
-                if (c->nfds < sizeof(c->fds) / sizeof(*c->fds))
+                if (c->nfds == c->capfds) {
+                    size_t cap = c->capfds ? 2 * c->capfds : 1024;
+                    int *more = realloc(c->fds, cap * sizeof(*more));
+                    if (more)
+                        c->fds = more, c->capfds = cap;
+                }
+                if (c->nfds < c->capfds)
                     c->fds[c->nfds++] = f[i];
-                else
+                else /* no memory for it: the request finds fewer than it announced */
                     close(f[i]);
             }
         }
