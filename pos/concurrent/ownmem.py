@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import ctypes as C
 import json
+import mmap
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,7 +67,7 @@ class Taken:
     def __init__(self, regions: list[Region], fds: list[int]) -> None:
         self.regions, self.fds = regions, fds
         self.shadow: Optional[gpucopy.Shadow] = None
-        self.host: list[list[bytearray]] = []
+        self.host: list[list[mmap.mmap]] = []
 
     @property
     def bytes(self) -> int:
@@ -94,7 +95,10 @@ class Taken:
             with open(folder / names.own_memory_part(pid, len(runs) + k), "wb",
                       buffering=0) as f:
                 while run:
-                    _write_all(f, memoryview(run.pop(0)))    # let go once written
+                    piece = run.pop(0)
+                    with memoryview(piece) as view:
+                        _write_all(f, view)
+                    piece.close()           # let go once written
 
         # what is in host memory first, each piece let go once written: where the image is
         # kept in memory the host never holds it twice
@@ -110,6 +114,9 @@ class Taken:
         """pos's copy of the bytes let go (the context `take` ran in current)."""
         if self.shadow is not None:
             self.shadow.close()
+        for run in self.host:
+            for piece in run:
+                piece.close()
         self.shadow, self.host = None, []
 
     def close(self) -> None:
@@ -134,6 +141,7 @@ class Ready:
     serials: list[int] = field(default_factory=list)     # the agent's, of each mapping
     fds: list[int] = field(default_factory=list)
     mem: Optional["gpucopy.Imported"] = None
+    staging: Optional["gpucopy.Pinned"] = None    # for what the shadow cannot hold (_to_host)
 
     @property
     def bytes(self) -> int:
@@ -148,13 +156,16 @@ class Ready:
             os.close(fd)
         if self.shadow is not None:
             self.shadow.close()
-        self.mem, self.fds, self.shadow = None, [], None
+        if self.staging is not None:
+            self.staging.close()
+        self.mem, self.fds, self.shadow, self.staging = None, [], None, None
 
 
 def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
     """The device memory for a take's copy of `size` bytes, as much of it as pos's shadow rule
-    leaves the GPU room for, and the job's own allocations exported and mapped; nothing where
-    there is nothing to take."""
+    leaves the GPU room for (and the page-locked memory through which the rest goes to host
+    memory), and the job's own allocations exported and mapped; nothing where there is nothing
+    to take."""
     from pos.concurrent import gpucopy
 
     if not size:
@@ -169,6 +180,8 @@ def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
         if out.regions:
             out.mem = gpucopy.Imported(drv, _buffers(out.regions), out.fds)
         out.shadow = _shadow(drv, size)
+        if size > (out.shadow.size if out.shadow is not None else 0):
+            out.staging = _staging(drv)
     except BaseException:
         out.close()
         raise
@@ -202,6 +215,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
         taken.close()
         raise
     shadow, made.shadow = made.shadow, None
+    staging, made.staging = made.staging, None
     made.close()        # what the take does not use: the job's allocations changed since
     if shadow is not None and not taken.regions:
         shadow.close()       # nothing to copy
@@ -214,9 +228,11 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
             mem = timed("own_map", lambda: gpucopy.Imported(drv, _buffers(taken.regions),
                                                             taken.fds))
         try:
-            _copy(drv, taken, mem.local, timed)
+            _copy(drv, taken, mem.local, timed, staging)
         finally:
             mem.close()
+            if staging is not None:
+                staging.close()
     except BaseException:
         taken.close()
         raise
@@ -241,11 +257,13 @@ def _shadow(drv: "Driver", size: int) -> Optional["gpucopy.Shadow"]:
     return gpucopy.Shadow(drv, n) if n > 0 else None
 
 
-def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed) -> None:
+def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed,
+          staging: Optional["gpucopy.Pinned"]) -> None:
     """`taken`'s bytes, mapped in pos at `local`, copied while the job is held: the first into
-    its shadow (made now where it has none), the rest into host memory on threads. Left to the
-    driver's checkpoint instead, the 20 GB of a job with PyTorch's expandable segments held it
-    31 s, and at 50% of an H200 the host could not hold them (bench/results/2026-12-01.md)."""
+    its shadow (made now where it has none), the rest into host memory on threads, through
+    `staging` (made now where there is none). Left to the driver's checkpoint instead, the 20 GB
+    of a job with PyTorch's expandable segments held it 31 s, and at 50% of an H200 the host
+    could not hold them (bench/results/2026-12-01.md)."""
     from pos.concurrent import gpucopy
 
     if taken.shadow is None:
@@ -262,22 +280,52 @@ def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed) -> None:
     rest = [(at + max(0, n - offset), max(offset, n), size - max(0, n - offset))
             for at, offset, size in pieces if offset + size > n]
     if rest:
-        taken.host = timed("own_host", lambda: _to_host(drv, rest))
+        taken.host = timed("own_host", lambda: _to_host(drv, rest, staging))
 
 
-def _to_host(drv: "Driver", work: list[tuple[int, int, int]]) -> list[list[bytearray]]:
+def _staging(drv: "Driver") -> "gpucopy.Pinned":
+    """Page-locked memory for MOVERS threads, PIECE bytes each."""
+    from pos.concurrent import gpucopy
+
+    return gpucopy.Pinned(drv, _threads(MOVERS) * PIECE)
+
+
+def _to_host(drv: "Driver", work: list[tuple[int, int, int]],
+             staging: Optional["gpucopy.Pinned"]) -> list[list[mmap.mmap]]:
     """The pieces of `work` (an address in pos, a place in the data, bytes) copied into host
-    memory, on threads: one run of them after another, a thread each (written into the image
-    as a part of its own), each piece into a buffer of its own (let go once written)."""
-    runs = _split(work, _threads(len(work)))
-    host = [[bytearray(n) for _, _, n in run] for run in runs]
+    memory, on threads, each through PIECE bytes of `staging` (made here where it is None) of
+    its own: one run of them after another, a thread each (written into the image as a part
+    of its own), each piece into anonymous memory of its own (let go once written). Copied by
+    the driver straight into pageable memory, 13.2 GB on 16 threads came at 1.7 GB/s, and held
+    the job 7.6 s (bench/results/2026-12-01.md)."""
+    made = staging is None
+    pinned = staging if staging is not None else _staging(drv)
+    try:
+        runs = _split(work, min(_threads(len(work)), pinned.size // PIECE))
+        host = [[_anonymous(n) for _, _, n in run] for run in runs]
 
-    def copy(k: int) -> None:
-        for (at, _offset, n), into in zip(runs[k], host[k]):
-            drv.cuMemcpyDtoH_v2(C.addressof((C.c_char * n).from_buffer(into)), at, n)
+        def copy(k: int) -> None:
+            bounce = pinned.ptr + k * PIECE
+            for (at, _offset, n), into in zip(runs[k], host[k]):
+                drv.cuMemcpyDtoH_v2(bounce, at, n)
+                C.memmove(C.addressof(C.c_char.from_buffer(into)), bounce, n)
 
-    _with_context(drv, len(runs), copy)
+        _with_context(drv, len(runs), copy)
+    finally:
+        if made:
+            pinned.close()
     return host
+
+
+def _anonymous(n: int) -> mmap.mmap:
+    """`n` bytes of anonymous memory, on transparent huge pages where the kernel has them (16
+    threads faulted such pages in at 38 GB/s on the H200 host, bench/results/2026-11-28-perf),
+    and left out of the children pos forks (CRIU)."""
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_DONTFORK)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return m
 
 
 def _buffers(regions: list[Region]) -> list[Buffer]:

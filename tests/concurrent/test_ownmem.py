@@ -4,6 +4,7 @@ tests/agent/test_own_fake.py and tests/agent/test_peer_checkpoint_fake.py."""
 
 import ctypes as C
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -176,6 +177,13 @@ def written(folder: Path, pid: Optional[int]) -> bytes:
 MIB = 1 << 20
 
 
+def anonymous(data: bytes) -> mmap.mmap:
+    """A piece of a take's copy in host memory, holding `data`."""
+    m = mmap.mmap(-1, len(data))
+    m[:] = data
+    return m
+
+
 def sealed(folder: Path) -> tuple[Path, image.Manifest]:
     """The image in `folder` (made by image.prepare), sealed as pos seals one, and its manifest."""
     done = image.seal(folder, manifest())
@@ -218,8 +226,8 @@ def test_allocations_of_several_sizes_are_written_each_whole_in_order(
             taken.shadow = gpucopy.Shadow(drv, on_device)
             drv.cuMemcpyHtoD_v2(taken.shadow.ptr, C.c_char_p(want), on_device)
         rest = want[on_device:]     # two runs, the second of two pieces
-        taken.host = [[bytearray(rest[:MIB])], [bytearray(rest[MIB:2 * MIB]),
-                                                bytearray(rest[2 * MIB:])]] if rest else []
+        taken.host = [[anonymous(rest[:MIB])], [anonymous(rest[MIB:2 * MIB]),
+                                                anonymous(rest[2 * MIB:])]] if rest else []
         taken.write(drv, folder, None)
         folder, _ = sealed(folder)
         assert ownmem.saved(folder, None) == regions
