@@ -85,6 +85,9 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
         assert (taken.shadow is not None, bool(taken.host)) == (where != "host",
                                                                 where in ("host", "split"))
         assert taken.bytes - taken.on_device == sum(len(p) for run in taken.host for p in run)
+        # pos's mapping of the job's memory (and the copy's page-locked memory) let go only
+        # with the copy, once the job runs again: not while it is held
+        assert any(isinstance(m, gpucopy.Imported) for m in taken.later)
         assert made is None or (taken.shadow is shadow and taken.fds == fds
                                 and (made.shadow, made.fds, made.mem) == (None, [], None))
         agent.stamp(taken.regions[0].va, os.urandom(16))     # the job writes after the take
@@ -94,7 +97,7 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
         data = written(tmp_path, 7)
         assert data[16:] == SEVEN * (VMM_BYTES // len(SEVEN) - 1)
         assert data[:16] == SEVEN       # not what the job wrote after the take
-        assert (taken.shadow, taken.host) == (None, [])      # pos's copy let go
+        assert (taken.shadow, taken.host, taken.later) == (None, [], [])   # let go
     finally:
         taken.close()
         agent.end()
