@@ -121,12 +121,15 @@ class OwnExport:
     """The job's own allocations that can be taken (own-export, own-take), in `exports` order:
     their addresses and serials, and descriptors the caller owns. `same`: an own-take given
     the serials of an own-export made before the cut found them unchanged, and sent no
-    descriptors: the earlier ones name this memory."""
+    descriptors: the earlier ones name this memory. `fresh`: where an own-take kept those it
+    was given that are still there, the places (in `vas`) of the others, one descriptor each,
+    in order (None: one for each, or none where `same`)."""
 
     vas: list[int]
     serials: list[int]
     fds: list[int]
     same: bool
+    fresh: Optional[list[int]] = None
 
 
 @dataclass(frozen=True)
@@ -559,16 +562,19 @@ class Agent:
 
     def own_take(self, serials: Optional[list[int]] = None) -> OwnExport:
         """The job's own allocations that can be taken, marked for own-down: a fresh export of
-        each, unless `serials` (an own_export's) are still those allocations (`same`)."""
+        each, unless `serials` (an own_export's) are still those allocations (`same`), and
+        but for those of them still there (`fresh` names the others)."""
         given = ",".join(str(n) for n in serials or [])
         fits = 0 < len(given) < LINE_ROOM       # longer: a fresh export
-        return self._own(self._ask(f"own-take {given}" if fits else "own-take"))
+        return self._own(self._ask(f"own-take {given} keep" if fits else "own-take"))
 
     def _own(self, r: dict[str, Any]) -> OwnExport:
         # an agent older than own-export (a job started under an older pos) has no serials:
-        # its answer is always a fresh export
+        # its answer is always a fresh export; one older than `keep`, no `fresh`
+        fresh = r.get("fresh")
         return OwnExport([int(v) for v in r["vas"]], [int(n) for n in r.get("serials", [])],
-                         self._take_fds(int(r["fds"])), bool(r.get("same", False)))
+                         self._take_fds(int(r["fds"])), bool(r.get("same", False)),
+                         None if fresh is None else [int(i) for i in fresh])
 
     def own_down(self) -> int:
         """The job's own allocations unmapped and its handles released (what own-take gave

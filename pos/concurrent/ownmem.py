@@ -207,16 +207,24 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     from pos.concurrent import gpucopy
 
     made = made or Ready()
-    mem: Optional[gpucopy.Imported] = None
     taken = Taken([], [])
+    local: list[int] = []        # where pos maps each region
+    fresh: list[int] = []        # the regions exported now, to be mapped: their places
     try:
         got = timed("own_export", lambda: agent.own_take(made.serials))
         if got.same:
             taken.regions, taken.fds = made.regions, made.fds
-            mem, made.fds, made.mem = made.mem, [], None
+            made.fds = []
+            if made.mem is not None:
+                local = list(made.mem.local)
+                taken.later.append(made.mem)
+                made.mem = None
+        elif got.fresh is not None and made.mem is not None:
+            local, fresh = _kept(agent, made, got, taken, device)
         else:
             taken.fds = got.fds          # closed with the take whatever happens next
             taken.regions = _regions(agent, got.vas, device)
+            fresh = list(range(len(taken.regions)))
     except BaseException:
         made.close()
         taken.close()
@@ -233,15 +241,61 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     if not taken.regions:     # none the driver would export: its checkpoint keeps them
         return taken
     try:
-        if mem is None:
-            mem = timed("own_map", lambda: gpucopy.Imported(drv, _buffers(taken.regions),
-                                                            taken.fds))
-        taken.later.append(mem)
-        _copy(drv, taken, mem.local, timed, staging)
+        if fresh:
+            mem = timed("own_map", lambda: gpucopy.Imported(
+                drv, _buffers([taken.regions[i] for i in fresh]), [taken.fds[i] for i in fresh]))
+            taken.later.append(mem)
+            local = local or [0] * len(taken.regions)
+            for i, at in zip(fresh, mem.local):
+                local[i] = at
+        _copy(drv, taken, local, timed, staging)
     except BaseException:
         taken.close()
         raise
     return taken
+
+
+def _kept(agent: Agent, made: Ready, got: OwnExport, taken: Taken,
+          device: int) -> tuple[list[int], list[int]]:
+    """An own-take that kept the allocations `made` exported before the cut that are still
+    there, and exported the others (`got.fresh`): into `taken`, every region and its
+    descriptor, those of `made` moved (its mapping with them, let go once the job runs again),
+    the rest of its descriptors closed; where pos maps each region (0: not yet), and the places
+    of the fresh ones. Refused, with `got`'s descriptors closed, where the agent kept one pos
+    did not export."""
+    assert made.mem is not None     # the caller's test
+    before = {serial: k for k, serial in enumerate(made.serials)}
+    fresh = sorted(set(got.fresh or []))
+    anew = set(fresh)
+    sizes = {a.va: a.size for a in agent.exports()} if fresh else {}
+    if any(got.vas[i] not in sizes for i in fresh) or \
+            any(serial not in before for i, serial in enumerate(got.serials)
+                if i not in anew) or len(got.fds) != len(fresh):
+        for fd in got.fds:
+            os.close(fd)
+        raise PosError(f"the agent of process {agent.pid} answered an own-take with allocations "
+                       "pos did not export before the cut", "take the checkpoint again")
+    fds = iter(got.fds)
+    used: set[int] = set()
+    local: list[int] = []
+    for i, (va, serial) in enumerate(zip(got.vas, got.serials)):
+        if i in anew:
+            taken.regions.append(Region(va, sizes[va], device))
+            taken.fds.append(next(fds))
+            local.append(0)
+        else:
+            k = before[serial]
+            used.add(k)
+            taken.regions.append(made.regions[k])
+            taken.fds.append(made.fds[k])
+            local.append(made.mem.local[k])
+    for k, fd in enumerate(made.fds):        # gone since the export
+        if k not in used:
+            os.close(fd)
+    made.fds = []
+    taken.later.append(made.mem)
+    made.mem = None
+    return local, fresh
 
 
 def _regions(agent: Agent, vas: list[int], device: int) -> list[Region]:

@@ -169,6 +169,33 @@ def test_a_job_whose_own_memory_changed_since_the_export_is_exported_again(
         agent.close()
 
 
+def test_a_job_that_mapped_more_since_the_export_has_only_that_exported_again(
+        peer_job, drv, tmp_path: Path) -> None:
+    """The job mapped one more piece after the export before the cut (PyTorch's expandable
+    segments grow so): the take keeps the descriptor and mapping of the piece exported before
+    and exports and maps only the new one; the image holds both."""
+    owner = peer_job("own")
+    agent = Agent(owner.pid)
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes)
+    early, first = list(made.fds), made.mem
+    (Path(owner.proc.args[-1]) / "more").touch()
+    owner.printed("MORE")
+    agent.cut(5)
+    timings: dict[str, float] = {}
+    taken = ownmem.take(agent, drv, 0, timed_into(timings), made)
+    try:
+        assert len(taken.regions) == 2 and taken.fds[0] == early[0]
+        assert taken.fds[1] not in early and made.fds == []
+        assert "own_map" in timings and first in taken.later and len(taken.later) == 2
+        taken.write(drv, tmp_path, None)
+        eights = bytes([8, 0, 0, 0]) * (VMM_BYTES // 4)
+        assert written(tmp_path, None) == SEVEN * (VMM_BYTES // len(SEVEN)) + eights
+    finally:
+        taken.close()
+        agent.end()
+        agent.close()
+
+
 def written(folder: Path, pid: Optional[int]) -> bytes:
     """The data parts of an image's own memory, one after another."""
     data, k = b"", 0

@@ -8,7 +8,8 @@
  *                           "PID FD"; at DIR/export it exports the handle it made again, as
  *                           NCCL does for a peer that connects later: "DIR/owner2"; at
  *                           DIR/free it unmaps the memory, then releases the handle it made,
- *                           as PyTorch's expandable segments do: "FREED"
+ *                           as PyTorch's expandable segments do: "FREED"; at DIR/more it maps
+ *                           2 MiB more filled with 8, as those segments grow: "MORE"
  *   peer_job import DIR     import DIR/owner's memory, map it, read it back (7); then at
  *                           DIR/release cuMemRelease (the mapping stays), at DIR/unmap cuMemUnmap
  *   peer_job ipc-own DIR    cuMemAlloc 1 MiB filled with 9 (plain driver memory: run it with
@@ -110,23 +111,35 @@ static unsigned read_back(CUdeviceptr p, size_t n) {
 
 static const CUmemAccessDesc rw = {{1, 0}, 3};
 
-static void own(void) {
+/* VMM_BYTES of the job's own, made, mapped and filled with `fill`: its handle into *h. */
+static CUdeviceptr own_map(unsigned fill, CUmemGenericAllocationHandle *h) {
     CUmemAllocationProp prop = {.type = 1, .requestedHandleTypes = 1, .location = {1, 0}};
-    CUmemGenericAllocationHandle h;
     CUdeviceptr va;
-    int fd;
-    CHECK(cuMemCreate(&h, VMM_BYTES, &prop, 0));
+    CHECK(cuMemCreate(h, VMM_BYTES, &prop, 0));
     CHECK(cuMemAddressReserve(&va, VMM_BYTES, 0, 0, 0));
-    CHECK(cuMemMap(va, VMM_BYTES, 0, h, 0));
+    CHECK(cuMemMap(va, VMM_BYTES, 0, *h, 0));
     CHECK(cuMemSetAccess(va, VMM_BYTES, &rw, 1));
-    CHECK(cuMemsetD32_v2(va, 7, VMM_BYTES / 4));
+    CHECK(cuMemsetD32_v2(va, fill, VMM_BYTES / 4));
+    return va;
+}
+
+static void own(void) {
+    CUmemGenericAllocationHandle h, more;
+    CUdeviceptr va = own_map(7, &h);
+    int fd, grown = 0;
     CHECK(cuMemExportToShareableHandle(&fd, h, 1, 0));
     char line[64];
     int n = snprintf(line, sizeof(line), "%d %d\n", getpid(), fd);
     publish("owner", line, (size_t)n);
     ready();
-    while (!exists("stop") && !exists("export") && !exists("free"))
+    while (!exists("stop") && !exists("export") && !exists("free")) {
+        if (!grown && exists("more")) {
+            own_map(8, &more);
+            grown = 1;
+            say("MORE");
+        }
         usleep(1000);
+    }
     if (exists("stop"))
         return;
     if (exists("free")) {

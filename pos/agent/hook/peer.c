@@ -695,24 +695,41 @@ static void listed(size_t k, size_t n, char *vas, size_t *at, char *serials, siz
     *sat += (size_t)snprintf(serials + *sat, 24, "%s%lu", n > 1 ? "," : "", owns[k].serial);
 }
 
+static int by_serial(const void *a, const void *b) {
+    unsigned long x = *(const unsigned long *)a, y = *(const unsigned long *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* A fresh export of each takeable allocation, in `exports` order, answered with their count,
- * bytes, addresses and serials, then the descriptors; `take`: marked for own-down. */
-static void export_takeable(struct conn *c, int take) {
+ * bytes, addresses and serials, then the descriptors; `take`: marked for own-down. `known`
+ * (sorted, `nknown` of them; NULL: none): the serials of allocations pos holds a descriptor of
+ * already, which are marked but not exported again; the answer's `fresh` then lists the
+ * places (in its addresses) of those that are, in order. */
+static void export_takeable(struct conn *c, int take, const unsigned long *known,
+                            size_t nknown) {
     pthread_mutex_lock(&mu);
     int *fds = calloc(nowns ? nowns : 1, sizeof(int));
     char *vas = calloc(nowns ? nowns : 1, 24), *serials = calloc(nowns ? nowns : 1, 24);
-    CUresult r = fds && vas && serials ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
-    size_t n = 0, bytes = 0, at = 0, sat = 0;
+    char *fresh = calloc(nowns ? nowns : 1, 24);
+    CUresult r = fds && vas && serials && fresh ? use_context() : CUDA_ERROR_OUT_OF_MEMORY;
+    size_t n = 0, nfd = 0, bytes = 0, at = 0, sat = 0, fat = 0;
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
         int fd = -1;
         if (take)
             owns[k].taken = 0;
-        if (!takeable(k) || export_own(k, &fd) != CUDA_SUCCESS)
+        if (!takeable(k))
+            continue;
+        int kept = known && bsearch(&owns[k].serial, known, nknown, sizeof(*known), by_serial);
+        if (!kept && export_own(k, &fd) != CUDA_SUCCESS)
             continue;
         if (take)
             owns[k].taken = 1;
-        fds[n++] = fd, bytes += owns[k].size;
+        bytes += owns[k].size, n++;
         listed(k, n, vas, &at, serials, &sat);
+        if (!kept) {
+            fds[nfd++] = fd;
+            fat += (size_t)snprintf(fresh + fat, 24, "%s%zu", fat ? "," : "", n - 1);
+        }
     }
     pthread_mutex_unlock(&mu);
     if (r != CUDA_SUCCESS) {
@@ -720,14 +737,16 @@ static void export_takeable(struct conn *c, int take) {
               take ? "own-take" : "own-export", (int)r, (int)r);
     } else {
         reply(c, "{\"ok\":true,\"fds\":%zu,\"bytes\":%zu,\"vas\":[%s],\"serials\":[%s],"
-                 "\"same\":false}", n, bytes, vas, serials);
-        send_fds(c, fds, n);
+                 "\"same\":false%s%s%s}", nfd, bytes, vas, serials, known ? ",\"fresh\":[" : "",
+              known ? fresh : "", known ? "]" : "");
+        send_fds(c, fds, nfd);
     }
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < nfd; i++)
         close(fds[i]);
     free(fds);
     free(vas);
     free(serials);
+    free(fresh);
 }
 
 /* `own-export`: what own-take would export, while the job runs, marking nothing: pos imports
@@ -735,17 +754,23 @@ static void export_takeable(struct conn *c, int take) {
  * the mapping were 0.03-0.11 s of each rank's take, the ranks held, bench/results/2026-11-30.md).
  * The memory stays the job's. */
 void do_own_export(struct conn *c) {
-    export_takeable(c, 0);
+    export_takeable(c, 0, NULL, 0);
 }
 
-/* `own-take [S,S,...]`: the job's own allocations that can be taken, marked for own-down. With
- * the serials an own-export gave, and those still the takeable ones: no new export (`same`,
- * `fds: 0`): pos's descriptors from then name this memory. Else a fresh export of each. pos
- * copies them while every process is held. */
-void do_own_take(struct conn *c, const char *serials) {
+/* `own-take [S,S,... [keep]]`: the job's own allocations that can be taken, marked for
+ * own-down. With the serials an own-export gave, and those still the takeable ones: no new
+ * export (`same`, `fds: 0`): pos's descriptors from then name this memory. Else a fresh export
+ * of each; with `keep`, of each but those the serials name, whose descriptors pos holds
+ * (`fresh` lists the others: a job that mapped one more piece since, as PyTorch's expandable
+ * segments grow, had its 4,561 pieces exported and mapped again while it was held, 1.3 s of
+ * its hold, bench/results/2026-12-01.md). pos copies them while every process is held. */
+void do_own_take(struct conn *c, const char *args) {
     if (!held(c, "own-take"))
         return;
-    if (serials && *serials) {
+    size_t len = args ? strcspn(args, " \r\n") : 0;
+    int keep = args && !strncmp(args + len, " keep", 5);
+    const char *serials = len ? args : NULL;
+    if (serials) {
         pthread_mutex_lock(&mu);
         char *vas = calloc(nowns ? nowns : 1, 24), *now = calloc(nowns ? nowns : 1, 24);
         size_t n = 0, bytes = 0, at = 0, sat = 0;
@@ -755,7 +780,7 @@ void do_own_take(struct conn *c, const char *serials) {
             n++, bytes += owns[k].size;
             listed(k, n, vas, &at, now, &sat);
         }
-        int same = vas && now && strcspn(serials, "\r\n") == sat && !strncmp(serials, now, sat);
+        int same = vas && now && len == sat && !strncmp(serials, now, sat);
         for (size_t k = 0; k < nowns && same; k++)
             owns[k].taken = takeable(k);
         pthread_mutex_unlock(&mu);
@@ -767,7 +792,20 @@ void do_own_take(struct conn *c, const char *serials) {
         if (same)
             return;
     }
-    export_takeable(c, 1);
+    size_t nknown = 0;
+    unsigned long *known = NULL;
+    if (serials && keep) {
+        for (size_t i = 0; i < len; i++)
+            nknown += serials[i] == ',';
+        known = calloc(++nknown, sizeof(*known));
+        char *end = (char *)serials;
+        for (size_t i = 0; known && i < nknown; i++, end += *end == ',')
+            known[i] = strtoul(end, &end, 10);
+        if (known)
+            qsort(known, nknown, sizeof(*known), by_serial);
+    }
+    export_takeable(c, 1, known, known ? nknown : 0);
+    free(known);
 }
 
 /* `own-down`: each of the job's own allocations unmapped (its address range kept) and the
