@@ -24,6 +24,9 @@
 #                                # memory and kernel log sampled beside it (~4 min a row)
 #   bench/device.sh pin          # bench/pin_probe.py: how fast this host page-locks memory
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
+#   bench/device.sh hostcopy     # bench/hostcopy_probe.py: the copy of device memory into
+#                                # host memory while a job is held, three ways, 16 threads
+#                                # (POS_HOSTCOPY_GIB, default 16) (~1 min)
 #   bench/device.sh anon         # bench/anon_probe.py: whose is the host memory CRIU writes
 #                                # while the Llama job is frozen (its processes' smaps, while
 #                                # it trains under pos run; POS_ANON_RANKS, default 1) (~2 min)
@@ -205,6 +208,9 @@ concurrent)
 pin)
     step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
     cat "$out/pin.log" ;;
+hostcopy)
+    step hostcopy python3 bench/hostcopy_probe.py --out "$out" --gib "${POS_HOSTCOPY_GIB:-16}"
+    cat "$out/hostcopy.log" ;;
 anon)
     export NCCL_NVLS_ENABLE=0
     step anon python3 bench/anon_probe.py --out "$out" --ranks "${POS_ANON_RANKS:-1}"
