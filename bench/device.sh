@@ -26,7 +26,8 @@
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
 #   bench/device.sh hostcopy     # bench/hostcopy_probe.py: the copy of device memory into
 #                                # host memory while a job is held, three ways, 16 threads
-#                                # (POS_HOSTCOPY_GIB, default 16) (~1 min)
+#                                # (POS_HOSTCOPY_GIB, default 16; POS_HOSTCOPY_WAYS: which,
+#                                # in that order) (~1 min)
 #   bench/device.sh anon         # bench/anon_probe.py: whose is the host memory CRIU writes
 #                                # while the Llama job is frozen (its processes' smaps, while
 #                                # it trains under pos run; POS_ANON_RANKS, default 1) (~2 min)
@@ -209,7 +210,8 @@ pin)
     step pin python3 bench/pin_probe.py --out "$out" --gib "${POS_PIN_GIB:-16}"
     cat "$out/pin.log" ;;
 hostcopy)
-    step hostcopy python3 bench/hostcopy_probe.py --out "$out" --gib "${POS_HOSTCOPY_GIB:-16}"
+    step hostcopy python3 bench/hostcopy_probe.py --out "$out" --gib "${POS_HOSTCOPY_GIB:-16}" \
+        --ways "${POS_HOSTCOPY_WAYS:-bounce-halves,bounce,pageable}"
     cat "$out/hostcopy.log" ;;
 anon)
     export NCCL_NVLS_ENABLE=0

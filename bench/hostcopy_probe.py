@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--gib", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ways", default="bounce-halves,bounce,pageable",
+                    help="which, in this order (the first pays the process's first copy)")
     a = ap.parse_args()
     drv = driver()
     drv.init()
@@ -80,10 +82,11 @@ def main() -> None:
     drv.cuMemsetD8_v2(src, 7, size)
     work = [(src.value + at, at, min(ownmem.PIECE, size - at))
             for at in range(0, size, ownmem.PIECE)]
-    ways: dict[str, Way] = {"bounce-halves": halves, "bounce": bounce, "pageable": pageable}
+    known: dict[str, Way] = {"bounce-halves": halves, "bounce": bounce, "pageable": pageable}
+    ways = {name: known[name] for name in a.ways.split(",")}
     # the page-locked memory is made before the cut: not timed
     staging = ownmem._staging(drv)
-    res: dict[str, Any] = {"gib": a.gib, "threads": ownmem._threads(len(work)),
+    res: dict[str, Any] = {"gib": a.gib, "order": list(ways), "threads": ownmem._threads(len(work)),
                            "link_limit_gbps": 55.0, "rounds": []}
     for r in range(a.rounds):
         row = {}
