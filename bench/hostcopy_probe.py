@@ -6,11 +6,11 @@ above about 45% of an H200) goes there, 43 GB at 60% of the GPU. Root, on an NVI
 
 Ways, each on fresh host memory, 64 MiB pieces, 16 threads (ownmem.MOVERS), in turn:
   pageable       the driver copies each piece straight into pageable memory (a bytearray)
-  bounce         through one piece of page-locked memory a thread (made before, untimed, as
-                 pos makes it before the cut), then moved into
-                 anonymous memory on transparent huge pages
-  bounce-halves  pos's own (pos/concurrent/ownmem.py _to_host): through two halves a thread,
-                 the device copying into one while the other is moved out
+  bounce         pos's own (pos/concurrent/ownmem.py _to_host): through one piece of
+                 page-locked memory a thread (made before, untimed, as pos makes it before
+                 the cut), then moved into anonymous memory on transparent huge pages
+  bounce-halves  through two pieces a thread, the device copying into one while the other
+                 is moved out
 and the link's limit beside them. Writes DIR/hostcopy.json.
 """
 
@@ -43,24 +43,39 @@ def pageable(drv: Any, work: list[tuple[int, int, int]], _staging: Any) -> None:
     ownmem._with_context(drv, len(runs), copy)
 
 
+def move(into: Any, at_host: int, n: int) -> None:
+    C.memmove(C.addressof(C.c_char.from_buffer(into)), at_host, n)
+
+
 def bounce(drv: Any, work: list[tuple[int, int, int]], staging: Any) -> None:
-    runs = ownmem._split(work, ownmem._threads(len(work)))
-    host = [[ownmem._anonymous(n) for _, _, n in run] for run in runs]
-
-    def copy(k: int) -> None:
-        at_host = staging.ptr + k * ownmem.PIECE
-        for (at, _o, n), into in zip(runs[k], host[k]):
-            drv.cuMemcpyDtoH_v2(at_host, at, n)
-            ownmem._move(into, at_host, n)
-
-    ownmem._with_context(drv, len(runs), copy)
-    for run in host:
+    for run in ownmem._to_host(drv, work, staging):
         for m in run:
             m.close()
 
 
 def halves(drv: Any, work: list[tuple[int, int, int]], staging: Any) -> None:
-    for run in ownmem._to_host(drv, work, staging):
+    runs = ownmem._split(work, min(ownmem._threads(len(work)),
+                                   staging.size // (2 * ownmem.PIECE)))
+    host = [[ownmem._anonymous(n) for _, _, n in run] for run in runs]
+
+    def copy(k: int) -> None:
+        half = [staging.ptr + (2 * k + j) * ownmem.PIECE for j in (0, 1)]
+        s = gpucopy.stream(drv)
+        try:
+            last: Any = None      # copied, to move out
+            for j, ((at, _o, n), into) in enumerate(zip(runs[k], host[k])):
+                drv.cuMemcpyDtoHAsync_v2(half[j % 2], at, n, s)
+                if last is not None:
+                    move(*last)
+                drv.cuStreamSynchronize(s)
+                last = (into, half[j % 2], n)
+            if last is not None:
+                move(*last)
+        finally:
+            drv.raw.cuStreamDestroy_v2(s)
+
+    ownmem._with_context(drv, len(runs), copy)
+    for run in host:
         for m in run:
             m.close()
 
@@ -84,8 +99,8 @@ def main() -> None:
             for at in range(0, size, ownmem.PIECE)]
     known: dict[str, Way] = {"bounce-halves": halves, "bounce": bounce, "pageable": pageable}
     ways = {name: known[name] for name in a.ways.split(",")}
-    # the page-locked memory is made before the cut: not timed
-    staging = ownmem._staging(drv)
+    # the page-locked memory is made before the cut: not timed (two pieces a thread)
+    staging = gpucopy.Pinned(drv, ownmem._threads(ownmem.MOVERS) * 2 * ownmem.PIECE)
     res: dict[str, Any] = {"gib": a.gib, "order": list(ways), "threads": ownmem._threads(len(work)),
                            "link_limit_gbps": 55.0, "rounds": []}
     for r in range(a.rounds):

@@ -343,55 +343,38 @@ def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed,
 
 
 def _staging(drv: "Driver") -> "gpucopy.Pinned":
-    """Page-locked memory for MOVERS threads, two PIECE bytes each (_to_host)."""
+    """Page-locked memory for MOVERS threads, PIECE bytes each."""
     from pos.concurrent import gpucopy
 
-    return gpucopy.Pinned(drv, _threads(MOVERS) * 2 * PIECE)
+    return gpucopy.Pinned(drv, _threads(MOVERS) * PIECE)
 
 
 def _to_host(drv: "Driver", work: list[tuple[int, int, int]],
              staging: Optional["gpucopy.Pinned"]) -> list[list[mmap.mmap]]:
     """The pieces of `work` (an address in pos, a place in the data, bytes) copied into host
-    memory, on threads, each through two PIECE bytes of `staging` (made here where it is None)
-    of its own, the device's copy into one beside the move out of the other: one run of them
-    after another, a thread each (written into the image as a part of its own), each piece
-    into anonymous memory of its own (let go once written). Copied by the driver straight into
-    pageable memory, 13.2 GB on 16 threads came at 1.7 GB/s and held the job 7.6 s; through
-    one piece of page-locked memory a thread, at 19-27 GB/s (bench/results/2026-12-01.md)."""
-    from pos.concurrent import gpucopy
-
+    memory, on threads, each through PIECE bytes of `staging` (made here where it is None) of
+    its own: one run of them after another, a thread each (written into the image as a part
+    of its own), each piece into anonymous memory of its own (let go once written). Copied by
+    the driver straight into pageable memory, 13.2 GB on 16 threads came at 1.7 GB/s, and held
+    the job 7.6 s; so, at 17-27 GB/s; through two pieces a thread, the device's copy into one
+    beside the move out of the other, no faster (bench/results/2026-12-01.md)."""
     made = staging is None
     pinned = staging if staging is not None else _staging(drv)
     try:
-        runs = _split(work, min(_threads(len(work)), pinned.size // (2 * PIECE)))
+        runs = _split(work, min(_threads(len(work)), pinned.size // PIECE))
         host = [[_anonymous(n) for _, _, n in run] for run in runs]
 
         def copy(k: int) -> None:
-            bounce = [pinned.ptr + (2 * k + j) * PIECE for j in (0, 1)]
-            s = gpucopy.stream(drv)
-            try:
-                last: Optional[tuple[mmap.mmap, int, int]] = None   # copied, to move out
-                for j, ((at, _offset, n), into) in enumerate(zip(runs[k], host[k])):
-                    drv.cuMemcpyDtoHAsync_v2(bounce[j % 2], at, n, s)
-                    if last is not None:
-                        _move(*last)
-                    drv.cuStreamSynchronize(s)
-                    last = (into, bounce[j % 2], n)
-                if last is not None:
-                    _move(*last)
-            finally:
-                drv.raw.cuStreamDestroy_v2(s)
+            bounce = pinned.ptr + k * PIECE
+            for (at, _offset, n), into in zip(runs[k], host[k]):
+                drv.cuMemcpyDtoH_v2(bounce, at, n)
+                C.memmove(C.addressof(C.c_char.from_buffer(into)), bounce, n)
 
         _with_context(drv, len(runs), copy)
     finally:
         if made:
             pinned.close()
     return host
-
-
-def _move(into: mmap.mmap, bounce: int, n: int) -> None:
-    """The `n` bytes at `bounce` into `into` (ctypes lets the GIL go meanwhile)."""
-    C.memmove(C.addressof(C.c_char.from_buffer(into)), bounce, n)
 
 
 def _anonymous(n: int) -> mmap.mmap:
