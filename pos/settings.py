@@ -34,8 +34,7 @@ Every setting, its variable and its default:
   own_memory_max_bytes POS_OWN_MEMORY_MAX_GIB the most of a job's own cuMem memory (NCCL's
                                             buffers) that a concurrent checkpoint takes while
                                             the job is held, in a job whose processes map
-                                            each other's memory, into host memory where the
-                                            GPU lacks room (pos/concurrent/ownmem.py)
+                                            each other's memory (pos/concurrent/ownmem.py)
   own_memory_on_gpu   POS_OWN_MEMORY_ON_GPU 1, the default: a job's own cuMem memory beyond
                                             that (all of a job's with PyTorch's expandable
                                             segments) is taken the same way, copied on its

@@ -41,7 +41,7 @@
  * `retired`), until the driver gives that number to a new handle.
  *
  * A process alone takes part too: its own memory (PyTorch's expandable segments, the whole of a
- * job started with them) is taken the same way where its GPU has room to copy it at the cut.
+ * job started with them) is taken the same way, in thousands of pieces.
  *
  * Fail closed: a record the agent could not keep (its memory ran short, or more access
  * settings than it keeps) is counted (`peer_lost`), and pos then refuses the job, which would
