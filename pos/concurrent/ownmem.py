@@ -212,14 +212,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     fresh: list[int] = []        # the regions exported now, to be mapped: their places
     try:
         got = timed("own_export", lambda: agent.own_take(made.serials))
-        if got.same:
-            taken.regions, taken.fds = made.regions, made.fds
-            made.fds = []
-            if made.mem is not None:
-                local = list(made.mem.local)
-                taken.later.append(made.mem)
-                made.mem = None
-        elif got.fresh is not None and made.mem is not None:
+        if made.mem is not None and (got.same or got.fresh is not None):
             local, fresh = _kept(agent, made, got, taken, device)
         else:
             taken.fds = got.fds          # closed with the take whatever happens next
@@ -258,11 +251,11 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
 def _kept(agent: Agent, made: Ready, got: OwnExport, taken: Taken,
           device: int) -> tuple[list[int], list[int]]:
     """An own-take that kept the allocations `made` exported before the cut that are still
-    there, and exported the others (`got.fresh`): into `taken`, every region and its
-    descriptor, those of `made` moved (its mapping with them, let go once the job runs again),
-    the rest of its descriptors closed; where pos maps each region (0: not yet), and the places
-    of the fresh ones. Refused, with `got`'s descriptors closed, where the agent kept one pos
-    did not export."""
+    there (all of them where `got.same`), and exported the others (`got.fresh`): into `taken`,
+    every region and its descriptor, those of `made` moved (its mapping with them, let go once
+    the job runs again), the rest of its descriptors closed; where pos maps each region (0:
+    not yet), and the places of the fresh ones. Refused, with `got`'s descriptors closed, where
+    the agent kept one that pos did not export."""
     assert made.mem is not None     # the caller's test
     before = {serial: k for k, serial in enumerate(made.serials)}
     fresh = sorted(set(got.fresh or []))
@@ -356,8 +349,9 @@ def _to_host(drv: "Driver", work: list[tuple[int, int, int]],
     its own: one run of them after another, a thread each (written into the image as a part
     of its own), each piece into anonymous memory of its own (let go once written). Copied by
     the driver straight into pageable memory, 13.2 GB on 16 threads came at 1.7 GB/s, and held
-    the job 7.6 s; so, at 17-27 GB/s; through two pieces a thread, the device's copy into one
-    beside the move out of the other, no faster (bench/results/2026-12-01.md)."""
+    the job 7.6 s; through page-locked memory, at 17-27 GB/s; through two pieces a thread, the
+    device's copy into one beside the move out of the other, no faster
+    (bench/results/2026-12-01.md)."""
     made = staging is None
     pinned = staging if staging is not None else _staging(drv)
     try:
