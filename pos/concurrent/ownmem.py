@@ -208,7 +208,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
 
     made = made or Ready()
     taken = Taken([], [])
-    local: list[int] = []        # where pos maps each region
+    local: list[int] = []        # where pos maps each region (0: to be mapped)
     fresh: list[int] = []        # the regions exported now, to be mapped: their places
     try:
         got = timed("own_export", lambda: agent.own_take(made.serials))
@@ -218,6 +218,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
             taken.fds = got.fds          # closed with the take whatever happens next
             taken.regions = _regions(agent, got.vas, device)
             fresh = list(range(len(taken.regions)))
+            local = [0] * len(taken.regions)
     except BaseException:
         made.close()
         taken.close()
@@ -238,7 +239,6 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
             mem = timed("own_map", lambda: gpucopy.Imported(
                 drv, _buffers([taken.regions[i] for i in fresh]), [taken.fds[i] for i in fresh]))
             taken.later.append(mem)
-            local = local or [0] * len(taken.regions)
             for i, at in zip(fresh, mem.local):
                 local[i] = at
         _copy(drv, taken, local, timed, staging)
@@ -421,8 +421,7 @@ def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
     2.7-3.1 s more. A chunk that does not match is refused in one sentence."""
     import numpy as np      # imported by the restore's thread by now (gpucopy)
 
-    starts = _starts(0, regions)
-    into = list(zip(starts, local, [r.size for r in regions]))
+    into = list(zip(_starts(regions), local, [r.size for r in regions]))
     paths = _parts_of(folder, pid)
     parts = [image.sums(folder, manifest, p.name) for p in paths]
     chunks: list[tuple[int, int, int]] = []    # a part, a chunk of it, where the part begins
@@ -527,9 +526,9 @@ def _placed(regions: list[Region], local: list[int]) -> Iterator[tuple[int, int,
         offset += n
 
 
-def _starts(base: int, regions: list[Region]) -> list[int]:
-    """Where each region begins in a copy of them all, one after another, at `base`."""
-    starts, at = [], base
+def _starts(regions: list[Region]) -> list[int]:
+    """Where each region begins in the image's data (the regions one after another)."""
+    starts, at = [], 0
     for r in regions:
         starts.append(at)
         at += r.size
