@@ -25,7 +25,7 @@
 #   bench/device.sh pin          # bench/pin_probe.py: how fast this host page-locks memory
 #                                # (ways and threads), the copy to it from the GPU (~2 min)
 #   bench/device.sh hostcopy     # bench/hostcopy_probe.py: the copy of device memory into
-#                                # host memory while a job is held, three ways, 16 threads
+#                                # host memory while a job is held, four ways, 16 threads
 #                                # (POS_HOSTCOPY_GIB, default 16; POS_HOSTCOPY_WAYS: which,
 #                                # in that order) (~1 min)
 #   bench/device.sh anon         # bench/anon_probe.py: whose is the host memory CRIU writes
@@ -211,7 +211,7 @@ pin)
     cat "$out/pin.log" ;;
 hostcopy)
     step hostcopy python3 bench/hostcopy_probe.py --out "$out" --gib "${POS_HOSTCOPY_GIB:-16}" \
-        --ways "${POS_HOSTCOPY_WAYS:-bounce-halves,bounce,pageable}"
+        --ways "${POS_HOSTCOPY_WAYS:-bounce,bounce-faulted,bounce-halves,pageable}"
     cat "$out/hostcopy.log" ;;
 anon)
     export NCCL_NVLS_ENABLE=0

@@ -39,6 +39,12 @@ def steps_of(timings: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in timings.items() if kind(k) is Kind.STEP}
 
 
+def job_gb(copied: float, timings: dict[str, float]) -> float:
+    """The job's device memory in the image: the buffers pos owns and copied, and the job's own
+    cuMem memory that pos took at the cut (PyTorch's expandable segments, NCCL's buffers)."""
+    return round((copied + timings.get("own_taken_bytes", 0)) / GB, 2)
+
+
 def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> dict[str, Any]:
     """The issue's keys, from one raw run of scale_gpu.one_row (None where a step did not
     happen: the error says why)."""
@@ -63,7 +69,7 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "case": run["spec"], "gpu": facts["gpu"], "gpu_gb": round(total_gib * GIB / GB, 1),
         "driver": facts["driver"], "commit": facts["commit"], "date": facts["date"],
         "command": facts["command"],
-        "job_gb": r(rep["bytes"] / GB, 2) if rep else None, "ranks": 1,
+        "job_gb": job_gb(rep["bytes"], tim) if rep else None, "ranks": 1,
         # the job's own cuMem memory (PyTorch's expandable segments) taken at the cut, and of
         # it what was copied into host memory while it was held (no room on the GPU)
         "own_taken_gb": r(tim["own_taken_bytes"] / GB, 2) if "own_taken_bytes" in tim else None,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from perf_gpu import GB, LINK_GBPS, steps_of  # noqa: E402
+from perf_gpu import GB, LINK_GBPS, job_gb, steps_of  # noqa: E402
 
 
 def row(run: dict[str, Any], one_rank_stall: float, gpu_gb: float, host: str, raw: str
@@ -34,7 +34,7 @@ def row(run: dict[str, Any], one_rank_stall: float, gpu_gb: float, host: str, ra
         "case": run["case"], "workload": run["workload"],
         "gpu": run["gpu"].split(", ")[0].split(": ")[-1], "gpu_gb": gpu_gb,
         "driver": run["driver"], "commit": run["commit"][:7], "date": run["date"],
-        "command": run["command"], "job_gb": r(copied / GB, 2), "ranks": run["ranks"],
+        "command": run["command"], "job_gb": job_gb(copied, tim), "ranks": run["ranks"],
         "one_rank_stall_s": one_rank_stall, "bit_exact": run["bit_exact"],
         "to_cut_s": r(tim.get("to_cut")), "stall_s": run["stall_s"],
         "pos_held_s": r(run.get("pos_held_s")),

@@ -315,8 +315,9 @@ class _Whole:
         for s in self.owning(self.own_first):
             s.use()
             assert s.context is not None     # owning: a job with a context
-            self.own_ready[s.pid] = ownmem.ready(s.connected(), s.drv, s.context.device,
-                                                 self.statuses[s.pid].own_bytes or 0)
+            self.own_ready[s.pid] = ownmem.ready(
+                s.connected(), s.drv, s.context.device, self.statuses[s.pid].own_bytes or 0,
+                lambda name, fn: steps.timed(self.early, name, fn))
         self.early["own_reserved_bytes"] = sum(r.shadow.size for r in self.own_ready.values()
                                                if r.shadow is not None)
         self.early["own_ready_bytes"] = sum(r.bytes for r in self.own_ready.values())

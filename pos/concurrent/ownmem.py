@@ -29,6 +29,7 @@ import ctypes as C
 import json
 import mmap
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
@@ -168,27 +169,29 @@ class Ready:
         self.mem, self.fds, self.shadow, self.staging = None, [], None, None
 
 
-def ready(agent: Agent, drv: "Driver", device: int, size: int) -> Ready:
+def ready(agent: Agent, drv: "Driver", device: int, size: int, timed: Timed) -> Ready:
     """The device memory for a take's copy of `size` bytes, as much of it as pos's shadow rule
     leaves the GPU room for (and the page-locked memory through which the rest goes to host
     memory), and the job's own allocations exported and mapped; nothing where there is nothing
-    to take."""
+    to take. `timed`: where the parts' seconds go (own_ready_export, own_ready_map,
+    own_ready_room)."""
     from pos.concurrent import gpucopy
 
     if not size:
         return Ready()
     try:
-        got = agent.own_export()
+        got = timed("own_ready_export", agent.own_export)
     except Refused:     # an agent older than own-export, or the driver said no: the take
         got = OwnExport([], [], [], False)      # exports at the cut (and says so there)
     out = Ready(serials=got.serials, fds=got.fds)
     try:
         out.regions = _regions(agent, got.vas, device)
         if out.regions:
-            out.mem = gpucopy.Imported(drv, _buffers(out.regions), out.fds)
-        out.shadow = _shadow(drv, size)
+            out.mem = timed("own_ready_map", lambda: gpucopy.Imported(
+                drv, _buffers(out.regions), out.fds))
+        out.shadow = timed("own_ready_room", lambda: _shadow(drv, size))
         if size > (out.shadow.size if out.shadow is not None else 0):
-            out.staging = _staging(drv)
+            out.staging = timed("own_ready_room", lambda: _staging(drv))
     except BaseException:
         out.close()
         raise
@@ -574,12 +577,15 @@ class Made:
 
         self.folder = folder
         self.regions = [Region(r.va, r.size, device) for r in listed]
+        t = time.monotonic()
         self.mem, self.fds = gpucopy.Imported.create(drv, _buffers(self.regions))
+        self.make_s = time.monotonic() - t      # the memory made and mapped, then filled
         try:
             _read(drv, self.regions, self.mem.local, folder, pid, manifest)
         except BaseException:
             self.close()
             raise
+        self.fill_s = time.monotonic() - t - self.make_s
 
     @property
     def bytes(self) -> int:

@@ -83,6 +83,9 @@ class _Refill:
             owners = [(made, agent) for pre, agent in zip(self.pres, agents)
                       if (made := pre.own) is not None]
             if owners:         # before the imports: the peers import this memory again
+                # beside CRIU's restore: the memory made and mapped, then filled from the image
+                g.timings["own_make"] = max(made.make_s for made, _ in owners)
+                g.timings["own_fill"] = max(made.fill_s for made, _ in owners)
                 back: list[int] = []
                 g.timed("own_up", lambda: side_by_side(
                     "pos-own-up", owners, lambda own: own[0].hand_over(own[1]), back.append))

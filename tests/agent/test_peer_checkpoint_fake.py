@@ -101,6 +101,7 @@ def test_leave_running_takes_the_import_down_and_puts_it_back_in_place(
     # ranks held only for the check that it is the same memory, and the copy
     assert report["timings"]["own_reserved_bytes"] == VMM_BYTES
     assert report["timings"]["own_ready_bytes"] == VMM_BYTES
+    assert {"own_ready_export", "own_ready_map", "own_ready_room"} <= set(report["timings"])
     assert {"own_export", "own_copy"} <= set(ranks[pair.owner])
     assert "own_map" not in ranks[pair.owner]
     index, data = names.own_memory(pair.owner)
@@ -258,6 +259,7 @@ def test_restored_processes_map_the_owners_fresh_export_at_the_old_address(
     # while CRIU restored the processes
     timings = json.loads(r.stdout)["timings"]
     assert timings["own_back_bytes"] == VMM_BYTES and 0 < timings["own_at"]
+    assert timings["own_make"] > 0 and timings["own_fill"] > 0
     shares_the_owners_memory(pair)
     again = tmp_path / "again"                      # a second checkpoint after the restore
     r = pos("checkpoint", str(pair.root), "-D", str(again), "--concurrent", "--leave-running",

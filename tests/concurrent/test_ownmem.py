@@ -70,7 +70,11 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
     runs and writes its memory again: it gets the bytes of the take."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes) if where == "ready" else None
+    early: dict[str, float] = {}
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into(early)) \
+        if where == "ready" else None
+    assert set(early) == ({"own_ready_export", "own_ready_map", "own_ready_room"}
+                          if made else set())
     if where in ("host", "split"):
         room = 0 if where == "host" else VMM_BYTES // 2 - 4096
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: room)
@@ -132,14 +136,16 @@ def test_no_room_on_the_gpu_reserves_no_device_memory(peer_job, drv, monkeypatch
     agent = Agent(peer_job("own").pid)
     try:
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
-        none = ownmem.ready(agent, drv, 0, 2 << 20)
+        none = ownmem.ready(agent, drv, 0, 2 << 20, timed_into({}))
         assert none.shadow is None and none.bytes == VMM_BYTES and none.mem is not None
         none.close()
         assert (none.fds, none.mem) == ([], None)
-        nothing = ownmem.ready(None, drv, 0, 0)     # type: ignore[arg-type]  # never asked
+        nothing = ownmem.ready(None, drv, 0, 0,      # type: ignore[arg-type]  # never asked
+                               timed_into({}))
         assert (nothing.shadow, nothing.regions, nothing.fds) == (None, [], [])
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
-        some = ownmem.ready(agent, drv, 0, 2 << 20)     # as much as there is room for
+        # as much as there is room for
+        some = ownmem.ready(agent, drv, 0, 2 << 20, timed_into({}))
         assert some.shadow is not None and some.shadow.size == 1 << 20
         some.close()
     finally:
@@ -152,7 +158,7 @@ def test_a_job_whose_own_memory_changed_since_the_export_is_exported_again(
     serials): the take exports and maps them afresh, lets the early ones go, and the image
     still gets the job's bytes."""
     agent = Agent(peer_job("own").pid)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes)
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into({}))
     made.serials = [n + 1000 for n in made.serials]      # as if the job had mapped anew
     early = list(made.fds)
     agent.cut(5)
@@ -176,7 +182,7 @@ def test_a_job_that_mapped_more_since_the_export_has_only_that_exported_again(
     and exports and maps only the new one; the image holds both."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes)
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into({}))
     early, first = list(made.fds), made.mem
     (Path(owner.proc.args[-1]) / "more").touch()
     owner.printed("MORE")
@@ -344,7 +350,7 @@ def test_an_agent_that_cannot_export_before_the_cut_has_its_memory_taken_at_it(
         raise Refused(agent.pid, {"ok": False, "error": "unknown request"})
 
     monkeypatch.setattr(agent, "own_export", refused)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes)
+    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into({}))
     assert made.regions == [] and made.shadow is not None
     agent.cut(5)
     timings: dict[str, float] = {}
