@@ -51,33 +51,23 @@ def move(into: Any, at_host: int, n: int) -> None:
 
 
 def bounce(drv: Any, work: list[tuple[int, int, int]], staging: Any) -> None:
-    for run in ownmem._to_host(drv, work, staging):
+    for run in ownmem._to_host(drv, work, staging, ownmem.HostPieces([])):
         for m in run:
             m.close()
 
 
 def faulted(drv: Any, work: list[tuple[int, int, int]], staging: Any) -> dict[str, float]:
-    host = [ownmem._anonymous(n) for _, _, n in work]
+    pieces = ownmem.HostPieces([n for _, _, n in work])
     t = time.monotonic()
-    ownmem._with_context(drv, ownmem._threads(len(host)), lambda k: [
-        C.memset(C.addressof(C.c_char.from_buffer(m)), 0, len(m))
-        for m in host[k::ownmem._threads(len(host))]])
+    pieces.fault()
     fault_s = time.monotonic() - t
-    runs = ownmem._split(work, ownmem._threads(len(work)))
-    pieces = iter(host)
-    into = [[next(pieces) for _ in run] for run in runs]
-
-    def copy(k: int) -> None:
-        bounce = staging.ptr + k * ownmem.PIECE
-        for (at, _o, n), m in zip(runs[k], into[k]):
-            drv.cuMemcpyDtoH_v2(bounce, at, n)
-            move(m, bounce, n)
-
     t = time.monotonic()
-    ownmem._with_context(drv, len(runs), copy)
+    host = ownmem._to_host(drv, work, staging, pieces)
     copy_s = time.monotonic() - t
-    for m in host:
-        m.close()
+    for run in host:
+        for m in run:
+            m.close()
+    pieces.close()
     return {"fault_s": round(fault_s, 3), "copy_s": round(copy_s, 3)}
 
 

@@ -30,7 +30,10 @@ kept files removed after the row); `+again`: the same first checkpoint without k
 that the one measured is a job's second, as a schedule makes them (the job then holds a descriptor
 of each buffer, which its export copies); `+service`: the restore through a `pos restore-service`
 started for it once the job was killed (its log DIR/<row>-service.log), which answers `pos
-restore` once the job runs and fills the rest of its memory meanwhile. For each row:
+restore` once the job runs and fills the rest of its memory meanwhile; `+expand`: the job started
+with PyTorch's expandable segments (all of its memory its own cuMem memory); `+late`: the host
+memory that such memory goes into, where the GPU has no room, faulted in while the job is held
+(POS_OWN_HOST_AHEAD=0, the baseline of faulting it in before the cut). For each row:
   1. stop-the-world first (`pos checkpoint PID -D DIR --leave-running`: after a concurrent
      image the job's memory is pos's descriptors, which the driver's engine refuses), its
      stall as the job saw it; the image removed;
@@ -149,7 +152,7 @@ def disk_gbps(where: Path, gib: int = 4) -> float:
 class Spec:
     """One row: FRACTION[@HELD][+ring][+shm][+pinall][+behind][+bigring][+shadow8][+nostw]
     [+frozenall][+saverscriu][+saversfrozen][+gpuhash][+hashcpu][+nopause][+keep][+again]
-    [+service][+expand] (see the module's docstring)."""
+    [+service][+expand][+late] (see the module's docstring)."""
 
     def __init__(self, text: str, images: Path, stw: bool) -> None:
         head, *flags = text.split("+")
@@ -174,6 +177,7 @@ class Spec:
                     **({"POS_HASH_ON": "cpu"} if "hashcpu" in flags else {}),
                     **({"POS_COPY_PAUSED": "never"} if "nopause" in flags else {}),
                     **({"POS_PIN_KEEP": "1"} if self.keep else {}),
+                    **({"POS_OWN_HOST_AHEAD": "0"} if "late" in flags else {}),
                     "POS_KEEP_RESTORE_LOG": "1"}
         self.job_env = ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
                         if "expand" in flags else {})

@@ -42,6 +42,11 @@ Every setting, its variable and its default:
                                             memory; 0: left to the driver's checkpoint (the
                                             job held while it copies; a job alone then has
                                             an image that can move to other GPUs)
+  own_host_ahead      POS_OWN_HOST_AHEAD    1, the default: the host memory that such memory
+                                            is copied into, where its GPU has no room, is
+                                            faulted in before the cut (the wait before the
+                                            cut longer, the hold shorter); 0: as it is
+                                            copied, while the job is held
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
   fill_from           POS_FILL_FROM         when a restore's fill runs (see FILL_FROMS)
@@ -136,6 +141,7 @@ class Settings:
     shadow_max_bytes: Optional[int] = None
     own_memory_max_bytes: int = DEFAULT_OWN_MEMORY_MAX
     own_memory_on_gpu: bool = True
+    own_host_ahead: bool = True
     fill_piece_bytes: int = DEFAULT_FILL_PIECE_KIB << 10
     fill_mapped: bool = True
     fill_from: str = FILL_FROMS[0]
@@ -234,6 +240,9 @@ class Settings:
             own_memory_on_gpu=get("POS_OWN_MEMORY_ON_GPU", one_of(("0", "1")), "1", "0 or 1",
                                   "unset it (a job's own cuMem memory is then taken where its "
                                   "GPU has room to copy it)") == "1",
+            own_host_ahead=get("POS_OWN_HOST_AHEAD", one_of(("0", "1")), "1", "0 or 1",
+                               "unset it (the host memory is then faulted in before the "
+                               "cut)") == "1",
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),

@@ -204,6 +204,7 @@ class _Whole:
                        host.in_memory(self.directory), host_spare(),
                        "free host memory, or GPU memory for pos's copy of the job's own memory, "
                        "or write the image to a disk", own_host)
+        steps.timed(self.early, "own_map_ahead", self.map_own)
         # CRIU's probes of the kernel out of the frozen dump (pos/process/kdat.py), made here
         # where /run cannot keep them: 0.06 s of the 30% job's stall on an H200 host
         steps.timed(self.early, "criu_cache", lambda: kdat.keep(self.criu.path,
@@ -321,6 +322,19 @@ class _Whole:
         self.early["own_reserved_bytes"] = sum(r.shadow.size for r in self.own_ready.values()
                                                if r.shadow is not None)
         self.early["own_ready_bytes"] = sum(r.bytes for r in self.own_ready.values())
+
+    def map_own(self) -> None:
+        """Each take's exported memory mapped in pos, and the host memory its copy goes into
+        faulted in beside that (unless POS_OWN_HOST_AHEAD is 0), once the host is known to
+        have room for it."""
+        for s in self.owning(self.own_first):
+            made = self.own_ready[s.pid]
+            s.use()
+            made.map(s.drv, lambda name, fn: steps.timed(self.early, name, fn),
+                     self.settings.own_host_ahead)
+        self.early["own_faulted_bytes"] = sum(r.host.bytes for r in self.own_ready.values()
+                                              if r.host is not None and
+                                              self.settings.own_host_ahead)
 
     def take_own(self, g: Guard) -> None:
         """Each job's own cuMem memory (NCCL's buffers) copied and given up (ownmem; written

@@ -29,6 +29,7 @@ import ctypes as C
 import json
 import mmap
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,7 +73,7 @@ class Taken:
         # what the take made and used, let go with the copy once the job runs again: pos's
         # mapping of the job's memory and the page-locked memory of the copy (closed while the
         # job was held, 0.2-0.5 s more of it at thousands of pieces, bench/results/2026-12-01.md)
-        self.later: list[Union["gpucopy.Imported", "gpucopy.Pinned"]] = []
+        self.later: list[Union["gpucopy.Imported", "gpucopy.Pinned", HostPieces]] = []
 
     @property
     def bytes(self) -> int:
@@ -134,6 +135,48 @@ class Taken:
         self.drop()
 
 
+class HostPieces:
+    """Anonymous memory for the pieces of a take's copy that go into host memory (`sizes`:
+    each one's bytes), made before the cut and, with `fault`, faulted in there: into fresh
+    memory 32 GiB came at 13-23 GB/s, into memory faulted in before at 39 GB/s, the faulting
+    itself 42 GB/s (bench/results/2026-12-01.md). `get` hands a piece of a size over (made
+    then where none is left); `close` lets those never handed over go."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        try:
+            for n in sizes:
+                self._free.setdefault(n, []).append(_anonymous(n))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def bytes(self) -> int:
+        return sum(n * len(ms) for n, ms in self._free.items())
+
+    def fault(self) -> None:
+        """Every piece's pages faulted in, on threads (ctypes lets the GIL go)."""
+        pieces = [m for ms in self._free.values() for m in ms]
+        threads = _threads(len(pieces))
+
+        def write(k: int) -> None:
+            for m in pieces[k::threads]:
+                C.memset(_address(m), 0, len(m))
+
+        side_by_side("pos-own-fault", list(range(threads)), write, lambda _: None)
+
+    def get(self, n: int) -> mmap.mmap:
+        ms = self._free.get(n)
+        return ms.pop() if ms else _anonymous(n)
+
+    def close(self) -> None:
+        for ms in self._free.values():
+            for m in ms:
+                m.close()
+        self._free = {}
+
+
 @dataclass
 class Ready:
     """What a take needs, made before the cut, while the job runs: device memory for its copy
@@ -150,6 +193,7 @@ class Ready:
     fds: list[int] = field(default_factory=list)
     mem: Optional["gpucopy.Imported"] = None
     staging: Optional["gpucopy.Pinned"] = None    # for what the shadow cannot hold (_to_host)
+    host: Optional[HostPieces] = None             # and the host memory it goes into
 
     @property
     def bytes(self) -> int:
@@ -166,17 +210,46 @@ class Ready:
             self.shadow.close()
         if self.staging is not None:
             self.staging.close()
-        self.mem, self.fds, self.shadow, self.staging = None, [], None, None
+        if self.host is not None:
+            self.host.close()
+        self.mem, self.fds, self.shadow, self.staging, self.host = None, [], None, None, None
+
+    def map(self, drv: "Driver", timed: Timed, fault: bool) -> None:
+        """The allocations exported mapped in pos, and with `fault` the host memory for what
+        the shadow cannot hold faulted in beside that, on threads of its own (once the host is
+        known to have room for it: the caller's check). `timed`: where the parts' seconds go
+        (own_ready_map, own_ready_fault)."""
+        from pos.concurrent import gpucopy
+
+        failed: list[BaseException] = []
+
+        def fault_in(pieces: HostPieces) -> None:
+            try:
+                timed("own_ready_fault", pieces.fault)
+            except BaseException as e:  # noqa: BLE001  (raised on the caller's thread)
+                failed.append(e)
+
+        faulting = threading.Thread(target=fault_in, args=(self.host,), name="pos-own-fault",
+                                    daemon=True) if fault and self.host else None
+        if faulting is not None:
+            faulting.start()
+        try:
+            if self.regions:
+                self.mem = timed("own_ready_map", lambda: gpucopy.Imported(
+                    drv, _buffers(self.regions), self.fds))
+        finally:
+            if faulting is not None:
+                faulting.join()
+        if failed:
+            raise failed[0]
 
 
 def ready(agent: Agent, drv: "Driver", device: int, size: int, timed: Timed) -> Ready:
     """The device memory for a take's copy of `size` bytes, as much of it as pos's shadow rule
     leaves the GPU room for (and the page-locked memory through which the rest goes to host
     memory), and the job's own allocations exported and mapped; nothing where there is nothing
-    to take. `timed`: where the parts' seconds go (own_ready_export, own_ready_map,
-    own_ready_room)."""
-    from pos.concurrent import gpucopy
-
+    to take; `Ready.map` then maps them. `timed`: where the parts' seconds go
+    (own_ready_export, own_ready_room)."""
     if not size:
         return Ready()
     try:
@@ -186,12 +259,12 @@ def ready(agent: Agent, drv: "Driver", device: int, size: int, timed: Timed) -> 
     out = Ready(serials=got.serials, fds=got.fds)
     try:
         out.regions = _regions(agent, got.vas, device)
-        if out.regions:
-            out.mem = timed("own_ready_map", lambda: gpucopy.Imported(
-                drv, _buffers(out.regions), out.fds))
         out.shadow = timed("own_ready_room", lambda: _shadow(drv, size))
-        if size > (out.shadow.size if out.shadow is not None else 0):
+        n = out.shadow.size if out.shadow is not None else 0
+        if size > n:
             out.staging = timed("own_ready_room", lambda: _staging(drv))
+            placed = _placed(out.regions, [0] * len(out.regions))
+            out.host = HostPieces([size for _, _, size in _beyond(list(placed), n)])
     except BaseException:
         out.close()
         raise
@@ -228,8 +301,10 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
         raise
     shadow, made.shadow = made.shadow, None
     staging, made.staging = made.staging, None
-    if staging is not None:
-        taken.later.append(staging)
+    pieces, made.host = made.host, None
+    for later in (staging, pieces):
+        if later is not None:
+            taken.later.append(later)
     made.close()        # what the take does not use: the job's allocations changed since
     if shadow is not None and not taken.regions:
         shadow.close()       # nothing to copy
@@ -244,7 +319,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
             taken.later.append(mem)
             for i, at in zip(fresh, mem.local):
                 local[i] = at
-        _copy(drv, taken, local, timed, staging)
+        _copy(drv, taken, local, timed, staging, pieces)
     except BaseException:
         taken.close()
         raise
@@ -313,10 +388,10 @@ def _shadow(drv: "Driver", size: int) -> Optional["gpucopy.Shadow"]:
 
 
 def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed,
-          staging: Optional["gpucopy.Pinned"]) -> None:
+          staging: Optional["gpucopy.Pinned"], pieces: Optional[HostPieces]) -> None:
     """`taken`'s bytes, mapped in pos at `local`, copied while the job is held: the first into
     its shadow (made now where it has none), the rest into host memory on threads, through
-    `staging` (made now where there is none). Left to the driver's checkpoint instead, the 20 GB
+    `staging` (made now where there is none), into `pieces` as far as they go. Left to the driver's checkpoint instead, the 20 GB
     of a job with PyTorch's expandable segments held it 31 s, and at 50% of an H200 the host
     could not hold them (bench/results/2026-12-01.md)."""
     from pos.concurrent import gpucopy
@@ -324,18 +399,25 @@ def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed,
     if taken.shadow is None:
         taken.shadow = _shadow(drv, taken.bytes)
     n = taken.on_device
-    pieces = list(_placed(taken.regions, local))
-    first = [(at, offset, min(size, n - offset)) for at, offset, size in pieces if offset < n]
+    placed = list(_placed(taken.regions, local))
+    first = [(at, offset, min(size, n - offset)) for at, offset, size in placed if offset < n]
     if first:
         assert taken.shadow is not None       # on_device: some of it fits
         ptr = taken.shadow.ptr
         timed("own_copy", lambda: gpucopy.device_to_device(
             drv, [ptr + offset for _, offset, _ in first], [at for at, _, _ in first],
             [size for _, _, size in first]))
-    rest = [(at + max(0, n - offset), max(offset, n), size - max(0, n - offset))
-            for at, offset, size in pieces if offset + size > n]
+    rest = _beyond(placed, n)
     if rest:
-        taken.host = timed("own_host", lambda: _to_host(drv, rest, staging))
+        taken.host = timed("own_host", lambda: _to_host(drv, rest, staging,
+                                                        pieces or HostPieces([])))
+
+
+def _beyond(placed: list[tuple[int, int, int]], n: int) -> list[tuple[int, int, int]]:
+    """What of the pieces `placed` (an address in pos, a place in the data, bytes) lies past
+    the data's first `n` bytes."""
+    return [(at + max(0, n - offset), max(offset, n), size - max(0, n - offset))
+            for at, offset, size in placed if offset + size > n]
 
 
 def _staging(drv: "Driver") -> "gpucopy.Pinned":
@@ -346,11 +428,12 @@ def _staging(drv: "Driver") -> "gpucopy.Pinned":
 
 
 def _to_host(drv: "Driver", work: list[tuple[int, int, int]],
-             staging: Optional["gpucopy.Pinned"]) -> list[list[mmap.mmap]]:
+             staging: Optional["gpucopy.Pinned"], pieces: HostPieces) -> list[list[mmap.mmap]]:
     """The pieces of `work` (an address in pos, a place in the data, bytes) copied into host
     memory, on threads, each through PIECE bytes of `staging` (made here where it is None) of
     its own: one run of them after another, a thread each (written into the image as a part
-    of its own), each piece into anonymous memory of its own (let go once written). Copied by
+    of its own), each piece into anonymous memory of its own from `pieces` (let go once
+    written). Copied by
     the driver straight into pageable memory, 13.2 GB on 16 threads came at 1.7 GB/s, and held
     the job 7.6 s; through page-locked memory, at 17-27 GB/s; through two pieces a thread, the
     device's copy into one beside the move out of the other, no faster
@@ -359,19 +442,23 @@ def _to_host(drv: "Driver", work: list[tuple[int, int, int]],
     pinned = staging if staging is not None else _staging(drv)
     try:
         runs = _split(work, min(_threads(len(work)), pinned.size // PIECE))
-        host = [[_anonymous(n) for _, _, n in run] for run in runs]
+        host = [[pieces.get(n) for _, _, n in run] for run in runs]
 
         def copy(k: int) -> None:
             bounce = pinned.ptr + k * PIECE
             for (at, _offset, n), into in zip(runs[k], host[k]):
                 drv.cuMemcpyDtoH_v2(bounce, at, n)
-                C.memmove(C.addressof(C.c_char.from_buffer(into)), bounce, n)
+                C.memmove(_address(into), bounce, n)
 
         _with_context(drv, len(runs), copy)
     finally:
         if made:
             pinned.close()
     return host
+
+
+def _address(m: mmap.mmap) -> int:
+    return C.addressof(C.c_char.from_buffer(m))
 
 
 def _anonymous(n: int) -> mmap.mmap:

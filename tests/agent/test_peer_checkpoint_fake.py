@@ -179,23 +179,28 @@ def test_a_process_alone_keeps_its_own_through_the_driver_when_asked(
     assert (st.own_maps, st.own_kept, st.imported) == (1, 0, 0)
 
 
-@pytest.mark.parametrize("free_mib, in_host", [("1", VMM_BYTES), ("1025", VMM_BYTES // 2)],
-                         ids=["no-room", "room-for-half"])
+@pytest.mark.parametrize("free_mib, in_host, ahead", [("1", VMM_BYTES, "1"),
+                                                      ("1025", VMM_BYTES // 2, "0")],
+                         ids=["no-room-faulted-ahead", "room-for-half-faulted-as-copied"])
 def test_a_process_alone_without_room_on_its_gpu_is_copied_into_host_memory_and_restored(
-        peer_job, tmp_path: Path, gpu_env, criu_ready, free_mib: str, in_host: int) -> None:
+        peer_job, tmp_path: Path, gpu_env, criu_ready, free_mib: str, in_host: int,
+        ahead: str) -> None:
     """Where its GPU has no room for all of its own memory (PyTorch's expandable segments
     filling the GPU), a process alone has the rest copied into host memory at the cut rather
-    than kept by the driver; ended and restored, it has all of it back at its address."""
+    than kept by the driver, into memory faulted in before the cut unless POS_OWN_HOST_AHEAD
+    is 0; ended and restored, it has all of it back at its address."""
     owner = peer_job("own")
     with Agent(owner.pid) as a:
         va = a.exports()[0].va
     img = tmp_path / "img"
-    env = {**gpu_env, "POS_FAKECUDA_FREE_MIB": free_mib}
+    env = {**gpu_env, "POS_FAKECUDA_FREE_MIB": free_mib, "POS_OWN_HOST_AHEAD": ahead}
     r = pos("checkpoint", str(owner.pid), "-D", str(img), "--concurrent", "--json", env=env)
     assert r.returncode == 0, r.stderr
     timings = json.loads(r.stdout)["timings"]
     assert (timings["own_taken_bytes"], timings["own_host_bytes"]) == (VMM_BYTES, in_host)
     assert timings["own_host_planned_bytes"] == in_host
+    assert timings["own_faulted_bytes"] == (in_host if ahead == "1" else 0)
+    assert ("own_ready_fault" in timings) == (ahead == "1")
     owner.proc.wait(timeout=30)
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr

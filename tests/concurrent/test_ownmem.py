@@ -61,20 +61,34 @@ def timed_into(timings: dict[str, float]) -> ownmem.Timed:
     return timed
 
 
-@pytest.mark.parametrize("where", ["ready", "device", "host", "split"])
+def ready(agent: Agent, drv: Any, size: int, timings: Optional[dict[str, float]] = None
+          ) -> ownmem.Ready:
+    """What a checkpoint makes before its cut: ownmem.ready, then (the host's room checked)
+    the mapping, its host memory faulted in."""
+    made = ownmem.ready(agent, drv, 0, size, timed_into({} if timings is None else timings))
+    made.map(drv, timed_into({} if timings is None else timings), True)
+    return made
+
+
+@pytest.mark.parametrize("where", ["ready", "ready-host", "device", "host", "split"])
 def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tmp_path: Path,
                                                               monkeypatch, where: str) -> None:
     """The take copies the memory while the job is held (into device memory made before the
     cut, through the export and mapping made then too; or at the take as far as pos's shadow
     rule leaves room, the rest into host memory); the image is written later, once the job
-    runs and writes its memory again: it gets the bytes of the take."""
+    runs and writes its memory again: it gets the bytes of the take. Where the GPU had no
+    room before the cut, the host memory made and faulted in then is what the take fills."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
     early: dict[str, float] = {}
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into(early)) \
-        if where == "ready" else None
+    if where == "ready-host":
+        monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
+    made = ready(agent, drv, agent.status().own_bytes, early) if "ready" in where else None
     assert set(early) == ({"own_ready_export", "own_ready_map", "own_ready_room"}
+                          | ({"own_ready_fault"} if where == "ready-host" else set())
                           if made else set())
+    pieces = made.host if made else None
+    assert (pieces.bytes if pieces else 0) == (VMM_BYTES if where == "ready-host" else 0)
     if where in ("host", "split"):
         room = 0 if where == "host" else VMM_BYTES // 2 - 4096
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: room)
@@ -83,11 +97,15 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
     shadow, fds = (made.shadow, list(made.fds)) if made else (None, [])
     taken = ownmem.take(agent, drv, 0, timed_into(timings), made)
     try:
+        on_host = where in ("host", "split", "ready-host")
         assert set(timings) == ({"own_export"} | ({"own_map"} if made is None else set())
-                                | ({"own_copy"} if where != "host" else set())
-                                | ({"own_host"} if where in ("host", "split") else set()))
-        assert (taken.shadow is not None, bool(taken.host)) == (where != "host",
-                                                                where in ("host", "split"))
+                                | ({"own_copy"} if where not in ("host", "ready-host")
+                                   else set())
+                                | ({"own_host"} if on_host else set()))
+        assert (taken.shadow is not None, bool(taken.host)) == (
+            where not in ("host", "ready-host"), on_host)
+        # every piece made before the cut filled by the take, let go with the copy
+        assert pieces is None or (pieces in taken.later and pieces.bytes == 0)
         assert taken.bytes - taken.on_device == sum(len(p) for run in taken.host for p in run)
         # pos's mapping of the job's memory (and the copy's page-locked memory) let go only
         # with the copy, once the job runs again: not while it is held
@@ -136,7 +154,7 @@ def test_no_room_on_the_gpu_reserves_no_device_memory(peer_job, drv, monkeypatch
     agent = Agent(peer_job("own").pid)
     try:
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
-        none = ownmem.ready(agent, drv, 0, 2 << 20, timed_into({}))
+        none = ready(agent, drv, 2 << 20)
         assert none.shadow is None and none.bytes == VMM_BYTES and none.mem is not None
         none.close()
         assert (none.fds, none.mem) == ([], None)
@@ -145,7 +163,7 @@ def test_no_room_on_the_gpu_reserves_no_device_memory(peer_job, drv, monkeypatch
         assert (nothing.shadow, nothing.regions, nothing.fds) == (None, [], [])
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 1 << 20)
         # as much as there is room for
-        some = ownmem.ready(agent, drv, 0, 2 << 20, timed_into({}))
+        some = ready(agent, drv, 2 << 20)
         assert some.shadow is not None and some.shadow.size == 1 << 20
         some.close()
     finally:
@@ -158,7 +176,7 @@ def test_a_job_whose_own_memory_changed_since_the_export_is_exported_again(
     serials): the take exports and maps them afresh, lets the early ones go, and the image
     still gets the job's bytes."""
     agent = Agent(peer_job("own").pid)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into({}))
+    made = ready(agent, drv, agent.status().own_bytes)
     made.serials = [n + 1000 for n in made.serials]      # as if the job had mapped anew
     early = list(made.fds)
     agent.cut(5)
@@ -182,7 +200,7 @@ def test_a_job_that_mapped_more_since_the_export_has_only_that_exported_again(
     and exports and maps only the new one; the image holds both."""
     owner = peer_job("own")
     agent = Agent(owner.pid)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into({}))
+    made = ready(agent, drv, agent.status().own_bytes)
     early, first = list(made.fds), made.mem
     (Path(owner.proc.args[-1]) / "more").touch()
     owner.printed("MORE")
@@ -204,7 +222,8 @@ def test_a_job_that_mapped_more_since_the_export_has_only_that_exported_again(
 
 def test_the_copy_into_host_memory_lands_each_piece_whole_in_order(drv, monkeypatch) -> None:
     """Each thread copies its run of pieces through its page-locked memory into host memory:
-    every piece lands whole, in order, whatever its bytes."""
+    every piece lands whole, in order, whatever its bytes, in memory made and faulted in
+    before where there is some of its size (the rest made then)."""
     monkeypatch.setattr(ownmem, "PIECE", 64 << 10)
     monkeypatch.setattr(ownmem.filehash, "workers", lambda: 2)
     want = os.urandom(MIB + 4096)
@@ -213,9 +232,13 @@ def test_the_copy_into_host_memory_lands_each_piece_whole_in_order(drv, monkeypa
         drv.cuMemcpyHtoD_v2(src.ptr, C.c_char_p(want), len(want))
         work = [(src.ptr + at, at, min(64 << 10, len(want) - at))
                 for at in range(0, len(want), 64 << 10)]
-        host = ownmem._to_host(drv, work, None)
+        before = ownmem.HostPieces([64 << 10] * 4 + [4096, 8192])
+        before.fault()
+        host = ownmem._to_host(drv, work, None, before)
         assert len(host) == 2 and all(len(run) > 2 for run in host)
         assert b"".join(bytes(p) for run in host for p in run) == want
+        assert before.bytes == 8192         # the one piece of a size the copy had none of
+        before.close()
     finally:
         src.close()
 
@@ -350,7 +373,7 @@ def test_an_agent_that_cannot_export_before_the_cut_has_its_memory_taken_at_it(
         raise Refused(agent.pid, {"ok": False, "error": "unknown request"})
 
     monkeypatch.setattr(agent, "own_export", refused)
-    made = ownmem.ready(agent, drv, 0, agent.status().own_bytes, timed_into({}))
+    made = ready(agent, drv, agent.status().own_bytes)
     assert made.regions == [] and made.shadow is not None
     agent.cut(5)
     timings: dict[str, float] = {}
