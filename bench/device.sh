@@ -52,7 +52,8 @@
 #   bench/device.sh vmm          # bench/vmm_probe.py: the driver's calls for each buffer that
 #                                # the take, the hoist and the remap make, one thread against
 #                                # several (POS_VMM_ARGS: e.g. "--index FILE": an image's
-#                                # buffer sizes) (~1 min)
+#                                # buffer sizes; "--buffers 4561 --mib 20 --ranges": pos's
+#                                # mapping into one range against one range each) (~1 min)
 #   bench/device.sh tensormap    # bench/tensormap_probe.py: whether a TMA descriptor holds its
 #                                # tensor's address as a plain word, which the gate reads (~10 s)
 #   bench/device.sh attach       # bench/attach_probe.py: what asking NVML about idle GPUs

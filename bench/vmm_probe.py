@@ -14,9 +14,21 @@ exports each once. Then, for each thread count in turn (`--threads`), `--repeat`
 - take: each descriptor imported again and mapped at a new address, as pos maps the job's
   memory, then let go (`drop`).
 
-With one thread, each kind of call is also timed on its own. Writes DIR/vmm.json:
+With one thread, each kind of call is also timed on its own.
+
+With `--ranges`, instead, pos's own mapping (gpucopy.Imported: every buffer in one address
+range of pos's, access set once) against the way before it (each buffer in a range of its
+own, access set for each), `--repeat` times, the order turned each round:
+
+- make: new memory made for each buffer, exported, mapped in this process (a restore's), then
+  let go; `make_each` created, exported, released, imported again, reserved, mapped, access;
+- take: each buffer's descriptor imported and mapped (a checkpoint's, before its cut), then
+  let go; `take_each` as `take` above.
+
+Writes DIR/vmm.json:
 
     python3 bench/vmm_probe.py --out DIR [--index FILE] [--threads 1,2,4,8] [--repeat 3]
+    python3 bench/vmm_probe.py --out DIR --buffers 4561 --mib 20 --ranges
 """
 
 import argparse
@@ -34,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pos import driver as cu  # noqa: E402
+from pos.agent.control import Buffer  # noqa: E402
 from pos.concurrent import gpucopy  # noqa: E402
 
 HANDLE_FD = cu.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -63,6 +76,91 @@ def sizes_of(a: argparse.Namespace, granule: int) -> list[int]:
     return [-(-n // granule) * granule for n in got]
 
 
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.monotonic()
+    got = fn()
+    return time.monotonic() - t, got
+
+
+def ranges(drv: Any, sizes: list[int], prop: Any, acc: Any, repeat: int) -> dict[str, Any]:
+    """pos's mapping of many buffers into one range against each into its own (see above)."""
+    buffers = [Buffer(0, n, n, 0, True) for n in sizes]
+
+    def each_made() -> list[tuple[int, int, int]]:       # (va, handle, descriptor)
+        got = []
+        for n in sizes:
+            h, fd, va = cu.CUmemGenericAllocationHandle(), C.c_int(-1), cu.CUdeviceptr()
+            drv.cuMemCreate(C.byref(h), n, C.byref(prop), 0)
+            drv.cuMemExportToShareableHandle(C.byref(fd), h, HANDLE_FD, 0)
+            drv.cuMemRelease(h)
+            drv.cuMemImportFromShareableHandle(C.byref(h), fd.value, HANDLE_FD)
+            drv.cuMemAddressReserve(C.byref(va), n, 0, 0, 0)
+            drv.cuMemMap(va, n, 0, h, 0)
+            drv.cuMemSetAccess(va, n, C.byref(acc), 1)
+            got.append((va.value, h.value, fd.value))
+        return got
+
+    def each_taken(fds: list[int]) -> list[tuple[int, int, int]]:
+        got = []
+        for n, fd in zip(sizes, fds):
+            h, va = cu.CUmemGenericAllocationHandle(), cu.CUdeviceptr()
+            drv.cuMemImportFromShareableHandle(C.byref(h), fd, HANDLE_FD)
+            drv.cuMemAddressReserve(C.byref(va), n, 0, 0, 0)
+            drv.cuMemMap(va, n, 0, h, 0)
+            drv.cuMemSetAccess(va, n, C.byref(acc), 1)
+            got.append((va.value, h.value, -1))
+        return got
+
+    def each_gone(got: list[tuple[int, int, int]]) -> None:
+        for (va, h, fd), n in zip(got, sizes):
+            drv.cuMemUnmap(va, n)
+            drv.cuMemAddressFree(va, n)
+            drv.cuMemRelease(h)
+            if fd >= 0:
+                os.close(fd)
+
+    def make_each() -> tuple[float, float]:
+        s, got = timed(each_made)
+        return s, timed(lambda: each_gone(got))[0]
+
+    def make_range() -> tuple[float, float]:
+        s, (mem, fds) = timed(lambda: gpucopy.Imported.create(drv, buffers))
+        gone, _ = timed(mem.close)
+        for fd in fds:
+            os.close(fd)
+        return s, gone
+
+    rows: list[dict[str, Any]] = []
+    ways = {"make_each": make_each, "make_range": make_range}
+    for r in range(repeat):
+        row: dict[str, Any] = {"round": r}
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            row[f"{name}_s"], row[f"{name}_gone_s"] = (round(x, 4) for x in ways[name]())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    mem, fds = gpucopy.Imported.create(drv, buffers)     # the job's, to be taken
+    try:
+        def take_each() -> tuple[float, float]:
+            s, got = timed(lambda: each_taken(fds))
+            return s, timed(lambda: each_gone(got))[0]
+
+        def take_range() -> tuple[float, float]:
+            s, taken = timed(lambda: gpucopy.Imported(drv, buffers, fds))
+            return s, timed(taken.close)[0]
+
+        takes = {"take_each": take_each, "take_range": take_range}
+        for r in range(repeat):
+            row = rows[r]
+            for name in (list(takes) if r % 2 == 0 else list(takes)[::-1]):
+                row[f"{name}_s"], row[f"{name}_gone_s"] = (round(x, 4) for x in takes[name]())
+            print(json.dumps(row), flush=True)
+    finally:
+        mem.close()
+        for fd in fds:
+            os.close(fd)
+    return {"buffers": len(sizes), "bytes": sum(sizes), "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -71,6 +169,8 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ranges", action="store_true",
+                    help="pos's mapping into one range against each buffer in its own")
     a = ap.parse_args()
     context = gpucopy.Context(0)
     drv = context.drv
@@ -79,6 +179,12 @@ def main() -> None:
     sizes = sizes_of(a, GRANULE)
     acc = cu.CUmemAccessDesc(cu.CUmemLocation(cu.CU_MEM_LOCATION_TYPE_DEVICE, 0),
                              cu.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    if a.ranges:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "vmm.json").write_text(json.dumps(
+            ranges(drv, sizes, prop, acc, a.repeat), indent=1) + "\n")
+        context.close()
+        return
     vas, handles, fds = [], [], []
     made = time.monotonic()
     for n in sizes:            # as the agent's own_alloc: a range of its own, mapped, exported

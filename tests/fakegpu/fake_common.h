@@ -91,6 +91,26 @@ static int range_covers(uintptr_t p, size_t len, int kinds) {
     return found;
 }
 
+/* 1 when [p, p + len) is tiled by whole ranges of one of `kinds`, one after another from p
+ * (the driver's cuMemSetAccess over several mappings: every allocation in it whole). */
+__attribute__((unused)) static int range_tiled(uintptr_t p, size_t len, int kinds) {
+    uintptr_t at = p, end = p + len;
+    int stuck = end <= p;
+    pthread_mutex_lock(&ranges_lock);
+    while (at < end && !stuck) {
+        stuck = 1;
+        for (size_t i = 0; i < n_ranges; i++)
+            if ((ranges[i].kind & kinds) && ranges[i].base == at &&
+                at + ranges[i].size <= end) {
+                at += ranges[i].size;
+                stuck = 0;
+                break;
+            }
+    }
+    pthread_mutex_unlock(&ranges_lock);
+    return !stuck && at == end;
+}
+
 /* The range of one of `kinds` that holds p: 1 with *base and *size set, else 0. */
 __attribute__((unused)) static int range_find(uintptr_t p, int kinds, uintptr_t *base,
                                               size_t *size) {

@@ -727,7 +727,9 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
                             size_t count) {
     NEED_CONTEXT();
-    if (!desc || !count || !range_covers(ptr, size, RANGE_MAPPED))
+    /* one mapping, part of it, or several whole ones one after another */
+    if (!desc || !count ||
+        !(range_covers(ptr, size, RANGE_MAPPED) || range_tiled(ptr, size, RANGE_MAPPED)))
         return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS; /* mappings are already read-write */
 }
