@@ -44,8 +44,8 @@ Every setting, its variable and its default:
                                             an image that can move to other GPUs)
   own_host_ahead      POS_OWN_HOST_AHEAD    1, the default: the host memory that such memory
                                             is copied into, where its GPU has no room, is
-                                            faulted in before the cut (the wait before the
-                                            cut longer, the hold shorter); 0: as it is
+                                            faulted in from before the cut until the copy
+                                            begins (the copy then faster); 0: as it is
                                             copied, while the job is held
   fill_piece_bytes    POS_FILL_PIECE_KIB    what a fill thread reads and copies at a time
   fill_mapped         POS_FILL_MAPPED       0: the fill reads the data files rather than map them
@@ -241,8 +241,8 @@ class Settings:
                                   "unset it (a job's own cuMem memory is then taken where its "
                                   "GPU has room to copy it)") == "1",
             own_host_ahead=get("POS_OWN_HOST_AHEAD", one_of(("0", "1")), "1", "0 or 1",
-                               "unset it (the host memory is then faulted in before the "
-                               "cut)") == "1",
+                               "unset it (the host memory is then faulted in from before "
+                               "the cut)") == "1",
             fill_piece_bytes=get("POS_FILL_PIECE_KIB", piece, DEFAULT_FILL_PIECE_KIB << 10,
                                  "a power of two from 256 to 4096", "unset it (pieces are then "
                                  f"{DEFAULT_FILL_PIECE_KIB} KiB)"),

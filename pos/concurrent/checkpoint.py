@@ -325,16 +325,12 @@ class _Whole:
 
     def map_own(self) -> None:
         """Each take's exported memory mapped in pos, and the host memory its copy goes into
-        faulted in beside that (unless POS_OWN_HOST_AHEAD is 0), once the host is known to
-        have room for it."""
+        faulted in from now until the take (unless POS_OWN_HOST_AHEAD is 0), once the host is
+        known to have room for it."""
         for s in self.owning(self.own_first):
-            made = self.own_ready[s.pid]
             s.use()
-            made.map(s.drv, lambda name, fn: steps.timed(self.early, name, fn),
-                     self.settings.own_host_ahead)
-        self.early["own_faulted_bytes"] = sum(r.host.bytes for r in self.own_ready.values()
-                                              if r.host is not None and
-                                              self.settings.own_host_ahead)
+            self.own_ready[s.pid].map(s.drv, lambda name, fn: steps.timed(self.early, name, fn),
+                                      self.settings.own_host_ahead)
 
     def take_own(self, g: Guard) -> None:
         """Each job's own cuMem memory (NCCL's buffers) copied and given up (ownmem; written
@@ -360,6 +356,7 @@ class _Whole:
         g.timed("own_take", lambda: side_by_side("pos-own", mine, take, keep))
         g.timings["own_taken_bytes"] = sum(t.bytes for t in self.own.values())
         g.timings["own_host_bytes"] = sum(t.bytes - t.on_device for t in self.own.values())
+        g.timings["own_faulted_bytes"] = sum(t.faulted for t in self.own.values())
         g.timed("own_down", lambda: side_by_side("pos-own-down", mine,
                                                  lambda s: s.connected().own_down(),
                                                  lambda _: None))

@@ -70,6 +70,7 @@ class Taken:
         self.regions, self.fds = regions, fds
         self.shadow: Optional[gpucopy.Shadow] = None
         self.host: list[list[mmap.mmap]] = []
+        self.faulted = 0      # of the host memory, the bytes faulted in before the take
         # what the take made and used, let go with the copy once the job runs again: pos's
         # mapping of the job's memory and the page-locked memory of the copy (closed while the
         # job was held, 0.2-0.5 s more of it at thousands of pieces, bench/results/2026-12-01.md)
@@ -137,13 +138,18 @@ class Taken:
 
 class HostPieces:
     """Anonymous memory for the pieces of a take's copy that go into host memory (`sizes`:
-    each one's bytes), made before the cut and, with `fault`, faulted in there: into fresh
-    memory 32 GiB came at 13-23 GB/s, into memory faulted in before at 39 GB/s, the faulting
-    itself 42 GB/s (bench/results/2026-12-01.md). `get` hands a piece of a size over (made
-    then where none is left); `close` lets those never handed over go."""
+    each one's bytes), made before the cut and faulted in behind it until the take begins
+    (`fault_behind`, `settle`): into fresh memory 32 GiB came at 13-23 GB/s, into memory
+    faulted in before at 39 GB/s, the faulting itself 42 GB/s. Waited for before the cut, the
+    faulting of 43 GB put 1.2-5.6 s more between the command and the cut of a job at 60% of an
+    H200, for 0.1-0.3 s less held (bench/results/2026-12-01.md). `get` hands a piece of a size
+    over (made then where none is left); `close` lets those never handed over go."""
 
     def __init__(self, sizes: list[int]) -> None:
         self._free: dict[int, list[mmap.mmap]] = {}
+        self._stop = threading.Event()
+        self._faulting: Optional[threading.Thread] = None
+        self.faulted = 0          # the bytes faulted in so far
         try:
             for n in sizes:
                 self._free.setdefault(n, []).append(_anonymous(n))
@@ -155,22 +161,40 @@ class HostPieces:
     def bytes(self) -> int:
         return sum(n * len(ms) for n, ms in self._free.items())
 
-    def fault(self) -> None:
-        """Every piece's pages faulted in, on threads (ctypes lets the GIL go)."""
+    def fault_behind(self, timed: Timed) -> None:
+        """Every piece's pages faulted in from now on, on threads of their own (ctypes lets the
+        GIL go), until `settle`; `timed`: where its seconds go (own_ready_fault)."""
         pieces = [m for ms in self._free.values() for m in ms]
         threads = _threads(len(pieces))
+        lock = threading.Lock()
 
         def write(k: int) -> None:
             for m in pieces[k::threads]:
+                if self._stop.is_set():
+                    return
                 C.memset(_address(m), 0, len(m))
+                with lock:
+                    self.faulted += len(m)
 
-        side_by_side("pos-own-fault", list(range(threads)), write, lambda _: None)
+        self._faulting = threading.Thread(
+            target=timed, name="pos-own-fault", daemon=True, args=("own_ready_fault", lambda: (
+                side_by_side("pos-own-fault", list(range(threads)), write, lambda _: None))))
+        self._faulting.start()
+
+    def settle(self) -> None:
+        """The faulting stopped where it is: the pieces not reached are faulted in as the copy
+        writes them."""
+        self._stop.set()
+        if self._faulting is not None:
+            self._faulting.join()
+            self._faulting = None
 
     def get(self, n: int) -> mmap.mmap:
         ms = self._free.get(n)
         return ms.pop() if ms else _anonymous(n)
 
     def close(self) -> None:
+        self.settle()
         for ms in self._free.values():
             for m in ms:
                 m.close()
@@ -215,33 +239,17 @@ class Ready:
         self.mem, self.fds, self.shadow, self.staging, self.host = None, [], None, None, None
 
     def map(self, drv: "Driver", timed: Timed, fault: bool) -> None:
-        """The allocations exported mapped in pos, and with `fault` the host memory for what
-        the shadow cannot hold faulted in beside that, on threads of its own (once the host is
-        known to have room for it: the caller's check). `timed`: where the parts' seconds go
+        """The allocations exported mapped in pos; with `fault`, the host memory for what the
+        shadow cannot hold faulted in from before that until the take (once the host is known
+        to have room for it: the caller's check). `timed`: where the parts' seconds go
         (own_ready_map, own_ready_fault)."""
         from pos.concurrent import gpucopy
 
-        failed: list[BaseException] = []
-
-        def fault_in(pieces: HostPieces) -> None:
-            try:
-                timed("own_ready_fault", pieces.fault)
-            except BaseException as e:  # noqa: BLE001  (raised on the caller's thread)
-                failed.append(e)
-
-        faulting = threading.Thread(target=fault_in, args=(self.host,), name="pos-own-fault",
-                                    daemon=True) if fault and self.host else None
-        if faulting is not None:
-            faulting.start()
-        try:
-            if self.regions:
-                self.mem = timed("own_ready_map", lambda: gpucopy.Imported(
-                    drv, _buffers(self.regions), self.fds))
-        finally:
-            if faulting is not None:
-                faulting.join()
-        if failed:
-            raise failed[0]
+        if fault and self.host is not None:
+            self.host.fault_behind(timed)
+        if self.regions:
+            self.mem = timed("own_ready_map", lambda: gpucopy.Imported(
+                drv, _buffers(self.regions), self.fds))
 
 
 def ready(agent: Agent, drv: "Driver", device: int, size: int, timed: Timed) -> Ready:
@@ -302,6 +310,9 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     shadow, made.shadow = made.shadow, None
     staging, made.staging = made.staging, None
     pieces, made.host = made.host, None
+    if pieces is not None:
+        pieces.settle()
+        taken.faulted = pieces.faulted
     for later in (staging, pieces):
         if later is not None:
             taken.later.append(later)

@@ -19,6 +19,7 @@ from pos.image import names
 from pos.image.opened import open_image
 from pos.settings import Settings
 from tests.agent.test_peer_fake import SEVEN, VMM_BYTES
+from tests.conftest import wait_for
 from tests.image.conftest import manifest
 
 
@@ -84,11 +85,10 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
     if where == "ready-host":
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: 0)
     made = ready(agent, drv, agent.status().own_bytes, early) if "ready" in where else None
-    assert set(early) == ({"own_ready_export", "own_ready_map", "own_ready_room"}
-                          | ({"own_ready_fault"} if where == "ready-host" else set())
-                          if made else set())
     pieces = made.host if made else None
     assert (pieces.bytes if pieces else 0) == (VMM_BYTES if where == "ready-host" else 0)
+    if pieces:        # faulted in behind the mapping, the job running
+        wait_for(lambda: pieces.faulted == VMM_BYTES, what="the host memory faulted in")
     if where in ("host", "split"):
         room = 0 if where == "host" else VMM_BYTES // 2 - 4096
         monkeypatch.setattr(gpucopy, "shadow_room", lambda _drv: room)
@@ -104,7 +104,12 @@ def test_the_image_gets_the_bytes_of_the_take_written_after_it(peer_job, drv, tm
                                 | ({"own_host"} if on_host else set()))
         assert (taken.shadow is not None, bool(taken.host)) == (
             where not in ("host", "ready-host"), on_host)
-        # every piece made before the cut filled by the take, let go with the copy
+        # every piece made and faulted in before the cut filled by the take, let go with the
+        # copy
+        assert taken.faulted == (VMM_BYTES if pieces else 0)
+        assert set(early) == ({"own_ready_export", "own_ready_map", "own_ready_room"}
+                              | ({"own_ready_fault"} if where == "ready-host" else set())
+                              if made else set())
         assert pieces is None or (pieces in taken.later and pieces.bytes == 0)
         assert taken.bytes - taken.on_device == sum(len(p) for run in taken.host for p in run)
         # pos's mapping of the job's memory (and the copy's page-locked memory) let go only
@@ -233,7 +238,8 @@ def test_the_copy_into_host_memory_lands_each_piece_whole_in_order(drv, monkeypa
         work = [(src.ptr + at, at, min(64 << 10, len(want) - at))
                 for at in range(0, len(want), 64 << 10)]
         before = ownmem.HostPieces([64 << 10] * 4 + [4096, 8192])
-        before.fault()
+        before.fault_behind(lambda _name, fn: fn())
+        before.settle()
         host = ownmem._to_host(drv, work, None, before)
         assert len(host) == 2 and all(len(run) > 2 for run in host)
         assert b"".join(bytes(p) for run in host for p in run) == want
