@@ -519,10 +519,7 @@ def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
     job with PyTorch's expandable segments came back at 3.8 GB/s, on 16 threads at 28 GB/s
     (bench/results/2026-12-01.md). Each chunk is checked against its checksum as it is read,
     as the GPU data is: checked whole first, beside CRIU, those 50 GB held the job's first step
-    2.7-3.1 s more. A chunk that does not match is refused in one sentence. Each thread reads
-    and checks a chunk into one half of its memory while the device copies the one before out
-    of the other: one after the other, 95.5 GB came back at 21-22 GB/s."""
-    from pos.concurrent import gpucopy
+    2.7-3.1 s more. A chunk that does not match is refused in one sentence."""
     import numpy as np      # imported by the restore's thread by now (gpucopy)
 
     into = list(zip(_starts(regions), local, [r.size for r in regions]))
@@ -535,45 +532,32 @@ def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
         begins += sums.size
     fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths]
     threads = _threads(len(chunks))
-    each = manifest.chunk_bytes
     try:
         def read(k: int, host: int, view: memoryview) -> None:
             buf = np.frombuffer(view, np.uint8)
-            streams = [gpucopy.stream(drv) for _ in range(2)]     # a half's copies each
-            try:
-                for n, (j, i, begin) in enumerate(chunks[k::threads]):
-                    half = n % 2
-                    drv.cuStreamSynchronize(streams[half])    # its last chunk copied out
-                    at, size = parts[j].span(i)
-                    got = buf[half * each:half * each + size]
-                    if filehash.read_at(fds[j], got, at) != size or not parts[j].holds(i, got):
-                        raise image.corrupt(folder, paths[j].name, at, size)
-                    _scatter(drv, into, begin + at, host + half * each, size, streams[half])
-                for s in streams:
-                    drv.cuStreamSynchronize(s)
-            finally:        # no copy out of the memory once it is let go
-                for s in streams:
-                    drv.raw.cuStreamSynchronize(s)
-                    drv.raw.cuStreamDestroy_v2(s)
+            for j, i, begin in chunks[k::threads]:
+                at, n = parts[j].span(i)
+                if filehash.read_at(fds[j], buf[:n], at) != n or not parts[j].holds(i, buf[:n]):
+                    raise image.corrupt(folder, paths[j].name, at, n)
+                _scatter(drv, into, begin + at, host, n)
 
-        _on_threads(drv, threads, read, 2 * each)
+        _on_threads(drv, threads, read, manifest.chunk_bytes)
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def _scatter(drv: "Driver", into: list[tuple[int, int, int]], offset: int, host: int,
-             n: int, stream: Any) -> None:
-    """The `n` bytes at `host`, the image's data at `offset`, copied on `stream` into the
-    regions they belong to (`into`: each region's place in the data, its address in pos, its
-    size)."""
+             n: int) -> None:
+    """The `n` bytes at `host`, the image's data at `offset`, copied into the regions they
+    belong to (`into`: each region's place in the data, its address in pos, its size)."""
     k = max(0, bisect.bisect_right(into, (offset, 1 << 64)) - 1)
     end = offset + n
     while k < len(into) and into[k][0] < end:
         start, at, size = into[k]
         lo, hi = max(start, offset), min(start + size, end)
         if hi > lo:
-            drv.cuMemcpyHtoDAsync_v2(at + lo - start, host + lo - offset, hi - lo, stream)
+            drv.cuMemcpyHtoD_v2(at + lo - start, host + lo - offset, hi - lo)
         k += 1
 
 
