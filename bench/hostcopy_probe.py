@@ -59,7 +59,7 @@ def bounce(drv: Any, work: list[tuple[int, int, int]], staging: Any) -> None:
 def faulted(drv: Any, work: list[tuple[int, int, int]], staging: Any) -> dict[str, float]:
     pieces = ownmem.HostPieces([n for _, _, n in work])
     t = time.monotonic()
-    pieces.fault_behind(lambda _name, fn: fn())
+    pieces.fault_behind()
     while pieces.faulted < pieces.bytes:    # as a take that finds every piece faulted in
         time.sleep(0.001)
     pieces.settle()

@@ -357,6 +357,9 @@ class _Whole:
         g.timings["own_taken_bytes"] = sum(t.bytes for t in self.own.values())
         g.timings["own_host_bytes"] = sum(t.bytes - t.on_device for t in self.own.values())
         g.timings["own_faulted_bytes"] = sum(t.faulted for t in self.own.values())
+        behind = [t.fault_s for t in self.own.values() if t.fault_s is not None]
+        if behind:          # faulted in from before the cut until the take
+            g.timings["own_fault"] = max(behind)
         g.timed("own_down", lambda: side_by_side("pos-own-down", mine,
                                                  lambda s: s.connected().own_down(),
                                                  lambda _: None))

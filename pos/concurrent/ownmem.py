@@ -70,7 +70,10 @@ class Taken:
         self.regions, self.fds = regions, fds
         self.shadow: Optional[gpucopy.Shadow] = None
         self.host: list[list[mmap.mmap]] = []
-        self.faulted = 0      # of the host memory, the bytes faulted in before the take
+        # of the host memory, the bytes faulted in before the take, and for how long (None:
+        # none was faulted in before)
+        self.faulted = 0
+        self.fault_s: Optional[float] = None
         # what the take made and used, let go with the copy once the job runs again: pos's
         # mapping of the job's memory and the page-locked memory of the copy (closed while the
         # job was held, 0.2-0.5 s more of it at thousands of pieces, bench/results/2026-12-01.md)
@@ -150,6 +153,7 @@ class HostPieces:
         self._stop = threading.Event()
         self._faulting: Optional[threading.Thread] = None
         self.faulted = 0          # the bytes faulted in so far
+        self.fault_s: Optional[float] = None     # how long that ran, once it has ended
         try:
             for n in sizes:
                 self._free.setdefault(n, []).append(_anonymous(n))
@@ -161,12 +165,13 @@ class HostPieces:
     def bytes(self) -> int:
         return sum(n * len(ms) for n, ms in self._free.items())
 
-    def fault_behind(self, timed: Timed) -> None:
+    def fault_behind(self) -> None:
         """Every piece's pages faulted in from now on, on threads of their own (ctypes lets the
-        GIL go), until `settle`; `timed`: where its seconds go (own_ready_fault)."""
+        GIL go), until `settle`."""
         pieces = [m for ms in self._free.values() for m in ms]
         threads = _threads(len(pieces))
         lock = threading.Lock()
+        t0 = time.monotonic()
 
         def write(k: int) -> None:
             for m in pieces[k::threads]:
@@ -176,9 +181,11 @@ class HostPieces:
                 with lock:
                     self.faulted += len(m)
 
-        self._faulting = threading.Thread(
-            target=timed, name="pos-own-fault", daemon=True, args=("own_ready_fault", lambda: (
-                side_by_side("pos-own-fault", list(range(threads)), write, lambda _: None))))
+        def run() -> None:
+            side_by_side("pos-own-fault", list(range(threads)), write, lambda _: None)
+            self.fault_s = time.monotonic() - t0
+
+        self._faulting = threading.Thread(target=run, name="pos-own-fault", daemon=True)
         self._faulting.start()
 
     def settle(self) -> None:
@@ -241,12 +248,12 @@ class Ready:
     def map(self, drv: "Driver", timed: Timed, fault: bool) -> None:
         """The allocations exported mapped in pos; with `fault`, the host memory for what the
         shadow cannot hold faulted in from before that until the take (once the host is known
-        to have room for it: the caller's check). `timed`: where the parts' seconds go
-        (own_ready_map, own_ready_fault)."""
+        to have room for it: the caller's check). `timed`: where the mapping's seconds go
+        (own_ready_map)."""
         from pos.concurrent import gpucopy
 
         if fault and self.host is not None:
-            self.host.fault_behind(timed)
+            self.host.fault_behind()
         if self.regions:
             self.mem = timed("own_ready_map", lambda: gpucopy.Imported(
                 drv, _buffers(self.regions), self.fds))
@@ -312,7 +319,7 @@ def take(agent: Agent, drv: "Driver", device: int, timed: Timed,
     pieces, made.host = made.host, None
     if pieces is not None:
         pieces.settle()
-        taken.faulted = pieces.faulted
+        taken.faulted, taken.fault_s = pieces.faulted, pieces.fault_s
     for later in (staging, pieces):
         if later is not None:
             taken.later.append(later)

@@ -202,7 +202,7 @@ def test_a_process_alone_without_room_on_its_gpu_is_copied_into_host_memory_and_
     # faulted in from before the cut until the take: as far as it came by then
     assert (0 <= timings["own_faulted_bytes"] <= in_host) if ahead == "1" else \
         timings["own_faulted_bytes"] == 0
-    assert ("own_ready_fault" in timings) == (ahead == "1")
+    assert ("own_fault" in timings) == (ahead == "1")
     owner.proc.wait(timeout=30)
     r = pos("restore", "-D", str(img), env=gpu_env)
     assert r.returncode == 0, r.stderr
