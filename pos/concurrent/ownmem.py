@@ -246,18 +246,17 @@ class Ready:
         self.mem, self.fds, self.shadow, self.staging, self.host = None, [], None, None, None
 
     def map(self, drv: "Driver", timed: Timed, fault: bool) -> None:
-        """The allocations exported mapped in pos; then, with `fault`, the host memory for what
-        the shadow cannot hold faulted in until the take (once the host is known to have room
-        for it: the caller's check). Begun before the mapping, the faulting slowed it from
-        0.26-0.38 s to 0.58-0.76 s for a job's 4,561 pieces (bench/results/2026-12-01.md).
-        `timed`: where the mapping's seconds go (own_ready_map)."""
+        """The allocations exported mapped in pos; with `fault`, the host memory for what the
+        shadow cannot hold faulted in from before that until the take (once the host is known
+        to have room for it: the caller's check). `timed`: where the mapping's seconds go
+        (own_ready_map)."""
         from pos.concurrent import gpucopy
 
+        if fault and self.host is not None:
+            self.host.fault_behind()
         if self.regions:
             self.mem = timed("own_ready_map", lambda: gpucopy.Imported(
                 drv, _buffers(self.regions), self.fds))
-        if fault and self.host is not None:
-            self.host.fault_behind()
 
 
 def ready(agent: Agent, drv: "Driver", device: int, size: int, timed: Timed) -> Ready:
