@@ -10,12 +10,12 @@ the same run (bench/results/2026-11-30.md).
 
 Taken, each is copied while every process is held (the peers write into it through their own
 mappings, which no gate of its owner sees): device to device into memory of pos's own, as far
-as the GPU has room, the rest into host memory; it is given up by the job (the agent's own-down: pos's
-descriptors hold the memory) and mapped back after the driver's restore (own-up), in place. The
-copy is written into the image once the job runs again: written while the job was held, 1 GB
-of the 2-rank Llama job's NCCL buffers had held it 2.2 s more (bench/results/2026-11-30.md). A
-restored process gets the memory made anew and filled before any process of the job runs. The
-agent's side, and how the job's later calls on the handle it made are answered:
+as the GPU has room, the rest into host memory; it is given up by the job (the agent's
+own-down: pos's descriptors hold the memory) and mapped back after the driver's restore
+(own-up), in place. The copy is written into the image once the job runs again: written while
+the job was held, 1 GB of the 2-rank Llama job's NCCL buffers had held it 2.2 s more
+(bench/results/2026-11-30.md). A restored process gets the memory made anew and filled before
+any process of the job runs. The agent's side, and how the job's later calls on the handle it made are answered:
 pos/agent/hook/peer.c.
 
 The image holds, for each process with such memory, an index (address, size, device of each
@@ -141,12 +141,14 @@ class Taken:
 
 class HostPieces:
     """Anonymous memory for the pieces of a take's copy that go into host memory (`sizes`:
-    each one's bytes), made before the cut and faulted in behind it until the take begins
+    each one's bytes), made before the cut and faulted in from then until the take begins
     (`fault_behind`, `settle`): into fresh memory 32 GiB came at 13-23 GB/s, into memory
-    faulted in before at 39 GB/s, the faulting itself 42 GB/s. Waited for before the cut, the
-    faulting of 43 GB put 1.2-5.6 s more between the command and the cut of a job at 60% of an
-    H200, for 0.1-0.3 s less held (bench/results/2026-12-01.md). `get` hands a piece of a size
-    over (made then where none is left); `close` lets those never handed over go."""
+    faulted in before at 39 GB/s, the faulting itself 42 GB/s. A job at 60% of an H200 (43 GB
+    into host memory) was held 2.57-3.02 s so, against 3.08-3.66 s with it faulted in as
+    copied, its cut 1.9-2.0 s after the command against 1.5-1.8 s. Waited for before the cut,
+    the faulting put 1.2-5.6 s more before it; begun only after the mapping, it faulted 12 of
+    the 43 GB in by the take (bench/results/2026-12-01.md). `get` hands a piece of a size over
+    (made then where none is left); `close` lets those never handed over go."""
 
     def __init__(self, sizes: list[int]) -> None:
         self._free: dict[int, list[mmap.mmap]] = {}
@@ -247,9 +249,9 @@ class Ready:
 
     def map(self, drv: "Driver", timed: Timed, fault: bool) -> None:
         """The allocations exported mapped in pos; with `fault`, the host memory for what the
-        shadow cannot hold faulted in from before that until the take (once the host is known
-        to have room for it: the caller's check). `timed`: where the mapping's seconds go
-        (own_ready_map)."""
+        shadow cannot hold faulted in beside the mapping, on threads of its own, until the take
+        (once the host is known to have room for it: the caller's check). `timed`: where the
+        mapping's seconds go (own_ready_map)."""
         from pos.concurrent import gpucopy
 
         if fault and self.host is not None:
@@ -261,10 +263,10 @@ class Ready:
 
 def ready(agent: Agent, drv: "Driver", device: int, size: int, timed: Timed) -> Ready:
     """The device memory for a take's copy of `size` bytes, as much of it as pos's shadow rule
-    leaves the GPU room for (and the page-locked memory through which the rest goes to host
-    memory), and the job's own allocations exported and mapped; nothing where there is nothing
-    to take; `Ready.map` then maps them. `timed`: where the parts' seconds go
-    (own_ready_export, own_ready_room)."""
+    leaves the GPU room for (and the page-locked memory through which the rest goes, and the
+    host memory it goes into, not yet faulted in), and the job's own allocations exported;
+    nothing where there is nothing to take. `Ready.map` then maps them. `timed`: where the
+    parts' seconds go (own_ready_export, own_ready_room)."""
     if not size:
         return Ready()
     try:
@@ -409,9 +411,9 @@ def _copy(drv: "Driver", taken: Taken, local: list[int], timed: Timed,
           staging: Optional["gpucopy.Pinned"], pieces: Optional[HostPieces]) -> None:
     """`taken`'s bytes, mapped in pos at `local`, copied while the job is held: the first into
     its shadow (made now where it has none), the rest into host memory on threads, through
-    `staging` (made now where there is none), into `pieces` as far as they go. Left to the driver's checkpoint instead, the 20 GB
-    of a job with PyTorch's expandable segments held it 31 s, and at 50% of an H200 the host
-    could not hold them (bench/results/2026-12-01.md)."""
+    `staging` (made now where there is none), into `pieces` as far as they go. Left to the
+    driver's checkpoint instead, the 20 GB of a job with PyTorch's expandable segments held it
+    31 s, and at 50% of an H200 the host could not hold them (bench/results/2026-12-01.md)."""
     from pos.concurrent import gpucopy
 
     if taken.shadow is None:
