@@ -15,8 +15,8 @@ own-down: pos's descriptors hold the memory) and mapped back after the driver's 
 (own-up), in place. The copy is written into the image once the job runs again: written while
 the job was held, 1 GB of the 2-rank Llama job's NCCL buffers had held it 2.2 s more
 (bench/results/2026-11-30.md). A restored process gets the memory made anew and filled before
-any process of the job runs. The agent's side, and how the job's later calls on the handle it made are answered:
-pos/agent/hook/peer.c.
+any process of the job runs. The agent's side, and how the job's later calls on the handle it
+made are answered: pos/agent/hook/peer.c.
 
 The image holds, for each process with such memory, an index (address, size, device of each
 allocation, in the agent's `exports` order) and the bytes, one allocation after another, in
