@@ -318,7 +318,7 @@ class _Whole:
             assert s.context is not None     # owning: a job with a context
             self.own_ready[s.pid] = ownmem.ready(
                 s.connected(), s.drv, s.context.device, self.statuses[s.pid].own_bytes or 0,
-                lambda name, fn: steps.timed(self.early, name, fn))
+                functools.partial(steps.timed, self.early))
         self.early["own_reserved_bytes"] = sum(r.shadow.size for r in self.own_ready.values()
                                                if r.shadow is not None)
         self.early["own_ready_bytes"] = sum(r.bytes for r in self.own_ready.values())
@@ -329,7 +329,7 @@ class _Whole:
         known to have room for it."""
         for s in self.owning(self.own_first):
             s.use()
-            self.own_ready[s.pid].map(s.drv, lambda name, fn: steps.timed(self.early, name, fn),
+            self.own_ready[s.pid].map(s.drv, functools.partial(steps.timed, self.early),
                                       self.settings.own_host_ahead)
 
     def take_own(self, g: Guard) -> None:

@@ -453,10 +453,9 @@ def _to_host(drv: "Driver", work: list[tuple[int, int, int]],
     memory, on threads, each through PIECE bytes of `staging` (made here where it is None) of
     its own: one run of them after another, a thread each (written into the image as a part
     of its own), each piece into anonymous memory of its own from `pieces` (let go once
-    written). Copied by
-    the driver straight into pageable memory, 13.2 GB on 16 threads came at 1.7 GB/s, and held
-    the job 7.6 s; through page-locked memory, at 17-27 GB/s; through two pieces a thread, the
-    device's copy into one beside the move out of the other, no faster
+    written). Copied by the driver straight into pageable memory, 13.2 GB on 16 threads came at
+    1.7 GB/s, and held the job 7.6 s; through page-locked memory, at 17-27 GB/s; through two
+    pieces a thread, the device's copy into one beside the move out of the other, no faster
     (bench/results/2026-12-01.md)."""
     made = staging is None
     pinned = staging if staging is not None else _staging(drv)
