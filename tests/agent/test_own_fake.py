@@ -78,6 +78,38 @@ def test_own_memory_taken_through_the_drivers_cycle_comes_back_at_its_address(
         assert os.pread(mem.fileno(), 16, own_va) == SEVEN
 
 
+def test_pieces_that_follow_each_other_come_back_with_their_access_given_at_once(
+        peer_job) -> None:
+    """Pieces mapped one after another in one reservation, as PyTorch's expandable segments
+    map them, and one apart: own-up maps each back at its address and gives each run its
+    access in one call (the fake driver takes such a call only over whole mappings), every
+    piece's bytes its own."""
+    calls = Path(os.environ["POS_FAKECUDA_STATE_DIR"]) / "fail-count-cuMemSetAccess"
+    calls.unlink(missing_ok=True)
+    job = peer_job("segment", env={"POS_FAKECUDA_FAIL": "cuMemSetAccess:0"})   # counted
+    fds: list[int] = []
+    with Agent(job.pid) as a:
+        a.cut(5)
+        vas = [e.va for e in a.exports()]
+        assert len(vas) == 4 and vas[1] - vas[0] == vas[2] - vas[1] == VMM_BYTES
+        got = a.own_take()
+        fds = got.fds
+        try:
+            assert got.vas == vas and a.own_down() == 4 * VMM_BYTES
+            driver_cycle(job.pid)
+            before = int(calls.read_text())
+            assert a.own_up(fds) == 4
+            assert int(calls.read_text()) - before == 2     # a call for each run
+            assert a.status().own_down == 0
+            with open(f"/proc/{job.pid}/mem", "rb", buffering=0) as mem:
+                back = [os.pread(mem.fileno(), 16, v) for v in vas]
+            assert back == [bytes([7 + i, 0, 0, 0]) * 4 for i in range(4)]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        a.end()
+
+
 def test_the_handle_the_job_made_exports_the_memory_it_has_after_the_take(peer_job) -> None:
     """NCCL exports a buffer's first handle again for a peer that connects later: the agent
     answers with the memory mapped there now (the driver does not export the imported handle

@@ -154,6 +154,26 @@ static void own(void) {
     say("EXPORTED");
 }
 
+/* Memory as PyTorch's expandable segments map it: SEGMENT_PIECES allocations one after
+ * another in one reservation, filled with 7, 8, 9, ..., their access given once over all of
+ * them; then one more in a reservation of its own. */
+#define SEGMENT_PIECES 3
+static void segment(void) {
+    CUmemAllocationProp prop = {.type = 1, .requestedHandleTypes = 1, .location = {1, 0}};
+    CUmemGenericAllocationHandle h[SEGMENT_PIECES], apart;
+    CUdeviceptr va;
+    CHECK(cuMemAddressReserve(&va, SEGMENT_PIECES * VMM_BYTES, 0, 0, 0));
+    for (unsigned i = 0; i < SEGMENT_PIECES; i++) {
+        CHECK(cuMemCreate(&h[i], VMM_BYTES, &prop, 0));
+        CHECK(cuMemMap(va + i * VMM_BYTES, VMM_BYTES, 0, h[i], 0));
+    }
+    CHECK(cuMemSetAccess(va, SEGMENT_PIECES * VMM_BYTES, &rw, 1));
+    for (unsigned i = 0; i < SEGMENT_PIECES; i++)
+        CHECK(cuMemsetD32_v2(va + i * VMM_BYTES, 7 + i, VMM_BYTES / 4));
+    own_map(7 + SEGMENT_PIECES, &apart);
+    ready();
+}
+
 static void import(void) {
     CUresult (*import_fd)(CUmemGenericAllocationHandle *, void *, int) =
         driver("cuMemImportFromShareableHandle");
@@ -212,7 +232,7 @@ static void ipc_open(void) {
 
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: %s own|import|ipc-own|ipc-open DIR\n", argv[0]);
+        fprintf(stderr, "usage: %s own|segment|import|ipc-own|ipc-open DIR\n", argv[0]);
         return 2;
     }
     dir = argv[2];
@@ -222,6 +242,8 @@ int main(int argc, char **argv) {
     CHECK(cuCtxSetCurrent(ctx));
     if (!strcmp(argv[1], "own"))
         own();
+    else if (!strcmp(argv[1], "segment"))
+        segment();
     else if (!strcmp(argv[1], "import"))
         import();
     else if (!strcmp(argv[1], "ipc-own"))
