@@ -42,7 +42,7 @@ from pos.concurrent.copier import host_room, host_spare
 from pos.concurrent.saver import (DEFAULT_CHUNK_MB, SAVE_STREAMS, STALL_S, Saver, Taken,
                                    reconnected, timings_of)
 from pos.errors import BadInput, PosError
-from pos.image import names
+from pos.image import filehash, names
 from pos.image.kinds import ImageKind
 from pos.operation import hostroom, restorable, steps
 from pos.operation.engine import DeviceCopy, Operation, RankSaved, Report, Save
@@ -97,6 +97,7 @@ class _Whole:
         self.held: dict[int, Status] = {}         # each agent's status once its job was held
         self.own: dict[int, ownmem.Taken] = {}    # each job's own cuMem memory pos took, by PID
         self.own_ready: dict[int, ownmem.Ready] = {}   # made for it before the cut, by PID
+        self.written: dict[str, filehash.Written] = {}  # image files hashed as written
         self.own_first: frozenset[int] = frozenset()   # own_plan by the statuses of `refuse`
         self.driver_bytes = 0       # device memory the driver's checkpoint brings into the jobs'
         # whether a rank's NCCL leaves NVLink SHARP on: asked before the cut, kept for the
@@ -445,17 +446,20 @@ class _Whole:
         self.copies = [t.write(self.partial) for t in self.taken]
         self.manifest.timings = {**timings_of(self.savers), **g.timings}
         self.manifest.stall_s = self.release_s if self.leave_running else None
-        final: Path = g.timed("checksum", lambda: image.seal(self.partial, self.manifest))
+        final: Path = g.timed("checksum", lambda: image.seal(self.partial, self.manifest,
+                                                            written=self.written))
         g.timings["sealed_s"] = time.monotonic() - self.started
         if not self.leave_running:
             g.end(hoisted=False)       # the image holds the job now
         return final
 
     def write_own(self) -> None:
-        """The own memory each job's take copied, into the image, the jobs side by side."""
+        """The own memory each job's take copied, into the image, the jobs side by side, hashed
+        as written (`written`)."""
         def write(s: Saver) -> None:
             s.use()
-            self.own[s.pid].write(s.drv, self.partial, s.pid if self.several else None)
+            self.written.update(
+                self.own[s.pid].write(s.drv, self.partial, s.pid if self.several else None))
 
         side_by_side("pos-own-write", [s for s in self.savers if s.pid in self.own], write,
                      lambda _: None)

@@ -88,26 +88,29 @@ class Taken:
         """The bytes of the copy on the device; the rest is in host memory."""
         return min(self.bytes, self.shadow.size if self.shadow is not None else 0)
 
-    def write(self, drv: "Driver", folder: Path, pid: Optional[int]) -> None:
+    def write(self, drv: "Driver", folder: Path, pid: Optional[int]
+              ) -> dict[str, filehash.Written]:
         """The bytes taken at the cut into `folder` (the image being written; `pid`: the
         process's, in an image of several), with the index; pos's copy of them let go. Called
-        with the context current that `take` ran in."""
+        with the context current that `take` ran in. The data parts, hashed as written."""
         if not self.regions:
-            return
+            return {}
         n = self.on_device
         ptr = self.shadow.ptr if self.shadow is not None else 0
         device = [(ptr + at, at, min(PIECE, n - at)) for at in range(0, n, PIECE)]
         runs = _split(device, _threads(len(device))) if device else []
         host, self.host = self.host, []
+        written = {names.own_memory_part(pid, len(runs) + k): _written(len(p) for p in run)
+                   for k, run in enumerate(host)}
 
         def put(k: int) -> None:
             run = host[k]
-            with open(folder / names.own_memory_part(pid, len(runs) + k), "wb",
-                      buffering=0) as f:
+            name = names.own_memory_part(pid, len(runs) + k)
+            with open(folder / name, "wb", buffering=0) as f:
                 while run:
                     piece = run.pop(0)
                     with memoryview(piece) as view:
-                        _write_all(f, view)
+                        _write_hashed(f, view, written[name])
                     piece.close()           # let go once written
 
         # what is in host memory first, each piece let go once written: where the image is
@@ -115,10 +118,11 @@ class Taken:
         if host:
             side_by_side("pos-own-host", list(range(len(host))), put, lambda _: None)
         if runs:
-            _write(drv, runs, folder, pid)
+            written.update(_write(drv, runs, folder, pid))
         index_name, _ = names.own_memory(pid)
         (folder / index_name).write_text(json.dumps([asdict(r) for r in self.regions]) + "\n")
         self.drop()
+        return written
 
     def drop(self) -> None:
         """pos's copy of the bytes let go (the context `take` ran in current)."""
@@ -496,27 +500,43 @@ def _buffers(regions: list[Region]) -> list[Buffer]:
 
 
 def _write(drv: "Driver", parts: list[list[tuple[int, int, int]]], folder: Path,
-           pid: Optional[int]) -> None:
+           pid: Optional[int]) -> dict[str, filehash.Written]:
     """Runs of pieces (a device address, a place in the data, bytes) into the image's first
     data parts in `folder` (names.own_memory_part), a run a part and a thread, each through
     page-locked memory of its own. One piece at a time through pageable memory into one file,
     the 50 GB of a job with PyTorch's expandable segments went into the image at 2.2 GB/s; on
     threads into one file no faster, a file of a tmpfs taking one write at a time
-    (bench/results/2026-12-01.md)."""
+    (bench/results/2026-12-01.md). Each part is hashed as it is written (`_write_hashed`)."""
+    written = {names.own_memory_part(pid, k): _written(n for _at, _offset, n in run)
+               for k, run in enumerate(parts)}
+
     def write(k: int, host: int, view: memoryview) -> None:
-        with open(folder / names.own_memory_part(pid, k), "wb", buffering=0) as f:
+        name = names.own_memory_part(pid, k)
+        with open(folder / name, "wb", buffering=0) as f:
             for at, _offset, n in parts[k]:
                 drv.cuMemcpyDtoH_v2(host, at, n)
-                _write_all(f, view[:n])
+                _write_hashed(f, view[:n], written[name])
 
     _on_threads(drv, len(parts), write)
+    return written
 
 
-def _write_all(f: Any, data: memoryview) -> None:
-    """All of `data` into the unbuffered file `f` (a write may take only some)."""
-    done = 0
-    while done < len(data):
-        done += f.write(data[done:]) or 0
+def _written(sizes: Iterator[int]) -> filehash.Written:
+    """The checksums of a data part of these pieces' bytes, made as it is written."""
+    return filehash.Written(sum(sizes), image.CHUNK_BYTES)
+
+
+def _write_hashed(f: Any, data: memoryview, written: filehash.Written) -> None:
+    """All of `data` into the unbuffered file `f`, a MiB at a time, each folded into `written`
+    just before it is written."""
+    import numpy as np      # imported by the copy by now (gpucopy)
+
+    for at in range(0, len(data), filehash.READ_BYTES):
+        piece = data[at:at + filehash.READ_BYTES]
+        written.add(np.frombuffer(piece, np.uint8))
+        done = 0
+        while done < len(piece):
+            done += f.write(piece[done:]) or 0
 
 
 def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
@@ -526,8 +546,9 @@ def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
     page-locked memory of its own: one piece at a time through pageable memory, the 50 GB of a
     job with PyTorch's expandable segments came back at 3.8 GB/s, on 16 threads at 28 GB/s
     (bench/results/2026-12-01.md). Each chunk is checked against its checksum as it is read,
-    as the GPU data is: checked whole first, beside CRIU, those 50 GB held the job's first step
-    2.7-3.1 s more. A chunk that does not match is refused in one sentence."""
+    as the GPU data is (checked whole first, beside CRIU, those 50 GB held the job's first step
+    2.7-3.1 s more), a MiB at a time, each hashed while the cache holds it. A chunk that does
+    not match is refused in one sentence."""
     import numpy as np      # imported by the restore's thread by now (gpucopy)
 
     into = list(zip(_starts(regions), local, [r.size for r in regions]))
@@ -545,7 +566,7 @@ def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
             buf = np.frombuffer(view, np.uint8)
             for j, i, begin in chunks[k::threads]:
                 at, n = parts[j].span(i)
-                if filehash.read_at(fds[j], buf[:n], at) != n or not parts[j].holds(i, buf[:n]):
+                if not parts[j].read(i, fds[j], buf):
                     raise image.corrupt(folder, paths[j].name, at, n)
                 _scatter(drv, into, begin + at, host, n)
 

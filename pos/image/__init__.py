@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pos.errors import BadInput
+from pos.errors import BadInput, PosError
 from pos.image import filehash, names
 from pos.image.filehash import Hashed
 
@@ -161,14 +161,23 @@ def listing(folder: Path) -> list[str]:
     return sorted(out)
 
 
-def seal(partial: Path, manifest: Manifest, hashed: Hashed = filehash.no_progress) -> Path:
+def seal(partial: Path, manifest: Manifest, hashed: Hashed = filehash.no_progress,
+         written: Optional[dict[str, filehash.Written]] = None) -> Path:
     """Make every file root-only, checksum it, write the manifest, then rename DIR.partial to
-    DIR: the image appears complete or not at all."""
+    DIR: the image appears complete or not at all. `written`: files hashed as they were
+    written (in chunks of CHUNK_BYTES), which are not read again."""
     files = [n for n in listing(partial) if (partial / n).is_file()]
     for n in files:
         os.chmod(partial / n, 0o600)
+    known = {n: w.record() for n, w in (written or {}).items() if w.chunk_bytes == CHUNK_BYTES}
+    for n, rec in known.items():
+        if n not in files or (partial / n).stat().st_size != rec["size"]:
+            raise PosError(f"{partial / n} does not hold the {rec['size']} bytes written into it",
+                           "check the image's file system (full, or written by another program)")
     manifest.chunk_bytes = CHUNK_BYTES
-    manifest.files = filehash.checksums(partial, files, manifest.chunk_bytes, hashed)
+    read = filehash.checksums(partial, [n for n in files if n not in known],
+                              manifest.chunk_bytes, hashed)
+    manifest.files = {n: known[n] if n in known else read[n] for n in files}
     manifest.size_bytes = sum(f["size"] for f in manifest.files.values())
     write_manifest(partial, manifest)
     return _publish(partial)

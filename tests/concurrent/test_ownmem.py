@@ -15,7 +15,7 @@ from pos.agent.control import Agent, Refused
 from pos import image
 from pos.concurrent import gpucopy, ownmem
 from pos.errors import BadInput
-from pos.image import names
+from pos.image import filehash, names
 from pos.image.opened import open_image
 from pos.settings import Settings
 from tests.agent.test_peer_fake import SEVEN, VMM_BYTES
@@ -267,9 +267,11 @@ def anonymous(data: bytes) -> mmap.mmap:
     return m
 
 
-def sealed(folder: Path) -> tuple[Path, image.Manifest]:
-    """The image in `folder` (made by image.prepare), sealed as pos seals one, and its manifest."""
-    done = image.seal(folder, manifest())
+def sealed(folder: Path, written: Optional[dict[str, filehash.Written]] = None
+           ) -> tuple[Path, image.Manifest]:
+    """The image in `folder` (made by image.prepare), sealed as pos seals one (`written`: files
+    hashed as written), and its manifest."""
+    done = image.seal(folder, manifest(), written=written)
     return done, image.check_files(done)
 
 
@@ -311,8 +313,11 @@ def test_allocations_of_several_sizes_are_written_each_whole_in_order(
         rest = want[on_device:]     # two runs, the second of two pieces
         taken.host = [[anonymous(rest[:MIB])], [anonymous(rest[MIB:2 * MIB]),
                                                 anonymous(rest[2 * MIB:])]] if rest else []
-        taken.write(drv, folder, None)
-        folder, _ = sealed(folder)
+        hashed = taken.write(drv, folder, None)
+        assert sorted(hashed) == sorted(p.name for p in folder.glob("own-memory*.bin"))
+        read_back = filehash.checksums(folder, list(hashed), image.CHUNK_BYTES)
+        assert {n: w.record() for n, w in hashed.items()} == read_back, where
+        folder, _ = sealed(folder, hashed)
         assert ownmem.saved(folder, None) == regions
         assert written(folder, None) == want, where
         parts = len(list(folder.glob("own-memory*.bin")))    # the device's pieces, a run each

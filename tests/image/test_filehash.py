@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from pos import image
-from pos.errors import BadInput
-from pos.image import names
+from pos.errors import BadInput, PosError
+from pos.image import filehash, names
 from pos.image.checksum import Folding, checksum
-from tests.image.conftest import make_image
+from tests.image.conftest import MiB, make_image, manifest
 from tests.image.damage import record_as_is
 
 PAGES = "pages-1.img"
@@ -172,3 +172,55 @@ def test_a_piece_inside_a_group_must_be_the_last() -> None:
     f.add(np.zeros(40, np.uint8))
     with pytest.raises(ValueError):
         f.add(np.zeros(32, np.uint8))
+
+
+@pytest.mark.parametrize("size", [0, 7, 3 * MiB, 4 * MiB + (1 << 17) + 5])
+def test_a_file_hashed_as_written_seals_as_one_read_back(tmp_path: Path, small_chunks: int,
+                                                       size: int) -> None:
+    """Bytes folded in as they are written, in pieces that cross the chunks' edges, make the
+    entry that reading the file back makes; the seal keeps it and reads the file no more."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    written = filehash.Written(size, small_chunks)
+    for at in range(0, size, 96 << 10):
+        written.add(data[at:at + (96 << 10)])
+    partial = image.prepare(tmp_path / "img", 0)
+    (partial / PAGES).write_bytes(data.tobytes())
+    (partial / "core-1.img").write_bytes(b"x" * 10)
+    read_back = filehash.checksums(partial, [PAGES], small_chunks)[PAGES]
+    assert written.record() == read_back
+    img = image.seal(partial, manifest(), written={PAGES: written})
+    assert image.verify(img).files[PAGES] == read_back
+
+
+def test_a_file_shorter_than_what_was_hashed_as_written_is_refused(tmp_path: Path,
+                                                                 small_chunks: int) -> None:
+    written = filehash.Written(2 * MiB, small_chunks)
+    written.add(np.zeros(2 * MiB, np.uint8))
+    partial = image.prepare(tmp_path / "img", 0)
+    (partial / PAGES).write_bytes(bytes(MiB))
+    with pytest.raises(PosError, match="does not hold the 2097152 bytes written into it"):
+        image.seal(partial, manifest(), written={PAGES: written})
+    with pytest.raises(ValueError):
+        written.add(np.zeros(32, np.uint8))          # more than it announced
+
+
+def test_a_chunk_read_and_checked_as_it_comes_fails_on_a_flipped_byte(img: Path,
+                                                                     small_chunks: int) -> None:
+    m = image.verify(img)
+    sums = image.sums(img, m, PAGES)
+    into = np.empty(small_chunks, np.uint8)
+    fd = os.open(img / PAGES, os.O_RDONLY)
+    try:
+        assert sums.read(2, fd, into)
+        assert into.tobytes() == (img / PAGES).read_bytes()[2 * MiB:3 * MiB]
+        assert sums.read(4, fd, into)                   # the half chunk at the end
+        with open(img / PAGES, "r+b") as f:
+            f.seek(2 * MiB + 12345)
+            flipped = bytes([f.read(1)[0] ^ 0xFF])
+            f.seek(2 * MiB + 12345)
+            f.write(flipped)
+        assert not sums.read(2, fd, into)
+        os.truncate(img / PAGES, 4 * MiB + 10)
+        assert not sums.read(4, fd, into)               # cut short
+    finally:
+        os.close(fd)
