@@ -547,8 +547,7 @@ def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
     job with PyTorch's expandable segments came back at 3.8 GB/s, on 16 threads at 28 GB/s
     (bench/results/2026-12-01.md). Each chunk is checked against its checksum as it is read,
     as the GPU data is (checked whole first, beside CRIU, those 50 GB held the job's first step
-    2.7-3.1 s more), a MiB at a time, each hashed while the cache holds it. A chunk that does
-    not match is refused in one sentence."""
+    2.7-3.1 s more). A chunk that does not match is refused in one sentence."""
     import numpy as np      # imported by the restore's thread by now (gpucopy)
 
     into = list(zip(_starts(regions), local, [r.size for r in regions]))
