@@ -527,16 +527,14 @@ def _written(sizes: Iterator[int]) -> filehash.Written:
 
 
 def _write_hashed(f: Any, data: memoryview, written: filehash.Written) -> None:
-    """All of `data` into the unbuffered file `f`, a MiB at a time, each folded into `written`
-    just before it is written."""
+    """All of `data` folded into `written`, then written into the unbuffered file `f` (a write
+    may take only some)."""
     import numpy as np      # imported by the copy by now (gpucopy)
 
-    for at in range(0, len(data), filehash.READ_BYTES):
-        piece = data[at:at + filehash.READ_BYTES]
-        written.add(np.frombuffer(piece, np.uint8))
-        done = 0
-        while done < len(piece):
-            done += f.write(piece[done:]) or 0
+    written.add(np.frombuffer(data, np.uint8))
+    done = 0
+    while done < len(data):
+        done += f.write(data[done:]) or 0
 
 
 def _read(drv: "Driver", regions: list[Region], local: list[int], folder: Path,
