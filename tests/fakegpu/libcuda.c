@@ -15,10 +15,9 @@
  * state_path).
  * $POS_FAKECUDA_LOG names a file that gets "<name> <pid>" per checkpoint call, and the calls
  * named in $POS_FAKECUDA_FAIL (comma-separated; the checkpoint calls,
- * cuMemImportFromShareableHandle, cuMemHostRegister_v2 and cuMemSetAccess) fail with
- * CUDA_ERROR_UNKNOWN; "name:N" fails only the first N calls of that name, counted across
- * processes in the state directory's file fail-count-<name> (a transient failure that an undo's
- * retry gets past; with N 0, only counted). $POS_FAKECUDA_HTOD_DELAY_US makes each copy from host
+ * cuMemImportFromShareableHandle and cuMemHostRegister_v2) fail with CUDA_ERROR_UNKNOWN; "name:N" fails only
+ * the first N calls of that name, counted across processes in the state directory (a transient
+ * failure that an undo's retry gets past). $POS_FAKECUDA_HTOD_DELAY_US makes each copy from host
  * to device memory take that long more (a slow link: a restore's fill that visibly goes on while
  * the job runs). */
 #define _GNU_SOURCE
@@ -728,8 +727,6 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
                             size_t count) {
     NEED_CONTEXT();
-    if (injected_failure("cuMemSetAccess"))
-        return CUDA_ERROR_UNKNOWN;
     /* one mapping, part of it, or several whole ones one after another */
     if (!desc || !count ||
         !(range_covers(ptr, size, RANGE_MAPPED) || range_tiled(ptr, size, RANGE_MAPPED)))

@@ -601,23 +601,16 @@ static int up_ready(struct conn *c, size_t want, const char *what) {
     return held(c, what);
 }
 
-/* The memory of descriptor `fd` imported and mapped at [va, va+size) from `offset`, into *h,
- * its access not yet given; on a failure nothing of it is left. Caller holds mu. */
-static CUresult import_map(int fd, CUdeviceptr va, size_t size, size_t offset,
-                           CUmemGenericAllocationHandle *h) {
+/* The memory of descriptor `fd` imported, mapped at [va, va+size) from `offset` and given
+ * `access`, into *h; on a failure nothing of it is left. Caller holds mu. */
+static CUresult map_back(int fd, CUdeviceptr va, size_t size, size_t offset,
+                         const CUmemAccessDesc *access, int naccess,
+                         CUmemGenericAllocationHandle *h) {
     CUresult r = DRV(cuMemImportFromShareableHandle)(h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
     if (r == CUDA_SUCCESS)
         forget_was(*h);
     if (r == CUDA_SUCCESS && (r = DRV(cuMemMap)(va, size, offset, *h, 0)))
         DRV(cuMemRelease)(*h);
-    return r;
-}
-
-/* import_map, then `access` given to [va, va+size). Caller holds mu. */
-static CUresult map_back(int fd, CUdeviceptr va, size_t size, size_t offset,
-                         const CUmemAccessDesc *access, int naccess,
-                         CUmemGenericAllocationHandle *h) {
-    CUresult r = import_map(fd, va, size, offset, h);
     if (r == CUDA_SUCCESS && naccess &&
         (r = DRV(cuMemSetAccess)(va, size, access, (size_t)naccess))) {
         DRV(cuMemUnmap)(va, size);
@@ -843,61 +836,20 @@ void do_own_down(struct conn *c) {
     reply_down(c, "own-down", r, n, bytes);
 }
 
-/* Whether own-up may give `b` its access in one call with `a`, the piece before it in the
- * run: `b` follows `a` in the job's address space and had the same access. */
-static int follows(const struct own_map *a, const struct own_map *b) {
-    return a->va + a->size == b->va && a->naccess == b->naccess &&
-           !memcmp(a->access, b->access, (size_t)a->naccess * sizeof(*a->access));
-}
-
-/* A run of `n` pieces own-up mapped (owns[run[i]], mapped from handle hs[i], imported from
- * descriptor c->fds[fdi[i]]), given their access in one call: then the job's again; on a
- * failure unmapped and let go, still down. Caller holds mu. */
-static CUresult run_up(struct conn *c, const size_t *run, const CUmemGenericAllocationHandle *hs,
-                       const size_t *fdi, size_t n, size_t *up) {
-    const struct own_map *first = &owns[run[0]], *last = &owns[run[n - 1]];
-    CUresult r = first->naccess ? DRV(cuMemSetAccess)(first->va, last->va + last->size - first->va,
-                                                      first->access, (size_t)first->naccess)
-                                : CUDA_SUCCESS;
-    for (size_t i = 0; i < n; i++) {
-        struct own_map *o = &owns[run[i]];
-        if (r != CUDA_SUCCESS) {
-            DRV(cuMemUnmap)(o->va, o->size);
-            DRV(cuMemRelease)(hs[i]);
-            continue;
-        }
-        o->down = o->taken = 0, (*up)++;
-        o->serial = ++own_serials; /* pos's memory now, not what an export before named */
-        o->fd = c->fds[fdi[i]], c->fds[fdi[i]] = -1; /* kept for the next export */
-        if (o->released)
-            DRV(cuMemRelease)(hs[i]); /* the mapping alone holds it, as before */
-        else
-            o->h = hs[i];
-    }
-    return r;
-}
-
 /* `own-up N` + N descriptors: one for each allocation the last own-take took, in `exports`
  * order; each that is down imported, mapped at its old address, given its old access (one an
  * own-down that failed part way left mapped keeps its memory: its descriptor is closed). The
- * access goes once to each run of pieces that follow each other with the same access, as
- * PyTorch's expandable segments give it: a call a piece, the 4,561 pieces of a 60% job came
- * back in 0.37 s (bench/results/2026-12-01.md). The imported handle is the job's from here on
- * (released again where the job had released its own), and the job's first handle is answered
- * with it. A failure leaves the rest down and the job held. */
+ * imported handle is the job's from here on (released again where the job had released its
+ * own), and the job's first handle is answered with it. A failure leaves the rest down and the
+ * job held. */
 void do_own_up(struct conn *c, size_t want) {
     if (!up_ready(c, want, "own-up"))
         return;
     pthread_mutex_lock(&mu);
-    size_t taken = 0, up = 0, fd_at = 0, n = 0;
+    size_t taken = 0, up = 0, fd_at = 0;
     for (size_t k = 0; k < nowns; k++)
         taken += owns[k].taken;
-    size_t *run = calloc(want ? want : 1, sizeof(*run));
-    size_t *fdi = calloc(want ? want : 1, sizeof(*fdi));
-    CUmemGenericAllocationHandle *hs = calloc(want ? want : 1, sizeof(*hs));
-    CUresult r = taken != want         ? CUDA_ERROR_INVALID_VALUE
-                 : !run || !fdi || !hs ? CUDA_ERROR_OUT_OF_MEMORY
-                                       : use_context();
+    CUresult r = taken == want ? use_context() : CUDA_ERROR_INVALID_VALUE;
     for (size_t k = 0; k < nowns && r == CUDA_SUCCESS; k++) {
         struct own_map *o = &owns[k];
         if (!o->taken)
@@ -906,24 +858,19 @@ void do_own_up(struct conn *c, size_t want) {
             o->taken = 0, fd_at++; /* still the job's own: its descriptor is closed below */
             continue;
         }
-        if (n && !follows(&owns[run[n - 1]], o)) {
-            r = run_up(c, run, hs, fdi, n, &up);
-            n = 0;
-            if (r != CUDA_SUCCESS)
-                break;
-        }
-        fdi[n] = fd_at++;
-        if ((r = import_map(c->fds[fdi[n]], o->va, o->size, 0, &hs[n])) != CUDA_SUCCESS)
+        CUmemGenericAllocationHandle h = 0;
+        int fd = c->fds[fd_at++];
+        r = map_back(fd, o->va, o->size, 0, o->access, o->naccess, &h);
+        if (r != CUDA_SUCCESS)
             break;
-        run[n++] = k;
+        o->down = o->taken = 0, up++;
+        o->serial = ++own_serials; /* pos's memory now, not what an export before named */
+        o->fd = fd, c->fds[fd_at - 1] = -1; /* kept for the next export */
+        if (o->released)
+            DRV(cuMemRelease)(h); /* the mapping alone holds it, as before */
+        else
+            o->h = h;
     }
-    if (n) { /* the last run (after a failure too: what it mapped comes up) */
-        CUresult last = run_up(c, run, hs, fdi, n, &up);
-        r = r != CUDA_SUCCESS ? r : last;
-    }
-    free(run);
-    free(fdi);
-    free(hs);
     pthread_cond_broadcast(&cv); /* exports that waited for it */
     pthread_mutex_unlock(&mu);
     up_answer(c, "own-up", r, up, want);
