@@ -92,7 +92,8 @@ class Taken:
               ) -> dict[str, filehash.Written]:
         """The bytes taken at the cut into `folder` (the image being written; `pid`: the
         process's, in an image of several), with the index; pos's copy of them let go. Called
-        with the context current that `take` ran in. The data parts, hashed as written."""
+        with the context current that `take` ran in. The data parts' checksums, made as they
+        were written (by name)."""
         if not self.regions:
             return {}
         n = self.on_device

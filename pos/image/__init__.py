@@ -165,7 +165,8 @@ def seal(partial: Path, manifest: Manifest, hashed: Hashed = filehash.no_progres
          written: Optional[dict[str, filehash.Written]] = None) -> Path:
     """Make every file root-only, checksum it, write the manifest, then rename DIR.partial to
     DIR: the image appears complete or not at all. `written`: files hashed as they were
-    written (in chunks of CHUNK_BYTES), which are not read again."""
+    written, whose entries are taken as they are where their chunks are CHUNK_BYTES (the
+    others are read)."""
     files = [n for n in listing(partial) if (partial / n).is_file()]
     for n in files:
         os.chmod(partial / n, 0o600)

@@ -132,10 +132,9 @@ def record(size: int, how: Hash, chunks: list[bytes]) -> dict[str, Any]:
 
 
 class Written:
-    """A file's manifest entry made as the file is written (WRITTEN's hash), so that the seal
-    need not read it again: each piece is folded in just before it is written, while the cache
-    holds it. Sealing read the 95.5 GB of a 60% job's own memory back in 5.5 s
-    (bench/results/2026-12-01.md)."""
+    """A file's manifest entry by fold64 made as the file is written, so that the seal need not
+    read it again: each piece is folded in just before it is written. Sealing read the 95.5 GB
+    of a 60% job's own memory back in 6.1-10.4 s (bench/results/2026-12-01.md)."""
 
     def __init__(self, size: int, chunk_bytes: int) -> None:
         """`size`: the bytes the file will hold (each chunk's digest starts from its length)."""
@@ -169,10 +168,10 @@ class Written:
         if not self.size:       # an empty file: one empty chunk
             import numpy as np
 
-            return record(0, WRITTEN, [WRITTEN.chunk(iter([(np.empty(0, np.uint8), True)]), 0, 0)])
+            return record(0, FOLD64, [FOLD64.chunk(iter([(np.empty(0, np.uint8), True)]), 0, 0)])
         if self.done != self.size:
             raise ValueError(f"{self.done} of the {self.size} bytes announced came")
-        return record(self.size, WRITTEN, self.digests)
+        return record(self.size, FOLD64, self.digests)
 
 
 def named(rec: dict[str, Any]) -> Optional[tuple[Hash, str]]:
