@@ -95,6 +95,12 @@ def perf_row(run: dict[str, Any], facts: dict[str, Any], total_gib: float) -> di
         "warm_to_cut_s": r((((run.get("warm") or {}).get("report") or {}).get("timings")
                             or {}).get("to_cut")),
         "d2h_gbps": r(rep.get("d2h_gbps"), 2), "link_limit_gbps": LINK_GBPS,
+        # the job's own memory (d2h_gbps counts only the buffers pos owns): its copy into host
+        # memory while the job was held, and its way into the image after the release
+        "own_host_gbps": r(tim["own_host_bytes"] / tim["own_host"] / GB, 2)
+        if tim.get("own_host_bytes") and tim.get("own_host") else None,
+        "own_write_gbps": r(tim["own_taken_bytes"] / tim["own_write"] / GB, 2)
+        if tim.get("own_taken_bytes") and tim.get("own_write") else None,
         # the rate while copying: the bytes over the seconds in which a chunk was copied
         "d2h_busy_gbps": r(rep["bytes"] / tim["d2h_busy"] / GB, 2)
         if rep and tim.get("d2h_busy") else None,
